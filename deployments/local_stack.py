@@ -1,0 +1,174 @@
+"""The embedded local stack: a Prefect server (SQLite), localpod in place of RunPod and, when asked,
+the local Hub stand-in. Used by the local demo (`deployments/local.py`) and the end-to-end tests.
+
+Every process is started here, stopped here by its PID (with its process group), and given free
+ports; nothing of a developer's own Prefect profile is touched (PREFECT_HOME is the stack's folder).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+LOCALPOD_API_KEY = "localpod-local-key"
+
+PREFECT_SERVER_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    # The default in-memory lease storage forgets slot leases on a restart and leaks the slots;
+    # the filesystem storage keeps them, so the repossessor frees a crashed holder's slot.
+    "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+    "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+}
+SERVER_START_TIMEOUT_S = 120  # ~20 s on a fresh database, more on a loaded 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+def start_service(name: str, argv: list[str], env: dict[str, str], health_url: str, log_path: Path,
+                  timeout_s: float = SERVER_START_TIMEOUT_S) -> Service:
+    """Start a server in its own process group and wait until `health_url` answers 200."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("ab")
+    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    service = Service(name, process, health_url.rsplit("/", 1)[0], log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {process.returncode}; see {log_path}:\n{_tail(log_path)}")
+        try:
+            if httpx.get(health_url, timeout=2).status_code == 200:
+                return service
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    service.stop()
+    raise RuntimeError(f"{name} did not become healthy within {timeout_s:.0f} s; see {log_path}:\n{_tail(log_path)}")
+
+
+def _tail(path: Path, size: int = 3000) -> str:
+    data = path.read_bytes() if path.exists() else b""
+    return data[-size:].decode("utf-8", errors="replace")
+
+
+@dataclass
+class LocalStack:
+    """Start with `with LocalStack(home) as stack:`; `stack.client_env` is what a flow process needs."""
+
+    home: Path
+    worker_quota: int = 30
+    with_hub: bool = False
+    prefect_port: int = 0
+    services: dict[str, Service] = field(default_factory=dict)
+    _exit: ExitStack = field(default_factory=ExitStack)
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"http://127.0.0.1:{self.prefect_port}/api"
+
+    @property
+    def prefect_ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.prefect_port}"
+
+    @property
+    def localpod_url(self) -> str:
+        return self.services["localpod"].url
+
+    @property
+    def hub_url(self) -> str:
+        return self.services["hub"].url
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """Environment for processes that run flows against this stack."""
+        env = {
+            "PREFECT_API_URL": self.prefect_api_url,
+            "PREFECT_HOME": str(self.home / "prefect-client"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "RUNPOD_API_KEY": LOCALPOD_API_KEY,
+            "RUNPOD_API_URL": f"{self.localpod_url}/v2",
+            "RUNPOD_JOB_URL": f"{self.localpod_url}/v2",
+            "LORAFLOW_WORKER_IMAGE": "loraflow-worker:local",
+        }
+        if self.with_hub:
+            env |= {"HF_ENDPOINT": self.hub_url, "HF_TOKEN": "hf_local_stack_token", "HF_HUB_DISABLE_TELEMETRY": "1"}
+        return env
+
+    def __enter__(self) -> LocalStack:
+        self.home.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_", "HF_"))}
+        self.prefect_port = self.prefect_port or free_port()
+        self.services["prefect"] = start_service(
+            "prefect server",
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.prefect_port)],
+            base | PREFECT_SERVER_ENV | {"PREFECT_HOME": str(self.home / "prefect-server")},
+            f"{self.prefect_api_url}/health",
+            self.home / "logs" / "prefect-server.log",
+        )
+        if self.with_hub:
+            port = free_port()
+            self.services["hub"] = start_service(
+                "hub stand-in",
+                [sys.executable, "-m", "localpod.hub", "--host", "127.0.0.1", "--port", str(port),
+                 "--data-dir", str(self.home / "hub")],
+                base, f"http://127.0.0.1:{port}/api/agent-harnesses", self.home / "logs" / "hub.log",
+            )
+        port = free_port()
+        worker_env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
+        self.services["localpod"] = start_service(
+            "localpod",
+            [sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", LOCALPOD_API_KEY,
+             "--worker-quota", str(self.worker_quota), "--log-dir", str(self.home / "logs" / "workers")],
+            base | worker_env, f"http://127.0.0.1:{port}/_localpod/account", self.home / "logs" / "localpod.log",
+        )
+
+    def stop(self) -> None:
+        # localpod first: it stops the workers it started.
+        for name in ("localpod", "hub", "prefect"):
+            service = self.services.pop(name, None)
+            if service is not None:
+                service.stop()

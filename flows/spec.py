@@ -1,0 +1,136 @@
+"""The `train` flow's parameter: one run of LoRA fine-tuning, as the Prefect UI form shows it.
+
+The same model loads from a TOML run file (`deployments/*.toml`):
+
+    .venv/bin/python -c "from flows.spec import load_run_file; print(load_run_file('deployments/local.toml'))"
+
+Unknown keys, wrong types and out-of-range values are refused before anything is spent, with the
+field named. Secrets are never fields here: the spec is shown in the UI and stored with the run.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from loraflow_worker.contract import LoraSettings, ModelSource, TrainingSettings
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.runpod.catalog import resolve_gpu
+
+ARTIFACT_STORE_PATTERN = r"^(file:///.+|hf://datasets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetSpec(_Section):
+    """Training data: a Hub dataset, or a local JSONL file of chat `messages` that the run publishes
+    to its artifact store so the worker can read it."""
+
+    hub_id: str | None = Field(
+        default=None, max_length=512, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
+        description="Hugging Face Hub dataset id, e.g. `trl-lib/Capybara`. Leave empty to use `local_file`.",
+    )
+    split: str = Field(default="train", max_length=128, pattern=r"^[A-Za-z0-9_.\[\]:%-]+$", description="Split of the Hub dataset to train on.")
+    local_file: str | None = Field(
+        default=None, max_length=4096,
+        description="Path of a JSONL file on the machine that runs the flow, one `{\"messages\": [...]}` chat per "
+        "line. Relative paths are resolved from the working directory.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if (self.hub_id is None) == (self.local_file is None):
+            raise ValueError("set exactly one of `hub_id` (a Hub dataset) or `local_file` (a JSONL file)")
+        return self
+
+
+def _as_list(value: object) -> object:
+    return [value] if isinstance(value, str) else value
+
+
+class ComputeSpec(_Section):
+    """Which GPUs to rent. Each run gets its own endpoint with one worker."""
+
+    gpu: Annotated[list[str], BeforeValidator(_as_list)] = Field(
+        default=["RTX 4090"], min_length=1, max_length=8,
+        description="GPU class, or an ordered fallback list tried when RunPod has no capacity "
+        "(e.g. `[\"H100\", \"A100 SXM\"]`). Aliases like `4090` or `h100` work.",
+    )
+    gpu_count: int = Field(default=1, ge=1, le=8, description="GPUs per worker.")
+    disk_gb: int = Field(default=40, ge=10, le=1000, description="Container disk per worker, in GB (model, data, checkpoints).")
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpus(cls, names: list[str]) -> list[str]:
+        return [resolve_gpu(n).name for n in names]
+
+
+class RunSpec(_Section):
+    """One LoRA fine-tuning run."""
+
+    name: str = Field(
+        default="run", min_length=1, max_length=40, pattern=r"^[a-z0-9][a-z0-9-]*$",
+        description="A short label for the run (lowercase letters, digits, dashes): shown in reports and "
+        "endpoint names.",
+    )
+    algorithm: Literal["sft"] = Field(default="sft", description="Training algorithm: `sft` (supervised fine-tuning).")
+    model: ModelSource = Field(description="The base model.")
+    dataset: DatasetSpec = Field(description="The training data.")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="The LoRA adapter's shape.")
+    training: TrainingSettings = Field(default_factory=TrainingSettings, description="Optimisation settings.")
+    compute: ComputeSpec = Field(default_factory=ComputeSpec, description="GPUs to rent.")
+    artifact_store: str = Field(
+        max_length=1024, pattern=ARTIFACT_STORE_PATTERN,
+        description="Where the adapter, metrics and checkpoints go: `hf://datasets/<org>/<repo>` (a private "
+        "Hub dataset repo, made private if it exists) or `file:///abs/path` (local mode).",
+    )
+    deadline_minutes: int = Field(
+        default=120, ge=5, le=7 * 24 * 60,
+        description="Wall-clock limit for the whole run, queueing included. The worker stops at the "
+        "deadline, so it also caps the bill.",
+    )
+    budget_usd: float | None = Field(
+        default=None, gt=0, le=100_000,
+        description="Refuse to start when the run's worst-case cost (GPU price × GPUs × deadline) is "
+        "above this. Empty means no budget check.",
+    )
+
+
+class SpecError(ValueError):
+    """A run file that cannot be used, with every problem named by its field."""
+
+
+def describe_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: {error.error_count()} problem(s) in the run spec:"]
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        message = e["msg"]
+        if e["type"] == "extra_forbidden":
+            message = "unknown field (check its spelling and section)"
+        lines.append(f"  - {where}: {message}")
+    return "\n".join(lines)
+
+
+def load_run_file(path: str | Path) -> RunSpec:
+    """Parse and validate a TOML run file; `SpecError` names every bad field."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise SpecError(f"run file {path} does not exist") from e
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path} is not valid TOML: {e}") from e
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(describe_validation_error(e, str(path))) from e
+
+
+def safe_label(text: str) -> str:
+    """Lowercase letters, digits and dashes only: safe in endpoint names and artifact keys."""
+    return re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")

@@ -1,0 +1,167 @@
+"""A small typed client for RunPod's control-plane API v2 and its per-endpoint job API.
+
+HTTP only: no retries here (Prefect tasks own retries, see `tasks/runpod/tasks.py`), no lifecycle
+decisions (see `tasks/runpod/endpoints.py`). Every response goes through `raise_for_status`, the one
+place that turns RunPod answers into `tasks.runpod.errors` exceptions.
+
+The same client talks to RunPod or to localpod: only the base URLs differ.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from tasks.runpod import errors
+from tasks.runpod.models import CreateEndpoint, Endpoint, EndpointList, Health, JobStatus, RunRequest
+
+API_URL = "https://api.runpod.io/v2"
+"""Control plane (REST API v2). REST v1 at rest.runpod.io was retired on 2026-11-15."""
+JOB_URL = "https://api.runpod.ai/v2"
+"""Per-endpoint job API: `{JOB_URL}/{endpoint_id}/run` etc."""
+
+# Explicit timeouts: short connects, reads long enough for a slow create; long waits are poll loops.
+DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=10.0)
+
+_QUOTA_TEXT = "must not exceed your workers quota"
+"""RunPod's text when the sum of workers.max over the account's endpoints would pass the quota."""
+
+
+def raise_for_status(response: httpx.Response) -> None:
+    """Raise the typed error for a failed response; return quietly for a 2xx."""
+    if response.is_success:
+        return
+    status = response.status_code
+    body = response.text[:2000]
+    detail = _detail(response)
+    request_id = response.headers.get("x-request-id")
+    where = f"{response.request.method} {response.request.url.path}"
+    message = f"RunPod answered {status} to {where}: {detail}"
+    kwargs: dict[str, Any] = {"status": status, "body": body, "request_id": request_id}
+    if status == 429:
+        raise errors.RateLimitError(message, retry_after=_retry_after(response), **kwargs)
+    if status >= 500:
+        raise errors.ServerError(message, **kwargs)
+    if status in (401, 403):
+        raise errors.AuthError(f"{message}. Check RUNPOD_API_KEY (or the Secret block it comes from).", **kwargs)
+    if status == 404:
+        raise errors.NotFoundError(message, **kwargs)
+    if status == 409:
+        raise errors.ConflictError(message, **kwargs)
+    if _QUOTA_TEXT in detail:
+        raise errors.QuotaExceededError(
+            f"{message}. Delete unused endpoints (every endpoint's workers.max counts, even scaled to zero) "
+            "or raise the account balance.",
+            **kwargs,
+        )
+    raise errors.BadRequestError(message, **kwargs)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        payload = response.json()
+    except ValueError:
+        return response.text[:500] or response.reason_phrase
+    if isinstance(payload, dict):
+        parts = [str(payload.get(k)) for k in ("detail", "error", "message") if payload.get(k)]
+        if payload.get("errors"):
+            parts.append("; ".join(map(str, payload["errors"])))
+        if parts:
+            return " — ".join(parts)
+    return json.dumps(payload)[:500]
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+class RunpodClient:
+    """One method per remote operation. Methods return quickly; none of them retries.
+
+    `delete_endpoint` raises `NotFoundError` for an absent endpoint; callers that want idempotent
+    deletes treat that as success (see `endpoints.delete_endpoint_confirmed`).
+    """
+
+    def __init__(
+        self,
+        api_key: str,
+        *,
+        api_url: str = API_URL,
+        job_url: str = JOB_URL,
+        timeout: httpx.Timeout = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        if not api_key:
+            raise errors.AuthError("no RunPod API key: set RUNPOD_API_KEY", status=401)
+        self._api_url = api_url.rstrip("/")
+        self._job_url = job_url.rstrip("/")
+        self._http = httpx.Client(
+            headers={"Authorization": f"Bearer {api_key}", "User-Agent": "loraflow"},
+            timeout=timeout,
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RunpodClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, url, **kwargs)
+        except httpx.TimeoutException as e:
+            raise errors.RunpodTimeoutError(f"{method} {httpx.URL(url).path} timed out: {e}") from e
+        except httpx.TransportError as e:
+            raise errors.RunpodConnectionError(f"{method} {httpx.URL(url).path} failed: {e}") from e
+        raise_for_status(response)
+        return response
+
+    # Control plane (API v2)
+
+    def create_endpoint(self, body: CreateEndpoint) -> Endpoint:
+        """Not idempotent: look the name up first (`find_endpoint`)."""
+        response = self._request("POST", f"{self._api_url}/serverless", json=body.to_wire())
+        return Endpoint.model_validate(response.json())
+
+    def get_endpoint(self, endpoint_id: str) -> Endpoint:
+        response = self._request("GET", f"{self._api_url}/serverless/{endpoint_id}")
+        return Endpoint.model_validate(response.json())
+
+    def list_endpoints(self) -> list[Endpoint]:
+        response = self._request("GET", f"{self._api_url}/serverless")
+        return EndpointList.model_validate(response.json()).endpoints
+
+    def find_endpoint(self, name: str) -> Endpoint | None:
+        """The endpoint with exactly this name, or None."""
+        return next((e for e in self.list_endpoints() if e.name == name), None)
+
+    def delete_endpoint(self, endpoint_id: str) -> None:
+        self._request("DELETE", f"{self._api_url}/serverless/{endpoint_id}")
+
+    # Job API (per endpoint)
+
+    def run(self, endpoint_id: str, body: RunRequest) -> JobStatus:
+        """Submit a job. Not idempotent: a retried POST can start a second job."""
+        response = self._request("POST", f"{self._job_url}/{endpoint_id}/run", json=body.to_wire())
+        return JobStatus.model_validate(response.json())
+
+    def status(self, endpoint_id: str, job_id: str) -> JobStatus:
+        response = self._request("GET", f"{self._job_url}/{endpoint_id}/status/{job_id}")
+        return JobStatus.model_validate(response.json())
+
+    def cancel(self, endpoint_id: str, job_id: str) -> JobStatus:
+        response = self._request("POST", f"{self._job_url}/{endpoint_id}/cancel/{job_id}")
+        return JobStatus.model_validate(response.json())
+
+    def health(self, endpoint_id: str) -> Health:
+        response = self._request("GET", f"{self._job_url}/{endpoint_id}/health")
+        return Health.model_validate(response.json())

@@ -1,0 +1,106 @@
+"""The endpoint lifecycle: names derived from the run, idempotent create, confirmed delete.
+
+Plain functions over `RunpodClient`; the Prefect tasks in `tasks/runpod/steps.py` wrap them. Every
+function here is safe to call again after a crash: state lives at RunPod, found by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from tasks.runpod import errors
+from tasks.runpod.catalog import GpuClass
+from tasks.runpod.client import RunpodClient
+from tasks.runpod.models import CreateEndpoint, Endpoint, GpuRequest, Workers
+
+ENDPOINT_PREFIX = "loraflow-"
+"""Every endpoint loraflow creates starts with this; reconcile never touches any other."""
+MAX_ENDPOINT_NAME = 60
+"""RunPod rejects longer endpoint names (limit seen in dstack's client; undocumented)."""
+
+
+def endpoint_name(run_id: str, attempt: int, label: str = "") -> str:
+    """`loraflow-<label>-<hash of run id>-a<attempt>`: unique per run and per attempt, recognisable,
+    and derivable again from the run id alone (crash hooks and the reconciler hold no memory)."""
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:12]
+    clean = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", label.lower())).strip("-")
+    suffix = f"{digest}-a{attempt}"
+    room = MAX_ENDPOINT_NAME - len(ENDPOINT_PREFIX) - len(suffix) - 1
+    clean = clean[: max(room, 0)].strip("-")
+    return f"{ENDPOINT_PREFIX}{clean}-{suffix}" if clean else f"{ENDPOINT_PREFIX}{suffix}"
+
+
+def run_endpoint_prefix(run_id: str) -> str:
+    """What every attempt's endpoint name of this run contains (for lookups without the label)."""
+    return hashlib.sha256(run_id.encode()).hexdigest()[:12] + "-a"
+
+
+def build_create_request(
+    *,
+    name: str,
+    gpu: GpuClass,
+    gpu_count: int,
+    image: str,
+    env: dict[str, str],
+    disk_gb: int,
+    execution_timeout_s: int,
+) -> CreateEndpoint:
+    """One endpoint per run attempt, capped at one worker: one quota slot = one endpoint."""
+    return CreateEndpoint(
+        name=name,
+        image=image,
+        env=env,
+        disk=disk_gb,
+        gpu=GpuRequest(
+            pools=[gpu.pool],
+            excluded_types=list(gpu.exclude) or None,
+            count=gpu_count,
+            min_cuda_version=gpu.min_cuda,
+        ),
+        workers=Workers(min=0, max=1, idle_timeout=5),
+        timeout=execution_timeout_s * 1000,
+    )
+
+
+def ensure_endpoint(client: RunpodClient, request: CreateEndpoint) -> Endpoint:
+    """The endpoint named `request.name`, created if missing.
+
+    A create that errors may still have created the endpoint (a timeout or 5xx after RunPod acted), so
+    on a transient error the name is looked up before the error is passed on to the retry layer.
+    """
+    existing = client.find_endpoint(request.name)
+    if existing is not None:
+        return existing
+    try:
+        return client.create_endpoint(request)
+    except errors.TRANSIENT_ERRORS:
+        existing = client.find_endpoint(request.name)
+        if existing is not None:
+            return existing
+        raise
+
+
+class EndpointStillExists(errors.ServerError):
+    """A delete was accepted but the endpoint is still listed: not yet confirmed. Transient."""
+
+
+def delete_endpoint_confirmed(client: RunpodClient, endpoint_id: str) -> None:
+    """Delete and prove absence with a 404 on GET. Deleting an absent endpoint succeeds quietly."""
+    try:
+        client.delete_endpoint(endpoint_id)
+    except errors.NotFoundError:
+        pass
+    try:
+        client.get_endpoint(endpoint_id)
+    except errors.NotFoundError:
+        return
+    raise EndpointStillExists(f"endpoint {endpoint_id} still exists after delete", status=503)
+
+
+def delete_endpoints_named(client: RunpodClient, name: str) -> list[str]:
+    """Delete (confirmed) every endpoint with this exact name; returns the ids deleted."""
+    ids = [e.id for e in client.list_endpoints() if e.name == name]
+    for endpoint_id in ids:
+        delete_endpoint_confirmed(client, endpoint_id)
+    return ids

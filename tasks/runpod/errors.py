@@ -1,0 +1,76 @@
+"""The RunPod error tree. `client.raise_for_status` is the only place that builds these from responses."""
+
+from __future__ import annotations
+
+
+class RunpodError(Exception):
+    """Anything that went wrong talking to RunPod or running a job there."""
+
+
+class RunpodAPIError(RunpodError):
+    """RunPod answered with an error status."""
+
+    def __init__(self, message: str, *, status: int, body: str = "", request_id: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.request_id = request_id
+
+
+class BadRequestError(RunpodAPIError):
+    """400/422: RunPod refused the request as invalid. Not transient: fix the request."""
+
+
+class AuthError(RunpodAPIError):
+    """401/403: the API key is missing, wrong or lacks access."""
+
+
+class NotFoundError(RunpodAPIError):
+    """404: the resource does not exist (for a delete, that is success)."""
+
+
+class ConflictError(RunpodAPIError):
+    """409: the request conflicts with the resource's current state."""
+
+
+class RateLimitError(RunpodAPIError):
+    """429: too many requests. Transient."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.retry_after = retry_after
+
+
+class ServerError(RunpodAPIError):
+    """5xx: RunPod failed. Transient."""
+
+
+class RunpodConnectionError(RunpodError):
+    """The request did not get an answer (DNS, refused, reset). Transient."""
+
+
+class RunpodTimeoutError(RunpodConnectionError):
+    """The request timed out. Transient; for a create or a submit the outcome is unknown."""
+
+
+class QuotaExceededError(BadRequestError):
+    """The account's worker quota (sum of `workers.max` over all endpoints) would be exceeded."""
+
+
+class JobFailedError(RunpodError):
+    """The job ran and failed: the training failed, not the API. Carries the worker's error text."""
+
+    def __init__(self, message: str, *, job_id: str, status: str, error: str | None, console_tail: str | None = None):
+        super().__init__(message)
+        self.job_id = job_id
+        self.status = status
+        self.error = error
+        self.console_tail = console_tail
+
+
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (RateLimitError, ServerError, RunpodConnectionError)
+"""The one definition of "worth retrying": 429, 5xx, transport errors and timeouts."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, TRANSIENT_ERRORS)

@@ -1,0 +1,138 @@
+"""Typed RunPod payloads: the subset of API v2 and the job API that loraflow sends and reads.
+
+Field names follow RunPod's official API v2 schema (camelCase on the wire, snake_case here). Request
+models forbid unknown fields, as RunPod's schema does (`unevaluatedProperties: false`); response models
+ignore fields we do not use, so a RunPod addition does not break a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+_wire = AliasGenerator(serialization_alias=to_camel, validation_alias=to_camel)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=_wire, populate_by_name=True)
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="ignore", alias_generator=_wire, populate_by_name=True)
+
+
+class GpuRequest(_Request):
+    pools: list[str] = Field(min_length=1, description="Serverless GPU pool ids, e.g. `ADA_24`.")
+    excluded_types: list[str] | None = Field(default=None, description="GPU type ids removed from the pools.")
+    count: int = Field(default=1, ge=1, description="GPUs per worker.")
+    min_cuda_version: str | None = Field(default=None, description="Lowest acceptable CUDA version, `major.minor`.")
+
+
+class Workers(_Request):
+    min: int = Field(default=0, ge=0, description="Workers kept warm (billed while idle).")
+    max: int = Field(default=1, ge=0, description="Worker cap; counts against the account quota even at zero load.")
+    idle_timeout: int = Field(default=5, ge=1, le=3600, description="Seconds before an idle worker stops.")
+
+
+class QueueDelayScaling(_Request):
+    type: Literal["QUEUE_DELAY"] = "QUEUE_DELAY"
+    queue_delay: float = Field(default=4, ge=0.5, description="Seconds a request may wait before another worker starts.")
+
+
+class CreateEndpoint(_Request):
+    """Body of `POST /v2/serverless`."""
+
+    name: str = Field(min_length=1)
+    type: Literal["QUEUE"] = "QUEUE"
+    scaling: QueueDelayScaling = Field(default_factory=QueueDelayScaling)
+    image: str = Field(min_length=1, description="Worker image reference.")
+    env: dict[str, str] = Field(default_factory=dict)
+    disk: int | None = Field(default=None, ge=1, description="Container disk in GB.")
+    gpu: GpuRequest
+    workers: Workers = Field(default_factory=Workers)
+    timeout: int = Field(description="Per-request execution timeout in milliseconds.")
+    flashboot: Literal["OFF", "FLASHBOOT", "PRIORITY_FLASHBOOT"] = "FLASHBOOT"
+    data_center_ids: list[str] | None = None
+    network_volumes: list[str] | None = None
+
+
+class EndpointWorkers(_Response):
+    min: int
+    max: int
+    idle_timeout: int | None = None
+
+
+class Endpoint(_Response):
+    """A serverless endpoint as `GET /v2/serverless/{id}` returns it."""
+
+    id: str = Field(description="RunPod's endpoint id.")
+    name: str = Field(description="The name loraflow gave it (derived from the run).")
+    workers: EndpointWorkers
+    created_at: str = Field(description="ISO 8601 creation time.")
+    image: str | None = None
+    timeout: int | None = None
+
+
+class EndpointList(_Response):
+    endpoints: list[Endpoint]
+
+
+JobStatusName = Literal["IN_QUEUE", "IN_PROGRESS", "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"]
+TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"})
+
+
+class JobPolicy(_Request):
+    execution_timeout: int = Field(ge=5_000, description="Milliseconds the job may run.")
+    ttl: int = Field(ge=10_000, description="Milliseconds from submission before RunPod deletes the job, even while running.")
+
+
+class RunRequest(_Request):
+    """Body of `POST /v2/{endpoint_id}/run`."""
+
+    input: dict[str, Any]
+    policy: JobPolicy | None = None
+
+
+class JobStatus(_Response):
+    """`/run`, `/status` and `/cancel` answers."""
+
+    id: str
+    status: JobStatusName
+    delay_time: int | None = Field(default=None, description="Milliseconds the job waited in the queue.")
+    execution_time: int | None = Field(default=None, description="Milliseconds the job ran.")
+    worker_id: str | None = None
+    output: Any = Field(default=None, description="Handler output; a progress dict while IN_PROGRESS.")
+    error: str | None = Field(default=None, description="A FAILED job's error; a worker exception arrives as a JSON string.")
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_JOB_STATUSES
+
+
+class HealthJobs(_Response):
+    completed: int = 0
+    failed: int = 0
+    in_progress: int = 0
+    in_queue: int = 0
+    retried: int = 0
+
+
+class HealthWorkers(_Response):
+    idle: int = 0
+    initializing: int = 0
+    ready: int = 0
+    running: int = 0
+    throttled: int = 0
+    unhealthy: int = 0
+
+
+class Health(_Response):
+    """`GET /v2/{endpoint_id}/health`."""
+
+    jobs: HealthJobs
+    workers: HealthWorkers

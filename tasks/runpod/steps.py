@@ -1,0 +1,107 @@
+"""The RunPod steps of a run, as Prefect tasks: create the endpoint, submit the job, wait for it,
+delete the endpoint. Each wraps a plain function from `endpoints.py` / `jobs.py`.
+
+Retries live here and only here: exponential backoff with jitter, and only for transient failures
+(429, 5xx, transport errors, timeouts). `submit_job` is never retried: `/run` is not idempotent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from tasks.runpod import errors
+from tasks.runpod.client import RunpodClient
+from tasks.runpod.endpoints import delete_endpoints_named, ensure_endpoint
+from tasks.runpod.jobs import JobOutcome, watch_job
+from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, JobStatus, RunRequest
+from tasks.settings import Settings
+
+
+def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect `retry_condition_fn`: retry only the transient class; honour a 429's Retry-After."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    if not errors.is_transient(exc):
+        return False
+    if isinstance(exc, errors.RateLimitError) and exc.retry_after:
+        time.sleep(min(exc.retry_after, 60.0))
+    return True
+
+
+_RETRIES = dict(
+    retries=5,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+)
+
+
+def make_client(settings: Settings | None = None) -> RunpodClient:
+    settings = settings or Settings()
+    return RunpodClient(settings.api_key(), api_url=settings.runpod_api_url, job_url=settings.runpod_job_url)
+
+
+@task(name="create-endpoint", **_RETRIES)
+def create_endpoint(request: CreateEndpoint) -> Endpoint:
+    """Idempotent: returns the endpoint of this name if it already exists."""
+    with make_client() as client:
+        endpoint = ensure_endpoint(client, request)
+    get_run_logger().info("Endpoint %s (%s) is up", endpoint.name, endpoint.id)
+    return endpoint
+
+
+@task(name="submit-job", cache_policy=NO_CACHE)
+def submit_job(endpoint: Endpoint, job_input: dict[str, Any], policy: JobPolicy) -> str:
+    """POST /run once. Not retried: a retried POST can start a second job on the same endpoint."""
+    with make_client() as client:
+        job = client.run(endpoint.id, RunRequest(input=job_input, policy=policy))
+    get_run_logger().info("Submitted job %s to endpoint %s", job.id, endpoint.id)
+    return job.id
+
+
+@task(name="wait-for-job", cache_policy=NO_CACHE)
+def wait_for_job(endpoint: Endpoint, job_id: str, *, deadline: float, queue_allowance_s: float,
+                 poll_interval_s: float = 2.0, progress_key: str | None = None) -> JobOutcome:
+    """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log."""
+    logger = get_run_logger()
+    artifact_id = create_progress_artifact(progress=0.0, key=progress_key, description="Training progress")
+    last: dict[str, Any] = {"status": None, "step": -1}
+
+    def on_status(status: JobStatus) -> None:
+        if status.status != last["status"]:
+            logger.info("Job %s is %s", job_id, status.status)
+            last["status"] = status.status
+        progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
+        if not progress or progress.get("step", -1) == last["step"] and progress.get("stage") == last.get("stage"):
+            return
+        last["step"], last["stage"] = progress.get("step", -1), progress.get("stage")
+        total = progress.get("total_steps")
+        step = progress.get("step", 0)
+        loss = progress.get("loss")
+        logger.info("[%s] step %s/%s%s %s", progress.get("stage", "?"), step, total or "?",
+                    f" loss {loss:.4f}" if isinstance(loss, (int, float)) else "", progress.get("message", ""))
+        if total:
+            update_progress_artifact(artifact_id=artifact_id, progress=min(100.0, 100.0 * step / total))
+
+    with make_client() as client:
+        outcome = watch_job(client, endpoint.id, job_id, deadline=deadline, queue_allowance_s=queue_allowance_s,
+                            poll_interval_s=poll_interval_s, on_status=on_status)
+    if outcome.kind == "completed":
+        update_progress_artifact(artifact_id=artifact_id, progress=100.0)
+    logger.info("Job %s ended: %s", job_id, outcome.kind)
+    return outcome
+
+
+@task(name="delete-endpoint", **_RETRIES)
+def delete_endpoint(name: str) -> list[str]:
+    """Delete every endpoint with this name, confirmed by a 404 on GET. Safe to call when absent."""
+    with make_client() as client:
+        deleted = delete_endpoints_named(client, name)
+    get_run_logger().info("Deleted endpoint(s) %s named %s", deleted or "(none)", name)
+    return deleted

@@ -1,0 +1,52 @@
+"""Where loraflow finds its secrets and service URLs: the environment, or a Prefect Secret block.
+
+Secrets are never run parameters: the run spec is shown in the UI and stored with the run.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tasks.runpod.client import API_URL, JOB_URL
+
+DEFAULT_WORKER_IMAGE = "ghcr.io/loraflow/worker:0.1.0"
+
+
+class Settings(BaseSettings):
+    """Read from environment variables (names in capitals, e.g. `RUNPOD_API_KEY`)."""
+
+    model_config = SettingsConfigDict(extra="ignore", env_ignore_empty=True)
+
+    runpod_api_key: SecretStr | None = Field(
+        default=None, description="RunPod API key. When unset, the Prefect Secret block `runpod_api_key_block` is read."
+    )
+    runpod_api_key_block: str = Field(default="runpod-api-key", description="Name of a Prefect Secret block holding the RunPod API key.")
+    runpod_api_url: str = Field(default=API_URL, description="RunPod control-plane API v2 base URL (localpod's in local mode).")
+    runpod_job_url: str = Field(default=JOB_URL, description="RunPod job API base URL (localpod's in local mode).")
+    hf_token: SecretStr | None = Field(default=None, description="Hugging Face token for private models and the hf:// artifact store.")
+    hf_endpoint: str | None = Field(default=None, description="Hugging Face Hub URL; unset means huggingface.co.")
+    loraflow_worker_image: str = Field(default=DEFAULT_WORKER_IMAGE, description="Worker image the endpoints run.")
+
+    def api_key(self) -> str:
+        """The RunPod key from the environment, else from the Prefect Secret block."""
+        if self.runpod_api_key is not None:
+            return self.runpod_api_key.get_secret_value()
+        from prefect.blocks.system import Secret
+
+        try:
+            return str(Secret.load(self.runpod_api_key_block).get())
+        except ValueError as e:
+            raise RuntimeError(
+                f"no RunPod API key: set RUNPOD_API_KEY or create a Prefect Secret block named "
+                f"'{self.runpod_api_key_block}'"
+            ) from e
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment forwarded to the worker: only what it needs to reach the Hub."""
+        env: dict[str, str] = {}
+        if self.hf_token is not None:
+            env["HF_TOKEN"] = self.hf_token.get_secret_value()
+        if self.hf_endpoint:
+            env["HF_ENDPOINT"] = self.hf_endpoint
+        return env

@@ -1,0 +1,39 @@
+"""Run reports are pure functions; the budget is checked before anything is rented."""
+
+import pytest
+from loraflow_worker.contract import TrainMetrics
+
+from tasks.cost import check_budget, worst_case_cost_usd
+from tasks.reports import RunReport, metrics_rows, summary_markdown
+from tasks.runpod.catalog import resolve_gpu
+
+METRICS = TrainMetrics(steps=3, losses=[(1, 6.4), (2, 3.0), (3, 1.25)], first_loss=6.4, final_loss=1.25, tokens=1234,
+                       wall_seconds=2.5, device="cpu")
+
+
+def test_worst_case_cost_uses_the_dearest_fallback_gpu_for_the_whole_deadline():
+    gpus = [resolve_gpu("4090"), resolve_gpu("h100")]
+    assert worst_case_cost_usd(gpus, 1, 60) == 3.29
+    assert worst_case_cost_usd(gpus, 2, 30) == 3.29
+
+
+def test_run_over_budget_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="budget_usd"):
+        check_budget(10.0, 5.0)
+    check_budget(4.0, 5.0)
+    check_budget(4.0, None)
+
+
+def test_summary_names_model_gpu_steps_loss_cost_and_adapter():
+    report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                       endpoint_name="loraflow-demo-abc-a1", metrics=METRICS, cost_ceiling_usd=0.35,
+                       estimated_cost_usd=0.0005, adapter_url="file:///a/adapter", store_url="file:///a",
+                       fast_paths={"liger": {"engaged": False, "reason": "no CUDA device"}})
+    text = summary_markdown(report)
+    for expected in ("tiny", "1 × RTX 4090", "| Steps | 3 |", "6.4000 → 1.2500", "$0.0005", "file:///a/adapter",
+                     "| liger | no | no CUDA device |"):
+        assert expected in text
+
+
+def test_metrics_table_has_one_row_per_logged_step():
+    assert metrics_rows(METRICS) == [{"step": 1, "loss": 6.4}, {"step": 2, "loss": 3.0}, {"step": 3, "loss": 1.25}]

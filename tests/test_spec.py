@@ -1,0 +1,150 @@
+"""The run spec refuses bad input before anything is spent, naming the field."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from flows.spec import RunSpec, SpecError, load_run_file
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def minimal(**overrides):
+    spec = {
+        "model": {"id": "Qwen/Qwen3-0.6B"},
+        "dataset": {"hub_id": "trl-lib/Capybara"},
+        "artifact_store": "hf://datasets/acme/runs",
+    }
+    spec.update(overrides)
+    return spec
+
+
+def error_fields(exc: ValidationError) -> set[str]:
+    return {".".join(str(p) for p in e["loc"]) for e in exc.errors()}
+
+
+def test_minimal_spec_gets_documented_defaults():
+    spec = RunSpec.model_validate(minimal())
+    assert spec.algorithm == "sft"
+    assert spec.compute.gpu == ["RTX 4090"]
+    assert spec.lora.rank == 16
+
+
+def test_unknown_key_is_refused_with_its_name():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(trianing={"epochs": 1}))
+    assert "trianing" in error_fields(e.value)
+
+
+def test_unknown_nested_key_is_refused_with_its_path():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(lora={"rnak": 8}))
+    assert "lora.rnak" in error_fields(e.value)
+
+
+def test_wrong_type_is_refused_with_the_field():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(training={"batch_size": "eight"}))
+    assert "training.batch_size" in error_fields(e.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("training", "learning_rate", 0),
+        ("training", "max_steps", 0),
+        ("training", "batch_size", 100_000),
+        ("lora", "rank", 0),
+        ("lora", "dropout", 1.5),
+        ("compute", "gpu_count", 9),
+    ],
+)
+def test_out_of_range_value_is_refused_with_the_field(section, field, value):
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(**{section: {field: value}}))
+    assert f"{section}.{field}" in error_fields(e.value)
+
+
+def test_huge_deadline_is_refused():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(deadline_minutes=10**9))
+    assert "deadline_minutes" in error_fields(e.value)
+
+
+def test_unknown_gpu_is_refused_with_the_known_list():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(compute={"gpu": ["TPU v5"]}))
+    message = str(e.value)
+    assert "compute.gpu" in error_fields(e.value)
+    assert "TPU v5" in message and "H100" in message
+
+
+def test_gpu_aliases_resolve_to_catalog_names():
+    spec = RunSpec.model_validate(minimal(compute={"gpu": ["h100", "4090"]}))
+    assert spec.compute.gpu == ["H100", "RTX 4090"]
+
+
+def test_a_single_gpu_name_is_a_one_item_fallback_list():
+    assert RunSpec.model_validate(minimal(compute={"gpu": "a100"})).compute.gpu == ["A100 SXM"]
+
+
+def test_dataset_needs_exactly_one_source():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(dataset={"hub_id": "a/b", "local_file": "x.jsonl"}))
+    assert "dataset" in error_fields(e.value)
+    with pytest.raises(ValidationError):
+        RunSpec.model_validate(minimal(dataset={}))
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "hf://models/acme/x", "file://relative/path", "hf://datasets/acme"])
+def test_artifact_store_url_must_be_file_or_hub_dataset(url):
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(artifact_store=url))
+    assert "artifact_store" in error_fields(e.value)
+
+
+@pytest.mark.parametrize("name", ["My Run", "run;rm -rf /", "x" * 41, "-leading-dash", "ünïcode"])
+def test_run_name_allows_only_safe_labels(name):
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(name=name))
+    assert "name" in error_fields(e.value)
+
+
+def test_every_field_of_the_ui_form_is_described():
+    schema = RunSpec.model_json_schema()
+    missing = []
+    for model_name, model in [("RunSpec", schema), *schema.get("$defs", {}).items()]:
+        for field, prop in model.get("properties", {}).items():
+            if not prop.get("description"):
+                missing.append(f"{model_name}.{field}")
+    assert missing == []
+
+
+def test_shipped_run_files_load():
+    for path in sorted((REPO / "deployments").glob("*.toml")):
+        assert isinstance(load_run_file(path), RunSpec), path
+
+
+def test_run_file_errors_name_the_file_and_every_bad_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('artifact_store = "hf://datasets/a/b"\nbogus = 1\n[model]\nid = "x/y"\n[training]\nbatch_size = -1\n')
+    with pytest.raises(SpecError) as e:
+        load_run_file(bad)
+    message = str(e.value)
+    assert str(bad) in message
+    assert "bogus: unknown field" in message
+    assert "training.batch_size" in message
+    assert "dataset: Field required" in message
+
+
+def test_run_file_that_is_not_toml_is_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_run_file(bad)
+
+
+def test_missing_run_file_is_refused(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        load_run_file(tmp_path / "nope.toml")
