@@ -1,0 +1,217 @@
+"""The artifact store behaves the same on a local folder and on a Hub dataset repo (the local stand-in).
+
+Behaviour tests run against both kinds (`store` is parametrized); Hub-only facts (one commit per write,
+forced privacy, error mapping, endpoint from the environment) follow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from huggingface_hub import HfApi
+from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStore, ArtifactStoreError, open_store
+
+from tests.hub_fixture import HubStandIn, hub, running_hub  # noqa: F401  (hub is a fixture)
+
+_names = itertools.count()
+
+
+def _new_repo() -> str:
+    return f"org/artifacts-{next(_names)}"
+
+
+def _open_hub_store(hub: HubStandIn, repo_id: str, tmp_path: Path) -> ArtifactStore:
+    return open_store(f"hf://datasets/{repo_id}", token=hub.token, endpoint=hub.url, cache_dir=tmp_path / "hf-cache")
+
+
+@pytest.fixture(params=["file", "hub"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
+    if request.param == "file":
+        return open_store((tmp_path / "store").as_uri())
+    return _open_hub_store(request.getfixturevalue("hub"), _new_repo(), tmp_path)
+
+
+def test_put_then_read_returns_the_bytes_and_the_json(store: ArtifactStore) -> None:
+    store.put({"runs/r1/metrics.json": b'{"loss": 0.5}', "runs/r1/console.txt": b"ok"}, message="metrics")
+    assert store.read_bytes("runs/r1/console.txt") == b"ok"
+    assert store.read_json("runs/r1/metrics.json") == {"loss": 0.5}
+
+
+def test_put_takes_local_files_as_paths(store: ArtifactStore, tmp_path: Path) -> None:
+    local = tmp_path / "train.jsonl"
+    local.write_bytes(b'{"text": "hi"}\n')
+    store.put({"runs/r1/dataset/train.jsonl": local}, message="dataset")
+    assert store.read_bytes("runs/r1/dataset/train.jsonl") == b'{"text": "hi"}\n'
+
+
+def test_exists_is_true_only_for_stored_files(store: ArtifactStore) -> None:
+    store.put({"runs/r1/DONE": b""}, message="done")
+    assert store.exists("runs/r1/DONE") is True
+    assert store.exists("runs/r1/result.json") is False
+    assert store.exists("runs/r1") is False  # a folder is not a file
+
+
+def test_list_files_is_recursive_sorted_and_scoped_to_the_folder(store: ArtifactStore) -> None:
+    store.put({"runs/a/x": b"1", "runs/a/sub/y": b"2", "runs/ab/z": b"3", "top.txt": b"4"}, message="files")
+    assert store.list_files("runs/a") == ["runs/a/sub/y", "runs/a/x"]
+    assert store.list_files("runs/a/") == ["runs/a/sub/y", "runs/a/x"]
+    assert store.list_files("") == ["runs/a/sub/y", "runs/a/x", "runs/ab/z", "top.txt"]
+    assert store.list_files("runs/missing") == []
+
+
+def test_download_copies_the_folder_relative_to_the_prefix(store: ArtifactStore, tmp_path: Path) -> None:
+    store.put({"runs/r1/adapter/adapter_config.json": b"{}", "runs/r1/adapter/w/a.bin": b"\0\1",
+               "runs/r1/metrics.json": b"{}"}, message="adapter")
+    dest = store.download("runs/r1/adapter", tmp_path / "adapter")
+    assert dest == tmp_path / "adapter"
+    assert sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()) == [
+        "adapter_config.json", "w/a.bin"]
+    assert (dest / "w" / "a.bin").read_bytes() == b"\0\1"
+
+
+def test_download_of_an_empty_prefix_raises_not_found_naming_it(store: ArtifactStore, tmp_path: Path) -> None:
+    with pytest.raises(ArtifactNotFound, match="runs/nothing/"):
+        store.download("runs/nothing", tmp_path / "dest")
+
+
+def test_reading_a_missing_path_raises_not_found_naming_the_store_and_path(store: ArtifactStore) -> None:
+    with pytest.raises(ArtifactNotFound) as excinfo:
+        store.read_bytes("runs/r1/result.json")
+    assert "runs/r1/result.json" in str(excinfo.value) and store.url in str(excinfo.value)
+
+
+def test_delete_prefix_removes_only_that_folder_and_ignores_a_missing_one(store: ArtifactStore) -> None:
+    store.put({"runs/r1/ckpt-1/a": b"1", "runs/r1/ckpt-10/a": b"2"}, message="ckpts")
+    store.delete_prefix("runs/r1/ckpt-1", message="drop ckpt 1")
+    store.delete_prefix("runs/r1/never-there", message="no-op")
+    assert store.list_files("runs/r1") == ["runs/r1/ckpt-10/a"]
+
+
+def test_put_with_delete_prefixes_replaces_a_folder_and_ignores_missing_ones(store: ArtifactStore) -> None:
+    store.put({"runs/r1/ckpt/old": b"old", "runs/r1/keep": b"k"}, message="ckpt 1")
+    store.put({"runs/r1/ckpt/new": b"new"}, message="ckpt 2", delete_prefixes=["runs/r1/ckpt", "runs/r1/absent"])
+    assert store.list_files("runs/r1") == ["runs/r1/ckpt/new", "runs/r1/keep"]
+
+
+def test_put_folder_replaces_what_was_under_the_prefix(store: ArtifactStore, tmp_path: Path) -> None:
+    store.put({"runs/r1/adapter/stale.bin": b"s"}, message="old adapter")
+    local = tmp_path / "adapter"
+    (local / "sub").mkdir(parents=True)
+    (local / "adapter_model.safetensors").write_bytes(b"w")
+    (local / "sub" / "x.json").write_bytes(b"{}")
+    store.put_folder(local, "runs/r1/adapter", message="adapter")
+    assert store.list_files("runs/r1/adapter") == ["runs/r1/adapter/adapter_model.safetensors",
+                                                   "runs/r1/adapter/sub/x.json"]
+
+
+def test_put_folder_without_replace_keeps_what_was_there(store: ArtifactStore, tmp_path: Path) -> None:
+    store.put({"runs/r1/adapter/kept.bin": b"k"}, message="old")
+    local = tmp_path / "more"
+    local.mkdir()
+    (local / "new.bin").write_bytes(b"n")
+    store.put_folder(local, "runs/r1/adapter", message="more", replace=False)
+    assert store.list_files("runs/r1/adapter") == ["runs/r1/adapter/kept.bin", "runs/r1/adapter/new.bin"]
+
+
+@pytest.mark.parametrize("path", ["../escape", "/abs", "runs//x", "runs/./x", "a\\b", ""])
+def test_a_path_that_leaves_the_store_is_refused(store: ArtifactStore, path: str) -> None:
+    with pytest.raises(ArtifactStoreError, match="bad artifact path"):
+        store.put({path: b"x"}, message="bad")
+
+
+def test_display_url_points_at_the_path(store: ArtifactStore) -> None:
+    url = store.display_url("runs/r1")
+    assert url.endswith("/runs/r1")
+    assert url.startswith("file:///") if store.url.startswith("file:") else "/datasets/org/" in url
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "hf://models/org/repo", "hf://datasets/org", "file://relative/x",
+                                 "/plain/path", "hf://datasets/org/repo/extra"])
+def test_an_unsupported_url_is_refused_naming_the_accepted_forms(url: str) -> None:
+    with pytest.raises(ArtifactStoreError, match=r"file:///absolute/path.*hf://datasets/<org>/<repo>"):
+        open_store(url)
+
+
+# -- Hub only ------------------------------------------------------------------------------------
+
+
+def test_each_write_is_exactly_one_commit_on_the_hub(hub: HubStandIn, tmp_path: Path) -> None:
+    repo_id = _new_repo()
+    store = _open_hub_store(hub, repo_id, tmp_path)
+    local = tmp_path / "adapter"
+    local.mkdir()
+    for i in range(30):
+        (local / f"shard-{i}.bin").write_bytes(bytes([i]) * 100)
+    counts = [len(hub.commits("dataset", repo_id))]
+    store.put({f"runs/r1/ckpt-1/f{i}": b"x" * i for i in range(40)}, message="ckpt 1")
+    counts.append(len(hub.commits("dataset", repo_id)))
+    store.put({"runs/r1/ckpt-2/f": b"y"}, message="ckpt 2", delete_prefixes=["runs/r1/ckpt-1"])
+    counts.append(len(hub.commits("dataset", repo_id)))
+    store.put_folder(local, "runs/r1/adapter", message="adapter")
+    counts.append(len(hub.commits("dataset", repo_id)))
+    store.delete_prefix("runs/r1/ckpt-2", message="drop")
+    counts.append(len(hub.commits("dataset", repo_id)))
+    assert [b - a for a, b in itertools.pairwise(counts)] == [1, 1, 1, 1]
+    assert hub.commits("dataset", repo_id)[0]["title"] == "drop"
+
+
+def test_opening_an_existing_public_repo_makes_it_private(hub: HubStandIn, tmp_path: Path) -> None:
+    repo_id = _new_repo()
+    api = HfApi(endpoint=hub.url, token=hub.token)
+    api.create_repo(repo_id, repo_type="dataset", private=False)
+    _open_hub_store(hub, repo_id, tmp_path)
+    assert api.repo_info(repo_id, repo_type="dataset").private is True
+
+
+def test_the_hub_store_hides_the_hubs_own_gitattributes(hub: HubStandIn, tmp_path: Path) -> None:
+    store = _open_hub_store(hub, _new_repo(), tmp_path)
+    store.put({"a.txt": b"a"}, message="a")
+    assert store.list_files("") == ["a.txt"]
+    assert [p.name for p in store.download("", tmp_path / "all").iterdir()] == ["a.txt"]
+
+
+def test_a_refused_token_is_a_store_error_that_does_not_show_the_token(tmp_path: Path) -> None:
+    with running_hub(tmp_path / "hub", require_token="the-right-token") as strict:
+        with pytest.raises(ArtifactStoreError, match="HF_TOKEN") as excinfo:
+            open_store("hf://datasets/org/guarded", token="hf_wrong_secret", endpoint=strict.url)
+    assert "hf_wrong_secret" not in str(excinfo.value)
+
+
+def test_an_unreachable_hub_is_a_transient_store_error(tmp_path: Path) -> None:
+    with running_hub(tmp_path / "hub") as gone:
+        endpoint = gone.url
+    with pytest.raises(ArtifactStoreError, match="could not be reached") as excinfo:
+        open_store("hf://datasets/org/anything", token="t", endpoint=endpoint)
+    assert excinfo.value.transient is True
+
+
+def test_the_commit_rate_limit_is_a_transient_store_error(tmp_path: Path) -> None:
+    with running_hub(tmp_path / "hub", commits_per_hour=2) as limited:
+        store = _open_hub_store(limited, "org/busy", tmp_path)
+        store.put({"a": b"1"}, message="1")
+        store.put({"a": b"2"}, message="2")
+        with pytest.raises(ArtifactStoreError, match="rate limit") as excinfo:
+            store.put({"a": b"3"}, message="3")
+    assert excinfo.value.transient is True
+
+
+def test_the_hub_store_takes_endpoint_and_token_from_the_environment(hub: HubStandIn) -> None:
+    # huggingface_hub reads HF_ENDPOINT at import, so the default path needs a fresh process.
+    script = (
+        "import json, sys\n"
+        "from loraflow_worker.artifacts import open_store\n"
+        "store = open_store(sys.argv[1])\n"
+        "store.put({'runs/r1/DONE': b'done'}, message='done')\n"
+        "print(json.dumps({'done': store.read_bytes('runs/r1/DONE').decode(), 'url': store.display_url('runs/r1')}))\n"
+    )
+    repo_id = _new_repo()
+    out = subprocess.run([sys.executable, "-c", script, f"hf://datasets/{repo_id}"], env=hub.client_env(),
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result == {"done": "done", "url": f"{hub.url}/datasets/{repo_id}/tree/main/runs/r1"}
+    assert hub.commits("dataset", repo_id)[0]["title"] == "done"

@@ -1,0 +1,1 @@
+"""loraflow's RunPod serverless worker: job contract, artifact store, LoRA training body."""

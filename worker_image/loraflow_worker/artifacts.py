@@ -1,0 +1,359 @@
+"""The artifact store: where a run's dataset, adapter, metrics, manifest and DONE marker live.
+
+One URL names a store, and the same API serves both kinds:
+
+- `file:///abs/path`: a local folder (local mode, tests).
+- `hf://datasets/<org>/<repo>`: a private Hugging Face dataset repo. It is created if missing and
+  forced private even if it already existed. The endpoint comes from `HF_ENDPOINT` (read by
+  huggingface_hub at import) unless given, the token from `HF_TOKEN` unless given.
+
+Every write (`put`, `put_folder`, `delete_prefix`) is ONE commit on the Hub, because the Hub allows about
+128 commits per hour per repo: batch what belongs together into one call. Light dependencies only
+(pydantic, huggingface_hub): the control plane imports this without the training stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import httpx2
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.hf_api import RepoFile
+
+ACCEPTED_URLS = "`file:///absolute/path` or `hf://datasets/<org>/<repo>`"
+HUB_BRANCH = "main"
+HUB_COMMITS_PER_HOUR = 128
+"""The Hub's commit quota per repo (free plan; some plans allow 256 or 320)."""
+HUB_GITATTRIBUTES = ".gitattributes"
+"""The Hub puts this file in every new repo; it is the Hub's, not an artifact, so the store hides it."""
+
+_HUB_URL = re.compile(r"^hf://datasets/([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)/?$")
+_PARTIAL_SUFFIX = ".loraflow-partial"
+"""Suffix of FileStore's temporary files while a write is in flight; never listed."""
+
+
+class ArtifactNotFound(Exception):
+    """A path (or a prefix with nothing under it) is not in the store. The message names both."""
+
+
+class ArtifactStoreError(Exception):
+    """The store cannot be used as asked: bad URL or path, no access, rate limit, network.
+
+    `transient` is True when the same call may succeed later unchanged (rate limit, 5xx, network).
+    """
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+class ArtifactStore:
+    """Files under repo-relative POSIX paths ("runs/abc/DONE"). See `open_store`."""
+
+    url: str
+
+    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = ()) -> None:
+        """Store `files` (path -> content or local file) and remove `delete_prefixes` (folders; missing
+        ones ignored) in ONE commit. Deletions apply first, so a file may be replaced in its folder."""
+        raise NotImplementedError
+
+    def read_bytes(self, path: str) -> bytes:
+        """The file's content; ArtifactNotFound if it is not there."""
+        raise NotImplementedError
+
+    def exists(self, path: str) -> bool:
+        """Whether a file (not a folder) is stored at `path`."""
+        raise NotImplementedError
+
+    def list_files(self, prefix: str) -> list[str]:
+        """Every file under the folder `prefix` ("" = everything), recursive, repo-relative, sorted."""
+        raise NotImplementedError
+
+    def download(self, prefix: str, dest: Path) -> Path:
+        """Copy every file under the folder `prefix` to `dest/<path relative to prefix>`; returns `dest`.
+        ArtifactNotFound if nothing is under `prefix`."""
+        raise NotImplementedError
+
+    def delete_prefix(self, prefix: str, *, message: str) -> None:
+        """Remove the folder `prefix` in one commit; nothing happens if it is absent."""
+        if self.list_files(prefix):
+            self.put({}, message=message, delete_prefixes=[prefix])
+
+    def display_url(self, path: str = "") -> str:
+        """A link for humans to the store or a path inside it."""
+        raise NotImplementedError
+
+    def put_folder(self, local_dir: Path, prefix: str, *, message: str, replace: bool = True) -> None:
+        """Store every file under `local_dir` as `prefix/<relative path>`, in one commit. With `replace`,
+        what was under `prefix` before is removed in the same commit."""
+        local_dir = Path(local_dir)
+        if not local_dir.is_dir():
+            raise ArtifactStoreError(f"put_folder: {local_dir} is not a directory")
+        prefix = _clean_prefix(prefix)
+        files: dict[str, bytes | Path] = {
+            f"{prefix}/{p.relative_to(local_dir).as_posix()}" if prefix else p.relative_to(local_dir).as_posix(): p
+            for p in sorted(local_dir.rglob("*"))
+            if p.is_file()
+        }
+        self.put(files, message=message, delete_prefixes=[prefix] if replace else ())
+
+    def read_json(self, path: str) -> Any:
+        return json.loads(self.read_bytes(path))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def open_store(url: str, token: str | None = None, *, endpoint: str | None = None,
+               cache_dir: Path | None = None) -> ArtifactStore:
+    """Open the store named by `url` (see the module docstring).
+
+    `token`: HF token (default: huggingface_hub's lookup, `HF_TOKEN` first). `endpoint`: Hub URL
+    (default: `HF_ENDPOINT` as huggingface_hub read it). `cache_dir`: huggingface_hub download cache
+    (default: `HF_HUB_CACHE`). The last three only matter for `hf://` URLs.
+    """
+    if url.startswith("file:"):
+        parsed = urlparse(url)
+        root = Path(unquote(parsed.path))
+        if parsed.netloc or not root.is_absolute():
+            raise ArtifactStoreError(f"bad store URL {url!r}: a file URL needs an absolute path; use {ACCEPTED_URLS}")
+        return FileStore(root)
+    match = _HUB_URL.match(url)
+    if match:
+        return HubStore(f"{match[1]}/{match[2]}", token=token, endpoint=endpoint, cache_dir=cache_dir)
+    raise ArtifactStoreError(f"bad store URL {url!r}: use {ACCEPTED_URLS}")
+
+
+class FileStore(ArtifactStore):
+    """A local folder. Each file is written atomically (temporary file + rename)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.url = self.root.as_uri()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = ()) -> None:
+        targets = {_clean_path(path): content for path, content in files.items()}
+        for prefix in delete_prefixes:
+            shutil.rmtree(self.root / _clean_prefix(prefix, allow_root=False), ignore_errors=True)
+        for path, content in targets.items():
+            target = self.root / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=_PARTIAL_SUFFIX)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    if isinstance(content, bytes):
+                        out.write(content)
+                    else:
+                        with open(content, "rb") as src:
+                            shutil.copyfileobj(src, out)
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return (self.root / _clean_path(path)).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            raise ArtifactNotFound(f"{self.url}: no artifact at {path!r}") from e
+
+    def exists(self, path: str) -> bool:
+        return (self.root / _clean_path(path)).is_file()
+
+    def list_files(self, prefix: str) -> list[str]:
+        base = self.root / _clean_prefix(prefix)
+        if not base.is_dir():
+            return []
+        return sorted(
+            p.relative_to(self.root).as_posix()
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.endswith(_PARTIAL_SUFFIX)
+        )
+
+    def download(self, prefix: str, dest: Path) -> Path:
+        prefix = _clean_prefix(prefix)
+        files = self.list_files(prefix)
+        if not files:
+            raise ArtifactNotFound(f"{self.url}: nothing under {prefix + '/'!r}")
+        dest = Path(dest)
+        for path in files:
+            target = dest / _relative_to_prefix(path, prefix)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.root / path, target)
+        return dest
+
+    def display_url(self, path: str = "") -> str:
+        return (self.root / path).as_uri() if path else self.url
+
+
+class HubStore(ArtifactStore):
+    """A private Hugging Face dataset repo; every write is one `create_commit`."""
+
+    repo_type = "dataset"
+
+    def __init__(self, repo_id: str, *, token: str | None = None, endpoint: str | None = None,
+                 cache_dir: Path | None = None):
+        self.repo_id = repo_id
+        self.url = f"hf://datasets/{repo_id}"
+        self._token = token
+        self._api = HfApi(endpoint=endpoint, token=token, library_name="loraflow")
+        self._cache_dir = cache_dir
+        with self._hub_errors("open"):
+            self._api.create_repo(repo_id, repo_type=self.repo_type, private=True, exist_ok=True)
+            # create_repo leaves an existing repo as it is: force private, run artifacts are not public.
+            self._api.update_repo_settings(repo_id, repo_type=self.repo_type, private=True)
+
+    @property
+    def endpoint(self) -> str:
+        return self._api.endpoint
+
+    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = ()) -> None:
+        operations: list[CommitOperationAdd | CommitOperationDelete] = []
+        for prefix in delete_prefixes:
+            prefix = _clean_prefix(prefix, allow_root=False)
+            # Deleting a folder that is not there fails the whole commit on the Hub (404 EntryNotFound).
+            if self.list_files(prefix):
+                operations.append(CommitOperationDelete(path_in_repo=f"{prefix}/", is_folder=True))
+        for path, content in files.items():
+            source = content if isinstance(content, bytes) else str(content)
+            operations.append(CommitOperationAdd(path_in_repo=_clean_path(path), path_or_fileobj=source))
+        if not operations:
+            return
+        with self._hub_errors("commit to"):
+            # One create_commit is one commit; upload_folder may split into several (hf-hub-api §6).
+            self._api.create_commit(self.repo_id, operations, commit_message=message, repo_type=self.repo_type,
+                                    revision=HUB_BRANCH)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self._hub_errors("read", path):
+            local = self._api.hf_hub_download(self.repo_id, _clean_path(path), repo_type=self.repo_type,
+                                              revision=HUB_BRANCH, cache_dir=self._cache_dir)
+        return Path(local).read_bytes()
+
+    def exists(self, path: str) -> bool:
+        with self._hub_errors("check", path):
+            return self._api.file_exists(self.repo_id, _clean_path(path), repo_type=self.repo_type,
+                                         revision=HUB_BRANCH)
+
+    def list_files(self, prefix: str) -> list[str]:
+        prefix = _clean_prefix(prefix)
+        try:
+            with self._hub_errors("list", prefix):
+                entries = list(self._api.list_repo_tree(self.repo_id, path_in_repo=prefix or None, recursive=True,
+                                                        repo_type=self.repo_type, revision=HUB_BRANCH))
+        except ArtifactNotFound:
+            return []
+        return sorted(
+            e.path for e in entries
+            if isinstance(e, RepoFile) and _is_under(e.path, prefix) and e.path != HUB_GITATTRIBUTES
+        )
+
+    def download(self, prefix: str, dest: Path) -> Path:
+        prefix = _clean_prefix(prefix)
+        with self._hub_errors("download", prefix):
+            snapshot = Path(self._api.snapshot_download(
+                self.repo_id, repo_type=self.repo_type, revision=HUB_BRANCH, cache_dir=self._cache_dir,
+                allow_patterns=[glob.escape(prefix) + "/*"] if prefix else None,
+                ignore_patterns=None if prefix else [HUB_GITATTRIBUTES],
+            ))
+        source = snapshot / prefix if prefix else snapshot
+        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else []
+        if not files:
+            raise ArtifactNotFound(f"{self.url}: nothing under {prefix + '/'!r}")
+        dest = Path(dest)
+        for file in files:
+            target = dest / file.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(file, target)  # follows the cache's symlink to the blob
+        return dest
+
+    def display_url(self, path: str = "") -> str:
+        return f"{self.endpoint}/datasets/{self.repo_id}/tree/{HUB_BRANCH}/{path}".rstrip("/")
+
+    @contextlib.contextmanager
+    def _hub_errors(self, action: str, path: str | None = None) -> Iterator[None]:
+        """The one place that turns huggingface_hub errors into store errors that say what to check."""
+        where = f"{self.url} (endpoint {self.endpoint})"
+        try:
+            yield
+        except RepositoryNotFoundError as e:  # also GatedRepoError; 401 for a bad or missing token
+            raise ArtifactStoreError(self._scrub(
+                f"cannot {action} {where}: the repo is missing or this token cannot access it. Check the repo "
+                f"id, that HF_TOKEN (or the token passed) has write access to it, and HF_ENDPOINT. ({e})"
+            )) from e
+        except RevisionNotFoundError as e:
+            raise ArtifactStoreError(self._scrub(
+                f"cannot {action} {where}: branch {HUB_BRANCH!r} not found; the repo may be empty or broken. ({e})"
+            )) from e
+        except RemoteEntryNotFoundError as e:
+            raise ArtifactNotFound(f"{self.url}: no artifact at {path!r}") from e
+        except LocalEntryNotFoundError as e:  # raised when the Hub could not be reached and nothing is cached
+            raise ArtifactStoreError(self._scrub(
+                f"cannot {action} {path!r} in {where}: the Hub did not answer and no cached copy exists. Check "
+                f"the network and HF_ENDPOINT. ({e})"
+            ), transient=True) from e
+        except HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else None
+            if status == 429:
+                hint = (f"the Hub's rate limit was hit (commits: about {HUB_COMMITS_PER_HOUR} per hour per repo). "
+                        "Batch files into fewer commits, or retry later")
+            elif status in (401, 403):
+                hint = "the token was refused; check that HF_TOKEN (or the token passed) has write access"
+            else:
+                hint = "the Hub refused the request"
+            transient = status == 429 or (status is not None and status >= 500)
+            raise ArtifactStoreError(self._scrub(f"cannot {action} {where}: {hint}. ({e})"),
+                                     transient=transient) from e
+        except httpx2.TransportError as e:
+            raise ArtifactStoreError(
+                f"cannot {action} {where}: the Hub could not be reached ({type(e).__name__}). Check the network "
+                "and HF_ENDPOINT.", transient=True,
+            ) from e
+
+    def _scrub(self, message: str) -> str:
+        # Server messages do not echo the token, but a message must never carry it, whatever the server says.
+        return message.replace(self._token, "***") if self._token else message
+
+
+def _clean_path(path: str) -> str:
+    """A file path inside a store: relative POSIX, no empty, `.` or `..` segments."""
+    parts = path.split("/")
+    if not path or "\\" in path or any(part in ("", ".", "..") for part in parts):
+        raise ArtifactStoreError(f"bad artifact path {path!r}: use a relative POSIX path such as 'runs/abc/DONE'")
+    return path
+
+
+def _clean_prefix(prefix: str, *, allow_root: bool = True) -> str:
+    """A folder inside a store, without trailing slash; "" is the whole store."""
+    stripped = prefix.strip("/")
+    if not stripped:
+        if not allow_root:
+            raise ArtifactStoreError("refusing to delete the whole store: give a folder such as 'runs/abc'")
+        return ""
+    return _clean_path(stripped)
+
+
+def _is_under(path: str, prefix: str) -> bool:
+    return not prefix or path.startswith(prefix + "/")
+
+
+def _relative_to_prefix(path: str, prefix: str) -> str:
+    return path[len(prefix) + 1:] if prefix else path

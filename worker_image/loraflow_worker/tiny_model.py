@@ -1,0 +1,139 @@
+"""Build a tiny Qwen3-architecture model offline: random weights and a tokenizer trained locally.
+
+Local mode, the tests and the demo train this model instead of a real one, so nothing is downloaded
+from the Hub. It is small enough to train 50 LoRA steps in a few seconds on one CPU core, and large
+enough to memorise the shipped chat dataset.
+
+    python -m loraflow_worker.tiny_model --out /tmp/tiny-qwen3
+    python -m loraflow_worker.tiny_model --out /tmp/tiny-qwen3 --corpus my-chat.jsonl other.jsonl
+
+The result is an ordinary `save_pretrained` folder: pass its path as the job's `model.id`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "deployments" / "data" / "tiny-chat.jsonl"
+"""The shipped chat dataset; its texts train the default tokenizer (present in a repo checkout)."""
+
+VOCAB_SIZE = 512
+SEED = 0
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+# ChatML, as Qwen models use. The {% generation %} markers let transformers build an assistant-token
+# mask, which TRL's `assistant_only_loss=True` requires; they render as nothing otherwise.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+BUILTIN_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A model learns the patterns of its training data, "
+    "one token at a time. Questions and answers: what is the answer? The answer is short. "
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 30 40 50 60 70 80 90 100. "
+    "user assistant system: you are a helpful assistant."
+)
+
+
+def build_tiny_model(out_dir: Path, corpus: Iterable[str]) -> Path:
+    """Train a byte-level BPE tokenizer on `corpus` (+ a built-in text), build a 2-layer Qwen3 with
+    random weights (fixed seed), save both into `out_dir` and return it. Deterministic for a given corpus."""
+    out_dir = Path(out_dir)
+    tokenizer = _train_tokenizer([BUILTIN_TEXT, *corpus])
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        # Larger than Qwen's 0.02 so that a random 64-wide model starts with useful signal: LoRA SFT
+        # then takes the loss from ~6.4 to ~1.3 in 50 steps.
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(SEED)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def corpus_from_jsonl(paths: Iterable[Path]) -> list[str]:
+    """Texts of chat (`messages`), prompt/completion or `text` rows of JSONL files."""
+    texts: list[str] = []
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            texts.extend(f"{m['role']}\n{m['content']}" for m in row.get("messages", []))
+            texts.extend(row[key] for key in ("text", "prompt", "completion") if isinstance(row.get(key), str))
+    return texts
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build a tiny random-weight Qwen3 model and its tokenizer.")
+    parser.add_argument("--out", type=Path, required=True, help="Folder to write the model into.")
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        default=[DEFAULT_CORPUS],
+        help=f"JSONL files whose texts train the tokenizer (default: {DEFAULT_CORPUS}).",
+    )
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.corpus if not p.is_file()]
+    if missing:
+        parser.error(f"corpus file(s) not found: {', '.join(missing)}; pass existing JSONL files with --corpus")
+    out = build_tiny_model(args.out, corpus_from_jsonl(args.corpus))
+    print(out)
+
+
+def _train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[ENDOFTEXT, IM_START, IM_END],
+        # Every byte is in the vocabulary, so any text encodes (no unknown token needed).
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
+        extra_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1024,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Watching a training run from inside the trainer: losses, progress updates, the job's deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from transformers import TrainerCallback
+
+from loraflow_worker.contract import Progress
+
+PROGRESS_INTERVAL_S = 2.0
+"""Least time between two training progress updates (the first and last are always sent)."""
+
+
+class DeadlineReached(RuntimeError):
+    """The job's `deadline_epoch_s` passed before training finished."""
+
+
+def check_deadline(deadline_epoch_s: float | None) -> None:
+    """Raise `DeadlineReached` if the deadline has already passed."""
+    if deadline_epoch_s is not None and time.time() >= deadline_epoch_s:
+        raise DeadlineReached(
+            f"deadline reached before training started: the job's deadline_epoch_s ({deadline_epoch_s}) has passed"
+        )
+
+
+class TrainingMonitor(TrainerCallback):
+    """Collects (step, loss) pairs, sends progress at most every `PROGRESS_INTERVAL_S` (plus the first
+    logged loss and the end), and stops training once the deadline passes (`deadline_hit` tells)."""
+
+    def __init__(self, report: Callable[[Progress], None], deadline_epoch_s: float | None):
+        self.report = report
+        self.deadline_epoch_s = deadline_epoch_s
+        self.losses: list[tuple[int, float]] = []
+        self.deadline_hit = False
+        self._last_sent = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # The first update goes out with the first logged loss (on_log), not before it.
+        self._last_sent = time.monotonic()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append((state.global_step, float(logs["loss"])))
+            if len(self.losses) == 1:
+                self._send(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
+            self.deadline_hit = True
+            control.should_training_stop = True
+        if time.monotonic() - self._last_sent >= PROGRESS_INTERVAL_S:
+            self._send(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._send(state)
+
+    def _send(self, state) -> None:
+        self._last_sent = time.monotonic()
+        loss = self.losses[-1][1] if self.losses else None
+        self.report(Progress(stage="training", step=state.global_step, total_steps=state.max_steps, loss=loss))

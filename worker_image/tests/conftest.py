@@ -1,0 +1,70 @@
+"""Shared fixtures for the worker tests: a tiny model built once, a job builder, a progress recorder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from loraflow_worker.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
+
+TINY_CHAT = DEFAULT_CORPUS
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), corpus_from_jsonl([TINY_CHAT]))
+
+
+@pytest.fixture(scope="session")
+def make_job():
+    return _make_job
+
+
+@pytest.fixture(scope="session")
+def record_progress():
+    return _recording_progress
+
+
+def _make_job(run_id: str, model_dir: Path, store_root: Path, **overrides) -> dict:
+    """A RunPod job dict as the runtime hands it to `handler`, training on the shipped tiny-chat data.
+    Publishes the dataset into the store first, as the control plane does."""
+    dataset_path = f"runs/{run_id}/dataset/train.jsonl"
+    (store_root / dataset_path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(TINY_CHAT, store_root / dataset_path)
+    job_input = {
+        "contract_version": 1,
+        "run_id": run_id,
+        "model": {"id": str(model_dir)},
+        "dataset": {"store_path": dataset_path},
+        "training": {"max_steps": 50, "learning_rate": 1e-2, "batch_size": 8},
+        "artifact_store": store_root.as_uri(),
+    }
+    job_input.update(overrides)
+    return {"id": f"job-{run_id}", "input": job_input}
+
+
+@contextmanager
+def _recording_progress() -> Iterator[list[dict]]:
+    """Collects the progress updates the worker logs (it logs every update it sends)."""
+    updates: list[dict] = []
+
+    class _Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg == "progress %s":
+                updates.append(json.loads(record.args[0]))
+
+    logger = logging.getLogger("loraflow_worker")
+    recorder, old_level = _Recorder(), logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.INFO)
+    try:
+        yield updates
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(old_level)

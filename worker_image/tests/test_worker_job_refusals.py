@@ -1,0 +1,59 @@
+"""Jobs the worker refuses before touching the store or the model, and errors that must not leak secrets."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraflow_worker.handler import JobFailed, JobRefused, handler
+
+
+def _job(**input_fields) -> dict:
+    job_input = {
+        "contract_version": 1,
+        "run_id": "r1",
+        "model": {"id": "/nonexistent/model"},
+        "dataset": {"store_path": "runs/r1/dataset/train.jsonl"},
+        "artifact_store": "file:///nonexistent/store",
+    }
+    job_input.update(input_fields)
+    return {"id": "job-1", "input": {k: v for k, v in job_input.items() if v is not None}}
+
+
+def test_wrong_contract_version_is_refused_with_the_fix():
+    with pytest.raises(JobRefused) as refused:
+        handler(_job(contract_version=2))
+    assert str(refused.value) == (
+        "worker speaks contract version 1, job has version 2: deploy a matching worker image"
+    )
+
+
+def test_missing_contract_version_is_refused():
+    with pytest.raises(JobRefused, match="job has version none: deploy a matching worker image"):
+        handler(_job(contract_version=None))
+
+
+def test_job_missing_run_id_is_refused_naming_the_field():
+    with pytest.raises(JobRefused, match=r"invalid job input: `run_id`: Field required"):
+        handler(_job(run_id=None))
+
+
+def test_invalid_nested_field_is_named_with_its_path():
+    with pytest.raises(JobRefused, match=r"`training.learning_rate`: Input should be greater than 0"):
+        handler(_job(training={"learning_rate": 0}))
+
+
+def test_refusal_touches_nothing(tmp_path):
+    store = tmp_path / "store"
+    with pytest.raises(JobRefused):
+        handler(_job(contract_version=3, artifact_store=store.as_uri()))
+    assert not store.exists()
+
+
+def test_secrets_in_an_error_are_redacted(monkeypatch):
+    secret = "hf_abcdefghijklmnopqrstuvwxyz0123"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    with pytest.raises(JobFailed) as failed:
+        handler(_job(contract_version=f"v-{secret}"))
+    assert secret not in str(failed.value)
+    assert "JobRefused: worker speaks contract version 1, job has version v-***: deploy" in str(failed.value)
+    assert failed.value.__cause__ is None and failed.value.__suppress_context__  # no chained original

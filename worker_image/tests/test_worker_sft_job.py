@@ -1,0 +1,169 @@
+"""An SFT job through `handler()`, in-process, against a file:// artifact store.
+
+One job trains the tiny model for 50 steps (module fixture); the tests below each check one thing
+about what it did and what it left in the store.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from loraflow_worker.contract import CONTRACT_VERSION, JobResult, TrainMetrics
+from loraflow_worker.handler import WORK_DIR_ENV, handler
+from loraflow_worker.manifest import RunManifest
+from loraflow_worker.training_monitor import PROGRESS_INTERVAL_S, DeadlineReached
+
+
+@dataclass
+class FinishedJob:
+    job: dict
+    result: dict
+    run_dir: Path
+    work_dir: Path
+    progress: list[dict]
+    seconds: float
+
+
+@pytest.fixture(scope="module")
+def finished_job(tiny_model_dir, make_job, record_progress, tmp_path_factory) -> FinishedJob:
+    store_root = tmp_path_factory.mktemp("store")
+    work_base = tmp_path_factory.mktemp("work")
+    job = make_job("run-a", tiny_model_dir, store_root)
+    # What a previous job on this warm worker left behind.
+    stale = work_base / "loraflow-job" / "adapter" / "stale-from-previous-job.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    with pytest.MonkeyPatch.context() as env, record_progress() as progress:
+        env.setenv(WORK_DIR_ENV, str(work_base))
+        env.delenv("RUNPOD_WEBHOOK_POST_OUTPUT", raising=False)
+        started = time.monotonic()
+        result = handler(job)
+        seconds = time.monotonic() - started
+    return FinishedJob(job, result, store_root / "runs" / "run-a", work_base / "loraflow-job", progress, seconds)
+
+
+def test_result_is_a_completed_job_result(finished_job):
+    result = JobResult.model_validate(finished_job.result)
+    assert (result.status, result.run_id, result.attempt) == ("completed", "run-a", 1)
+    assert (result.run_prefix, result.adapter_path) == ("runs/run-a", "runs/run-a/adapter")
+    assert result.metrics.steps == 50
+    assert result.metrics.device == "cpu"
+    assert result.metrics.tokens > 50 * 8 * 10  # 50 steps of 8 examples, each well over 10 tokens
+
+
+def test_loss_falls_substantially(finished_job):
+    metrics = TrainMetrics.model_validate(finished_job.result["metrics"])
+    assert [step for step, _ in metrics.losses] == list(range(1, 51))
+    assert metrics.first_loss > 5.0
+    assert metrics.final_loss < 0.5 * metrics.first_loss
+
+
+def test_store_holds_the_run_layout(finished_job):
+    run_dir = finished_job.run_dir
+    for name in ("DONE", "metrics.json", "manifest.json", "result.json", "adapter/adapter_config.json",
+                 "adapter/adapter_model.safetensors", "adapter/tokenizer.json"):
+        assert (run_dir / name).is_file(), name
+    assert JobResult.model_validate_json((run_dir / "result.json").read_text()).model_dump(mode="json") == finished_job.result
+    assert TrainMetrics.model_validate_json((run_dir / "metrics.json").read_text()).steps == 50
+
+
+def test_manifest_records_versions_device_and_fast_paths(finished_job):
+    manifest = RunManifest.model_validate_json((finished_job.run_dir / "manifest.json").read_text())
+    assert manifest.contract_version == CONTRACT_VERSION
+    assert manifest.base_model_id == finished_job.job["input"]["model"]["id"]
+    assert manifest.base_model_revision is None  # a local folder has no Hub commit
+    assert manifest.device == "cpu" and manifest.seed == 42
+    assert set(manifest.libraries) >= {"torch", "transformers", "trl", "peft"}
+    assert manifest.libraries["trl"].startswith("1.")
+    assert manifest.fast_paths and all(
+        not path.engaged and path.reason == "no CUDA device" for path in manifest.fast_paths.values()
+    )
+    assert manifest.job.run_id == "run-a"
+
+
+def test_adapter_changes_the_logits_and_leaves_base_weights_alone(finished_job, tiny_model_dir):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    tokenizer = AutoTokenizer.from_pretrained(finished_job.run_dir / "adapter")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of Peru?"}], add_generation_prompt=True, return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        tuned = PeftModel.from_pretrained(base, finished_job.run_dir / "adapter")
+        tuned_logits = tuned(ids).logits
+
+    assert (tuned_logits - base_logits).abs().max() > 1e-2
+    for name, value in tuned.get_base_model().state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(value, base_state[name.replace(".base_layer", "")]), name
+
+
+def test_adapter_file_holds_only_trained_lora_weights(finished_job):
+    tensors = load_file(finished_job.run_dir / "adapter" / "adapter_model.safetensors")
+    assert tensors and all("lora_A" in name or "lora_B" in name for name in tensors)
+    # lora_B starts at zero: non-zero means training moved the adapter.
+    assert all(t.abs().max() > 0 for name, t in tensors.items() if "lora_B" in name)
+
+
+def test_stale_files_from_a_previous_job_are_removed(finished_job):
+    assert not (finished_job.work_dir / "adapter" / "stale-from-previous-job.safetensors").exists()
+    assert not (finished_job.run_dir / "adapter" / "stale-from-previous-job.safetensors").exists()
+
+
+def test_progress_is_sent_for_each_stage_and_the_first_and_last_step(finished_job):
+    stages = [u["stage"] for u in finished_job.progress]
+    assert stages[0] == "loading" and stages[-1] == "saving"
+    training = [u for u in finished_job.progress if u["stage"] == "training"]
+    assert training[0]["step"] == 1 and training[0]["loss"] is not None
+    assert training[-1]["step"] == training[-1]["total_steps"] == 50
+    assert len(training) <= 2 + finished_job.seconds / PROGRESS_INTERVAL_S + 1
+
+
+def test_redelivered_job_returns_the_stored_result_without_training(finished_job, record_progress):
+    marker = finished_job.work_dir / "marker"
+    marker.write_text("a fresh run would clear the work dir")
+    adapter = finished_job.run_dir / "adapter" / "adapter_model.safetensors"
+    stamp = adapter.stat().st_mtime_ns
+    with pytest.MonkeyPatch.context() as env, record_progress() as progress:
+        env.setenv(WORK_DIR_ENV, str(finished_job.work_dir.parent))
+        again = handler(finished_job.job)
+
+    assert again == finished_job.result
+    assert marker.exists() and progress == []
+    assert adapter.stat().st_mtime_ns == stamp
+
+
+def test_done_is_written_after_everything_else(tiny_model_dir, make_job, tmp_path, monkeypatch):
+    # A folder where DONE should go makes the DONE write fail: everything else must already be stored.
+    store_root = tmp_path / "store"
+    job = make_job("run-b", tiny_model_dir, store_root, training={"max_steps": 2})
+    (store_root / "runs" / "run-b" / "DONE").mkdir(parents=True)
+    monkeypatch.setenv(WORK_DIR_ENV, str(tmp_path / "work"))
+    with pytest.raises(OSError):
+        handler(job)
+    run_dir = store_root / "runs" / "run-b"
+    for name in ("metrics.json", "manifest.json", "result.json", "adapter/adapter_model.safetensors"):
+        assert (run_dir / name).is_file(), name
+
+
+@pytest.mark.timeout(60)
+def test_training_stops_with_an_error_when_the_deadline_passes(tiny_model_dir, make_job, tmp_path, monkeypatch):
+    store_root = tmp_path / "store"
+    deadline = time.time() + 4
+    job = make_job("run-c", tiny_model_dir, store_root, training={"max_steps": 100_000}, deadline_epoch_s=deadline)
+    monkeypatch.setenv(WORK_DIR_ENV, str(tmp_path / "work"))
+    with pytest.raises(DeadlineReached, match="deadline reached"):
+        handler(job)
+    assert time.time() - deadline < 5
+    assert not (store_root / "runs" / "run-c" / "DONE").exists()
+    assert not (store_root / "runs" / "run-c" / "result.json").exists()
