@@ -1,0 +1,44 @@
+"""The localpod app: a RunPod-compatible server whose endpoints run jobs on this machine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from localpod import routes_account, routes_endpoints, routes_jobs, routes_worker
+from localpod.models import LocalpodConfig
+from localpod.problems import install_problem_handlers
+from localpod.schema import OpenApiSchemas
+from localpod.state import LocalpodState
+from localpod.workers import WorkerSupervisor
+
+
+def create_app(config: LocalpodConfig) -> FastAPI:
+    """A fresh server: its own state, and a worker supervisor that runs while the app is up."""
+    config.log_dir.mkdir(parents=True, exist_ok=True)
+    state = LocalpodState(config, OpenApiSchemas.load(config.openapi_path))
+    supervisor = WorkerSupervisor(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(supervisor.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await supervisor.shutdown()
+
+    app = FastAPI(title="localpod", lifespan=lifespan)
+    app.state.localpod = state
+    install_problem_handlers(app)
+    # Order matters: `/v2/serverless/...` must win over `/v2/{endpoint_id}/...`.
+    app.include_router(routes_endpoints.router)
+    app.include_router(routes_worker.router)
+    app.include_router(routes_jobs.router)
+    app.include_router(routes_account.router)
+    return app

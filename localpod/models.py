@@ -1,0 +1,221 @@
+"""localpod's typed boundaries: its server config, the job API and worker protocol payloads, and the
+account report.
+
+The control-plane bodies (endpoints) are not here: they are checked against RunPod's own OpenAPI
+document (see `schema.py`). Wire names are camelCase, as RunPod sends them.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+DEFAULT_OPENAPI_PATH = Path(__file__).resolve().parent / "runpod-api-v2-openapi.json"
+"""RunPod's official API v2 schema: an unedited copy of `runpod-api/api-v2-openapi.json` from the
+project's shared folder, shipped so a fresh clone runs localpod (a test checks the copy is identical)."""
+
+JobStatusName = Literal["IN_QUEUE", "IN_PROGRESS", "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"]
+
+
+class LocalpodConfig(BaseModel):
+    """How one localpod server runs: where it listens, its account, and how it runs workers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="Interface to listen on.")
+    port: int = Field(default=8765, ge=1, le=65535, description="TCP port to listen on; workers call back on it.")
+    api_key: str = Field(
+        default="localpod", min_length=1, description="The account's API key (`Authorization: Bearer <key>`)."
+    )
+    worker_quota: int = Field(
+        default=30, ge=0, description="Account worker quota: the most `workers.max` summed over all live endpoints."
+    )
+    worker_command: list[str] = Field(
+        default_factory=lambda: [sys.executable, "-m", "loraflow_worker.handler"],
+        min_length=1,
+        description="Command that starts one worker process (it must run `runpod.serverless.start`).",
+    )
+    log_dir: Path = Field(
+        default_factory=lambda: Path(tempfile.mkdtemp(prefix="localpod-logs-")),
+        description="Folder for the per-worker log files (stdout and stderr of each worker process).",
+    )
+    openapi_path: Path = Field(default=DEFAULT_OPENAPI_PATH, description="RunPod's API v2 OpenAPI document.")
+    long_poll_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds a worker's job-take or job-stop request is held open when there is nothing to hand out.",
+    )
+    ping_interval_ms: int = Field(
+        # runpod 1.12 sleeps RUNPOD_PING_INTERVAL // 1000 seconds, so under 1000 it pings in a tight loop.
+        default=5000, ge=1000, description="Milliseconds between a worker's heartbeat pings (RUNPOD_PING_INTERVAL)."
+    )
+    kill_grace_s: float = Field(
+        default=5.0, ge=0, description="Seconds between SIGTERM and SIGKILL when localpod stops a worker."
+    )
+    respawn_delay_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="Seconds an endpoint waits before starting another worker after one crashed or could not start.",
+    )
+    tick_s: float = Field(default=0.1, gt=0, description="Seconds between two passes of the worker supervisor.")
+    default_ttl_ms: int = Field(
+        default=24 * 3600 * 1000, ge=1, description="A job's TTL when `/run` sets none (RunPod: 24 h from submission)."
+    )
+
+    @property
+    def base_url(self) -> str:
+        """The URL workers use to call this server back."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+class _Wire(BaseModel):
+    # FastAPI answers with aliases (camelCase); direct dumps must pass by_alias=True.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+
+class JobPolicy(_Wire):
+    model_config = ConfigDict(extra="forbid")
+
+    execution_timeout: int | None = Field(
+        default=None, ge=1, description="Milliseconds the job may run once started; default: the endpoint's `timeout`."
+    )
+    ttl: int | None = Field(
+        default=None,
+        ge=1,
+        description="Milliseconds from submission after which the job is deleted, even while running.",
+    )
+
+
+class RunRequest(_Wire):
+    """Body of `POST /v2/{endpoint_id}/run`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: dict[str, Any] = Field(description="What the worker's handler receives as `job['input']`.")
+    policy: JobPolicy | None = Field(default=None, description="Per-job execution timeout and TTL.")
+    webhook: str | None = Field(default=None, description="URL that receives the final job status as a POST.")
+
+
+class JobRef(_Wire):
+    """Answer of `/run`, `/cancel` and `/retry`."""
+
+    id: str = Field(description="The job id.")
+    status: JobStatusName = Field(description="The job's status after the call.")
+
+
+class JobStatus(_Wire):
+    """Answer of `GET /v2/{endpoint_id}/status/{job_id}` and `POST /v2/{endpoint_id}/runsync`."""
+
+    id: str = Field(description="The job id.")
+    status: JobStatusName = Field(description="Where the job is in its life.")
+    delay_time: int = Field(description="Milliseconds the job waited in the queue (so far, while queued).")
+    execution_time: int = Field(description="Milliseconds the job has run (so far, while in progress).")
+    worker_id: str | None = Field(default=None, description="The worker that took the job.")
+    output: Any = Field(default=None, description="Handler output; the latest progress update while IN_PROGRESS.")
+    error: str | None = Field(
+        default=None, description="Why the job failed; a handler exception arrives as a JSON string."
+    )
+
+
+class StreamChunk(_Wire):
+    output: Any = Field(description="One value a generator handler yielded.")
+
+
+class JobStream(_Wire):
+    """Answer of `GET /v2/{endpoint_id}/stream/{job_id}`: the chunks not yet read."""
+
+    id: str = Field(description="The job id.")
+    status: JobStatusName = Field(description="The job's status.")
+    stream: list[StreamChunk] = Field(description="Chunks posted since the previous read.")
+
+
+class HealthJobs(_Wire):
+    completed: int = Field(description="Jobs completed.")
+    failed: int = Field(description="Jobs failed or timed out.")
+    in_progress: int = Field(description="Jobs being run by a worker.")
+    in_queue: int = Field(description="Jobs waiting for a worker.")
+    retried: int = Field(description="Jobs queued again through `/retry`.")
+
+
+class HealthWorkers(_Wire):
+    idle: int = Field(description="Workers up and waiting for a job.")
+    initializing: int = Field(description="Workers started that have not called in yet.")
+    ready: int = Field(description="Workers able to take a job now (same as idle here).")
+    running: int = Field(description="Workers running a job.")
+    throttled: int = Field(description="Always 0: localpod has no capacity limits besides the quota.")
+    unhealthy: int = Field(description="Workers that reported a failed fitness check.")
+
+
+class Health(_Wire):
+    """Answer of `GET /v2/{endpoint_id}/health`."""
+
+    jobs: HealthJobs
+    workers: HealthWorkers
+
+
+class PurgeQueueResult(_Wire):
+    removed: int = Field(description="Queued jobs removed (they end CANCELLED).")
+    status: Literal["completed"] = "completed"
+
+
+class TakenJob(_Wire):
+    """What `job-take` hands a worker."""
+
+    id: str = Field(description="The job id.")
+    input: dict[str, Any] = Field(description="The job's input.")
+
+
+class StopSignals(_Wire):
+    """What `job-stop` tells a worker."""
+
+    jobs_to_stop: list[str] = Field(description="Ids of jobs the worker must stop now.")
+
+
+class AccountEndpoint(_Wire):
+    id: str = Field(description="Endpoint id.")
+    name: str = Field(description="Endpoint name.")
+    workers_max: int = Field(description="The endpoint's `workers.max` (its share of the quota).")
+    created_at: datetime = Field(description="When it was created.")
+    age_seconds: float = Field(description="Seconds it has lived (until deletion for a deleted one).")
+    deleted_at: datetime | None = Field(default=None, description="When it was deleted; None while live.")
+
+
+class AccountJob(_Wire):
+    id: str = Field(description="Job id.")
+    endpoint_id: str = Field(description="Endpoint the job was submitted to.")
+    status: JobStatusName = Field(description="The job's status.")
+    created_at: datetime = Field(description="When it was submitted.")
+    finished_at: datetime | None = Field(default=None, description="When it reached a final status.")
+    worker_id: str | None = Field(default=None, description="The worker that took it.")
+    expired: bool = Field(description="Deleted after its TTL: `/status` answers 404 for it.")
+
+
+class AccountWorker(_Wire):
+    id: str = Field(description="Worker (pod) id.")
+    endpoint_id: str = Field(description="Endpoint it served.")
+    pid: int | None = Field(description="Process id; None for a worker localpod did not start.")
+    started_at: datetime = Field(description="When it was started (or first called in).")
+    ended_at: datetime | None = Field(default=None, description="When its process ended; None while alive.")
+    exit_code: int | None = Field(default=None, description="Process exit code; negative = killed by that signal.")
+    log_path: str | None = Field(default=None, description="Its stdout/stderr log file.")
+
+
+class Account(_Wire):
+    """`GET /_localpod/account`: what the account holds and has spent, for tests and benchmarks."""
+
+    worker_quota: int = Field(description="The account's worker quota.")
+    live_endpoints: list[AccountEndpoint] = Field(description="Endpoints that exist now.")
+    endpoints: list[AccountEndpoint] = Field(description="Every endpoint ever created, deleted ones included.")
+    peak_live_endpoints: int = Field(description="Most endpoints that were live at the same time.")
+    peak_workers_max: int = Field(description="Highest sum of `workers.max` over live endpoints.")
+    billed_worker_seconds: float = Field(description="Sum of worker process lifetimes (what RunPod would bill).")
+    workers_spawned: int = Field(description="Worker processes started.")
+    workers: list[AccountWorker] = Field(description="Every worker, live or ended.")
+    jobs: list[AccountJob] = Field(description="Every job submitted.")

@@ -1,0 +1,172 @@
+"""Control plane API v2: `/v2/serverless` (create, list, get, update, delete endpoints).
+
+Every body is checked against RunPod's own schema (`CreateEndpointRequest`,
+`UpdateEndpointRequest`), then against the rules the schema cannot say (one of gpu/cpu, the
+account's worker quota). Answers are `Endpoint` documents with RunPod's defaults filled in.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from localpod.auth import require_api_key
+from localpod.problems import ProblemError
+from localpod.state import EndpointRecord, LocalpodState, get_state, iso
+
+router = APIRouter(prefix="/v2/serverless", tags=["endpoints"], dependencies=[Depends(require_api_key)])
+
+# Defaults RunPod's API v2 applies to an omitted field (from CreateEndpointRequest's `default`s).
+_WORKERS_DEFAULTS = {"min": 0, "max": 3, "idleTimeout": 10}
+_DEFAULT_TIMEOUT_MS = 300_000
+_DEFAULT_FLASHBOOT = "OFF"
+# localpod has no CPU catalog; 4 GB per vCPU stands in for the flavor's RAM multiplier.
+_GB_PER_VCPU = 4
+
+
+@router.post("", status_code=201)
+async def create_endpoint(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
+    body = await _json_body(request)
+    state.schemas.check_request("CreateEndpointRequest", body)
+    spec = _spec_from_create(body)
+    _check_quota(state, spec["workers"]["max"], excluding=None)
+    endpoint = state.add_endpoint(spec)
+    return JSONResponse(endpoint_document(endpoint, str(request.base_url)), status_code=201)
+
+
+@router.get("")
+async def list_endpoints(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
+    base = str(request.base_url)
+    return JSONResponse({"endpoints": [endpoint_document(e, base) for e in state.live_endpoints()]})
+
+
+@router.get("/{endpoint_id}")
+async def get_endpoint(endpoint_id: str, request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
+    return JSONResponse(endpoint_document(_live(state, endpoint_id), str(request.base_url)))
+
+
+@router.patch("/{endpoint_id}")
+async def update_endpoint(
+    endpoint_id: str, request: Request, state: LocalpodState = Depends(get_state)
+) -> JSONResponse:
+    endpoint = _live(state, endpoint_id)
+    body = await _json_body(request)
+    state.schemas.check_request("UpdateEndpointRequest", body)
+    spec = _spec_after_update(endpoint.spec, body)
+    _check_quota(state, spec["workers"]["max"], excluding=endpoint.id)
+    endpoint.spec = spec
+    state.note_peaks()
+    return JSONResponse(endpoint_document(endpoint, str(request.base_url)))
+
+
+@router.delete("/{endpoint_id}", status_code=204)
+async def delete_endpoint(endpoint_id: str, state: LocalpodState = Depends(get_state)) -> Response:
+    """Gone at once (a GET answers 404); its workers are stopped and its open jobs cancelled."""
+    state.delete_endpoint(_live(state, endpoint_id))
+    return Response(status_code=204)
+
+
+def endpoint_document(endpoint: EndpointRecord, base_url: str) -> dict[str, Any]:
+    """The `Endpoint` schema's document for one endpoint; request URLs point at this server."""
+    jobs = f"{base_url.rstrip('/')}/v2/{endpoint.id}"
+    return {
+        "id": endpoint.id,
+        **copy.deepcopy(endpoint.spec),
+        "requestUrls": {
+            "run": f"{jobs}/run",
+            "runSync": f"{jobs}/runsync",
+            "status": f"{jobs}/status/{{job_id}}",
+            "stream": f"{jobs}/stream/{{job_id}}",
+            "cancel": f"{jobs}/cancel/{{job_id}}",
+            "retry": f"{jobs}/retry/{{job_id}}",
+            "purgeQueue": f"{jobs}/purge-queue",
+            "health": f"{jobs}/health",
+        },
+        "createdAt": iso(endpoint.created_at),
+    }
+
+
+def _live(state: LocalpodState, endpoint_id: str) -> EndpointRecord:
+    endpoint = state.live_endpoint(endpoint_id)
+    if endpoint is None:
+        raise ProblemError(404, f"endpoint {endpoint_id} not found")
+    return endpoint
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as e:
+        raise ProblemError(400, f"request body is not valid JSON: {e}") from e
+
+
+def _check_quota(state: LocalpodState, workers_max: int, excluding: str | None) -> None:
+    quota = state.config.worker_quota
+    if state.workers_max_total(excluding=excluding) + workers_max > quota:
+        # RunPod's own wording, which callers may recognise.
+        raise ProblemError(400, f"Max workers across all endpoints must not exceed your workers quota ({quota})")
+
+
+def _spec_from_create(body: dict[str, Any]) -> dict[str, Any]:
+    if "templateId" in body:
+        raise ProblemError(404, f"template {body['templateId']} not found (localpod has no templates; send `image`)")
+    if body["type"] != "QUEUE":
+        raise ProblemError(400, "localpod runs QUEUE endpoints only")
+    if ("gpu" in body) == ("cpu" in body):
+        raise ProblemError(400, "specify exactly one of `gpu` or `cpu`")
+    spec = copy.deepcopy(body)
+    spec["workers"] = {**_WORKERS_DEFAULTS, **body.get("workers", {})}
+    spec.setdefault("env", {})
+    spec.setdefault("timeout", _DEFAULT_TIMEOUT_MS)
+    spec.setdefault("flashboot", _DEFAULT_FLASHBOOT)
+    spec.setdefault("dataCenterIds", [])
+    spec.setdefault("networkVolumes", [])
+    if "gpu" in spec:
+        spec["gpu"] = {"count": 1, "allowedCudaVersions": [], "minCudaVersion": None, **spec["gpu"]}
+    else:
+        spec["cpu"] = [{**c, "memory": c["vcpuCount"] * _GB_PER_VCPU} for c in spec["cpu"]]
+    _check_consistent(spec)
+    return spec
+
+
+def _spec_after_update(old: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """PATCH semantics: only the fields sent change; `workers` and `gpu` merge per key."""
+    if "templateId" in patch:
+        raise ProblemError(404, f"template {patch['templateId']} not found (localpod has no templates)")
+    if ("gpu" in patch and "gpu" not in old) or ("cpu" in patch and "cpu" not in old):
+        raise ProblemError(400, "an endpoint's compute family (gpu or cpu) cannot change")
+    spec = copy.deepcopy(old)
+    for key, value in patch.items():
+        if key == "workers":
+            spec["workers"] = {**spec["workers"], **value}
+        elif key == "gpu":
+            spec["gpu"] = _gpu_after_update(spec["gpu"], value)
+        elif key == "cpu":
+            spec["cpu"] = [{**c, "memory": c["vcpuCount"] * _GB_PER_VCPU} for c in value]
+        else:
+            spec[key] = copy.deepcopy(value)
+    _check_consistent(spec)
+    return spec
+
+
+def _gpu_after_update(old: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    gpu = dict(old)
+    if "pools" in patch:  # pools and excludedTypes are one selection: sending pools replaces both
+        gpu.pop("excludedTypes", None)
+    gpu.update(patch)
+    if gpu.get("minCudaVersion") == "":  # an explicit "" clears the floor
+        gpu["minCudaVersion"] = None
+    return gpu
+
+
+def _check_consistent(spec: dict[str, Any]) -> None:
+    workers = spec["workers"]
+    if workers["min"] > workers["max"]:
+        raise ProblemError(400, f"workers.min ({workers['min']}) must not exceed workers.max ({workers['max']})")
+    gpu = spec.get("gpu")
+    if gpu and gpu.get("allowedCudaVersions") and gpu.get("minCudaVersion"):
+        raise ProblemError(400, "gpu.allowedCudaVersions (non-empty) and gpu.minCudaVersion are mutually exclusive")
