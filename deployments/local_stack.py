@@ -58,13 +58,14 @@ class Service:
             self.process.wait(10)
 
 
-def start_service(name: str, argv: list[str], env: dict[str, str], health_url: str, log_path: Path,
+def start_service(name: str, argv: list[str], env: dict[str, str], url: str, health_path: str, log_path: Path,
                   timeout_s: float = SERVER_START_TIMEOUT_S) -> Service:
-    """Start a server in its own process group and wait until `health_url` answers 200."""
+    """Start a server in its own process group and wait until `url + health_path` answers 200."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    service = Service(name, process, health_url.rsplit("/", 1)[0], log_path)
+    service = Service(name, process, url, log_path)
+    health_url = url + health_path
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -146,7 +147,7 @@ class LocalStack:
             "prefect server",
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.prefect_port)],
             base | PREFECT_SERVER_ENV | {"PREFECT_HOME": str(self.home / "prefect-server")},
-            f"{self.prefect_api_url}/health",
+            f"http://127.0.0.1:{self.prefect_port}", "/api/health",
             self.home / "logs" / "prefect-server.log",
         )
         if self.with_hub:
@@ -155,7 +156,7 @@ class LocalStack:
                 "hub stand-in",
                 [sys.executable, "-m", "localpod.hub", "--host", "127.0.0.1", "--port", str(port),
                  "--data-dir", str(self.home / "hub")],
-                base, f"http://127.0.0.1:{port}/api/agent-harnesses", self.home / "logs" / "hub.log",
+                base, f"http://127.0.0.1:{port}", "/api/agent-harnesses", self.home / "logs" / "hub.log",
             )
         port = free_port()
         worker_env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -163,7 +164,7 @@ class LocalStack:
             "localpod",
             [sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", LOCALPOD_API_KEY,
              "--worker-quota", str(self.worker_quota), "--log-dir", str(self.home / "logs" / "workers")],
-            base | worker_env, f"http://127.0.0.1:{port}/_localpod/account", self.home / "logs" / "localpod.log",
+            base | worker_env, f"http://127.0.0.1:{port}", "/_localpod/account", self.home / "logs" / "localpod.log",
         )
 
     def stop(self) -> None:

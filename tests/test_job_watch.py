@@ -64,6 +64,11 @@ def test_failed_job_carries_the_workers_message_and_traceback():
     assert outcome.traceback == "Traceback..."
 
 
+def test_runpods_class_repr_error_type_is_shortened():
+    error = json.dumps({"error_type": "<class 'loraflow_worker.handler.JobRefused'>", "error_message": "bad"})
+    assert parse_worker_error(error) == ("JobRefused: bad", None)
+
+
 def test_plain_text_worker_error_is_kept_as_is():
     assert parse_worker_error("worker exited with code 137") == ("worker exited with code 137", None)
 

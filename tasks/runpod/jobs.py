@@ -8,6 +8,7 @@ bounded number of times in a row here, not retried by restarting the task.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -47,7 +48,8 @@ def parse_worker_error(error: str | None) -> tuple[str | None, str | None]:
         return error, None
     if not isinstance(payload, dict):
         return error, None
-    kind = payload.get("error_type", "")
+    # runpod 1.12 sends the type as str(type(exc)): "<class 'ValueError'>".
+    kind = re.sub(r"^<class '(?:.*\.)?([^'.]+)'>$", r"\1", str(payload.get("error_type") or ""))
     message = payload.get("error_message") or error
     if kind and kind not in message:
         message = f"{kind}: {message}"

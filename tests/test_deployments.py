@@ -1,0 +1,23 @@
+"""The shipped deployments are valid runs, and prefect.yaml agrees with the run files."""
+
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from flows.spec import RunSpec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_prefect_yaml_qwen_parameters_match_the_qwen_run_file():
+    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+    from_yaml = RunSpec.model_validate(deployments["qwen"]["parameters"]["spec"])
+    from_toml = RunSpec.model_validate(tomllib.loads((REPO / "deployments" / "qwen.toml").read_text()))
+    assert from_yaml == from_toml
+
+
+def test_every_deployment_points_at_an_existing_flow():
+    for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]:
+        path, _, name = deployment["entrypoint"].partition(":")
+        assert f"def {name}(" in (REPO / path).read_text(), deployment["entrypoint"]

@@ -1,0 +1,139 @@
+"""End to end: a real `prefect server start`, localpod, and the real worker under the real
+`runpod.serverless` loop training a tiny model on the CPU."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DATASET, localpod_account, prefect_api, run_train_flow
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def write_run_file(path: Path, *, name: str, model: Path, store: Path, max_steps: int = 40, dataset: Path = DATASET) -> Path:
+    path.write_text(f'''
+name = "{name}"
+artifact_store = "file://{store}"
+deadline_minutes = 20
+[model]
+id = "{model}"
+[dataset]
+local_file = "{dataset}"
+[lora]
+rank = 8
+alpha = 16
+[training]
+learning_rate = 5e-3
+max_steps = {max_steps}
+batch_size = 8
+max_seq_length = 128
+seed = 7
+''')
+    return path
+
+
+def flow_run_state(stack, flow_run_id: str) -> dict:
+    return prefect_api(stack, "GET", f"/flow_runs/{flow_run_id}").json()["state"]
+
+
+def endpoint_slots_in_use(stack) -> int:
+    return prefect_api(stack, "GET", "/v2/concurrency_limits/runpod-endpoints").json()["active_slots"]
+
+
+def run_endpoints(stack, name: str) -> list[dict]:
+    return [e for e in localpod_account(stack)["endpoints"] if e["name"].startswith(f"loraflow-{name}-")]
+
+
+def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model, tmp_path):
+    store = tmp_path / "store"
+    run = run_train_flow(local_stack, write_run_file(tmp_path / "run.toml", name="e2e-sft", model=tiny_model, store=store))
+    assert run.returncode == 0, run.output
+    assert flow_run_state(local_stack, run.flow_run_id)["type"] == "COMPLETED"
+
+    run_dir = store / "runs" / run.flow_run_id
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["steps"] == 40
+    assert metrics["final_loss"] < 0.5 * metrics["first_loss"], metrics["losses"]
+    assert (run_dir / "DONE").exists()
+
+    # The adapter loads with PEFT and changes the model's output.
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        before = base(ids).logits.clone()
+        tuned = PeftModel.from_pretrained(base, run_dir / "adapter")
+        after = tuned(ids).logits
+    assert not torch.allclose(before, after, atol=1e-4)
+
+    # The endpoint is gone and the slot is back.
+    endpoints = run_endpoints(local_stack, "e2e-sft")
+    assert len(endpoints) == 1 and endpoints[0]["deletedAt"] is not None
+    assert endpoint_slots_in_use(local_stack) == 0
+
+    # The UI shows the summary and the loss table.
+    keys = {a["key"] for a in prefect_api(local_stack, "POST", "/artifacts/filter",
+                                          json={"artifacts": {"flow_run_id": {"any_": [run.flow_run_id]}}}).json()}
+    assert {"train-e2e-sft-summary", "train-e2e-sft-metrics", "train-e2e-sft-progress"} <= keys
+
+
+def test_failing_job_fails_the_flow_with_the_workers_error_and_still_deletes_the_endpoint(local_stack, tmp_path):
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    run = run_train_flow(local_stack, write_run_file(tmp_path / "run.toml", name="e2e-fail", model=not_a_model,
+                                                     store=tmp_path / "store"))
+    assert run.returncode == 1, run.output
+    state = flow_run_state(local_stack, run.flow_run_id)
+    assert state["type"] == "FAILED"
+    # The worker's own error text reaches the flow run's state (here: the empty folder has no tokenizer).
+    assert "ValueError: Couldn't instantiate the backend tokenizer" in state["message"], state["message"]
+    endpoints = run_endpoints(local_stack, "e2e-fail")
+    assert len(endpoints) == 1 and endpoints[0]["deletedAt"] is not None
+    assert endpoint_slots_in_use(local_stack) == 0
+
+
+def test_bad_dataset_is_refused_before_any_endpoint_is_created(local_stack, tiny_model, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "no messages here"}\n')
+    run = run_train_flow(local_stack, write_run_file(tmp_path / "run.toml", name="e2e-baddata", model=tiny_model,
+                                                     store=tmp_path / "store", dataset=bad))
+    assert run.returncode == 1
+    assert "line 2" in flow_run_state(local_stack, run.flow_run_id)["message"]
+    assert run_endpoints(local_stack, "e2e-baddata") == []
+
+
+def test_runs_never_hold_more_endpoints_than_the_limit(local_stack, tiny_model, tmp_path):
+    limit = 2
+    if endpoint_limit_missing(local_stack):
+        prefect_api(local_stack, "POST", "/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": 28})
+    prefect_api(local_stack, "PATCH", "/v2/concurrency_limits/runpod-endpoints", json={"limit": limit})
+    try:
+        files = [write_run_file(tmp_path / f"run{i}.toml", name=f"e2e-quota{i}", model=tiny_model,
+                                store=tmp_path / "store", max_steps=4) for i in range(3)]
+        assert localpod_account(local_stack)["peakLiveEndpoints"] <= limit, "earlier tests must not overlap"
+        results = []
+        threads = [threading.Thread(target=lambda f=f: results.append(run_train_flow(local_stack, f))) for f in files]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.returncode for r in results] == [0, 0, 0], "\n".join(r.output[-3000:] for r in results)
+        account = localpod_account(local_stack)
+        assert account["peakLiveEndpoints"] <= limit
+        assert sum(len(run_endpoints(local_stack, f"e2e-quota{i}")) for i in range(3)) == 3
+        assert endpoint_slots_in_use(local_stack) == 0
+    finally:
+        prefect_api(local_stack, "PATCH", "/v2/concurrency_limits/runpod-endpoints", json={"limit": 28})
+
+
+def endpoint_limit_missing(stack) -> bool:
+    import httpx
+
+    return httpx.get(f"{stack.prefect_api_url}/v2/concurrency_limits/runpod-endpoints", timeout=10).status_code == 404
