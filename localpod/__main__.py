@@ -28,6 +28,7 @@ from localpod.state import LocalpodState
 
 # A backstop: held worker requests end at once on shutdown (see _Server), others are short.
 _GRACEFUL_SHUTDOWN_S = 3
+_KEEP_ALIVE_S = 75
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,6 +76,10 @@ async def _serve(config: LocalpodConfig, log_level: str) -> None:
             log_level=log_level,
             access_log=log_level == "debug",
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            # Keep idle connections open longer than aiohttp's 15 s client keep-alive: a server that
+            # closes first races the runpod worker's next POST, which then fails with "Server
+            # disconnected" and the job's result is lost.
+            timeout_keep_alive=_KEEP_ALIVE_S,
         ),
         app.state.localpod,
     )

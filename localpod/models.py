@@ -149,7 +149,7 @@ class HealthWorkers(_Wire):
     initializing: int = Field(description="Workers started that have not called in yet.")
     ready: int = Field(description="Workers able to take a job now (same as idle here).")
     running: int = Field(description="Workers running a job.")
-    throttled: int = Field(description="Always 0: localpod has no capacity limits besides the quota.")
+    throttled: int = Field(description="Workers wanted but not started: all the endpoint's GPU pools are out of stock.")
     unhealthy: int = Field(description="Workers that reported a failed fitness check.")
 
 
@@ -218,4 +218,9 @@ class Account(_Wire):
     billed_worker_seconds: float = Field(description="Sum of worker process lifetimes (what RunPod would bill).")
     workers_spawned: int = Field(description="Worker processes started.")
     workers: list[AccountWorker] = Field(description="Every worker, live or ended.")
+    out_of_stock_pools: list[str] = Field(description="GPU pools kept out of stock through `/_localpod/stock`.")
+    faults_injected: dict[str, int] = Field(
+        description="Faults injected so far by kind: the route actions (status_429, status_500, hang, drop, "
+        "act_then_500) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."
+    )
     jobs: list[AccountJob] = Field(description="Every job submitted.")

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from localpod.auth import require_api_key
 from localpod.problems import ProblemError
+from localpod.routes_faults import route_fault
 from localpod.state import EndpointRecord, LocalpodState, get_state, iso
 
 router = APIRouter(prefix="/v2/serverless", tags=["endpoints"], dependencies=[Depends(require_api_key)])
@@ -31,28 +32,38 @@ _GB_PER_VCPU = 4
 @router.post("", status_code=201)
 async def create_endpoint(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
     body = await _json_body(request)
+    name = body.get("name") if isinstance(body, dict) else None
+    fault = await route_fault(request, "create_endpoint", endpoint_name=name)
     state.schemas.check_request("CreateEndpointRequest", body)
     spec = _spec_from_create(body)
     _check_quota(state, spec["workers"]["max"], excluding=None)
     endpoint = state.add_endpoint(spec)
+    fault.after_action()
     return JSONResponse(endpoint_document(endpoint, str(request.base_url)), status_code=201)
 
 
 @router.get("")
 async def list_endpoints(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
+    fault = await route_fault(request, "list_endpoints")
     base = str(request.base_url)
-    return JSONResponse({"endpoints": [endpoint_document(e, base) for e in state.live_endpoints()]})
+    listed = {"endpoints": [endpoint_document(e, base) for e in state.live_endpoints()]}
+    fault.after_action()
+    return JSONResponse(listed)
 
 
 @router.get("/{endpoint_id}")
 async def get_endpoint(endpoint_id: str, request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
-    return JSONResponse(endpoint_document(_live(state, endpoint_id), str(request.base_url)))
+    fault = await route_fault(request, "get_endpoint", endpoint_id=endpoint_id)
+    document = endpoint_document(_live(state, endpoint_id), str(request.base_url))
+    fault.after_action()
+    return JSONResponse(document)
 
 
 @router.patch("/{endpoint_id}")
 async def update_endpoint(
     endpoint_id: str, request: Request, state: LocalpodState = Depends(get_state)
 ) -> JSONResponse:
+    fault = await route_fault(request, "patch_endpoint", endpoint_id=endpoint_id)
     endpoint = _live(state, endpoint_id)
     body = await _json_body(request)
     state.schemas.check_request("UpdateEndpointRequest", body)
@@ -60,13 +71,16 @@ async def update_endpoint(
     _check_quota(state, spec["workers"]["max"], excluding=endpoint.id)
     endpoint.spec = spec
     state.note_peaks()
+    fault.after_action()
     return JSONResponse(endpoint_document(endpoint, str(request.base_url)))
 
 
 @router.delete("/{endpoint_id}", status_code=204)
-async def delete_endpoint(endpoint_id: str, state: LocalpodState = Depends(get_state)) -> Response:
+async def delete_endpoint(endpoint_id: str, request: Request, state: LocalpodState = Depends(get_state)) -> Response:
     """Gone at once (a GET answers 404); its workers are stopped and its open jobs cancelled."""
+    fault = await route_fault(request, "delete_endpoint", endpoint_id=endpoint_id)
     state.delete_endpoint(_live(state, endpoint_id))
+    fault.after_action()
     return Response(status_code=204)
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 
 from localpod.auth import require_api_key
 from localpod.models import Health, JobRef, JobStatus, JobStream, PurgeQueueResult, RunRequest, StreamChunk
 from localpod.problems import ProblemError
+from localpod.routes_faults import route_fault
 from localpod.state import EndpointRecord, JobRecord, LocalpodState, get_state
 
 router = APIRouter(prefix="/v2/{endpoint_id}", tags=["jobs"], dependencies=[Depends(require_api_key)])
@@ -20,10 +21,14 @@ _POLL_S = 0.05
 
 
 @router.post("/run")
-async def run_job(endpoint_id: str, body: RunRequest, state: LocalpodState = Depends(get_state)) -> JobRef:
+async def run_job(
+    endpoint_id: str, body: RunRequest, request: Request, state: LocalpodState = Depends(get_state)
+) -> JobRef:
     """Queue a job; a worker is started for it if the endpoint has room under `workers.max`.
     Not idempotent: posting twice queues two jobs (as on RunPod)."""
+    fault = await route_fault(request, "run", endpoint_id=endpoint_id)
     job = state.submit_job(_endpoint(state, endpoint_id), body)
+    fault.after_action()
     return JobRef(id=job.id, status="IN_QUEUE")
 
 
@@ -31,28 +36,41 @@ async def run_job(endpoint_id: str, body: RunRequest, state: LocalpodState = Dep
 async def run_job_sync(
     endpoint_id: str,
     body: RunRequest,
+    request: Request,
     wait: int = Query(default=90_000, ge=1000, le=300_000, description="Milliseconds to wait for the result."),
     state: LocalpodState = Depends(get_state),
 ) -> JobStatus:
-    """Queue a job and hold the request until it ends or `wait` ms pass; then answer its status."""
+    """Queue a job and hold the request until it ends or `wait` ms pass; then answer its status.
+    Route faults for `run` apply here too."""
+    fault = await route_fault(request, "run", endpoint_id=endpoint_id)
     job = state.submit_job(_endpoint(state, endpoint_id), body)
     deadline = time.monotonic() + wait / 1000
     while not job.terminal and time.monotonic() < deadline and not state.closing:
         await asyncio.sleep(_POLL_S)
+    fault.after_action()
     return state.job_status(job)
 
 
 @router.get("/status/{job_id}", response_model_exclude_none=True)
-async def get_job(endpoint_id: str, job_id: str, state: LocalpodState = Depends(get_state)) -> JobStatus:
-    return state.job_status(_job(state, endpoint_id, job_id))
+async def get_job(
+    endpoint_id: str, job_id: str, request: Request, state: LocalpodState = Depends(get_state)
+) -> JobStatus:
+    fault = await route_fault(request, "status", endpoint_id=endpoint_id)
+    status = state.job_status(_job(state, endpoint_id, job_id))
+    fault.after_action()
+    return status
 
 
 @router.post("/cancel/{job_id}")
-async def cancel_job(endpoint_id: str, job_id: str, state: LocalpodState = Depends(get_state)) -> JobRef:
+async def cancel_job(
+    endpoint_id: str, job_id: str, request: Request, state: LocalpodState = Depends(get_state)
+) -> JobRef:
     """CANCELLED unless the job had already ended (then its final status is returned); a running
     job's worker is told through its job-stop channel."""
+    fault = await route_fault(request, "cancel", endpoint_id=endpoint_id)
     job = _job(state, endpoint_id, job_id)
     state.finish_job(job, "CANCELLED")
+    fault.after_action()
     return JobRef(id=job.id, status=job.status)  # type: ignore[arg-type]
 
 
@@ -75,8 +93,11 @@ async def stream_job(endpoint_id: str, job_id: str, state: LocalpodState = Depen
 
 
 @router.get("/health")
-async def endpoint_health(endpoint_id: str, state: LocalpodState = Depends(get_state)) -> Health:
-    return state.health(_endpoint(state, endpoint_id).id)
+async def endpoint_health(endpoint_id: str, request: Request, state: LocalpodState = Depends(get_state)) -> Health:
+    fault = await route_fault(request, "health", endpoint_id=endpoint_id)
+    health = state.health(_endpoint(state, endpoint_id).id)
+    fault.after_action()
+    return health
 
 
 @router.post("/purge-queue")

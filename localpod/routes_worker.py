@@ -79,6 +79,8 @@ async def job_done(
     worker = _worker(state, request, endpoint_id, worker_id)
     job = _job(state, endpoint_id, job_id)
     payload = await _payload(request)
+    if job.worker_id != worker.id:  # e.g. a preempted worker's last post about a job queued again since
+        return JSONResponse({})
     if payload.get("status") == "IN_PROGRESS":
         state.record_progress(job, payload.get("output"))
         return JSONResponse({})
@@ -100,10 +102,10 @@ async def job_stream(
     endpoint_id: str, worker_id: str, job_id: str, request: Request, state: LocalpodState = Depends(get_state)
 ) -> JSONResponse:
     """One chunk a generator handler yielded; `/stream/{job_id}` hands it to the client."""
-    _worker(state, request, endpoint_id, worker_id)
+    worker = _worker(state, request, endpoint_id, worker_id)
     job = _job(state, endpoint_id, job_id)
     payload = await _payload(request)
-    if not job.terminal and "output" in payload:
+    if not job.terminal and job.worker_id == worker.id and "output" in payload:
         job.stream.append(payload["output"])
     return JSONResponse({})
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import Request
 
+from localpod.faults import ArmedFault, FaultBook
 from localpod.models import (
     Account,
     AccountEndpoint,
@@ -95,6 +96,9 @@ class JobRecord:
     expired: bool = False
     retries: int = 0
     stream: list[Any] = field(default_factory=list)
+    progress_updates: int = 0
+    fault: ArmedFault | None = None
+    """A worker fault armed for this job when a worker took it; the supervisor fires it."""
 
     @property
     def terminal(self) -> bool:
@@ -120,6 +124,8 @@ class WorkerRecord:
     killed: bool = False
     ended_at: float | None = None
     exit_code: int | None = None
+    suspended: bool = False
+    """SIGSTOPped by a hang fault: a stop must send SIGCONT too, or SIGTERM never reaches it."""
     pending_stops: dict[str, float] = field(default_factory=dict)
     """Jobs this worker must stop, with when each was last sent (monotonic; -inf: never). runpod 1.12 drops a stop
     that arrives before its job's task exists, so a stop is re-sent until the worker is free."""
@@ -146,6 +152,7 @@ class LocalpodState:
         self.peak_live_endpoints = 0
         self.peak_workers_max = 0
         self.webhooks_due: list[JobRecord] = []
+        self.faults = FaultBook()
         self.closing = False
         """Set when the server starts to shut down: held worker requests then return at once."""
 
@@ -212,12 +219,15 @@ class LocalpodState:
         if job.execution_timeout_ms is None:
             job.execution_timeout_ms = int(endpoint.spec["timeout"])
         worker.job_id, worker.idle_since = job.id, None
+        if worker.process is not None:  # only a process localpod started can be signalled
+            job.fault = self.faults.arm_job_fault(endpoint.spec["name"])
         return job
 
     def record_progress(self, job: JobRecord, output: Any) -> None:
         # A progress post can race the final result (it is sent from another thread): ignore it late.
         if not job.terminal:
             job.output = output
+            job.progress_updates += 1
 
     def finish_job(self, job: JobRecord, status: str, *, output: Any = None, error: str | None = None) -> None:
         """Move a job to a final status; a job already final keeps its first outcome."""
@@ -229,6 +239,9 @@ class LocalpodState:
         if output is not None:
             job.output = output
         self.active_jobs.pop(job.id, None)
+        if job.fault is not None:  # it ended before its fault fired: the next job gets the fault
+            self.faults.disarm(job.fault)
+            job.fault = None
         worker = self.workers.get(job.worker_id) if job.worker_id else None
         if worker is not None and worker.job_id == job.id:
             if status in ("CANCELLED", "TIMED_OUT") or job.expired:
@@ -245,6 +258,15 @@ class LocalpodState:
         job.retries += 1
         self.active_jobs[job.id] = job
         self.endpoints[job.endpoint_id].queue.append(job.id)
+
+    def requeue_job(self, job: JobRecord) -> None:
+        """A preempted job: IN_QUEUE again, first in line, for a new worker (its worker is being killed)."""
+        worker = self.workers.get(job.worker_id) if job.worker_id else None
+        if worker is not None and worker.job_id == job.id:
+            worker.job_id = None
+        job.status, job.started_at, job.worker_id, job.output, job.stream = "IN_QUEUE", None, None, None, []
+        job.progress_updates, job.fault = 0, None
+        self.endpoints[job.endpoint_id].queue.appendleft(job.id)
 
     def expire_job(self, job: JobRecord) -> None:
         """Past its TTL RunPod deletes a job, even a running one: `/status` answers 404 from now on."""
@@ -272,6 +294,9 @@ class LocalpodState:
     def health(self, endpoint_id: str) -> Health:
         jobs = [j for j in self.jobs.values() if j.endpoint_id == endpoint_id and not j.expired]
         workers = self.live_workers(endpoint_id)
+        endpoint = self.endpoints[endpoint_id]
+        # RunPod's name for workers it would start but has no capacity for.
+        throttled = 0 if self.faults.placeable(endpoint.spec) else min(len(endpoint.queue), endpoint.workers_max)
         idle = sum(1 for w in workers if w.contacted and not w.stopping and w.job_id is None)
 
         def count(*statuses: str) -> int:
@@ -290,7 +315,7 @@ class LocalpodState:
                 initializing=sum(1 for w in workers if not w.contacted and not w.stopping),
                 ready=idle,
                 running=sum(1 for w in workers if w.job_id is not None),
-                throttled=0,
+                throttled=throttled,
                 unhealthy=sum(1 for w in workers if w.unhealthy),
             ),
         )
@@ -369,6 +394,8 @@ class LocalpodState:
                 (w.ended_at or now) - w.started_at for w in self.workers.values() if w.process is not None
             ),
             workers_spawned=sum(1 for w in self.workers.values() if w.process is not None),
+            out_of_stock_pools=self.faults.stock().out_of_stock,
+            faults_injected=self.faults.counts(),
             workers=[
                 AccountWorker(
                     id=w.id,

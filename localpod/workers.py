@@ -15,13 +15,14 @@ import ctypes
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import time
 
 import httpx
 
-from localpod.state import EndpointRecord, LocalpodState, WorkerRecord, new_id
+from localpod.state import EndpointRecord, JobRecord, LocalpodState, WorkerRecord, new_id
 
 log = logging.getLogger("localpod.workers")
 
@@ -52,6 +53,7 @@ class WorkerSupervisor:
         now = time.time()
         self._reap()
         self._enforce_deadlines(now)
+        self._fire_worker_faults(now)
         self._stop_idle(now)
         self._signal_stopping(now)
         for endpoint in self.state.live_endpoints():
@@ -82,6 +84,7 @@ class WorkerSupervisor:
             # Its children go with it: runpod's heartbeat process outlives a worker that died abruptly.
             _signal_group(worker.process, signal.SIGKILL)
             self.state.worker_ended(worker, code, _log_tail(worker))
+            shutil.rmtree(self.config.log_dir / "disks" / worker.id, ignore_errors=True)  # the container's disk goes with it
             log.info("worker %s exited with code %s (%s)", worker.id, code, worker.stop_reason or "unexpected")
             endpoint = self.state.live_endpoint(worker.endpoint_id)
             if endpoint is not None and not expected:  # a crash loop must not spin at the tick rate
@@ -132,13 +135,46 @@ class WorkerSupervisor:
             if worker.signalled_at is None:
                 log.info("stopping worker %s: %s", worker.id, worker.stop_reason)
                 _signal_group(worker.process, signal.SIGTERM)
+                if worker.suspended:  # a stopped process keeps a SIGTERM pending until it runs again
+                    _signal_group(worker.process, signal.SIGCONT)
                 worker.signalled_at = now
             elif not worker.killed and now - worker.signalled_at >= self.config.kill_grace_s:
                 _signal_group(worker.process, signal.SIGKILL)
                 worker.killed = True
 
+    def _fire_worker_faults(self, now: float) -> None:
+        """Fire each armed worker fault once its job has sent a progress update or run its `after_s`."""
+        for job in list(self.state.active_jobs.values()):
+            armed = job.fault
+            worker = self.state.workers.get(job.worker_id) if job.worker_id else None
+            if armed is None or worker is None or worker.process is None or job.started_at is None:
+                continue
+            if armed.removed:
+                job.fault = None
+                continue
+            after_s = armed.rule.after_s
+            if (job.progress_updates == 0) if after_s is None else (now - job.started_at < after_s):
+                continue
+            job.fault = None
+            self.state.faults.fired(armed)
+            log.info("injecting worker %s on worker %s, job %s", armed.rule.action, worker.id, job.id)
+            self._inject(armed.rule.action, worker, job, now)
+
+    def _inject(self, action: str, worker: WorkerRecord, job: JobRecord, now: float) -> None:
+        assert worker.process is not None
+        if action == "crash":  # the reaper then fails the job: the worker exited without a result
+            _signal_group(worker.process, signal.SIGKILL)
+        elif action == "hang":
+            _signal_group(worker.process, signal.SIGSTOP)
+            worker.suspended = True
+        elif action == "preempt":
+            self.state.requeue_job(job)
+            # An expected end: a new worker may start for the requeued job at once.
+            worker.stop_reason, worker.signalled_at, worker.killed = "preempted", now, True
+            _signal_group(worker.process, signal.SIGKILL)
+
     def _scale(self, endpoint: EndpointRecord, now: float) -> None:
-        if now < endpoint.spawn_not_before:
+        if now < endpoint.spawn_not_before or not self.state.faults.placeable(endpoint.spec):
             return
         live = self.state.live_workers(endpoint.id)
         up = [w for w in live if not w.stopping]
@@ -151,12 +187,17 @@ class WorkerSupervisor:
     def _spawn(self, endpoint: EndpointRecord) -> bool:
         worker_id, token = _new_worker_id(self.state), secrets.token_urlsafe(24)
         log_path = self.config.log_dir / f"{endpoint.id}-{worker_id}.log"
+        # Each RunPod worker is its own container with its own disk: give each local worker its own
+        # folder (cwd and TMPDIR), or two workers on this machine would share scratch files.
+        disk = self.config.log_dir / "disks" / worker_id
+        disk.mkdir(parents=True, exist_ok=True)
         command = self.config.worker_command
         try:
             with open(log_path, "ab") as log_file:
                 process = subprocess.Popen(
                     command,
-                    env=self._worker_env(endpoint, worker_id, token),
+                    env=self._worker_env(endpoint, worker_id, token) | {"TMPDIR": str(disk)},
+                    cwd=disk,
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
@@ -180,6 +221,7 @@ class WorkerSupervisor:
         return {
             **os.environ,
             **endpoint.spec.get("env", {}),
+            **self.state.faults.spawn_env(endpoint.spec["name"]),
             "RUNPOD_WEBHOOK_GET_JOB": f"{base}/job-take/$ID?gpu={_GPU_NAME}",
             "RUNPOD_WEBHOOK_POST_OUTPUT": f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu={_GPU_NAME}",
             "RUNPOD_WEBHOOK_POST_STREAM": f"{base}/job-stream/$RUNPOD_POD_ID/$ID?gpu={_GPU_NAME}",

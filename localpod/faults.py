@@ -1,0 +1,322 @@
+"""Fault injection: the rules tests and benchmarks set through `/_localpod/faults`,
+`/_localpod/worker-faults` and `/_localpod/stock`, and which request, job or worker each one hits.
+
+Nothing here touches HTTP or processes. Routes ask `FaultBook.match_route` whether to misbehave
+(`routes_faults.route_fault` acts on the answer); the state arms a worker fault on a job when a
+worker takes it, and the supervisor (`workers.py`) fires it by signalling the worker's process group.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RouteName = Literal[
+    "create_endpoint",
+    "get_endpoint",
+    "list_endpoints",
+    "delete_endpoint",
+    "patch_endpoint",
+    "run",
+    "status",
+    "cancel",
+    "health",
+]
+RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500"]
+WorkerAction = Literal["crash", "hang", "preempt", "env"]
+
+ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "hang", "drop", "act_then_500")
+WORKER_ACTIONS: tuple[WorkerAction, ...] = ("crash", "hang", "preempt", "env")
+
+
+class RouteFaultRule(BaseModel):
+    """Body of `POST /_localpod/faults`: make requests to one operation misbehave.
+
+    Rules are tried in the order they were added; the first that applies decides the answer.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    route: RouteName = Field(
+        description="The operation: create_endpoint, get_endpoint, list_endpoints, delete_endpoint, patch_endpoint "
+        "(the control plane, /v2/serverless); run (/run and /runsync), status, cancel, health (the job API)."
+    )
+    action: RouteAction = Field(
+        description="status_429: answer 429 (with Retry-After when retry_after_s is set); status_500: answer 500; "
+        "hang: hold the request hang_s seconds, then carry it out and answer normally (without hang_s: hold it "
+        "until the client gives up, and never carry it out); drop: close the connection mid-response (the client "
+        "sees a transport error); act_then_500: carry the operation out (e.g. really create the endpoint), then "
+        "answer 500. Every action but act_then_500 and a finite hang leaves the account unchanged."
+    )
+    endpoint_name_prefix: str | None = Field(
+        default=None,
+        description="Only requests about an endpoint whose name starts with this (for create_endpoint: the name in "
+        "the body). Omitted: every request to the route. Not allowed with list_endpoints, which names no endpoint.",
+    )
+    retry_after_s: int | None = Field(
+        default=None, ge=0, description="status_429 only: the Retry-After header, in seconds. Omitted: no header."
+    )
+    hang_s: float | None = Field(
+        default=None, ge=0, description="hang only: seconds to hold the request. Omitted: until the client gives up."
+    )
+    times: int | None = Field(
+        default=None,
+        ge=1,
+        description="Apply to the next this many matching requests, then stop. With probability: the most hits. "
+        "When neither times nor probability is given: 1.",
+    )
+    probability: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Apply to each matching request with this probability (until times hits, when times is set).",
+    )
+    seed: int | None = Field(
+        default=None,
+        description="probability only: seed of the rule's own random draws, so the same requests meet the same "
+        "faults on every run. Omitted: unseeded.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RouteFaultRule:
+        if self.retry_after_s is not None and self.action != "status_429":
+            raise ValueError(f"retry_after_s applies to status_429 only, not to {self.action}")
+        if self.hang_s is not None and self.action != "hang":
+            raise ValueError(f"hang_s applies to hang only, not to {self.action}")
+        if self.seed is not None and self.probability is None:
+            raise ValueError("seed applies to probability rules only: give probability too, or drop seed")
+        if self.endpoint_name_prefix is not None and self.route == "list_endpoints":
+            raise ValueError("list_endpoints names no endpoint: drop endpoint_name_prefix")
+        if self.times is None and self.probability is None:
+            self.times = 1
+        return self
+
+
+class RouteFault(RouteFaultRule):
+    """A route fault as listed: its rule, id and how often it has applied."""
+
+    id: str = Field(description="The rule's id, for `DELETE /_localpod/faults/{id}`.")
+    hits: int = Field(description="Requests this rule has applied to so far.")
+    remaining: int | None = Field(description="Hits left before the rule stops applying; None: no cap (probability).")
+
+
+class WorkerFaultRule(BaseModel):
+    """Body of `POST /_localpod/worker-faults`: make the next jobs' workers fail, or start the next workers
+    with extra environment variables."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: WorkerAction = Field(
+        description="crash: SIGKILL the worker's process group (the job FAILS: the worker exited without a result); "
+        "hang: SIGSTOP it (the job stays IN_PROGRESS until it times out or its endpoint is deleted); preempt: "
+        "SIGKILL it and queue the job again (IN_QUEUE, for a new worker); env: start the next workers of matching "
+        "endpoints with `env` added to their environment (what a variable does is the worker's business)."
+    )
+    endpoint_name_prefix: str | None = Field(
+        default=None, description="Only endpoints whose name starts with this. Omitted: any endpoint."
+    )
+    after_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="crash, hang, preempt: seconds after the worker took the job. Omitted: as soon as the job's "
+        "first progress update arrives.",
+    )
+    env: dict[str, str] | None = Field(
+        default=None, description="env only (and required there): variables added to the worker's environment."
+    )
+    times: int = Field(
+        default=1,
+        ge=1,
+        description="How many jobs (crash, hang, preempt) or spawned workers (env) get the fault. A job that ends "
+        "before its fault fires hands it on to the next job.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkerFaultRule:
+        if self.action == "env" and not self.env:
+            raise ValueError("env needs `env`: the variables to add, e.g. {\"LORAFLOW_TEST_FAULT\": \"oom\"}")
+        if self.action != "env" and self.env is not None:
+            raise ValueError(f"`env` applies to the env action only, not to {self.action}")
+        if self.action == "env" and self.after_s is not None:
+            raise ValueError("after_s applies to crash, hang and preempt, not to env")
+        return self
+
+
+class WorkerFault(WorkerFaultRule):
+    """A worker fault as listed: its rule, id and how often it has fired."""
+
+    id: str = Field(description="The rule's id, for `DELETE /_localpod/worker-faults/{id}`.")
+    hits: int = Field(description="Times this fault fired (a worker signalled, or a worker started with `env`).")
+    remaining: int = Field(description="Jobs or workers still to get it (jobs running with it armed excluded).")
+
+
+class StockChange(BaseModel):
+    """Body of `POST /_localpod/stock`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str = Field(min_length=1, description="A GPU pool id as endpoints name it in `gpu.pools`, e.g. ADA_24.")
+    available: bool = Field(
+        description="false: no worker starts on this pool (an endpoint whose pools are all out of stock keeps its "
+        "jobs IN_QUEUE, as when RunPod has no capacity; running workers are not touched). true: in stock again."
+    )
+
+
+class Stock(BaseModel):
+    """What `POST`/`GET /_localpod/stock` answer."""
+
+    out_of_stock: list[str] = Field(description="GPU pools out of stock now, sorted; every other pool has stock.")
+
+
+@dataclass
+class _RouteEntry:
+    id: str
+    rule: RouteFaultRule
+    rng: random.Random
+    hits: int = 0
+
+    def view(self) -> RouteFault:
+        remaining = None if self.rule.times is None else self.rule.times - self.hits
+        return RouteFault(**self.rule.model_dump(), id=self.id, hits=self.hits, remaining=remaining)
+
+
+@dataclass
+class ArmedFault:
+    """A worker fault reserved for one job; `WorkerSupervisor` fires it."""
+
+    id: str
+    rule: WorkerFaultRule
+    remaining: int
+    hits: int = 0
+    removed: bool = False
+    """Set when the rule is deleted: a job that had it armed runs on undisturbed."""
+
+    def view(self) -> WorkerFault:
+        return WorkerFault(**self.rule.model_dump(), id=self.id, hits=self.hits, remaining=self.remaining)
+
+
+@dataclass
+class FaultBook:
+    """Every fault rule of one server, the stock of GPU pools, and counts of what was injected."""
+
+    route_rules: dict[str, _RouteEntry] = field(default_factory=dict)
+    worker_rules: dict[str, ArmedFault] = field(default_factory=dict)
+    out_of_stock: set[str] = field(default_factory=set)
+    injected: Counter[str] = field(default_factory=Counter)
+
+    # --- route faults ----------------------------------------------------------------------------
+
+    def add_route_fault(self, rule: RouteFaultRule) -> RouteFault:
+        entry = _RouteEntry(id=_new_rule_id(), rule=rule, rng=random.Random(rule.seed))
+        self.route_rules[entry.id] = entry
+        return entry.view()
+
+    def route_faults(self) -> list[RouteFault]:
+        return [e.view() for e in self.route_rules.values()]
+
+    def remove_route_fault(self, fault_id: str) -> bool:
+        return self.route_rules.pop(fault_id, None) is not None
+
+    def clear_route_faults(self) -> None:
+        self.route_rules.clear()
+
+    def match_route(self, route: str, endpoint_name: str | None) -> RouteFaultRule | None:
+        """The rule that applies to this request, counted as a hit; None: answer normally."""
+        for entry in self.route_rules.values():
+            rule = entry.rule
+            if rule.route != route or not _prefix_matches(rule.endpoint_name_prefix, endpoint_name):
+                continue
+            if rule.times is not None and entry.hits >= rule.times:
+                continue
+            # One draw per matching request: with a seed, the same requests get the same faults.
+            if rule.probability is not None and entry.rng.random() >= rule.probability:
+                continue
+            entry.hits += 1
+            self.injected[rule.action] += 1
+            return rule
+        return None
+
+    # --- worker faults ---------------------------------------------------------------------------
+
+    def add_worker_fault(self, rule: WorkerFaultRule) -> WorkerFault:
+        entry = ArmedFault(id=_new_rule_id(), rule=rule, remaining=rule.times)
+        self.worker_rules[entry.id] = entry
+        return entry.view()
+
+    def worker_faults(self) -> list[WorkerFault]:
+        return [e.view() for e in self.worker_rules.values()]
+
+    def remove_worker_fault(self, fault_id: str) -> bool:
+        entry = self.worker_rules.pop(fault_id, None)
+        if entry is not None:
+            entry.removed = True
+        return entry is not None
+
+    def clear_worker_faults(self) -> None:
+        for fault_id in list(self.worker_rules):
+            self.remove_worker_fault(fault_id)
+
+    def arm_job_fault(self, endpoint_name: str) -> ArmedFault | None:
+        """Reserve the first crash/hang/preempt fault that matches for a job a worker just took."""
+        for entry in self.worker_rules.values():
+            if entry.rule.action != "env" and entry.remaining > 0 and _prefix_matches(
+                entry.rule.endpoint_name_prefix, endpoint_name
+            ):
+                entry.remaining -= 1
+                return entry
+        return None
+
+    def disarm(self, armed: ArmedFault) -> None:
+        """The job ended before its fault fired: the next matching job gets it instead."""
+        armed.remaining += 1
+
+    def fired(self, armed: ArmedFault) -> None:
+        armed.hits += 1
+        self.injected[f"worker_{armed.rule.action}"] += 1
+
+    def spawn_env(self, endpoint_name: str) -> dict[str, str]:
+        """Variables for a worker about to start: every matching env fault with workers left gives its own."""
+        env: dict[str, str] = {}
+        for entry in self.worker_rules.values():
+            if entry.rule.action == "env" and entry.remaining > 0 and _prefix_matches(
+                entry.rule.endpoint_name_prefix, endpoint_name
+            ):
+                entry.remaining -= 1
+                self.fired(entry)
+                env.update(entry.rule.env or {})
+        return env
+
+    # --- stock -----------------------------------------------------------------------------------
+
+    def set_stock(self, change: StockChange) -> Stock:
+        if change.available:
+            self.out_of_stock.discard(change.pool)
+        else:
+            self.out_of_stock.add(change.pool)
+        return self.stock()
+
+    def stock(self) -> Stock:
+        return Stock(out_of_stock=sorted(self.out_of_stock))
+
+    def placeable(self, spec: dict[str, Any]) -> bool:
+        """Can a worker of this endpoint start? Not when every GPU pool it allows is out of stock."""
+        pools = (spec.get("gpu") or {}).get("pools") or []
+        return not pools or any(pool not in self.out_of_stock for pool in pools)
+
+    def counts(self) -> dict[str, int]:
+        """Faults injected so far by kind, every kind listed (0 when none)."""
+        kinds = [*ROUTE_ACTIONS, *(f"worker_{a}" for a in WORKER_ACTIONS)]
+        return {kind: self.injected[kind] for kind in kinds}
+
+
+def _prefix_matches(prefix: str | None, name: str | None) -> bool:
+    return prefix is None or (isinstance(name, str) and name.startswith(prefix))
+
+
+def _new_rule_id() -> str:
+    return f"fault-{secrets.token_hex(6)}"

@@ -1,0 +1,180 @@
+"""`/_localpod/faults`, `/_localpod/worker-faults` and `/_localpod/stock`: fault injection for tests
+and benchmarks (not RunPod's API, so no key, like the account), and `route_fault`, the hook the
+control-plane and job-API routes call to misbehave as a rule says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from starlette.types import Receive, Scope, Send
+
+from localpod.faults import RouteFault, RouteFaultRule, Stock, StockChange, WorkerFault, WorkerFaultRule
+from localpod.problems import ProblemError, problem_response
+from localpod.state import LocalpodState, get_state
+
+log = logging.getLogger("localpod.faults")
+router = APIRouter(prefix="/_localpod", tags=["localpod faults"])
+
+_POLL_S = 0.05
+
+
+@router.post("/faults", status_code=201)
+async def add_route_fault(rule: RouteFaultRule, state: LocalpodState = Depends(get_state)) -> RouteFault:
+    return state.faults.add_route_fault(rule)
+
+
+@router.get("/faults")
+async def list_route_faults(state: LocalpodState = Depends(get_state)) -> list[RouteFault]:
+    return state.faults.route_faults()
+
+
+@router.delete("/faults", status_code=204)
+async def clear_route_faults(state: LocalpodState = Depends(get_state)) -> Response:
+    state.faults.clear_route_faults()
+    return Response(status_code=204)
+
+
+@router.delete("/faults/{fault_id}", status_code=204)
+async def remove_route_fault(fault_id: str, state: LocalpodState = Depends(get_state)) -> Response:
+    if not state.faults.remove_route_fault(fault_id):
+        raise ProblemError(404, f"route fault {fault_id} not found")
+    return Response(status_code=204)
+
+
+@router.post("/worker-faults", status_code=201)
+async def add_worker_fault(rule: WorkerFaultRule, state: LocalpodState = Depends(get_state)) -> WorkerFault:
+    return state.faults.add_worker_fault(rule)
+
+
+@router.get("/worker-faults")
+async def list_worker_faults(state: LocalpodState = Depends(get_state)) -> list[WorkerFault]:
+    return state.faults.worker_faults()
+
+
+@router.delete("/worker-faults", status_code=204)
+async def clear_worker_faults(state: LocalpodState = Depends(get_state)) -> Response:
+    """Jobs that had a fault armed run on undisturbed."""
+    state.faults.clear_worker_faults()
+    return Response(status_code=204)
+
+
+@router.delete("/worker-faults/{fault_id}", status_code=204)
+async def remove_worker_fault(fault_id: str, state: LocalpodState = Depends(get_state)) -> Response:
+    if not state.faults.remove_worker_fault(fault_id):
+        raise ProblemError(404, f"worker fault {fault_id} not found")
+    return Response(status_code=204)
+
+
+@router.post("/stock")
+async def set_stock(change: StockChange, state: LocalpodState = Depends(get_state)) -> Stock:
+    return state.faults.set_stock(change)
+
+
+@router.get("/stock")
+async def get_stock(state: LocalpodState = Depends(get_state)) -> Stock:
+    return state.faults.stock()
+
+
+# --- the hook in the control-plane and job-API routes ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteFaultHit:
+    """What `route_fault` let through: nothing, or an act_then_500 to answer once the operation is done."""
+
+    route: str
+    act_then_500: bool
+
+    def after_action(self) -> None:
+        """Call once the operation took effect: an act_then_500 rule answers 500 now."""
+        if self.act_then_500:
+            raise InjectedAnswer(
+                problem_response(500, f"localpod fault injection: {self.route} was carried out, then answered 500")
+            )
+
+
+async def route_fault(
+    request: Request, route: str, *, endpoint_id: str | None = None, endpoint_name: str | None = None
+) -> RouteFaultHit:
+    """Apply the first route fault rule that matches this request, before the operation runs.
+
+    Raises `InjectedAnswer` for status_429, status_500 and drop; holds the request for hang. Name the
+    endpoint by id (any endpoint ever created) or, for a create, by the name in the body.
+    """
+    state = get_state(request)
+    if endpoint_id is not None:
+        endpoint = state.endpoints.get(endpoint_id)
+        endpoint_name = endpoint.spec["name"] if endpoint is not None else None
+    rule = state.faults.match_route(route, endpoint_name)
+    if rule is None:
+        return RouteFaultHit(route, act_then_500=False)
+    log.info("injecting %s on %s (endpoint %s)", rule.action, route, endpoint_name)
+    if rule.action == "status_429":
+        response = problem_response(429, f"localpod fault injection: {route} rate limited")
+        if rule.retry_after_s is not None:
+            response.headers["Retry-After"] = str(rule.retry_after_s)
+        raise InjectedAnswer(response)
+    if rule.action == "status_500":
+        raise InjectedAnswer(problem_response(500, f"localpod fault injection: {route} failed"))
+    if rule.action == "drop":
+        raise InjectedAnswer(_CutResponse())
+    if rule.action == "hang":
+        await _hang(request, state, rule.hang_s)
+    return RouteFaultHit(route, act_then_500=rule.action == "act_then_500")
+
+
+class InjectedAnswer(Exception):
+    """Raised by `route_fault`: answer with this response instead of the operation's."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__("injected fault")
+        self.response = response
+
+
+def install_fault_answers(app: FastAPI) -> None:
+    """Answer `InjectedAnswer`s, and keep uvicorn from logging a traceback for each injected drop."""
+
+    async def on_injected(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, InjectedAnswer)
+        return exc.response
+
+    app.add_exception_handler(InjectedAnswer, on_injected)
+    server_log = logging.getLogger("uvicorn.error")
+    if _quiet_drops not in server_log.filters:
+        server_log.addFilter(_quiet_drops)
+
+
+class ConnectionDropped(Exception):
+    """Raised mid-response by an injected drop: uvicorn then closes the connection; an in-process
+    `TestClient` raises it to the caller instead."""
+
+
+class _CutResponse(Response):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # ASGI servers close the connection when the app fails after the response started (uvicorn:
+        # transport.close()); a Content-Length never met makes httpx raise RemoteProtocolError.
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"64")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        raise ConnectionDropped("localpod fault injection: connection dropped")
+
+
+def _quiet_drops(record: logging.LogRecord) -> bool:
+    return not (record.exc_info and isinstance(record.exc_info[1], ConnectionDropped))
+
+
+async def _hang(request: Request, state: LocalpodState, seconds: float | None) -> None:
+    """Hold the request `seconds`, then let it go on; without `seconds`, until the client leaves."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while not state.closing:
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        if deadline is None and await request.is_disconnected():
+            break
+        await asyncio.sleep(_POLL_S)
+    if deadline is None:  # nobody is listening any more (or the server is stopping): carry nothing out
+        raise InjectedAnswer(problem_response(503, "localpod fault injection: request held until the client left"))
