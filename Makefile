@@ -19,6 +19,6 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml worker_image/pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
+	$(PIP) torch==2.13.0 hatchling
 	$(PIP) -e './worker_image[train]' -e '.[local,test]'
 	touch $@

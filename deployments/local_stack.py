@@ -143,13 +143,7 @@ class LocalStack:
     def _start(self) -> None:
         base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_", "HF_"))}
         self.prefect_port = self.prefect_port or free_port()
-        self.services["prefect"] = start_service(
-            "prefect server",
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.prefect_port)],
-            base | PREFECT_SERVER_ENV | {"PREFECT_HOME": str(self.home / "prefect-server")},
-            f"http://127.0.0.1:{self.prefect_port}", "/api/health",
-            self.home / "logs" / "prefect-server.log",
-        )
+        self._start_prefect()
         if self.with_hub:
             port = free_port()
             self.services["hub"] = start_service(
@@ -166,6 +160,24 @@ class LocalStack:
              "--worker-quota", str(self.worker_quota), "--log-dir", str(self.home / "logs" / "workers")],
             base | worker_env, f"http://127.0.0.1:{port}", "/_localpod/account", self.home / "logs" / "localpod.log",
         )
+
+    def _start_prefect(self) -> None:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_", "HF_"))}
+        self.services["prefect"] = start_service(
+            "prefect server",
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.prefect_port)],
+            base | PREFECT_SERVER_ENV | {"PREFECT_HOME": str(self.home / "prefect-server")},
+            f"http://127.0.0.1:{self.prefect_port}", "/api/health",
+            self.home / "logs" / "prefect-server.log",
+        )
+
+    def restart_prefect(self) -> float:
+        """Stop the Prefect server and start it again on the same port and database (as an operator's
+        upgrade would); returns the seconds it was down."""
+        stopped = time.monotonic()
+        self.services.pop("prefect").stop()
+        self._start_prefect()
+        return time.monotonic() - stopped
 
     def stop(self) -> None:
         # localpod first: it stops the workers it started.

@@ -15,8 +15,8 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from loraflow_worker.contract import LoraSettings, ModelSource, TrainingSettings
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from loraflow_worker.contract import GrpoSettings, LoraSettings, ModelSource, TrainingSettings, grpo_setting_problems
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.runpod.catalog import resolve_gpu
 
@@ -70,6 +70,25 @@ class ComputeSpec(_Section):
         return [resolve_gpu(n).name for n in names]
 
 
+class AttemptsSpec(_Section):
+    """When to give up on an attempt and start another (on a new endpoint, resuming from the last
+    checkpoint). Code failures are never retried."""
+
+    max_attempts: int = Field(default=3, ge=1, le=10, description="Attempts per run, the first included.")
+    queue_minutes: float = Field(
+        default=20, ge=1, le=24 * 60,
+        description="Longest wait for a worker to take the job before the GPU counts as out of capacity and the "
+        "next GPU of compute.gpu is tried. A cold pull of the worker image also waits here.",
+    )
+    startup_minutes: float = Field(
+        default=30, ge=1, le=24 * 60,
+        description="Longest time from the job starting to its first training step (model and data download).",
+    )
+    stall_minutes: float = Field(
+        default=15, ge=1, le=24 * 60, description="Longest time without training progress before the attempt counts as stalled."
+    )
+
+
 class RunSpec(_Section):
     """One LoRA fine-tuning run."""
 
@@ -78,12 +97,22 @@ class RunSpec(_Section):
         description="A short label for the run (lowercase letters, digits, dashes): shown in reports and "
         "endpoint names.",
     )
-    algorithm: Literal["sft"] = Field(default="sft", description="Training algorithm: `sft` (supervised fine-tuning).")
+    algorithm: Literal["sft", "grpo"] = Field(
+        default="sft",
+        description="Training algorithm: `sft` (supervised fine-tuning on chat `messages`) or `grpo` (reinforcement "
+        "learning from rewards on the dataset's prompts; fill in the GRPO section).",
+    )
     model: ModelSource = Field(description="The base model.")
     dataset: DatasetSpec = Field(description="The training data.")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="The LoRA adapter's shape.")
     training: TrainingSettings = Field(default_factory=TrainingSettings, description="Optimisation settings.")
+    grpo: GrpoSettings | None = Field(
+        default=None, validate_default=True,
+        description="GRPO settings (group size, lengths, temperature, KL coefficient, rewards): required when the "
+        "algorithm is `grpo`, refused otherwise.",
+    )
     compute: ComputeSpec = Field(default_factory=ComputeSpec, description="GPUs to rent.")
+    attempts: AttemptsSpec = Field(default_factory=AttemptsSpec, description="Retries of failed attempts.")
     artifact_store: str = Field(
         max_length=1024, pattern=ARTIFACT_STORE_PATTERN,
         description="Where the adapter, metrics and checkpoints go: `hf://datasets/<org>/<repo>` (a private "
@@ -99,6 +128,24 @@ class RunSpec(_Section):
         description="Refuse to start when the run's worst-case cost (GPU price × GPUs × deadline) is "
         "above this. Empty means no budget check.",
     )
+
+
+    @field_validator("grpo")
+    @classmethod
+    def _knobs_match_the_algorithm(cls, grpo: GrpoSettings | None, info: ValidationInfo) -> GrpoSettings | None:
+        # Fields validate in order (algorithm and training first), so this error carries the field `grpo`.
+        if "algorithm" not in info.data or "training" not in info.data:
+            return grpo
+        algorithm, training = info.data["algorithm"], info.data["training"]
+        problems = grpo_setting_problems(algorithm, grpo, training)
+        if algorithm == "grpo" and "max_seq_length" in training.model_fields_set:
+            problems.append(
+                "`training.max_seq_length` applies to sft only: for grpo set `grpo.max_prompt_length` and "
+                "`grpo.max_completion_length`, and remove `training.max_seq_length`"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return grpo
 
 
 class SpecError(ValueError):
@@ -134,3 +181,22 @@ def load_run_file(path: str | Path) -> RunSpec:
 def safe_label(text: str) -> str:
     """Lowercase letters, digits and dashes only: safe in endpoint names and artifact keys."""
     return re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")
+
+
+class ReconcilePolicy(_Section):
+    """What the `reconcile` flow deletes. Endpoints without loraflow's name prefix are never touched."""
+
+    dry_run: bool = Field(default=False, description="Report what would be deleted, delete nothing.")
+    silent_after_minutes: float = Field(
+        default=10, ge=0.1, le=7 * 24 * 60,
+        description="Delete the endpoints of a run that has not logged for this long: its process is gone. A live "
+        "run logs at least every LORAFLOW_HEARTBEAT_SECONDS (default 60 s); keep this well above that.",
+    )
+    idle_grace_minutes: int = Field(
+        default=45, ge=5, le=7 * 24 * 60,
+        description="Delete an endpoint older than this that has no queued or running job.",
+    )
+    min_age_minutes: float = Field(
+        default=2, ge=0, le=24 * 60,
+        description="Never delete an endpoint younger than this: its run may not have logged yet.",
+    )

@@ -24,31 +24,37 @@ from prefect.runtime import flow_run
 
 from flows.spec import RunSpec, SpecError, load_run_file
 from tasks.artifacts import RunResults, check_chat_jsonl, collect, publish_dataset_task
+from tasks.attempts import decide_next_attempt
 from tasks.cost import check_budget, worst_case_cost_usd
-from tasks.plan import plan_attempt, resolve_model_task
-from tasks.quota import ENDPOINT_LIMIT, SLOT_LEASE_SECONDS, ensure_endpoint_limit
+from tasks.plan import AttemptPlan, plan_attempt, resolve_model_task
+from tasks.quota import ENDPOINT_LIMIT, ensure_endpoint_limit
 from tasks.reports import RunReport, publish_report
 from tasks.runpod.catalog import resolve_gpu
-from tasks.runpod.errors import JobFailedError
+from tasks.runpod.errors import JobFailedError, is_transient
+from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.steps import create_endpoint, delete_endpoint, submit_job, wait_for_job
+from tasks.settings import Settings
+from tasks.teardown import delete_run_endpoints_hook
 
 
-@flow(name="train", log_prints=True)
+@flow(name="train", log_prints=True, on_crashed=[delete_run_endpoints_hook], on_cancellation=[delete_run_endpoints_hook])
 def train(spec: RunSpec) -> RunResults:
     """Fine-tune a LoRA adapter on a RunPod serverless GPU.
 
-    1. Prepare: check the budget, pin the model, publish a local dataset, plan the attempt.
-    2. Take one slot of the `runpod-endpoints` limit (the account's endpoint quota).
-    3. Create the run's endpoint (looked up by name first).
-    4. Submit the job once.
-    5. Wait for it, mirroring progress into the UI.
-    6. Delete the endpoint, confirmed, whatever happened.
-    7. Collect the results from the artifact store and publish the report.
+    1. Prepare: check the budget, pin the model, publish a local dataset, build the job.
+    2. For each attempt (a new endpoint each time, resuming from the last checkpoint):
+       a. take one slot of the `runpod-endpoints` limit (the account's endpoint quota);
+       b. create the attempt's endpoint (looked up by name first);
+       c. submit the job once;
+       d. wait for it, mirroring progress into the UI, and classify how it ended;
+       e. delete the endpoint, confirmed, whatever happened;
+       f. collect: results stored completely (`DONE`) end the run, whatever the job's status said;
+          otherwise retry or fail, per the outcome.
+    3. Publish the report.
     """
     logger = get_run_logger()
     run_id = flow_run.id or str(uuid.uuid4())
-    started = time.time()
-    deadline = started + spec.deadline_minutes * 60
+    deadline = time.time() + spec.deadline_minutes * 60
 
     # 1. Prepare: nothing is rented until this has passed.
     gpus = [resolve_gpu(name) for name in spec.compute.gpu]
@@ -63,48 +69,74 @@ def train(spec: RunSpec) -> RunResults:
     else:
         dataset = DatasetSource(hub_id=spec.dataset.hub_id, split=spec.dataset.split)
     job_input = JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset,
-                         lora=spec.lora, training=spec.training, artifact_store=spec.artifact_store,
+                         lora=spec.lora, training=spec.training, grpo=spec.grpo, artifact_store=spec.artifact_store,
                          deadline_epoch_s=deadline)
-    plan = plan_attempt(job_input=job_input, run_label=spec.name, gpu=gpus[0], gpu_count=spec.compute.gpu_count,
-                        disk_gb=spec.compute.disk_gb, deadline_epoch_s=deadline, now=time.time())
-    logger.info("Run %s: %s on %d × %s, cost ceiling $%.2f, endpoint %s", spec.name, model.id,
-                spec.compute.gpu_count, plan.gpu.name, cost_ceiling, plan.endpoint_name)
-
-    # 2-6. Hold one endpoint slot for exactly as long as the endpoint may exist.
+    logger.info("Run %s: %s, GPUs %s, cost ceiling $%.2f", spec.name, model.id, spec.compute.gpu, cost_ceiling)
     ensure_endpoint_limit()
-    with concurrency(ENDPOINT_LIMIT, occupy=1, strict=True, lease_duration=SLOT_LEASE_SECONDS,
-                     raise_on_lease_renewal_failure=False):
-        try:
-            endpoint = create_endpoint(plan.create_request)
-            job_id = submit_job(endpoint, plan.job_input.model_dump(mode="json"), plan.policy)
-            outcome = wait_for_job(endpoint, job_id, deadline=plan.deadline_epoch_s,
-                                   queue_allowance_s=plan.queue_allowance_s, progress_key=f"train-{spec.name}-progress")
-        finally:
-            delete_endpoint(plan.endpoint_name)
 
-    # 7. The artifacts decide success: `DONE` is written last, after everything else is stored.
-    results = collect(spec.artifact_store, run_id)
-    if not results.done:
-        reason = outcome.error or f"the job ended {outcome.status} without storing its results"
-        tail = f"\n--- worker console (last lines) ---\n{results.console_tail}" if results.console_tail else ""
-        trace = f"\n--- worker traceback ---\n{outcome.traceback}" if outcome.traceback else ""
-        raise JobFailedError(f"run {spec.name} {outcome.kind}: {reason}{trace}{tail}", job_id=outcome.job_id,
-                             status=outcome.status, error=outcome.error, console_tail=results.console_tail)
-    if outcome.kind != "completed":
-        logger.warning("Job ended %s but its results were stored completely; adopting them", outcome.kind)
+    # 2. Attempts.
+    gpu_index, billed_s = 0, 0.0
+    for attempt in range(1, spec.attempts.max_attempts + 1):
+        plan = plan_attempt(job_input=job_input.model_copy(update={"attempt": attempt}), run_label=spec.name,
+                            gpu=gpus[gpu_index], gpu_count=spec.compute.gpu_count, disk_gb=spec.compute.disk_gb,
+                            deadline_epoch_s=deadline, now=time.time(), queue_s=spec.attempts.queue_minutes * 60,
+                            startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60)
+        logger.info("Attempt %d on %d × %s: endpoint %s", attempt, spec.compute.gpu_count, plan.gpu.name, plan.endpoint_name)
+        outcome = run_attempt(plan, progress_key=f"train-{spec.name}-progress")
+        billed_s += outcome.running_seconds
+        results = collect(spec.artifact_store, run_id)
+        if results.done:
+            if outcome.kind != "completed":
+                logger.warning("Job ended %s but its results were stored completely; adopting them", outcome.kind)
+            break
+        decision = decide_next_attempt(outcome, gpus, gpu_index, attempt, spec.attempts.max_attempts,
+                                       seconds_left=deadline - time.time())
+        if not decision.retry:
+            raise run_failed(spec.name, outcome, results, decision.reason)
+        logger.warning("Attempt %d ended %s (%s); %s", attempt, outcome.kind, outcome.error, decision.reason)
+        gpu_index = decision.gpu_index
+
+    # 3. Report.
     assert results.result is not None
-    billed_hours = (outcome.running_seconds or results.result.metrics.wall_seconds) / 3600
     report = RunReport(
         run_name=spec.name, run_id=run_id, model=model.id, model_revision=model.revision, gpu=plan.gpu.name,
         gpu_count=spec.compute.gpu_count, endpoint_name=plan.endpoint_name, metrics=results.result.metrics,
         cost_ceiling_usd=cost_ceiling,
-        estimated_cost_usd=round(plan.gpu.usd_per_hour * spec.compute.gpu_count * billed_hours, 4),
-        adapter_url=results.adapter_url or "", store_url=spec.artifact_store,
+        estimated_cost_usd=round(plan.gpu.usd_per_hour * spec.compute.gpu_count * billed_s / 3600, 4),
+        adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,
         fast_paths=(results.manifest or {}).get("fast_paths"),
     )
     publish_report(report, key_prefix=f"train-{spec.name}")
     logger.info("Adapter: %s", results.adapter_url)
     return results
+
+
+def run_attempt(plan: AttemptPlan, progress_key: str) -> JobOutcome:
+    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always)."""
+    with concurrency(ENDPOINT_LIMIT, occupy=1, strict=True, lease_duration=Settings().loraflow_slot_lease_seconds,
+                     raise_on_lease_renewal_failure=False):
+        try:
+            endpoint = create_endpoint(plan.create_request)
+            submitted = submit_job(endpoint, plan.job_input.model_dump(mode="json"), plan.policy, return_state=True)
+            if not submitted.is_completed():
+                # `/run` is not idempotent: rather than POST again (maybe starting a second job), give this
+                # endpoint up (deleted below, with any job it got) and let a new attempt start clean.
+                error = submitted.result(raise_on_failure=False)
+                if not is_transient(error):
+                    raise error
+                return JobOutcome(kind="submit_failed", job_id="", status="UNKNOWN", error=str(error))
+            return wait_for_job(endpoint, submitted.result(), plan.limits, progress_key=progress_key)
+        finally:
+            # Deleting by name also covers a create that errored after RunPod made the endpoint.
+            delete_endpoint(plan.endpoint_name)
+
+
+def run_failed(run_name: str, outcome: JobOutcome, results: RunResults, reason: str) -> JobFailedError:
+    error = outcome.error or f"the job ended {outcome.status} without storing its results"
+    trace = f"\n--- worker traceback ---\n{outcome.traceback}" if outcome.traceback else ""
+    tail = f"\n--- worker console (last lines) ---\n{results.console_tail}" if results.console_tail else ""
+    return JobFailedError(f"run {run_name} {outcome.kind}: {error} [{reason}]{trace}{tail}", job_id=outcome.job_id,
+                          status=outcome.status, error=outcome.error, console_tail=results.console_tail)
 
 
 if __name__ == "__main__":
@@ -114,4 +146,6 @@ if __name__ == "__main__":
         run_spec = load_run_file(sys.argv[1])
     except SpecError as e:
         sys.exit(str(e))
-    train(run_spec)
+    final = train(run_spec, return_state=True)
+    print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
+    sys.exit(0 if final.is_completed() else 1)

@@ -14,12 +14,10 @@ from pydantic import BaseModel, Field
 
 from tasks.runpod.catalog import GpuClass
 from tasks.runpod.endpoints import build_create_request, endpoint_name
+from tasks.runpod.jobs import WatchLimits
 from tasks.runpod.models import CreateEndpoint, JobPolicy
 from tasks.settings import Settings
 
-QUEUE_ALLOWANCE_S = 20 * 60
-"""How long a job may sit IN_QUEUE before the run calls it "no capacity": a cold image pull of a
-multi-GB CUDA image also shows as IN_QUEUE, so this must cover one."""
 TEARDOWN_MARGIN_S = 5 * 60
 """RunPod's execution timeout and job TTL sit this far past the run's deadline, so the worker's own
 deadline fires first and can save its results."""
@@ -61,8 +59,7 @@ class AttemptPlan(BaseModel):
     create_request: CreateEndpoint
     job_input: JobInput
     policy: JobPolicy
-    deadline_epoch_s: float = Field(description="Unix time by which the run must be over.")
-    queue_allowance_s: float
+    limits: WatchLimits = Field(description="When the control plane gives up on this attempt.")
 
 
 def plan_attempt(
@@ -74,6 +71,9 @@ def plan_attempt(
     disk_gb: int,
     deadline_epoch_s: float,
     now: float,
+    queue_s: float,
+    startup_s: float,
+    stall_s: float,
     settings: Settings | None = None,
 ) -> AttemptPlan:
     settings = settings or Settings()
@@ -84,9 +84,11 @@ def plan_attempt(
         gpu=gpu,
         gpu_count=gpu_count,
         image=settings.loraflow_worker_image,
-        env=settings.worker_env(),
+        # The worker exits by itself at the run's deadline, even if no job ever reaches it.
+        env=settings.worker_env() | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
         disk_gb=disk_gb,
         execution_timeout_s=remaining + TEARDOWN_MARGIN_S,
+        image_min_cuda=settings.loraflow_image_min_cuda,
     )
     # A job past its TTL is deleted even while running: the TTL must outlast the whole run.
     policy = JobPolicy(execution_timeout=(remaining + TEARDOWN_MARGIN_S) * 1000, ttl=(remaining + 2 * TEARDOWN_MARGIN_S) * 1000)
@@ -98,6 +100,5 @@ def plan_attempt(
         create_request=request,
         job_input=job_input,
         policy=policy,
-        deadline_epoch_s=deadline_epoch_s,
-        queue_allowance_s=min(QUEUE_ALLOWANCE_S, remaining),
+        limits=WatchLimits(deadline_epoch_s=deadline_epoch_s, queue_s=queue_s, startup_s=startup_s, stall_s=stall_s),
     )

@@ -30,6 +30,7 @@ class RunReport(BaseModel):
     estimated_cost_usd: float
     adapter_url: str
     store_url: str
+    attempts: int = 1
     fast_paths: dict[str, Any] | None = None
 
 
@@ -48,6 +49,7 @@ def summary_markdown(report: RunReport) -> str:
         ("Adapter", report.adapter_url),
         ("Artifact store", report.store_url),
         ("Endpoint", f"`{report.endpoint_name}` (deleted)"),
+        ("Attempts", str(report.attempts)),
     ]
     lines = [f"# Run `{report.run_name}` completed", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tasks.quota import SLOT_LEASE_SECONDS
 from tasks.runpod.client import API_URL, JOB_URL
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/loraflow/worker:0.1.0"
@@ -27,6 +28,22 @@ class Settings(BaseSettings):
     hf_token: SecretStr | None = Field(default=None, description="Hugging Face token for private models and the hf:// artifact store.")
     hf_endpoint: str | None = Field(default=None, description="Hugging Face Hub URL; unset means huggingface.co.")
     loraflow_worker_image: str = Field(default=DEFAULT_WORKER_IMAGE, description="Worker image the endpoints run.")
+    loraflow_image_min_cuda: str = Field(
+        default="13.0", pattern=r"^\d+\.\d+$",
+        description="Lowest host CUDA version the worker image runs on (its torch build): endpoints ask for at "
+        "least this and at least the GPU's own minimum.",
+    )
+    loraflow_heartbeat_seconds: int = Field(
+        default=60, ge=1, le=3600,
+        description="A waiting run logs at least this often, so the reconciler can tell a live run from one whose "
+        "process died (set the reconcile policy's silent_after_minutes well above this).",
+    )
+    loraflow_slot_lease_seconds: int = Field(
+        # Prefect's server refuses leases shorter than 60 s (422).
+        default=SLOT_LEASE_SECONDS, ge=60, le=3600,
+        description="Lease of a run's endpoint slot: a crashed run's slot frees this long (+ up to 15 s) after its "
+        "last renewal. Shorter frees slots sooner; longer survives longer server hiccups.",
+    )
 
     def api_key(self) -> str:
         """The RunPod key from the environment, else from the Prefect Secret block."""

@@ -21,3 +21,11 @@ def test_every_deployment_points_at_an_existing_flow():
     for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]:
         path, _, name = deployment["entrypoint"].partition(":")
         assert f"def {name}(" in (REPO / path).read_text(), deployment["entrypoint"]
+
+
+def test_prefect_yaml_reconcile_parameters_are_a_valid_policy():
+    from flows.spec import ReconcilePolicy
+
+    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+    policy = ReconcilePolicy.model_validate(deployments["interval"]["parameters"]["policy"])
+    assert not policy.dry_run

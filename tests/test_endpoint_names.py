@@ -44,3 +44,12 @@ def test_catalog_has_the_known_gpus_and_aliases():
     assert resolve_gpu("4090").pool == "ADA_24"
     with pytest.raises(ValueError, match="known GPUs"):
         resolve_gpu("v100")
+
+
+def test_endpoint_asks_for_the_higher_of_the_cards_and_the_images_cuda():
+    common = dict(name="loraflow-x", gpu_count=1, image="img", env={}, disk_gb=40, execution_timeout_s=600)
+    h100 = build_create_request(gpu=resolve_gpu("h100"), image_min_cuda="13.0", **common)
+    assert h100.gpu.min_cuda_version == "13.0"
+    b200 = build_create_request(gpu=resolve_gpu("b200"), image_min_cuda="12.11", **common)
+    assert b200.gpu.min_cuda_version == "13.0"
+    assert build_create_request(gpu=resolve_gpu("h100"), image_min_cuda="12.11", **common).gpu.min_cuda_version == "12.11"

@@ -7,7 +7,7 @@ import pytest
 
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.jobs import MAX_CONSECUTIVE_READ_ERRORS, parse_worker_error, watch_job
+from tasks.runpod.jobs import MAX_CONSECUTIVE_READ_ERRORS, WatchLimits, parse_worker_error, watch_job
 
 
 class FakeClock:
@@ -23,7 +23,7 @@ class FakeClock:
 
 
 def scripted_client(answers, seen=None):
-    """A real RunpodClient whose transport replays (status code, body) answers in order."""
+    """A real RunpodClient whose transport replays (status code, body) answers in order, the last forever."""
     answers = list(answers)
 
     def handler(request):
@@ -37,62 +37,95 @@ def scripted_client(answers, seen=None):
     return RunpodClient("key", transport=httpx.MockTransport(handler))
 
 
-def watch(client, clock, deadline_in=3600, queue_allowance=600, **kw):
-    return watch_job(client, "ep1", "job1", deadline=clock.now + deadline_in, queue_allowance_s=queue_allowance,
-                     clock=clock, sleep=clock.sleep, **kw)
+def job(status, **fields):
+    return 200, {"id": "job1", "status": status, **fields}
+
+
+def training(step, loss=1.0):
+    return job("IN_PROGRESS", output={"kind": "progress", "stage": "training", "step": step, "total_steps": 100, "loss": loss})
+
+
+def watch(client, clock, deadline_in=3600, queue=600, startup=300, stall=120, **kw):
+    limits = WatchLimits(deadline_epoch_s=clock.now + deadline_in, queue_s=queue, startup_s=startup, stall_s=stall)
+    return watch_job(client, "ep1", "job1", limits, clock=clock, sleep=clock.sleep, **kw)
 
 
 def test_completed_job_returns_its_output():
     clock = FakeClock()
-    client = scripted_client([
-        (200, {"id": "job1", "status": "IN_QUEUE"}),
-        (200, {"id": "job1", "status": "IN_PROGRESS", "output": {"step": 1}}),
-        (200, {"id": "job1", "status": "COMPLETED", "output": {"ok": True}, "delayTime": 1500, "executionTime": 9000}),
-    ])
+    client = scripted_client([job("IN_QUEUE"), training(1),
+                              job("COMPLETED", output={"ok": True}, delayTime=1500, executionTime=9000)])
     outcome = watch(client, clock)
-    assert outcome.kind == "completed"
+    assert outcome.kind == "completed" and not outcome.retriable
     assert outcome.output == {"ok": True}
     assert outcome.queued_seconds == 1.5 and outcome.running_seconds == 9.0
 
 
-def test_failed_job_carries_the_workers_message_and_traceback():
-    error = json.dumps({"error_type": "ValueError", "error_message": "bad column", "error_traceback": "Traceback..."})
-    clock = FakeClock()
-    outcome = watch(scripted_client([(200, {"id": "job1", "status": "FAILED", "error": error})]), clock)
-    assert outcome.kind == "failed"
+def test_handler_exception_is_a_code_failure_with_message_and_traceback():
+    error = json.dumps({"error_type": "<class 'ValueError'>", "error_message": "bad column", "error_traceback": "Traceback..."})
+    outcome = watch(scripted_client([job("FAILED", error=error)]), FakeClock())
+    assert outcome.kind == "failed" and not outcome.retriable
     assert outcome.error == "ValueError: bad column"
     assert outcome.traceback == "Traceback..."
 
 
-def test_runpods_class_repr_error_type_is_shortened():
-    error = json.dumps({"error_type": "<class 'loraflow_worker.handler.JobRefused'>", "error_message": "bad"})
-    assert parse_worker_error(error) == ("JobRefused: bad", None)
+def test_out_of_memory_is_its_own_retriable_outcome():
+    error = json.dumps({"error_type": "<class 'RuntimeError'>", "error_message": "out of memory: CUDA out of memory. Tried to allocate 2 GiB"})
+    outcome = watch(scripted_client([job("FAILED", error=error)]), FakeClock())
+    assert outcome.kind == "out_of_memory" and outcome.retriable
 
 
-def test_plain_text_worker_error_is_kept_as_is():
-    assert parse_worker_error("worker exited with code 137") == ("worker exited with code 137", None)
+def test_worker_dying_without_a_result_is_worker_lost():
+    outcome = watch(scripted_client([training(3), job("FAILED", error="worker exited with code -9 without a result")]), FakeClock())
+    assert outcome.kind == "worker_lost" and outcome.retriable
+    assert outcome.last_step == 3
 
 
 def test_job_that_never_leaves_the_queue_is_no_capacity_and_cancelled():
     seen = []
     clock = FakeClock()
-    outcome = watch(scripted_client([(200, {"id": "job1", "status": "IN_QUEUE"})], seen), clock, queue_allowance=60)
-    assert outcome.kind == "no_capacity"
+    outcome = watch(scripted_client([job("IN_QUEUE")], seen), clock, queue=60)
+    assert outcome.kind == "no_capacity" and outcome.retriable
     assert 60 <= outcome.queued_seconds <= 63
     assert any(r.url.path.endswith("/cancel/job1") for r in seen)
 
 
+def test_job_requeued_after_starting_is_preempted():
+    outcome = watch(scripted_client([training(5), job("IN_QUEUE")]), FakeClock())
+    assert outcome.kind == "preempted" and outcome.retriable
+
+
+def test_no_first_training_step_within_the_startup_allowance_is_stalled():
+    clock = FakeClock()
+    loading = job("IN_PROGRESS", output={"kind": "progress", "stage": "loading", "step": 0})
+    outcome = watch(scripted_client([loading]), clock, startup=300, stall=60)
+    assert outcome.kind == "stalled"
+    assert 300 <= clock.now - 1000 <= 303, "the longer startup allowance applies before the first step"
+
+
+def test_no_progress_after_training_started_is_stalled_after_the_stall_allowance():
+    clock = FakeClock()
+    outcome = watch(scripted_client([training(1), training(2), training(7)]), clock, stall=60, startup=3000)
+    assert outcome.kind == "stalled"
+    assert "after step 7" in outcome.error
+    assert clock.now - 1000 <= 70
+
+
+def test_steady_progress_is_not_stalled():
+    clock = FakeClock()
+    answers = [training(step) for step in range(1, 200)] + [job("COMPLETED")]
+    assert watch(scripted_client(answers), clock, stall=5).kind == "completed"
+
+
 def test_deadline_ends_a_running_job_as_timed_out():
     clock = FakeClock()
-    outcome = watch(scripted_client([(200, {"id": "job1", "status": "IN_PROGRESS"})]), clock, deadline_in=30)
-    assert outcome.kind == "timed_out"
+    outcome = watch(scripted_client([training(1)]), clock, deadline_in=30)
+    assert outcome.kind == "timed_out" and not outcome.retriable
     assert clock.now == pytest.approx(1030.0)
 
 
 def test_a_few_transient_read_errors_are_tolerated():
-    clock = FakeClock()
-    client = scripted_client([(503, {"detail": "x"})] * 3 + [(200, {"id": "job1", "status": "COMPLETED"})])
-    assert watch(client, clock).kind == "completed"
+    client = scripted_client([(503, {"detail": "x"})] * 3 + [job("COMPLETED")])
+    assert watch(client, FakeClock()).kind == "completed"
 
 
 def test_persistent_read_errors_are_raised():
@@ -111,11 +144,15 @@ def test_permanent_read_errors_are_raised_at_once():
 
 def test_progress_is_reported_to_the_callback():
     seen = []
-    clock = FakeClock()
-    client = scripted_client([
-        (200, {"id": "job1", "status": "IN_PROGRESS", "output": {"step": 3, "total_steps": 10}}),
-        (200, {"id": "job1", "status": "COMPLETED"}),
-    ])
-    watch(client, clock, on_status=seen.append)
+    watch(scripted_client([training(3), job("COMPLETED")]), FakeClock(), on_status=seen.append)
     assert [s.status for s in seen] == ["IN_PROGRESS", "COMPLETED"]
     assert seen[0].output["step"] == 3
+
+
+def test_runpods_class_repr_error_type_is_shortened():
+    error = json.dumps({"error_type": "<class 'loraflow_worker.handler.JobRefused'>", "error_message": "bad"})
+    assert parse_worker_error(error) == ("JobRefused: bad", None, True)
+
+
+def test_plain_text_error_is_kept_as_is_and_not_from_the_handler():
+    assert parse_worker_error("worker exited with code 137") == ("worker exited with code 137", None, False)

@@ -148,3 +148,43 @@ def test_run_file_that_is_not_toml_is_refused(tmp_path):
 def test_missing_run_file_is_refused(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
         load_run_file(tmp_path / "nope.toml")
+
+
+GRPO = {"num_generations": 4, "rewards": [{"name": "digit_fraction"}]}
+
+
+def test_grpo_run_with_its_section_is_accepted():
+    spec = RunSpec.model_validate(minimal(algorithm="grpo", grpo=GRPO, training={"batch_size": 8}))
+    assert spec.grpo.num_generations == 4
+
+
+def test_grpo_without_its_section_is_refused_naming_grpo():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(algorithm="grpo"))
+    assert "grpo" in error_fields(e.value)
+
+
+def test_grpo_section_on_an_sft_run_is_refused():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(algorithm="sft", grpo=GRPO))
+    assert "grpo" in error_fields(e.value)
+    assert "algorithm" in str(e.value)
+
+
+def test_grpo_batch_must_hold_whole_groups():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(algorithm="grpo", grpo=GRPO, training={"batch_size": 6}))
+    assert "num_generations" in str(e.value)
+
+
+def test_sft_only_knob_is_refused_for_grpo():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(algorithm="grpo", grpo=GRPO, training={"batch_size": 8, "max_seq_length": 256}))
+    assert "max_seq_length" in str(e.value)
+
+
+def test_unknown_reward_field_is_refused_with_its_path():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(algorithm="grpo", grpo={"rewards": [{"name": "format", "patern": "x"}]},
+                                       training={"batch_size": 8}))
+    assert "grpo.rewards.0.patern" in error_fields(e.value)

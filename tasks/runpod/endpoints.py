@@ -45,8 +45,10 @@ def build_create_request(
     env: dict[str, str],
     disk_gb: int,
     execution_timeout_s: int,
+    image_min_cuda: str = "0.0",
 ) -> CreateEndpoint:
-    """One endpoint per run attempt, capped at one worker: one quota slot = one endpoint."""
+    """One endpoint per run attempt, capped at one worker: one quota slot = one endpoint. Hosts must
+    have the CUDA version both the card and the image need."""
     return CreateEndpoint(
         name=name,
         image=image,
@@ -56,11 +58,16 @@ def build_create_request(
             pools=[gpu.pool],
             excluded_types=list(gpu.exclude) or None,
             count=gpu_count,
-            min_cuda_version=gpu.min_cuda,
+            min_cuda_version=max(gpu.min_cuda, image_min_cuda, key=_cuda_key),
         ),
         workers=Workers(min=0, max=1, idle_timeout=5),
         timeout=execution_timeout_s * 1000,
     )
+
+
+def _cuda_key(version: str) -> tuple[int, ...]:
+    # Compared as numbers, as RunPod does: 12.11 is above 12.2.
+    return tuple(int(part) for part in version.split("."))
 
 
 def ensure_endpoint(client: RunpodClient, request: CreateEndpoint) -> Endpoint:
@@ -104,3 +111,9 @@ def delete_endpoints_named(client: RunpodClient, name: str) -> list[str]:
     for endpoint_id in ids:
         delete_endpoint_confirmed(client, endpoint_id)
     return ids
+
+
+def run_endpoints(client: RunpodClient, run_id: str) -> list[Endpoint]:
+    """Every endpoint of any attempt of this run (found by name: no memory needed)."""
+    marker = f"-{run_endpoint_prefix(run_id)}"
+    return [e for e in client.list_endpoints() if e.name.startswith(ENDPOINT_PREFIX) and marker in e.name]

@@ -17,8 +17,8 @@ from prefect.tasks import exponential_backoff
 
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.endpoints import delete_endpoints_named, ensure_endpoint
-from tasks.runpod.jobs import JobOutcome, watch_job
+from tasks.runpod.endpoints import delete_endpoint_confirmed, delete_endpoints_named, ensure_endpoint
+from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, JobStatus, RunRequest
 from tasks.settings import Settings
 
@@ -66,35 +66,36 @@ def submit_job(endpoint: Endpoint, job_input: dict[str, Any], policy: JobPolicy)
 
 
 @task(name="wait-for-job", cache_policy=NO_CACHE)
-def wait_for_job(endpoint: Endpoint, job_id: str, *, deadline: float, queue_allowance_s: float,
-                 poll_interval_s: float = 2.0, progress_key: str | None = None) -> JobOutcome:
+def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_interval_s: float = 2.0,
+                 progress_key: str | None = None) -> JobOutcome:
     """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log."""
     logger = get_run_logger()
+    heartbeat_s = Settings().loraflow_heartbeat_seconds
     artifact_id = create_progress_artifact(progress=0.0, key=progress_key, description="Training progress")
-    last: dict[str, Any] = {"status": None, "step": -1}
+    last: dict[str, Any] = {"status": None, "progress": None, "logged": time.monotonic()}
 
     def on_status(status: JobStatus) -> None:
+        now = time.monotonic()
+        progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
         if status.status != last["status"]:
             logger.info("Job %s is %s", job_id, status.status)
-            last["status"] = status.status
-        progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
-        if not progress or progress.get("step", -1) == last["step"] and progress.get("stage") == last.get("stage"):
-            return
-        last["step"], last["stage"] = progress.get("step", -1), progress.get("stage")
-        total = progress.get("total_steps")
-        step = progress.get("step", 0)
-        loss = progress.get("loss")
-        logger.info("[%s] step %s/%s%s %s", progress.get("stage", "?"), step, total or "?",
-                    f" loss {loss:.4f}" if isinstance(loss, (int, float)) else "", progress.get("message", ""))
-        if total:
-            update_progress_artifact(artifact_id=artifact_id, progress=min(100.0, 100.0 * step / total))
+            last.update(status=status.status, logged=now)
+        if progress and progress != last["progress"]:
+            last.update(progress=progress, logged=now)
+            step, total, loss = progress.get("step", 0), progress.get("total_steps"), progress.get("loss")
+            logger.info("[%s] step %s/%s%s %s", progress.get("stage", "?"), step, total or "?",
+                        f" loss {loss:.4f}" if isinstance(loss, (int, float)) else "", progress.get("message", ""))
+            if total:
+                update_progress_artifact(artifact_id=artifact_id, progress=min(100.0, 100.0 * step / total))
+        elif now - last["logged"] >= heartbeat_s:
+            logger.info("Job %s still %s", job_id, status.status)
+            last["logged"] = now
 
     with make_client() as client:
-        outcome = watch_job(client, endpoint.id, job_id, deadline=deadline, queue_allowance_s=queue_allowance_s,
-                            poll_interval_s=poll_interval_s, on_status=on_status)
+        outcome = watch_job(client, endpoint.id, job_id, limits, poll_interval_s=poll_interval_s, on_status=on_status)
     if outcome.kind == "completed":
         update_progress_artifact(artifact_id=artifact_id, progress=100.0)
-    logger.info("Job %s ended: %s", job_id, outcome.kind)
+    logger.info("Job %s ended: %s%s", job_id, outcome.kind, f" ({outcome.error})" if outcome.error else "")
     return outcome
 
 
@@ -105,3 +106,10 @@ def delete_endpoint(name: str) -> list[str]:
         deleted = delete_endpoints_named(client, name)
     get_run_logger().info("Deleted endpoint(s) %s named %s", deleted or "(none)", name)
     return deleted
+
+
+@task(name="delete-endpoint-by-id", **_RETRIES)
+def delete_endpoint_by_id(endpoint_id: str) -> None:
+    """Delete one endpoint, confirmed by a 404 on GET. Safe to call when absent."""
+    with make_client() as client:
+        delete_endpoint_confirmed(client, endpoint_id)

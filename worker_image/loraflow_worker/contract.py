@@ -11,10 +11,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 CONTRACT_VERSION = 1
 """Bump when a change to `JobInput` or `JobResult` is not backwards compatible."""
+
+MAX_EXTRA_PACKAGES = 20
+_REQUIREMENT = re.compile(
+    r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"  # project name (PEP 508)
+    r"(?:\[[A-Za-z0-9._-]+(?:,[A-Za-z0-9._-]+)*\])?"  # extras
+    r"(?:(?:==|!=|<=|>=|~=|<|>)[A-Za-z0-9.*+!]+(?:,(?:==|!=|<=|>=|~=|<|>)[A-Za-z0-9.*+!]+)*)?$"  # versions
+)
+"""A plain requirement: name, extras, version specifiers. No URLs, paths, markers or pip options, so a job
+cannot point pip at another index or pass it flags."""
 
 
 class _Strict(BaseModel):
@@ -88,6 +99,146 @@ class TrainingSettings(_Strict):
     max_seq_length: int = Field(default=1024, ge=8, le=262_144, description="Tokens per example; longer examples are truncated.")
     seed: int = Field(default=42, ge=0, le=2**31 - 1, description="Random seed for data order and adapter initialisation.")
     logging_steps: int = Field(default=1, ge=1, le=100_000, description="Record loss every this many steps.")
+    checkpoint_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="Save a resumable checkpoint (adapter, optimizer, scheduler, RNG) to the artifact store "
+        "every this many optimizer steps, so a new attempt of the run resumes there. At most one checkpoint "
+        "is stored per minute (the Hub's commit quota); a save that comes sooner stays local. None saves no "
+        "checkpoints: a new attempt starts over.",
+    )
+    keep_checkpoints: int = Field(
+        default=1, ge=1, le=100,
+        description="Checkpoints kept in the artifact store; older ones are deleted in the commit that adds a new one.",
+    )
+
+
+BUILTIN_REWARD_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "exact_match": (("column",), ("pattern",)),
+    "normalized_match": (("column",), ("pattern",)),
+    "numeric_match": (("column",), ("pattern", "tolerance")),
+    "format": (("pattern",), ()),
+    "length_penalty": (("target_length",), ()),
+    "digit_fraction": ((), ()),
+}
+"""The worker's built-in rewards (`loraflow_worker.rewards`): name -> (required, optional) parameters."""
+_REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")
+_USER_REWARD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class RewardSpec(_Strict):
+    """One reward function of a GRPO run and its weight in the total reward."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        description="A built-in reward (`exact_match`, `normalized_match`, `numeric_match`, `format`, "
+        "`length_penalty`, `digit_fraction`) or a user reward `package.module:function` importable on the "
+        "worker (e.g. installed with `extra_packages`); it is called as TRL calls reward functions, with "
+        "`prompts`, `completions`, `completion_ids` and every dataset column as keyword arguments.",
+    )
+    weight: float = Field(default=1.0, ge=-1000.0, le=1000.0, description="Factor of this reward in the summed reward.")
+    column: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Match rewards: the dataset column holding the reference answer. For chat `messages` "
+        "datasets the last assistant turn is available as the column `answer`.",
+    )
+    pattern: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1000,
+        description="A Python regular expression. `format`: the reward is 1 when it is found in the completion "
+        "(anchor it with `^...$` to require the whole text). Match rewards: extracts the final answer from the "
+        "completion (its first group, or the whole match); the last match counts. Unset: the whole completion "
+        "(`numeric_match`: its last number).",
+    )
+    target_length: int | None = Field(
+        default=None,
+        ge=1,
+        le=262_144,
+        description="`length_penalty`: completions up to this many tokens get 0; longer ones get minus the "
+        "excess as a fraction of this length, down to -1.",
+    )
+    tolerance: float | None = Field(
+        default=None, ge=0.0, description="`numeric_match`: largest absolute difference that still counts as equal (default 1e-6)."
+    )
+
+    @model_validator(mode="after")
+    def _known_reward_and_its_parameters(self) -> RewardSpec:
+        given = [p for p in _REWARD_PARAMS if getattr(self, p) is not None]
+        if self.name in BUILTIN_REWARD_PARAMS:
+            required, optional = BUILTIN_REWARD_PARAMS[self.name]
+            for param in required:
+                if getattr(self, param) is None:
+                    raise ValueError(f"reward `{self.name}` needs `{param}`: set it in this reward's entry")
+            for param in given:
+                if param not in required + optional:
+                    takes = ", ".join(f"`{p}`" for p in required + optional) or "no parameters"
+                    raise ValueError(f"reward `{self.name}` takes {takes}, not `{param}`: remove `{param}`")
+        elif _USER_REWARD.match(self.name):
+            if given:
+                raise ValueError(
+                    f"user reward `{self.name}` takes no `{given[0]}`: user rewards receive every dataset column "
+                    "as a keyword argument; remove it"
+                )
+        else:
+            valid = ", ".join(sorted(BUILTIN_REWARD_PARAMS))
+            raise ValueError(f"unknown reward `{self.name}`: use one of {valid}, or `package.module:function` for a user reward")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"reward `{self.name}`: `pattern` {self.pattern!r} is not a valid regular expression: {e}") from e
+        return self
+
+
+class GrpoSettings(_Strict):
+    """GRPO (group relative policy optimisation, TRL `GRPOTrainer`): for each prompt the model writes
+    `num_generations` completions, the rewards score them, and the adapter learns from each completion's
+    reward relative to its group. Learning rate, steps, batch size and seed come from the training settings;
+    `batch_size` counts completions, so `batch_size × gradient_accumulation_steps` must be a multiple of
+    `num_generations`."""
+
+    num_generations: int = Field(default=8, ge=2, le=256, description="Completions per prompt (the group size). At least 2.")
+    max_prompt_length: int = Field(
+        default=512,
+        ge=8,
+        le=262_144,
+        description="Prompt tokens (chat template applied). Longer prompts are left out of training, with a warning.",
+    )
+    max_completion_length: int = Field(default=512, ge=1, le=262_144, description="Tokens generated per completion at most.")
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="Sampling temperature of the completions.")
+    beta: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=100.0,
+        description="KL coefficient: how strongly the adapter is held near the base model. 0 (TRL's default) "
+        "skips the reference model entirely.",
+    )
+    rewards: list[RewardSpec] = Field(min_length=1, max_length=32, description="The reward functions, summed with their weights.")
+
+
+def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: TrainingSettings) -> list[str]:
+    """What is wrong with a job's GRPO settings for `algorithm` (empty when nothing). Shared by the worker's
+    `JobInput` and the control plane's run spec, so both refuse the same jobs with the same words."""
+    if algorithm != "grpo":
+        return [] if grpo is None else [
+            f"`grpo` is set but algorithm is '{algorithm}': remove the `grpo` section or set algorithm to 'grpo'"
+        ]
+    if grpo is None:
+        return ["algorithm is 'grpo' but `grpo` is not set: add a `grpo` section with at least one reward"]
+    completions = training.batch_size * training.gradient_accumulation_steps
+    if completions % grpo.num_generations:
+        return [
+            f"`training.batch_size` × `training.gradient_accumulation_steps` ({training.batch_size} × "
+            f"{training.gradient_accumulation_steps} = {completions} completions per step) must be a multiple of "
+            f"`grpo.num_generations` ({grpo.num_generations}): every prompt's group must fit in one step; "
+            f"e.g. set batch_size to {grpo.num_generations * max(1, round(training.batch_size / grpo.num_generations))}"
+        ]
+    return []
 
 
 class JobInput(_Strict):
@@ -97,11 +248,14 @@ class JobInput(_Strict):
     mode: Literal["train"] = Field(default="train", description="What the worker should do.")
     run_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="The Prefect flow run id.")
     attempt: int = Field(default=1, ge=1, le=100, description="Attempt number of this run (1 for the first try).")
-    algorithm: Literal["sft"] = Field(default="sft", description="Training algorithm.")
+    algorithm: Literal["sft", "grpo"] = Field(default="sft", description="Training algorithm: `sft` or `grpo`.")
     model: ModelSource
     dataset: DatasetSource
     lora: LoraSettings = Field(default_factory=LoraSettings)
     training: TrainingSettings = Field(default_factory=TrainingSettings)
+    grpo: GrpoSettings | None = Field(
+        default=None, validate_default=True, description="GRPO settings: required when `algorithm` is `grpo`, refused otherwise."
+    )
     artifact_store: str = Field(
         min_length=1,
         max_length=1024,
@@ -110,6 +264,34 @@ class JobInput(_Strict):
     deadline_epoch_s: float | None = Field(
         default=None, description="Unix time by which the worker must have stopped; None means no deadline."
     )
+    extra_packages: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_EXTRA_PACKAGES,
+        description="pip requirements installed on the worker before training, e.g. `[\"sympy==1.13.3\"]`: "
+        "name, optional extras and version specifiers only (no URLs or pip options). The image's training "
+        "stack (torch, transformers, ...) is held at its installed versions.",
+    )
+
+    @field_validator("extra_packages")
+    @classmethod
+    def _plain_requirements(cls, packages: list[str]) -> list[str]:
+        for package in packages:
+            if len(package) > 200 or not _REQUIREMENT.match(package.replace(" ", "")):
+                raise ValueError(
+                    f"{package!r} is not a plain pip requirement: use `name`, `name==1.2.3` or "
+                    "`name[extra]>=1,<2` (no URLs, paths, markers or options)"
+                )
+        return [package.replace(" ", "") for package in packages]
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_settings_match_the_algorithm(cls, grpo: GrpoSettings | None, info: ValidationInfo) -> GrpoSettings | None:
+        # A field validator (fields validate in order: algorithm and training first) so errors carry `grpo`.
+        if "algorithm" in info.data and "training" in info.data:
+            problems = grpo_setting_problems(info.data["algorithm"], grpo, info.data["training"])
+            if problems:
+                raise ValueError("; ".join(problems))
+        return grpo
 
 
 class TrainMetrics(_Strict):
@@ -117,6 +299,9 @@ class TrainMetrics(_Strict):
 
     steps: int = Field(description="Optimizer steps taken.")
     losses: list[tuple[int, float]] = Field(description="(step, training loss) pairs, in step order.")
+    rewards: list[tuple[int, float]] = Field(
+        default_factory=list, description="GRPO: (step, mean total reward of the step's completions) pairs; empty for SFT."
+    )
     first_loss: float | None = Field(description="Loss at the first logged step.")
     final_loss: float | None = Field(description="Loss at the last logged step.")
     tokens: int = Field(description="Training tokens processed (non-padding).")
@@ -144,6 +329,8 @@ class Progress(_Strict):
     step: int = Field(default=0, description="Optimizer steps done.")
     total_steps: int | None = Field(default=None, description="Optimizer steps planned, when known.")
     loss: float | None = Field(default=None, description="Latest training loss.")
+    tokens_per_second: float | None = Field(default=None, description="Training tokens per second in this attempt so far.")
+    eta_seconds: float | None = Field(default=None, description="Estimated seconds until training ends.")
     message: str = Field(default="", max_length=2000, description="Free text for the log.")
 
 

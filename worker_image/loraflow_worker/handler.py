@@ -13,12 +13,15 @@ Locally, one job through runpod's test mode (no server involved):
 
 (the dataset must already be in the store at `store_path`). The job's artifacts land under
 `runs/<run_id>/` in the store, `DONE` last; a redelivered job whose `DONE` exists returns the stored
-result without training again.
+result without training again. The training itself runs in a child process (supervisor.py); the job
+succeeded when `DONE` is in the store, whatever that process's exit code. A failed job leaves its
+console tail in `runs/<run_id>/console.txt`. The worker exits by itself at the run's deadline
+(lifetime.py).
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
 import shutil
@@ -29,30 +32,30 @@ from typing import Any
 import runpod
 from pydantic import ValidationError
 
-from loraflow_worker.artifacts import ArtifactStore, open_store
+from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, JobResult, Progress, run_prefix
+from loraflow_worker.lifetime import WorkerLifetime
+from loraflow_worker.packages import install_extra_packages
 from loraflow_worker.redaction import redact_secrets
-from loraflow_worker.sft import TrainOutcome, train_sft
+from loraflow_worker.supervisor import JobFailed, run_training
 
 WORK_DIR_ENV = "LORAFLOW_WORK_DIR"
 """Folder under which the worker keeps the current job's files (default: the system temp folder)."""
 
 log = logging.getLogger("loraflow_worker")
 
+__all__ = ["JobFailed", "JobRefused", "WORK_DIR_ENV", "fresh_work_dir", "handler", "parse_job_input"]
+
 
 class JobRefused(ValueError):
     """The job input is not one this worker can run (wrong contract version, invalid fields)."""
 
 
-class JobFailed(RuntimeError):
-    """A failure whose message had to be redacted before leaving the worker."""
-
-
-def handler(job: dict[str, Any]) -> dict[str, Any]:
+def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> dict[str, Any]:
     """Run one RunPod job (`{"id": ..., "input": <JobInput as JSON>}`) and return its `JobResult`.
     Errors propagate (the runpod runtime reports them as the job's `error`), with secrets removed."""
     try:
-        return _run(job)
+        return _run(job, lifetime)
     except Exception as exc:
         message = str(exc)
         redacted = redact_secrets(message)
@@ -87,53 +90,44 @@ def fresh_work_dir() -> Path:
     return work_dir
 
 
-def _run(job: dict[str, Any]) -> dict[str, Any]:
+def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]:
     job_input = parse_job_input(job.get("input"))
+    if lifetime is not None:
+        lifetime.use_deadline(job_input.deadline_epoch_s)
     store = open_store(job_input.artifact_store)
     prefix = run_prefix(job_input.run_id)
     if store.exists(f"{prefix}/DONE"):
         log.info("run %s already has DONE in %s: returning the stored result", job_input.run_id, store.url)
-        return JobResult.model_validate(store.read_json(f"{prefix}/result.json")).model_dump(mode="json")
+        return _stored_result(store, prefix)
 
+    work_dir = fresh_work_dir()
     report = _progress_sender(job)
-    outcome = train_sft(job_input, store, fresh_work_dir(), report)
-    report(Progress(stage="saving", step=outcome.metrics.steps, message=f"saving adapter to {store.display_url(prefix)}"))
-    result = JobResult(
-        run_id=job_input.run_id,
-        attempt=job_input.attempt,
-        run_prefix=prefix,
-        adapter_path=f"{prefix}/adapter",
-        metrics=outcome.metrics,
-    )
-    _publish(store, prefix, outcome, result)
-    return result.model_dump(mode="json")
+    if job_input.extra_packages:
+        report(Progress(stage="loading", message=f"installing {' '.join(job_input.extra_packages)}"))
+        install_extra_packages(job_input.extra_packages, work_dir)
+    ended = run_training(job_input, work_dir, report)
+    # The artifacts decide: vLLM can crash at interpreter exit after everything was stored.
+    if store.exists(f"{prefix}/DONE"):
+        if ended.returncode != 0:
+            log.warning("training process exited with %s after storing DONE: the run completed", ended.returncode)
+        return _stored_result(store, prefix)
+    message = ended.failure_message()
+    try:
+        store.put({f"{prefix}/console.txt": ended.console_tail.encode()},
+                  message=f"run {job_input.run_id} attempt {job_input.attempt}: console of the failed training")
+    except ArtifactStoreError as e:  # the training's failure is the news; the store's is a footnote
+        message += f" (its console could not be stored: {e})"
+    raise JobFailed(message)
 
 
-def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: JobResult) -> None:
-    """Everything in one commit (the Hub allows 128 commits/hour/repo), then DONE alone, last: a
-    reader that sees DONE can rely on the rest being there."""
-    files: dict[str, bytes | Path] = {
-        f"{prefix}/adapter/{path.relative_to(outcome.adapter_dir).as_posix()}": path
-        for path in sorted(outcome.adapter_dir.rglob("*"))
-        if path.is_file()
-    }
-    files[f"{prefix}/metrics.json"] = outcome.metrics.model_dump_json(indent=2).encode()
-    files[f"{prefix}/manifest.json"] = outcome.manifest.model_dump_json(indent=2).encode()
-    files[f"{prefix}/result.json"] = result.model_dump_json(indent=2).encode()
-    store.put(
-        files,
-        message=f"run {result.run_id} attempt {result.attempt}: adapter, metrics, manifest, result",
-        # A previous attempt's adapter files must not mix with this one's.
-        delete_prefixes=[f"{prefix}/adapter"],
-    )
-    done = json.dumps({"run_id": result.run_id, "attempt": result.attempt}).encode()
-    store.put({f"{prefix}/DONE": done}, message=f"run {result.run_id} attempt {result.attempt}: DONE")
+def _stored_result(store: ArtifactStore, prefix: str) -> dict[str, Any]:
+    return JobResult.model_validate(store.read_json(f"{prefix}/result.json")).model_dump(mode="json")
 
 
 def _progress_sender(job: dict[str, Any]):
     def send(progress: Progress) -> None:
         payload = progress.model_dump(mode="json")
-        log.info("progress %s", json.dumps(payload))
+        log.info("progress %s", progress.model_dump_json())
         # runpod posts progress to this URL; without it (in-process calls, runpod's --test_input mode)
         # it would log an error for every update, so progress only goes to the log then.
         if os.environ.get("RUNPOD_WEBHOOK_POST_OUTPUT"):
@@ -144,4 +138,6 @@ def _progress_sender(job: dict[str, Any]):
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runpod.serverless.start({"handler": handler})
+    worker_lifetime = WorkerLifetime.from_env()
+    worker_lifetime.start()
+    runpod.serverless.start({"handler": functools.partial(handler, lifetime=worker_lifetime)})

@@ -6,9 +6,22 @@ newer worker's manifest still loads in an older control plane.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+from collections.abc import Iterable
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 from loraflow_worker.contract import JobInput
+
+RECORDED_LIBRARIES = (
+    "torch", "transformers", "trl", "peft", "accelerate", "datasets",
+    "liger-kernel", "flash-linear-attention", "fla-core", "causal-conv1d", "bitsandbytes", "vllm", "triton",
+)
+"""Libraries whose versions the manifest records, when installed."""
+_NOT_TRAINING_CONFIG = {"contract_version", "run_id", "attempt", "artifact_store", "deadline_epoch_s", "mode"}
 
 
 class FastPath(BaseModel):
@@ -33,3 +46,39 @@ class RunManifest(BaseModel):
     fast_paths: dict[str, FastPath] = Field(
         description="Speed-ups by name (`bf16`, `liger_kernel`, `flash_linear_attention`) and whether each engaged."
     )
+    cuda_version: str | None = Field(default=None, description="CUDA version torch was built with; None on CPU.")
+    dataset_sha256: str | None = Field(
+        default=None, description="sha256 of the training rows as canonical JSON lines, in order (`rows_sha256`)."
+    )
+    config_sha256: str | None = Field(
+        default=None,
+        description="sha256 of the job's training configuration (`training_config_sha256`): equal hashes, same training.",
+    )
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the installed `RECORDED_LIBRARIES`."""
+    versions = {}
+    for name in RECORDED_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def rows_sha256(rows: Iterable[dict[str, Any]]) -> str:
+    """sha256 of `rows` as JSON lines with sorted keys: the same rows in the same order give the same hash,
+    whichever file or Hub dataset they came from."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def training_config_sha256(job: JobInput) -> str:
+    """sha256 of what decides the training in `job` (algorithm, model, dataset, LoRA, training and GRPO
+    settings, extra packages), leaving out what names or schedules this attempt (run id, attempt, store, deadline)."""
+    config = job.model_dump(mode="json", exclude=_NOT_TRAINING_CONFIG)
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()

@@ -1,26 +1,29 @@
-"""Removing secrets from text that leaves the worker (job errors, console tails)."""
+"""Removing secrets from text that leaves the worker (job errors, console tails, progress messages)."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
+
+from loraflow_worker.environment import is_secret_name
 
 REDACTED = "***"
 
-# HF_TOKEN, HUGGING_FACE_HUB_TOKEN, RUNPOD_AI_API_KEY, RUNPOD_API_KEY, AWS_SECRET_ACCESS_KEY, ...
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD", re.IGNORECASE)
 # Shorter values (flags like "1", "true") would blank out ordinary words; real secrets are longer.
 _MIN_SECRET_LENGTH = 8
+# Token shapes redacted even when the token is in no environment variable (read from a file, say):
+# Hugging Face user/org tokens, RunPod API keys, and the password in a URL's user info.
+_TOKEN_SHAPES = re.compile(r"\bhf_[A-Za-z0-9]{30,}|\brpa_[A-Za-z0-9]{20,}|(?<=://)[^/\s:@]+:[^/\s@]+(?=@)")
 
 
-def redact_secrets(text: str) -> str:
-    """`text` with the value of every secret-looking environment variable replaced by `***`."""
-    secrets = [
-        value
-        for name, value in os.environ.items()
-        if _SECRET_NAME.search(name) and len(value) >= _MIN_SECRET_LENGTH
-    ]
+def redact_secrets(text: str, env: Mapping[str, str] | None = None) -> str:
+    """`text` with every secret replaced by `***`: the values of the secret-looking variables of `env`
+    (default: this process's environment; the forwarded credentials HF_TOKEN and WANDB_API_KEY are among
+    them), and known token shapes."""
+    env = os.environ if env is None else env
+    secrets = {value for name, value in env.items() if is_secret_name(name) and len(value) >= _MIN_SECRET_LENGTH}
     # Longest first, so a secret that contains another is removed whole.
     for value in sorted(secrets, key=len, reverse=True):
         text = text.replace(value, REDACTED)
-    return text
+    return _TOKEN_SHAPES.sub(REDACTED, text)

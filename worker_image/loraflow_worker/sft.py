@@ -8,9 +8,9 @@ Publishing to the artifact store is the handler's job.
 
 from __future__ import annotations
 
-import importlib.metadata
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,15 +18,15 @@ import torch
 from datasets import Dataset, load_dataset
 from huggingface_hub import HfApi, snapshot_download
 from peft import LoraConfig
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, Progress, TrainMetrics
-from loraflow_worker.manifest import FastPath, RunManifest
+from loraflow_worker.fast_paths import engage_fast_paths, gather_facts, plan_fast_paths
+from loraflow_worker.manifest import RunManifest, library_versions, rows_sha256, training_config_sha256
 from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor, check_deadline
-
-LIBRARIES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
 
 
 @dataclass
@@ -38,9 +38,11 @@ class TrainOutcome:
     manifest: RunManifest
 
 
-def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Callable[[Progress], None]) -> TrainOutcome:
-    """Train a LoRA adapter for `job` inside `work_dir` (which must be empty) and save it there.
-    Raises `DeadlineReached` when the job's deadline passes first."""
+def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Callable[[Progress], None], *,
+              callbacks: Sequence[TrainerCallback] = (), resume_from: Path | None = None) -> TrainOutcome:
+    """Train a LoRA adapter for `job` inside `work_dir` and save it there. `callbacks` join the
+    Trainer's; `resume_from` is a Trainer checkpoint folder to continue from (step, optimizer,
+    scheduler, RNG). Raises `DeadlineReached` when the job's deadline passes first."""
     cuda = torch.cuda.is_available()
     if not cuda:
         # The CPU path serves tests and demos next to other processes; one thread is fastest for a tiny model.
@@ -49,6 +51,8 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     dataset = _load_dataset(job.dataset, store, work_dir)
     model_path, revision = _resolve_model(job.model)
     check_deadline(job.deadline_epoch_s)
+    plan = plan_fast_paths(gather_facts(model_path, "sft"))
+    os.environ.update(plan.env)  # before the first CUDA allocation: the allocator reads it once
 
     t = job.training
     args = SFTConfig(
@@ -61,14 +65,11 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
         max_length=t.max_seq_length,
         seed=t.seed,
         logging_steps=t.logging_steps,
-        save_strategy="no",
+        **save_settings(t),
         report_to="none",
         disable_tqdm=True,
         include_num_input_tokens_seen="non_padding",
-        use_cpu=not cuda,
-        bf16=cuda,
-        activation_checkpointing=cuda,
-        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"},
+        **plan.trainer_kwargs,
     )
     lora = LoraConfig(
         r=job.lora.rank,
@@ -85,10 +86,11 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=lora,
-        callbacks=[monitor],
+        callbacks=[monitor, *callbacks],
     )
+    fast_paths = engage_fast_paths(plan, trainer.model)
     started = time.monotonic()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     wall_seconds = time.monotonic() - started
     if monitor.deadline_hit:
         raise DeadlineReached(
@@ -120,8 +122,11 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
         base_model_revision=revision,
         device=device,
         seed=t.seed,
-        libraries={name: importlib.metadata.version(name) for name in LIBRARIES},
-        fast_paths=_fast_paths(cuda),
+        libraries=library_versions(),
+        fast_paths=fast_paths,
+        cuda_version=torch.version.cuda if cuda else None,
+        dataset_sha256=rows_sha256(dataset),
+        config_sha256=training_config_sha256(job),
     )
     return TrainOutcome(adapter_dir=adapter_dir, metrics=metrics, manifest=manifest)
 
@@ -130,7 +135,7 @@ def _load_dataset(source: DatasetSource, store: ArtifactStore, work_dir: Path) -
     if source.hub_id is not None:
         return load_dataset(source.hub_id, split=source.split)
     local_file = work_dir / "data" / "train.jsonl"
-    local_file.parent.mkdir(parents=True)
+    local_file.parent.mkdir(parents=True, exist_ok=True)
     local_file.write_bytes(store.read_bytes(source.store_path))
     # A single JSONL file is one split, which the `json` builder names "train".
     return load_dataset("json", data_files=str(local_file), split="train", cache_dir=str(work_dir / "datasets-cache"))
@@ -148,14 +153,3 @@ def _resolve_model(source: ModelSource) -> tuple[Path, str | None]:
 
 def _device_name(cuda: bool) -> str:
     return f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
-
-
-def _fast_paths(cuda: bool) -> dict[str, FastPath]:
-    if not cuda:
-        return {name: FastPath(engaged=False, reason="no CUDA device") for name in ("bf16", "liger_kernel", "flash_linear_attention")}
-    # TODO: engage Liger and flash-linear-attention (Qwen3.5) and detect that they took effect.
-    return {
-        "bf16": FastPath(engaged=True, reason="CUDA device"),
-        "liger_kernel": FastPath(engaged=False, reason="not enabled by this worker version"),
-        "flash_linear_attention": FastPath(engaged=False, reason="not enabled by this worker version"),
-    }

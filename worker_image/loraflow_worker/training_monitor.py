@@ -27,7 +27,10 @@ def check_deadline(deadline_epoch_s: float | None) -> None:
 
 class TrainingMonitor(TrainerCallback):
     """Collects (step, loss) pairs, sends progress at most every `PROGRESS_INTERVAL_S` (plus the first
-    logged loss and the end), and stops training once the deadline passes (`deadline_hit` tells)."""
+    logged loss and the end), and stops training once the deadline passes (`deadline_hit` tells).
+
+    A run resumed from a checkpoint keeps the losses logged before it: the Trainer restores its log
+    history from the checkpoint's `trainer_state.json` before training begins."""
 
     def __init__(self, report: Callable[[Progress], None], deadline_epoch_s: float | None):
         self.report = report
@@ -35,15 +38,20 @@ class TrainingMonitor(TrainerCallback):
         self.losses: list[tuple[int, float]] = []
         self.deadline_hit = False
         self._last_sent = 0.0
+        self._logged = False
+        self._started: tuple[float, int, int] | None = None  # (time, step, tokens) when this attempt began
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.losses = [(entry["step"], float(entry["loss"])) for entry in state.log_history if "loss" in entry]
+        self._started = (time.monotonic(), state.global_step, state.num_input_tokens_seen)
         # The first update goes out with the first logged loss (on_log), not before it.
         self._last_sent = time.monotonic()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append((state.global_step, float(logs["loss"])))
-            if len(self.losses) == 1:
+            if not self._logged:  # the first loss of this attempt goes out at once
+                self._logged = True
                 self._send(state)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -59,4 +67,11 @@ class TrainingMonitor(TrainerCallback):
     def _send(self, state) -> None:
         self._last_sent = time.monotonic()
         loss = self.losses[-1][1] if self.losses else None
-        self.report(Progress(stage="training", step=state.global_step, total_steps=state.max_steps, loss=loss))
+        started_at, first_step, first_tokens = self._started
+        elapsed, steps_done = self._last_sent - started_at, state.global_step - first_step
+        tokens_per_second = eta_seconds = None
+        if elapsed > 0 and steps_done > 0:
+            tokens_per_second = round((state.num_input_tokens_seen - first_tokens) / elapsed, 1)
+            eta_seconds = round(max(state.max_steps - state.global_step, 0) * elapsed / steps_done, 1)
+        self.report(Progress(stage="training", step=state.global_step, total_steps=state.max_steps, loss=loss,
+                             tokens_per_second=tokens_per_second, eta_seconds=eta_seconds))

@@ -1,24 +1,62 @@
-"""Shared fixtures for the worker tests: a tiny model built once, a job builder, a progress recorder."""
+"""Shared fixtures for the worker tests: a tiny model built once, a job builder, a progress recorder,
+and one finished SFT job (50 steps, a checkpoint every 20) that several test modules inspect."""
 
 from __future__ import annotations
 
 import json
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from loraflow_worker.handler import WORK_DIR_ENV, handler
 from loraflow_worker.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
 
 TINY_CHAT = DEFAULT_CORPUS
+PLANTED_SECRET = "hf_planted_secret_value_123"
+"""Set as HF_TOKEN while jobs run: it must never show up in anything the worker stores or returns."""
+BASE_TRAINING = {"max_steps": 50, "learning_rate": 1e-2, "batch_size": 8}
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), corpus_from_jsonl([TINY_CHAT]))
+
+
+@dataclass
+class FinishedJob:
+    job: dict
+    result: dict
+    run_dir: Path
+    work_dir: Path
+    progress: list[dict]
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def finished_job(tiny_model_dir, tmp_path_factory) -> FinishedJob:
+    """`run-a`: 50 SFT steps with a checkpoint every 20, run through `handler()` with HF_TOKEN planted."""
+    store_root = tmp_path_factory.mktemp("store")
+    work_base = tmp_path_factory.mktemp("work")
+    job = _make_job("run-a", tiny_model_dir, store_root,
+                    training={**BASE_TRAINING, "checkpoint_every_steps": 20})
+    # What a previous job on this warm worker left behind.
+    stale = work_base / "loraflow-job" / "adapter" / "stale-from-previous-job.safetensors"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"old")
+    with pytest.MonkeyPatch.context() as env, _recording_progress() as progress:
+        env.setenv(WORK_DIR_ENV, str(work_base))
+        env.setenv("HF_TOKEN", PLANTED_SECRET)
+        env.delenv("RUNPOD_WEBHOOK_POST_OUTPUT", raising=False)
+        started = time.monotonic()
+        result = handler(job)
+        seconds = time.monotonic() - started
+    return FinishedJob(job, result, store_root / "runs" / "run-a", work_base / "loraflow-job", progress, seconds)
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +67,12 @@ def make_job():
 @pytest.fixture(scope="session")
 def record_progress():
     return _recording_progress
+
+
+def stored_files_containing(root: Path, text: str) -> list[Path]:
+    """Every file under `root` whose bytes contain `text`."""
+    needle = text.encode()
+    return [path for path in root.rglob("*") if path.is_file() and needle in path.read_bytes()]
 
 
 def _make_job(run_id: str, model_dir: Path, store_root: Path, **overrides) -> dict:
@@ -42,7 +86,7 @@ def _make_job(run_id: str, model_dir: Path, store_root: Path, **overrides) -> di
         "run_id": run_id,
         "model": {"id": str(model_dir)},
         "dataset": {"store_path": dataset_path},
-        "training": {"max_steps": 50, "learning_rate": 1e-2, "batch_size": 8},
+        "training": dict(BASE_TRAINING),
         "artifact_store": store_root.as_uri(),
     }
     job_input.update(overrides)

@@ -1,0 +1,48 @@
+"""Whether a run gets another attempt after one ended without results, and on which GPU."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from tasks.runpod.catalog import GpuClass
+from tasks.runpod.jobs import JobOutcome
+
+MIN_TIME_FOR_ATTEMPT_S = 5 * 60
+"""An attempt with less time than this before the deadline cannot start a worker and train."""
+
+
+class NextAttempt(BaseModel):
+    retry: bool
+    gpu_index: int
+    reason: str
+
+
+def decide_next_attempt(
+    outcome: JobOutcome, gpus: list[GpuClass], gpu_index: int, attempt: int, max_attempts: int, seconds_left: float
+) -> NextAttempt:
+    """The retry policy: code failures never retry; no capacity walks the GPU list; out of memory moves
+    only to a GPU with more memory; stalls, preemptions and lost workers retry on the same GPU; all
+    within the attempt budget and the run's deadline."""
+    here = gpus[gpu_index]
+    if not outcome.retriable:
+        return NextAttempt(retry=False, gpu_index=gpu_index, reason=f"{outcome.kind}: not retried")
+    if attempt >= max_attempts:
+        return NextAttempt(retry=False, gpu_index=gpu_index,
+                           reason=f"{outcome.kind} on attempt {attempt} of {max_attempts}: the attempt budget is spent")
+    if seconds_left < MIN_TIME_FOR_ATTEMPT_S:
+        return NextAttempt(retry=False, gpu_index=gpu_index,
+                           reason=f"{outcome.kind}, and only {seconds_left:.0f} s are left before the run's deadline")
+    if outcome.kind == "no_capacity":
+        following = (gpu_index + 1) % len(gpus)
+        return NextAttempt(retry=True, gpu_index=following,
+                           reason=f"no capacity for {here.name}; trying {gpus[following].name}")
+    if outcome.kind == "out_of_memory":
+        bigger = [i for i, g in enumerate(gpus) if g.vram_gb > here.vram_gb]
+        if not bigger:
+            return NextAttempt(retry=False, gpu_index=gpu_index,
+                               reason=f"out of memory on {here.name} ({here.vram_gb} GB) and no GPU with more memory "
+                                      "in compute.gpu: add one, or lower training.batch_size / max_seq_length")
+        best = min(bigger, key=lambda i: (gpus[i].vram_gb, i))
+        return NextAttempt(retry=True, gpu_index=best,
+                           reason=f"out of memory on {here.name}; moving to {gpus[best].name} ({gpus[best].vram_gb} GB)")
+    return NextAttempt(retry=True, gpu_index=gpu_index, reason=f"{outcome.kind}; retrying on {here.name}")

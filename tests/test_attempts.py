@@ -1,0 +1,49 @@
+"""The retry policy between attempts."""
+
+import pytest
+
+from tasks.attempts import decide_next_attempt
+from tasks.runpod.catalog import resolve_gpu
+from tasks.runpod.jobs import JobOutcome
+
+GPUS = [resolve_gpu("4090"), resolve_gpu("a100"), resolve_gpu("h200")]
+
+
+def decide(kind, gpu_index=0, attempt=1, max_attempts=3, seconds_left=3600, gpus=GPUS):
+    return decide_next_attempt(JobOutcome(kind=kind, job_id="j", status="X"), gpus, gpu_index, attempt, max_attempts, seconds_left)
+
+
+@pytest.mark.parametrize("kind", ["failed", "cancelled", "timed_out"])
+def test_code_failures_cancellations_and_deadlines_are_not_retried(kind):
+    assert not decide(kind).retry
+
+
+def test_no_capacity_walks_the_gpu_list_in_order_and_wraps():
+    assert decide("no_capacity", gpu_index=0).gpu_index == 1
+    assert decide("no_capacity", gpu_index=2).gpu_index == 0
+
+
+def test_out_of_memory_moves_to_the_smallest_bigger_gpu():
+    decision = decide("out_of_memory", gpu_index=0)
+    assert decision.retry and GPUS[decision.gpu_index].name == "A100 SXM"
+
+
+def test_out_of_memory_on_the_biggest_gpu_fails_with_the_fix():
+    decision = decide("out_of_memory", gpu_index=2)
+    assert not decision.retry
+    assert "batch_size" in decision.reason
+
+
+@pytest.mark.parametrize("kind", ["stalled", "preempted", "worker_lost"])
+def test_infrastructure_failures_retry_on_the_same_gpu(kind):
+    decision = decide(kind, gpu_index=1)
+    assert decision.retry and decision.gpu_index == 1
+
+
+def test_attempt_budget_is_respected():
+    assert not decide("stalled", attempt=3, max_attempts=3).retry
+
+
+def test_no_attempt_is_started_too_close_to_the_deadline():
+    decision = decide("stalled", seconds_left=60)
+    assert not decision.retry and "deadline" in decision.reason

@@ -1,0 +1,112 @@
+"""A flow process killed with SIGKILL mid-training: no `finally`, no hook runs. The reconcile flow
+deletes its endpoint and the server's lease repossessor frees its slot, in bounded time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, localpod_account, prefect_api
+from tests.test_train_e2e import write_run_file
+
+pytestmark = pytest.mark.timeout(600)
+
+LEASE_S = 60  # the shortest lease Prefect's server accepts
+HEARTBEAT_S = 3
+
+
+def wait_for(condition, timeout_s, what, interval_s=0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def flow_env(stack, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
+    return env | {k: str(v) for k, v in extra.items()}
+
+
+def run_reconcile(stack, policy_json: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "flows.reconcile", policy_json], cwd=REPO, env=flow_env(stack),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def live_endpoints(stack, prefix: str) -> list[dict]:
+    return [e for e in localpod_account(stack)["liveEndpoints"] if e["name"].startswith(prefix)]
+
+
+def running_job(stack, endpoint_ids: set[str]) -> bool:
+    return any(j["endpointId"] in endpoint_ids and j["status"] == "IN_PROGRESS" for j in localpod_account(stack)["jobs"])
+
+
+def slots_in_use(stack) -> int:
+    return prefect_api(stack, "GET", "/v2/concurrency_limits/runpod-endpoints").json()["active_slots"]
+
+
+def test_sigkilled_flow_leaks_neither_endpoint_nor_slot(local_stack, tiny_model, tmp_path):
+    run_file = write_run_file(tmp_path / "run.toml", name="e2e-kill", model=tiny_model, store=tmp_path / "store",
+                              max_steps=100_000)
+    log = (tmp_path / "flow.log").open("wb")
+    flow = subprocess.Popen([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO,
+                            env=flow_env(local_stack, LORAFLOW_SLOT_LEASE_SECONDS=LEASE_S, LORAFLOW_HEARTBEAT_SECONDS=HEARTBEAT_S),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        endpoints = wait_for(lambda: live_endpoints(local_stack, "loraflow-e2e-kill-") or flow.poll() is not None, 120,
+                             "the run's endpoint")
+        assert flow.poll() is None, (tmp_path / "flow.log").read_text()
+        wait_for(lambda: running_job(local_stack, {e["id"] for e in endpoints}), 120, "the job to start training")
+        assert slots_in_use(local_stack) == 1
+        killed_at = time.monotonic()
+        os.killpg(flow.pid, signal.SIGKILL)
+        flow.wait(10)
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+
+    # Nothing deleted it: the endpoint keeps billing until the reconciler sees the run fall silent.
+    assert live_endpoints(local_stack, "loraflow-e2e-kill-")
+    policy = '{"silent_after_minutes": 0.25, "min_age_minutes": 0}'
+
+    def reconciled():
+        run_reconcile(local_stack, policy)
+        return not live_endpoints(local_stack, "loraflow-e2e-kill-")
+
+    wait_for(reconciled, 180, "reconcile to delete the endpoint", interval_s=2)
+    endpoint_gone_s = time.monotonic() - killed_at
+    wait_for(lambda: slots_in_use(local_stack) == 0, LEASE_S + 60, "the slot's lease to expire")
+    slot_free_s = time.monotonic() - killed_at
+    print(f"\nSIGKILL recovery: endpoint deleted after {endpoint_gone_s:.1f} s, slot freed after {slot_free_s:.1f} s "
+          f"(lease {LEASE_S} s, silence threshold 15 s)")
+    assert slot_free_s <= LEASE_S + 45
+
+
+def test_reconcile_never_touches_foreign_endpoints_and_reports_dry_runs(local_stack):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {local_stack.client_env['RUNPOD_API_KEY']}"}
+    body = {"name": "someone-elses-inference", "type": "QUEUE", "scaling": {"type": "QUEUE_DELAY", "queueDelay": 4},
+            "image": "x", "gpu": {"pools": ["ADA_24"]}, "workers": {"min": 0, "max": 1}}
+    foreign = httpx.post(f"{local_stack.localpod_url}/v2/serverless", json=body, headers=headers).json()
+    orphan = httpx.post(f"{local_stack.localpod_url}/v2/serverless", headers=headers,
+                        json=body | {"name": "loraflow-orphan-0123456789ab-a1"}).json()
+    try:
+        output = run_reconcile(local_stack, '{"dry_run": true, "min_age_minutes": 0}')
+        assert "would delete (dry run) loraflow-orphan-0123456789ab-a1" in output
+        assert live_endpoints(local_stack, "loraflow-orphan-")
+        run_reconcile(local_stack, '{"min_age_minutes": 0}')
+        assert not live_endpoints(local_stack, "loraflow-orphan-")
+        assert live_endpoints(local_stack, "someone-elses-inference")
+    finally:
+        for endpoint in (foreign, orphan):
+            httpx.delete(f"{local_stack.localpod_url}/v2/serverless/{endpoint['id']}", headers=headers)

@@ -1,0 +1,214 @@
+"""Running one job's training in a child process, watching its console, and saying how it ended.
+
+The training runs as `python -m loraflow_worker.train_job <work_dir>/job.json` in its own process group,
+so a crash (a CUDA fault, a segfault at exit, the kernel's OOM killer) cannot take the worker with it and
+a deadline can stop it with everything it started. The supervisor reads its merged stdout/stderr line by
+line: marker lines (`LORAFLOW_PROGRESS {json}`) become progress updates; every other line is echoed
+(secrets redacted) and the last `CONSOLE_TAIL_BYTES` are kept for the failure report.
+
+Whether the job succeeded is decided by the store (`DONE`), not by the exit code; this module only says
+what happened to the process and builds the error message when it failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import ValidationError
+
+from loraflow_worker.contract import JobInput, Progress
+from loraflow_worker.environment import child_env
+from loraflow_worker.redaction import redact_secrets
+
+PROGRESS_MARKER = "LORAFLOW_PROGRESS "
+"""Prefix of the console lines that carry a `Progress` as JSON."""
+SPEC_FILE = "job.json"
+"""The validated job input, in the work dir: the training process's only instructions."""
+ERROR_FILE = "error.json"
+"""Written by a training process that failed with an exception: `{type, message, out_of_memory}`."""
+CONSOLE_TAIL_BYTES = 64 * 1024
+DEADLINE_KILL_GRACE_S = 60.0
+"""The training process stops itself at the deadline at the end of a step; this is how long past the
+deadline it may take (a long step, saving) before it is killed."""
+TERM_GRACE_S = 10.0
+"""Between SIGTERM and SIGKILL when a training process is killed."""
+
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED")
+_QUOTED_LINES = 10
+
+log = logging.getLogger("loraflow_worker")
+
+
+class JobFailed(RuntimeError):
+    """The job did not complete; the message says why, with secrets removed."""
+
+
+@dataclass
+class ChildExit:
+    """How a training process ended."""
+
+    returncode: int
+    """Exit code, or minus the signal number that killed it."""
+    console_tail: str
+    """The last `CONSOLE_TAIL_BYTES` of its console, secrets redacted."""
+    error: dict[str, Any] | None
+    """Its `error.json`, when it failed with an exception."""
+    deadline_killed: bool
+
+    def failure_message(self) -> str:
+        """What went wrong, for the job's error. Out-of-memory failures start with `out of memory:` so
+        the control plane can classify them."""
+        if self.deadline_killed:
+            return (f"deadline reached: the training process was still running {DEADLINE_KILL_GRACE_S:.0f} s after "
+                    "the job's deadline and was killed")
+        if self.error is not None:
+            message = f"{self.error.get('type', 'Error')}: {self.error.get('message', '')}"
+        else:
+            if self.returncode < 0:
+                number = -self.returncode
+                message = f"the training process was killed by signal {number} ({_signal_name(number)})"
+                if number == signal.SIGKILL:
+                    message += " (when nothing else stopped it, that is usually the kernel's out-of-memory killer: host RAM)"
+            else:
+                message = f"the training process exited with code {self.returncode} without reporting an error"
+            last = self.console_tail.splitlines()[-_QUOTED_LINES:]
+            if last:
+                message += "; its last console lines:\n" + "\n".join(last)
+        out_of_memory = (self.error or {}).get("out_of_memory") or bool(_OOM.search(self.console_tail))
+        return redact_secrets(f"out of memory: {message}" if out_of_memory else message)
+
+
+def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress], None]) -> ChildExit:
+    """Run `job`'s training process in `work_dir` (already empty) until it exits; returns quickly only
+    when it does. Kills it (and its process group) once the job's deadline is `DEADLINE_KILL_GRACE_S` past."""
+    deadline = job.deadline_epoch_s
+    if deadline is not None and time.time() >= deadline:
+        raise JobFailed(f"deadline reached before training started: the job's deadline_epoch_s ({deadline}) has passed")
+    spec = work_dir / SPEC_FILE
+    spec.write_text(job.model_dump_json(indent=2))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loraflow_worker.train_job", str(spec)],
+        cwd=work_dir,
+        env=child_env(job),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    log.info("training process %d started for run %s attempt %d", process.pid, job.run_id, job.attempt)
+    tail = ConsoleTail(CONSOLE_TAIL_BYTES)
+    reader = threading.Thread(target=_read_console, args=(process.stdout, tail, on_progress), daemon=True)
+    reader.start()
+    deadline_killed = False
+    try:
+        while True:
+            try:
+                returncode = process.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if not deadline_killed and deadline is not None and time.time() > deadline + DEADLINE_KILL_GRACE_S:
+                    log.error("training process %d overran the job's deadline; killing it", process.pid)
+                    deadline_killed = True
+                    _stop_group(process)
+    finally:
+        # Whatever it started (data loader workers, vLLM's engine) must not outlive it and hold the GPU.
+        _signal_group(process, signal.SIGKILL)
+        if process.poll() is None:
+            process.wait()
+        reader.join(timeout=10)
+    log.info("training process %d exited with %s", process.pid, returncode)
+    return ChildExit(returncode=returncode, console_tail=tail.text(), error=_read_error(work_dir / ERROR_FILE),
+                     deadline_killed=deadline_killed)
+
+
+class ConsoleTail:
+    """The last `limit` bytes of a console, as whole lines where possible."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lines: collections.deque[str] = collections.deque()
+        self._size = 0
+
+    def add(self, line: str) -> None:
+        self._lines.append(line)
+        self._size += len(line.encode())
+        while self._size > self.limit and len(self._lines) > 1:
+            self._size -= len(self._lines.popleft().encode())
+
+    def text(self) -> str:
+        text = "".join(self._lines)
+        return text.encode()[-self.limit:].decode(errors="ignore")
+
+
+def _read_console(stream: IO[bytes], tail: ConsoleTail, on_progress: Callable[[Progress], None]) -> None:
+    # Each line is redacted on arrival, so no secret reaches the echo, the tail or a progress message.
+    for raw in iter(stream.readline, b""):
+        line = redact_secrets(raw.decode(errors="replace"))
+        if line.startswith(PROGRESS_MARKER):
+            try:
+                progress = Progress.model_validate_json(line[len(PROGRESS_MARKER):])
+            except ValidationError:
+                pass  # not ours after all: an ordinary line
+            else:
+                try:
+                    on_progress(progress)
+                except Exception:  # a failed progress post must not stop the console from being read
+                    log.exception("progress update failed")
+                continue
+        tail.add(line)
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    stream.close()
+
+
+def _read_error(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    _signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(timeout=TERM_GRACE_S)
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)  # start_new_session made the training process its group's leader
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: a training process must not outlive a worker that was killed."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -1,0 +1,61 @@
+"""What the training process's environment holds, and what redaction removes from text leaving the worker."""
+
+from __future__ import annotations
+
+from loraflow_worker.contract import JobInput
+from loraflow_worker.environment import CONTROL_PLANE_KEYS, FORWARDED_CREDENTIALS, child_env
+from loraflow_worker.redaction import redact_secrets
+
+JOB = JobInput(run_id="run-1", attempt=3, model={"id": "m"}, dataset={"hub_id": "d"},
+               artifact_store="hf://datasets/org/artifacts")
+WORKER_ENV = {
+    "PATH": "/usr/bin",
+    "HF_TOKEN": "hf_forwardedtokenvalue",
+    "HF_ENDPOINT": "https://hub.example",
+    "WANDB_API_KEY": "wandb-key-value-123",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-value",
+    "OPENAI_API_KEY": "sk-not-for-training",
+    "RUNPOD_AI_API_KEY": "runpod-worker-key",
+    "RUNPOD_POD_ID": "pod-1",
+    "RUNPOD_WEBHOOK_POST_OUTPUT": "https://api.runpod.ai/v2/x/job-done",
+}
+
+
+def test_training_process_gets_only_the_forwarded_credentials():
+    env = child_env(JOB, WORKER_ENV, volume_mounted=True)
+    assert {name for name in WORKER_ENV if name in env} == {"PATH", *FORWARDED_CREDENTIALS}
+    assert env["HF_TOKEN"] == "hf_forwardedtokenvalue"
+
+
+def test_runpod_runtime_variables_stay_with_the_supervisor():
+    env = child_env(JOB, WORKER_ENV, volume_mounted=True)
+    assert not [name for name in env if name.startswith("RUNPOD_")]
+
+
+def test_control_plane_keys_come_from_the_job_not_the_environment():
+    overridden = {**WORKER_ENV, "LORAFLOW_RUN_ID": "someone-else", "LORAFLOW_ARTIFACT_STORE": "file:///elsewhere"}
+    env = child_env(JOB, overridden, volume_mounted=True)
+    assert {name: env[name] for name in CONTROL_PLANE_KEYS} == {
+        "LORAFLOW_RUN_ID": "run-1", "LORAFLOW_ATTEMPT": "3", "LORAFLOW_ARTIFACT_STORE": "hf://datasets/org/artifacts",
+    }
+
+
+def test_volume_cache_settings_are_dropped_when_no_volume_is_mounted():
+    caches = {"HF_HOME": "/runpod-volume/hf", "HF_HUB_CACHE": "/runpod-volume/hf/hub",
+              "TRANSFORMERS_CACHE": "/runpod-volume/hf/transformers", "TORCH_HOME": "/root/.cache/torch"}
+    assert {name for name in caches if name in child_env(JOB, caches, volume_mounted=False)} == {"TORCH_HOME"}
+    assert {name for name in caches if name in child_env(JOB, caches, volume_mounted=True)} == set(caches)
+
+
+def test_secret_values_from_the_environment_are_redacted():
+    text = "token hf_forwardedtokenvalue, wandb wandb-key-value-123, runpod runpod-worker-key at https://hub.example"
+    assert redact_secrets(text, WORKER_ENV) == "token ***, wandb ***, runpod *** at https://hub.example"
+
+
+def test_token_shapes_are_redacted_even_when_in_no_variable():
+    text = "hf_" + "a1" * 17 + " and rpa_" + "B2" * 12 + " and https://user:pa55word@index.example/simple"
+    assert redact_secrets(text, {}) == "*** and *** and https://***@index.example/simple"
+
+
+def test_short_flag_values_are_not_treated_as_secrets():
+    assert redact_secrets("use_cache true", {"HF_HUB_DISABLE_TOKEN": "true"}) == "use_cache true"
