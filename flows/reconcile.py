@@ -8,8 +8,8 @@ crash and cancellation hooks. Run it by hand, looking first:
     .venv/bin/python -m flows.reconcile '{"silent_after_minutes": 30}'
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
+# the flow signature when it loads the entrypoint, and cannot resolve postponed annotations.
 import sys
 from datetime import datetime, timezone
 

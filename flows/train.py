@@ -10,8 +10,8 @@ or against RunPod, from a run file or a deployment:
     prefect deployment run train/qwen
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
+# the flow signature when it loads the entrypoint, and cannot resolve postponed annotations.
 import sys
 import time
 import uuid

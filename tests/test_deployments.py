@@ -29,3 +29,13 @@ def test_prefect_yaml_reconcile_parameters_are_a_valid_policy():
     deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
     policy = ReconcilePolicy.model_validate(deployments["interval"]["parameters"]["policy"])
     assert not policy.dry_run
+
+
+def test_deployment_entrypoints_load_and_validate_their_parameters():
+    # What a Prefect worker does with a deployment run: load the entrypoint, validate the parameters.
+    from prefect.flows import load_flow_from_entrypoint
+
+    for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]:
+        flow = load_flow_from_entrypoint(str(REPO / deployment["entrypoint"]))
+        validated = flow.validate_parameters(deployment["parameters"])
+        assert set(validated) == set(deployment["parameters"]), deployment["name"]
