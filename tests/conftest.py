@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.hub_fixture import hub  # noqa: F401  (the local Hub stand-in, a module-scoped fixture)
+
 REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "deployments" / "data" / "tiny-chat.jsonl"
 

@@ -16,7 +16,7 @@ import pytest
 from huggingface_hub import HfApi
 from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStore, ArtifactStoreError, open_store
 
-from tests.hub_fixture import HubStandIn, hub, running_hub  # noqa: F401  (hub is a fixture)
+from tests.hub_fixture import HubStandIn, running_hub
 
 _names = itertools.count()
 

@@ -20,7 +20,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tests.hub_fixture import HubStandIn, hub, running_hub  # noqa: F401  (hub is a fixture)
+from tests.hub_fixture import HubStandIn, running_hub
 
 _names = itertools.count()
 

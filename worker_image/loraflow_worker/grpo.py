@@ -18,25 +18,29 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from datasets import Dataset
-from peft import LoraConfig
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.checkpoints import save_settings
-from loraflow_worker.contract import CONTRACT_VERSION, GrpoSettings, JobInput, Progress, TrainMetrics
+from loraflow_worker.contract import GrpoSettings, JobInput, Progress
 from loraflow_worker.fast_paths import engage_fast_paths, gather_facts, plan_fast_paths
-from loraflow_worker.manifest import RunManifest, library_versions, rows_sha256, training_config_sha256
 from loraflow_worker.rewards import check_reward_columns, resolve_rewards
-from loraflow_worker.sft import TrainOutcome, _device_name, _load_dataset, _resolve_model
-from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor, check_deadline
+from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
+from loraflow_worker.training_run import (
+    TrainOutcome,
+    load_job_dataset,
+    lora_config,
+    package_outcome,
+    resolve_base_model,
+    train_and_save,
+    use_device,
+)
 
 ANSWER_COLUMN = "answer"
 """Column that holds the last assistant turn of a chat `messages` dataset (the match rewards' reference)."""
@@ -61,13 +65,10 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     join the Trainer's; `resume_from` is a Trainer checkpoint folder to continue from. Raises
     `DeadlineReached` when the job's deadline passes first, `RewardError` for a reward that cannot be used."""
     settings: GrpoSettings = job.grpo  # JobInput guarantees it for algorithm `grpo`
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        # The CPU path serves tests and demos next to other processes; one thread is fastest for a tiny model.
-        torch.set_num_threads(1)
+    cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
-    rows = _load_dataset(job.dataset, store, work_dir)
-    model_path, revision = _resolve_model(job.model)
+    rows = load_job_dataset(job.dataset, store, work_dir)
+    model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
 
     # TRL pads prompts on the left so that generation continues right after them.
@@ -102,13 +103,6 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
         **extra,
         **plan.trainer_kwargs,
     )
-    lora = LoraConfig(
-        r=job.lora.rank,
-        lora_alpha=job.lora.alpha,
-        lora_dropout=job.lora.dropout,
-        target_modules=job.lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
     monitor = TrainingMonitor(report, job.deadline_epoch_s)
     reward_log = RewardLog()
     trainer = GRPOTrainer(
@@ -117,51 +111,14 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=lora,
+        peft_config=lora_config(job),
         callbacks=[monitor, reward_log, *callbacks],
     )
     fast_paths = engage_fast_paths(plan, trainer.model)
-    started = time.monotonic()
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    wall_seconds = time.monotonic() - started
-    if monitor.deadline_hit:
-        raise DeadlineReached(
-            f"deadline reached at step {trainer.state.global_step} of {trainer.state.max_steps}: the job's "
-            f"deadline_epoch_s ({job.deadline_epoch_s}) passed before training finished; no adapter was saved"
-        )
-
-    adapter_dir = work_dir / "adapter"
-    # Point the adapter at the Hub model and commit, not at this worker's download folder.
-    trainer.model.peft_config["default"].base_model_name_or_path = job.model.id
-    trainer.model.peft_config["default"].revision = revision
-    trainer.model.save_pretrained(adapter_dir)
-    tokenizer.save_pretrained(adapter_dir)
-
-    device = _device_name(cuda)
-    metrics = TrainMetrics(
-        steps=trainer.state.global_step,
-        losses=monitor.losses,
-        rewards=reward_log.rewards,
-        first_loss=monitor.losses[0][1] if monitor.losses else None,
-        final_loss=monitor.losses[-1][1] if monitor.losses else None,
-        tokens=int(trainer.state.num_input_tokens_seen),
-        wall_seconds=wall_seconds,
-        device=device,
-    )
-    manifest = RunManifest(
-        contract_version=CONTRACT_VERSION,
-        job=job,
-        base_model_id=job.model.id,
-        base_model_revision=revision,
-        device=device,
-        seed=t.seed,
-        libraries=library_versions(),
-        fast_paths=fast_paths,
-        cuda_version=torch.version.cuda if cuda else None,
-        dataset_sha256=rows_sha256(rows),
-        config_sha256=training_config_sha256(job),
-    )
-    return TrainOutcome(adapter_dir=adapter_dir, metrics=metrics, manifest=manifest)
+    adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, monitor, job, revision, work_dir, resume_from)
+    return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
+                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, rows=rows,
+                           rewards=reward_log.rewards)
 
 
 def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> Dataset:

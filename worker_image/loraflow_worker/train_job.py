@@ -34,7 +34,7 @@ from loraflow_worker.contract import JobInput, JobResult, Progress, run_prefix
 from loraflow_worker.supervisor import ERROR_FILE, PROGRESS_MARKER
 
 if TYPE_CHECKING:
-    from loraflow_worker.sft import TrainOutcome
+    from loraflow_worker.training_run import TrainOutcome
 
 CRASH_AT_STEP_ENV = "LORAFLOW_TEST_CRASH_AT_STEP"
 CRASH_KIND_ENV = "LORAFLOW_TEST_CRASH_KIND"

@@ -16,11 +16,9 @@ import pytest
 
 from loraflow_worker.handler import WORK_DIR_ENV, handler
 from loraflow_worker.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
+from worker_test_support import BASE_TRAINING, PLANTED_SECRET
 
 TINY_CHAT = DEFAULT_CORPUS
-PLANTED_SECRET = "hf_planted_secret_value_123"
-"""Set as HF_TOKEN while jobs run: it must never show up in anything the worker stores or returns."""
-BASE_TRAINING = {"max_steps": 50, "learning_rate": 1e-2, "batch_size": 8}
 
 
 @pytest.fixture(scope="session")
@@ -67,12 +65,6 @@ def make_job():
 @pytest.fixture(scope="session")
 def record_progress():
     return _recording_progress
-
-
-def stored_files_containing(root: Path, text: str) -> list[Path]:
-    """Every file under `root` whose bytes contain `text`."""
-    needle = text.encode()
-    return [path for path in root.rglob("*") if path.is_file() and needle in path.read_bytes()]
 
 
 def _make_job(run_id: str, model_dir: Path, store_root: Path, **overrides) -> dict:

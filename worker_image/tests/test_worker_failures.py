@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import PLANTED_SECRET, stored_files_containing
+from worker_test_support import PLANTED_SECRET, stored_files_containing
 
 from loraflow_worker import supervisor
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler

@@ -34,7 +34,7 @@ from loraflow_worker.rewards import (
     numeric_match,
     resolve_rewards,
 )
-from loraflow_worker.sft import TrainOutcome
+from loraflow_worker.training_run import TrainOutcome
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 
 STEPS = 20

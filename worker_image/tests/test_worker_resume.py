@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import BASE_TRAINING, PLANTED_SECRET, stored_files_containing
+from worker_test_support import BASE_TRAINING, PLANTED_SECRET, stored_files_containing
 
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
 from loraflow_worker.train_job import CRASH_AT_STEP_ENV, CRASH_KIND_ENV

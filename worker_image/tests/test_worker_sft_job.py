@@ -12,7 +12,7 @@ from datetime import datetime
 
 import pytest
 import torch
-from conftest import PLANTED_SECRET, stored_files_containing
+from worker_test_support import PLANTED_SECRET, stored_files_containing
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,119 @@
+"""What every algorithm's training run shares: its inputs (data, base model, LoRA shape), running the
+trainer to its end or the job's deadline, and packaging the saved adapter with its metrics and manifest.
+`sft.py` and `grpo.py` hold only what differs: the dataset's shape, the TRL config and trainer."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_dataset
+from huggingface_hub import HfApi, snapshot_download
+from peft import LoraConfig
+from transformers import PreTrainedTokenizerBase, Trainer
+
+from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
+from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
+from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor
+
+
+@dataclass
+class TrainOutcome:
+    """A finished training run, saved locally and ready to publish."""
+
+    adapter_dir: Path
+    metrics: TrainMetrics
+    manifest: RunManifest
+
+
+def use_device() -> bool:
+    """Whether CUDA is there; on CPU (tests, demos beside other processes) one thread is fastest for a tiny model."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    return cuda
+
+
+def load_job_dataset(source: DatasetSource, store: ArtifactStore, work_dir: Path) -> Dataset:
+    if source.hub_id is not None:
+        return load_dataset(source.hub_id, split=source.split)
+    local_file = work_dir / "data" / "train.jsonl"
+    local_file.parent.mkdir(parents=True, exist_ok=True)
+    local_file.write_bytes(store.read_bytes(source.store_path))
+    # A single JSONL file is one split, which the `json` builder names "train".
+    return load_dataset("json", data_files=str(local_file), split="train", cache_dir=str(work_dir / "datasets-cache"))
+
+
+def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
+    """The local folder holding the base model, and the Hub commit it came from (None for a local folder)."""
+    if Path(source.id).is_dir():
+        return Path(source.id), None
+    # Pin the commit first and download exactly it, so the manifest names what was trained on even if
+    # the branch moves meanwhile. HF_ENDPOINT / HF_TOKEN in the worker's environment pick the Hub.
+    sha = HfApi().model_info(source.id, revision=source.revision).sha
+    return Path(snapshot_download(source.id, revision=sha)), sha
+
+
+def lora_config(job: JobInput) -> LoraConfig:
+    return LoraConfig(
+        r=job.lora.rank,
+        lora_alpha=job.lora.alpha,
+        lora_dropout=job.lora.dropout,
+        target_modules=job.lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
+def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, monitor: TrainingMonitor, job: JobInput,
+                   revision: str | None, work_dir: Path, resume_from: Path | None) -> tuple[Path, float]:
+    """Train (from `resume_from` when given) and save the adapter; returns (adapter folder, wall seconds).
+    Raises `DeadlineReached` when the job's deadline stopped training first: no adapter is saved then."""
+    started = time.monotonic()
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    wall_seconds = time.monotonic() - started
+    if monitor.deadline_hit:
+        raise DeadlineReached(
+            f"deadline reached at step {trainer.state.global_step} of {trainer.state.max_steps}: the job's "
+            f"deadline_epoch_s ({job.deadline_epoch_s}) passed before training finished; no adapter was saved"
+        )
+    adapter_dir = work_dir / "adapter"
+    # Point the adapter at the Hub model and commit, not at this worker's download folder.
+    trainer.model.peft_config["default"].base_model_name_or_path = job.model.id
+    trainer.model.peft_config["default"].revision = revision
+    trainer.model.save_pretrained(adapter_dir)
+    tokenizer.save_pretrained(adapter_dir)
+    return adapter_dir, wall_seconds
+
+
+def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput, revision: str | None,
+                    adapter_dir: Path, wall_seconds: float, cuda: bool, fast_paths: dict[str, FastPath],
+                    rows: Dataset, rewards: list[tuple[int, float]] | None = None) -> TrainOutcome:
+    """The metrics and the reproducibility record (manifest) of a finished run."""
+    device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
+    metrics = TrainMetrics(
+        steps=trainer.state.global_step,
+        losses=monitor.losses,
+        rewards=rewards or [],
+        first_loss=monitor.losses[0][1] if monitor.losses else None,
+        final_loss=monitor.losses[-1][1] if monitor.losses else None,
+        tokens=int(trainer.state.num_input_tokens_seen),
+        wall_seconds=wall_seconds,
+        device=device,
+    )
+    manifest = RunManifest(
+        contract_version=CONTRACT_VERSION,
+        job=job,
+        base_model_id=job.model.id,
+        base_model_revision=revision,
+        device=device,
+        seed=job.training.seed,
+        libraries=library_versions(),
+        fast_paths=fast_paths,
+        cuda_version=torch.version.cuda if cuda else None,
+        dataset_sha256=rows_sha256(rows),
+        config_sha256=training_config_sha256(job),
+    )
+    return TrainOutcome(adapter_dir=adapter_dir, metrics=metrics, manifest=manifest)
