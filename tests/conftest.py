@@ -35,7 +35,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def local_stack(tmp_path_factory):
     from deployments.local_stack import LocalStack
 
-    with LocalStack(tmp_path_factory.mktemp("stack"), worker_quota=30) as stack:
+    with LocalStack(tmp_path_factory.mktemp("stack"), worker_quota=30, with_hub=True) as stack:
         yield stack
 
 
