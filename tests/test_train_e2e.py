@@ -138,3 +138,30 @@ def endpoint_limit_missing(stack) -> bool:
     import httpx
 
     return httpx.get(f"{stack.prefect_api_url}/v2/concurrency_limits/runpod-endpoints", timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("case", "model", "dataset", "expected"),
+    [
+        ("nofile", None, "/nonexistent/data.jsonl", "does not exist"),
+        ("nomodel", "acme/no-such-model", None, "no such model on the Hub"),
+        ("norev", "acme/tiny-qwen3@no-such-branch", None, "does not exist in acme/tiny-qwen3"),
+    ],
+)
+def test_missing_inputs_are_refused_before_anything_is_created(local_stack, tiny_model, tmp_path, case, model, dataset,
+                                                               expected):
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=local_stack.hub_url, token=local_stack.client_env["HF_TOKEN"])
+    api.create_repo("acme/tiny-qwen3", exist_ok=True)
+    run_file = write_run_file(tmp_path / "run.toml", name=f"e2e-bad-{case}", model=tiny_model, store=tmp_path / "store",
+                              dataset=Path(dataset) if dataset else DATASET)
+    if model is not None:
+        model_id, _, revision = model.partition("@")
+        text = run_file.read_text().replace(f'id = "{tiny_model}"', f'id = "{model_id}"'
+                                            + (f'\nrevision = "{revision}"' if revision else ""))
+        run_file.write_text(text)
+    run = run_train_flow(local_stack, run_file)
+    assert run.returncode == 1
+    assert expected in flow_run_state(local_stack, run.flow_run_id)["message"]
+    assert run_endpoints(local_stack, f"e2e-bad-{case}") == []
