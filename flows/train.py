@@ -37,7 +37,9 @@ from tasks.settings import Settings
 from tasks.teardown import delete_run_endpoints_hook
 
 
-@flow(name="train", log_prints=True, on_crashed=[delete_run_endpoints_hook], on_cancellation=[delete_run_endpoints_hook])
+# Each hook deletes the run's endpoints by name: the second layer of teardown, after `finally`.
+@flow(name="train", log_prints=True, on_crashed=[delete_run_endpoints_hook],
+      on_cancellation=[delete_run_endpoints_hook], on_failure=[delete_run_endpoints_hook])
 def train(spec: RunSpec) -> RunResults:
     """Fine-tune a LoRA adapter on a RunPod serverless GPU.
 

@@ -1,0 +1,185 @@
+"""A chaos batch: many scenario runs at once against one local stack, every fault cleared afterwards,
+and the figures that say whether anything leaked or was lost.
+
+    batch = run_batch(stack, plan(["api-faults", "oom"]), workdir, tiny_model, concurrency=4, max_steps=6)
+    print(batch.figures.block())
+    assert batch.figures.leaks_and_losses() == {...all 0...}
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from bench.chaos_lib import (
+    WORKER_EXIT_WAIT_S,
+    Localpod,
+    PrefectApi,
+    RunRecord,
+    adapter_changes_the_model,
+    artifact_problems,
+    check_run,
+    live_training_processes,
+    read_back,
+    run_scenario,
+    wait_for,
+)
+from bench.chaos_scenarios import SCENARIOS, Scenario, route
+from localpod.models import Account
+
+
+def plan(kinds: list[str], prefix: str = "ch") -> list[tuple[str, Scenario]]:
+    """(run name, scenario) pairs with unique names: no run's endpoint prefix is another's."""
+    return [(f"{prefix}{i:02d}-{kind}", SCENARIOS[kind]) for i, kind in enumerate(kinds)]
+
+
+def noise_rules(probability: float, seed: int) -> list[dict[str, Any]]:
+    """Background faults on every control-plane read/write and every status poll, with a seeded
+    probability each. `/run` is left alone: a failed submit rightly costs an attempt."""
+    rules = []
+    for i, route_name in enumerate(("list_endpoints", "get_endpoint", "create_endpoint", "delete_endpoint", "status")):
+        for j, action in enumerate(("status_429", "status_500", "drop")):
+            rules.append(route(route_name, action, probability=probability / 3, seed=seed * 100 + i * 10 + j))
+    return rules
+
+
+@dataclass
+class Figures:
+    """What a batch did and left behind. Every leak and loss count must be 0."""
+
+    runs: int = 0
+    completed: int = 0
+    failed_as_expected: int = 0
+    not_as_expected: int = 0
+    faults_injected: dict[str, int] = field(default_factory=dict)
+    out_of_stock_pools: list[str] = field(default_factory=list)
+    attempts_given_up: dict[str, int] = field(default_factory=dict)
+    results_adopted: int = 0
+    """Runs whose last given-up attempt had stored complete results anyway, adopted instead of retried."""
+    endpoints_created: int = 0
+    endpoints_leaked: int = 0
+    slots_leaked: int = 0
+    workers_leaked: int = 0
+    training_processes_leaked: int = 0
+    results_lost: int = 0
+    adapters_loaded: int = 0
+    billed_worker_seconds: float = 0.0
+    wall_s: float = 0.0
+    run_wall_s: list[float] = field(default_factory=list)
+
+    def leaks_and_losses(self) -> dict[str, int]:
+        return {"endpoints_leaked": self.endpoints_leaked, "slots_leaked": self.slots_leaked,
+                "workers_leaked": self.workers_leaked, "training_processes_leaked": self.training_processes_leaked,
+                "results_lost": self.results_lost}
+
+    def block(self) -> str:
+        faults = ", ".join(f"{k} {v}" for k, v in self.faults_injected.items() if v) or "none"
+        given_up = ", ".join(f"{k} {v}" for k, v in sorted(self.attempts_given_up.items())) or "none"
+        walls = sorted(self.run_wall_s) or [0.0]
+        return "\n".join([
+            "=== chaos figures ===",
+            f"faults injected by kind: {faults} (total {sum(self.faults_injected.values())})",
+            f"pools out of stock:      {', '.join(self.out_of_stock_pools) or 'none'}",
+            f"runs:                    {self.runs} (completed {self.completed}, failed as expected "
+            f"{self.failed_as_expected}, not as expected {self.not_as_expected})",
+            f"attempts given up:       {given_up}",
+            f"results adopted:         {self.results_adopted} (an attempt given up had stored complete results)",
+            f"endpoints created:       {self.endpoints_created}",
+            f"endpoints leaked:        {self.endpoints_leaked}",
+            f"slots leaked:            {self.slots_leaked}",
+            f"workers leaked:          {self.workers_leaked} (training processes {self.training_processes_leaked})",
+            f"results lost:            {self.results_lost}",
+            f"adapters loaded (PEFT):  {self.adapters_loaded}",
+            f"billed worker seconds:   {self.billed_worker_seconds:.1f}",
+            f"wall time:               {self.wall_s:.0f} s (per run: median {median(walls):.0f} s, max {walls[-1]:.0f} s)",
+        ])
+
+
+@dataclass
+class Batch:
+    records: list[RunRecord]
+    figures: Figures
+
+    def record(self, kind: str) -> RunRecord:
+        return next(r for r in self.records if r.scenario.kind == kind)
+
+    def report(self) -> str:
+        lines = [f"{'run':<24} {'state':<10} {'given up':<28} {'wall':>6}  problems"]
+        for r in self.records:
+            ended = ",".join(r.retried + [f"{r.adopted_after} (adopted)"] * bool(r.adopted_after)) or "-"
+            lines.append(f"{r.name:<24} {r.state_type or '?':<10} {ended:<28} {r.wall_s:>5.0f}s  "
+                         f"{'; '.join(p.replace(chr(10), ' ')[:300] for p in r.problems) or 'ok'}")
+        return "\n".join(lines)
+
+
+def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Path, *, concurrency: int, max_steps: int,
+              load_adapters: int = 2, noise: float = 0.0, seed: int = 1) -> Batch:
+    """Run every (name, scenario) as a real train flow, at most `concurrency` at once, then check them.
+
+    Faults are cleared and the stock restored in a `finally`, whatever happened."""
+    pod, prefect = Localpod(stack.localpod_url), PrefectApi(stack.prefect_api_url)
+    before = pod.account()
+    pools = sorted({s.out_of_stock for _, s in runs if s.out_of_stock})
+    started = time.monotonic()
+    try:
+        for pool in pools:
+            pod.set_stock(pool, available=False)
+        for rule in noise_rules(noise, seed) if noise else []:
+            pod.add_route_fault(rule)
+        with ThreadPoolExecutor(max_workers=concurrency) as pool_of_runs:
+            records = list(pool_of_runs.map(
+                lambda run: run_scenario(stack, pod, run[1], name=run[0], workdir=workdir, model=model,
+                                         max_steps=max_steps), runs))
+        faults = pod.faults_by_id()
+    finally:
+        pod.clear_faults()
+        for pool in pools:
+            pod.set_stock(pool, available=True)
+    wall_s = time.monotonic() - started
+    slots = prefect.slots_in_use()  # read at once: a slot the flows did not give back is a leak, not a delay
+    prefixes = tuple(r.endpoint_prefix for r in records)
+    ours = {e.id for e in pod.account().endpoints if e.name.startswith(prefixes)}
+    wait_for(lambda: not _live_workers(pod.account(), ours), WORKER_EXIT_WAIT_S)
+    wait_for(lambda: not live_training_processes(stack.home), WORKER_EXIT_WAIT_S)
+    after = pod.account()
+
+    figures = Figures(runs=len(records), wall_s=wall_s, slots_leaked=slots, out_of_stock_pools=pools,
+                      billed_worker_seconds=after.billed_worker_seconds - before.billed_worker_seconds,
+                      run_wall_s=[r.wall_s for r in records])
+    figures.faults_injected = {k: v - before.faults_injected.get(k, 0) for k, v in after.faults_injected.items()}
+    figures.endpoints_created = sum(1 for e in after.endpoints if e.id in ours)
+    figures.endpoints_leaked = sum(1 for e in after.live_endpoints if e.id in ours)
+    figures.workers_leaked = len(_live_workers(after, ours))
+    figures.training_processes_leaked = len(live_training_processes(stack.home))
+    given_up: Counter[str] = Counter()
+    for record in records:
+        read_back(record, prefect, after)
+        record.problems = check_run(record, after, faults, max_steps)
+        given_up.update(record.retried + [record.adopted_after] * bool(record.adopted_after))
+        figures.results_adopted += record.adopted_after is not None
+        figures.completed += record.state_type == "COMPLETED"
+        figures.failed_as_expected += record.state_type == "FAILED" and record.scenario.expect_state == "FAILED"
+        figures.not_as_expected += bool(record.problems)
+        # A result is lost when the store holds it but the run did not complete, or when the run
+        # completed without an intact result.
+        completed = record.state_type == "COMPLETED"
+        figures.results_lost += (record.done and not completed) or (completed and bool(artifact_problems(record.run_dir, max_steps)))
+    figures.attempts_given_up = dict(given_up)
+    # Load the adapters of runs that took the most attempts: resumed and moved runs are the likelier to be broken.
+    completed = sorted((r for r in records if r.state_type == "COMPLETED" and not r.problems), key=lambda r: -len(r.retried))
+    for record in completed[:load_adapters]:
+        if adapter_changes_the_model(model, record.run_dir / "adapter"):
+            figures.adapters_loaded += 1
+        else:
+            record.problems.append("the stored adapter does not change the model's output")
+            figures.results_lost += 1
+    return Batch(records, figures)
+
+
+def _live_workers(account: Account, endpoint_ids: set[str]) -> list[str]:
+    return [w.id for w in account.workers if w.endpoint_id in endpoint_ids and w.ended_at is None]

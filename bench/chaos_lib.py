@@ -1,0 +1,309 @@
+"""Run chaos scenarios (`bench/chaos_scenarios.py`) as real train flows against a local stack, then
+check what they left behind and count it.
+
+`run_batch` injects each run's faults (scoped to its endpoint names), runs the flows as subprocesses,
+several at a time, clears every fault and restores the stock in a `finally`, and returns a `Batch`:
+one `RunRecord` per run, with the problems found, and the `Figures` the issue asks for (faults injected
+by kind, endpoints / slots / workers leaked, results lost, billed worker seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.chaos_scenarios import Scenario, scoped
+from localpod.models import Account
+
+REPO = Path(__file__).resolve().parent.parent
+DATASET = REPO / "deployments" / "data" / "tiny-chat.jsonl"
+ENDPOINT_LIMIT = "runpod-endpoints"
+WORKER_EXIT_WAIT_S = 60
+"""How long deleted endpoints' workers get to exit (localpod: SIGTERM, SIGKILL after its grace)."""
+
+_ATTEMPT_ENDED = re.compile(r"^Attempt (\d+) ended (\w+) ")
+_ATTEMPT_ON = re.compile(r"^Attempt (\d+) on \d+ × (.+?): endpoint ")
+_ADOPTED = re.compile(r"^Job ended (\w+) but its results were stored completely; adopting them")
+_RESUMED = re.compile(r"resuming from the checkpoint at step (\d+)")
+_ENDPOINT_ATTEMPT = re.compile(r"-a(\d+)$")
+
+
+def build_tiny_model(out: Path) -> Path:
+    """The offline tiny model every run trains (no Hub download)."""
+    subprocess.run([sys.executable, "-m", "loraflow_worker.tiny_model", "--out", str(out)], check=True,
+                   env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True)
+    return out
+
+
+def wait_for(condition, timeout_s: float, interval_s: float = 0.5):
+    """The condition's first truthy value, or its last value once `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
+
+
+class Localpod:
+    """localpod's fault-injection and account routes (no key: they are not RunPod's API)."""
+
+    def __init__(self, url: str):
+        self.http = httpx.Client(base_url=f"{url}/_localpod", timeout=30)
+
+    def add_route_fault(self, rule: dict[str, Any]) -> str:
+        return self.http.post("/faults", json=rule).raise_for_status().json()["id"]
+
+    def add_worker_fault(self, rule: dict[str, Any]) -> str:
+        return self.http.post("/worker-faults", json=rule).raise_for_status().json()["id"]
+
+    def faults_by_id(self) -> dict[str, dict[str, Any]]:
+        rules = self.http.get("/faults").raise_for_status().json() + self.http.get("/worker-faults").raise_for_status().json()
+        return {r["id"]: r for r in rules}
+
+    def clear_faults(self) -> None:
+        self.http.delete("/faults").raise_for_status()
+        self.http.delete("/worker-faults").raise_for_status()
+
+    def set_stock(self, pool: str, available: bool) -> None:
+        self.http.post("/stock", json={"pool": pool, "available": available}).raise_for_status()
+
+    def account(self) -> Account:
+        return Account.model_validate(self.http.get("/account").raise_for_status().json())
+
+
+class PrefectApi:
+    """The few Prefect server reads the checks need."""
+
+    def __init__(self, api_url: str):
+        self.http = httpx.Client(base_url=api_url, timeout=30)
+
+    def state(self, flow_run_id: str) -> dict[str, Any]:
+        return self.http.get(f"/flow_runs/{flow_run_id}").raise_for_status().json()["state"]
+
+    def log_messages(self, flow_run_id: str) -> list[str]:
+        messages: list[str] = []
+        while True:
+            page = self.http.post("/logs/filter", json={
+                "logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC",
+                "offset": len(messages), "limit": 200,
+            }).raise_for_status().json()
+            messages += [log["message"] for log in page]
+            if len(page) < 200:
+                return messages
+
+    def slots_in_use(self) -> int:
+        response = self.http.get(f"/v2/concurrency_limits/{ENDPOINT_LIMIT}")
+        return 0 if response.status_code == 404 else response.raise_for_status().json()["active_slots"]
+
+
+@dataclass
+class RunRecord:
+    """One run of one scenario: what was injected, how the flow ended, and what was wrong with it."""
+
+    scenario: Scenario
+    name: str
+    store: Path
+    fault_ids: list[str] = field(default_factory=list)
+    returncode: int | None = None
+    output: str = ""
+    flow_run_id: str | None = None
+    wall_s: float = 0.0
+    state_type: str | None = None
+    state_message: str = ""
+    retried: list[str] = field(default_factory=list)
+    adopted_after: str | None = None
+    """The outcome of the last attempt when the flow adopted results it found stored anyway."""
+    gpus_used: list[str] = field(default_factory=list)
+    resumed_from_step: int | None = None
+    endpoint_names: list[str] = field(default_factory=list)
+    done: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def endpoint_prefix(self) -> str:
+        return f"loraflow-{self.name}-"
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run's folder in its own store (found by listing when the flow printed no run id)."""
+        if self.flow_run_id is not None:
+            return self.store / "runs" / self.flow_run_id
+        return next(iter(sorted((self.store / "runs").glob("*/"))), None) if (self.store / "runs").is_dir() else None
+
+    @property
+    def as_expected(self) -> bool:
+        return not self.problems
+
+
+def write_run_file(path: Path, scenario: Scenario, *, name: str, model: Path, store: Path, max_steps: int) -> Path:
+    checkpoint = f"checkpoint_every_steps = {scenario.checkpoint_every_steps}\n" if scenario.checkpoint_every_steps else ""
+    path.write_text(f'''name = "{name}"
+artifact_store = "file://{store}"
+deadline_minutes = 20
+[model]
+id = "{model}"
+[dataset]
+local_file = "{DATASET}"
+[lora]
+rank = 8
+alpha = 16
+[training]
+learning_rate = 5e-3
+max_steps = {max_steps}
+batch_size = 8
+max_seq_length = 128
+seed = 7
+{checkpoint}[compute]
+gpu = {json.dumps(list(scenario.gpus))}
+[attempts]
+max_attempts = 3
+queue_minutes = {scenario.queue_minutes}
+startup_minutes = {scenario.startup_minutes}
+stall_minutes = {scenario.stall_minutes}
+''')
+    return path
+
+
+def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir: Path, model: Path, max_steps: int,
+                 timeout_s: float = 900) -> RunRecord:
+    """Inject the scenario's faults for this run's endpoints, then run `python -m flows.train` to its end."""
+    here = workdir / name
+    here.mkdir(parents=True)
+    if scenario.broken_model:
+        model = here / "not-a-model"
+        model.mkdir()
+    record = RunRecord(scenario, name, here / "store")
+    run_file = write_run_file(here / "run.toml", scenario, name=name, model=model, store=record.store, max_steps=max_steps)
+    for rule in scenario.route_faults:
+        record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
+    for rule in scenario.worker_faults:
+        record.fault_ids.append(pod.add_worker_fault({**rule, "endpoint_name_prefix": record.endpoint_prefix}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
+    started = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+        record.returncode, record.output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
+    record.wall_s = time.monotonic() - started
+    match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
+    record.flow_run_id = match.group(1) if match else None
+    return record
+
+
+def read_back(record: RunRecord, prefect: PrefectApi, account: Account) -> None:
+    """Fill in what the Prefect server, localpod and the store say about the run."""
+    endpoints = [e for e in account.endpoints if e.name.startswith(record.endpoint_prefix)]
+    record.endpoint_names = [e.name for e in endpoints]
+    # The worker says it resumed in a progress message, which the flow's 2 s polls can miss on a short
+    # run, and in its console, which is kept: read the last attempt's worker logs.
+    last = max(endpoints, key=lambda e: e.created_at, default=None)
+    for w in account.workers:
+        if last is not None and w.endpoint_id == last.id and w.log_path and Path(w.log_path).exists():
+            if m := _RESUMED.search(Path(w.log_path).read_text(errors="replace")):
+                record.resumed_from_step = int(m.group(1))
+    run_dir = record.run_dir
+    record.done = run_dir is not None and (run_dir / "DONE").exists()
+    if record.flow_run_id is None:
+        return
+    state = prefect.state(record.flow_run_id)
+    record.state_type, record.state_message = state["type"], state.get("message") or ""
+    for message in prefect.log_messages(record.flow_run_id):
+        if m := _ATTEMPT_ENDED.match(message):
+            record.retried.append(m.group(2))
+        elif m := _ADOPTED.match(message):
+            record.adopted_after = m.group(1)
+        elif m := _ATTEMPT_ON.match(message):
+            record.gpus_used.append(m.group(2))
+
+
+def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, Any]], max_steps: int) -> list[str]:
+    """Everything that is not as the scenario says it must be (empty: the run behaved)."""
+    s, problems = record.scenario, []
+    if record.flow_run_id is None:
+        return [f"no flow run id in the flow's output (exit code {record.returncode}):\n{record.output[-3000:]}"]
+    if record.state_type != s.expect_state:
+        problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
+    ended = record.retried + ([record.adopted_after] if record.adopted_after else [])
+    if tuple(ended) != s.retried:
+        problems.append(f"attempts given up: {ended}, expected {list(s.retried)}")
+    if record.adopted_after and not s.may_adopt:
+        problems.append(f"results adopted after an attempt ended {record.adopted_after}: not expected here")
+    live = [e.name for e in account.live_endpoints if e.name.startswith(record.endpoint_prefix)]
+    if live:
+        problems.append(f"endpoints still live: {live}")
+    attempts = Counter(int(m.group(1)) for n in record.endpoint_names if (m := _ENDPOINT_ATTEMPT.search(n)))
+    if any(count != 1 for count in attempts.values()):
+        problems.append(f"an attempt got more than one endpoint: {sorted(record.endpoint_names)}")
+    if sorted(attempts) != list(range(1, len(record.retried) + 2)):
+        problems.append(f"endpoints of attempts {sorted(attempts)}, expected 1..{len(record.retried) + 1}")
+    if s.final_gpu is not None and record.gpus_used[-1:] != [s.final_gpu]:
+        problems.append(f"attempts ran on {record.gpus_used}, expected the last on {s.final_gpu}")
+    if s.resumes and record.resumed_from_step is None:
+        problems.append("the last attempt did not resume from a checkpoint")
+    missing = [t for t in s.failure_text if t not in record.state_message]
+    if s.expect_state == "FAILED" and missing:
+        problems.append(f"the failure message lacks {missing}: {record.state_message[:1500]}")
+    if record.state_type == "COMPLETED":
+        problems += artifact_problems(record.run_dir, max_steps)
+    for fault_id in record.fault_ids:
+        fault = faults.get(fault_id)
+        if fault is not None and fault["hits"] == 0:
+            problems.append(f"fault {fault['action']} on {fault.get('route', 'the worker')} never fired")
+    return problems
+
+
+def artifact_problems(run_dir: Path | None, max_steps: int) -> list[str]:
+    """What is missing or wrong among a completed run's stored results."""
+    if run_dir is None or not (run_dir / "DONE").exists():
+        return [f"no DONE in {run_dir}"]
+    problems = []
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        if metrics.get("steps") != max_steps:
+            problems.append(f"metrics.json says {metrics.get('steps')} steps, expected {max_steps}")
+    except (OSError, ValueError) as e:
+        problems.append(f"metrics.json unreadable: {e}")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (run_dir / "adapter" / name).is_file():
+            problems.append(f"adapter/{name} missing")
+    return problems
+
+
+def adapter_changes_the_model(base_model: Path, adapter_dir: Path) -> bool:
+    """Load the adapter with PEFT onto the base model; True when it changes the model's output."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        before = base(ids).logits.clone()
+        after = PeftModel.from_pretrained(base, adapter_dir)(ids).logits
+    return not torch.allclose(before, after, atol=1e-4)
+
+
+def live_training_processes(root: Path) -> list[int]:
+    """Pids of worker training processes whose files lie under `root` (the stack's folder)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"loraflow_worker.train_job" in argv and any(a.startswith(str(root).encode()) for a in argv):
+            pids.append(int(proc.name))
+    return pids

@@ -1,0 +1,171 @@
+"""The chaos catalogue: each fault kind loraflow must survive, how to inject it into one run, and what
+that run must end as. Shared by the short chaos test (`tests/test_chaos_e2e.py`) and the long
+benchmark (`bench/chaos.py`); `bench/chaos_lib.py` runs and checks them.
+
+A scenario's faults are scoped to its own run by endpoint name (`loraflow-<run name>-`), so many
+scenarios can run at once; only `list_endpoints` names no endpoint, so its faults hit whichever run
+lists next (every run tolerates them the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+OUT_OF_STOCK_POOL = "ADA_32_PRO"
+"""The RTX 5090's pool, kept out of stock while a no-capacity scenario runs. Only that scenario asks for
+it (first on its list), so no other run waits on it."""
+
+CRASH_AT_STEP = "LORAFLOW_TEST_CRASH_AT_STEP"
+CRASH_KIND = "LORAFLOW_TEST_CRASH_KIND"
+"""The worker's test switch (worker_image/loraflow_worker/train_job.py): fail at the end of step N, as KIND says."""
+
+
+def route(route_name: str, action: str, **rule: Any) -> dict[str, Any]:
+    """A `POST /_localpod/faults` body, without its endpoint scope (added per run)."""
+    return {"route": route_name, "action": action, **rule}
+
+
+def worker(action: str, **rule: Any) -> dict[str, Any]:
+    """A `POST /_localpod/worker-faults` body, without its endpoint scope (added per run)."""
+    return {"action": action, **rule}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run with faults, and what must be true of it afterwards."""
+
+    kind: str
+    """Short name, part of the run name: lowercase letters, digits, dashes."""
+    summary: str
+    expect_state: Literal["COMPLETED", "FAILED"] = "COMPLETED"
+    retried: tuple[str, ...] = ()
+    """Outcome kinds of the attempts given up before the last one, in order (the flow logs
+    `Attempt N ended <kind>`); () means the run finished on its first attempt."""
+    route_faults: tuple[dict[str, Any], ...] = ()
+    worker_faults: tuple[dict[str, Any], ...] = ()
+    gpus: tuple[str, ...] = ("RTX 4090",)
+    final_gpu: str | None = None
+    """The GPU of the last attempt, when the faults must move the run (no capacity, out of memory)."""
+    may_adopt: bool = False
+    """The last attempt given up may still have stored complete results (`DONE`), which the flow then
+    adopts instead of starting another attempt."""
+    failure_text: tuple[str, ...] = ()
+    """Substrings the FAILED state's message must hold: the real reason."""
+    out_of_stock: str | None = None
+    """A GPU pool that must be out of stock while this runs."""
+    broken_model: bool = False
+    """Train a folder that holds no model: the worker's code fails."""
+    checkpoint_every_steps: int | None = None
+    resumes: bool = False
+    """The last attempt must resume from a stored checkpoint."""
+    queue_minutes: float = 20
+    startup_minutes: float = 30
+    stall_minutes: float = 15
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.kind: s
+    for s in (
+        Scenario(
+            "clean", "no fault: the baseline run",
+        ),
+        Scenario(
+            "api-faults",
+            "429 (with Retry-After), 500 and dropped connections on create, get, delete and list, and dropped or "
+            "slow status polls: task retries and the watch loop absorb them, one attempt",
+            route_faults=(
+                route("create_endpoint", "status_429", retry_after_s=1),
+                route("create_endpoint", "drop"),
+                route("get_endpoint", "status_500"),
+                route("delete_endpoint", "status_429"),
+                route("delete_endpoint", "drop"),
+                route("list_endpoints", "status_500"),
+                route("list_endpoints", "drop"),
+                route("status", "drop", times=2),
+                route("status", "hang", hang_s=3),
+            ),
+        ),
+        Scenario(
+            "ambiguous-create",
+            "create answers 500 after making the endpoint: found by name, exactly one endpoint, one attempt",
+            route_faults=(route("create_endpoint", "act_then_500"),),
+        ),
+        Scenario(
+            "run-500", "`/run` answers 500: not retried blindly; the endpoint is given up for a new attempt",
+            retried=("submit_failed",), route_faults=(route("run", "status_500"),),
+        ),
+        Scenario(
+            "run-act-500", "`/run` queues the job, then answers 500: that endpoint and its job are deleted, a new attempt",
+            retried=("submit_failed",), route_faults=(route("run", "act_then_500"),),
+        ),
+        Scenario(
+            "run-drop", "`/run`'s connection drops: whether a job started is unknown, so a new attempt",
+            retried=("submit_failed",), route_faults=(route("run", "drop"),),
+        ),
+        Scenario(
+            "worker-crash", "the worker dies mid-job without a result: worker_lost, retried",
+            retried=("worker_lost",), worker_faults=(worker("crash"),),
+        ),
+        Scenario(
+            "preempt", "the worker is killed and the job requeued: preempted, retried on a new endpoint",
+            retried=("preempted",), worker_faults=(worker("preempt"),),
+        ),
+        Scenario(
+            "worker-hang", "the worker freezes (SIGSTOP) as the job starts: stalled after the startup allowance",
+            retried=("stalled",), worker_faults=(worker("hang"),), startup_minutes=1, stall_minutes=1,
+            # localpod stops the worker's process group only; the training process runs in its own
+            # session, so it may finish and store DONE while the worker is frozen.
+            may_adopt=True,
+        ),
+        Scenario(
+            "stall-resume",
+            "training hangs at step 3 after the step-2 checkpoint was stored: stalled, and the next attempt "
+            "resumes from the checkpoint",
+            retried=("stalled",), worker_faults=(worker("env", env={CRASH_AT_STEP: "3", CRASH_KIND: "hang"}),),
+            checkpoint_every_steps=2, resumes=True, stall_minutes=1,
+        ),
+        Scenario(
+            "no-capacity",
+            f"the first GPU's pool ({OUT_OF_STOCK_POOL}) is out of stock: no_capacity after the queue allowance, "
+            "then the next GPU of the list",
+            retried=("no_capacity",), gpus=("RTX 5090", "A100 SXM"), final_gpu="A100 SXM",
+            out_of_stock=OUT_OF_STOCK_POOL, queue_minutes=1,  # the spec's minimum
+        ),
+        Scenario(
+            "oom", "the worker reports CUDA out of memory: the next attempt runs on a GPU with more memory",
+            retried=("out_of_memory",), gpus=("RTX 4090", "A100 SXM"), final_gpu="A100 SXM",
+            worker_faults=(worker("env", env={CRASH_AT_STEP: "1", CRASH_KIND: "oom"}),),
+        ),
+        Scenario(
+            "oom-no-bigger", "out of memory on the largest GPU of the list: fails, saying what to change",
+            expect_state="FAILED", gpus=("A100 SXM",),
+            worker_faults=(worker("env", env={CRASH_AT_STEP: "1", CRASH_KIND: "oom"}),),
+            failure_text=("out_of_memory", "no GPU with more memory"),
+        ),
+        Scenario(
+            "delete-outage",
+            "every delete answers 500 for longer than the delete task's retries (6 times), after the job stored "
+            "its results: the endpoint must still go, and the run complete",
+            route_faults=(route("delete_endpoint", "status_500", times=6),),
+        ),
+        Scenario(
+            "code-failure", "the model folder holds no model: the worker's code fails, not retried, reason shown",
+            expect_state="FAILED", broken_model=True, failure_text=("ValueError", "[failed: not retried]"),
+        ),
+    )
+}
+
+SHORT_FORM: tuple[str, ...] = (
+    "api-faults", "ambiguous-create", "run-500", "worker-crash", "preempt", "worker-hang", "stall-resume",
+    "no-capacity", "oom", "code-failure",
+)
+"""The scenarios the CI test runs, one run each: every fault kind of the issue, at the cost of about one
+queue allowance (the no-capacity run) of wall time."""
+
+
+def scoped(rule: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The rule limited to endpoints named with `prefix`; list_endpoints names no endpoint, so stays global."""
+    if rule.get("route") == "list_endpoints":
+        return dict(rule)
+    return {**rule, "endpoint_name_prefix": prefix}
