@@ -114,9 +114,6 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "worker-hang", "the worker freezes (SIGSTOP) as the job starts: stalled after the startup allowance",
             retried=("stalled",), worker_faults=(worker("hang"),), startup_minutes=1, stall_minutes=1,
-            # localpod stops the worker's process group only; the training process runs in its own
-            # session, so it may finish and store DONE while the worker is frozen.
-            may_adopt=True,
         ),
         Scenario(
             "stall-resume",

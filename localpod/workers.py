@@ -136,7 +136,7 @@ class WorkerSupervisor:
                 log.info("stopping worker %s: %s", worker.id, worker.stop_reason)
                 _signal_group(worker.process, signal.SIGTERM)
                 if worker.suspended:  # a stopped process keeps a SIGTERM pending until it runs again
-                    _signal_group(worker.process, signal.SIGCONT)
+                    _signal_tree(worker.process, signal.SIGCONT)
                 worker.signalled_at = now
             elif not worker.killed and now - worker.signalled_at >= self.config.kill_grace_s:
                 _signal_group(worker.process, signal.SIGKILL)
@@ -165,7 +165,8 @@ class WorkerSupervisor:
         if action == "crash":  # the reaper then fails the job: the worker exited without a result
             _signal_group(worker.process, signal.SIGKILL)
         elif action == "hang":
-            _signal_group(worker.process, signal.SIGSTOP)
+            # A hung container freezes every process in it, the worker's own children in other sessions too.
+            _signal_tree(worker.process, signal.SIGSTOP)
             worker.suspended = True
         elif action == "preempt":
             self.state.requeue_job(job)
@@ -265,6 +266,33 @@ def _new_worker_id(state: LocalpodState) -> str:
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)  # start_new_session made the worker its group's leader
+
+
+def _signal_tree(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the worker's process group and every descendant, wherever its session."""
+    _signal_group(process, sig)
+    for pid in _descendants(process.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name field may hold spaces and ')'
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
 
 def _log_tail(worker: WorkerRecord) -> str:
