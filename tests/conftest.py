@@ -23,6 +23,23 @@ REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "deployments" / "data" / "tiny-chat.jsonl"
 
 
+_FIGURES: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def figures():
+    """`figures(text)` shows `text` in the run's closing summary, where CI's log keeps it (captured
+    output of passing tests is not shown)."""
+    return _FIGURES.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("loraflow figures")
+        for text in _FIGURES:
+            terminalreporter.write_line(text)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model")

@@ -27,10 +27,10 @@ def chaos_stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chaos(chaos_stack, tmp_path_factory, tiny_model) -> Batch:
+def chaos(chaos_stack, tmp_path_factory, tiny_model, figures) -> Batch:
     batch = run_batch(chaos_stack, plan(list(SHORT_FORM)), tmp_path_factory.mktemp("chaos-runs"), tiny_model,
                       concurrency=len(SHORT_FORM), max_steps=MAX_STEPS)
-    print(f"\n{batch.report()}\n{batch.figures.block()}")
+    figures(f"{batch.report()}\n{batch.figures.block()}")
     return batch
 
 
@@ -108,16 +108,16 @@ def test_completed_adapters_load_with_peft_and_change_the_model(chaos):
     assert chaos.figures.adapters_loaded == 2
 
 
-# --- open bug: a delete that keeps failing past the delete task's retries ----------------------------
+# --- a delete that keeps failing for minutes ------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def delete_outage(chaos, chaos_stack, tmp_path_factory, tiny_model) -> Batch:
-    """One run whose endpoint deletes answer 500 six times (the task retries five), once its job has
-    stored complete results. Runs after the main batch, so its figures stay apart."""
+def delete_outage(chaos, chaos_stack, tmp_path_factory, tiny_model, figures) -> Batch:
+    """One run whose endpoint deletes answer 500 six times, once its job has stored complete results.
+    Runs after the main batch, so its figures stay apart."""
     batch = run_batch(chaos_stack, plan(["delete-outage"], prefix="do"), tmp_path_factory.mktemp("delete-outage"),
                       tiny_model, concurrency=1, max_steps=MAX_STEPS, load_adapters=0)
-    print(f"\n{batch.report()}\n{batch.figures.block()}")
+    figures(f"{batch.report()}\n{batch.figures.block()}")
     return batch
 
 

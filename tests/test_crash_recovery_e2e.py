@@ -54,7 +54,7 @@ def slots_in_use(stack) -> int:
     return prefect_api(stack, "GET", "/v2/concurrency_limits/runpod-endpoints").json()["active_slots"]
 
 
-def test_sigkilled_flow_leaks_neither_endpoint_nor_slot(local_stack, tiny_model, tmp_path):
+def test_sigkilled_flow_leaks_neither_endpoint_nor_slot(local_stack, tiny_model, tmp_path, figures):
     run_file = write_run_file(tmp_path / "run.toml", name="e2e-kill", model=tiny_model, store=tmp_path / "store",
                               max_steps=100_000)
     log = (tmp_path / "flow.log").open("wb")
@@ -86,7 +86,7 @@ def test_sigkilled_flow_leaks_neither_endpoint_nor_slot(local_stack, tiny_model,
     endpoint_gone_s = time.monotonic() - killed_at
     wait_for(lambda: slots_in_use(local_stack) == 0, LEASE_S + 60, "the slot's lease to expire")
     slot_free_s = time.monotonic() - killed_at
-    print(f"\nSIGKILL recovery: endpoint deleted after {endpoint_gone_s:.1f} s, slot freed after {slot_free_s:.1f} s "
+    figures(f"SIGKILL recovery: endpoint deleted after {endpoint_gone_s:.1f} s, slot freed after {slot_free_s:.1f} s "
           f"(lease {LEASE_S} s, silence threshold 15 s)")
     assert slot_free_s <= LEASE_S + 45
 

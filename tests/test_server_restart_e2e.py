@@ -15,7 +15,7 @@ from tests.test_train_e2e import write_run_file
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_run_survives_a_prefect_server_restart_without_leaking(local_stack, tiny_model, tmp_path):
+def test_run_survives_a_prefect_server_restart_without_leaking(local_stack, tiny_model, tmp_path, figures):
     run_file = write_run_file(tmp_path / "run.toml", name="e2e-restart", model=tiny_model, store=tmp_path / "store",
                               max_steps=400)
     log = (tmp_path / "flow.log").open("wb")
@@ -27,7 +27,7 @@ def test_run_survives_a_prefect_server_restart_without_leaking(local_stack, tiny
         assert flow.poll() is None, (tmp_path / "flow.log").read_text()
         wait_for(lambda: running_job(local_stack, {e["id"] for e in endpoints}), 120, "the job to start training")
         down_s = local_stack.restart_prefect()
-        print(f"\nPrefect server was down {down_s:.1f} s mid-run")
+        figures(f"Prefect server was down {down_s:.1f} s mid-run")
         assert flow.wait(300) == 0, (tmp_path / "flow.log").read_text()[-5000:]
     finally:
         if flow.poll() is None:
