@@ -27,7 +27,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
-from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
 from loraflow_worker.fast_paths import engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.rewards import check_reward_columns, resolve_rewards
@@ -38,6 +37,7 @@ from loraflow_worker.training_run import (
     lora_config,
     package_outcome,
     resolve_base_model,
+    shared_trainer_args,
     train_and_save,
     use_device,
 )
@@ -79,22 +79,11 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     plan = plan_fast_paths(gather_facts(model_path, "grpo"))
     os.environ.update(plan.env)  # before the first CUDA allocation: the allocator reads it once
 
-    t = job.training
     extra: dict[str, Any] = {}
     if plan.trainer_kwargs.get("use_vllm"):
         extra["vllm_max_model_length"] = settings.max_prompt_length + settings.max_completion_length
     args = GRPOConfig(
-        output_dir=str(work_dir / "trainer"),
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
-        num_train_epochs=t.epochs,
-        max_steps=t.max_steps or -1,
-        seed=t.seed,
-        logging_steps=t.logging_steps,
-        **save_settings(t),
-        report_to="none",
-        disable_tqdm=True,
+        **shared_trainer_args(job, work_dir),
         num_generations=settings.num_generations,
         max_completion_length=settings.max_completion_length,
         temperature=settings.temperature,

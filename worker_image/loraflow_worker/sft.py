@@ -16,7 +16,6 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
-from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import JobInput, Progress
 from loraflow_worker.fast_paths import engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
@@ -26,6 +25,7 @@ from loraflow_worker.training_run import (
     lora_config,
     package_outcome,
     resolve_base_model,
+    shared_trainer_args,
     train_and_save,
     use_device,
 )
@@ -44,20 +44,9 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     plan = plan_fast_paths(gather_facts(model_path, "sft"))
     os.environ.update(plan.env)  # before the first CUDA allocation: the allocator reads it once
 
-    t = job.training
     args = SFTConfig(
-        output_dir=str(work_dir / "trainer"),
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        learning_rate=t.learning_rate,
-        num_train_epochs=t.epochs,
-        max_steps=t.max_steps or -1,
-        max_length=t.max_seq_length,
-        seed=t.seed,
-        logging_steps=t.logging_steps,
-        **save_settings(t),
-        report_to="none",
-        disable_tqdm=True,
+        **shared_trainer_args(job, work_dir),
+        max_length=job.training.max_seq_length,
         include_num_input_tokens_seen="non_padding",
         **plan.trainer_kwargs,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset, load_dataset
@@ -15,6 +16,7 @@ from peft import LoraConfig
 from transformers import PreTrainedTokenizerBase, Trainer
 
 from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
 from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
 from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor
@@ -64,6 +66,24 @@ def lora_config(job: JobInput) -> LoraConfig:
         lora_dropout=job.lora.dropout,
         target_modules=job.lora.target_modules,
         task_type="CAUSAL_LM",
+    )
+
+
+def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
+    """The TrainingArguments every algorithm takes from the job's training settings."""
+    t = job.training
+    return dict(
+        output_dir=str(work_dir / "trainer"),
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps or -1,
+        seed=t.seed,
+        logging_steps=t.logging_steps,
+        **save_settings(t),
+        report_to="none",
+        disable_tqdm=True,
     )
 
 
