@@ -553,9 +553,12 @@ class LiveServer:
         return [w for w in self.account().workers if w.endpoint_id == endpoint_id]
 
 
-def start_server(tmp: Path) -> LiveServer:
+def launch_localpod(tmp: Path, handler: str, *, kill_grace: float, long_poll: float
+                    ) -> tuple[httpx.Client, subprocess.Popen[bytes], Path]:
+    """Start `python -m localpod` whose workers run `handler` (a script's source); returns once it
+    announces where it listens: (an authenticated client, the process, its output file)."""
     script = tmp / "handler.py"
-    script.write_text(HANDLER)
+    script.write_text(handler)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -563,30 +566,42 @@ def start_server(tmp: Path) -> LiveServer:
     command = [
         sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
         "--worker-command", shlex.join([sys.executable, str(script)]), "--log-dir", str(tmp / "logs"),
-        "--kill-grace", "2", "--long-poll", "2",
+        "--kill-grace", str(kill_grace), "--long-poll", str(long_poll),
     ]  # fmt: skip
     with open(stdout, "wb") as out:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10)
-    server = LiveServer(http, process, tmp, stdout)
 
     def announced() -> bool:
         if process.poll() is not None:
             raise AssertionError(f"localpod exited: {stdout.read_text()}")
         return "localpod listening on" in stdout.read_text()
 
-    wait_for(announced, "localpod to announce it listens", timeout=30)
-    return server
+    try:
+        wait_for(announced, "localpod to announce it listens", timeout=30)
+    except BaseException:
+        stop_localpod(http, process)
+        raise
+    return http, process, stdout
+
+
+def stop_localpod(http: httpx.Client, process: subprocess.Popen[bytes]) -> None:
+    http.close()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def start_server(tmp: Path) -> LiveServer:
+    http, process, stdout = launch_localpod(tmp, HANDLER, kill_grace=2, long_poll=2)
+    return LiveServer(http, process, tmp, stdout)
 
 
 def stop_server(server: LiveServer) -> None:
-    server.http.close()
-    server.process.send_signal(signal.SIGTERM)
-    try:
-        server.process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+    stop_localpod(server.http, server.process)
 
 
 def pid_alive(pid: int) -> bool:

@@ -7,11 +7,8 @@ own prefix, and the faults, stock and endpoints it leaves are cleared after it.
 
 from __future__ import annotations
 
-import shlex
 import signal
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +20,7 @@ import httpx
 import pytest
 
 from localpod.models import Account
-from tests.test_localpod import API_KEY, AUTH, REPO_ROOT, endpoint_body, pid_alive, wait_for
+from tests.test_localpod import endpoint_body, launch_localpod, pid_alive, stop_localpod, wait_for
 
 HANDLER = '''
 import asyncio, os
@@ -83,38 +80,11 @@ class Pod:
 
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    tmp = tmp_path_factory.mktemp("localpod-faults")
-    script = tmp / "handler.py"
-    script.write_text(HANDLER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    stdout = tmp / "localpod.out"
-    command = [
-        sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-        "--worker-command", shlex.join([sys.executable, str(script)]), "--log-dir", str(tmp / "logs"),
-        "--kill-grace", "1", "--long-poll", "1",
-    ]  # fmt: skip
-    with open(stdout, "wb") as out:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
-    server = Pod(httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10), process, stdout)
+    http, process, stdout = launch_localpod(tmp_path_factory.mktemp("localpod-faults"), HANDLER, kill_grace=1, long_poll=1)
     try:
-
-        def announced() -> bool:
-            if process.poll() is not None:
-                raise AssertionError(f"localpod exited: {stdout.read_text()}")
-            return "localpod listening on" in stdout.read_text()
-
-        wait_for(announced, "localpod to announce it listens", timeout=30)
-        yield server
+        yield Pod(http, process, stdout)
     finally:
-        server.http.close()
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_localpod(http, process)
 
 
 @pytest.fixture(autouse=True)
