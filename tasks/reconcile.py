@@ -18,7 +18,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.client.schemas.sorting import LogSort
 from pydantic import BaseModel, Field
 
-from tasks.runpod.endpoints import ENDPOINT_PREFIX, run_endpoint_prefix
+from tasks.runpod.endpoints import ENDPOINT_PREFIX, run_hash
 from tasks.runpod.models import Endpoint, Health
 
 LIVE_STATES = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
@@ -49,7 +49,7 @@ def decide(endpoints: list[Endpoint], runs: list[LiveRun], health: dict[str, Hea
            silent_after_s: float, idle_grace_s: float, min_age_s: float) -> list[Finding]:
     """One finding per endpoint of ours: delete when no live run owns it, when its run is silent past
     `silent_after_s`, or when it has had no job for `idle_grace_s`; keep otherwise."""
-    by_hash = {run_endpoint_prefix(r.id)[:-2]: r for r in runs}
+    by_hash = {run_hash(r.id): r for r in runs}
     findings = []
     for endpoint in endpoints:
         if not endpoint.name.startswith(ENDPOINT_PREFIX):

@@ -20,20 +20,19 @@ MAX_ENDPOINT_NAME = 60
 """RunPod rejects longer endpoint names (limit seen in dstack's client; undocumented)."""
 
 
+def run_hash(run_id: str) -> str:
+    """The short hash of a run id that every attempt's endpoint name carries."""
+    return hashlib.sha256(run_id.encode()).hexdigest()[:12]
+
+
 def endpoint_name(run_id: str, attempt: int, label: str = "") -> str:
     """`loraflow-<label>-<hash of run id>-a<attempt>`: unique per run and per attempt, recognisable,
     and derivable again from the run id alone (crash hooks and the reconciler hold no memory)."""
-    digest = hashlib.sha256(run_id.encode()).hexdigest()[:12]
     clean = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", label.lower())).strip("-")
-    suffix = f"{digest}-a{attempt}"
+    suffix = f"{run_hash(run_id)}-a{attempt}"
     room = MAX_ENDPOINT_NAME - len(ENDPOINT_PREFIX) - len(suffix) - 1
     clean = clean[: max(room, 0)].strip("-")
     return f"{ENDPOINT_PREFIX}{clean}-{suffix}" if clean else f"{ENDPOINT_PREFIX}{suffix}"
-
-
-def run_endpoint_prefix(run_id: str) -> str:
-    """What every attempt's endpoint name of this run contains (for lookups without the label)."""
-    return hashlib.sha256(run_id.encode()).hexdigest()[:12] + "-a"
 
 
 def build_create_request(
@@ -115,5 +114,5 @@ def delete_endpoints_named(client: RunpodClient, name: str) -> list[str]:
 
 def run_endpoints(client: RunpodClient, run_id: str) -> list[Endpoint]:
     """Every endpoint of any attempt of this run (found by name: no memory needed)."""
-    marker = f"-{run_endpoint_prefix(run_id)}"
+    marker = f"-{run_hash(run_id)}-a"
     return [e for e in client.list_endpoints() if e.name.startswith(ENDPOINT_PREFIX) and marker in e.name]
