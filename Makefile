@@ -1,24 +1,49 @@
 # Two commands do all the set-up on a fresh machine with Python 3.11+ and pip:
 #   make demo   install, then run the main job on the embedded local stack
 #   make test   install what the tests need, then run them
+#
+# Two environments, as in production, where the worker runs in its image and the flows elsewhere:
+#   .venv         the control plane, localpod and the control-plane tests (Prefect; no training stack)
+#   .venv-worker  the worker: the image's locked versions (worker_image/cpu-constraints.txt, generated
+#                 from worker_image/requirements-gpu.lock) with the CPU torch; localpod's workers and the
+#                 worker's tests run with its interpreter
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Every pip call takes the constraints: a loose torch requirement otherwise pulls a multi-GB CUDA build.
+WORKER_VENV := .venv-worker
+WORKER_PY := $(WORKER_VENV)/bin/python
+# Every pip call takes constraints: a loose torch requirement otherwise pulls a multi-GB CUDA build.
 PIP := $(PY) -m pip install --quiet -c constraints-cpu.txt
+WORKER_PIP := $(WORKER_PY) -m pip install --quiet -c worker_image/cpu-constraints.txt
+DOCKER ?= docker
 
-.PHONY: demo test install
+.PHONY: demo test install image image-test
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed $(WORKER_VENV)/.installed
 	$(PY) deployments/local.py $(ARGS)
 
-test: $(VENV)/.installed
-	$(PY) -m pytest $(ARGS)
+test: $(VENV)/.installed $(WORKER_VENV)/.installed
+	$(WORKER_PY) -m pytest worker_image/tests $(ARGS)
+	$(PY) -m pytest tests $(ARGS)
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(WORKER_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml worker_image/pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0 hatchling
-	$(PIP) -e './worker_image[train]' -e '.[local,test]'
+	$(PIP) -e ./worker_image -e '.[local,test]'
 	touch $@
+
+$(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constraints.txt
+	$(PYTHON) worker_image/cpu_constraints.py --check
+	test -x $(WORKER_PY) || $(PYTHON) -m venv $(WORKER_VENV)
+	$(WORKER_PIP) torch hatchling
+	$(WORKER_PIP) -e './worker_image[train,test]' liger-kernel triton
+	touch $@
+
+# The worker image (the real lock, GPU packages included), built from Debian's packages when no
+# registry serves the base image; then its own checks and a short SFT and GRPO job inside it, on the CPU.
+image:
+	bash worker_image/image.sh build
+
+image-test: $(VENV)/.installed
+	bash worker_image/image.sh test

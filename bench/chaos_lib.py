@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from bench.chaos_scenarios import Scenario, scoped
+from deployments.local_stack import check_adapter
 from localpod.models import Account
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,13 +37,6 @@ _ATTEMPT_ON = re.compile(r"^Attempt (\d+) on \d+ × (.+?): endpoint ")
 _ADOPTED = re.compile(r"^Job ended (\w+) but its results were stored completely; adopting them")
 _RESUMED = re.compile(r"resuming from the checkpoint at step (\d+)")
 _ENDPOINT_ATTEMPT = re.compile(r"-a(\d+)$")
-
-
-def build_tiny_model(out: Path) -> Path:
-    """The offline tiny model every run trains (no Hub download)."""
-    subprocess.run([sys.executable, "-m", "loraflow_worker.tiny_model", "--out", str(out)], check=True,
-                   env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True)
-    return out
 
 
 def wait_for(condition, timeout_s: float, interval_s: float = 0.5):
@@ -283,17 +277,10 @@ def artifact_problems(run_dir: Path | None, max_steps: int) -> list[str]:
 
 
 def adapter_changes_the_model(base_model: Path, adapter_dir: Path) -> bool:
-    """Load the adapter with PEFT onto the base model; True when it changes the model's output."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_model)
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.no_grad():
-        before = base(ids).logits.clone()
-        after = PeftModel.from_pretrained(base, adapter_dir)(ids).logits
-    return not torch.allclose(before, after, atol=1e-4)
+    """Load the adapter with PEFT onto the base model (in the worker's environment); True when it changes
+    the model's output."""
+    report = check_adapter(base_model, adapter_dir)
+    return bool(report["loads"] and report["changes_output"])
 
 
 def live_training_processes(root: Path) -> list[int]:

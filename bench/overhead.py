@@ -26,7 +26,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from bench.chaos_lib import Localpod, build_tiny_model, run_scenario  # noqa: E402
+from bench.chaos_lib import Localpod, run_scenario  # noqa: E402
+from deployments.local_stack import build_tiny_model  # noqa: E402
 from bench.chaos_scenarios import SCENARIOS  # noqa: E402
 from deployments.local_stack import LOCALPOD_API_KEY, LocalStack  # noqa: E402
 

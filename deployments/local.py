@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from deployments.local_stack import LocalStack  # noqa: E402
+from deployments.local_stack import LocalStack, build_tiny_model, check_adapter  # noqa: E402
 
 
 def main() -> int:
@@ -37,7 +36,7 @@ def main() -> int:
     model_dir = home / "tiny-model"
     if not (model_dir / "config.json").exists():
         print(f"Building the tiny model in {model_dir} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "loraflow_worker.tiny_model", "--out", str(model_dir)], check=True)
+        build_tiny_model(model_dir)
 
     print("Starting the local Prefect server and localpod ...", flush=True)
     with LocalStack(home / "stack") as stack:
@@ -58,7 +57,11 @@ def main() -> int:
             return 1
         results = state.result()
         adapter_dir = Path(results.adapter_url.removeprefix("file://"))
-        check_adapter_loads(model_dir, adapter_dir)
+        # The promise of a run: an adapter that loads with PEFT on its base model.
+        report = check_adapter(model_dir, adapter_dir)
+        if not report["loads"]:
+            print(f"\nThe run completed but its adapter does not load: {report['error']}", file=sys.stderr)
+            return 1
         metrics = results.result.metrics
         print(
             f"\nRun completed in {time.time() - started:.0f} s: {metrics.steps} steps, loss "
@@ -75,15 +78,6 @@ def main() -> int:
             except KeyboardInterrupt:
                 pass
     return 0
-
-
-def check_adapter_loads(model_dir: Path, adapter_dir: Path) -> None:
-    """The promise of a run: an adapter that loads with PEFT on its base model."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir)
-    PeftModel.from_pretrained(base, adapter_dir)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
 """The embedded local stack: a Prefect server (SQLite), localpod in place of RunPod and, when asked,
 the local Hub stand-in. Used by the local demo (`deployments/local.py`) and the end-to-end tests.
 
+The control plane and the worker never share an environment (as in production, where the worker runs in
+its image): localpod starts workers with the worker environment's interpreter, `WORKER_PYTHON`
+(`.venv-worker/bin/python`, made by `make install` from the image's lock; `LORAFLOW_WORKER_PYTHON`
+overrides it), and whatever needs the training stack here (building the tiny model, loading an adapter)
+runs there too.
+
 Every process is started here, stopped here by its PID (with its process group), and given free
 ports; nothing of a developer's own Prefect profile is touched (PREFECT_HOME is the stack's folder).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+REPO = Path(__file__).resolve().parent.parent
+WORKER_PYTHON = Path(os.environ.get("LORAFLOW_WORKER_PYTHON") or REPO / ".venv-worker" / "bin" / "python")
 LOCALPOD_API_KEY = "localpod-local-key"
 
 PREFECT_SERVER_ENV = {
@@ -80,6 +89,32 @@ def start_service(name: str, argv: list[str], env: dict[str, str], url: str, hea
     raise RuntimeError(f"{name} did not become healthy within {timeout_s:.0f} s; see {log_path}:\n{_tail(log_path)}")
 
 
+def require_worker_python(python: Path = WORKER_PYTHON) -> Path:
+    """`python`, once it is known to be an interpreter with the worker's training stack."""
+    if not os.access(python, os.X_OK):
+        raise RuntimeError(f"no worker environment at {python}: run `make install` (it builds .venv-worker from "
+                           "the worker image's lock), or point LORAFLOW_WORKER_PYTHON at a worker interpreter")
+    return python
+
+
+def build_tiny_model(out_dir: Path, python: Path = WORKER_PYTHON) -> Path:
+    """Build the tiny Qwen3-architecture model offline into `out_dir` (in the worker's environment)."""
+    subprocess.run([str(require_worker_python(python)), "-m", "loraflow_worker.tiny_model", "--out", str(out_dir)],
+                   check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    return out_dir
+
+
+def check_adapter(base_model: Path, adapter_dir: Path, python: Path = WORKER_PYTHON) -> dict:
+    """Load `adapter_dir` with PEFT onto `base_model` in the worker's environment; the report of
+    `loraflow_worker.adapter_check` (`loads`, `changes_output`, ...), or an error naming what failed."""
+    proc = subprocess.run([str(require_worker_python(python)), "-m", "loraflow_worker.adapter_check", str(base_model),
+                           str(adapter_dir)], capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"the adapter check printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
 def _tail(path: Path, size: int = 3000) -> str:
     data = path.read_bytes() if path.exists() else b""
     return data[-size:].decode("utf-8", errors="replace")
@@ -93,6 +128,9 @@ class LocalStack:
     worker_quota: int = 30
     with_hub: bool = False
     prefect_port: int = 0
+    worker_python: Path = WORKER_PYTHON
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every worker localpod starts (on top of the endpoint's own env)."""
     services: dict[str, Service] = field(default_factory=dict)
     _exit: ExitStack = field(default_factory=ExitStack)
 
@@ -153,11 +191,14 @@ class LocalStack:
                 base, f"http://127.0.0.1:{port}", "/api/agent-harnesses", self.home / "logs" / "hub.log",
             )
         port = free_port()
-        worker_env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
+        worker_env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1",
+                      **self.worker_env}
+        require_worker_python(self.worker_python)
         self.services["localpod"] = start_service(
             "localpod",
             [sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", LOCALPOD_API_KEY,
-             "--worker-quota", str(self.worker_quota), "--log-dir", str(self.home / "logs" / "workers")],
+             "--worker-quota", str(self.worker_quota), "--log-dir", str(self.home / "logs" / "workers"),
+             "--worker-command", f"{self.worker_python} -m loraflow_worker.handler"],
             base | worker_env, f"http://127.0.0.1:{port}", "/_localpod/account", self.home / "logs" / "localpod.log",
         )
 

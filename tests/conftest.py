@@ -42,10 +42,9 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-model")
-    subprocess.run([sys.executable, "-m", "loraflow_worker.tiny_model", "--out", str(out)], check=True,
-                   env=os.environ | {"OMP_NUM_THREADS": "1"})
-    return out
+    from deployments.local_stack import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,14 @@ commits (the Hub allows 128 per hour per repo) — here against the local Hub st
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 import pytest
 from huggingface_hub import HfApi, snapshot_download
 
+from deployments.local_stack import check_adapter
 from tests.conftest import prefect_api, run_train_flow
 from tests.test_train_e2e import write_run_file
 
@@ -41,19 +45,11 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
     assert 2 <= len(run_commits) <= 6, [c.get("title") for c in run_commits]
 
     manifest = api.hf_hub_download("acme/runs", f"{prefix}/manifest.json", repo_type="dataset", cache_dir=tmp_path / "cache")
-    import json
-
     recorded = json.loads(open(manifest).read())
     assert recorded["base_model_id"] == "acme/tiny-qwen3"
     assert recorded["base_model_revision"] == model_sha
 
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     local = snapshot_download("acme/runs", repo_type="dataset", allow_patterns=[f"{prefix}/adapter/*"],
                               endpoint=local_stack.hub_url, token=token, cache_dir=tmp_path / "cache")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model)
-    tuned = PeftModel.from_pretrained(base, f"{local}/{prefix}/adapter")
-    with torch.no_grad():
-        assert tuned(torch.tensor([[1, 2, 3]])).logits.shape[-1] == base.config.vocab_size
+    report = check_adapter(tiny_model, Path(local) / prefix / "adapter")
+    assert report["loads"] and report["vocab_size"] == json.loads((tiny_model / "config.json").read_text())["vocab_size"], report

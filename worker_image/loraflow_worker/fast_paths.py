@@ -86,8 +86,8 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
     if not facts.cuda:
         plan = FastPathPlan(
             {name: FastPath(engaged=False, reason=NO_CUDA) for name in FAST_PATHS},
-            # TRL defaults to bf16 and activation checkpointing; on CPU both only slow training down.
-            {"use_cpu": True, "bf16": False, "activation_checkpointing": False, "model_init_kwargs": {"dtype": "float32"}},
+            # TRL defaults to bf16 and gradient checkpointing; on CPU both only slow training down.
+            {"use_cpu": True, "bf16": False, "gradient_checkpointing": False, "model_init_kwargs": {"dtype": "float32"}},
         )
         if facts.algorithm == "grpo":
             plan.trainer_kwargs["use_vllm"] = False
@@ -125,7 +125,7 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
             decided[name] = (True, "planned; confirmed once the model is built")
 
     decided["gradient_checkpointing"] = (True, "recomputes activations in the backward pass: less memory, ~20% slower steps")
-    kwargs["activation_checkpointing"] = True
+    kwargs["gradient_checkpointing"] = True
 
     if has("bitsandbytes"):
         decided["paged_adamw_8bit"] = (True, f"bitsandbytes {facts.packages['bitsandbytes']}: 8-bit paged AdamW")
@@ -272,7 +272,7 @@ def _engage_liger(model: Any) -> FastPath:
 def _undo_disabled(disabled: frozenset[str], decided: dict[str, tuple[bool, str]], kwargs: dict[str, Any], env: dict[str, str]) -> None:
     """Drop the config of fast paths switched off after deciding them (bf16 stays as decided: it is precision)."""
     if "gradient_checkpointing" in disabled:
-        kwargs["activation_checkpointing"] = False
+        kwargs["gradient_checkpointing"] = False
     if "paged_adamw_8bit" in disabled:
         kwargs.pop("optim", None)
     if "expandable_segments" in disabled:
