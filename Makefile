@@ -34,6 +34,7 @@ $(VENV)/.installed: pyproject.toml worker_image/pyproject.toml constraints-cpu.t
 	touch $@
 
 $(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "the worker environment needs Python 3.11, the image'"'"'s (the lock is compiled for it): make PYTHON=python3.11")'
 	$(PYTHON) worker_image/cpu_constraints.py --check
 	test -x $(WORKER_PY) || $(PYTHON) -m venv $(WORKER_VENV)
 	$(WORKER_PIP) torch hatchling

@@ -2,7 +2,7 @@
 # The worker image's build steps. The Dockerfile's RUN lines call this script, so the same steps run
 # without a Docker engine too (a GPU box, CI, a dev machine):
 #
-#   worker_image/build.sh system                  # apt: Python 3.12 + headers and gcc (Triton compiles its
+#   worker_image/build.sh system                  # apt: Python 3.11 + headers and gcc (Triton compiles its
 #                                                 #   launcher at run time), CA certificates
 #   worker_image/build.sh deps [--find-links DIR] # the locked GPU stack into $LORAFLOW_VENV (offline from
 #                                                 #   a wheel folder with --find-links)
@@ -14,7 +14,9 @@
 #
 # Settings (environment): LORAFLOW_VENV (default /opt/venv), PYTHON (the interpreter that creates the venv
 # and runs `check`; default python3), TORCH_CUDA_ARCH_LIST (SM architectures, default
-# "8.0;8.6;8.9;9.0;10.0;12.0"), IMAGE_REPO (default loraflow-worker).
+# "8.0;8.6;8.9;9.0;10.0;12.0"), IMAGE_REPO (default loraflow-worker), BUILD_CA (an extra CA bundle pip
+# trusts in `deps`, for a build behind a TLS-intercepting proxy; default build-ca/ca.crt beside this
+# script, when it exists).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -54,6 +56,10 @@ step_deps() {
         [[ -d "${2:-}" ]] || die "--find-links needs a folder of wheels, got '${2:-}'"
         pip_args=(--no-index --find-links "$2" "${pip_args[@]}")
     fi
+    local ca="${BUILD_CA:-$HERE/build-ca/ca.crt}"
+    if [[ -f "$ca" ]]; then
+        pip_args=(--cert "$ca" "${pip_args[@]}")
+    fi
     [[ -x "$LORAFLOW_VENV/bin/python" ]] || "$PYTHON" -m venv "$LORAFLOW_VENV"
     # The lock is complete (every transitive package pinned with hashes), so nothing is resolved here.
     "$LORAFLOW_VENV/bin/python" -m pip install --no-cache-dir "${pip_args[@]}"
@@ -71,7 +77,8 @@ import importlib.metadata as md
 import torch, transformers, trl, peft  # noqa: F401  the training stack imports without a GPU
 import loraflow_worker.handler, loraflow_worker.grpo, loraflow_worker.gpu_smoke  # noqa: F401
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
-      "trl", trl.__version__, "vllm", md.version("vllm"), "loraflow-worker", md.version("loraflow-worker"))
+      "trl", trl.__version__, "peft", peft.__version__, "runpod", md.version("runpod"),
+      "loraflow-worker", md.version("loraflow-worker"))
 PY
 }
 
