@@ -67,11 +67,12 @@ def main() -> int:
             f"\nRun completed in {time.time() - started:.0f} s: {metrics.steps} steps, loss "
             f"{metrics.first_loss:.3f} -> {metrics.final_loss:.3f} on {metrics.device}\n"
             f"  adapter:  {adapter_dir}\n"
-            f"  metrics:  {adapter_dir.parent / 'metrics.json'}\n"
-            f"  run page: {run_page}"
+            f"  metrics:  {adapter_dir.parent / 'metrics.json'}"
         )
-        if args.keep:
-            print(f"\nPrefect UI at {stack.prefect_ui_url}; press Ctrl-C to stop the local stack.")
+        if not args.keep:
+            print("  (the local Prefect server has stopped; `make demo ARGS=--keep` keeps it and its UI up)")
+        else:
+            print(f"\nThe run's page: {run_page}\nPrefect UI at {stack.prefect_ui_url}; press Ctrl-C to stop the local stack.")
             try:
                 while True:
                     time.sleep(3600)

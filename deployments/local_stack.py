@@ -130,7 +130,15 @@ class LocalStack:
     prefect_port: int = 0
     worker_python: Path = WORKER_PYTHON
     worker_env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for every worker localpod starts (on top of the endpoint's own env)."""
+    """Extra environment for every worker process localpod starts (on top of the endpoint's own env); a
+    container gets only the endpoint's env, as on RunPod."""
+    worker_runtime: str = "process"
+    """`process` (workers run with `worker_python`) or `docker` (each worker a container of `worker_image`)."""
+    worker_image: str = "loraflow-worker:local"
+    """The image the flows ask for (LORAFLOW_WORKER_IMAGE); with the docker runtime it must be built here."""
+    worker_mounts: list[Path] = field(default_factory=list)
+    """Folders a containerised worker sees at the same path (a `file://` store, a local model)."""
+    docker: str = os.environ.get("DOCKER", "docker")
     services: dict[str, Service] = field(default_factory=dict)
     _exit: ExitStack = field(default_factory=ExitStack)
 
@@ -160,7 +168,7 @@ class LocalStack:
             "RUNPOD_API_KEY": LOCALPOD_API_KEY,
             "RUNPOD_API_URL": f"{self.localpod_url}/v2",
             "RUNPOD_JOB_URL": f"{self.localpod_url}/v2",
-            "LORAFLOW_WORKER_IMAGE": "loraflow-worker:local",
+            "LORAFLOW_WORKER_IMAGE": self.worker_image,
         }
         if self.with_hub:
             env |= {"HF_ENDPOINT": self.hub_url, "HF_TOKEN": "hf_local_stack_token", "HF_HUB_DISABLE_TELEMETRY": "1"}
@@ -193,12 +201,15 @@ class LocalStack:
         port = free_port()
         worker_env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1",
                       **self.worker_env}
-        require_worker_python(self.worker_python)
+        if self.worker_runtime == "docker":
+            runtime = ["--worker-runtime", "docker", "--docker", self.docker,
+                       *(arg for mount in self.worker_mounts for arg in ("--worker-mount", str(mount)))]
+        else:
+            runtime = ["--worker-python", str(require_worker_python(self.worker_python))]
         self.services["localpod"] = start_service(
             "localpod",
             [sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", LOCALPOD_API_KEY,
-             "--worker-quota", str(self.worker_quota), "--log-dir", str(self.home / "logs" / "workers"),
-             "--worker-command", f"{self.worker_python} -m loraflow_worker.handler"],
+             "--worker-quota", str(self.worker_quota), "--log-dir", str(self.home / "logs" / "workers"), *runtime],
             base | worker_env, f"http://127.0.0.1:{port}", "/_localpod/account", self.home / "logs" / "localpod.log",
         )
 
@@ -207,7 +218,9 @@ class LocalStack:
         self.services["prefect"] = start_service(
             "prefect server",
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.prefect_port)],
-            base | PREFECT_SERVER_ENV | {"PREFECT_HOME": str(self.home / "prefect-server")},
+            # The UI asks its server's /ui-settings for the API URL, which defaults to port 4200.
+            base | PREFECT_SERVER_ENV | {"PREFECT_HOME": str(self.home / "prefect-server"),
+                                         "PREFECT_UI_API_URL": self.prefect_api_url},
             f"http://127.0.0.1:{self.prefect_port}", "/api/health",
             self.home / "logs" / "prefect-server.log",
         )

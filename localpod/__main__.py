@@ -2,11 +2,34 @@
 
     python -m localpod --host 127.0.0.1 --port 8765
     python -m localpod --port 8765 --api-key secret --worker-quota 10 \
-        --worker-command "python -m loraflow_worker.handler" --log-dir /tmp/localpod-logs
+        --worker-python .venv-worker/bin/python --log-dir /tmp/localpod-logs
+    python -m localpod --port 8765 --worker-runtime docker \
+        --worker-mount /srv/loraflow-store --worker-mount /srv/models
 
 Point a RunPod client at `http://HOST:PORT/v2` for both the control plane and the job API, with
 `Authorization: Bearer <api key>`. `GET /_localpod/account` reports endpoints, jobs, workers and
 billed worker-seconds. Prints `localpod listening on http://HOST:PORT` once it accepts connections.
+
+Workers run one of two ways (`--worker-runtime`):
+
+- `process` (the default): each worker is a local process of the worker environment's interpreter,
+  `--worker-python` (env `LOCALPOD_WORKER_PYTHON`; default: this checkout's `.venv-worker/bin/python`,
+  which `make install` builds from the worker image's lock), running `python -m loraflow_worker.handler`.
+  localpod refuses to start when that interpreter is missing. `--worker-command` replaces the whole
+  command (e.g. a test's own handler script). Workers get this machine's environment, plus the
+  endpoint's `env` and RunPod's worker variables.
+- `docker`: each worker is a container of the endpoint's `image`, as the control plane sent it (it must
+  exist locally: nothing is pulled; a missing image fails the endpoint's queued jobs with Docker's
+  reason). The container runs the image's command, or the endpoint's `args` when set. As on RunPod it
+  gets only the endpoint's `env` and RunPod's worker variables (`RUNPOD_*`), nothing of this machine's
+  environment; it runs on the host network, so it calls localpod back on `--host`/`--port`; it is named
+  `localpod-<worker id>`; its scratch disk (a folder under `--log-dir`) is its TMPDIR. Folders a job
+  reads or writes on this machine, a `file://` artifact store and a local model, must be given with
+  `--worker-mount PATH` (repeatable; mounted at the same path). A stop sends SIGTERM to the container
+  (through the `docker run` client), then `docker rm -f` after `--kill-grace`; worker faults map onto
+  Docker (crash and preempt: `docker kill`; hang: `docker pause`). A container that exits is removed,
+  and localpod's shutdown removes every container it started. Containers run as the image's user
+  (root for the worker image), so files they write into a mounted folder belong to that user.
 """
 
 from __future__ import annotations
@@ -21,6 +44,7 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from pydantic import ValidationError
 
 from localpod.main import create_app
 from localpod.models import LocalpodConfig
@@ -32,7 +56,16 @@ _KEEP_ALIVE_S = 75
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    config = config_from_args(args, parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    print(f"localpod worker logs in {config.log_dir}", flush=True)
+    asyncio.run(_serve(config, args.log_level))
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LocalpodConfig:
+    """The server's config from its command line; an inconsistent one exits with the parser's error."""
     fields: dict[str, object] = {
         "host": args.host,
         "port": args.port,
@@ -40,17 +73,22 @@ def main(argv: list[str] | None = None) -> None:
         "worker_quota": args.worker_quota,
         "kill_grace_s": args.kill_grace,
         "long_poll_s": args.long_poll,
+        "worker_runtime": args.worker_runtime,
+        "worker_mounts": [Path(m).absolute() for m in args.worker_mount],
+        "docker_command": shlex.split(args.docker),
     }
+    if args.worker_python:
+        fields["worker_python"] = Path(args.worker_python).absolute()
     if args.worker_command:
         fields["worker_command"] = shlex.split(args.worker_command)
     if args.log_dir:
         fields["log_dir"] = Path(args.log_dir)
     if args.openapi:
         fields["openapi_path"] = Path(args.openapi)
-    config = LocalpodConfig.model_validate(fields)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    print(f"localpod worker logs in {config.log_dir}", flush=True)
-    asyncio.run(_serve(config, args.log_level))
+    try:
+        return LocalpodConfig.model_validate(fields)
+    except ValidationError as e:
+        parser.error("; ".join(error["msg"].removeprefix("Value error, ") for error in e.errors()))
 
 
 class _Server(uvicorn.Server):
@@ -103,8 +141,17 @@ def _parser() -> argparse.ArgumentParser:
         help="the account key (default: env LOCALPOD_API_KEY, else 'localpod')",
     )
     p.add_argument("--worker-quota", type=int, default=30, help="max sum of workers.max over live endpoints")
-    p.add_argument("--worker-command", help="command starting one worker (shell-split); default: "
-                   "<this python> -m loraflow_worker.handler")
+    p.add_argument("--worker-runtime", choices=["process", "docker"], default="process",
+                   help="process: workers are local processes; docker: containers of the endpoint's image")
+    p.add_argument("--worker-python", default=os.environ.get("LOCALPOD_WORKER_PYTHON"),
+                   help="process runtime: the worker environment's interpreter (default: env LOCALPOD_WORKER_PYTHON, "
+                   "else this checkout's .venv-worker/bin/python, built by `make install`)")
+    p.add_argument("--worker-command", help="process runtime: the whole command starting one worker (shell-split); "
+                   "default: <worker python> -m loraflow_worker.handler")
+    p.add_argument("--worker-mount", action="append", default=[], metavar="PATH",
+                   help="docker runtime: a host folder mounted at the same path in every worker container "
+                   "(repeatable): a file:// artifact store, a local model")
+    p.add_argument("--docker", default="docker", help="docker runtime: the Docker client (shell-split)")
     p.add_argument("--log-dir", help="folder for worker logs (default: a new temp folder)")
     p.add_argument("--openapi", help="RunPod's api-v2-openapi.json (default: the unedited copy shipped in localpod/)")
     p.add_argument("--kill-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL for a worker")

@@ -7,18 +7,27 @@ document (see `schema.py`). Wire names are camelCase, as RunPod sends them.
 
 from __future__ import annotations
 
-import sys
+import os
 import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 DEFAULT_OPENAPI_PATH = Path(__file__).resolve().parent / "runpod-api-v2-openapi.json"
 """RunPod's official API v2 schema: an unedited copy of `runpod-api/api-v2-openapi.json` from the
 project's shared folder, shipped so a fresh clone runs localpod (a test checks the copy is identical)."""
+
+DEFAULT_WORKER_PYTHON = Path(__file__).resolve().parent.parent / ".venv-worker" / "bin" / "python"
+"""The worker environment's interpreter in this checkout (`make install` builds `.venv-worker` from the
+worker image's lock): the control plane's own environment has no training stack."""
+
+WORKER_MODULE = "loraflow_worker.handler"
+"""What the default process worker runs (`python -m ...`): the worker image's own command."""
+
+WorkerRuntime = Literal["process", "docker"]
 
 JobStatusName = Literal["IN_QUEUE", "IN_PROGRESS", "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"]
 
@@ -36,10 +45,30 @@ class LocalpodConfig(BaseModel):
     worker_quota: int = Field(
         default=30, ge=0, description="Account worker quota: the most `workers.max` summed over all live endpoints."
     )
-    worker_command: list[str] = Field(
-        default_factory=lambda: [sys.executable, "-m", "loraflow_worker.handler"],
+    worker_runtime: WorkerRuntime = Field(
+        default="process",
+        description="process: each worker is a local process running `worker_command`. docker: each worker is a "
+        "container of the endpoint's `image` (its `args`, when set, replace the image's command), given only the "
+        "endpoint's env and RunPod's worker variables, on the host network.",
+    )
+    worker_python: Path = Field(
+        default=DEFAULT_WORKER_PYTHON,
+        description="process runtime: the worker environment's interpreter; the default `worker_command` is "
+        f"`<worker_python> -m {WORKER_MODULE}`. Must exist unless `worker_command` is given.",
+    )
+    worker_command: list[str] | None = Field(
+        default=None,
         min_length=1,
-        description="Command that starts one worker process (it must run `runpod.serverless.start`).",
+        description="process runtime: the full command that starts one worker process (it must run "
+        "`runpod.serverless.start`). Default: built from `worker_python`.",
+    )
+    docker_command: list[str] = Field(
+        default=["docker"], min_length=1, description="docker runtime: the Docker client that runs worker containers."
+    )
+    worker_mounts: list[Path] = Field(
+        default=[],
+        description="docker runtime: host folders bind-mounted at the same path in every worker container (a "
+        "`file://` artifact store, a local model folder). Each must exist.",
     )
     log_dir: Path = Field(
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="localpod-logs-")),
@@ -56,7 +85,10 @@ class LocalpodConfig(BaseModel):
         default=5000, ge=1000, description="Milliseconds between a worker's heartbeat pings (RUNPOD_PING_INTERVAL)."
     )
     kill_grace_s: float = Field(
-        default=5.0, ge=0, description="Seconds between SIGTERM and SIGKILL when localpod stops a worker."
+        default=5.0,
+        ge=0,
+        description="Seconds between SIGTERM and SIGKILL when localpod stops a worker (docker runtime: between the "
+        "SIGTERM and `docker rm -f`).",
     )
     respawn_delay_s: float = Field(
         default=2.0,
@@ -68,11 +100,40 @@ class LocalpodConfig(BaseModel):
         default=24 * 3600 * 1000, ge=1, description="A job's TTL when `/run` sets none (RunPod: 24 h from submission)."
     )
 
+    @model_validator(mode="after")
+    def _runtime_settings(self) -> LocalpodConfig:
+        if self.worker_runtime == "docker":
+            if self.worker_command is not None:
+                raise ValueError(
+                    "worker_command (--worker-command) applies to the process runtime; a docker worker runs its "
+                    "image's command, or the endpoint's `args` when set"
+                )
+            missing = [str(m) for m in self.worker_mounts if not m.is_absolute() or not m.exists()]
+            if missing:
+                raise ValueError(f"worker mounts must be existing absolute paths (--worker-mount): {missing}")
+            return self
+        if self.worker_mounts:
+            raise ValueError("worker_mounts (--worker-mount) apply to the docker runtime: process workers see this "
+                             "machine's files already")
+        if self.worker_command is None:
+            if not os.access(self.worker_python, os.X_OK):
+                raise ValueError(
+                    f"no worker interpreter at {self.worker_python} (--worker-python, env LOCALPOD_WORKER_PYTHON): "
+                    "run `make install`, which builds .venv-worker from the worker image's lock, or name an "
+                    "interpreter that has the worker's stack, or give the full --worker-command"
+                )
+            self.worker_command = [str(self.worker_python), "-m", WORKER_MODULE]
+        return self
+
     @property
     def base_url(self) -> str:
         """The URL workers use to call this server back."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
+
+    def container_name(self, worker_id: str) -> str | None:
+        """The container a worker runs in (docker runtime); None for a process worker."""
+        return f"localpod-{worker_id}" if self.worker_runtime == "docker" else None
 
 
 class _Wire(BaseModel):
@@ -200,10 +261,17 @@ class AccountJob(_Wire):
 class AccountWorker(_Wire):
     id: str = Field(description="Worker (pod) id.")
     endpoint_id: str = Field(description="Endpoint it served.")
-    pid: int | None = Field(description="Process id; None for a worker localpod did not start.")
+    pid: int | None = Field(
+        description="Process id (docker runtime: of the `docker run` client); None for a worker localpod did not start."
+    )
+    container: str | None = Field(default=None, description="Its container's name (docker runtime); None otherwise.")
     started_at: datetime = Field(description="When it was started (or first called in).")
     ended_at: datetime | None = Field(default=None, description="When its process ended; None while alive.")
-    exit_code: int | None = Field(default=None, description="Process exit code; negative = killed by that signal.")
+    exit_code: int | None = Field(
+        default=None,
+        description="Process exit code; negative = killed by that signal (docker runtime: the container's exit "
+        "code, 128 + the signal when killed, e.g. 137 for SIGKILL).",
+    )
     log_path: str | None = Field(default=None, description="Its stdout/stderr log file.")
 
 

@@ -401,6 +401,7 @@ class LocalpodState:
                     id=w.id,
                     endpoint_id=w.endpoint_id,
                     pid=w.process.pid if w.process else None,
+                    container=self.config.container_name(w.id) if w.process else None,
                     started_at=_utc(w.started_at),
                     ended_at=_utc(w.ended_at) if w.ended_at else None,
                     exit_code=w.exit_code,

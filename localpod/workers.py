@@ -5,6 +5,12 @@ time, and notice when they die.
 Each pass reads `LocalpodState` and acts on processes; routes never touch processes themselves.
 Workers run in their own process group, so a stop reaches the children a worker forks (runpod's
 heartbeat process) too.
+
+With the docker runtime each worker is a container of its endpoint's image, run by an attached
+`docker run` client that is the worker's process: its exit is the container's exit, and a SIGTERM sent
+to it reaches the container (the client's signal proxy). What a signal cannot reach is done by name
+(`docker rm -f` after the grace, `docker kill` for a crash, `docker pause` for a hang), through Docker
+commands started without waiting, so a pass never blocks the server.
 """
 
 from __future__ import annotations
@@ -12,16 +18,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
+from localpod.models import LocalpodConfig
 from localpod.state import EndpointRecord, JobRecord, LocalpodState, WorkerRecord, new_id
 
 log = logging.getLogger("localpod.workers")
@@ -29,6 +39,8 @@ log = logging.getLogger("localpod.workers")
 _LOG_TAIL_BYTES = 2048
 _WEBHOOK_TIMEOUT = httpx.Timeout(10.0, connect=5.0)
 _GPU_NAME = "localpod-cpu"  # RunPod puts the worker's GPU name in its protocol URLs' `gpu` query
+_DOCKER_RUN_FAILED = 125  # `docker run`'s own failure (no such image, a bad mount), not the container's exit
+_DOCKER_TIMEOUT_S = 30  # a Docker command run to completion (only at shutdown)
 
 
 class WorkerSupervisor:
@@ -38,6 +50,9 @@ class WorkerSupervisor:
         self.state = state
         self.config = state.config
         self._webhook_tasks: set[asyncio.Task[None]] = set()
+        self._docker_calls: list[subprocess.Popen[bytes]] = []
+        self.instance = secrets.token_hex(6)
+        """Labels this server's containers, so shutdown finds every one, even one whose client died early."""
 
     async def run(self) -> None:
         """Supervise until cancelled (the app's lifespan cancels it at shutdown)."""
@@ -51,6 +66,7 @@ class WorkerSupervisor:
     def tick(self) -> None:
         """One pass; returns quickly and is safe to call at any time."""
         now = time.time()
+        self._docker_calls = [call for call in self._docker_calls if call.poll() is None]
         self._reap()
         self._enforce_deadlines(now)
         self._fire_worker_faults(now)
@@ -61,7 +77,8 @@ class WorkerSupervisor:
         self._send_webhooks()
 
     async def shutdown(self) -> None:
-        """Stop every worker: SIGTERM, then SIGKILL after the grace; wait until all are reaped."""
+        """Stop every worker: SIGTERM, then SIGKILL (docker: `docker rm -f`) after the grace; wait until
+        all are reaped. With the docker runtime, then remove every container this server labelled."""
         for worker in self.state.live_workers():
             self.state.request_stop(worker, "server shutdown")
         deadline = time.time() + self.config.kill_grace_s + 5
@@ -71,6 +88,8 @@ class WorkerSupervisor:
             await asyncio.sleep(0.05)
         for worker in self.state.live_workers():  # only a process that ignores SIGKILL gets here
             log.error("worker %s (pid %s) did not exit", worker.id, worker.process and worker.process.pid)
+        if self.config.worker_runtime == "docker":
+            await asyncio.to_thread(self._remove_containers)
         for task in self._webhook_tasks:
             task.cancel()
 
@@ -83,12 +102,22 @@ class WorkerSupervisor:
             expected = worker.stopping
             # Its children go with it: runpod's heartbeat process outlives a worker that died abruptly.
             _signal_group(worker.process, signal.SIGKILL)
-            self.state.worker_ended(worker, code, _log_tail(worker))
+            container = self.config.container_name(worker.id)
+            if container is not None:
+                # `--rm` removes a container that ran; this also removes one its client created but died before
+                # starting (a SIGTERM that came before the client could pass signals on).
+                self._docker(["rm", "--force", container])
+            tail = _log_tail(worker)
+            self.state.worker_ended(worker, code, tail)
             shutil.rmtree(self.config.log_dir / "disks" / worker.id, ignore_errors=True)  # the container's disk goes with it
             log.info("worker %s exited with code %s (%s)", worker.id, code, worker.stop_reason or "unexpected")
             endpoint = self.state.live_endpoint(worker.endpoint_id)
             if endpoint is not None and not expected:  # a crash loop must not spin at the tick rate
                 endpoint.spawn_not_before = time.time() + self.config.respawn_delay_s
+                if container is not None and code == _DOCKER_RUN_FAILED and not worker.contacted:
+                    # Docker refused to run it (a missing image, a bad mount): no later try does better.
+                    self._fail_queue(endpoint, f"could not start worker container {container} of image "
+                                               f"{endpoint.spec.get('image')}: {tail.strip()}")
 
     def _enforce_deadlines(self, now: float) -> None:
         for job in list(self.state.active_jobs.values()):
@@ -132,14 +161,20 @@ class WorkerSupervisor:
         for worker in self.state.live_workers():
             if not worker.stopping or worker.process is None:
                 continue
+            container = self.config.container_name(worker.id)
             if worker.signalled_at is None:
                 log.info("stopping worker %s: %s", worker.id, worker.stop_reason)
+                # A docker client passes the SIGTERM on to its container (to a paused one too: the daemon
+                # delivers it once the container runs again).
                 _signal_group(worker.process, signal.SIGTERM)
-                if worker.suspended:  # a stopped process keeps a SIGTERM pending until it runs again
+                if worker.suspended and container is None:  # a stopped process keeps a SIGTERM pending until it runs
                     _signal_tree(worker.process, signal.SIGCONT)
                 worker.signalled_at = now
             elif not worker.killed and now - worker.signalled_at >= self.config.kill_grace_s:
-                _signal_group(worker.process, signal.SIGKILL)
+                if container is not None:  # a SIGKILL would end the client only, and leave the container running
+                    self._docker(["rm", "--force", container], worker.log_path)
+                else:
+                    _signal_group(worker.process, signal.SIGKILL)
                 worker.killed = True
 
     def _fire_worker_faults(self, now: float) -> None:
@@ -162,16 +197,27 @@ class WorkerSupervisor:
 
     def _inject(self, action: str, worker: WorkerRecord, job: JobRecord, now: float) -> None:
         assert worker.process is not None
+        container = self.config.container_name(worker.id)
         if action == "crash":  # the reaper then fails the job: the worker exited without a result
-            _signal_group(worker.process, signal.SIGKILL)
+            self._kill(worker, container)
         elif action == "hang":
             # A hung container freezes every process in it, the worker's own children in other sessions too.
-            _signal_tree(worker.process, signal.SIGSTOP)
+            if container is not None:
+                self._docker(["pause", container], worker.log_path)
+            else:
+                _signal_tree(worker.process, signal.SIGSTOP)
             worker.suspended = True
         elif action == "preempt":
             self.state.requeue_job(job)
             # An expected end: a new worker may start for the requeued job at once.
             worker.stop_reason, worker.signalled_at, worker.killed = "preempted", now, True
+            self._kill(worker, container)
+
+    def _kill(self, worker: WorkerRecord, container: str | None) -> None:
+        if container is not None:  # SIGKILL to the container (its client then exits 137)
+            self._docker(["kill", container], worker.log_path)
+        else:
+            assert worker.process is not None
             _signal_group(worker.process, signal.SIGKILL)
 
     def _scale(self, endpoint: EndpointRecord, now: float) -> None:
@@ -192,35 +238,51 @@ class WorkerSupervisor:
         # folder (cwd and TMPDIR), or two workers on this machine would share scratch files.
         disk = self.config.log_dir / "disks" / worker_id
         disk.mkdir(parents=True, exist_ok=True)
-        command = self.config.worker_command
+        worker_env = self.runpod_env(endpoint, worker_id, token) | {"TMPDIR": str(disk)}
+        if self.config.worker_runtime == "docker":
+            # A RunPod container gets only what RunPod gives it: the client passes these names on from its own
+            # environment, which keeps the values off its command line (an endpoint's env may hold a token).
+            command = docker_run_command(self.config, endpoint, worker_id, sorted(worker_env), disk, self.instance)
+            # Found on this server's PATH: an endpoint's env may set its own PATH.
+            command[0] = shutil.which(command[0]) or command[0]
+            # A localpod killed outright: the client's SIGTERM reaches the container, whose worker then exits.
+            die_with_parent = functools.partial(_die_with_parent, signal.SIGTERM)
+        else:
+            assert self.config.worker_command is not None  # the config fills it in for the process runtime
+            command = self.config.worker_command
+            die_with_parent = functools.partial(_die_with_parent, signal.SIGKILL)
         try:
             with open(log_path, "ab") as log_file:
                 process = subprocess.Popen(
                     command,
-                    env=self._worker_env(endpoint, worker_id, token) | {"TMPDIR": str(disk)},
+                    env=os.environ | worker_env,
                     cwd=disk,
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
         except OSError as e:
             # A broken worker command would leave jobs queued forever: fail them with the reason.
             endpoint.spawn_not_before = time.time() + self.config.respawn_delay_s
-            for job_id in list(endpoint.queue):
-                self.state.finish_job(self.state.jobs[job_id], "FAILED", error=f"could not start worker {command}: {e}")
-            log.error("could not start worker %s: %s", command, e)
+            self._fail_queue(endpoint, f"could not start worker {command}: {e}")
             return False
         self.state.add_worker(endpoint.id, process, worker_id=worker_id, token=token, log_path=log_path)
         log.info("started worker %s (pid %s) for endpoint %s, log %s", worker_id, process.pid, endpoint.id, log_path)
         return True
 
-    def _worker_env(self, endpoint: EndpointRecord, worker_id: str, token: str) -> dict[str, str]:
+    def _fail_queue(self, endpoint: EndpointRecord, error: str) -> None:
+        """No worker can start: fail the endpoint's queued jobs with the reason rather than keep them waiting."""
+        for job_id in list(endpoint.queue):
+            self.state.finish_job(self.state.jobs[job_id], "FAILED", error=error)
+        log.error("%s", error)
+
+    def runpod_env(self, endpoint: EndpointRecord, worker_id: str, token: str) -> dict[str, str]:
+        """What RunPod gives a worker: the endpoint's env (and any env fault), and its worker variables."""
         base = f"{self.config.base_url}/v2/{endpoint.id}"
         # runpod 1.12 appends `&job_in_progress=…` / `&isStream=…` to these URLs, so each needs a `?`.
         return {
-            **os.environ,
             **endpoint.spec.get("env", {}),
             **self.state.faults.spawn_env(endpoint.spec["name"]),
             "RUNPOD_WEBHOOK_GET_JOB": f"{base}/job-take/$ID?gpu={_GPU_NAME}",
@@ -246,6 +308,65 @@ class WorkerSupervisor:
             task = asyncio.get_running_loop().create_task(_post_webhook(job.webhook or "", payload))
             self._webhook_tasks.add(task)
             task.add_done_callback(self._webhook_tasks.discard)
+
+    def _docker(self, args: list[str], log_path: Path | None = None) -> None:
+        """Start a Docker command without waiting for it (the next passes reap it); its output goes to the
+        worker's log, or nowhere."""
+        try:
+            with open(log_path, "ab") if log_path is not None else open(os.devnull, "wb") as out:
+                call = subprocess.Popen([*self.config.docker_command, *args], stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT)
+        except OSError as e:
+            log.error("could not run %s: %s", [*self.config.docker_command, *args], e)
+            return
+        self._docker_calls.append(call)
+
+    def _remove_containers(self) -> None:
+        """Blocking, for shutdown: wait for the Docker commands under way, then remove every container this
+        server started that is still there."""
+        for call in self._docker_calls:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                call.wait(_DOCKER_TIMEOUT_S)
+        docker = self.config.docker_command
+        try:
+            listed = subprocess.run(
+                [*docker, "ps", "--all", "--quiet", "--filter", f"label=localpod.instance={self.instance}"],
+                capture_output=True, text=True, timeout=_DOCKER_TIMEOUT_S, check=True,
+            ).stdout.split()
+            if listed:
+                log.warning("removing %d leftover worker containers", len(listed))
+                subprocess.run([*docker, "rm", "--force", *listed], capture_output=True, timeout=_DOCKER_TIMEOUT_S,
+                               check=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.error("could not remove the worker containers labelled localpod.instance=%s: %s", self.instance, e)
+
+
+def docker_run_command(
+    config: LocalpodConfig, endpoint: EndpointRecord, worker_id: str, env_names: list[str], disk: Path, instance: str
+) -> list[str]:
+    """`docker run` for one worker: a container of the endpoint's image that passes on the variables named in
+    `env_names` from the client's own environment, and nothing else of this machine's environment.
+
+    Host networking lets the worker call localpod back on `config.base_url`; the scratch disk and each
+    `worker_mounts` folder appear at their own paths. Attached (no `-d`), so the client lives as long as
+    the container and relays its output and signals; `--rm` removes it once it exits; `--pull never`
+    makes a missing image fail at once (RunPod pulls; this machine may reach no registry).
+    """
+    container = config.container_name(worker_id)
+    assert container is not None, "docker_run_command needs the docker runtime"
+    command = [
+        *config.docker_command, "run", "--rm", "--pull", "never", "--sig-proxy=true", "--name", container,
+        "--network", "host",
+        "--label", f"localpod.instance={instance}", "--label", f"localpod.endpoint={endpoint.id}",
+        "--label", f"localpod.worker={worker_id}",
+        "--volume", f"{disk}:{disk}",
+    ]  # fmt: skip
+    for mount in config.worker_mounts:
+        command += ["--volume", f"{mount}:{mount}"]
+    for name in env_names:
+        command += ["--env", name]
+    # RunPod's `args`: what the container runs instead of the image's command.
+    return [*command, endpoint.spec["image"], *shlex.split(endpoint.spec.get("args") or "")]
 
 
 async def _post_webhook(url: str, payload: dict[str, object]) -> None:
@@ -307,7 +428,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _libc = ctypes.CDLL(None, use_errno=True) if os.uname().sysname == "Linux" else None
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(sig: signal.Signals) -> None:
     """Runs in the child before exec: a worker must not outlive a localpod killed with SIGKILL."""
     if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _libc.prctl(_PR_SET_PDEATHSIG, sig)

@@ -3,6 +3,7 @@
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flows.spec import RunSpec
@@ -39,3 +40,22 @@ def test_deployment_entrypoints_load_and_validate_their_parameters():
         flow = load_flow_from_entrypoint(str(REPO / deployment["entrypoint"]))
         validated = flow.validate_parameters(deployment["parameters"])
         assert set(validated) == set(deployment["parameters"]), deployment["name"]
+
+
+def test_the_pull_step_enters_the_checkout_without_any_setting(tmp_path, monkeypatch):
+    from prefect.utilities.importtools import import_object
+
+    monkeypatch.delenv("LORAFLOW_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    [step] = yaml.safe_load((REPO / "prefect.yaml").read_text())["pull"]
+    [(name, kwargs)] = step.items()
+    outputs = import_object(name)(**kwargs)  # as Prefect's worker runs a pull step
+    assert Path.cwd() == REPO and outputs["directory"] == str(REPO)
+
+
+def test_the_pull_step_refuses_a_loraflow_home_that_is_not_a_checkout_naming_the_variable(tmp_path, monkeypatch):
+    from tasks.deploy_steps import set_working_directory_to_checkout
+
+    monkeypatch.setenv("LORAFLOW_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"LORAFLOW_HOME={tmp_path} is not a loraflow checkout"):
+        set_working_directory_to_checkout()

@@ -27,6 +27,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from deployments.local_stack import require_worker_python
 from localpod import LocalpodConfig, create_app
 from localpod.models import DEFAULT_OPENAPI_PATH, Account
 from localpod.schema import OpenApiSchemas
@@ -555,8 +556,10 @@ class LiveServer:
 
 def launch_localpod(tmp: Path, handler: str, *, kill_grace: float, long_poll: float
                     ) -> tuple[httpx.Client, subprocess.Popen[bytes], Path]:
-    """Start `python -m localpod` whose workers run `handler` (a script's source); returns once it
-    announces where it listens: (an authenticated client, the process, its output file)."""
+    """Start `python -m localpod` whose workers run `handler` (a script's source) with the worker
+    environment's interpreter (the control plane's has no `runpod`); returns once it announces where it
+    listens: (an authenticated client, the process, its output file)."""
+    worker_python = require_worker_python()
     script = tmp / "handler.py"
     script.write_text(handler)
     with socket.socket() as s:
@@ -565,7 +568,7 @@ def launch_localpod(tmp: Path, handler: str, *, kill_grace: float, long_poll: fl
     stdout = tmp / "localpod.out"
     command = [
         sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-        "--worker-command", shlex.join([sys.executable, str(script)]), "--log-dir", str(tmp / "logs"),
+        "--worker-command", shlex.join([str(worker_python), str(script)]), "--log-dir", str(tmp / "logs"),
         "--kill-grace", str(kill_grace), "--long-poll", str(long_poll),
     ]  # fmt: skip
     with open(stdout, "wb") as out:
@@ -596,7 +599,8 @@ def stop_localpod(http: httpx.Client, process: subprocess.Popen[bytes]) -> None:
 
 
 def start_server(tmp: Path) -> LiveServer:
-    http, process, stdout = launch_localpod(tmp, HANDLER, kill_grace=2, long_poll=2)
+    # runpod 1.10 (the image's lock) takes a few seconds to wind down after a SIGTERM on a loaded machine.
+    http, process, stdout = launch_localpod(tmp, HANDLER, kill_grace=5, long_poll=2)
     return LiveServer(http, process, tmp, stdout)
 
 
