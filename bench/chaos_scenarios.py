@@ -10,15 +10,18 @@ lists next (every run tolerates them the same way).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 OUT_OF_STOCK_POOL = "ADA_32_PRO"
 """The RTX 5090's pool, kept out of stock while a no-capacity scenario runs. Only that scenario asks for
 it (first on its list), so no other run waits on it."""
 
+FAULT_INJECTION_DIR = Path(__file__).resolve().parent.parent / "worker_image" / "tests" / "fault_injection"
+"""The worker tests' fault module (its `sitecustomize`): on a worker's PYTHONPATH, it fails the training
+process as `CRASH_AT_STEP` and `CRASH_KIND` say. The image ships no such switch."""
 CRASH_AT_STEP = "LORAFLOW_TEST_CRASH_AT_STEP"
 CRASH_KIND = "LORAFLOW_TEST_CRASH_KIND"
-"""The worker's test switch (worker_image/loraflow_worker/train_job.py): fail at the end of step N, as KIND says."""
 
 
 def route(route_name: str, action: str, **rule: Any) -> dict[str, Any]:
@@ -29,6 +32,12 @@ def route(route_name: str, action: str, **rule: Any) -> dict[str, Any]:
 def worker(action: str, **rule: Any) -> dict[str, Any]:
     """A `POST /_localpod/worker-faults` body, without its endpoint scope (added per run)."""
     return {"action": action, **rule}
+
+
+def training_fault(kind: str, at_step: int) -> dict[str, Any]:
+    """A worker fault that fails the training process at the end of step `at_step`, as `kind` says (kill,
+    oom, error, hang): the next worker started gets the fault module on its PYTHONPATH, and the switches."""
+    return worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), CRASH_AT_STEP: str(at_step), CRASH_KIND: kind})
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,7 @@ SCENARIOS: dict[str, Scenario] = {
             "stall-resume",
             "training hangs at step 3 after the step-2 checkpoint was stored: stalled, and the next attempt "
             "resumes from the checkpoint",
-            retried=("stalled",), worker_faults=(worker("env", env={CRASH_AT_STEP: "3", CRASH_KIND: "hang"}),),
+            retried=("stalled",), worker_faults=(training_fault("hang", at_step=3),),
             checkpoint_every_steps=2, resumes=True, stall_minutes=1,
         ),
         Scenario(
@@ -132,12 +141,12 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "oom", "the worker reports CUDA out of memory: the next attempt runs on a GPU with more memory",
             retried=("out_of_memory",), gpus=("RTX 4090", "A100 SXM"), final_gpu="A100 SXM",
-            worker_faults=(worker("env", env={CRASH_AT_STEP: "1", CRASH_KIND: "oom"}),),
+            worker_faults=(training_fault("oom", at_step=1),),
         ),
         Scenario(
             "oom-no-bigger", "out of memory on the largest GPU of the list: fails, saying what to change",
             expect_state="FAILED", gpus=("A100 SXM",),
-            worker_faults=(worker("env", env={CRASH_AT_STEP: "1", CRASH_KIND: "oom"}),),
+            worker_faults=(training_fault("oom", at_step=1),),
             failure_text=("out_of_memory", "no GPU with more memory"),
         ),
         Scenario(

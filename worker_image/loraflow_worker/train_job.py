@@ -8,23 +8,13 @@ The handler's supervisor starts it in the job's (empty) work dir:
 store come from it, never from the environment). Progress goes to stdout as `LORAFLOW_PROGRESS {json}`
 lines. On failure it prints the traceback, writes `error.json` (exception type and message) beside the
 job file and exits with 1; the supervisor turns that into the job's error.
-
-Fault injection, for the worker's own tests only: `LORAFLOW_TEST_CRASH_AT_STEP=<N>` makes the process
-fail at the end of optimizer step N (0: before the training stack is even imported), the way
-`LORAFLOW_TEST_CRASH_KIND` says: `kill` (SIGKILL itself, the default), `oom` (raise torch's
-OutOfMemoryError), `error` (print HF_TOKEN, then raise an error that quotes it) or `hang` (ignore
-SIGTERM and sleep). `LORAFLOW_TEST_CRASH_KIND=exit-after-done` alone trains and publishes normally, then
-dies of SIGSEGV, as vLLM can at interpreter exit.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,8 +26,6 @@ from loraflow_worker.supervisor import ERROR_FILE, PROGRESS_MARKER
 if TYPE_CHECKING:
     from loraflow_worker.training_run import TrainOutcome
 
-CRASH_AT_STEP_ENV = "LORAFLOW_TEST_CRASH_AT_STEP"
-CRASH_KIND_ENV = "LORAFLOW_TEST_CRASH_KIND"
 _OOM_TYPES = ("OutOfMemoryError",)  # torch.OutOfMemoryError, and torch.cuda.OutOfMemoryError (the same class)
 
 
@@ -50,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     spec = Path(args[0])
     try:
         job = JobInput.model_validate_json(spec.read_text())
-        if _crash_step() == 0:
-            _crash()
         train_and_publish(job, spec.parent)
     except BaseException as exc:  # noqa: BLE001 - every failure must leave its report, even KeyboardInterrupt
         traceback.print_exc()
@@ -59,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
                   "out_of_memory": type(exc).__name__ in _OOM_TYPES or "CUDA out of memory" in str(exc)}
         (spec.parent / ERROR_FILE).write_text(json.dumps(report))
         return 1
-    if _crash_kind() == "exit-after-done":
-        _crash()
     return 0
 
 
@@ -81,7 +65,7 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     resume_from = download_latest_checkpoint(store, prefix, work_dir / "trainer")
     if resume_from is not None:
         report_progress(Progress(stage="loading", message=f"resuming from the checkpoint at step {resume_from.name.rpartition('-')[2]}"))
-    callbacks = [Heartbeat(store, prefix, job.attempt), *_fault_callbacks()]
+    callbacks = [Heartbeat(store, prefix, job.attempt)]
     if job.training.checkpoint_every_steps is not None:
         callbacks.append(CheckpointUploader(store, prefix, job.training.keep_checkpoints))
     outcome = train(job, store, work_dir, report_progress, callbacks=callbacks, resume_from=resume_from)
@@ -116,52 +100,6 @@ def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: J
     )
     done = json.dumps({"run_id": result.run_id, "attempt": result.attempt}).encode()
     store.put({f"{prefix}/DONE": done}, message=f"run {result.run_id} attempt {result.attempt}: DONE")
-
-
-def _crash_step() -> int | None:
-    value = os.environ.get(CRASH_AT_STEP_ENV)
-    return int(value) if value else None
-
-
-def _crash_kind() -> str:
-    return os.environ.get(CRASH_KIND_ENV, "kill")
-
-
-def _crash() -> None:
-    kind = _crash_kind()
-    print(f"{CRASH_AT_STEP_ENV}: crashing ({kind})", flush=True)
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "exit-after-done":
-        os.kill(os.getpid(), signal.SIGSEGV)
-    elif kind == "oom":
-        import torch
-
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (planted by the test switch)")
-    elif kind == "error":
-        token = os.environ.get("HF_TOKEN", "")
-        print(f"HF_TOKEN is {token}", flush=True)
-        print(f"HF_TOKEN is {token}", file=sys.stderr, flush=True)
-        raise RuntimeError(f"planted failure while holding token {token}")
-    elif kind == "hang":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        time.sleep(3600)
-    else:
-        raise ValueError(f"{CRASH_KIND_ENV}={kind!r}: use kill, oom, error, hang or exit-after-done")
-
-
-def _fault_callbacks() -> list:
-    step = _crash_step()
-    if not step or _crash_kind() == "exit-after-done":
-        return []
-    from transformers import TrainerCallback
-
-    class _CrashAtStep(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == step:
-                _crash()
-
-    return [_CrashAtStep()]
 
 
 if __name__ == "__main__":

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from worker_test_support import BASE_TRAINING, PLANTED_SECRET, stored_files_containing
+from worker_test_support import BASE_TRAINING, PLANTED_SECRET, plant_fault, stored_files_containing
 
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
-from loraflow_worker.train_job import CRASH_AT_STEP_ENV, CRASH_KIND_ENV
 
 
 @dataclass
@@ -31,13 +30,12 @@ def resumed_run(tiny_model_dir, make_job, record_progress, tmp_path_factory) -> 
     with pytest.MonkeyPatch.context() as env:
         env.setenv(WORK_DIR_ENV, str(tmp_path_factory.mktemp("work")))
         env.setenv("HF_TOKEN", PLANTED_SECRET)
-        env.setenv(CRASH_AT_STEP_ENV, "25")
-        env.setenv(CRASH_KIND_ENV, "kill")
-        with pytest.raises(JobFailed) as first:
-            handler(make_job("run-k", tiny_model_dir, store_root, training=training))
+        with pytest.MonkeyPatch.context() as fault:
+            plant_fault(fault, "kill", at_step=25)
+            with pytest.raises(JobFailed) as first:
+                handler(make_job("run-k", tiny_model_dir, store_root, training=training))
         console = (run_dir / "console.txt").read_text()
         checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-        env.delenv(CRASH_AT_STEP_ENV)
         with record_progress() as progress:
             result = handler(make_job("run-k", tiny_model_dir, store_root, training=training, attempt=2))
     return ResumedRun(str(first.value), console, checkpoints, result, progress, run_dir)

@@ -1,0 +1,167 @@
+"""Fault injection for the tests: crashes, hangs and out-of-memory errors planted in a job's training
+process from outside the worker package, which ships none of this (the image's build leaves `tests/` out).
+
+Python imports `sitecustomize` at start-up from any folder on PYTHONPATH. The worker tests put this
+folder there for the jobs they mean to fail (`worker_test_support.plant_fault`); the chaos suite does
+the same for the workers of its faulted runs, through localpod's `env` worker fault
+(`bench/chaos_scenarios.py`). The worker hands PYTHONPATH on to the training process as it does any
+setting that is not a secret. In any other process (pytest, the handler, localpod) this module only
+defines names.
+
+In a training process (`python -m loraflow_worker.train_job JOB_FILE`):
+
+    LORAFLOW_TEST_CRASH_AT_STEP=N  fail at the end of optimizer step N; 0: at the first import of
+                                   transformers, before any training (the job file is already read)
+    LORAFLOW_TEST_CRASH_KIND=KIND  how (default kill):
+        kill             SIGKILL itself
+        oom              raise torch.OutOfMemoryError, as CUDA does
+        error            print HF_TOKEN on stdout and stderr, then raise an error that quotes it: what
+                         the worker stores and returns must show it redacted
+        hang             ignore SIGTERM and sleep an hour: only SIGKILL ends it
+        exit-after-done  (no step) train and publish normally, then die of SIGSEGV at interpreter
+                         exit, as vLLM can
+
+Every crash first prints `LORAFLOW_TEST_CRASH_AT_STEP: crashing (KIND)`. A kind or step this module
+does not know ends the training process at once with exit code 2 and a line saying what it accepts,
+so a typo in a test cannot pass as a job that never failed.
+
+How: step 0 runs the crash ahead of transformers' own code at its first import; step N wraps
+`transformers.trainer.Trainer.__init__` so that every trainer (TRL's SFTTrainer and GRPOTrainer are
+Trainers) gets one more callback, which crashes at the end of step N after the worker's own callbacks
+ran (a checkpoint of step N is not stored: saving follows the step-end callbacks).
+
+This module shadows any other `sitecustomize` of the interpreter; the worker environments have none.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.abc
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+CRASH_AT_STEP_ENV = "LORAFLOW_TEST_CRASH_AT_STEP"
+CRASH_KIND_ENV = "LORAFLOW_TEST_CRASH_KIND"
+KINDS = ("kill", "oom", "error", "hang", "exit-after-done")
+TRAINING_MODULE = "loraflow_worker.train_job"
+"""The training process runs as `python -m TRAINING_MODULE JOB_FILE` (the worker's supervisor starts it)."""
+
+
+def crash(kind: str) -> None:
+    """Fail this process the way `kind` says (`_plant` has refused any kind not in `KINDS`)."""
+    print(f"{CRASH_AT_STEP_ENV}: crashing ({kind})", flush=True)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "exit-after-done":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "oom":
+        import torch
+
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (planted by the fault module)")
+    elif kind == "error":
+        token = os.environ.get("HF_TOKEN", "")
+        print(f"HF_TOKEN is {token}", flush=True)
+        print(f"HF_TOKEN is {token}", file=sys.stderr, flush=True)
+        raise RuntimeError(f"planted failure while holding token {token}")
+    elif kind == "hang":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+
+
+class _OnFirstImport(importlib.abc.MetaPathFinder):
+    """Runs `before()` ahead of module `name`'s code and `after(module)` once that code ran, the first
+    time the module is imported; the import itself is left to the finders behind this one."""
+
+    def __init__(self, name: str, *, before: Callable[[], None] | None = None,
+                 after: Callable[[ModuleType], None] | None = None):
+        self.name, self.before, self.after = name, before, after
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        # The loader is this spec's own instance: patching it touches no other import.
+        exec_module = spec.loader.exec_module
+
+        def exec_module_hooked(module: ModuleType) -> None:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if self.before is not None:
+                self.before()
+            exec_module(module)
+            if self.after is not None:
+                self.after(module)
+
+        spec.loader.exec_module = exec_module_hooked
+        return spec
+
+
+def _add_crash_callback(step: int, kind: str) -> Callable[[ModuleType], None]:
+    """What to do to `transformers.trainer` once imported: every Trainer gets a callback that crashes at
+    the end of `step`."""
+
+    def patch(trainer_module: ModuleType) -> None:
+        from transformers.trainer_callback import TrainerCallback
+
+        class CrashAtStep(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == step:
+                    crash(kind)
+
+        init = trainer_module.Trainer.__init__
+
+        @functools.wraps(init)
+        def init_with_crash(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.add_callback(CrashAtStep())
+
+        trainer_module.Trainer.__init__ = init_with_crash
+
+    return patch
+
+
+def _crash_if_published(job_file: Path) -> None:
+    """At interpreter exit: SIGSEGV, unless the job failed (its error report lies beside the job file)."""
+    from loraflow_worker.supervisor import ERROR_FILE
+
+    if not (job_file.parent / ERROR_FILE).exists():
+        crash("exit-after-done")
+
+
+def _job_file() -> Path | None:
+    """The job file, when this process is a training process."""
+    argv = sys.orig_argv
+    for at in range(len(argv) - 2):
+        if argv[at] == "-m" and argv[at + 1] == TRAINING_MODULE:
+            return Path(argv[at + 2])
+    return None
+
+
+def _plant(job_file: Path) -> None:
+    kind = os.environ.get(CRASH_KIND_ENV, "kill")
+    step = os.environ.get(CRASH_AT_STEP_ENV, "")
+    if kind not in KINDS or not (step.isdigit() or step == ""):
+        print(f"{CRASH_KIND_ENV}={kind!r} {CRASH_AT_STEP_ENV}={step!r}: the kind must be one of {', '.join(KINDS)} "
+              "and the step a whole number", file=sys.stderr, flush=True)
+        os._exit(2)
+    if kind == "exit-after-done":
+        atexit.register(_crash_if_published, job_file)
+    elif step == "0":
+        sys.meta_path.insert(0, _OnFirstImport("transformers", before=functools.partial(crash, kind)))
+    elif step:
+        sys.meta_path.insert(0, _OnFirstImport("transformers.trainer", after=_add_crash_callback(int(step), kind)))
+
+
+if (CRASH_AT_STEP_ENV in os.environ or CRASH_KIND_ENV in os.environ) and (_job := _job_file()) is not None:
+    _plant(_job)
