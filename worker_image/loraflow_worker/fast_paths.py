@@ -4,11 +4,14 @@ Kernels fail silently (a Qwen3.5 model without flash-linear-attention trains thr
 times slower, with one log warning), so every speed-up is recorded as a `FastPath(engaged, reason)` in the
 run manifest, and the kernel ones are confirmed on the built model, not assumed from the plan:
 
-    facts = gather_facts(model_dir, "sft")              # probes torch, the installed packages, the config
-    plan = plan_fast_paths(facts)                       # pure: the decisions, testable on CPU
-    os.environ.update(plan.env)                         # before the first CUDA allocation
-    trainer = SFTTrainer(..., args=SFTConfig(..., **plan.trainer_kwargs))
-    fast_paths = engage_fast_paths(plan, trainer.model) # applies Liger, confirms the kernels; for the manifest
+    facts = gather_facts(model_dir, "sft", job_workload(job))  # exports the allocator setting, then probes CUDA
+    plan = plan_fast_paths(facts)                              # pure: the decisions, testable on CPU
+    trainer = SFTTrainer(..., args=sft_config(job, plan, work_dir))
+    fast_paths = engage_fast_paths(plan, trainer.model)        # applies Liger, confirms the kernels; for the manifest
+
+The memory decisions (gradient checkpointing, the optimizer, vLLM's share of the GPU) come from an estimate
+of what LoRA training needs (`training_memory`, `vllm_memory`) against the GPU's memory, and their reasons
+quote both numbers.
 
 TRL 1.16 deprecates `use_liger_kernel` in favour of Hub kernels, which need Hub access at run time, so
 Liger is applied here through its own instance-patching API.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -34,11 +38,12 @@ FAST_PATHS = (
     "flash_linear_attention",
     "causal_conv1d",
     "gradient_checkpointing",
+    "fused_adamw",
     "paged_adamw_8bit",
     "expandable_segments",
     "vllm_colocate",
 )
-"""Every speed-up the manifest reports on, engaged or not."""
+"""Every speed-up (or memory saver) the manifest reports on, engaged or not."""
 KERNEL_PACKAGES = ("liger-kernel", "flash-linear-attention", "causal-conv1d", "bitsandbytes", "vllm", "triton")
 """Distributions whose presence decides a fast path."""
 GATED_DELTANET_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
@@ -49,9 +54,65 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 DISABLE_ENV = "LORAFLOW_DISABLE_FAST_PATHS"
 """Comma-separated fast paths to switch off in this worker (A/B measurements, or a kernel bug in the field)."""
+FORCE_ENV = "LORAFLOW_FORCE_FAST_PATHS"
+"""Comma-separated memory savers to switch on whatever the memory estimate says (A/B measurements, or an
+estimate that proved too low in the field)."""
+FORCIBLE = ("gradient_checkpointing", "paged_adamw_8bit")
+"""The fast paths `LORAFLOW_FORCE_FAST_PATHS` may name: the memory trade-offs (kernels are on when they can be)."""
+
+GIB = 2**30
+CUDA_OVERHEAD_BYTES = 2 * GIB
+"""CUDA context, cuBLAS and Triton workspaces: GPU memory the caching allocator never sees (an estimate)."""
+MEMORY_HEADROOM = 0.10
+"""Share of the GPU's memory no plan counts on: allocator fragmentation and the estimate's own error."""
+ACTIVATION_BYTES = 34
+"""Bytes per token, per layer and per unit of hidden size that a transformer layer keeps for its backward pass in
+16-bit precision (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", without
+the attention-score term, which SDPA and flash attention do not store)."""
+CHECKPOINT_BYTES = 2
+"""The same with gradient checkpointing: each layer keeps only its 16-bit input, and one layer at a time is
+recomputed with its full activations."""
+ADAMW_BYTES = 16
+"""Per trainable (LoRA) parameter with torch AdamW: fp32 weight, gradient, exp_avg and exp_avg_sq."""
+ADAMW_8BIT_BYTES = 10
+"""The same with 8-bit AdamW: fp32 weight and gradient, 8-bit exp_avg and exp_avg_sq."""
+VLLM_RUNTIME_BYTES = 2 * GIB
+"""vLLM's own activations, sampler and CUDA graphs beside its weights and KV cache (TRL caps a vLLM step at 4096
+batched tokens); an estimate."""
+VLLM_KV_BYTES = 2
+"""Bytes per value of vLLM's KV cache (bf16, its default for a bf16 model)."""
 _KERNEL_MODULES = {"flash_linear_attention": "fla", "causal_conv1d": "causal_conv1d"}
 """Fast paths whose module is blocked from import when disabled: transformers binds these kernels when it
 imports the modeling module, so blocking the import is the only switch (Liger is simply not applied)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The base model's size, read from its folder without loading it (`read_model_shape`)."""
+
+    parameters: int
+    """Parameters stored in its weights."""
+    hidden_size: int
+    intermediate_size: int
+    layers: int
+    attention_layers: int
+    """Layers with a KV cache: all but Gated-DeltaNet's linear-attention layers."""
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training micro-batch asks of memory (`training_run.job_workload` reads it from the job)."""
+
+    batch_size: int
+    """Sequences per micro-batch (`per_device_train_batch_size`; completions for GRPO)."""
+    seq_len: int
+    """Tokens per sequence at most (SFT `max_length`; GRPO prompt + completion)."""
+    lora_rank: int
+    generations: int = 0
+    """Completions generated per round (GRPO: the generation batch); 0 for SFT."""
 
 
 @dataclass(frozen=True)
@@ -64,21 +125,29 @@ class Facts:
     """Installed distributions among `KERNEL_PACKAGES`, name -> version."""
     model_type: str
     algorithm: str
+    model: ModelShape
+    workload: Workload
+    gpu_memory_bytes: int | None = None
+    """Total memory of the GPU (device 0); None without CUDA."""
     liger_model_types: frozenset[str] = frozenset()
     """Model types Liger has kernels for (read from the installed Liger)."""
     alloc_conf: str | None = None
-    """`PYTORCH_CUDA_ALLOC_CONF` as the environment already sets it, if it does."""
+    """`PYTORCH_CUDA_ALLOC_CONF` as the environment set it before the worker did anything, if it did."""
+    allocator_settings: str | None = None
+    """What the CUDA caching allocator holds once CUDA initialised (`cuda_allocator_settings`); None without CUDA."""
     disabled: frozenset[str] = frozenset()
-    """Fast paths switched off on purpose (the GPU smoke script's A/B runs)."""
+    """Fast paths switched off on purpose (`LORAFLOW_DISABLE_FAST_PATHS`)."""
+    forced: frozenset[str] = frozenset()
+    """Memory savers switched on whatever the estimate says (`LORAFLOW_FORCE_FAST_PATHS`)."""
 
 
 @dataclass
 class FastPathPlan:
-    """The decisions: one `FastPath` per name in `FAST_PATHS`, the trainer config they need, the environment."""
+    """The decisions: one `FastPath` per name in `FAST_PATHS`, and the trainer config they need (the model-loading
+    kwargs among it, as `model_init_kwargs`)."""
 
     fast_paths: dict[str, FastPath]
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
 
 
 def plan_fast_paths(facts: Facts) -> FastPathPlan:
@@ -93,24 +162,30 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
             plan.trainer_kwargs["use_vllm"] = False
         return plan
 
-    decided: dict[str, tuple[bool, str]] = {}
-    kwargs: dict[str, Any] = {"use_cpu": False}
-    env: dict[str, str] = {}
+    decided: dict[str, FastPath] = {}
     has = facts.packages.__contains__
-    sm = f"sm_{facts.compute_capability[0]}{facts.compute_capability[1]}" if facts.compute_capability else "this GPU"
 
-    bf16 = facts.compute_capability is not None and facts.compute_capability >= BF16_MIN_CAPABILITY
-    decided["bf16"] = (True, f"{sm} supports bf16") if bf16 else (False, f"{sm} has no bf16 tensor cores: training in fp32")
-    kwargs.update(bf16=bf16, model_init_kwargs={"dtype": "bfloat16" if bf16 else "float32"})
+    def settle(name: str, engaged: bool, reason: str) -> None:
+        """Record a decision: a fast path that would engage is off when this run disables it."""
+        if engaged and name in facts.disabled:
+            engaged, reason = False, "disabled for this run"
+        decided[name] = FastPath(engaged=engaged, reason=reason)
+
+    sm = f"sm_{facts.compute_capability[0]}{facts.compute_capability[1]}" if facts.compute_capability else "this GPU"
+    bf16_capable = facts.compute_capability is not None and facts.compute_capability >= BF16_MIN_CAPABILITY
+    settle("bf16", bf16_capable, f"{sm} supports bf16" if bf16_capable else f"{sm} has no bf16 tensor cores: training in fp32")
+    bf16 = decided["bf16"].engaged
 
     if not has("liger-kernel"):
-        decided["liger_kernel"] = (False, "liger-kernel not installed")
+        settle("liger_kernel", False, "liger-kernel not installed")
     elif not has("triton"):
-        decided["liger_kernel"] = (False, "triton not installed (Liger's kernels are Triton kernels)")
+        settle("liger_kernel", False, "triton not installed (Liger's kernels are Triton kernels)")
+    elif "liger_kernel" in facts.disabled:
+        settle("liger_kernel", False, "disabled for this run")  # gather_facts does not even import Liger then
     elif facts.model_type not in facts.liger_model_types:
-        decided["liger_kernel"] = (False, f"Liger {facts.packages['liger-kernel']} has no kernels for model type `{facts.model_type}`")
+        settle("liger_kernel", False, f"Liger {facts.packages['liger-kernel']} has no kernels for model type `{facts.model_type}`")
     else:
-        decided["liger_kernel"] = (True, "planned; confirmed once the model is built")
+        settle("liger_kernel", True, "planned; confirmed once the model is built")
 
     gated_deltanet = facts.model_type in GATED_DELTANET_MODEL_TYPES
     for name, distribution, fallback in (
@@ -118,90 +193,218 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
         ("causal_conv1d", "causal-conv1d", "its torch conv1d (a small share of the step)"),
     ):
         if not gated_deltanet:
-            decided[name] = (False, f"`{facts.model_type}` has no Gated-DeltaNet layers")
+            settle(name, False, f"`{facts.model_type}` has no Gated-DeltaNet layers")
         elif not has(distribution):
-            decided[name] = (False, f"{distribution} not installed: transformers runs {fallback}")
+            settle(name, False, f"{distribution} not installed: transformers runs {fallback}")
         else:
-            decided[name] = (True, "planned; confirmed once the model is built")
+            settle(name, True, "planned; confirmed once the model is built")
 
-    decided["gradient_checkpointing"] = (True, "recomputes activations in the backward pass: less memory, ~20% slower steps")
-    kwargs["gradient_checkpointing"] = True
-
-    if has("bitsandbytes"):
-        decided["paged_adamw_8bit"] = (True, f"bitsandbytes {facts.packages['bitsandbytes']}: 8-bit paged AdamW")
-        kwargs["optim"] = "paged_adamw_8bit"
-    else:
-        decided["paged_adamw_8bit"] = (False, "bitsandbytes not installed: torch AdamW")
-
-    vllm = facts.algorithm == "grpo" and has("vllm") and "vllm_colocate" not in facts.disabled
+    # Memory: vLLM's share first (it is taken off what training may use), then what training needs within the rest.
+    usable = usable_memory(facts.gpu_memory_bytes)
+    expandable = _holds_expandable_segments(facts.allocator_settings)
+    lean = training_memory(facts, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_8BIT_BYTES)
+    vllm_share = 0.0
     if facts.algorithm != "grpo":
-        decided["vllm_colocate"] = (False, f"{facts.algorithm} generates no completions")
+        settle("vllm_colocate", False, f"{facts.algorithm} generates no completions")
     elif not has("vllm"):
-        decided["vllm_colocate"] = (False, "vllm not installed: completions come from transformers' generate (slower)")
+        settle("vllm_colocate", False, "vllm not installed: completions come from transformers' generate (slower)")
+    elif "vllm_colocate" in facts.disabled:
+        settle("vllm_colocate", False, "disabled for this run")
+    elif (needed := vllm_memory(facts)) + lean > usable:
+        settle("vllm_colocate", False, f"vLLM needs ~{_gib(needed)} beside training's ~{_gib(lean)} at its leanest, "
+                                       f"over the {_gib(usable)} usable: completions come from transformers' generate")
     else:
-        decided["vllm_colocate"] = (True, f"vllm {facts.packages['vllm']} colocated with training, sleeping during optimizer steps")
+        vllm_share = math.ceil(needed / facts.gpu_memory_bytes * 100) / 100
+        sleep = ("awake throughout (sleep mode refuses the expandable segments the environment's allocator setting "
+                 "asks for)" if expandable else "asleep between generations")
+        settle("vllm_colocate", True, f"vllm {facts.packages['vllm']} colocated with training, {sleep}, with "
+                                      f"{vllm_share:.2f} of the GPU (~{_gib(needed)} for rounds of "
+                                      f"{facts.workload.generations} completions)")
+    # Counted as held throughout: sleep mode frees most of it between generations, so this errs toward saving memory.
+    budget = usable - int(vllm_share * facts.gpu_memory_bytes)
+
+    full = training_memory(facts, bf16=bf16, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
+    recomputed = training_memory(facts, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_BYTES)
+    if "gradient_checkpointing" in facts.forced:
+        settle("gradient_checkpointing", True, f"forced on for this run (~{_gib(full)} estimated without it, {_gib(budget)} available)")
+    elif full <= budget:
+        settle("gradient_checkpointing", False, f"not needed: ~{_gib(full)} estimated without it, {_gib(budget)} available")
+    else:
+        settle("gradient_checkpointing", True, f"~{_gib(full)} estimated without it, over the {_gib(budget)} available: "
+                                               f"recomputing activations brings it to ~{_gib(recomputed)}")
+    checkpointing = decided["gradient_checkpointing"].engaged
+
+    with_adamw = training_memory(facts, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_BYTES)
+    if "paged_adamw_8bit" in facts.forced:
+        settle("paged_adamw_8bit", *((True, "forced on for this run") if has("bitsandbytes") else
+                                     (False, "forced, but bitsandbytes is not installed")))
+    elif with_adamw <= budget:
+        settle("paged_adamw_8bit", False, f"not needed: ~{_gib(with_adamw)} estimated with torch AdamW, {_gib(budget)} available")
+    elif not has("bitsandbytes"):
+        settle("paged_adamw_8bit", False, f"memory is short (~{_gib(with_adamw)} estimated with torch AdamW, "
+                                          f"{_gib(budget)} available), but bitsandbytes is not installed")
+    else:
+        settle("paged_adamw_8bit", True, f"memory is short: ~{_gib(with_adamw)} estimated with torch AdamW, {_gib(budget)} available")
+    eight_bit = decided["paged_adamw_8bit"].engaged
+    if eight_bit:
+        settle("fused_adamw", False, "8-bit paged AdamW instead")
+    else:
+        settle("fused_adamw", True, "torch AdamW with its fused CUDA kernel (the LoRA optimizer state is small)")
+    planned = training_memory(facts, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_8BIT_BYTES if eight_bit else ADAMW_BYTES)
+    if planned > budget:
+        decided["gradient_checkpointing"] = decided["gradient_checkpointing"].model_copy(update={"reason": (
+            f"{decided['gradient_checkpointing'].reason}; as planned still ~{_gib(planned)}: expect out-of-memory, "
+            f"lower the batch size or the sequence length")})
+
+    decided["expandable_segments"] = _allocator_decision(facts, expandable, decided["vllm_colocate"].engaged)
+
+    optim = "paged_adamw_8bit" if decided["paged_adamw_8bit"].engaged else (
+        "adamw_torch_fused" if decided["fused_adamw"].engaged else "adamw_torch")
+    kwargs: dict[str, Any] = {
+        "use_cpu": False,
+        "bf16": bf16,
+        # The whole model on the one GPU: TRL's default ("auto") would offload what does not fit to the CPU, silently.
+        "model_init_kwargs": {"dtype": "bfloat16" if bf16 else "float32", "device_map": {"": 0}},
+        "gradient_checkpointing": checkpointing,
+        "optim": optim,
+    }
     if facts.algorithm == "grpo":
-        kwargs["use_vllm"] = vllm
-        if vllm:
-            kwargs.update(vllm_mode="colocate", vllm_enable_sleep_mode=True)
-
-    if facts.alloc_conf is not None:
-        decided["expandable_segments"] = (False, f"{ALLOC_CONF_ENV} is already set to {facts.alloc_conf!r} by the environment")
-    elif vllm:
-        # vLLM's sleep mode allocates through its own CUDA memory pool, which refuses expandable segments.
-        decided["expandable_segments"] = (False, "not with vLLM's sleep mode")
-    else:
-        decided["expandable_segments"] = (True, f"{ALLOC_CONF_ENV}={EXPANDABLE_SEGMENTS}: less fragmentation")
-        env[ALLOC_CONF_ENV] = EXPANDABLE_SEGMENTS
-
-    for name in facts.disabled & set(decided):
-        if decided[name][0]:
-            decided[name] = (False, "disabled for this run")
-    _undo_disabled(facts.disabled, decided, kwargs, env)
-    return FastPathPlan({name: FastPath(engaged=decided[name][0], reason=decided[name][1]) for name in FAST_PATHS}, kwargs, env)
+        kwargs["use_vllm"] = decided["vllm_colocate"].engaged
+        if kwargs["use_vllm"]:
+            kwargs.update(vllm_mode="colocate", vllm_enable_sleep_mode=not expandable, vllm_gpu_memory_utilization=vllm_share)
+    return FastPathPlan({name: decided[name] for name in FAST_PATHS}, kwargs)
 
 
-def gather_facts(model_dir: Path, algorithm: str) -> Facts:
-    """Probe this process: CUDA, the installed kernel packages, the model's type, the allocator setting, and
-    the fast paths `LORAFLOW_DISABLE_FAST_PATHS` switches off (whose kernel modules it blocks from import)."""
+def usable_memory(gpu_memory_bytes: int) -> int:
+    """GPU bytes a plan may count on: the total less the headroom and CUDA's own overhead."""
+    return int(gpu_memory_bytes * (1 - MEMORY_HEADROOM)) - CUDA_OVERHEAD_BYTES
+
+
+def lora_parameters(model: ModelShape, rank: int) -> int:
+    """Trainable parameters of a rank-`rank` LoRA on every linear layer of each block (the contract's default,
+    `all-linear`; fewer target modules need less): q, k, v, o take at most 8·hidden inputs and outputs together,
+    gate, up and down 3·(hidden + intermediate)."""
+    return rank * model.layers * (11 * model.hidden_size + 3 * model.intermediate_size)
+
+
+def training_memory(facts: Facts, *, bf16: bool, checkpointing: bool, optimizer_bytes: int) -> int:
+    """Estimated peak GPU bytes of LoRA training: the frozen base weights, the adapter's weights, gradients and
+    optimizer state, and the activations of one micro-batch (TRL's fused LM head keeps the logits out of it)."""
+    model, workload = facts.model, facts.workload
+    width = 2 if bf16 else 4  # bytes per value
+    tokens = workload.batch_size * workload.seq_len
+    per_token = model.layers * CHECKPOINT_BYTES + ACTIVATION_BYTES if checkpointing else model.layers * ACTIVATION_BYTES
+    activations = tokens * model.hidden_size * per_token * width // 2
+    return model.parameters * width + lora_parameters(model, workload.lora_rank) * optimizer_bytes + activations
+
+
+def vllm_memory(facts: Facts) -> int:
+    """Estimated GPU bytes a colocated vLLM engine needs: its own bf16 copy of the weights, a KV cache holding one
+    whole generation round, and its runtime."""
+    model, workload = facts.model, facts.workload
+    kv_per_token = 2 * model.attention_layers * model.kv_heads * model.head_dim * VLLM_KV_BYTES  # keys and values
+    return model.parameters * 2 + kv_per_token * workload.generations * workload.seq_len + VLLM_RUNTIME_BYTES
+
+
+def allocator_conf(algorithm: str, packages: Mapping[str, str], disabled: frozenset[str]) -> str | None:
+    """The `PYTORCH_CUDA_ALLOC_CONF` the worker sets before CUDA initialises: expandable segments (less
+    fragmentation), unless they are disabled or vLLM's sleep mode may run (its memory pool refuses them)."""
+    if "expandable_segments" in disabled or _vllm_expected(algorithm, packages, disabled):
+        return None
+    return EXPANDABLE_SEGMENTS
+
+
+def gather_facts(model_dir: Path, algorithm: str, workload: Workload) -> Facts:
+    """Probe this process: CUDA, the GPU's memory, the installed kernel packages, the model's type and size, and
+    the fast paths `LORAFLOW_DISABLE_FAST_PATHS` switches off (whose kernel modules it blocks from import) or
+    `LORAFLOW_FORCE_FAST_PATHS` switches on.
+
+    The CUDA allocator reads `PYTORCH_CUDA_ALLOC_CONF` once, when CUDA initialises, and probing the GPU
+    initialises it: so unless the environment already set it, the variable is set first (`allocator_conf`),
+    and what the allocator then holds is recorded as a fact. Call before anything else touches CUDA."""
     import torch
     from transformers import AutoConfig
 
-    disabled = disabled_fast_paths()
+    disabled = _named_fast_paths(DISABLE_ENV, FAST_PATHS)
+    forced = _named_fast_paths(FORCE_ENV, FORCIBLE)
     for name in disabled & set(_KERNEL_MODULES):
         sys.modules.setdefault(_KERNEL_MODULES[name], None)  # `import fla` now raises ImportError
-    cuda = torch.cuda.is_available()
     packages = {}
     for name in KERNEL_PACKAGES:
         try:
             packages[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
+    cuda = torch.cuda.is_available()  # counts devices; initialises neither CUDA nor its allocator
+    alloc_conf = os.environ.get(ALLOC_CONF_ENV)
+    wanted = allocator_conf(algorithm, packages, disabled)
+    if cuda and alloc_conf is None and wanted is not None:
+        os.environ[ALLOC_CONF_ENV] = wanted
+    gpu = torch.cuda.get_device_properties(0) if cuda else None  # CUDA initialises here, and its allocator with it
     liger_model_types: frozenset[str] = frozenset()
-    if cuda and "liger-kernel" in packages and "triton" in packages:
-        # Importing Liger imports Triton, which fails without a GPU driver ("0 active drivers"): only on CUDA.
+    if cuda and "liger-kernel" in packages and "triton" in packages and "liger_kernel" not in disabled:
+        # Only where a plan can use them: importing Liger (and Triton) takes seconds.
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
         liger_model_types = frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
     return Facts(
         cuda=cuda,
-        compute_capability=torch.cuda.get_device_capability(0) if cuda else None,
+        compute_capability=(gpu.major, gpu.minor) if gpu else None,
         packages=packages,
         model_type=AutoConfig.from_pretrained(model_dir).model_type,
         algorithm=algorithm,
+        model=read_model_shape(model_dir),
+        workload=workload,
+        gpu_memory_bytes=gpu.total_memory if gpu else None,
         liger_model_types=liger_model_types,
-        alloc_conf=os.environ.get(ALLOC_CONF_ENV),
+        alloc_conf=alloc_conf,
+        allocator_settings=cuda_allocator_settings() if cuda else None,
         disabled=disabled,
+        forced=forced,
     )
 
 
-def disabled_fast_paths() -> frozenset[str]:
-    """The fast paths `LORAFLOW_DISABLE_FAST_PATHS` names; an unknown name is an error listing the valid ones."""
-    names = frozenset(n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip())
-    unknown = sorted(names - set(FAST_PATHS))
-    if unknown:
-        raise ValueError(f"{DISABLE_ENV} names unknown fast paths {', '.join(unknown)}: use any of {', '.join(FAST_PATHS)}")
-    return names
+def read_model_shape(model_dir: Path) -> ModelShape:
+    """The size of the model in `model_dir` from its config and its safetensors headers (no weight is read)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config()
+    parameters = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as weights:
+            parameters += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    if not parameters:
+        # A checkpoint without safetensors (`pytorch_model.bin`): count the architecture's parameters, built on the
+        # meta device (no memory).
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    layer_types = getattr(text, "layer_types", None) or []  # per-layer attention kinds, where the model has them
+    heads = text.num_attention_heads
+    return ModelShape(
+        parameters=parameters,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        layers=text.num_hidden_layers,
+        attention_layers=sum(kind != "linear_attention" for kind in layer_types) if layer_types else text.num_hidden_layers,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab_size=text.vocab_size,
+    )
+
+
+def cuda_allocator_settings() -> str:
+    """The settings the CUDA caching allocator took from `PYTORCH_CUDA_ALLOC_CONF` ('' for none): what it actually
+    runs with, which differs from the variable when the variable was set after CUDA initialised.
+    TODO: switch to a public getter once torch has one (2.13 and 2.14 have only this binding, the counterpart of
+    `torch._C._accelerator_setAllocatorSettings`, which `torch.cuda.memory` points to)."""
+    import torch
+
+    return torch._C._accelerator_getAllocatorSettings()
 
 
 def engage_fast_paths(plan: FastPathPlan, model: Any) -> dict[str, FastPath]:
@@ -240,6 +443,43 @@ def kernel_hooks(model: Any) -> dict[str, tuple[str, bool]]:
     return hooks
 
 
+def _named_fast_paths(variable: str, valid: tuple[str, ...]) -> frozenset[str]:
+    """The fast paths the environment variable `variable` names; an unknown name is an error listing the valid ones."""
+    names = frozenset(n.strip() for n in os.environ.get(variable, "").split(",") if n.strip())
+    unknown = sorted(names - set(valid))
+    if unknown:
+        raise ValueError(f"{variable} names unknown fast paths {', '.join(unknown)}: use any of {', '.join(valid)}")
+    return names
+
+
+def _vllm_expected(algorithm: str, packages: Mapping[str, str], disabled: frozenset[str]) -> bool:
+    """Whether vLLM may colocate, as far as is known before the GPU's memory is."""
+    return algorithm == "grpo" and "vllm" in packages and "vllm_colocate" not in disabled
+
+
+def _holds_expandable_segments(allocator_settings: str | None) -> bool:
+    settings = dict(item.strip().split(":", 1) for item in (allocator_settings or "").split(",") if ":" in item)
+    return settings.get("expandable_segments") == "True"
+
+
+def _allocator_decision(facts: Facts, expandable: bool, vllm: bool) -> FastPath:
+    if facts.alloc_conf is not None:
+        return FastPath(engaged=expandable, reason=f"{ALLOC_CONF_ENV} is set to {facts.alloc_conf!r} by the environment")
+    if "expandable_segments" in facts.disabled:
+        return FastPath(engaged=False, reason="disabled for this run")
+    if _vllm_expected(facts.algorithm, facts.packages, facts.disabled):
+        return FastPath(engaged=False, reason="not with vLLM's sleep mode (its memory pool refuses expandable segments)" if vllm
+                        else "left unset: vLLM's sleep mode was still expected when CUDA initialised")
+    if expandable:
+        return FastPath(engaged=True, reason=f"{ALLOC_CONF_ENV}={EXPANDABLE_SEGMENTS} set before CUDA initialised: less fragmentation")
+    return FastPath(engaged=False, reason=f"the allocator holds {facts.allocator_settings!r}, not {EXPANDABLE_SEGMENTS}: "
+                                          f"CUDA initialised before {ALLOC_CONF_ENV} was set")
+
+
+def _gib(size: float) -> str:
+    return f"{size / GIB:.1f} GiB"
+
+
 def _confirm_kernel(hooks: dict[str, tuple[str, bool]], package: str) -> FastPath:
     functions = sorted(name for name, (pkg, _) in hooks.items() if pkg == package)
     if not functions:
@@ -267,15 +507,3 @@ def _engage_liger(model: Any) -> FastPath:
     if not patched:
         return FastPath(engaged=False, reason=f"Liger patched no layer of `{model.config.model_type}`")
     return FastPath(engaged=True, reason="Liger kernels on " + ", ".join(f"{n} {kind}" for kind, n in sorted(patched.items())))
-
-
-def _undo_disabled(disabled: frozenset[str], decided: dict[str, tuple[bool, str]], kwargs: dict[str, Any], env: dict[str, str]) -> None:
-    """Drop the config of fast paths switched off after deciding them (bf16 stays as decided: it is precision)."""
-    if "gradient_checkpointing" in disabled:
-        kwargs["gradient_checkpointing"] = False
-    if "paged_adamw_8bit" in disabled:
-        kwargs.pop("optim", None)
-    if "expandable_segments" in disabled:
-        env.pop(ALLOC_CONF_ENV, None)
-    if "bf16" in disabled:
-        kwargs.update(bf16=False, model_init_kwargs={"dtype": "float32"})

@@ -17,7 +17,6 @@ without the last assistant turn, whose text becomes the column `answer` for the 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,12 @@ from trl import GRPOConfig, GRPOTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
-from loraflow_worker.fast_paths import engage_fast_paths, gather_facts, plan_fast_paths
+from loraflow_worker.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training_run import (
     TrainOutcome,
+    job_workload,
     load_job_dataset,
     lora_config,
     package_outcome,
@@ -75,23 +75,10 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
     dataset = prompt_dataset(rows, tokenizer, settings.max_prompt_length)
     check_reward_columns(settings.rewards, dataset.column_names)
-    reward_funcs, weights = resolve_rewards(settings.rewards)
-    plan = plan_fast_paths(gather_facts(model_path, "grpo"))
-    os.environ.update(plan.env)  # before the first CUDA allocation: the allocator reads it once
+    reward_funcs, _ = resolve_rewards(settings.rewards)
+    plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job)))
 
-    extra: dict[str, Any] = {}
-    if plan.trainer_kwargs.get("use_vllm"):
-        extra["vllm_max_model_length"] = settings.max_prompt_length + settings.max_completion_length
-    args = GRPOConfig(
-        **shared_trainer_args(job, work_dir),
-        num_generations=settings.num_generations,
-        max_completion_length=settings.max_completion_length,
-        temperature=settings.temperature,
-        beta=settings.beta,
-        reward_weights=weights,
-        **extra,
-        **plan.trainer_kwargs,
-    )
+    args = grpo_config(job, plan, work_dir)
     monitor = TrainingMonitor(report, job.deadline_epoch_s)
     reward_log = RewardLog()
     trainer = GRPOTrainer(
@@ -108,6 +95,26 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, rows=rows,
                            rewards=reward_log.rewards)
+
+
+def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig:
+    """The `GRPOConfig` of `job` under the fast-path `plan` (which carries the model-loading kwargs and vLLM's
+    share of the GPU), writing into `work_dir`: what `train_grpo` trains with, in a function of its own so that a
+    GPU's configuration can be built and checked without one."""
+    settings: GrpoSettings = job.grpo
+    extra: dict[str, Any] = {}
+    if plan.trainer_kwargs.get("use_vllm"):
+        extra["vllm_max_model_length"] = settings.max_prompt_length + settings.max_completion_length
+    return GRPOConfig(
+        **shared_trainer_args(job, work_dir),
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        temperature=settings.temperature,
+        beta=settings.beta,
+        reward_weights=[spec.weight for spec in settings.rewards],
+        **extra,
+        **plan.trainer_kwargs,
+    )
 
 
 def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> Dataset:

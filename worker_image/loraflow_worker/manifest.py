@@ -44,9 +44,15 @@ class RunManifest(BaseModel):
     seed: int = Field(description="Random seed used for data order and adapter initialisation.")
     libraries: dict[str, str] = Field(description="Versions of the training libraries, by package name.")
     fast_paths: dict[str, FastPath] = Field(
-        description="Speed-ups by name (`bf16`, `liger_kernel`, `flash_linear_attention`) and whether each engaged."
+        description="Speed-ups and memory savers by name (`bf16`, `liger_kernel`, `gradient_checkpointing`, ...), "
+        "whether each engaged, and why."
     )
     cuda_version: str | None = Field(default=None, description="CUDA version torch was built with; None on CPU.")
+    cuda_allocator_settings: str | None = Field(
+        default=None,
+        description="The settings the CUDA caching allocator ran with, as it took them from `PYTORCH_CUDA_ALLOC_CONF` "
+        "(e.g. `expandable_segments:True`; empty for its defaults); None on CPU.",
+    )
     dataset_sha256: str | None = Field(
         default=None, description="sha256 of the training rows as canonical JSON lines, in order (`rows_sha256`)."
     )

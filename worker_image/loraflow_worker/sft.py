@@ -8,7 +8,6 @@ Publishing to the artifact store is the handler's job.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,10 +16,11 @@ from trl import SFTConfig, SFTTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress
-from loraflow_worker.fast_paths import engage_fast_paths, gather_facts, plan_fast_paths
+from loraflow_worker.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training_run import (
     TrainOutcome,
+    job_workload,
     load_job_dataset,
     lora_config,
     package_outcome,
@@ -41,15 +41,9 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     dataset = load_job_dataset(job.dataset, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
-    plan = plan_fast_paths(gather_facts(model_path, "sft"))
-    os.environ.update(plan.env)  # before the first CUDA allocation: the allocator reads it once
+    plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job)))
 
-    args = SFTConfig(
-        **shared_trainer_args(job, work_dir),
-        max_length=job.training.max_seq_length,
-        include_num_input_tokens_seen="non_padding",
-        **plan.trainer_kwargs,
-    )
+    args = sft_config(job, plan, work_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     monitor = TrainingMonitor(report, job.deadline_epoch_s)
     trainer = SFTTrainer(
@@ -64,3 +58,15 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, monitor, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, rows=dataset)
+
+
+def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> SFTConfig:
+    """The `SFTConfig` of `job` under the fast-path `plan` (which carries the model-loading kwargs), writing into
+    `work_dir`: what `train_sft` trains with, in a function of its own so that a GPU's configuration can be
+    built and checked without one."""
+    return SFTConfig(
+        **shared_trainer_args(job, work_dir),
+        max_length=job.training.max_seq_length,
+        include_num_input_tokens_seen="non_padding",
+        **plan.trainer_kwargs,
+    )

@@ -21,8 +21,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-DEFAULT_CORPUS = Path(__file__).resolve().parents[2] / "deployments" / "data" / "tiny-chat.jsonl"
-"""The shipped chat dataset; its texts train the default tokenizer (present in a repo checkout)."""
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny-chat.jsonl"
+"""The shipped chat dataset (package data, so installed workers and the image have it; the same file as the
+repository's `deployments/data/tiny-chat.jsonl`): its texts train the default tokenizer."""
 
 VOCAB_SIZE = 512
 SEED = 0
@@ -53,7 +54,7 @@ def build_tiny_model(out_dir: Path, corpus: Iterable[str]) -> Path:
     """Train a byte-level BPE tokenizer on `corpus` (+ a built-in text), build a 2-layer Qwen3 with
     random weights (fixed seed), save both into `out_dir` and return it. Deterministic for a given corpus."""
     out_dir = Path(out_dir)
-    tokenizer = _train_tokenizer([BUILTIN_TEXT, *corpus])
+    tokenizer = train_tokenizer(corpus)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -112,7 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     print(out)
 
 
-def _train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (ChatML template) trained on `corpus` + a built-in text, `VOCAB_SIZE` tokens
+    learnt. A larger `vocab_size` pads the vocabulary with filler tokens no text encodes to (they still decode),
+    so that a model can have a real model's vocabulary (Qwen's 151,936) and the cost of its embedding and LM
+    head without a corpus to learn that many merges from. Deterministic for a given corpus."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -124,7 +129,9 @@ def _train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(texts, trainer)
+    bpe.train_from_iterator([BUILTIN_TEXT, *corpus], trainer)
+    if vocab_size > bpe.get_vocab_size():
+        bpe = _pad_vocabulary(bpe, vocab_size)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token=ENDOFTEXT,
@@ -133,6 +140,17 @@ def _train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE,
         model_max_length=1024,
     )
+
+
+
+def _pad_vocabulary(bpe: Tokenizer, size: int) -> Tokenizer:
+    # Filler tokens are plain vocabulary entries without merges: encoding never produces them. Their text is
+    # printable ASCII, which byte-level decoding maps to itself.
+    spec = json.loads(bpe.to_str())
+    vocab = spec["model"]["vocab"]
+    for token_id in range(len(vocab), size):
+        vocab[f"<|filler_{token_id}|>"] = token_id
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 if __name__ == "__main__":

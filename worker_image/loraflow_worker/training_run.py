@@ -1,6 +1,7 @@
-"""What every algorithm's training run shares: its inputs (data, base model, LoRA shape), running the
-trainer to its end or the job's deadline, and packaging the saved adapter with its metrics and manifest.
-`sft.py` and `grpo.py` hold only what differs: the dataset's shape, the TRL config and trainer."""
+"""What every algorithm's training run shares: its inputs (data, base model, LoRA shape, the TrainingArguments
+the job's settings decide, the workload the fast paths plan for), running the trainer to its end or the job's
+deadline, and packaging the saved adapter with its metrics and manifest. `sft.py` and `grpo.py` hold only what
+differs: the dataset's shape, the TRL config and trainer."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from transformers import PreTrainedTokenizerBase, Trainer
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
+from loraflow_worker.fast_paths import Workload, cuda_allocator_settings
 from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
 from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor
 
@@ -87,6 +89,18 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
     )
 
 
+def job_workload(job: JobInput) -> Workload:
+    """What one micro-batch of `job` asks of GPU memory, for the fast-path plan. A GRPO micro-batch holds
+    `batch_size` completions of prompt + completion tokens; a generation round makes `batch_size ×
+    gradient_accumulation_steps` of them (TRL's `generation_batch_size`)."""
+    t = job.training
+    if job.algorithm == "grpo":
+        g = job.grpo
+        return Workload(batch_size=t.batch_size, seq_len=g.max_prompt_length + g.max_completion_length,
+                        lora_rank=job.lora.rank, generations=t.batch_size * t.gradient_accumulation_steps)
+    return Workload(batch_size=t.batch_size, seq_len=t.max_seq_length, lora_rank=job.lora.rank)
+
+
 def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, monitor: TrainingMonitor, job: JobInput,
                    revision: str | None, work_dir: Path, resume_from: Path | None) -> tuple[Path, float]:
     """Train (from `resume_from` when given) and save the adapter; returns (adapter folder, wall seconds).
@@ -133,6 +147,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         libraries=library_versions(),
         fast_paths=fast_paths,
         cuda_version=torch.version.cuda if cuda else None,
+        cuda_allocator_settings=cuda_allocator_settings() if cuda else None,
         dataset_sha256=rows_sha256(rows),
         config_sha256=training_config_sha256(job),
     )

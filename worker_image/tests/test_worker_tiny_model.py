@@ -1,14 +1,23 @@
-"""The tiny offline model: builds deterministically, loads with the standard classes, speaks ChatML."""
+"""The tiny offline model: builds deterministically, loads with the standard classes, speaks ChatML; its corpus
+ships in the worker's package; its tokenizer can take a real model's vocabulary size."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import loraflow_worker
 from loraflow_worker.tiny_model import DEFAULT_CORPUS as TINY_CHAT
-from loraflow_worker.tiny_model import VOCAB_SIZE, main
+from loraflow_worker.tiny_model import VOCAB_SIZE, corpus_from_jsonl, main, train_tokenizer
+
+WORKER_IMAGE = Path(__file__).resolve().parents[1]
+REPOSITORY_DATASET = WORKER_IMAGE.parent / "deployments" / "data" / "tiny-chat.jsonl"
 
 
 def _first_chat():
@@ -59,3 +68,29 @@ def test_cli_build_is_deterministic(tiny_model_dir, tmp_path):
     for (name, a), (_, b) in zip(first.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), name
     assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+
+
+def test_the_corpus_is_package_data_and_the_repositorys_tiny_chat_dataset():
+    assert TINY_CHAT == Path(loraflow_worker.__file__).parent / "data" / "tiny-chat.jsonl"
+    assert TINY_CHAT.read_bytes() == REPOSITORY_DATASET.read_bytes()  # one dataset, two places: keep them equal
+
+
+def test_the_worker_wheel_carries_the_corpus(tmp_path):
+    # The image installs the worker from its wheel and its build context has no deployments/ folder.
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(tmp_path),
+         str(WORKER_IMAGE)], capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = tmp_path.glob("loraflow_worker-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("loraflow_worker/data/tiny-chat.jsonl") == TINY_CHAT.read_bytes()
+
+
+def test_a_padded_vocabulary_encodes_as_the_learnt_one_and_decodes_its_fillers():
+    corpus = corpus_from_jsonl([TINY_CHAT])
+    learnt, padded = train_tokenizer(corpus), train_tokenizer(corpus, vocab_size=2048)
+    assert (len(learnt), len(padded)) == (VOCAB_SIZE, 2048)
+    text = "The capital of France is Paris. <|filler_2047|>"
+    assert padded(text).input_ids == learnt(text).input_ids  # no text encodes to a filler
+    assert padded.decode([2047, 600]) == "<|filler_2047|><|filler_600|>"
