@@ -559,20 +559,28 @@ def launch_localpod(tmp: Path, handler: str, *, kill_grace: float, long_poll: fl
     """Start `python -m localpod` whose workers run `handler` (a script's source) with the worker
     environment's interpreter (the control plane's has no `runpod`); returns once it announces where it
     listens: (an authenticated client, the process, its output file)."""
-    worker_python = require_worker_python()
     script = tmp / "handler.py"
     script.write_text(handler)
+    runtime = ["--worker-command", shlex.join([str(require_worker_python()), str(script)])]
+    return start_localpod(tmp, runtime, kill_grace=kill_grace, long_poll=long_poll)
+
+
+def start_localpod(tmp: Path, runtime_args: list[str], *, kill_grace: float, long_poll: float,
+                   env: dict[str, str] | None = None, timeout_s: float = 30
+                   ) -> tuple[httpx.Client, subprocess.Popen[bytes], Path]:
+    """Start `python -m localpod` with `runtime_args` (how it runs workers) on a free port; returns once it
+    announces where it listens: (an authenticated client, the process, its output file)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     stdout = tmp / "localpod.out"
     command = [
         sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-        "--worker-command", shlex.join([str(worker_python), str(script)]), "--log-dir", str(tmp / "logs"),
-        "--kill-grace", str(kill_grace), "--long-poll", str(long_poll),
+        *runtime_args, "--log-dir", str(tmp / "logs"), "--kill-grace", str(kill_grace), "--long-poll", str(long_poll),
     ]  # fmt: skip
     with open(stdout, "wb") as out:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   env=os.environ if env is None else env)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10)
 
     def announced() -> bool:
@@ -581,7 +589,7 @@ def launch_localpod(tmp: Path, handler: str, *, kill_grace: float, long_poll: fl
         return "localpod listening on" in stdout.read_text()
 
     try:
-        wait_for(announced, "localpod to announce it listens", timeout=30)
+        wait_for(announced, "localpod to announce it listens", timeout=timeout_s)
     except BaseException:
         stop_localpod(http, process)
         raise

@@ -23,11 +23,11 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.local_stack import LocalStack, free_port
+from deployments.local_stack import LocalStack
 from localpod.models import Account
 from tests.conftest import localpod_account, run_train_flow
 from tests.image.conftest import DOCKER, containers, docker
-from tests.test_localpod import AUTH, REPO_ROOT, endpoint_body, stop_localpod, wait_for
+from tests.test_localpod import endpoint_body, start_localpod, stop_localpod, wait_for
 from tests.test_train_e2e import flow_run_state, run_endpoints, write_run_file
 
 pytestmark = pytest.mark.timeout(900)
@@ -99,28 +99,9 @@ def launch_docker_localpod(tmp: Path, image: str) -> DockerPod:
     shared = tmp / "shared"
     shared.mkdir()
     (shared / "handler.py").write_text(HANDLER)
-    port = free_port()
-    stdout = tmp / "localpod.out"
-    command = [
-        sys.executable, "-m", "localpod", "--host", "127.0.0.1", "--port", str(port), "--api-key", "test-key",
-        "--worker-runtime", "docker", "--docker", shlex.join(DOCKER), "--worker-mount", str(shared),
-        "--log-dir", str(tmp / "logs"), "--kill-grace", "10", "--long-poll", "2",
-    ]  # fmt: skip
-    with open(stdout, "wb") as out:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                   env=os.environ | {HOST_ONLY: "1"})
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10)
-
-    def announced() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"localpod exited: {stdout.read_text()}")
-        return "localpod listening on" in stdout.read_text()
-
-    try:
-        wait_for(announced, "localpod to announce it listens", timeout=60)
-    except BaseException:
-        stop_localpod(http, process)
-        raise
+    runtime = ["--worker-runtime", "docker", "--docker", shlex.join(DOCKER), "--worker-mount", str(shared)]
+    http, process, stdout = start_localpod(tmp, runtime, kill_grace=10, long_poll=2,
+                                           env=os.environ | {HOST_ONLY: "1"}, timeout_s=60)
     return DockerPod(http, process, stdout, shared, image)
 
 
