@@ -178,13 +178,17 @@ def load_run_file(path: str | Path) -> RunSpec:
 
 
 class ReconcilePolicy(_Section):
-    """What the `reconcile` flow deletes. Endpoints without loraflow's name prefix are never touched."""
+    """What the `reconcile` flow deletes. Endpoints without loraflow's name prefix are never touched, nor those
+    tagged with another control plane's namespace (`LORAFLOW_NAMESPACE` or the Prefect Variable
+    `loraflow-namespace`)."""
 
     dry_run: bool = Field(default=False, description="Report what would be deleted, delete nothing.")
     silent_after_minutes: float = Field(
         default=10, ge=0.1, le=7 * 24 * 60,
-        description="Delete the endpoints of a run that has not logged for this long: its process is gone. A live "
-        "run logs at least every LORAFLOW_HEARTBEAT_SECONDS (default 60 s); keep this well above that.",
+        description="Delete the endpoints of a run that has sent no heartbeat event for this long: its process is "
+        "gone. A live run sends Prefect's flow-run heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY (default 180 s) "
+        "and, while it watches its job, loraflow's endpoint heartbeat every LORAFLOW_HEARTBEAT_SECONDS (default 60 s); "
+        "logging settings change neither. Keep this well above both.",
     )
     idle_grace_minutes: int = Field(
         default=45, ge=5, le=7 * 24 * 60,
@@ -192,5 +196,5 @@ class ReconcilePolicy(_Section):
     )
     min_age_minutes: float = Field(
         default=2, ge=0, le=24 * 60,
-        description="Never delete an endpoint younger than this: its run may not have logged yet.",
+        description="Never delete an endpoint younger than this: its run may not have sent a heartbeat for it yet.",
     )

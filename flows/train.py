@@ -21,38 +21,49 @@ from loraflow_worker.contract import DatasetSource, JobInput
 from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
 
 from flows.spec import RunSpec, SpecError, load_run_file
 from tasks.artifacts import RunResults, check_chat_jsonl, collect, publish_dataset_task
-from tasks.attempts import decide_next_attempt
+from tasks.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
 from tasks.cost import check_budget, worst_case_cost_usd
 from tasks.plan import AttemptPlan, plan_attempt, resolve_model_task
-from tasks.quota import ENDPOINT_LIMIT, ensure_endpoint_limit
+from tasks.quota import ENDPOINT_LIMIT, ensure_endpoint_limit, wait_for_runpod_quota
 from tasks.reports import RunReport, publish_report
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.errors import JobFailedError, is_transient
 from tasks.runpod.jobs import JobOutcome
-from tasks.runpod.steps import create_endpoint, delete_endpoint, submit_job, wait_for_job
+from tasks.runpod.models import Endpoint
+from tasks.runpod.steps import create_endpoint, delete_endpoint, run_cancel_requested, submit_job, wait_for_job
 from tasks.settings import Settings
-from tasks.teardown import delete_run_endpoints_hook
+from tasks.teardown import (
+    UndeletedEndpoint,
+    delete_run_endpoints_hook,
+    keep_undeleted_endpoint,
+    take_slot_for_undeleted,
+)
 
 
 # Each hook deletes the run's endpoints by name: the second layer of teardown, after `finally`.
 @flow(name="train", log_prints=True, on_crashed=[delete_run_endpoints_hook],
       on_cancellation=[delete_run_endpoints_hook], on_failure=[delete_run_endpoints_hook])
-def train(spec: RunSpec) -> RunResults:
+def train(spec: RunSpec) -> RunResults | State:
     """Fine-tune a LoRA adapter on a RunPod serverless GPU.
 
     1. Prepare: check the budget, pin the model, publish a local dataset, build the job.
     2. For each attempt (a new endpoint each time, resuming from the last checkpoint):
        a. take one slot of the `runpod-endpoints` limit (the account's endpoint quota);
-       b. create the attempt's endpoint (looked up by name first);
+       b. create the attempt's endpoint (looked up by name first; RunPod's own quota error waits);
        c. submit the job once;
-       d. wait for it, mirroring progress into the UI, and classify how it ended;
-       e. delete the endpoint, confirmed, whatever happened;
+       d. wait for it, mirroring progress into the UI, and classify how it ended; a cancel of this
+          run (UI, CLI, API) cancels the job, however the run was started;
+       e. delete the endpoint, confirmed, whatever happened; an unconfirmed delete keeps a slot and a
+          record for the reconciler, and never changes how the attempt ended;
        f. collect: results stored completely (`DONE`) end the run, whatever the job's status said;
           otherwise retry or fail, per the outcome.
     3. Publish the report.
+
+    A cancelled run ends Cancelled once its endpoint is deleted.
     """
     logger = get_run_logger()
     run_id = flow_run.id or str(uuid.uuid4())
@@ -79,17 +90,26 @@ def train(spec: RunSpec) -> RunResults:
     # 2. Attempts.
     gpu_index, billed_s = 0, 0.0
     for attempt in range(1, spec.attempts.max_attempts + 1):
+        if run_cancel_requested():
+            return Cancelled(message=f"Cancelled before attempt {attempt}")
         plan = plan_attempt(job_input=job_input.model_copy(update={"attempt": attempt}), run_label=spec.name,
                             gpu=gpus[gpu_index], gpu_count=spec.compute.gpu_count, disk_gb=spec.compute.disk_gb,
                             deadline_epoch_s=deadline, now=time.time(), queue_s=spec.attempts.queue_minutes * 60,
                             startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60)
         logger.info("Attempt %d on %d × %s: endpoint %s", attempt, spec.compute.gpu_count, plan.gpu.name, plan.endpoint_name)
-        outcome = run_attempt(plan, progress_key=f"train-{spec.name}-progress")
+        outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress")
         billed_s += outcome.running_seconds
+        if outcome.kind == "run_cancelled":
+            logger.warning("Attempt %d: %s", attempt, outcome.error)
+            teardown = "not confirmed deleted (recorded for the reconciler)" if undeleted else "deleted"
+            return Cancelled(message=f"Cancelled during attempt {attempt}; its endpoint {teardown}")
         results = collect(spec.artifact_store, run_id)
         if results.done:
             if outcome.kind != "completed":
                 logger.warning("Job ended %s but its results were stored completely; adopting them", outcome.kind)
+            if undeleted is not None:
+                logger.warning("The results are stored, so the run completes; endpoint %s is left to the reconciler",
+                               plan.endpoint_name)
             break
         decision = decide_next_attempt(outcome, gpus, gpu_index, attempt, spec.attempts.max_attempts,
                                        seconds_left=deadline - time.time())
@@ -113,24 +133,55 @@ def train(spec: RunSpec) -> RunResults:
     return results
 
 
-def run_attempt(plan: AttemptPlan, progress_key: str) -> JobOutcome:
-    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always)."""
-    with concurrency(ENDPOINT_LIMIT, occupy=1, strict=True, lease_duration=Settings().loraflow_slot_lease_seconds,
-                     raise_on_lease_renewal_failure=False):
-        try:
-            endpoint = create_endpoint(plan.create_request)
-            submitted = submit_job(endpoint, plan.job_input.model_dump(mode="json"), plan.policy, return_state=True)
-            if not submitted.is_completed():
-                # `/run` is not idempotent: rather than POST again (maybe starting a second job), give this
-                # endpoint up (deleted below, with any job it got) and let a new attempt start clean.
-                error = submitted.result(raise_on_failure=False)
-                if not is_transient(error):
-                    raise error
-                return JobOutcome(kind="submit_failed", job_id="", status="UNKNOWN", error=str(error))
-            return wait_for_job(endpoint, submitted.result(), plan.limits, progress_key=progress_key)
-        finally:
-            # Deleting by name also covers a create that errored after RunPod made the endpoint.
-            delete_endpoint(plan.endpoint_name)
+def run_attempt(plan: AttemptPlan, progress_key: str) -> tuple[JobOutcome, UndeletedEndpoint | None]:
+    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always).
+
+    The slot is the endpoint. When the delete stays unconfirmed after its retries, a slot lease of its
+    own and a record (`UndeletedEndpoint`, returned) outlive the attempt, for the reconciler; the
+    attempt's outcome, or the error it raised, is kept as it was.
+    """
+    created: list[Endpoint] = []
+    undeleted: UndeletedEndpoint | None = None
+    try:
+        with concurrency(ENDPOINT_LIMIT, occupy=1, strict=True, lease_duration=Settings().loraflow_slot_lease_seconds,
+                         raise_on_lease_renewal_failure=False):
+            try:
+                outcome = _create_submit_wait(plan, progress_key, created)
+            finally:
+                endpoint_id = created[0].id if created else None
+                deleted = delete_endpoint(plan.endpoint_name, endpoint_id, return_state=True)
+                if not deleted.is_completed():
+                    # Taken while this attempt still holds its slot, when the limit has room: the endpoint
+                    # is never without one.
+                    undeleted = UndeletedEndpoint(endpoint_name=plan.endpoint_name, endpoint_id=endpoint_id,
+                                                  run_id=plan.run_id, lease_id=take_slot_for_undeleted(0.0),
+                                                  error=str(deleted.result(raise_on_failure=False))[:500])
+    finally:
+        if undeleted is not None:
+            keep_undeleted_endpoint(undeleted, get_run_logger())
+    return outcome, undeleted
+
+
+def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endpoint]) -> JobOutcome:
+    if run_cancel_requested():  # cancelled while it waited for the slot: create nothing
+        return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
+                          error="the run was cancelled while it waited for an endpoint slot")
+    endpoint = wait_for_runpod_quota(lambda: create_endpoint(plan.create_request),
+                                     give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S,
+                                     cancel_requested=run_cancel_requested, logger=get_run_logger())
+    if endpoint is None:
+        return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
+                          error="the run was cancelled while it waited for room in RunPod's worker quota")
+    created.append(endpoint)
+    submitted = submit_job(endpoint, plan.job_input.model_dump(mode="json"), plan.policy, return_state=True)
+    if not submitted.is_completed():
+        # `/run` is not idempotent: rather than POST again (maybe starting a second job), give this
+        # endpoint up (deleted by the caller, with any job it got) and let a new attempt start clean.
+        error = submitted.result(raise_on_failure=False)
+        if not is_transient(error):
+            raise error
+        return JobOutcome(kind="submit_failed", job_id="", status="UNKNOWN", error=str(error))
+    return wait_for_job(endpoint, submitted.result(), plan.limits, progress_key=progress_key)
 
 
 def run_failed(run_name: str, outcome: JobOutcome, results: RunResults, reason: str) -> JobFailedError:

@@ -1,23 +1,46 @@
 """The endpoint-slot quota: a Prefect global concurrency limit, one slot per live RunPod endpoint.
 
-RunPod counts `workers.max` of every endpoint of the account against a worker quota (30 at a $300
-balance), scaled-to-zero endpoints included. Each run's endpoint has `workers.max = 1`, so holding one
-slot of this limit around create → train → delete keeps the account under its quota across every
-Prefect worker that shares the server.
+RunPod counts `workers.max` of every endpoint of the account against a worker quota (5 on a new
+account, 30 at a $300 balance), scaled-to-zero endpoints included. Each run's endpoint has
+`workers.max = 1`, so holding one slot of this limit from before the create until the delete is
+confirmed keeps the account under its quota across every Prefect worker that shares the server.
+
+Two things keep that true when something goes wrong:
+- an endpoint whose delete is never confirmed keeps a slot under a long lease of its own
+  (`take_slot_lease`), released once the endpoint is proved gone (`tasks/teardown.py`);
+- RunPod's own quota error (the limit set above the account's quota, or endpoints made outside
+  loraflow) makes the run wait and try again (`wait_for_runpod_quota`), not fail.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import httpx
 from prefect import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
+from tasks.runpod import errors
+
 ENDPOINT_LIMIT = "runpod-endpoints"
 DEFAULT_ENDPOINT_SLOTS = 28
-"""Two under the 30-worker quota of a $300 balance, leaving room for a hand-made endpoint."""
+"""Two under the 30-worker quota of a $300 balance, leaving room for a hand-made endpoint. A new
+account's quota is 5: lower the limit to match (README, "Running on RunPod")."""
 SLOT_LEASE_SECONDS = 120
 """A crashed holder's slot frees after this (+ ≤15 s) once the server's repossessor sees the lease
 expire; the holder renews it in the background while alive."""
+UNDELETED_LEASE_SECONDS = 24 * 3600
+"""Lease of the slot kept for an endpoint whose delete is unconfirmed: the longest Prefect's server
+grants. Whoever retries the delete renews it; unrenewed, the slot frees after a day at worst."""
+QUOTA_WAITS_S = (15, 30, 60, 120)
+"""Waits between creates refused by RunPod's quota error; the last one repeats."""
+
+T = TypeVar("T")
+log = logging.getLogger("loraflow.quota")
 
 
 def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int = DEFAULT_ENDPOINT_SLOTS) -> int:
@@ -41,3 +64,92 @@ def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int = DEFAULT_ENDPO
 def slots_in_use(name: str = ENDPOINT_LIMIT) -> int:
     with get_client(sync_client=True) as client:
         return client.read_global_concurrency_limit_by_name(name).active_slots
+
+
+def take_slot_lease(wait_s: float = 0.0, *, name: str = ENDPOINT_LIMIT, lease_seconds: float = UNDELETED_LEASE_SECONDS,
+                    sleep: Callable[[float], None] = time.sleep) -> str | None:
+    """Take one slot of the limit under a lease of its own, outside any `concurrency()` block; its id,
+    or None when no slot came free within `wait_s` (423 from the server, retried after its Retry-After).
+
+    For an endpoint that outlives its attempt: the lease holds the slot until `release_slot_lease`.
+    """
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                response = client.increment_concurrency_slots_with_lease(
+                    names=[name], slots=1, mode="concurrency", lease_duration=lease_seconds)
+                return str(response.json()["lease_id"])
+            except httpx.HTTPStatusError as e:
+                left = deadline - time.monotonic()
+                if e.response.status_code != 423 or left <= 0:
+                    log.warning("No slot of %s could be taken: %s", name, e)
+                    return None
+                sleep(min(_retry_after(e.response), left, 5.0))
+
+
+def renew_slot_lease(lease_id: str, lease_seconds: float = UNDELETED_LEASE_SECONDS) -> bool:
+    """Extend a lease from `take_slot_lease` by `lease_seconds` from now; False if it has already expired."""
+    with get_client(sync_client=True) as client:
+        try:
+            client.renew_concurrency_lease(lease_id=lease_id, lease_duration=lease_seconds)
+        except httpx.HTTPStatusError as e:
+            if e.response.status_code in (404, 410):
+                return False
+            raise
+    return True
+
+
+def release_slot_lease(lease_id: str) -> None:
+    """Give back a lease's slot. Safe to call twice (an unknown lease is ignored by the server)."""
+    with get_client(sync_client=True) as client:
+        client.release_concurrency_slots_with_lease(lease_id=lease_id)
+
+
+def wait_for_runpod_quota(
+    create: Callable[[], T],
+    *,
+    give_up_at: float,
+    cancel_requested: Callable[[], bool],
+    logger: logging.Logger | logging.LoggerAdapter = log,
+    check_every_s: float = 5.0,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T | None:
+    """`create()`, tried again after RunPod's quota error (`QuotaExceededError`) until it goes through.
+
+    Waits `QUOTA_WAITS_S` between tries, asking `cancel_requested` every `check_every_s` meanwhile.
+    Returns None when the run is cancelled while it waits. Raises the quota error, saying how long the
+    run waited, when the next try would come after `give_up_at` (Unix time). Any other error is
+    raised at once.
+    """
+    started, tries = clock(), 0
+    while True:
+        try:
+            return create()
+        except errors.QuotaExceededError as e:
+            tries += 1
+            now = clock()
+            delay = QUOTA_WAITS_S[min(tries, len(QUOTA_WAITS_S)) - 1]
+            if now + delay > give_up_at:
+                raise errors.QuotaExceededError(
+                    f"{e} Waited {now - started:.0f} s for room in the account's worker quota; the run's deadline "
+                    "leaves no time to wait longer.", status=e.status, body=e.body, request_id=e.request_id) from e
+            if tries == 1:
+                logger.warning("RunPod refused the endpoint: the account's worker quota%s is full (endpoints made "
+                               "outside loraflow, or the %s limit set above the account's quota). Waiting for room; "
+                               "set the limit to the account's quota to queue runs in Prefect instead.",
+                               f" ({e.quota})" if e.quota else "", ENDPOINT_LIMIT)
+            logger.info("Waiting %d s for room in RunPod's worker quota (try %d)", delay, tries)
+            until = now + delay
+            while (left := until - clock()) > 0:
+                if cancel_requested():
+                    return None
+                sleep(min(check_every_s, left))
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return 1.0

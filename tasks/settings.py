@@ -5,13 +5,20 @@ Secrets are never run parameters: the run spec is shown in the UI and stored wit
 
 from __future__ import annotations
 
+import re
+import secrets
+import string
+
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tasks.quota import SLOT_LEASE_SECONDS
 from tasks.runpod.client import API_URL, JOB_URL
+from tasks.runpod.endpoints import NAMESPACE_PATTERN
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/loraflow/worker:0.1.0"
+NAMESPACE_VARIABLE = "loraflow-namespace"
+"""The Prefect Variable that holds a control plane's endpoint-name tag when LORAFLOW_NAMESPACE is unset."""
 
 
 class Settings(BaseSettings):
@@ -35,8 +42,16 @@ class Settings(BaseSettings):
     )
     loraflow_heartbeat_seconds: int = Field(
         default=60, ge=1, le=3600,
-        description="A waiting run logs at least this often, so the reconciler can tell a live run from one whose "
-        "process died (set the reconcile policy's silent_after_minutes well above this).",
+        description="A run watching its job sends a `loraflow.endpoint.heartbeat` Prefect event at least this often, "
+        "so the reconciler can tell a live run from one whose process died, whatever the logging settings (set the "
+        "reconcile policy's silent_after_minutes well above this).",
+    )
+    loraflow_namespace: str | None = Field(
+        default=None, pattern=rf"^{NAMESPACE_PATTERN}$",
+        description="This control plane's tag in endpoint names (1-8 of a-z, 0-9). Unset: the value of the Prefect "
+        f"Variable `{NAMESPACE_VARIABLE}`, generated on first use, so every process that talks to the same Prefect "
+        "server or Cloud workspace shares it. Set it on a server whose database was copied from another's (both "
+        "would share one tag otherwise), or to keep a tag across a server rebuilt from scratch.",
     )
     loraflow_slot_lease_seconds: int = Field(
         # Prefect's server refuses leases shorter than 60 s (422).
@@ -58,6 +73,39 @@ class Settings(BaseSettings):
                 f"no RunPod API key: set RUNPOD_API_KEY or create a Prefect Secret block named "
                 f"'{self.runpod_api_key_block}'"
             ) from e
+
+    def control_plane_namespace(self) -> str:
+        """The tag this control plane puts in its endpoint names; its reconciler deletes no other tag's.
+
+        `LORAFLOW_NAMESPACE` when set; else the Prefect Variable `loraflow-namespace`, created with a random
+        tag if missing (never overwritten: when two processes race to create it, both read back the winner).
+        The Variable lives in the Prefect database, so the tag follows the server or Cloud workspace
+        whatever URL a process reaches it by (a hash of the API URL would not: one server has several
+        URLs, and a script's ephemeral server a new port each time), survives restarts, and differs
+        between servers that do not share a database (an ephemeral server's is under its PREFECT_HOME).
+        """
+        if self.loraflow_namespace is not None:
+            return self.loraflow_namespace
+        from prefect import get_client
+        from prefect.client.schemas.actions import VariableCreate
+        from prefect.exceptions import ObjectAlreadyExists
+
+        with get_client(sync_client=True) as client:
+            variable = client.read_variable_by_name(NAMESPACE_VARIABLE)
+            if variable is None:
+                tag = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(6))
+                try:
+                    client.create_variable(VariableCreate(name=NAMESPACE_VARIABLE, value=tag))
+                except ObjectAlreadyExists:
+                    pass  # another process created it first: use theirs
+                variable = client.read_variable_by_name(NAMESPACE_VARIABLE)
+        value = None if variable is None else variable.value
+        if not isinstance(value, str) or not re.fullmatch(NAMESPACE_PATTERN, value):
+            raise RuntimeError(
+                f"the Prefect Variable {NAMESPACE_VARIABLE!r} must hold 1-8 of a-z, 0-9 (it holds {value!r}): "
+                "fix it, or set LORAFLOW_NAMESPACE"
+            )
+        return value
 
     def worker_env(self) -> dict[str, str]:
         """Environment forwarded to the worker: only what it needs to reach the Hub."""

@@ -1,32 +1,104 @@
-"""Endpoint names: recognisable, unique per run and attempt, derivable from the run id alone."""
+"""Endpoint names: recognisable, unique per run and attempt, tagged with their control plane, derivable
+from the run id alone."""
 
+import httpx
 import pytest
 
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
-from tasks.runpod.endpoints import ENDPOINT_PREFIX, MAX_ENDPOINT_NAME, build_create_request, endpoint_name
+from tasks.runpod.endpoints import (
+    ENDPOINT_PREFIX,
+    MAX_ENDPOINT_NAME,
+    EndpointName,
+    build_create_request,
+    endpoint_name,
+    parse_endpoint_name,
+    run_endpoints,
+    run_hash,
+)
+from tasks.runpod.client import RunpodClient
+from tasks.settings import Settings
+
+NS = "k7q2mx"
 
 
-def test_name_has_prefix_label_run_hash_and_attempt():
-    name = endpoint_name("3f1c-run", 2, "my-run")
-    assert name.startswith(f"{ENDPOINT_PREFIX}my-run-")
-    assert name.endswith("-a2")
+def test_name_has_prefix_label_run_hash_namespace_and_attempt():
+    name = endpoint_name("3f1c-run", 2, "my-run", namespace=NS)
+    assert name == f"{ENDPOINT_PREFIX}my-run-{run_hash('3f1c-run')}-{NS}-a2"
 
 
-def test_names_differ_per_run_and_per_attempt():
-    names = {endpoint_name(run, attempt, "x") for run in ("r1", "r2") for attempt in (1, 2)}
-    assert len(names) == 4
+def test_names_differ_per_run_attempt_and_control_plane():
+    names = {endpoint_name(run, attempt, "x", namespace=ns) for run in ("r1", "r2") for attempt in (1, 2)
+             for ns in (NS, "staging")}
+    assert len(names) == 8
 
 
 def test_name_is_stable_for_the_same_run_and_attempt():
-    assert endpoint_name("r1", 1, "x") == endpoint_name("r1", 1, "x")
+    assert endpoint_name("r1", 1, "x", namespace=NS) == endpoint_name("r1", 1, "x", namespace=NS)
 
 
 @pytest.mark.parametrize("label", ['evil"; DROP', "ÜBER run!!", "a" * 200, "--", ""])
-def test_hostile_or_long_labels_are_sanitised_and_bounded(label):
-    name = endpoint_name("run-id", 1, label)
+@pytest.mark.parametrize("namespace", ["a", NS, "z" * 8])
+def test_hostile_or_long_labels_are_sanitised_and_bounded(label, namespace):
+    name = endpoint_name("run-id", 12, label, namespace=namespace)
     assert len(name) <= MAX_ENDPOINT_NAME
     assert all(c.isascii() and (c.islower() or c.isdigit() or c == "-") for c in name)
     assert "--" not in name
+    parsed = parse_endpoint_name(name)
+    assert parsed is not None and parsed[1:] == (run_hash("run-id"), namespace, 12)
+
+
+@pytest.mark.parametrize("label", ["my-run", "", "x-0123456789ab", "a1", "qwen35-sft"])
+def test_a_name_parses_back_into_its_parts(label):
+    name = endpoint_name("run-7", 3, label, namespace=NS)
+    assert parse_endpoint_name(name) == EndpointName(label, run_hash("run-7"), NS, 3)
+
+
+@pytest.mark.parametrize("name", [
+    "loraflow-my-run-0123456789ab-a1",  # before control-plane tags: no reconciler may claim it
+    "loraflow-qwen35-0123456789ab-a1",  # ... even when its label looks like a tag
+    "loraflow-x-0123456789ab-toolongtag-a1",
+    "loraflow-x-0123456789ab-UPPER-a1",
+    "loraflow-x-0123456789ab-k7q2mx",
+    "someone-elses-0123456789ab-k7q2mx-a1",
+    "loraflow-x-0123456789a-k7q2mx-a1",
+])
+def test_other_names_do_not_parse(name):
+    assert parse_endpoint_name(name) is None
+
+
+@pytest.mark.parametrize("namespace", ["", "UPPER", "has-dash", "toolongtag"])
+def test_a_bad_namespace_is_refused(namespace):
+    with pytest.raises(ValueError, match="namespace"):
+        endpoint_name("r1", 1, "x", namespace=namespace)
+
+
+def test_the_namespace_setting_is_used_and_checked(monkeypatch):
+    monkeypatch.setenv("LORAFLOW_NAMESPACE", "staging")
+    assert Settings().control_plane_namespace() == "staging"
+    assert endpoint_name("r1", 1, "x").endswith("-staging-a1")
+    monkeypatch.setenv("LORAFLOW_NAMESPACE", "Staging!")
+    with pytest.raises(ValueError, match="loraflow_namespace"):
+        Settings()
+
+
+def runpod_listing(names: list[str]) -> RunpodClient:
+    """A real client whose transport answers `GET /serverless` with endpoints of these names."""
+    listed = [{"id": f"ep{i}", "name": n, "workers": {"min": 0, "max": 1}, "createdAt": "2026-11-30T00:00:00Z"}
+              for i, n in enumerate(names)]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert (request.method, request.url.path) == ("GET", "/v2/serverless")
+        return httpx.Response(200, json={"endpoints": listed})
+
+    return RunpodClient("key", api_url="https://api.test/v2", job_url="https://jobs.test/v2",
+                        transport=httpx.MockTransport(handler))
+
+
+def test_a_runs_endpoints_are_found_by_name_across_attempts_and_tags():
+    mine = [endpoint_name("run-1", 1, "x", namespace=NS), endpoint_name("run-1", 2, "x", namespace="other")]
+    others = [endpoint_name("run-2", 1, "x", namespace=NS), "someone-elses-inference",
+              f"loraflow-x-{run_hash('run-1')}-a1"]
+    assert [e.name for e in run_endpoints(runpod_listing(mine + others), "run-1")] == mine
 
 
 def test_create_request_pins_one_worker_and_the_card():

@@ -1,4 +1,6 @@
-"""Watching a job: outcomes are classified, the loop is bounded, transient reads are tolerated."""
+"""Watching a job: outcomes are classified, the loop is bounded, transient reads are tolerated for a
+time budget with bounded backoff, `/health` names why a job stayed queued, and the run's own cancel
+stops the job."""
 
 import json
 
@@ -7,34 +9,54 @@ import pytest
 
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.jobs import MAX_CONSECUTIVE_READ_ERRORS, WatchLimits, parse_worker_error, watch_job
+from tasks.runpod.jobs import (
+    CANCEL_CHECK_S,
+    HEALTH_CHECK_S,
+    MAX_POLL_INTERVAL_S,
+    WatchLimits,
+    parse_worker_error,
+    watch_job,
+)
 
 
 class FakeClock:
     def __init__(self):
         self.now = 1000.0
+        self.sleeps = []
 
     def __call__(self):
         return self.now
 
     def sleep(self, seconds):
-        assert 0 <= seconds <= 2.0, "poll interval must stay bounded"
+        assert 0 <= seconds <= MAX_POLL_INTERVAL_S, "poll interval must stay bounded"
+        self.sleeps.append(seconds)
         self.now += seconds
 
 
-def scripted_client(answers, seen=None):
-    """A real RunpodClient whose transport replays (status code, body) answers in order, the last forever."""
-    answers = list(answers)
+def scripted_client(answers, seen=None, health=None, clock=None):
+    """A real RunpodClient whose transport replays (status code, body[, headers]) `/status` answers in order,
+    the last forever, or, with `clock`, a function of the time. `/health` answers `health` (a workers dict;
+    None: 404)."""
+    answers = list(answers) if clock is None else answers
 
     def handler(request):
         if seen is not None:
             seen.append(request)
         if request.url.path.endswith("/cancel/job1"):
             return httpx.Response(200, json={"id": "job1", "status": "CANCELLED"})
-        code, body = answers.pop(0) if len(answers) > 1 else answers[0]
-        return httpx.Response(code, json=body)
+        if request.url.path.endswith("/health"):
+            if health is None:
+                return httpx.Response(404, json={"detail": "no health here"})
+            return httpx.Response(200, json={"jobs": {"inQueue": 1}, "workers": health})
+        answer = answers(clock.now) if clock is not None else answers.pop(0) if len(answers) > 1 else answers[0]
+        code, body, *headers = answer
+        return httpx.Response(code, json=body, headers=headers[0] if headers else None)
 
     return RunpodClient("key", transport=httpx.MockTransport(handler))
+
+
+def paths(seen, suffix):
+    return [r for r in seen if r.url.path.endswith(suffix)]
 
 
 def job(status, **fields):
@@ -128,11 +150,54 @@ def test_a_few_transient_read_errors_are_tolerated():
     assert watch(client, FakeClock()).kind == "completed"
 
 
-def test_persistent_read_errors_are_raised():
+def test_a_long_outage_within_the_budget_costs_nothing_and_backoff_stays_bounded():
     clock = FakeClock()
-    with pytest.raises(errors.ServerError):
-        watch(scripted_client([(503, {"detail": "x"})]), clock)
-    assert clock.now - 1000.0 <= 2.0 * MAX_CONSECUTIVE_READ_ERRORS
+    seen = []
+
+    def answers(now):  # 90 s of 500s while the job runs, then it is found completed
+        return (500, {"detail": "down"}) if now < 1090 else job("COMPLETED", output={"ok": True})
+
+    errors_heard = []
+    outcome = watch(scripted_client(answers, seen, clock=clock), clock, stall=120,
+                    on_read_error=lambda error, unreadable_s: errors_heard.append(unreadable_s))
+    assert outcome.kind == "completed" and outcome.output == {"ok": True}
+    # Doubling from the 2 s poll, then capped: few requests during the outage, none farther apart than the cap.
+    assert clock.sleeps[:4] == [4.0, 8.0, 16.0, MAX_POLL_INTERVAL_S]
+    assert max(clock.sleeps) == MAX_POLL_INTERVAL_S
+    assert len(paths(seen, "/status/job1")) <= 8
+    assert errors_heard[0] == 0 and 60 < errors_heard[-1] < 90
+
+
+def test_a_429s_retry_after_is_honoured_up_to_the_cap():
+    clock = FakeClock()
+    client = scripted_client([(429, {"detail": "slow down"}, {"Retry-After": "11"}),
+                              (429, {"detail": "slower"}, {"Retry-After": "3600"}), job("COMPLETED")])
+    assert watch(client, clock).kind == "completed"
+    assert clock.sleeps == [11.0, MAX_POLL_INTERVAL_S]
+
+
+def test_unreadable_past_the_budget_gives_the_attempt_up_as_unreachable():
+    seen = []
+    clock = FakeClock()
+    outcome = watch(scripted_client([training(2), (503, {"detail": "x"})], seen), clock, stall=120)
+    assert outcome.kind == "unreachable" and outcome.retriable
+    assert "transient errors for 1" in outcome.error and "503" in outcome.error
+    assert outcome.last_step == 2 and outcome.status == "IN_PROGRESS"
+    assert 120 <= clock.now - 1000 <= 120 + MAX_POLL_INTERVAL_S + 2
+    assert paths(seen, "/cancel/job1"), "a job given up on is cancelled"
+
+
+def test_the_budget_is_never_below_a_minute():
+    limits = WatchLimits(deadline_epoch_s=0, queue_s=1, startup_s=1, stall_s=5)
+    assert limits.read_error_budget_s == 60
+    assert limits.model_copy(update={"stall_s": 900}).read_error_budget_s == 900
+
+
+def test_the_deadline_still_ends_an_unreadable_job():
+    clock = FakeClock()
+    outcome = watch(scripted_client([(500, {"detail": "x"})]), clock, deadline_in=50, stall=600)
+    assert outcome.kind == "timed_out"
+    assert clock.now == pytest.approx(1050.0)
 
 
 def test_permanent_read_errors_are_raised_at_once():
@@ -140,6 +205,58 @@ def test_permanent_read_errors_are_raised_at_once():
     with pytest.raises(errors.NotFoundError):
         watch(scripted_client([(404, {"detail": "no such job"})]), clock)
     assert clock.now == 1000.0
+
+
+def test_a_cancelled_run_cancels_its_job_within_a_check_interval():
+    seen = []
+    clock = FakeClock()
+    cancelled_at = 1030.0
+    outcome = watch(scripted_client([training(1)], seen), clock, cancel_requested=lambda: clock.now >= cancelled_at)
+    assert outcome.kind == "run_cancelled" and not outcome.retriable
+    assert cancelled_at <= clock.now <= cancelled_at + CANCEL_CHECK_S + 2
+    assert paths(seen, "/cancel/job1")
+
+
+def test_a_cancel_is_seen_even_while_the_status_is_unreadable():
+    clock = FakeClock()
+    outcome = watch(scripted_client([(502, {"detail": "x"})]), clock, stall=3600,
+                    cancel_requested=lambda: clock.now >= 1040)
+    assert outcome.kind == "run_cancelled"
+    assert clock.now <= 1040 + MAX_POLL_INTERVAL_S
+
+
+def test_the_run_state_is_not_read_on_every_poll():
+    clock = FakeClock()
+    checks = []
+    answers = [training(step) for step in range(1, 31)] + [job("COMPLETED")]
+    watch(scripted_client(answers), clock, cancel_requested=lambda: checks.append(clock.now) or False)
+    assert len(checks) <= 60 / CANCEL_CHECK_S + 1
+
+
+@pytest.mark.parametrize(
+    ("workers", "cause"),
+    [
+        ({"throttled": 1}, "workers throttled"),
+        ({"unhealthy": 1, "initializing": 1}, "workers unhealthy"),
+        ({"initializing": 1}, "image pull failing"),
+        ({}, "no stock"),
+        (None, "could not be read"),
+    ],
+)
+def test_a_job_that_stays_queued_is_given_up_with_the_cause_health_shows(workers, cause):
+    seen = []
+    clock = FakeClock()
+    outcome = watch(scripted_client([job("IN_QUEUE")], seen, health=workers), clock, queue=120)
+    assert outcome.kind == "no_capacity"
+    assert cause in outcome.error, outcome.error
+    # Read now and then while queued, and once more when giving up; not on every poll.
+    assert 2 <= len(paths(seen, "/health")) <= 120 / HEALTH_CHECK_S + 2
+
+
+def test_health_is_not_read_once_the_job_runs():
+    seen = []
+    watch(scripted_client([training(step) for step in range(1, 40)] + [job("COMPLETED")], seen, health={}), FakeClock())
+    assert paths(seen, "/health") == []
 
 
 def test_progress_is_reported_to_the_callback():

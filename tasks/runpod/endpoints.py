@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import NamedTuple
 
 from tasks.runpod import errors
 from tasks.runpod.catalog import GpuClass
@@ -15,9 +16,26 @@ from tasks.runpod.client import RunpodClient
 from tasks.runpod.models import CreateEndpoint, Endpoint, GpuRequest, Workers
 
 ENDPOINT_PREFIX = "loraflow-"
-"""Every endpoint loraflow creates starts with this; reconcile never touches any other."""
+"""Every endpoint loraflow creates starts with this; reconcile never touches any other, nor one tagged
+with another control plane's namespace."""
 MAX_ENDPOINT_NAME = 60
 """RunPod rejects longer endpoint names (limit seen in dstack's client; undocumented)."""
+NAMESPACE_PATTERN = r"[a-z0-9]{1,8}"
+"""A control plane's tag in endpoint names: the Prefect server or workspace its runs live in."""
+
+_NAME = re.compile(
+    rf"^{ENDPOINT_PREFIX}(?:(?P<label>.+)-)?(?P<run_hash>[0-9a-f]{{12}})-(?P<namespace>{NAMESPACE_PATTERN})"
+    r"-a(?P<attempt>[0-9]+)$"
+)
+
+
+class EndpointName(NamedTuple):
+    """What an endpoint's name says about it."""
+
+    label: str
+    run_hash: str
+    namespace: str
+    attempt: int
 
 
 def run_hash(run_id: str) -> str:
@@ -25,14 +43,35 @@ def run_hash(run_id: str) -> str:
     return hashlib.sha256(run_id.encode()).hexdigest()[:12]
 
 
-def endpoint_name(run_id: str, attempt: int, label: str = "") -> str:
-    """`loraflow-<label>-<hash of run id>-a<attempt>`: unique per run and per attempt, recognisable,
-    and derivable again from the run id alone (crash hooks and the reconciler hold no memory)."""
+def endpoint_name(run_id: str, attempt: int, label: str = "", namespace: str | None = None) -> str:
+    """`loraflow-<label>-<hash of run id>-<namespace>-a<attempt>`: unique per run and per attempt,
+    recognisable, tagged with the control plane whose reconciler may delete it, and derivable again from
+    the run id alone (crash hooks and the reconciler hold no memory).
+
+    `namespace` defaults to this control plane's (`Settings.control_plane_namespace`, which asks the
+    Prefect API unless `LORAFLOW_NAMESPACE` is set). The label comes first so that a run's endpoints
+    share the prefix `loraflow-<label>-`.
+    """
+    if namespace is None:
+        from tasks.settings import Settings
+
+        namespace = Settings().control_plane_namespace()
+    if not re.fullmatch(NAMESPACE_PATTERN, namespace):
+        raise ValueError(f"namespace {namespace!r} must match {NAMESPACE_PATTERN}")
     clean = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", label.lower())).strip("-")
-    suffix = f"{run_hash(run_id)}-a{attempt}"
+    suffix = f"{run_hash(run_id)}-{namespace}-a{attempt}"
     room = MAX_ENDPOINT_NAME - len(ENDPOINT_PREFIX) - len(suffix) - 1
     clean = clean[: max(room, 0)].strip("-")
     return f"{ENDPOINT_PREFIX}{clean}-{suffix}" if clean else f"{ENDPOINT_PREFIX}{suffix}"
+
+
+def parse_endpoint_name(name: str) -> EndpointName | None:
+    """The parts of a name `endpoint_name` made; None for any other name, including loraflow names from
+    before control-plane tags (`loraflow-<label>-<hash>-a<N>`), which no reconciler may claim."""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    return EndpointName(match["label"] or "", match["run_hash"], match["namespace"], int(match["attempt"]))
 
 
 def build_create_request(
@@ -113,6 +152,10 @@ def delete_endpoints_named(client: RunpodClient, name: str) -> list[str]:
 
 
 def run_endpoints(client: RunpodClient, run_id: str) -> list[Endpoint]:
-    """Every endpoint of any attempt of this run (found by name: no memory needed)."""
-    marker = f"-{run_hash(run_id)}-a"
-    return [e for e in client.list_endpoints() if e.name.startswith(ENDPOINT_PREFIX) and marker in e.name]
+    """Every endpoint of any attempt of this run (found by name: no memory needed).
+
+    Matched on the run hash whatever the name's control-plane tag: run ids are UUIDs, unique across
+    control planes, and a crash hook must find its run's endpoints without asking the Prefect API.
+    """
+    wanted = run_hash(run_id)
+    return [e for e in client.list_endpoints() if (parsed := parse_endpoint_name(e.name)) and parsed.run_hash == wanted]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class RunpodError(Exception):
     """Anything that went wrong talking to RunPod or running a job there."""
@@ -54,7 +56,15 @@ class RunpodTimeoutError(RunpodConnectionError):
 
 
 class QuotaExceededError(BadRequestError):
-    """The account's worker quota (sum of `workers.max` over all endpoints) would be exceeded."""
+    """The account's worker quota (sum of `workers.max` over all endpoints) would be exceeded. Not
+    transient in the retry sense (an immediate retry fails the same way), but it passes once other
+    endpoints go: runs wait for it (`tasks.quota.wait_for_runpod_quota`) rather than fail."""
+
+    @property
+    def quota(self) -> int | None:
+        """The quota RunPod named (`... must not exceed your workers quota (30)`), if it did."""
+        match = re.search(r"workers quota \((\d+)\)", f"{self} {self.body}")
+        return int(match.group(1)) if match else None
 
 
 class JobFailedError(RunpodError):

@@ -1,8 +1,10 @@
 """Watching one RunPod job to its end, and saying how it ended.
 
-`watch_job` is a poll loop with a deadline and a bounded interval (no exponential backoff: an
-exponent that grows with each poll overflows after hours). Transient read errors are tolerated a
-bounded number of times in a row here, not retried by restarting the task.
+`watch_job` is a poll loop with a deadline and a bounded interval (never a bare `2**n`: an exponent that
+grows with each poll overflows after hours). Transient read errors (429, 5xx, transport) are tolerated
+for a time budget, with bounded backoff, not a count: a minute of RunPod trouble must not cost an
+attempt. While the job waits in the queue, `/health` says why no worker took it. The run's own
+cancellation (read from Prefect by the caller) stops the job from here, however the run was started.
 """
 
 from __future__ import annotations
@@ -17,17 +19,24 @@ from pydantic import BaseModel, Field
 
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.models import JobStatus
+from tasks.runpod.models import Health, JobStatus
 
 OutcomeKind = Literal[
-    "completed", "failed", "cancelled", "timed_out", "no_capacity", "stalled", "preempted", "worker_lost",
-    "out_of_memory", "submit_failed",
+    "completed", "failed", "cancelled", "run_cancelled", "timed_out", "no_capacity", "stalled", "preempted",
+    "worker_lost", "out_of_memory", "submit_failed", "unreachable",
 ]
 RETRIABLE_OUTCOMES: frozenset[str] = frozenset(
-    {"no_capacity", "stalled", "preempted", "worker_lost", "out_of_memory", "submit_failed"}
+    {"no_capacity", "stalled", "preempted", "worker_lost", "out_of_memory", "submit_failed", "unreachable"}
 )
 
-MAX_CONSECUTIVE_READ_ERRORS = 10
+MAX_POLL_INTERVAL_S = 30.0
+"""The longest wait between two polls, backoff after errors and Retry-After included."""
+MIN_READ_ERROR_BUDGET_S = 60.0
+"""Transient read errors are tolerated for the attempt's stall allowance, and never for less than this."""
+CANCEL_CHECK_S = 5.0
+"""How often the run's own Prefect state is read: a cancel reaches the job within about this long."""
+HEALTH_CHECK_S = 30.0
+"""How often `/health` is read while the job is queued and no worker has taken it."""
 _OOM = re.compile(r"^out of memory|CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
@@ -40,14 +49,22 @@ class WatchLimits(BaseModel):
                                          "(image pull, model and data download).")
     stall_s: float = Field(description="Longest time between two training progress updates.")
 
+    @property
+    def read_error_budget_s(self) -> float:
+        """How long the job's status may stay unreadable (transient errors only) before the attempt is given up."""
+        return max(self.stall_s, MIN_READ_ERROR_BUDGET_S)
+
 
 class JobOutcome(BaseModel):
     """How a job ended, as far as the control plane can tell."""
 
-    kind: OutcomeKind = Field(description="completed; failed (the code failed: no retry); cancelled; timed_out; "
-                              "no_capacity (never left the queue); stalled (no progress); preempted (requeued "
-                              "after it started); worker_lost (the worker died without a result); out_of_memory; "
-                              "submit_failed (`/run` errored: whether a job started is unknown).")
+    kind: OutcomeKind = Field(description="completed; failed (the code failed: no retry); cancelled (the job was "
+                              "cancelled at RunPod); run_cancelled (the Prefect run was cancelled: the job was "
+                              "cancelled from here); timed_out; no_capacity (never left the queue); stalled (no "
+                              "progress); preempted (requeued after it started); worker_lost (the worker died "
+                              "without a result); out_of_memory; submit_failed (`/run` errored: whether a job "
+                              "started is unknown); unreachable (the job's status answered only transient errors "
+                              "for longer than the attempt's budget for them).")
     job_id: str
     status: str = Field(description="RunPod's last job status.")
     output: Any = None
@@ -118,39 +135,119 @@ def watch_job(
     *,
     poll_interval_s: float = 2.0,
     on_status: Callable[[JobStatus], None] = lambda status: None,
+    on_read_error: Callable[[errors.RunpodError, float], None] = lambda error, unreadable_s: None,
+    cancel_requested: Callable[[], bool] = lambda: False,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
 ) -> JobOutcome:
     """Poll `/status` until the job ends or an attempt limit is passed, then classify the outcome.
 
-    A job given up on (queued, stalled, requeued, past the deadline) is cancelled first; the caller
-    deletes the endpoint afterwards in any case.
+    A job given up on (queued, stalled, requeued, unreachable, past the deadline, or its run cancelled)
+    is cancelled first; the caller deletes the endpoint afterwards in any case. `cancel_requested` is
+    asked every `CANCEL_CHECK_S`; `on_read_error` hears each transient error with how long the status
+    has been unreadable. Non-transient errors (401, 404, ...) are raised at once.
     """
     seen = _Progress(clock())
-    read_errors = 0
-    status: JobStatus | None = None
+    queue = _QueueHealth()
+    last: JobStatus | None = None
+    unreadable_since: float | None = None
+    error_streak = 0
+    next_cancel_check = next_health_check = seen.submitted
     while True:
+        now = clock()
+        if now >= next_cancel_check:
+            next_cancel_check = now + CANCEL_CHECK_S
+            if cancel_requested():
+                _cancel_quietly(client, endpoint_id, job_id)
+                return _outcome("run_cancelled", job_id, last.status if last else "UNKNOWN", seen, now,
+                                error="the run was cancelled in Prefect: its job is cancelled and its endpoint deleted")
         try:
             status = client.status(endpoint_id, job_id)
-            read_errors = 0
-        except errors.TRANSIENT_ERRORS:
-            read_errors += 1
-            if read_errors >= MAX_CONSECUTIVE_READ_ERRORS:
-                raise
-        now = clock()
-        if status is not None:
-            on_status(status)
-            seen.see(status, now)
-            if status.terminal:
-                return _terminal_outcome(status, seen, now)
-            give_up = _give_up(status, seen, limits, now)
-            if give_up is not None:
-                kind, reason = give_up
+        except errors.TRANSIENT_ERRORS as error:
+            now = clock()
+            unreadable_since = now if unreadable_since is None else unreadable_since
+            error_streak += 1
+            on_read_error(error, now - unreadable_since)
+            if now >= limits.deadline_epoch_s:
                 _cancel_quietly(client, endpoint_id, job_id)
-                return _outcome(kind, job_id, status.status, seen, now, error=reason)
-        elif now >= limits.deadline_epoch_s:
-            return _outcome("timed_out", job_id, "UNKNOWN", seen, now, error="the run's deadline passed")
+                return _outcome("timed_out", job_id, last.status if last else "UNKNOWN", seen, now,
+                                error="the run's deadline passed while the job's status could not be read")
+            if now - unreadable_since >= limits.read_error_budget_s:
+                _cancel_quietly(client, endpoint_id, job_id)
+                return _outcome("unreachable", job_id, last.status if last else "UNKNOWN", seen, now,
+                                error=f"the job's status answered only transient errors for "
+                                      f"{now - unreadable_since:.0f} s (last: {error})")
+            sleep(min(_backoff(poll_interval_s, error_streak, error), max(limits.deadline_epoch_s - now, 0.0)))
+            continue
+        unreadable_since, error_streak, last = None, 0, status
+        now = clock()
+        on_status(status)
+        seen.see(status, now)
+        if status.terminal:
+            return _terminal_outcome(status, seen, now)
+        if status.status == "IN_QUEUE" and seen.first_running is None and now >= next_health_check:
+            next_health_check = now + HEALTH_CHECK_S
+            queue.see(_read_health(client, endpoint_id))
+        give_up = _give_up(status, seen, limits, now)
+        if give_up is not None:
+            kind, reason = give_up
+            if kind == "no_capacity":
+                queue.see(_read_health(client, endpoint_id))
+                reason = f"{reason} ({queue.cause()})"
+            _cancel_quietly(client, endpoint_id, job_id)
+            return _outcome(kind, job_id, status.status, seen, now, error=reason)
         sleep(min(poll_interval_s, max(limits.deadline_epoch_s - now, 0.0)))
+
+
+class _QueueHealth:
+    """What `/health` said while the job waited for its first worker: why no worker took it."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.initializing = 0
+        self.unhealthy = 0
+        self.throttled = 0
+        self.up = 0
+
+    def see(self, health: Health | None) -> None:
+        if health is None:
+            return
+        workers = health.workers
+        self.samples += 1
+        self.initializing += workers.initializing > 0
+        self.unhealthy += workers.unhealthy > 0
+        self.throttled += workers.throttled > 0
+        self.up += workers.idle + workers.ready + workers.running > 0
+
+    def cause(self) -> str:
+        if self.samples == 0:
+            return "the endpoint's /health could not be read, so the cause is unknown"
+        if self.unhealthy:
+            return "workers unhealthy: they started and failed RunPod's health checks (a worker crashing at start-up)"
+        if self.initializing == self.samples and not self.up:
+            return ("image pull failing: workers stayed initializing (check the image name and tag, and the registry's "
+                    "credentials), or the image pulls very slowly")
+        if self.throttled:
+            return "workers throttled: RunPod wants a worker but has no free GPU of this type where it may run"
+        if self.up:
+            return "workers were up but did not take the job"
+        return "no stock: RunPod started no worker for this GPU (or no host meets its CUDA and datacenter needs)"
+
+
+def _read_health(client: RunpodClient, endpoint_id: str) -> Health | None:
+    # Advice only: a failed read must not end the watch.
+    try:
+        return client.health(endpoint_id)
+    except errors.RunpodError:
+        return None
+
+
+def _backoff(poll_interval_s: float, error_streak: int, error: errors.RunpodError) -> float:
+    """Doubling from the poll interval, capped (the exponent too), at least a 429's Retry-After up to the cap."""
+    delay = poll_interval_s * 2 ** min(error_streak, 8)
+    if isinstance(error, errors.RateLimitError) and error.retry_after:
+        delay = max(delay, error.retry_after)
+    return min(delay, MAX_POLL_INTERVAL_S)
 
 
 def _give_up(status: JobStatus, seen: _Progress, limits: WatchLimits, now: float) -> tuple[OutcomeKind, str] | None:

@@ -1,26 +1,40 @@
 """The RunPod steps of a run, as Prefect tasks: create the endpoint, submit the job, wait for it,
-delete the endpoint. Each wraps a plain function from `endpoints.py` / `jobs.py`.
+delete the endpoint. Each wraps a plain function from `endpoints.py` / `jobs.py` / `tasks/teardown.py`.
 
-Retries live here and only here: exponential backoff with jitter, and only for transient failures
-(429, 5xx, transport errors, timeouts). `submit_job` is never retried: `/run` is not idempotent.
+Retries of RunPod calls live here and only here: exponential backoff with jitter, and only for
+transient failures (429, 5xx, transport errors, timeouts). `submit_job` is never retried: `/run` is not
+idempotent. (The job watch tolerates transient errors in its own loop, for a time budget: a long poll
+is not a call to retry from the start.)
+
+Prefect runs these tasks even once the flow run is CANCELLING (3.x orchestrates task runs on the client
+side), so the teardown below also runs after a cancel from the UI.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
-from prefect import get_run_logger, task
+import httpx
+from prefect import get_client, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.exceptions import ObjectNotFound
+from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
+from tasks.liveness import beat
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.endpoints import delete_endpoint_confirmed, delete_endpoints_named, ensure_endpoint
+from tasks.runpod.endpoints import delete_endpoint_confirmed, ensure_endpoint
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, JobStatus, RunRequest
 from tasks.settings import Settings
+from tasks.teardown import delete_attempt_endpoints
+
+log = logging.getLogger("loraflow.steps")
 
 
 def retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -68,14 +82,21 @@ def submit_job(endpoint: Endpoint, job_input: dict[str, Any], policy: JobPolicy)
 @task(name="wait-for-job", cache_policy=NO_CACHE)
 def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_interval_s: float = 2.0,
                  progress_key: str | None = None) -> JobOutcome:
-    """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log."""
+    """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log,
+    and sending the endpoint's heartbeat event (`tasks/liveness.py`) the reconciler reads.
+
+    Reads this flow run's state from the Prefect API as it goes: a cancel (UI, CLI or API) cancels the
+    job here, whether a worker, `serve` or a plain `python -m flows.train` runs the flow.
+    """
     logger = get_run_logger()
     heartbeat_s = Settings().loraflow_heartbeat_seconds
     artifact_id = create_progress_artifact(progress=0.0, key=progress_key, description="Training progress")
-    last: dict[str, Any] = {"status": None, "progress": None, "logged": time.monotonic()}
+    last: dict[str, Any] = {"status": None, "progress": None, "logged": time.monotonic(), "error_logged": None}
 
     def on_status(status: JobStatus) -> None:
+        beat(endpoint, status.status)
         now = time.monotonic()
+        last["error_logged"] = None
         progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
         if status.status != last["status"]:
             logger.info("Job %s is %s", job_id, status.status)
@@ -91,12 +112,43 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
             logger.info("Job %s still %s", job_id, status.status)
             last["logged"] = now
 
-    with make_client() as client:
-        outcome = watch_job(client, endpoint.id, job_id, limits, poll_interval_s=poll_interval_s, on_status=on_status)
+    def on_read_error(error: errors.RunpodError, unreadable_s: float) -> None:
+        # The first error of a streak, then one line per heartbeat: the run stays visibly alive.
+        beat(endpoint)
+        now = time.monotonic()
+        if last["error_logged"] is None or now - last["error_logged"] >= heartbeat_s:
+            logger.warning("Job %s: status unreadable for %.0f s (tolerated up to %.0f s): %s", job_id, unreadable_s,
+                           limits.read_error_budget_s, error)
+            last.update(error_logged=now, logged=now)
+
+    with make_client() as client, get_client(sync_client=True) as prefect:
+        outcome = watch_job(client, endpoint.id, job_id, limits, poll_interval_s=poll_interval_s, on_status=on_status,
+                            on_read_error=on_read_error, cancel_requested=lambda: run_cancel_requested(prefect))
     if outcome.kind == "completed":
         update_progress_artifact(artifact_id=artifact_id, progress=100.0)
     logger.info("Job %s ended: %s%s", job_id, outcome.kind, f" ({outcome.error})" if outcome.error else "")
     return outcome
+
+
+def run_cancel_requested(prefect: SyncPrefectClient | None = None) -> bool:
+    """Whether this flow run has been asked to stop: its Prefect state is CANCELLING or CANCELLED.
+
+    Runners and workers watch for that state and kill the process; a run started as a plain script has
+    no such watcher, so the run asks for itself. Outside a flow run: False. A Prefect API that cannot
+    be read counts as "not cancelled" (the next check asks again). Returns quickly.
+    """
+    if flow_run.id is None:
+        return False
+    try:
+        if prefect is None:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(flow_run.id).state
+        else:
+            state = prefect.read_flow_run(flow_run.id).state
+    except (httpx.HTTPError, ObjectNotFound) as e:
+        log.warning("Could not read flow run %s's state to check for a cancel: %s", flow_run.id, e)
+        return False
+    return state is not None and (state.is_cancelling() or state.is_cancelled())
 
 
 # A leaked endpoint bills and holds quota: deletes get a longer retry budget (~7 min) than other calls.
@@ -104,10 +156,12 @@ _DELETE_RETRIES = _RETRIES | dict(retries=10, retry_delay_seconds=[2, 4, 8, 16, 
 
 
 @task(name="delete-endpoint", **_DELETE_RETRIES)
-def delete_endpoint(name: str) -> list[str]:
-    """Delete every endpoint with this name, confirmed by a 404 on GET. Safe to call when absent."""
+def delete_endpoint(name: str, endpoint_id: str | None) -> list[str]:
+    """Delete an attempt's endpoint: by id when known (a 404 on GET proves it gone), then any endpoint of
+    this name (a create that errored may still have made one). Safe to call when absent. Raises while any
+    deletion is unconfirmed (retried when transient)."""
     with make_client() as client:
-        deleted = delete_endpoints_named(client, name)
+        deleted = delete_attempt_endpoints(client, name, endpoint_id)
     get_run_logger().info("Deleted endpoint(s) %s named %s", deleted or "(none)", name)
     return deleted
 
