@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from loraflow_worker.contract import GrpoSettings, LoraSettings, ModelSource, TrainingSettings, grpo_setting_problems
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from tasks.plan import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S, job_limits_s, max_deadline_minutes
 from tasks.runpod.catalog import resolve_gpu
 
 ARTIFACT_STORE_PATTERN = r"^(file:///.+|hf://datasets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$"
@@ -60,13 +61,26 @@ class ComputeSpec(_Section):
         description="GPU class, or an ordered fallback list tried when RunPod has no capacity "
         "(e.g. `[\"H100\", \"A100 SXM\"]`). Aliases like `4090` or `h100` work.",
     )
-    gpu_count: int = Field(default=1, ge=1, le=8, description="GPUs per worker.")
+    gpu_count: int = Field(
+        default=1, ge=1, json_schema_extra={"maximum": 1},
+        description="GPUs per worker. The worker trains on one GPU, so this is 1.",
+    )
     disk_gb: int = Field(default=40, ge=10, le=1000, description="Container disk per worker, in GB (model, data, checkpoints).")
 
     @field_validator("gpu")
     @classmethod
     def _known_gpus(cls, names: list[str]) -> list[str]:
         return [resolve_gpu(n).name for n in names]
+
+    @field_validator("gpu_count")
+    @classmethod
+    def _one_gpu(cls, count: int) -> int:
+        if count > 1:
+            raise ValueError(
+                f"compute.gpu_count {count}: the worker trains on one GPU, so the other {count - 1} would be billed "
+                "and idle; use 1"
+            )
+        return count
 
 
 class AttemptsSpec(_Section):
@@ -118,9 +132,10 @@ class RunSpec(_Section):
         "Hub dataset repo, made private if it exists) or `file:///abs/path` (local mode).",
     )
     deadline_minutes: int = Field(
-        default=120, ge=5, le=7 * 24 * 60,
+        default=120, ge=5, json_schema_extra={"maximum": max_deadline_minutes()},
         description="Wall-clock limit for the whole run, queueing included. The worker stops at the "
-        "deadline, so it also caps the bill.",
+        f"deadline, so it also caps the bill. At most {max_deadline_minutes()} (RunPod's 7-day job limits, "
+        "less loraflow's teardown margins).",
     )
     budget_usd: float | None = Field(
         default=None, gt=0, le=100_000,
@@ -128,6 +143,19 @@ class RunSpec(_Section):
         "above this. Empty means no budget check.",
     )
 
+    @field_validator("deadline_minutes")
+    @classmethod
+    def _within_runpod_limits(cls, minutes: int) -> int:
+        timeout_s, ttl_s = job_limits_s(minutes * 60)
+        for what, value_s, limit_s in (("execution timeout", timeout_s, RUNPOD_MAX_EXECUTION_TIMEOUT_S),
+                                       ("job TTL", ttl_s, RUNPOD_MAX_JOB_TTL_S)):
+            if value_s > limit_s:
+                raise ValueError(
+                    f"deadline_minutes {minutes} needs a RunPod {what} of {value_s} s (the deadline plus loraflow's "
+                    f"teardown margin), above RunPod's maximum of {limit_s} s; set deadline_minutes to at most "
+                    f"{max_deadline_minutes()}"
+                )
+        return minutes
 
     @field_validator("grpo")
     @classmethod

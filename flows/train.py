@@ -76,7 +76,7 @@ def train(spec: RunSpec) -> RunResults | State:
     if spec.dataset.local_file is not None:
         examples = check_chat_jsonl(Path(spec.dataset.local_file))
         logger.info("Dataset %s: %d examples", spec.dataset.local_file, examples)
-    model = resolve_model_task(spec.model)
+    model = resolve_model_task(spec.model, disk_gb=spec.compute.disk_gb)
     if spec.dataset.local_file is not None:
         dataset = DatasetSource(store_path=publish_dataset_task(spec.artifact_store, run_id, spec.dataset.local_file))
     else:

@@ -3,10 +3,11 @@ request, the job input and its limits."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from huggingface_hub import HfApi
-from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub import HfApi, hf_hub_url
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 from loraflow_worker.contract import JobInput, ModelSource
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -22,10 +23,61 @@ TEARDOWN_MARGIN_S = 5 * 60
 """RunPod's execution timeout and job TTL sit this far past the run's deadline, so the worker's own
 deadline fires first and can save its results."""
 
+RUNPOD_MAX_EXECUTION_TIMEOUT_S = 7 * 24 * 3600
+"""RunPod's longest execution timeout (endpoint `timeout`, job `policy.executionTimeout`): 7 days."""
+RUNPOD_MAX_JOB_TTL_S = 7 * 24 * 3600
+"""RunPod's longest job TTL (`policy.ttl`): 7 days, counted from submission."""
 
-def resolve_model(model: ModelSource, settings: Settings | None = None) -> ModelSource:
+
+def job_limits_s(remaining_s: int) -> tuple[int, int]:
+    """The execution timeout and job TTL, in seconds, for a job with `remaining_s` left before the
+    run's deadline. A job past its TTL is deleted even while running, so the TTL outlasts both."""
+    return remaining_s + TEARDOWN_MARGIN_S, remaining_s + 2 * TEARDOWN_MARGIN_S
+
+
+def max_deadline_minutes() -> int:
+    """The longest run deadline whose execution timeout and job TTL stay within RunPod's maxima."""
+    timeout_s, ttl_s = job_limits_s(0)
+    return min(RUNPOD_MAX_EXECUTION_TIMEOUT_S - timeout_s, RUNPOD_MAX_JOB_TTL_S - ttl_s) // 60
+
+
+DISK_MARGIN_GB = 10
+"""Container disk a worker needs besides the model's files: the worker image, the dataset, checkpoints
+and scratch."""
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 100e6 else f"{n_bytes / 1e6:.1f} MB"
+
+
+def _hub_model_problem(api: HfApi, model_id: str, sha: str, files: list, disk_gb: int | None) -> str | None:
+    """Why the worker could not download the model onto its disk, or None. The worker downloads the
+    whole snapshot, so every file counts."""
+    if not files:
+        return f"model.id {model_id!r} has no files at revision {sha}"
+    if disk_gb is not None:
+        size = sum(f.size or 0 for f in files)
+        if size > (disk_gb - DISK_MARGIN_GB) * 1e9:
+            return (f"model.id {model_id!r} is {_size(size)} of files, more than compute.disk_gb {disk_gb} GB "
+                    f"leaves after {DISK_MARGIN_GB} GB for the worker image, data and checkpoints: set "
+                    f"compute.disk_gb to at least {math.ceil(size / 1e9) + DISK_MARGIN_GB}")
+    # model_info answers for gated repos too: ask for a file the way the download does.
+    names = [f.rfilename for f in files]
+    probe = "config.json" if "config.json" in names else names[0]
+    try:
+        api.get_hf_file_metadata(url=hf_hub_url(model_id, probe, revision=sha, endpoint=api.endpoint))
+    except GatedRepoError:
+        return (f"model.id {model_id!r} is gated and HF_TOKEN has not been granted access: accept its terms on "
+                "the Hub with the token's account, or use another model")
+    except RepositoryNotFoundError:
+        return f"model.id {model_id!r}: HF_TOKEN cannot download its files (set a token that can read it)"
+    return None
+
+
+def resolve_model(model: ModelSource, settings: Settings | None = None, *, disk_gb: int | None = None) -> ModelSource:
     """A local directory becomes absolute; a Hub id is pinned to the commit its revision names now,
-    so every attempt of the run trains the same weights. Unknown repos or revisions fail here, before
+    so every attempt of the run trains the same weights. Unknown repos or revisions, gated models the
+    token cannot download, and (given `disk_gb`) models too big for the worker's disk fail here, before
     anything is rented."""
     local = Path(model.id).expanduser()
     if local.is_dir():
@@ -35,18 +87,21 @@ def resolve_model(model: ModelSource, settings: Settings | None = None) -> Model
     settings = settings or Settings()
     api = HfApi(endpoint=settings.hf_endpoint, token=settings.hf_token.get_secret_value() if settings.hf_token else None)
     try:
-        info = api.model_info(model.id, revision=model.revision)
+        info = api.model_info(model.id, revision=model.revision, files_metadata=True)
     except RepositoryNotFoundError as e:
         raise ValueError(f"model.id {model.id!r}: no such model on the Hub, or it is private and HF_TOKEN cannot read it") from e
     except RevisionNotFoundError as e:
         raise ValueError(f"model.revision {model.revision!r} does not exist in {model.id}") from e
+    problem = _hub_model_problem(api, model.id, info.sha, list(info.siblings or []), disk_gb)
+    if problem:
+        raise ValueError(problem)
     return ModelSource(id=model.id, revision=info.sha)
 
 
 @task(name="resolve-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],
       retry_condition_fn=lambda task, run, state: not isinstance(state.data, ValueError))
-def resolve_model_task(model: ModelSource) -> ModelSource:
-    return resolve_model(model)
+def resolve_model_task(model: ModelSource, disk_gb: int | None = None) -> ModelSource:
+    return resolve_model(model, disk_gb=disk_gb)
 
 
 class AttemptPlan(BaseModel):
@@ -78,6 +133,7 @@ def plan_attempt(
 ) -> AttemptPlan:
     settings = settings or Settings()
     remaining = max(int(deadline_epoch_s - now), 1)
+    execution_timeout_s, ttl_s = job_limits_s(remaining)
     name = endpoint_name(job_input.run_id, job_input.attempt, run_label)
     request = build_create_request(
         name=name,
@@ -87,11 +143,10 @@ def plan_attempt(
         # The worker exits by itself at the run's deadline, even if no job ever reaches it.
         env=settings.worker_env() | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
         disk_gb=disk_gb,
-        execution_timeout_s=remaining + TEARDOWN_MARGIN_S,
+        execution_timeout_s=execution_timeout_s,
         image_min_cuda=settings.loraflow_image_min_cuda,
     )
-    # A job past its TTL is deleted even while running: the TTL must outlast the whole run.
-    policy = JobPolicy(execution_timeout=(remaining + TEARDOWN_MARGIN_S) * 1000, ttl=(remaining + 2 * TEARDOWN_MARGIN_S) * 1000)
+    policy = JobPolicy(execution_timeout=execution_timeout_s * 1000, ttl=ttl_s * 1000)
     return AttemptPlan(
         run_id=job_input.run_id,
         attempt=job_input.attempt,

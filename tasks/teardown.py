@@ -164,21 +164,27 @@ RECONCILE_DEPLOYMENT = "reconcile/interval"
 
 
 def delete_run_endpoints_hook(flow, flow_run, state) -> None:
-    """A Prefect state hook. A failure here is logged, not raised: the reconcile flow is the next
-    layer, and is started now when its deployment exists."""
+    """A Prefect state hook. Its two steps are independent and neither raises: whatever stops the
+    delete (RunPod, the Secret block, settings, a bug) is logged with its type and the reconcile flow,
+    the next layer, is still started when its deployment exists."""
     try:
         deleted = delete_run_endpoints(str(flow_run.id))
         log.warning("Run %s ended %s: deleted its endpoints %s", flow_run.id, state.name, deleted or "(none left)")
-    except RunpodError as e:
-        log.error("Run %s ended %s and its endpoints could not be deleted (%s); reconcile will retry", flow_run.id, state.name, e)
+    except Exception as e:  # noqa: BLE001 - a hook must not stop before start_reconcile
+        log.error("Run %s ended %s and its endpoints could not be deleted (%s: %s); reconcile will retry",
+                  flow_run.id, state.name, type(e).__name__, e)
     start_reconcile()
 
 
 def start_reconcile() -> None:
-    """Start the reconcile deployment now, without waiting for it; skipped when it is not deployed."""
+    """Start the reconcile deployment now, without waiting for it; skipped when it is not deployed.
+    Never raises: it runs inside Prefect's state hooks, and the interval schedule still runs reconcile."""
     from prefect.deployments import run_deployment
 
     try:
         run_deployment(RECONCILE_DEPLOYMENT, timeout=0, as_subflow=False)
     except ObjectNotFound:
         log.info("No %s deployment: the crash hook did the teardown alone", RECONCILE_DEPLOYMENT)
+    except Exception as e:  # noqa: BLE001 - never raised into Prefect's hook machinery
+        log.error("Could not start the %s deployment (%s: %s); its schedule will run it",
+                  RECONCILE_DEPLOYMENT, type(e).__name__, e)

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.spec import RunSpec, SpecError, load_run_file
+from tasks.plan import job_limits_s, max_deadline_minutes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,6 +71,41 @@ def test_huge_deadline_is_refused():
     with pytest.raises(ValidationError) as e:
         RunSpec.model_validate(minimal(deadline_minutes=10**9))
     assert "deadline_minutes" in error_fields(e.value)
+
+
+SEVEN_DAYS_S = 7 * 24 * 3600  # RunPod's maximum execution timeout and job TTL
+
+
+def test_longest_accepted_deadline_keeps_runpod_timeout_and_ttl_within_seven_days():
+    longest = max_deadline_minutes()
+    assert RunSpec.model_validate(minimal(deadline_minutes=longest)).deadline_minutes == longest
+    timeout_s, ttl_s = job_limits_s(longest * 60)
+    assert timeout_s <= SEVEN_DAYS_S and ttl_s <= SEVEN_DAYS_S
+    assert max(job_limits_s((longest + 1) * 60)) > SEVEN_DAYS_S
+    assert RunSpec.model_json_schema()["properties"]["deadline_minutes"]["maximum"] == longest
+
+
+@pytest.mark.parametrize("minutes", [max_deadline_minutes() + 1, 7 * 24 * 60])
+def test_deadline_past_runpod_limits_is_refused_naming_field_maximum_and_fix(minutes):
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(deadline_minutes=minutes))
+    assert error_fields(e.value) == {"deadline_minutes"}
+    message = str(e.value)
+    assert str(SEVEN_DAYS_S) in message
+    assert f"set deadline_minutes to at most {max_deadline_minutes()}" in message
+
+
+def test_more_than_one_gpu_is_refused_saying_the_worker_trains_on_one():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(compute={"gpu_count": 2}))
+    assert error_fields(e.value) == {"compute.gpu_count"}
+    assert "trains on one GPU" in str(e.value) and "use 1" in str(e.value)
+    assert RunSpec.model_validate(minimal(compute={"gpu_count": 1})).compute.gpu_count == 1
+
+
+def test_gpu_count_stays_on_the_form_bounded_to_one():
+    schema = RunSpec.model_json_schema()["$defs"]["ComputeSpec"]["properties"]["gpu_count"]
+    assert (schema["minimum"], schema["maximum"], schema["default"]) == (1, 1, 1)
 
 
 def test_unknown_gpu_is_refused_with_the_known_list():

@@ -233,7 +233,6 @@ def test_shutdown_removes_every_container(tmp_path: Path, worker_image: str) -> 
 # --- a train flow, the worker in the image ---------------------------------------------------------
 
 
-@dataclass
 def test_train_flow_runs_its_worker_in_a_container_of_the_image(worker_image: str, tiny_model: Path,
                                                                 tmp_path: Path) -> None:
     store = tmp_path / "store"
