@@ -71,6 +71,7 @@ def train(spec: RunSpec) -> RunResults | State:
 
     # 1. Prepare: nothing is rented until this has passed.
     gpus = [resolve_gpu(name) for name in spec.compute.gpu]
+    image = Settings().worker_image()
     cost_ceiling = worst_case_cost_usd(gpus, spec.compute.gpu_count, spec.deadline_minutes)
     check_budget(cost_ceiling, spec.budget_usd)
     if spec.dataset.local_file is not None:
@@ -84,7 +85,8 @@ def train(spec: RunSpec) -> RunResults | State:
     job_input = JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset,
                          lora=spec.lora, training=spec.training, grpo=spec.grpo, artifact_store=spec.artifact_store,
                          deadline_epoch_s=deadline)
-    logger.info("Run %s: %s, GPUs %s, cost ceiling $%.2f", spec.name, model.id, spec.compute.gpu, cost_ceiling)
+    logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling $%.2f", spec.name, model.id, spec.compute.gpu, image,
+                cost_ceiling)
     ensure_endpoint_limit()
 
     # 2. Attempts.

@@ -139,7 +139,7 @@ def plan_attempt(
         name=name,
         gpu=gpu,
         gpu_count=gpu_count,
-        image=settings.loraflow_worker_image,
+        image=settings.worker_image(),
         # The worker exits by itself at the run's deadline, even if no job ever reaches it.
         env=settings.worker_env() | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
         disk_gb=disk_gb,

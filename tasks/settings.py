@@ -16,7 +16,6 @@ from tasks.quota import SLOT_LEASE_SECONDS
 from tasks.runpod.client import API_URL, JOB_URL
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
 
-DEFAULT_WORKER_IMAGE = "ghcr.io/loraflow/worker:0.1.0"
 NAMESPACE_VARIABLE = "loraflow-namespace"
 """The Prefect Variable that holds a control plane's endpoint-name tag when LORAFLOW_NAMESPACE is unset."""
 
@@ -34,7 +33,11 @@ class Settings(BaseSettings):
     runpod_job_url: str = Field(default=JOB_URL, description="RunPod job API base URL (localpod's in local mode).")
     hf_token: SecretStr | None = Field(default=None, description="Hugging Face token for private models and the hf:// artifact store.")
     hf_endpoint: str | None = Field(default=None, description="Hugging Face Hub URL; unset means huggingface.co.")
-    loraflow_worker_image: str = Field(default=DEFAULT_WORKER_IMAGE, description="Worker image the endpoints run.")
+    loraflow_worker_image: str | None = Field(
+        default=None,
+        description="Worker image the endpoints run, as pushed after `make image` (`<registry>/<repository>:<tag>`). "
+        "Required: without a real image a job sits in RunPod's queue until the run gives the GPU up.",
+    )
     loraflow_image_min_cuda: str = Field(
         default="13.0", pattern=r"^\d+\.\d+$",
         description="Lowest host CUDA version the worker image runs on (its torch build): endpoints ask for at "
@@ -59,6 +62,15 @@ class Settings(BaseSettings):
         description="Lease of a run's endpoint slot: a crashed run's slot frees this long (+ up to 15 s) after its "
         "last renewal. Shorter frees slots sooner; longer survives longer server hiccups.",
     )
+
+    def worker_image(self) -> str:
+        """The worker image; an error naming the setting and the fix when it is not set."""
+        if not self.loraflow_worker_image:
+            raise RuntimeError(
+                "no worker image: build it with `make image`, push it to a registry RunPod can pull from, and set "
+                "LORAFLOW_WORKER_IMAGE=<registry>/<repository>:<tag> where the flow runs"
+            )
+        return self.loraflow_worker_image
 
     def api_key(self) -> str:
         """The RunPod key from the environment, else from the Prefect Secret block."""

@@ -125,3 +125,18 @@ def test_endpoint_asks_for_the_higher_of_the_cards_and_the_images_cuda():
     b200 = build_create_request(gpu=resolve_gpu("b200"), image_min_cuda="12.11", **common)
     assert b200.gpu.min_cuda_version == "13.0"
     assert build_create_request(gpu=resolve_gpu("h100"), image_min_cuda="12.11", **common).gpu.min_cuda_version == "12.11"
+
+
+def test_without_a_worker_image_the_run_is_refused_naming_the_setting(monkeypatch):
+    from tasks.settings import Settings
+
+    monkeypatch.delenv("LORAFLOW_WORKER_IMAGE", raising=False)
+    with pytest.raises(RuntimeError, match="LORAFLOW_WORKER_IMAGE=<registry>/<repository>:<tag>"):
+        Settings().worker_image()
+
+
+def test_the_worker_image_setting_is_what_endpoints_run(monkeypatch):
+    from tasks.settings import Settings
+
+    monkeypatch.setenv("LORAFLOW_WORKER_IMAGE", "registry.example/loraflow-worker:0.1.0-cu130-sm90")
+    assert Settings().worker_image() == "registry.example/loraflow-worker:0.1.0-cu130-sm90"
