@@ -464,15 +464,21 @@ def test_webhook_receives_the_final_status(client: TestClient) -> None:
     assert received[0]["output"] == {"adapter": "ok"}
 
 
-def test_a_worker_command_that_cannot_start_fails_the_queued_jobs(tmp_path: Path) -> None:
-    config = LocalpodConfig(api_key=API_KEY, log_dir=tmp_path, worker_command=[str(tmp_path / "no-such-program")])
+def failed_job_error(config: LocalpodConfig) -> str:
+    """The error of a job queued on a new one-worker endpoint of a server with `config`, once it has FAILED."""
     with TestClient(create_app(config)) as client:
         endpoint_id = create_endpoint(client, workers={"max": 1})["id"]
         job_id = run_job(client, endpoint_id)
         status = wait_for(
             lambda: (s := job_status(client, endpoint_id, job_id))["status"] == "FAILED" and s, "FAILED", timeout=10
         )
-    assert "could not start worker" in status["error"] and "no-such-program" in status["error"]
+    return status["error"]
+
+
+def test_a_worker_command_that_cannot_start_fails_the_queued_jobs(tmp_path: Path) -> None:
+    config = LocalpodConfig(api_key=API_KEY, log_dir=tmp_path, worker_command=[str(tmp_path / "no-such-program")])
+    error = failed_job_error(config)
+    assert "could not start worker" in error and "no-such-program" in error
 
 
 # --- account ---------------------------------------------------------------------------------------

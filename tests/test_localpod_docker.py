@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from localpod import LocalpodConfig, create_app
@@ -17,7 +16,7 @@ from localpod.__main__ import _parser, config_from_args, main
 from localpod.models import DEFAULT_WORKER_PYTHON
 from localpod.state import LocalpodState
 from localpod.workers import WorkerSupervisor, docker_run_command
-from tests.test_localpod import API_KEY, REPO_ROOT, create_endpoint, job_status, run_job, wait_for
+from tests.test_localpod import API_KEY, REPO_ROOT, failed_job_error
 
 HOST_ONLY = "LOCALPOD_TEST_HOST_ONLY"  # set on this machine only: a docker worker must not see it
 
@@ -209,11 +208,6 @@ def test_an_env_fault_reaches_a_docker_worker(docker_state: LocalpodState) -> No
 def test_a_docker_client_that_cannot_start_fails_the_queued_jobs(tmp_path: Path) -> None:
     config = LocalpodConfig(api_key=API_KEY, log_dir=tmp_path, worker_runtime="docker",
                             docker_command=[str(tmp_path / "no-such-docker")])
-    with TestClient(create_app(config)) as client:
-        endpoint_id = create_endpoint(client, workers={"max": 1})["id"]
-        job_id = run_job(client, endpoint_id)
-        status = wait_for(
-            lambda: (s := job_status(client, endpoint_id, job_id))["status"] == "FAILED" and s, "FAILED", timeout=10
-        )
-    assert "could not start worker" in status["error"] and "no-such-docker" in status["error"]
+    error = failed_job_error(config)
+    assert "could not start worker" in error and "no-such-docker" in error
 
