@@ -46,5 +46,5 @@ $(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constrai
 image:
 	bash worker_image/image.sh build
 
-image-test: $(VENV)/.installed
+image-test: $(VENV)/.installed $(WORKER_VENV)/.installed
 	bash worker_image/image.sh test
