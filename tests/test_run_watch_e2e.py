@@ -243,9 +243,9 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
 
             pod.delete(f"/_localpod/faults/{rule['id']}")
             # The reconciler retries the record's delete; a dry run only reports it.
-            reconcile.fn(ReconcilePolicy(dry_run=True))
+            reconcile(ReconcilePolicy(dry_run=True))
             assert [e["id"] for e in live_endpoints(local_stack, prefix)] == [records[0].endpoint_id]
-            reconcile.fn(ReconcilePolicy(min_age_minutes=24 * 60))  # settles records; deletes no other endpoint
+            reconcile(ReconcilePolicy(min_age_minutes=24 * 60))  # settles records; deletes no other endpoint
             assert not live_endpoints(local_stack, prefix) and slots_in_use(local_stack) == 0
             assert [r for r in undeleted_endpoints() if r.endpoint_name.startswith(prefix)] == []
         finally:  # whatever failed above, leave no fault, endpoint, slot or record to the tests that follow
