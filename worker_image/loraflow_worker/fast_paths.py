@@ -30,6 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from loraflow_worker.manifest import FastPath
+from loraflow_worker.memory_estimate import (
+    ADAMW_8BIT_BYTES,
+    ADAMW_BYTES,
+    ModelShape,
+    Workload,
+    gib,
+    read_model_shape,
+    training_memory,
+    usable_memory,
+    vllm_memory,
+)
 
 NO_CUDA = "no CUDA device"
 FAST_PATHS = (
@@ -60,59 +71,9 @@ estimate that proved too low in the field)."""
 FORCIBLE = ("gradient_checkpointing", "paged_adamw_8bit")
 """The fast paths `LORAFLOW_FORCE_FAST_PATHS` may name: the memory trade-offs (kernels are on when they can be)."""
 
-GIB = 2**30
-CUDA_OVERHEAD_BYTES = 2 * GIB
-"""CUDA context, cuBLAS and Triton workspaces: GPU memory the caching allocator never sees (an estimate)."""
-MEMORY_HEADROOM = 0.10
-"""Share of the GPU's memory no plan counts on: allocator fragmentation and the estimate's own error."""
-ACTIVATION_BYTES = 34
-"""Bytes per token, per layer and per unit of hidden size that a transformer layer keeps for its backward pass in
-16-bit precision (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", without
-the attention-score term, which SDPA and flash attention do not store)."""
-CHECKPOINT_BYTES = 2
-"""The same with gradient checkpointing: each layer keeps only its 16-bit input, and one layer at a time is
-recomputed with its full activations."""
-ADAMW_BYTES = 16
-"""Per trainable (LoRA) parameter with torch AdamW: fp32 weight, gradient, exp_avg and exp_avg_sq."""
-ADAMW_8BIT_BYTES = 10
-"""The same with 8-bit AdamW: fp32 weight and gradient, 8-bit exp_avg and exp_avg_sq."""
-VLLM_RUNTIME_BYTES = 2 * GIB
-"""vLLM's own activations, sampler and CUDA graphs beside its weights and KV cache (TRL caps a vLLM step at 4096
-batched tokens); an estimate."""
-VLLM_KV_BYTES = 2
-"""Bytes per value of vLLM's KV cache (bf16, its default for a bf16 model)."""
 _KERNEL_MODULES = {"flash_linear_attention": "fla", "causal_conv1d": "causal_conv1d"}
 """Fast paths whose module is blocked from import when disabled: transformers binds these kernels when it
 imports the modeling module, so blocking the import is the only switch (Liger is simply not applied)."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The base model's size, read from its folder without loading it (`read_model_shape`)."""
-
-    parameters: int
-    """Parameters stored in its weights."""
-    hidden_size: int
-    intermediate_size: int
-    layers: int
-    attention_layers: int
-    """Layers with a KV cache: all but Gated-DeltaNet's linear-attention layers."""
-    kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one training micro-batch asks of memory (`training_run.job_workload` reads it from the job)."""
-
-    batch_size: int
-    """Sequences per micro-batch (`per_device_train_batch_size`; completions for GRPO)."""
-    seq_len: int
-    """Tokens per sequence at most (SFT `max_length`; GRPO prompt + completion)."""
-    lora_rank: int
-    generations: int = 0
-    """Completions generated per round (GRPO: the generation batch); 0 for SFT."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +163,7 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
     # Memory: vLLM's share first (it is taken off what training may use), then what training needs within the rest.
     usable = usable_memory(facts.gpu_memory_bytes)
     expandable = _holds_expandable_segments(facts.allocator_settings)
-    lean = training_memory(facts, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_8BIT_BYTES)
+    lean = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_8BIT_BYTES)
     vllm_share = 0.0
     if facts.algorithm != "grpo":
         settle("vllm_colocate", False, f"{facts.algorithm} generates no completions")
@@ -210,50 +171,50 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
         settle("vllm_colocate", False, "vllm not installed: completions come from transformers' generate (slower)")
     elif "vllm_colocate" in facts.disabled:
         settle("vllm_colocate", False, "disabled for this run")
-    elif (needed := vllm_memory(facts)) + lean > usable:
-        settle("vllm_colocate", False, f"vLLM needs ~{_gib(needed)} beside training's ~{_gib(lean)} at its leanest, "
-                                       f"over the {_gib(usable)} usable: completions come from transformers' generate")
+    elif (needed := vllm_memory(facts.model, facts.workload)) + lean > usable:
+        settle("vllm_colocate", False, f"vLLM needs ~{gib(needed)} beside training's ~{gib(lean)} at its leanest, "
+                                       f"over the {gib(usable)} usable: completions come from transformers' generate")
     else:
         vllm_share = math.ceil(needed / facts.gpu_memory_bytes * 100) / 100
         sleep = ("awake throughout (sleep mode refuses the expandable segments the environment's allocator setting "
                  "asks for)" if expandable else "asleep between generations")
         settle("vllm_colocate", True, f"vllm {facts.packages['vllm']} colocated with training, {sleep}, with "
-                                      f"{vllm_share:.2f} of the GPU (~{_gib(needed)} for rounds of "
+                                      f"{vllm_share:.2f} of the GPU (~{gib(needed)} for rounds of "
                                       f"{facts.workload.generations} completions)")
     # Counted as held throughout: sleep mode frees most of it between generations, so this errs toward saving memory.
     budget = usable - int(vllm_share * facts.gpu_memory_bytes)
 
-    full = training_memory(facts, bf16=bf16, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
-    recomputed = training_memory(facts, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_BYTES)
+    full = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
+    recomputed = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_BYTES)
     if "gradient_checkpointing" in facts.forced:
-        settle("gradient_checkpointing", True, f"forced on for this run (~{_gib(full)} estimated without it, {_gib(budget)} available)")
+        settle("gradient_checkpointing", True, f"forced on for this run (~{gib(full)} estimated without it, {gib(budget)} available)")
     elif full <= budget:
-        settle("gradient_checkpointing", False, f"not needed: ~{_gib(full)} estimated without it, {_gib(budget)} available")
+        settle("gradient_checkpointing", False, f"not needed: ~{gib(full)} estimated without it, {gib(budget)} available")
     else:
-        settle("gradient_checkpointing", True, f"~{_gib(full)} estimated without it, over the {_gib(budget)} available: "
-                                               f"recomputing activations brings it to ~{_gib(recomputed)}")
+        settle("gradient_checkpointing", True, f"~{gib(full)} estimated without it, over the {gib(budget)} available: "
+                                               f"recomputing activations brings it to ~{gib(recomputed)}")
     checkpointing = decided["gradient_checkpointing"].engaged
 
-    with_adamw = training_memory(facts, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_BYTES)
+    with_adamw = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_BYTES)
     if "paged_adamw_8bit" in facts.forced:
         settle("paged_adamw_8bit", *((True, "forced on for this run") if has("bitsandbytes") else
                                      (False, "forced, but bitsandbytes is not installed")))
     elif with_adamw <= budget:
-        settle("paged_adamw_8bit", False, f"not needed: ~{_gib(with_adamw)} estimated with torch AdamW, {_gib(budget)} available")
+        settle("paged_adamw_8bit", False, f"not needed: ~{gib(with_adamw)} estimated with torch AdamW, {gib(budget)} available")
     elif not has("bitsandbytes"):
-        settle("paged_adamw_8bit", False, f"memory is short (~{_gib(with_adamw)} estimated with torch AdamW, "
-                                          f"{_gib(budget)} available), but bitsandbytes is not installed")
+        settle("paged_adamw_8bit", False, f"memory is short (~{gib(with_adamw)} estimated with torch AdamW, "
+                                          f"{gib(budget)} available), but bitsandbytes is not installed")
     else:
-        settle("paged_adamw_8bit", True, f"memory is short: ~{_gib(with_adamw)} estimated with torch AdamW, {_gib(budget)} available")
+        settle("paged_adamw_8bit", True, f"memory is short: ~{gib(with_adamw)} estimated with torch AdamW, {gib(budget)} available")
     eight_bit = decided["paged_adamw_8bit"].engaged
     if eight_bit:
         settle("fused_adamw", False, "8-bit paged AdamW instead")
     else:
         settle("fused_adamw", True, "torch AdamW with its fused CUDA kernel (the LoRA optimizer state is small)")
-    planned = training_memory(facts, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_8BIT_BYTES if eight_bit else ADAMW_BYTES)
+    planned = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_8BIT_BYTES if eight_bit else ADAMW_BYTES)
     if planned > budget:
         decided["gradient_checkpointing"] = decided["gradient_checkpointing"].model_copy(update={"reason": (
-            f"{decided['gradient_checkpointing'].reason}; as planned still ~{_gib(planned)}: expect out-of-memory, "
+            f"{decided['gradient_checkpointing'].reason}; as planned still ~{gib(planned)}: expect out-of-memory, "
             f"lower the batch size or the sequence length")})
 
     decided["expandable_segments"] = _allocator_decision(facts, expandable, decided["vllm_colocate"].engaged)
@@ -273,37 +234,6 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
         if kwargs["use_vllm"]:
             kwargs.update(vllm_mode="colocate", vllm_enable_sleep_mode=not expandable, vllm_gpu_memory_utilization=vllm_share)
     return FastPathPlan({name: decided[name] for name in FAST_PATHS}, kwargs)
-
-
-def usable_memory(gpu_memory_bytes: int) -> int:
-    """GPU bytes a plan may count on: the total less the headroom and CUDA's own overhead."""
-    return int(gpu_memory_bytes * (1 - MEMORY_HEADROOM)) - CUDA_OVERHEAD_BYTES
-
-
-def lora_parameters(model: ModelShape, rank: int) -> int:
-    """Trainable parameters of a rank-`rank` LoRA on every linear layer of each block (the contract's default,
-    `all-linear`; fewer target modules need less): q, k, v, o take at most 8·hidden inputs and outputs together,
-    gate, up and down 3·(hidden + intermediate)."""
-    return rank * model.layers * (11 * model.hidden_size + 3 * model.intermediate_size)
-
-
-def training_memory(facts: Facts, *, bf16: bool, checkpointing: bool, optimizer_bytes: int) -> int:
-    """Estimated peak GPU bytes of LoRA training: the frozen base weights, the adapter's weights, gradients and
-    optimizer state, and the activations of one micro-batch (TRL's fused LM head keeps the logits out of it)."""
-    model, workload = facts.model, facts.workload
-    width = 2 if bf16 else 4  # bytes per value
-    tokens = workload.batch_size * workload.seq_len
-    per_token = model.layers * CHECKPOINT_BYTES + ACTIVATION_BYTES if checkpointing else model.layers * ACTIVATION_BYTES
-    activations = tokens * model.hidden_size * per_token * width // 2
-    return model.parameters * width + lora_parameters(model, workload.lora_rank) * optimizer_bytes + activations
-
-
-def vllm_memory(facts: Facts) -> int:
-    """Estimated GPU bytes a colocated vLLM engine needs: its own bf16 copy of the weights, a KV cache holding one
-    whole generation round, and its runtime."""
-    model, workload = facts.model, facts.workload
-    kv_per_token = 2 * model.attention_layers * model.kv_heads * model.head_dim * VLLM_KV_BYTES  # keys and values
-    return model.parameters * 2 + kv_per_token * workload.generations * workload.seq_len + VLLM_RUNTIME_BYTES
 
 
 def allocator_conf(algorithm: str, packages: Mapping[str, str], disabled: frozenset[str]) -> str | None:
@@ -361,39 +291,6 @@ def gather_facts(model_dir: Path, algorithm: str, workload: Workload) -> Facts:
         allocator_settings=cuda_allocator_settings() if cuda else None,
         disabled=disabled,
         forced=forced,
-    )
-
-
-def read_model_shape(model_dir: Path) -> ModelShape:
-    """The size of the model in `model_dir` from its config and its safetensors headers (no weight is read)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    text = config.get_text_config()
-    parameters = 0
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(file, framework="pt") as weights:
-            parameters += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
-    if not parameters:
-        # A checkpoint without safetensors (`pytorch_model.bin`): count the architecture's parameters, built on the
-        # meta device (no memory).
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    layer_types = getattr(text, "layer_types", None) or []  # per-layer attention kinds, where the model has them
-    heads = text.num_attention_heads
-    return ModelShape(
-        parameters=parameters,
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        layers=text.num_hidden_layers,
-        attention_layers=sum(kind != "linear_attention" for kind in layer_types) if layer_types else text.num_hidden_layers,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        vocab_size=text.vocab_size,
     )
 
 
@@ -474,10 +371,6 @@ def _allocator_decision(facts: Facts, expandable: bool, vllm: bool) -> FastPath:
         return FastPath(engaged=True, reason=f"{ALLOC_CONF_ENV}={EXPANDABLE_SEGMENTS} set before CUDA initialised: less fragmentation")
     return FastPath(engaged=False, reason=f"the allocator holds {facts.allocator_settings!r}, not {EXPANDABLE_SEGMENTS}: "
                                           f"CUDA initialised before {ALLOC_CONF_ENV} was set")
-
-
-def _gib(size: float) -> str:
-    return f"{size / GIB:.1f} GiB"
 
 
 def _confirm_kernel(hooks: dict[str, tuple[str, bool]], package: str) -> FastPath:

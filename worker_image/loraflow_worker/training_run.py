@@ -19,7 +19,8 @@ from transformers import PreTrainedTokenizerBase, Trainer
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
-from loraflow_worker.fast_paths import Workload, cuda_allocator_settings
+from loraflow_worker.fast_paths import cuda_allocator_settings
+from loraflow_worker.memory_estimate import Workload
 from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
 from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor
 

@@ -19,28 +19,30 @@ from transformers.integrations import use_kernel_func_from_hub_with_fallback
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput
 from loraflow_worker.fast_paths import (
-    ADAMW_BYTES,
     ALLOC_CONF_ENV,
-    CUDA_OVERHEAD_BYTES,
     DISABLE_ENV,
     EXPANDABLE_SEGMENTS as EXPANDABLE,
     FAST_PATHS,
     FORCE_ENV,
-    GIB,
-    MEMORY_HEADROOM,
     Facts,
-    ModelShape,
-    Workload,
     cuda_allocator_settings,
     engage_fast_paths,
     gather_facts,
     kernel_hooks,
-    lora_parameters,
     plan_fast_paths,
+)
+from loraflow_worker.memory_estimate import (
+    ADAMW_BYTES,
+    CUDA_OVERHEAD_BYTES,
+    GIB,
+    MEMORY_HEADROOM,
+    lora_parameters,
+    ModelShape,
     read_model_shape,
     training_memory,
     usable_memory,
     vllm_memory,
+    Workload,
 )
 from loraflow_worker.manifest import rows_sha256, training_config_sha256
 from loraflow_worker.sft import train_sft
@@ -116,25 +118,26 @@ def test_the_estimate_counts_16_bit_weights_the_adapter_state_and_the_micro_batc
     tokens = SFT.batch_size * SFT.seq_len
     adapter = lora_parameters(QWEN3_1_7B, 16) * ADAMW_BYTES
     assert lora_parameters(QWEN3_1_7B, 16) == 16 * 28 * (11 * 2048 + 3 * 6144)
-    assert training_memory(facts, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES) == (
+    assert training_memory(facts.model, facts.workload, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES) == (
         QWEN3_1_7B.parameters * 2 + adapter + tokens * 2048 * 28 * 34)
-    assert training_memory(facts, bf16=True, checkpointing=True, optimizer_bytes=ADAMW_BYTES) == (
+    assert training_memory(facts.model, facts.workload, bf16=True, checkpointing=True, optimizer_bytes=ADAMW_BYTES) == (
         QWEN3_1_7B.parameters * 2 + adapter + tokens * 2048 * (28 * 2 + 34))
-    assert training_memory(facts, bf16=False, checkpointing=False, optimizer_bytes=ADAMW_BYTES) == (
+    assert training_memory(facts.model, facts.workload, bf16=False, checkpointing=False, optimizer_bytes=ADAMW_BYTES) == (
         QWEN3_1_7B.parameters * 4 + adapter + tokens * 2048 * 28 * 34 * 2)
 
 
 def test_gradient_checkpointing_stays_off_when_training_fits_without_it():
     path = plan_fast_paths(_cuda()).fast_paths["gradient_checkpointing"]
-    full = training_memory(_cuda(), bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
+    facts = _cuda()
+    full = training_memory(facts.model, facts.workload, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
     assert not path.engaged
     assert path.reason == f"not needed: ~{full / GIB:.1f} GiB estimated without it, {usable_memory(H100_BYTES) / GIB:.1f} GiB available"
 
 
 def test_gradient_checkpointing_turns_on_when_the_activations_do_not_fit():
     facts = _cuda()
-    full = training_memory(facts, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
-    recomputed = training_memory(facts, bf16=True, checkpointing=True, optimizer_bytes=ADAMW_BYTES)
+    full = training_memory(facts.model, facts.workload, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
+    recomputed = training_memory(facts.model, facts.workload, bf16=True, checkpointing=True, optimizer_bytes=ADAMW_BYTES)
     plan = plan_fast_paths(_cuda(gpu_memory_bytes=_gpu_with_usable((full + recomputed) // 2)))
     assert plan.trainer_kwargs["gradient_checkpointing"] is True
     assert plan.fast_paths["gradient_checkpointing"].reason.endswith(
@@ -191,7 +194,8 @@ def test_grpo_with_vllm_colocates_it_with_sleep_mode_and_leaves_the_allocator_al
 
 
 def test_vllms_share_of_the_gpu_is_sized_from_the_model_and_the_gpu():
-    needed = vllm_memory(_cuda(algorithm="grpo"))
+    grpo = _cuda(algorithm="grpo")
+    needed = vllm_memory(grpo.model, grpo.workload)
     h100 = plan_fast_paths(_cuda(algorithm="grpo")).trainer_kwargs["vllm_gpu_memory_utilization"]
     h200 = plan_fast_paths(_cuda(algorithm="grpo", gpu_memory_bytes=H200_BYTES)).trainer_kwargs["vllm_gpu_memory_utilization"]
     assert (h100, h200) == (0.10, 0.06)
@@ -202,7 +206,8 @@ def test_vllms_share_of_the_gpu_is_sized_from_the_model_and_the_gpu():
 
 def test_vllms_estimate_holds_its_weights_and_a_kv_cache_for_a_whole_generation_round():
     kv_per_token = 2 * 28 * 8 * 128 * 2  # keys and values, 28 attention layers, 8 heads of 128, bf16
-    assert vllm_memory(_cuda(algorithm="grpo")) == QWEN3_1_7B.parameters * 2 + kv_per_token * 16 * 1024 + 2 * GIB
+    grpo = _cuda(algorithm="grpo")
+    assert vllm_memory(grpo.model, grpo.workload) == QWEN3_1_7B.parameters * 2 + kv_per_token * 16 * 1024 + 2 * GIB
 
 
 def test_vllms_share_is_taken_off_what_training_may_use():

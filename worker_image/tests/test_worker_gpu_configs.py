@@ -34,14 +34,11 @@ from loraflow_worker.fast_paths import (
     KERNEL_PACKAGES,
     Facts,
     FastPathPlan,
-    ModelShape,
     allocator_conf,
     engage_fast_paths,
     plan_fast_paths,
-    read_model_shape,
-    usable_memory,
-    vllm_memory,
 )
+from loraflow_worker.memory_estimate import ModelShape, read_model_shape, usable_memory, vllm_memory
 from loraflow_worker.grpo import grpo_config
 from loraflow_worker.sft import sft_config
 from loraflow_worker.training_run import job_workload, lora_config
@@ -184,7 +181,7 @@ def test_the_locked_trl_accepts_the_grpo_config_as_built_for_the_gpu(case, bf16_
     assert config.vllm_max_model_length == 512 + 1024
     share = config.vllm_gpu_memory_utilization
     # vLLM's share holds what it needs, and leaves training its usable memory less that share.
-    assert 0 < share < 1 and share * case.gpu.memory_bytes >= vllm_memory(facts)
+    assert 0 < share < 1 and share * case.gpu.memory_bytes >= vllm_memory(facts.model, facts.workload)
     assert share * case.gpu.memory_bytes < usable_memory(case.gpu.memory_bytes)
     _assert_optimizer_resolves(config)
 
