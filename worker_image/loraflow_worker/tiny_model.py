@@ -22,8 +22,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny-chat.jsonl"
-"""The shipped chat dataset (package data, so installed workers and the image have it; the same file as the
-repository's `deployments/data/tiny-chat.jsonl`): its texts train the default tokenizer."""
+"""The shipped chat dataset (package data, so installed workers and the image have it; the repository's
+`deployments/data/tiny-chat.jsonl` is a link to it): its texts train the default tokenizer."""
 
 VOCAB_SIZE = 512
 SEED = 0
