@@ -34,7 +34,14 @@ from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.errors import JobFailedError, is_transient
 from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.models import Endpoint
-from tasks.runpod.steps import create_endpoint, delete_endpoint, run_cancel_requested, submit_job, wait_for_job
+from tasks.runpod.steps import (
+    create_endpoint,
+    delete_endpoint,
+    prepare_worker_env,
+    run_cancel_requested,
+    submit_job,
+    wait_for_job,
+)
 from tasks.settings import Settings
 from tasks.teardown import (
     UndeletedEndpoint,
@@ -88,6 +95,7 @@ def train(spec: RunSpec) -> RunResults | State:
     logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling $%.2f", spec.name, model.id, spec.compute.gpu, image,
                 cost_ceiling)
     ensure_endpoint_limit()
+    worker_env = prepare_worker_env()
 
     # 2. Attempts.
     gpu_index, billed_s = 0, 0.0
@@ -97,7 +105,8 @@ def train(spec: RunSpec) -> RunResults | State:
         plan = plan_attempt(job_input=job_input.model_copy(update={"attempt": attempt}), run_label=spec.name,
                             gpu=gpus[gpu_index], gpu_count=spec.compute.gpu_count, disk_gb=spec.compute.disk_gb,
                             deadline_epoch_s=deadline, now=time.time(), queue_s=spec.attempts.queue_minutes * 60,
-                            startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60)
+                            startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60,
+                            worker_env=worker_env)
         logger.info("Attempt %d on %d × %s: endpoint %s", attempt, spec.compute.gpu_count, plan.gpu.name, plan.endpoint_name)
         outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress")
         billed_s += outcome.running_seconds

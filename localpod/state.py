@@ -51,6 +51,19 @@ def iso(t: float) -> str:
 
 
 @dataclass
+class SecretRecord:
+    """An account secret (`/v2/account/secrets`); `value` never leaves the server except into a booting
+    worker's environment."""
+
+    id: str
+    name: str
+    value: str
+    description: str | None
+    created_at: float
+    value_updated_at: float
+
+
+@dataclass
 class EndpointRecord:
     id: str
     spec: dict[str, Any]
@@ -149,6 +162,7 @@ class LocalpodState:
         self.jobs: dict[str, JobRecord] = {}
         self.active_jobs: dict[str, JobRecord] = {}
         self.workers: dict[str, WorkerRecord] = {}
+        self.secrets: dict[str, SecretRecord] = {}
         self.peak_live_endpoints = 0
         self.peak_workers_max = 0
         self.webhooks_due: list[JobRecord] = []

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from localpod.models import LocalpodConfig
+from localpod.routes_secrets import resolve_secret_references
 from localpod.state import EndpointRecord, JobRecord, LocalpodState, WorkerRecord, new_id
 
 log = logging.getLogger("localpod.workers")
@@ -281,9 +282,14 @@ class WorkerSupervisor:
     def runpod_env(self, endpoint: EndpointRecord, worker_id: str, token: str) -> dict[str, str]:
         """What RunPod gives a worker: the endpoint's env (and any env fault), and its worker variables."""
         base = f"{self.config.base_url}/v2/{endpoint.id}"
+        # RunPod replaces `{{ RUNPOD_SECRET_<name> }}` in the endpoint's env with the secret's value at boot.
+        env, missing = resolve_secret_references(endpoint.spec.get("env", {}),
+                                                 {s.name: s.value for s in self.state.secrets.values()})
+        if missing:
+            log.warning("endpoint %s refers to secrets the account does not have: %s", endpoint.id, ", ".join(missing))
         # runpod 1.12 appends `&job_in_progress=…` / `&isStream=…` to these URLs, so each needs a `?`.
         return {
-            **endpoint.spec.get("env", {}),
+            **env,
             **self.state.faults.spawn_env(endpoint.spec["name"]),
             "RUNPOD_WEBHOOK_GET_JOB": f"{base}/job-take/$ID?gpu={_GPU_NAME}",
             "RUNPOD_WEBHOOK_POST_OUTPUT": f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu={_GPU_NAME}",

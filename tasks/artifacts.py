@@ -16,6 +16,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from tasks.settings import Settings
+
 CONSOLE_TAIL_BYTES = 4000
 
 
@@ -47,11 +49,11 @@ def check_chat_jsonl(path: Path) -> int:
     return count
 
 
-def publish_dataset(store_url: str, run_id: str, local_file: Path) -> str:
+def publish_dataset(store_url: str, run_id: str, local_file: Path, token: str | None = None) -> str:
     """Copy a local dataset file (checked first with `check_chat_jsonl`) into the run's folder;
-    returns its path in the store."""
+    returns its path in the store. `token`: the Hub token (default: huggingface_hub's lookup)."""
     store_path = f"{run_prefix(run_id)}/dataset/train.jsonl"
-    open_store(store_url).put({store_path: local_file}, message=f"dataset for run {run_id}")
+    open_store(store_url, token).put({store_path: local_file}, message=f"dataset for run {run_id}")
     return store_path
 
 
@@ -65,9 +67,9 @@ class RunResults(BaseModel):
     adapter_url: str | None = None
 
 
-def read_run_results(store_url: str, run_id: str) -> RunResults:
+def read_run_results(store_url: str, run_id: str, token: str | None = None) -> RunResults:
     """Read a run's results. Success is decided by `DONE`, written last, not by the job's status."""
-    store = open_store(store_url)
+    store = open_store(store_url, token)
     prefix = run_prefix(run_id)
     console = _read_text(store, f"{prefix}/console.txt")
     if not store.exists(f"{prefix}/DONE"):
@@ -89,9 +91,14 @@ def _read_text(store: Any, path: str) -> str | None:
 
 @task(name="publish-dataset", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def publish_dataset_task(store_url: str, run_id: str, local_file: str) -> str:
-    return publish_dataset(store_url, run_id, Path(local_file))
+    return publish_dataset(store_url, run_id, Path(local_file), _hub_token(store_url))
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def collect(store_url: str, run_id: str) -> RunResults:
-    return read_run_results(store_url, run_id)
+    return read_run_results(store_url, run_id, _hub_token(store_url))
+
+
+def _hub_token(store_url: str) -> str | None:
+    """The Hub token for an hf:// store (from the environment or the Prefect Secret block)."""
+    return Settings().hub_token() if store_url.startswith("hf://") else None

@@ -101,7 +101,7 @@ def resolve_model(model: ModelSource, settings: Settings | None = None, *, disk_
 @task(name="resolve-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],
       retry_condition_fn=lambda task, run, state: not isinstance(state.data, ValueError))
 def resolve_model_task(model: ModelSource, disk_gb: int | None = None) -> ModelSource:
-    return resolve_model(model, disk_gb=disk_gb)
+    return resolve_model(model, Settings().with_hub_token(), disk_gb=disk_gb)
 
 
 class AttemptPlan(BaseModel):
@@ -129,8 +129,10 @@ def plan_attempt(
     queue_s: float,
     startup_s: float,
     stall_s: float,
+    worker_env: dict[str, str],
     settings: Settings | None = None,
 ) -> AttemptPlan:
+    """`worker_env`: the endpoint's env (`steps.prepare_worker_env`), without the run's deadline."""
     settings = settings or Settings()
     remaining = max(int(deadline_epoch_s - now), 1)
     execution_timeout_s, ttl_s = job_limits_s(remaining)
@@ -141,7 +143,7 @@ def plan_attempt(
         gpu_count=gpu_count,
         image=settings.worker_image(),
         # The worker exits by itself at the run's deadline, even if no job ever reaches it.
-        env=settings.worker_env() | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
+        env=worker_env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
         disk_gb=disk_gb,
         execution_timeout_s=execution_timeout_s,
         image_min_cuda=settings.loraflow_image_min_cuda,

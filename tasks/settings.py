@@ -31,7 +31,18 @@ class Settings(BaseSettings):
     runpod_api_key_block: str = Field(default="runpod-api-key", description="Name of a Prefect Secret block holding the RunPod API key.")
     runpod_api_url: str = Field(default=API_URL, description="RunPod control-plane API v2 base URL (localpod's in local mode).")
     runpod_job_url: str = Field(default=JOB_URL, description="RunPod job API base URL (localpod's in local mode).")
-    hf_token: SecretStr | None = Field(default=None, description="Hugging Face token for private models and the hf:// artifact store.")
+    hf_token: SecretStr | None = Field(
+        default=None,
+        description="Hugging Face token for private models and the hf:// artifact store. When unset, the Prefect "
+        "Secret block `hf_token_block` is read if it exists. Workers get it through a RunPod account secret.",
+    )
+    hf_token_block: str = Field(default="hf-token", description="Name of a Prefect Secret block holding the Hugging Face token.")
+    loraflow_hf_token_secret: str | None = Field(
+        default=None, pattern=r"^[a-zA-Z_][a-zA-Z0-9_.\-/]{0,190}$",
+        description="The RunPod account secret that gives workers the Hugging Face token (`HF_TOKEN` in their env "
+        "refers to it; the value never appears in an endpoint). Unset: `loraflow-hf-token-<namespace>`, created "
+        "and kept current from the token here. With no token here, an existing secret of this name is used.",
+    )
     hf_endpoint: str | None = Field(default=None, description="Hugging Face Hub URL; unset means huggingface.co.")
     loraflow_worker_image: str | None = Field(
         default=None,
@@ -119,11 +130,27 @@ class Settings(BaseSettings):
             )
         return value
 
-    def worker_env(self) -> dict[str, str]:
-        """Environment forwarded to the worker: only what it needs to reach the Hub."""
-        env: dict[str, str] = {}
+    def hub_token(self) -> str | None:
+        """The Hugging Face token from the environment, else from the Prefect Secret block, else None."""
         if self.hf_token is not None:
-            env["HF_TOKEN"] = self.hf_token.get_secret_value()
-        if self.hf_endpoint:
-            env["HF_ENDPOINT"] = self.hf_endpoint
-        return env
+            return self.hf_token.get_secret_value()
+        from prefect.blocks.system import Secret
+
+        try:
+            return str(Secret.load(self.hf_token_block).get())
+        except ValueError:  # no such block: public models and file:// stores need no token
+            return None
+
+    def with_hub_token(self) -> Settings:
+        """These settings with `hf_token` filled in from the Prefect Secret block when the environment has none."""
+        token = self.hub_token()
+        return self if token is None else self.model_copy(update={"hf_token": SecretStr(token)})
+
+    def hub_token_secret_name(self) -> str:
+        """The RunPod account secret workers read the Hub token from."""
+        return self.loraflow_hf_token_secret or f"loraflow-hf-token-{self.control_plane_namespace()}"
+
+    def worker_env(self) -> dict[str, str]:
+        """The worker's plain environment: what it needs to reach the Hub, secrets excepted (the token goes
+        through a RunPod account secret, `tasks/runpod/secrets.py`)."""
+        return {"HF_ENDPOINT": self.hf_endpoint} if self.hf_endpoint else {}

@@ -35,6 +35,10 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
     assert run.returncode == 0, run.output[-5000:]
     assert prefect_api(local_stack, "GET", f"/flow_runs/{run.flow_run_id}").json()["state"]["type"] == "COMPLETED"
 
+    # The worker read the token from a RunPod account secret: no endpoint's env held its value.
+    secrets = httpx.get(f"{local_stack.localpod_url}/v2/account/secrets",
+                        headers={"Authorization": f"Bearer {local_stack.client_env['RUNPOD_API_KEY']}"}).json()["secrets"]
+    assert any(s["name"].startswith("loraflow-hf-token-") for s in secrets), secrets
     assert api.repo_info("acme/runs", repo_type="dataset").private
     prefix = f"runs/{run.flow_run_id}"
     files = set(api.list_repo_files("acme/runs", repo_type="dataset"))

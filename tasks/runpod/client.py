@@ -15,7 +15,17 @@ from typing import Any
 import httpx
 
 from tasks.runpod import errors
-from tasks.runpod.models import CreateEndpoint, Endpoint, EndpointList, Health, JobStatus, RunRequest
+from tasks.runpod.models import (
+    CreateEndpoint,
+    CreateSecret,
+    Endpoint,
+    EndpointList,
+    Health,
+    JobStatus,
+    RunRequest,
+    Secret,
+    UpdateSecret,
+)
 
 API_URL = "https://api.runpod.io/v2"
 """Control plane (REST API v2). REST v1 at rest.runpod.io was retired on 2026-11-15."""
@@ -146,6 +156,22 @@ class RunpodClient:
 
     def delete_endpoint(self, endpoint_id: str) -> None:
         self._request("DELETE", f"{self._api_url}/serverless/{endpoint_id}")
+
+    def list_secrets(self) -> list[Secret]:
+        response = self._request("GET", f"{self._api_url}/account/secrets")
+        payload = response.json()
+        # API v2 wraps its lists (`{"endpoints": [...]}`); a bare array is read too, the reference shows neither.
+        items = payload.get("secrets", []) if isinstance(payload, dict) else payload
+        return [Secret.model_validate(item) for item in items]
+
+    def create_secret(self, body: CreateSecret) -> Secret:
+        """409 (`ConflictError`) when the name is taken."""
+        response = self._request("POST", f"{self._api_url}/account/secrets", json=body.to_wire())
+        return Secret.model_validate(response.json())
+
+    def update_secret(self, secret_id: str, body: UpdateSecret) -> Secret:
+        response = self._request("PATCH", f"{self._api_url}/account/secrets/{secret_id}", json=body.to_wire())
+        return Secret.model_validate(response.json())
 
     # Job API (per endpoint)
 

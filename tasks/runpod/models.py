@@ -136,3 +136,27 @@ class Health(_Response):
 
     jobs: HealthJobs
     workers: HealthWorkers
+
+
+class CreateSecret(_Request):
+    """Body of `POST /v2/account/secrets` (documented in RunPod's API v2 reference; not in the vendored schema)."""
+
+    name: str = Field(min_length=1, max_length=191, pattern=r"^[a-zA-Z_][a-zA-Z0-9_.\-/]*$",
+                      description="Referenced from env as `{{ RUNPOD_SECRET_<name> }}`; immutable.")
+    value: str = Field(min_length=1, description="Write-only: RunPod never returns it.")
+    description: str | None = Field(default=None, max_length=65535)
+
+
+class UpdateSecret(_Request):
+    """Body of `PATCH /v2/account/secrets/{id}`: a new value takes effect when a worker next boots."""
+
+    value: str | None = Field(default=None, min_length=1)
+    description: str | None = Field(default=None, max_length=65535)
+
+
+class Secret(_Response):
+    """An account secret's metadata; its value is never returned."""
+
+    id: str
+    name: str
+    description: str | None = None

@@ -31,6 +31,7 @@ from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import delete_endpoint_confirmed, ensure_endpoint
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, JobStatus, RunRequest
+from tasks.runpod.secrets import hub_token_env
 from tasks.settings import Settings
 from tasks.teardown import delete_attempt_endpoints
 
@@ -59,6 +60,18 @@ _RETRIES = dict(
 def make_client(settings: Settings | None = None) -> RunpodClient:
     settings = settings or Settings()
     return RunpodClient(settings.api_key(), api_url=settings.runpod_api_url, job_url=settings.runpod_job_url)
+
+
+@task(name="prepare-worker-env", **_RETRIES)
+def prepare_worker_env() -> dict[str, str]:
+    """The env every endpoint of the run gets: the Hub's URL, and `HF_TOKEN` as a reference to the RunPod
+    account secret that holds the token (stored or rotated here first), never the token itself."""
+    settings = Settings()
+    with make_client(settings) as client:
+        token_env = hub_token_env(client, settings.hub_token_secret_name(), settings.hub_token())
+    if token_env:
+        get_run_logger().info("Workers read HF_TOKEN from the RunPod account secret %s", settings.hub_token_secret_name())
+    return settings.worker_env() | token_env
 
 
 @task(name="create-endpoint", **_RETRIES)
