@@ -20,10 +20,10 @@ class NextAttempt(BaseModel):
 def decide_next_attempt(
     outcome: JobOutcome, gpus: list[GpuClass], gpu_index: int, attempt: int, max_attempts: int, seconds_left: float
 ) -> NextAttempt:
-    """The retry policy: code failures and cancellations never retry; no capacity walks the GPU list;
-    out of memory moves only to a GPU with more memory; stalls, preemptions, lost workers, failed
-    submits and a job status unreadable past its budget retry on the same GPU; all within the attempt
-    budget and the run's deadline."""
+    """The retry policy: code failures, cancellations and the run's deadline never retry; no capacity walks
+    the GPU list; out of memory moves only to a GPU with more memory; stalls, preemptions, RunPod's own
+    timeouts, lost workers, failed submits and a job status unreadable past its budget retry on the same
+    GPU (resuming from the run's last checkpoint); all within the attempt budget and the run's deadline."""
     here = gpus[gpu_index]
     if not outcome.retriable:
         return NextAttempt(retry=False, gpu_index=gpu_index, reason=f"{outcome.kind}: not retried")

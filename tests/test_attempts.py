@@ -13,7 +13,7 @@ def decide(kind, gpu_index=0, attempt=1, max_attempts=3, seconds_left=3600, gpus
     return decide_next_attempt(JobOutcome(kind=kind, job_id="j", status="X"), gpus, gpu_index, attempt, max_attempts, seconds_left)
 
 
-@pytest.mark.parametrize("kind", ["failed", "cancelled", "run_cancelled", "timed_out"])
+@pytest.mark.parametrize("kind", ["failed", "cancelled", "run_cancelled", "deadline"])
 def test_code_failures_cancellations_and_deadlines_are_not_retried(kind):
     assert not decide(kind).retry
 
@@ -34,7 +34,7 @@ def test_out_of_memory_on_the_biggest_gpu_fails_with_the_fix():
     assert "batch_size" in decision.reason
 
 
-@pytest.mark.parametrize("kind", ["stalled", "preempted", "worker_lost", "unreachable", "submit_failed"])
+@pytest.mark.parametrize("kind", ["stalled", "preempted", "timed_out", "worker_lost", "unreachable", "submit_failed"])
 def test_infrastructure_failures_retry_on_the_same_gpu(kind):
     decision = decide(kind, gpu_index=1)
     assert decision.retry and decision.gpu_index == 1

@@ -11,6 +11,7 @@ from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.jobs import (
     CANCEL_CHECK_S,
+    DEADLINE_SAVE_GRACE_S,
     HEALTH_CHECK_S,
     MAX_POLL_INTERVAL_S,
     WatchLimits,
@@ -138,11 +139,12 @@ def test_steady_progress_is_not_stalled():
     assert watch(scripted_client(answers), clock, stall=5).kind == "completed"
 
 
-def test_deadline_ends_a_running_job_as_timed_out():
+def test_the_run_deadline_ends_a_running_job_and_is_not_retried():
     clock = FakeClock()
     outcome = watch(scripted_client([training(1)]), clock, deadline_in=30)
-    assert outcome.kind == "timed_out" and not outcome.retriable
-    assert clock.now == pytest.approx(1030.0)
+    assert outcome.kind == "deadline" and not outcome.retriable
+    # A started job is left DEADLINE_SAVE_GRACE_S past the deadline to save what it has and end by itself.
+    assert clock.now == pytest.approx(1030.0 + DEADLINE_SAVE_GRACE_S)
 
 
 def test_a_few_transient_read_errors_are_tolerated():
@@ -196,7 +198,7 @@ def test_the_budget_is_never_below_a_minute():
 def test_the_deadline_still_ends_an_unreadable_job():
     clock = FakeClock()
     outcome = watch(scripted_client([(500, {"detail": "x"})]), clock, deadline_in=50, stall=600)
-    assert outcome.kind == "timed_out"
+    assert outcome.kind == "deadline"
     assert clock.now == pytest.approx(1050.0)
 
 
@@ -234,23 +236,28 @@ def test_the_run_state_is_not_read_on_every_poll():
 
 
 @pytest.mark.parametrize(
-    ("workers", "cause"),
+    ("workers", "kind", "cause"),
     [
-        ({"throttled": 1}, "workers throttled"),
-        ({"unhealthy": 1, "initializing": 1}, "workers unhealthy"),
-        ({"initializing": 1}, "image pull failing"),
-        ({}, "no stock"),
-        (None, "could not be read"),
+        ({"throttled": 1}, "no_capacity", "workers throttled"),
+        ({"unhealthy": 1, "initializing": 1}, "no_capacity", "workers unhealthy"),
+        ({"initializing": 1}, "image_pull_failed", "image pull failing"),
+        ({}, "no_capacity", "no stock"),
+        (None, "no_capacity", "could not be read"),
     ],
 )
-def test_a_job_that_stays_queued_is_given_up_with_the_cause_health_shows(workers, cause):
+def test_a_job_that_stays_queued_is_given_up_with_the_cause_health_shows(workers, kind, cause):
     seen = []
     clock = FakeClock()
     outcome = watch(scripted_client([job("IN_QUEUE")], seen, health=workers), clock, queue=120)
-    assert outcome.kind == "no_capacity"
+    assert outcome.kind == kind
     assert cause in outcome.error, outcome.error
     # Read now and then while queued, and once more when giving up; not on every poll.
     assert 2 <= len(paths(seen, "/health")) <= 120 / HEALTH_CHECK_S + 2
+
+
+def test_an_image_that_cannot_be_pulled_is_not_tried_on_another_gpu():
+    outcome = watch(scripted_client([job("IN_QUEUE")], [], health={"initializing": 1}), FakeClock(), queue=120)
+    assert not outcome.retriable and "LORAFLOW_WORKER_IMAGE" in outcome.error
 
 
 def test_health_is_not_read_once_the_job_runs():

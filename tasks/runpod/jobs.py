@@ -22,17 +22,21 @@ from tasks.runpod.client import RunpodClient
 from tasks.runpod.models import Health, JobStatus
 
 OutcomeKind = Literal[
-    "completed", "failed", "cancelled", "run_cancelled", "timed_out", "no_capacity", "stalled", "preempted",
-    "worker_lost", "out_of_memory", "submit_failed", "unreachable",
+    "completed", "failed", "cancelled", "run_cancelled", "deadline", "timed_out", "no_capacity", "image_pull_failed",
+    "stalled", "preempted", "worker_lost", "out_of_memory", "submit_failed", "unreachable",
 ]
 RETRIABLE_OUTCOMES: frozenset[str] = frozenset(
-    {"no_capacity", "stalled", "preempted", "worker_lost", "out_of_memory", "submit_failed", "unreachable"}
+    {"no_capacity", "stalled", "preempted", "timed_out", "worker_lost", "out_of_memory", "submit_failed", "unreachable"}
 )
 
 MAX_POLL_INTERVAL_S = 30.0
 """The longest wait between two polls, backoff after errors and Retry-After included."""
 MIN_READ_ERROR_BUDGET_S = 60.0
 """Transient read errors are tolerated for the attempt's stall allowance, and never for less than this."""
+DEADLINE_SAVE_GRACE_S = 90.0
+"""How long past the run's deadline a started job is left to end by itself: its training stops at the
+deadline and saves what it has, and the worker's supervisor kills it 70 s past the deadline at the latest
+(`loraflow_worker.supervisor.DEADLINE_KILL_GRACE_S` + `TERM_GRACE_S`)."""
 CANCEL_CHECK_S = 5.0
 """How often the run's own Prefect state is read: a cancel reaches the job within about this long."""
 HEALTH_CHECK_S = 30.0
@@ -60,7 +64,10 @@ class JobOutcome(BaseModel):
 
     kind: OutcomeKind = Field(description="completed; failed (the code failed: no retry); cancelled (the job was "
                               "cancelled at RunPod); run_cancelled (the Prefect run was cancelled: the job was "
-                              "cancelled from here); timed_out; no_capacity (never left the queue); stalled (no "
+                              "cancelled from here); deadline (the run's deadline passed: no retry); timed_out (RunPod ended the "
+                              "job at its execution timeout or TTL); no_capacity (never left the queue); image_pull_failed (never "
+                              "left the queue while /health showed workers stuck initializing: every GPU would pull the "
+                              "same image, so no retry); stalled (no "
                               "progress); preempted (requeued after it started); worker_lost (the worker died "
                               "without a result); out_of_memory; submit_failed (`/run` errored: whether a job "
                               "started is unknown); unreachable (the job's status answered only transient errors "
@@ -168,16 +175,16 @@ def watch_job(
             unreadable_since = now if unreadable_since is None else unreadable_since
             error_streak += 1
             on_read_error(error, now - unreadable_since)
-            if now >= limits.deadline_epoch_s:
+            if now >= _deadline(limits, seen):
                 _cancel_quietly(client, endpoint_id, job_id)
-                return _outcome("timed_out", job_id, last.status if last else "UNKNOWN", seen, now,
+                return _outcome("deadline", job_id, last.status if last else "UNKNOWN", seen, now,
                                 error="the run's deadline passed while the job's status could not be read")
             if now - unreadable_since >= limits.read_error_budget_s:
                 _cancel_quietly(client, endpoint_id, job_id)
                 return _outcome("unreachable", job_id, last.status if last else "UNKNOWN", seen, now,
                                 error=f"the job's status answered only transient errors for "
                                       f"{now - unreadable_since:.0f} s (last: {error})")
-            sleep(min(_backoff(poll_interval_s, error_streak, error), max(limits.deadline_epoch_s - now, 0.0)))
+            sleep(min(_backoff(poll_interval_s, error_streak, error), max(_deadline(limits, seen) - now, 0.0)))
             continue
         unreadable_since, error_streak, last = None, 0, status
         now = clock()
@@ -194,9 +201,11 @@ def watch_job(
             if kind == "no_capacity":
                 queue.see(_read_health(client, endpoint_id))
                 reason = f"{reason} ({queue.cause()})"
+                if queue.image_pull_failing():
+                    kind = "image_pull_failed"
             _cancel_quietly(client, endpoint_id, job_id)
             return _outcome(kind, job_id, status.status, seen, now, error=reason)
-        sleep(min(poll_interval_s, max(limits.deadline_epoch_s - now, 0.0)))
+        sleep(min(poll_interval_s, max(_deadline(limits, seen) - now, 0.0)))
 
 
 class _QueueHealth:
@@ -219,14 +228,17 @@ class _QueueHealth:
         self.throttled += workers.throttled > 0
         self.up += workers.idle + workers.ready + workers.running > 0
 
+    def image_pull_failing(self) -> bool:
+        return bool(self.samples) and not self.unhealthy and self.initializing == self.samples and not self.up
+
     def cause(self) -> str:
         if self.samples == 0:
             return "the endpoint's /health could not be read, so the cause is unknown"
         if self.unhealthy:
             return "workers unhealthy: they started and failed RunPod's health checks (a worker crashing at start-up)"
-        if self.initializing == self.samples and not self.up:
+        if self.image_pull_failing():
             return ("image pull failing: workers stayed initializing (check the image name and tag, and the registry's "
-                    "credentials), or the image pulls very slowly")
+                    "credentials, and LORAFLOW_WORKER_IMAGE), or the image pulls more slowly than attempts.queue_minutes allows")
         if self.throttled:
             return "workers throttled: RunPod wants a worker but has no free GPU of this type where it may run"
         if self.up:
@@ -250,9 +262,14 @@ def _backoff(poll_interval_s: float, error_streak: int, error: errors.RunpodErro
     return min(delay, MAX_POLL_INTERVAL_S)
 
 
+def _deadline(limits: WatchLimits, seen: _Progress) -> float:
+    """When the watch gives the job up for the run's deadline: a job that started gets time to save."""
+    return limits.deadline_epoch_s + (DEADLINE_SAVE_GRACE_S if seen.first_running is not None else 0.0)
+
+
 def _give_up(status: JobStatus, seen: _Progress, limits: WatchLimits, now: float) -> tuple[OutcomeKind, str] | None:
-    if now >= limits.deadline_epoch_s:
-        return "timed_out", "the run's deadline passed before the job finished"
+    if now >= _deadline(limits, seen):
+        return "deadline", "the run's deadline passed before the job finished"
     if status.status == "IN_QUEUE":
         if seen.first_running is not None:
             return "preempted", "the job went back to the queue after it had started (worker preempted)"
