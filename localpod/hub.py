@@ -7,11 +7,16 @@ the client's cache needs. The wire facts come from ../shared/hf-hub-api/README.m
 
     python -m localpod.hub --host 127.0.0.1 --port 8765 --data-dir /tmp/hub
     python -m localpod.hub --port 0 --data-dir /tmp/hub --require-token secret --commits-per-hour 3
+    python -m localpod.hub --port 0 --data-dir /tmp/hub --commits-per-hour 1 --commit-window-s 2
 
 Auth: any bearer token is accepted (unless --require-token). Without a token, public repos can be
 read; private repos and every write answer 401 RepoNotFound, as the Hub does for anonymous callers.
+A commit past the per-repo limit (`--commits-per-hour` in a rolling `--commit-window-s`) answers 429 with
+the Hub's text and a `Retry-After` (§9); a refused commit changes nothing.
 Test hooks (not Hub API): `GET /_hub/commits/{repo_type}/{ns}/{name}` (commit count and list, from
-disk) and `GET /_hub/downloads/{repo_type}/{ns}/{name}` (file GETs served since start, in memory).
+disk), `GET /_hub/downloads/{repo_type}/{ns}/{name}` (file GETs served since start, in memory) and
+`POST|GET|DELETE /_hub/commit-faults/{repo_type}/{ns}/{name}` (arm the next commits to answer 429, 5xx
+or 403; localpod/hub_limits.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from localpod.hub_limits import CommitFaults, commit_faults_router
 from localpod.hub_repos import (
     DEFAULT_BRANCH,
     REPO_TYPES,
@@ -81,6 +87,8 @@ def create_hub_app(
     app = FastAPI(title="loraflow local Hub stand-in", docs_url=None, redoc_url=None)
     app.state.repos = repos
     downloads: Counter[str] = Counter()  # file GETs per repo since start (test hook; not persisted)
+    commit_faults = CommitFaults(commits_per_hour)
+    app.include_router(commit_faults_router(commit_faults, repos))
 
     @app.exception_handler(HubError)
     async def _hub_error(request: Request, err: HubError) -> JSONResponse:
@@ -204,6 +212,7 @@ def create_hub_app(
     async def commit(request: Request, plural: str, namespace: str, name: str, revision: str) -> dict:
         ref = RepoRef(plural, namespace, name)
         writable(request, ref)
+        commit_faults.check(ref)
         if request.query_params.get("create_pr"):
             raise HubError(400, "The stand-in does not support pull requests (create_pr).")
         header, ops = _parse_commit(await request.body())
@@ -221,14 +230,14 @@ def create_hub_app(
     @app.get("/_hub/commits/{repo_type}/{namespace}/{name}")
     async def commit_log(repo_type: str, namespace: str, name: str) -> dict:
         """Test hook: every commit on main, newest first (the initial system commit included)."""
-        ref = RepoRef(repo_type if repo_type.endswith("s") else f"{repo_type}s", namespace, name)
+        ref = RepoRef.of(repo_type, namespace, name)
         commits = repos.history(ref, DEFAULT_BRANCH)
         return {"repo": ref.id, "count": len(commits), "commits": [_commit_json(c) for c in commits]}
 
     @app.get("/_hub/downloads/{repo_type}/{namespace}/{name}")
     async def download_count(repo_type: str, namespace: str, name: str) -> dict:
         """Test hook: file GETs (not HEADs) served for this repo since the server started."""
-        ref = RepoRef(repo_type if repo_type.endswith("s") else f"{repo_type}s", namespace, name)
+        ref = RepoRef.of(repo_type, namespace, name)
         return {"repo": ref.id, "count": downloads[ref.url_prefix]}
 
     async def resolve_file(request: Request, ref: RepoRef, revision: str, path: str) -> Response:
@@ -312,9 +321,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="Accept only this bearer token; others (and none) get 401 RepoNotFound.")
     parser.add_argument("--commits-per-hour", type=int, default=128,
                         help="Commits per repo per sliding hour before 429 (the Hub's default quota is 128).")
+    parser.add_argument("--commit-window-s", type=float, default=3600.0,
+                        help="Length of that sliding window in seconds (the Hub's is an hour; tests shorten it).")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level.")
     args = parser.parse_args(argv)
-    app = create_hub_app(args.data_dir, require_token=args.require_token, commits_per_hour=args.commits_per_hour)
+    app = create_hub_app(args.data_dir, require_token=args.require_token, commits_per_hour=args.commits_per_hour,
+                         commit_window_s=args.commit_window_s)
     _AnnouncingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
 
 

@@ -14,6 +14,7 @@ file read and history is a walk over parents. Fine for a test server; the real H
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import secrets
@@ -100,6 +101,11 @@ class RepoRef:
         for part in (self.namespace, self.name):
             if not _NAME.match(part) or ".." in part:
                 raise HubError(400, f"Invalid repo id '{self.namespace}/{self.name}'")
+
+    @classmethod
+    def of(cls, repo_type: str, namespace: str, name: str) -> RepoRef:
+        """The form the test hooks take: `dataset` or `datasets` (model, space alike)."""
+        return cls(repo_type if repo_type.endswith("s") else f"{repo_type}s", namespace, name)
 
     @property
     def id(self) -> str:
@@ -248,7 +254,10 @@ class HubRepos:
             now = time.time()
             recent = [t for t in state.commit_times if now - t < self.commit_window_s]
             if len(recent) >= self.commits_per_hour:
-                raise HubError(429, RATE_LIMIT_MESSAGE.format(n=self.commits_per_hour))
+                # A slot frees when the oldest counted commit leaves the window (whole seconds, as HTTP has it).
+                retry_after = max(1, math.ceil(min(recent) + self.commit_window_s - now))
+                raise HubError(429, RATE_LIMIT_MESSAGE.format(n=self.commits_per_hour),
+                               headers={"Retry-After": str(retry_after)})
 
             files = dict(head.files)
             for path in ops.deleted_files:

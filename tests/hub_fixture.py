@@ -2,6 +2,7 @@
 
     with running_hub(tmp_path / "hub", commits_per_hour=3) as hub:
         HfApi(endpoint=hub.url, token=hub.token).create_repo(...)
+        hub.arm_commit_faults("dataset", "org/name", status=429, count=2, retry_after_s=1)
 
 or, in a test module, `from tests.hub_fixture import hub  # noqa: F401` for a module-scoped `hub` fixture.
 huggingface_hub reads HF_ENDPOINT at import, so in-process clients pass `endpoint=hub.url` on every
@@ -50,6 +51,19 @@ class HubStandIn:
         response.raise_for_status()
         return response.json()["count"]
 
+    def arm_commit_faults(self, repo_type: str, repo_id: str, *, status: int, count: int = 1,
+                          retry_after_s: int | None = None) -> None:
+        """Make the repo's next `count` commit requests answer `status` (after any already armed)."""
+        rule = {"status": status, "count": count, "retry_after_s": retry_after_s}
+        response = httpx.post(f"{self.url}/_hub/commit-faults/{repo_type}/{repo_id}", json=rule, timeout=10)
+        response.raise_for_status()
+
+    def armed_commit_faults(self, repo_type: str, repo_id: str) -> int:
+        """Commit requests of the repo still armed to be refused."""
+        response = httpx.get(f"{self.url}/_hub/commit-faults/{repo_type}/{repo_id}", timeout=10)
+        response.raise_for_status()
+        return sum(rule["count"] for rule in response.json()["armed"])
+
     def client_env(self, **extra: str) -> dict[str, str]:
         """Environment for a huggingface_hub client in a subprocess, pointed at this stand-in."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_"))}
@@ -60,14 +74,15 @@ class HubStandIn:
 
 
 @contextmanager
-def running_hub(data_dir: Path, *, require_token: str | None = None,
-                commits_per_hour: int = 128) -> Iterator[HubStandIn]:
+def running_hub(data_dir: Path, *, require_token: str | None = None, commits_per_hour: int = 128,
+                commit_window_s: float = 3600.0) -> Iterator[HubStandIn]:
     """Start `python -m localpod.hub --port 0` on `data_dir`, wait until it listens, stop it on exit."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir.parent / f"{data_dir.name}.log"
     command = [sys.executable, "-m", "localpod.hub", "--host", "127.0.0.1", "--port", "0",
-               "--data-dir", str(data_dir), "--commits-per-hour", str(commits_per_hour)]
+               "--data-dir", str(data_dir), "--commits-per-hour", str(commits_per_hour),
+               "--commit-window-s", str(commit_window_s)]
     if require_token is not None:
         command += ["--require-token", require_token]
     # Output goes to a file, not a pipe: a pipe nobody drains would block the server once full.

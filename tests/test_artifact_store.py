@@ -1,20 +1,29 @@
 """The artifact store behaves the same on a local folder and on a Hub dataset repo (the local stand-in).
 
 Behaviour tests run against both kinds (`store` is parametrized); Hub-only facts (one commit per write,
-forced privacy, error mapping, endpoint from the environment) follow.
+forced privacy, error mapping, retries, endpoint from the environment) follow. Retry tests arm the
+stand-in's commit faults (`hub.arm_commit_faults`) and pass short retry budgets.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from huggingface_hub import HfApi
-from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStore, ArtifactStoreError, open_store
+from loraflow_worker.artifacts import (
+    HUB_RETRY_BUDGET_S,
+    ArtifactNotFound,
+    ArtifactStore,
+    ArtifactStoreError,
+    open_store,
+)
 
 from tests.hub_fixture import HubStandIn, running_hub
 
@@ -25,8 +34,10 @@ def _new_repo() -> str:
     return f"org/artifacts-{next(_names)}"
 
 
-def _open_hub_store(hub: HubStandIn, repo_id: str, tmp_path: Path) -> ArtifactStore:
-    return open_store(f"hf://datasets/{repo_id}", token=hub.token, endpoint=hub.url, cache_dir=tmp_path / "hf-cache")
+def _open_hub_store(hub: HubStandIn, repo_id: str, tmp_path: Path, *,
+                    retry_budget_s: float = HUB_RETRY_BUDGET_S) -> ArtifactStore:
+    return open_store(f"hf://datasets/{repo_id}", token=hub.token, endpoint=hub.url, cache_dir=tmp_path / "hf-cache",
+                      retry_budget_s=retry_budget_s)
 
 
 @pytest.fixture(params=["file", "hub"])
@@ -182,22 +193,86 @@ def test_a_refused_token_is_a_store_error_that_does_not_show_the_token(tmp_path:
     assert "hf_wrong_secret" not in str(excinfo.value)
 
 
-def test_an_unreachable_hub_is_a_transient_store_error(tmp_path: Path) -> None:
+def test_an_unreachable_hub_is_a_transient_store_error_once_the_budget_is_spent(tmp_path: Path) -> None:
     with running_hub(tmp_path / "hub") as gone:
         endpoint = gone.url
-    with pytest.raises(ArtifactStoreError, match="could not be reached") as excinfo:
-        open_store("hf://datasets/org/anything", token="t", endpoint=endpoint)
+    with pytest.raises(ArtifactStoreError, match="could not be reached.*Gave up after") as excinfo:
+        open_store("hf://datasets/org/anything", token="t", endpoint=endpoint, retry_budget_s=1)
     assert excinfo.value.transient is True
 
 
-def test_the_commit_rate_limit_is_a_transient_store_error(tmp_path: Path) -> None:
+def test_put_gives_up_after_its_retry_budget_with_a_transient_error_naming_the_429_and_the_repo(
+        tmp_path: Path) -> None:
     with running_hub(tmp_path / "hub", commits_per_hour=2) as limited:
-        store = _open_hub_store(limited, "org/busy", tmp_path)
+        store = _open_hub_store(limited, "org/busy", tmp_path, retry_budget_s=2)
         store.put({"a": b"1"}, message="1")
         store.put({"a": b"2"}, message="2")
-        with pytest.raises(ArtifactStoreError, match="rate limit") as excinfo:
+        started = time.monotonic()
+        with pytest.raises(ArtifactStoreError) as excinfo:
             store.put({"a": b"3"}, message="3")
+        elapsed = time.monotonic() - started
+    message = str(excinfo.value)
     assert excinfo.value.transient is True
+    assert "429" in message and "rate limit" in message and "hf://datasets/org/busy" in message
+    assert "retry budget 2 s" in message
+    assert 2 <= elapsed < 10  # the Hub asked for about an hour; the budget decides
+
+
+def test_put_survives_429s_and_503s_and_the_files_land_in_one_commit(hub: HubStandIn, tmp_path: Path) -> None:
+    repo_id = _new_repo()
+    store = _open_hub_store(hub, repo_id, tmp_path, retry_budget_s=30)
+    hub.arm_commit_faults("dataset", repo_id, status=429, count=2, retry_after_s=0)
+    hub.arm_commit_faults("dataset", repo_id, status=503, count=2)
+    before = len(hub.commits("dataset", repo_id))
+    store.put({"runs/r1/adapter/w.bin": b"w", "runs/r1/DONE": b""}, message="final save")
+    commits = hub.commits("dataset", repo_id)
+    assert len(commits) == before + 1 and commits[0]["title"] == "final save"
+    assert store.list_files("runs/r1") == ["runs/r1/DONE", "runs/r1/adapter/w.bin"]
+    assert hub.armed_commit_faults("dataset", repo_id) == 0
+
+
+def test_put_waits_as_long_as_retry_after_asks(hub: HubStandIn, tmp_path: Path) -> None:
+    repo_id = _new_repo()
+    store = _open_hub_store(hub, repo_id, tmp_path, retry_budget_s=30)
+    hub.arm_commit_faults("dataset", repo_id, status=429, retry_after_s=1)
+    started = time.monotonic()
+    store.put({"a": b"1"}, message="after a wait")
+    assert time.monotonic() - started >= 1.0
+    assert hub.commits("dataset", repo_id)[0]["title"] == "after a wait"
+
+
+def test_each_retry_is_a_warning_naming_the_status_and_the_wait(hub: HubStandIn, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    repo_id = _new_repo()
+    store = _open_hub_store(hub, repo_id, tmp_path, retry_budget_s=30)
+    hub.arm_commit_faults("dataset", repo_id, status=429, retry_after_s=0)
+    hub.arm_commit_faults("dataset", repo_id, status=500)
+    with caplog.at_level(logging.WARNING, logger="loraflow_worker"):
+        store.put({"a": b"1"}, message="1")
+    retries = [r.getMessage() for r in caplog.records if r.name == "loraflow_worker" and "trying again" in r.message]
+    assert len(retries) == 2
+    assert "(HTTP 429): trying again in 0.0 s" in retries[0] and f"hf://datasets/{repo_id}" in retries[0]
+    assert "(HTTP 500): trying again in" in retries[1]
+
+
+def test_a_403_is_not_retried(hub: HubStandIn, tmp_path: Path) -> None:
+    repo_id = _new_repo()
+    store = _open_hub_store(hub, repo_id, tmp_path, retry_budget_s=30)
+    hub.arm_commit_faults("dataset", repo_id, status=403, count=2)
+    with pytest.raises(ArtifactStoreError, match="token was refused") as excinfo:
+        store.put({"a": b"1"}, message="1")
+    assert excinfo.value.transient is False
+    assert hub.armed_commit_faults("dataset", repo_id) == 1  # one commit request was made, not two
+
+
+def test_a_put_with_no_retry_budget_fails_at_the_first_429(hub: HubStandIn, tmp_path: Path) -> None:
+    repo_id = _new_repo()
+    store = _open_hub_store(hub, repo_id, tmp_path, retry_budget_s=30)
+    hub.arm_commit_faults("dataset", repo_id, status=429, count=2)
+    with pytest.raises(ArtifactStoreError, match="rate limit") as excinfo:
+        store.put({"heartbeat.json": b"{}"}, message="heartbeat", retry_budget_s=0)
+    assert excinfo.value.transient is True
+    assert hub.armed_commit_faults("dataset", repo_id) == 1
 
 
 def test_the_hub_store_takes_endpoint_and_token_from_the_environment(hub: HubStandIn) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from pathlib import Path
 
 import httpx
@@ -176,7 +177,7 @@ def test_a_private_repo_is_hidden_from_anonymous_callers(hub: HubStandIn, datase
         HfApi(endpoint=hub.url, token=False).repo_info(dataset, repo_type="dataset")
 
 
-def test_a_commit_past_the_hourly_limit_is_rejected_with_429(tmp_path: Path) -> None:
+def test_a_commit_past_the_hourly_limit_is_rejected_with_429_and_retry_after(tmp_path: Path) -> None:
     with running_hub(tmp_path / "hub", commits_per_hour=3) as limited:
         api = HfApi(endpoint=limited.url, token=limited.token)
         api.create_repo("org/busy", repo_type="dataset")
@@ -186,7 +187,57 @@ def test_a_commit_past_the_hourly_limit_is_rejected_with_429(tmp_path: Path) -> 
         with pytest.raises(HfHubHTTPError, match=r"rate limit for repository commits \(3 per hour\)") as excinfo:
             api.upload_file(path_or_fileobj=b"4", path_in_repo="c4.txt", repo_id="org/busy", repo_type="dataset")
         assert excinfo.value.response.status_code == 429
+        assert 3590 <= int(excinfo.value.response.headers["Retry-After"]) <= 3600  # when the oldest commit ages out
         assert len(limited.commits("dataset", "org/busy")) == 1 + 3  # the rejected commit left no trace
+
+
+def test_a_commit_passes_again_once_retry_after_has_passed(tmp_path: Path) -> None:
+    with running_hub(tmp_path / "hub", commits_per_hour=1, commit_window_s=1) as limited:
+        api = HfApi(endpoint=limited.url, token=limited.token)
+        api.create_repo("org/window", repo_type="dataset")
+        api.upload_file(path_or_fileobj=b"1", path_in_repo="a.txt", repo_id="org/window", repo_type="dataset")
+        with pytest.raises(HfHubHTTPError) as excinfo:
+            api.upload_file(path_or_fileobj=b"2", path_in_repo="a.txt", repo_id="org/window", repo_type="dataset")
+        retry_after = int(excinfo.value.response.headers["Retry-After"])
+        assert retry_after == 1
+        time.sleep(retry_after)
+        api.upload_file(path_or_fileobj=b"2", path_in_repo="a.txt", repo_id="org/window", repo_type="dataset")
+        assert len(limited.commits("dataset", "org/window")) == 1 + 2
+
+
+def test_armed_commit_faults_refuse_the_next_commits_in_order_then_commits_pass(api: HfApi, hub: HubStandIn,
+                                                                                 dataset: str) -> None:
+    hub.arm_commit_faults("dataset", dataset, status=429, count=2, retry_after_s=1)
+    hub.arm_commit_faults("dataset", dataset, status=503)
+    before = len(hub.commits("dataset", dataset))
+    answers = []
+    for _ in range(3):
+        with pytest.raises(HfHubHTTPError) as excinfo:
+            api.upload_file(path_or_fileobj=b"x", path_in_repo="x.txt", repo_id=dataset, repo_type="dataset")
+        answers.append((excinfo.value.response.status_code, excinfo.value.response.headers.get("Retry-After")))
+    assert answers == [(429, "1"), (429, "1"), (503, None)]
+    assert len(hub.commits("dataset", dataset)) == before  # refused commits left no trace
+    api.upload_file(path_or_fileobj=b"x", path_in_repo="x.txt", repo_id=dataset, repo_type="dataset")
+    assert len(hub.commits("dataset", dataset)) == before + 1
+    assert hub.armed_commit_faults("dataset", dataset) == 0
+
+
+def test_an_armed_429_carries_the_hubs_rate_limit_text(api: HfApi, hub: HubStandIn, dataset: str) -> None:
+    hub.arm_commit_faults("dataset", dataset, status=429)
+    with pytest.raises(HfHubHTTPError, match=r"rate limit for repository commits \(128 per hour\)"):
+        api.upload_file(path_or_fileobj=b"x", path_in_repo="x.txt", repo_id=dataset, repo_type="dataset")
+
+
+def test_disarming_commit_faults_lets_the_next_commit_pass(api: HfApi, hub: HubStandIn, dataset: str) -> None:
+    hub.arm_commit_faults("dataset", dataset, status=500, count=5)
+    assert httpx.delete(f"{hub.url}/_hub/commit-faults/dataset/{dataset}").status_code == 204
+    api.upload_file(path_or_fileobj=b"x", path_in_repo="x.txt", repo_id=dataset, repo_type="dataset")
+    assert hub.armed_commit_faults("dataset", dataset) == 0
+
+
+def test_arming_commit_faults_for_a_missing_repo_is_refused(hub: HubStandIn) -> None:
+    response = httpx.post(f"{hub.url}/_hub/commit-faults/dataset/org/no-such-repo", json={"status": 429})
+    assert response.status_code == 404
 
 
 def test_with_require_token_other_tokens_get_repository_not_found(tmp_path: Path) -> None:

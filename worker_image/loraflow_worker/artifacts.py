@@ -8,8 +8,9 @@ One URL names a store, and the same API serves both kinds:
   huggingface_hub at import) unless given, the token from `HF_TOKEN` unless given.
 
 Every write (`put`, `put_folder`, `delete_prefix`) is ONE commit on the Hub, because the Hub allows about
-128 commits per hour per repo: batch what belongs together into one call. Light dependencies only
-(pydantic, huggingface_hub): the control plane imports this without the training stack.
+128 commits per hour per repo: batch what belongs together into one call. A Hub store retries a 429, 5xx
+or network error with backoff (writes for `retry_budget_s`, default 10 min; reads up to a minute), then
+raises it as `transient`. Light dependencies only: the control plane imports this without the training stack.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
+import backoff
 import httpx2
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import (
@@ -36,11 +39,21 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import parse_ratelimit_headers
+
+log = logging.getLogger("loraflow_worker")
+_T = TypeVar("_T")
 
 ACCEPTED_URLS = "`file:///absolute/path` or `hf://datasets/<org>/<repo>`"
 HUB_BRANCH = "main"
 HUB_COMMITS_PER_HOUR = 128
 """The Hub's commit quota per repo (free plan; some plans allow 256 or 320)."""
+HUB_RETRY_BUDGET_S = 600.0
+"""How long a write keeps retrying a 429, 5xx or network error: long enough for a finished adapter's
+final save to outlast a few minutes of Hub trouble instead of being lost after the GPU time was paid."""
+HUB_READ_RETRY_BUDGET_S = 60.0  # reads retry at most this long (or the store's budget): someone is waiting
+HUB_FIRST_WAIT_S = 1.0  # first wait when the Hub names none; doubles (with jitter) on each further failure
+HUB_MAX_WAIT_S = 60.0  # longest wait, whatever Retry-After asks: the commit window rolls, a slot may free early
 HUB_GITATTRIBUTES = ".gitattributes"
 """The Hub puts this file in every new repo; it is the Hub's, not an artifact, so the store hides it."""
 
@@ -69,9 +82,11 @@ class ArtifactStore:
 
     url: str
 
-    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = ()) -> None:
+    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = (),
+            retry_budget_s: float | None = None) -> None:
         """Store `files` (path -> content or local file) and remove `delete_prefixes` (folders; missing
-        ones ignored) in ONE commit. Deletions apply first, so a file may be replaced in its folder."""
+        ones ignored) in ONE commit. Deletions apply first, so a file may be replaced in its folder.
+        `retry_budget_s`: seconds a Hub store retries this write (None: the store's; 0: none, e.g. heartbeats)."""
         raise NotImplementedError
 
     def read_bytes(self, path: str) -> bytes:
@@ -122,12 +137,13 @@ class ArtifactStore:
 
 
 def open_store(url: str, token: str | None = None, *, endpoint: str | None = None,
-               cache_dir: Path | None = None) -> ArtifactStore:
+               cache_dir: Path | None = None, retry_budget_s: float = HUB_RETRY_BUDGET_S) -> ArtifactStore:
     """Open the store named by `url` (see the module docstring).
 
     `token`: HF token (default: huggingface_hub's lookup, `HF_TOKEN` first). `endpoint`: Hub URL
     (default: `HF_ENDPOINT` as huggingface_hub read it). `cache_dir`: huggingface_hub download cache
-    (default: `HF_HUB_CACHE`). The last three only matter for `hf://` URLs.
+    (default: `HF_HUB_CACHE`). `retry_budget_s`: seconds a write keeps retrying transient Hub failures
+    (reads: at most `HUB_READ_RETRY_BUDGET_S`). The last four only matter for `hf://` URLs.
     """
     if url.startswith("file:"):
         parsed = urlparse(url)
@@ -137,7 +153,8 @@ def open_store(url: str, token: str | None = None, *, endpoint: str | None = Non
         return FileStore(root)
     match = _HUB_URL.match(url)
     if match:
-        return HubStore(f"{match[1]}/{match[2]}", token=token, endpoint=endpoint, cache_dir=cache_dir)
+        return HubStore(f"{match[1]}/{match[2]}", token=token, endpoint=endpoint, cache_dir=cache_dir,
+                        retry_budget_s=retry_budget_s)
     raise ArtifactStoreError(f"bad store URL {url!r}: use {ACCEPTED_URLS}")
 
 
@@ -149,7 +166,8 @@ class FileStore(ArtifactStore):
         self.url = self.root.as_uri()
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = ()) -> None:
+    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = (),
+            retry_budget_s: float | None = None) -> None:
         targets = {_clean_path(path): content for path, content in files.items()}
         for prefix in delete_prefixes:
             shutil.rmtree(self.root / _clean_prefix(prefix, allow_root=False), ignore_errors=True)
@@ -205,61 +223,79 @@ class FileStore(ArtifactStore):
 
 
 class HubStore(ArtifactStore):
-    """A private Hugging Face dataset repo; every write is one `create_commit`."""
+    """A private Hugging Face dataset repo; every write is one `create_commit`.
+
+    Every Hub call goes through `_call`, which retries transient failures and maps errors. Only calls
+    that are safe to repeat go there: reads, and commits, which are atomic on the Hub (a refused one
+    changed nothing) and which `put` rebuilds on each try (see there).
+    """
 
     repo_type = "dataset"
 
     def __init__(self, repo_id: str, *, token: str | None = None, endpoint: str | None = None,
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, retry_budget_s: float = HUB_RETRY_BUDGET_S):
         self.repo_id = repo_id
         self.url = f"hf://datasets/{repo_id}"
+        self.retry_budget_s = retry_budget_s
+        self._read_budget_s = min(retry_budget_s, HUB_READ_RETRY_BUDGET_S)
         self._token = token
         self._api = HfApi(endpoint=endpoint, token=token, library_name="loraflow")
         self._cache_dir = cache_dir
-        with self._hub_errors("open"):
-            self._api.create_repo(repo_id, repo_type=self.repo_type, private=True, exist_ok=True)
-            # create_repo leaves an existing repo as it is: force private, run artifacts are not public.
-            self._api.update_repo_settings(repo_id, repo_type=self.repo_type, private=True)
+        self._call("open", self._create_private_repo, budget_s=self._read_budget_s)
+
+    def _create_private_repo(self) -> None:
+        self._api.create_repo(self.repo_id, repo_type=self.repo_type, private=True, exist_ok=True)
+        # create_repo leaves an existing repo as it is: force private, run artifacts are not public.
+        self._api.update_repo_settings(self.repo_id, repo_type=self.repo_type, private=True)
 
     @property
     def endpoint(self) -> str:
         return self._api.endpoint
 
-    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = ()) -> None:
-        operations: list[CommitOperationAdd | CommitOperationDelete] = []
-        for prefix in delete_prefixes:
-            prefix = _clean_prefix(prefix, allow_root=False)
-            # Deleting a folder that is not there fails the whole commit on the Hub (404 EntryNotFound).
-            if self.list_files(prefix):
-                operations.append(CommitOperationDelete(path_in_repo=f"{prefix}/", is_folder=True))
-        for path, content in files.items():
-            source = content if isinstance(content, bytes) else str(content)
-            operations.append(CommitOperationAdd(path_in_repo=_clean_path(path), path_or_fileobj=source))
-        if not operations:
-            return
-        with self._hub_errors("commit to"):
-            # One create_commit is one commit; upload_folder may split into several (hf-hub-api §6).
-            self._api.create_commit(self.repo_id, operations, commit_message=message, repo_type=self.repo_type,
-                                    revision=HUB_BRANCH)
+    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = (),
+            retry_budget_s: float | None = None) -> None:
+        additions = {_clean_path(path): content if isinstance(content, bytes) else str(content)
+                     for path, content in files.items()}
+        prefixes = [_clean_prefix(prefix, allow_root=False) for prefix in delete_prefixes]
+
+        def commit() -> None:
+            # Built afresh on each try, so retrying a commit that did land (after a timeout) is harmless: gone
+            # folders are not deleted again (that fails with 404), and the client drops unchanged files.
+            operations: list[CommitOperationAdd | CommitOperationDelete] = [
+                CommitOperationDelete(path_in_repo=f"{prefix}/", is_folder=True)
+                for prefix in prefixes if self._tree_files(prefix)
+            ]
+            operations += [CommitOperationAdd(path_in_repo=path, path_or_fileobj=source)
+                           for path, source in additions.items()]
+            if operations:
+                # One create_commit is one commit; upload_folder may split into several (hf-hub-api §6).
+                self._api.create_commit(self.repo_id, operations, commit_message=message,
+                                        repo_type=self.repo_type, revision=HUB_BRANCH)
+
+        if additions or prefixes:
+            self._call("commit to", commit, budget_s=self.retry_budget_s if retry_budget_s is None else retry_budget_s)
 
     def read_bytes(self, path: str) -> bytes:
-        with self._hub_errors("read", path):
-            local = self._api.hf_hub_download(self.repo_id, _clean_path(path), repo_type=self.repo_type,
-                                              revision=HUB_BRANCH, cache_dir=self._cache_dir)
-        return Path(local).read_bytes()
+        path = _clean_path(path)
+        return Path(self._call("read", lambda: self._api.hf_hub_download(
+            self.repo_id, path, repo_type=self.repo_type, revision=HUB_BRANCH, cache_dir=self._cache_dir),
+            path=path, budget_s=self._read_budget_s)).read_bytes()
 
     def exists(self, path: str) -> bool:
-        with self._hub_errors("check", path):
-            return self._api.file_exists(self.repo_id, _clean_path(path), repo_type=self.repo_type,
-                                         revision=HUB_BRANCH)
+        path = _clean_path(path)
+        return self._call("check", lambda: self._api.file_exists(
+            self.repo_id, path, repo_type=self.repo_type, revision=HUB_BRANCH), path=path, budget_s=self._read_budget_s)
 
     def list_files(self, prefix: str) -> list[str]:
         prefix = _clean_prefix(prefix)
+        return self._call("list", lambda: self._tree_files(prefix), path=prefix, budget_s=self._read_budget_s)
+
+    def _tree_files(self, prefix: str) -> list[str]:
+        """`list_files` in one try, with huggingface_hub's errors (for use inside a retried call)."""
         try:
-            with self._hub_errors("list", prefix):
-                entries = list(self._api.list_repo_tree(self.repo_id, path_in_repo=prefix or None, recursive=True,
-                                                        repo_type=self.repo_type, revision=HUB_BRANCH))
-        except ArtifactNotFound:
+            entries = list(self._api.list_repo_tree(self.repo_id, path_in_repo=prefix or None, recursive=True,
+                                                    repo_type=self.repo_type, revision=HUB_BRANCH))
+        except RemoteEntryNotFoundError:  # the folder is not there
             return []
         return sorted(
             e.path for e in entries
@@ -268,12 +304,11 @@ class HubStore(ArtifactStore):
 
     def download(self, prefix: str, dest: Path) -> Path:
         prefix = _clean_prefix(prefix)
-        with self._hub_errors("download", prefix):
-            snapshot = Path(self._api.snapshot_download(
-                self.repo_id, repo_type=self.repo_type, revision=HUB_BRANCH, cache_dir=self._cache_dir,
-                allow_patterns=[glob.escape(prefix) + "/*"] if prefix else None,
-                ignore_patterns=None if prefix else [HUB_GITATTRIBUTES],
-            ))
+        snapshot = Path(self._call("download", lambda: self._api.snapshot_download(
+            self.repo_id, repo_type=self.repo_type, revision=HUB_BRANCH, cache_dir=self._cache_dir,
+            allow_patterns=[glob.escape(prefix) + "/*"] if prefix else None,
+            ignore_patterns=None if prefix else [HUB_GITATTRIBUTES],
+        ), path=prefix, budget_s=self._read_budget_s))
         source = snapshot / prefix if prefix else snapshot
         files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else []
         if not files:
@@ -287,6 +322,29 @@ class HubStore(ArtifactStore):
 
     def display_url(self, path: str = "") -> str:
         return f"{self.endpoint}/datasets/{self.repo_id}/tree/{HUB_BRANCH}/{path}".rstrip("/")
+
+    def _call(self, action: str, call: Callable[[], _T], *, path: str | None = None, budget_s: float) -> _T:
+        """`call()`, tried again after transient failures until `budget_s` is spent; errors mapped to store errors."""
+        def warn(details: dict) -> None:
+            status = _status(error := details["exception"])
+            log.warning("cannot %s %s yet (%s): trying again in %.1f s (try %d; %.0f of %.0f s retry budget spent)",
+                        action, self.url, type(error).__name__ if status is None else f"HTTP {status}",
+                        details["wait"], details["tries"], details["elapsed"], budget_s)
+
+        spent: dict = {}  # backoff's details (tries, elapsed) when it gives up
+        retrying = backoff.on_exception(
+            _hub_waits, (HfHubHTTPError, LocalEntryNotFoundError, httpx2.TransportError),
+            giveup=lambda e: not _transient(e), max_time=budget_s, jitter=None,  # _hub_waits jitters itself
+            on_backoff=warn, on_giveup=spent.update, logger=None, max_wait_s=HUB_MAX_WAIT_S,
+        )(call)
+        try:
+            with self._hub_errors(action, path):
+                return retrying()
+        except ArtifactStoreError as e:
+            if not e.transient:
+                raise
+            raise ArtifactStoreError(f"{e} Gave up after {spent['tries']} tries in {spent['elapsed']:.0f} s "
+                                     f"(retry budget {budget_s:.0f} s).", transient=True) from e.__cause__
 
     @contextlib.contextmanager
     def _hub_errors(self, action: str, path: str | None = None) -> Iterator[None]:
@@ -309,9 +367,9 @@ class HubStore(ArtifactStore):
             raise ArtifactStoreError(self._scrub(
                 f"cannot {action} {path!r} in {where}: the Hub did not answer and no cached copy exists. Check "
                 f"the network and HF_ENDPOINT. ({e})"
-            ), transient=True) from e
+            ), transient=_transient(e)) from e
         except HfHubHTTPError as e:
-            status = e.response.status_code if e.response is not None else None
+            status = _status(e)
             if status == 429:
                 hint = (f"the Hub's rate limit was hit (commits: about {HUB_COMMITS_PER_HOUR} per hour per repo). "
                         "Batch files into fewer commits, or retry later")
@@ -319,9 +377,8 @@ class HubStore(ArtifactStore):
                 hint = "the token was refused; check that HF_TOKEN (or the token passed) has write access"
             else:
                 hint = "the Hub refused the request"
-            transient = status == 429 or (status is not None and status >= 500)
             raise ArtifactStoreError(self._scrub(f"cannot {action} {where}: {hint}. ({e})"),
-                                     transient=transient) from e
+                                     transient=_transient(e)) from e
         except httpx2.TransportError as e:
             raise ArtifactStoreError(
                 f"cannot {action} {where}: the Hub could not be reached ({type(e).__name__}). Check the network "
@@ -331,6 +388,39 @@ class HubStore(ArtifactStore):
     def _scrub(self, message: str) -> str:
         # Server messages do not echo the token, but a message must never carry it, whatever the server says.
         return message.replace(self._token, "***") if self._token else message
+
+
+def _status(error: BaseException) -> int | None:
+    """The HTTP status behind a huggingface_hub error; None when the Hub did not answer."""
+    if isinstance(error, LocalEntryNotFoundError) and error.__cause__ is not None:
+        return _status(error.__cause__)  # hf_hub_download's "nothing cached": the cause is what the Hub said
+    return error.response.status_code if isinstance(error, HfHubHTTPError) and error.response is not None else None
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether the same call may pass later unchanged: 408, 429, 5xx, or no answer at all."""
+    status = _status(error)
+    if status is None:
+        return isinstance(error, (LocalEntryNotFoundError, httpx2.TransportError))
+    return status in (408, 429) or status >= 500
+
+
+def _hub_waits(*, max_wait_s: float) -> Generator[float, BaseException, None]:
+    """backoff wait generator (it sends each failure in): `Retry-After`, or a spent `RateLimit` bucket's reset
+    on a 429 (as the Hub's client reads them), else exponential with full jitter; at most `max_wait_s`."""
+    exponential = backoff.expo(factor=HUB_FIRST_WAIT_S, max_value=max_wait_s)
+    next(exponential)  # past its priming yield
+    error = yield 0.0  # primed by backoff with send(None); the value is discarded
+    while True:
+        asked = None
+        if isinstance(error, HfHubHTTPError) and error.response is not None:
+            retry_after = error.response.headers.get("Retry-After", "").strip()
+            bucket = parse_ratelimit_headers(error.response.headers)
+            if retry_after.isdigit():  # an HTTP-date is allowed too, but the Hub sends seconds
+                asked = float(retry_after)
+            elif error.response.status_code == 429 and bucket is not None and bucket.remaining == 0:
+                asked = float(bucket.reset_in_seconds)
+        error = yield min(asked, max_wait_s) if asked is not None else backoff.full_jitter(next(exponential))
 
 
 def _clean_path(path: str) -> str:
