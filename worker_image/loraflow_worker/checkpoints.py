@@ -1,13 +1,21 @@
-"""Checkpoints in the artifact store: stored every N steps while training, resumed by the next attempt.
+"""Checkpoints in the artifact store: stored while training, resumed by the next attempt.
+
+A checkpoint is saved when `checkpoint_every_steps` steps have passed (the Trainer's own schedule), when
+`checkpoint_every_minutes` have passed (`CheckpointTimer`), and at the job's deadline (`TrainingMonitor`;
+train_job.py stores that one together with the adapter trained so far).
 
 Layout: `<prefix>/checkpoints/step-<N>/` holds the Trainer's `checkpoint-<N>` folder (adapter, optimizer,
 scheduler and RNG state, `trainer_state.json` with the step and the loss history) and a `COMPLETE`
 marker. Each checkpoint is ONE `put`: its files, its marker, and the deletion of the checkpoints beyond
 `keep_checkpoints`, in one commit, so a reader that sees `COMPLETE` sees the whole checkpoint.
 
-Hub commit budget (128 commits per hour per repo): checkpoints are stored at most once per
-`MIN_COMMIT_INTERVAL_S` (60 an hour), heartbeats once per `heartbeat.INTERVAL_S` (12 an hour), and a run
-adds its result, `DONE` and perhaps a console tail: at most ~75 commits in any hour.
+Hub commit budget (128 commits per hour per repo, shared by every run that writes to the repo): at the
+defaults (`checkpoint_every_minutes` 15, no step-based checkpoints) a run costs about 4 checkpoint commits an
+hour plus its final save (one commit: results and `DONE` together); a failed run instead adds a console tail,
+and one stopped by its deadline its partial save. Nothing else commits while training, so about 25 runs at
+the defaults can write to one repo at once. Whatever asks for them, checkpoints are stored at most once per
+`MIN_COMMIT_INTERVAL_S` (a save that comes sooner stays local): frequent step-based checkpoints cost up to 60
+commits an hour, and such a run stays under ~62 commits in any hour.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError
 from loraflow_worker.contract import TrainingSettings
 
 COMPLETE = "COMPLETE"
+CHECKPOINT_RETRY_BUDGET_S = 60.0
+"""How long training waits for a rate-limited or failing Hub to take a checkpoint before going on without it
+(the next checkpoint tries again; the final save has a budget of its own, `artifacts.HUB_RETRY_BUDGET_S`)."""
 MIN_COMMIT_INTERVAL_S = 60.0
 """Least time between two checkpoint commits; a save that comes sooner stays on the local disk only."""
 
@@ -34,10 +45,13 @@ log = logging.getLogger("loraflow_worker")
 
 
 def save_settings(training: TrainingSettings) -> dict[str, Any]:
-    """The Trainer arguments that make it write `checkpoint-<N>` folders every `checkpoint_every_steps`."""
-    if training.checkpoint_every_steps is None:
-        return {"save_strategy": "no"}
+    """The Trainer arguments that make it write `checkpoint-<N>` folders every `checkpoint_every_steps`.
+
+    The other saves (`CheckpointTimer`, the deadline's) set `control.should_save` from a callback, which the
+    Trainer honours whatever `save_strategy` says (transformers 5.20 `Trainer._maybe_log_save_evaluate`)."""
     # One local checkpoint is enough: older ones are in the store already (or were skipped on purpose).
+    if training.checkpoint_every_steps is None:
+        return {"save_strategy": "no", "save_total_limit": 1}
     return {"save_strategy": "steps", "save_steps": training.checkpoint_every_steps, "save_total_limit": 1}
 
 
@@ -72,6 +86,45 @@ def download_latest_checkpoint(store: ArtifactStore, run_prefix: str, output_dir
     return local
 
 
+def checkpoint_commit(store: ArtifactStore, run_prefix: str, local: Path, step: int,
+                      keep: int) -> tuple[dict[str, bytes | Path], list[str]]:
+    """The files (its `COMPLETE` marker last) and the folders to delete of the commit that stores the Trainer
+    checkpoint folder `local` as step `step`, keeping the newest `keep` checkpoints."""
+    base = checkpoints_prefix(run_prefix)
+    folder = f"{base}/step-{step}"
+    files: dict[str, bytes | Path] = {
+        f"{folder}/{path.relative_to(local).as_posix()}": path for path in sorted(local.rglob("*")) if path.is_file()
+    }
+    # Last, so that a FileStore write cut short leaves no marker (the Hub commits all files at once).
+    files[f"{folder}/{COMPLETE}"] = json.dumps({"step": step, "stored_at": time.time()}).encode()
+    stored = stored_checkpoints(store, run_prefix)
+    kept = sorted((s for s, done in stored.items() if done and s < step), reverse=True)[: keep - 1]
+    # Everything else goes in the same commit: older checkpoints beyond `keep`, incomplete ones, and a
+    # leftover folder of this very step (deletions apply before the new files).
+    stale = [s for s in stored if s not in kept]
+    return files, [f"{base}/step-{s}" for s in sorted(stale)]
+
+
+class CheckpointTimer(TrainerCallback):
+    """Asks the Trainer for a checkpoint once `interval_s` has passed since training began or since its last
+    save, whatever triggered that one."""
+
+    def __init__(self, interval_s: float, *, clock: Callable[[], float] = time.monotonic):
+        self.interval_s = interval_s
+        self.clock = clock
+        self._last: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = self.clock()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.clock() - self._last >= self.interval_s:
+            control.should_save = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self._last = self.clock()
+
+
 class CheckpointUploader(TrainerCallback):
     """Stores each checkpoint the Trainer writes (`on_save` comes after the folder is complete on disk),
     at most one per `min_interval_s`, keeping the newest `keep` in the store."""
@@ -88,8 +141,10 @@ class CheckpointUploader(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         step = state.global_step
-        if step >= state.max_steps:
-            return  # the end of training: the adapter is published next, a checkpoint would resume nothing
+        if control.should_training_stop:
+            # The last save of this training: at its end the adapter is published next (a checkpoint would
+            # resume nothing); at the deadline train_job.py stores this checkpoint with the partial adapter.
+            return
         now = self.clock()
         if self._last_commit is not None and now - self._last_commit < self.min_interval_s:
             log.info("checkpoint at step %d kept local only: the last one was stored %.0f s ago (limit: one per %.0f s)",
@@ -106,18 +161,8 @@ class CheckpointUploader(TrainerCallback):
         self.uploaded.append(step)
 
     def _store(self, local: Path, step: int) -> None:
-        base = checkpoints_prefix(self.run_prefix)
-        folder = f"{base}/step-{step}"
-        files: dict[str, bytes | Path] = {
-            f"{folder}/{path.relative_to(local).as_posix()}": path for path in sorted(local.rglob("*")) if path.is_file()
-        }
-        # Last, so that a FileStore write cut short leaves no marker (the Hub commits all files at once).
-        files[f"{folder}/{COMPLETE}"] = json.dumps({"step": step, "stored_at": time.time()}).encode()
-        stored = stored_checkpoints(self.store, self.run_prefix)
-        kept = sorted((s for s, done in stored.items() if done and s < step), reverse=True)[: self.keep - 1]
-        # Everything else goes in the same commit: older checkpoints beyond `keep`, incomplete ones, and a
-        # leftover folder of this very step (deletions apply before the new files).
-        stale = [s for s in stored if s not in kept]
-        self.store.put(files, message=f"checkpoint at step {step}",
-                       delete_prefixes=[f"{base}/step-{s}" for s in sorted(stale)])
-        log.info("checkpoint at step %d stored in %s", step, self.store.display_url(folder))
+        files, stale = checkpoint_commit(self.store, self.run_prefix, local, step, self.keep)
+        self.store.put(files, message=f"checkpoint at step {step}", delete_prefixes=stale,
+                       retry_budget_s=CHECKPOINT_RETRY_BUDGET_S)
+        log.info("checkpoint at step %d stored in %s", step,
+                 self.store.display_url(f"{checkpoints_prefix(self.run_prefix)}/step-{step}"))

@@ -15,7 +15,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2
 """Bump when a change to `JobInput` or `JobResult` is not backwards compatible."""
 
 MAX_EXTRA_PACKAGES = 20
@@ -105,8 +105,19 @@ class TrainingSettings(_Strict):
         le=10_000_000,
         description="Save a resumable checkpoint (adapter, optimizer, scheduler, RNG) to the artifact store "
         "every this many optimizer steps, so a new attempt of the run resumes there. At most one checkpoint "
-        "is stored per minute (the Hub's commit quota); a save that comes sooner stays local. None saves no "
-        "checkpoints: a new attempt starts over.",
+        "is stored per minute (the Hub's commit quota); a save that comes sooner stays local. None: no "
+        "step-based checkpoints (`checkpoint_every_minutes` may still save some).",
+    )
+    checkpoint_every_minutes: int | None = Field(
+        default=15,
+        ge=1,
+        le=10_080,
+        description="Save a resumable checkpoint to the artifact store once this many minutes have passed since "
+        "training began or since the last checkpoint, whichever came later, so a preempted or failed attempt "
+        "loses at most this much training. Works alongside `checkpoint_every_steps`: a checkpoint is saved "
+        "when either says so. The default 15 costs about 4 commits an hour of the artifact repo's quota (the "
+        "Hub allows about 128 per hour per repo, shared by the runs that write to it). None: no time-based "
+        "checkpoints.",
     )
     keep_checkpoints: int = Field(
         default=1, ge=1, le=100,
@@ -262,7 +273,9 @@ class JobInput(_Strict):
         description="Artifact store URL: `file:///abs/path` or `hf://datasets/<org>/<repo>`.",
     )
     deadline_epoch_s: float | None = Field(
-        default=None, description="Unix time by which the worker must have stopped; None means no deadline."
+        default=None,
+        description="Unix time by which the worker must have stopped; None means no deadline. Training that "
+        "reaches it stores the adapter trained so far and a checkpoint to resume from, then fails the job.",
     )
     extra_packages: list[str] = Field(
         default_factory=list,
@@ -319,6 +332,21 @@ class JobResult(_Strict):
     run_prefix: str = Field(description="Path of this run's folder inside the artifact store, e.g. `runs/<run_id>`.")
     adapter_path: str = Field(description="Path of the adapter folder inside the artifact store.")
     metrics: TrainMetrics
+
+
+class PartialResult(_Strict):
+    """What a run stopped by its job's deadline stored, as `<run_prefix>/partial/result.json`. The run is not
+    complete (there is no `DONE`): a new attempt resumes from `checkpoint_path`."""
+
+    contract_version: int = Field(default=CONTRACT_VERSION)
+    run_id: str = Field(description="The Prefect flow run id.")
+    attempt: int = Field(description="The attempt that stored this.")
+    step: int = Field(description="Optimizer steps taken when training stopped.")
+    total_steps: int = Field(description="Optimizer steps the run was to take.")
+    loss: float | None = Field(description="The last logged training loss; None when none was logged.")
+    stopped_because: str = Field(description="Why training stopped before its last step.")
+    adapter_path: str = Field(description="Folder of the adapter trained so far, inside the artifact store.")
+    checkpoint_path: str = Field(description="Folder of the checkpoint of `step` inside the artifact store.")
 
 
 class Progress(_Strict):

@@ -63,7 +63,8 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
                callbacks: Sequence[TrainerCallback] = (), resume_from: Path | None = None) -> TrainOutcome:
     """Train a LoRA adapter for `job` (algorithm `grpo`) inside `work_dir` and save it there. `callbacks`
     join the Trainer's; `resume_from` is a Trainer checkpoint folder to continue from. Raises
-    `DeadlineReached` when the job's deadline passes first, `RewardError` for a reward that cannot be used."""
+    `DeadlineReached` when the job's deadline passes before training starts (one that passes during training
+    stops it, as in `train_sft`), `RewardError` for a reward that cannot be used."""
     settings: GrpoSettings = job.grpo  # JobInput guarantees it for algorithm `grpo`
     cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
@@ -91,7 +92,7 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
         callbacks=[monitor, reward_log, *callbacks],
     )
     fast_paths = engage_fast_paths(plan, trainer.model)
-    adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, monitor, job, revision, work_dir, resume_from)
+    adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, rows=rows,
                            rewards=reward_log.rewards)

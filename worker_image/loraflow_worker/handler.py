@@ -7,7 +7,7 @@ On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 Locally, one job through runpod's test mode (no server involved):
 
     python -m loraflow_worker.tiny_model --out /tmp/tiny-qwen3
-    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 1, "run_id": "demo",
+    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 2, "run_id": "demo",
         "model": {"id": "/tmp/tiny-qwen3"}, "dataset": {"store_path": "runs/demo/dataset/train.jsonl"},
         "training": {"max_steps": 50}, "artifact_store": "file:///tmp/loraflow-store"}}'
 
@@ -39,6 +39,8 @@ from loraflow_worker.packages import install_extra_packages
 from loraflow_worker.redaction import redact_secrets
 from loraflow_worker.supervisor import JobFailed, run_training
 
+CONSOLE_RETRY_BUDGET_S = 60.0
+"""How long a failed job's console upload retries a rate-limited or failing Hub before the failure is reported without it."""
 WORK_DIR_ENV = "LORAFLOW_WORK_DIR"
 """Folder under which the worker keeps the current job's files (default: the system temp folder)."""
 
@@ -114,7 +116,8 @@ def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]
     message = ended.failure_message()
     try:
         store.put({f"{prefix}/console.txt": ended.console_tail.encode()},
-                  message=f"run {job_input.run_id} attempt {job_input.attempt}: console of the failed training")
+                  message=f"run {job_input.run_id} attempt {job_input.attempt}: console of the failed training",
+                  retry_budget_s=CONSOLE_RETRY_BUDGET_S)
     except ArtifactStoreError as e:  # the training's failure is the news; the store's is a footnote
         message += f" (its console could not be stored: {e})"
     raise JobFailed(message)

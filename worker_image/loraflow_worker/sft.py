@@ -35,7 +35,8 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
               callbacks: Sequence[TrainerCallback] = (), resume_from: Path | None = None) -> TrainOutcome:
     """Train a LoRA adapter for `job` inside `work_dir` and save it there. `callbacks` join the
     Trainer's; `resume_from` is a Trainer checkpoint folder to continue from (step, optimizer,
-    scheduler, RNG). Raises `DeadlineReached` when the job's deadline passes first."""
+    scheduler, RNG). Raises `DeadlineReached` when the job's deadline passes before training starts; one
+    that passes during training stops it with the adapter trained so far (`TrainOutcome.deadline_checkpoint`)."""
     cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
     dataset = load_job_dataset(job.dataset, store, work_dir)
@@ -55,7 +56,7 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
         callbacks=[monitor, *callbacks],
     )
     fast_paths = engage_fast_paths(plan, trainer.model)
-    adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, monitor, job, revision, work_dir, resume_from)
+    adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, rows=dataset)
 

@@ -1,4 +1,5 @@
-"""The training process of one job: resume or start, train, publish the run's artifacts with `DONE` last.
+"""The training process of one job: resume or start, train, publish the run's artifacts with `DONE` last
+(or, when the job's deadline stops training, the adapter trained so far and a checkpoint to resume from).
 
 The handler's supervisor starts it in the job's (empty) work dir:
 
@@ -19,13 +20,18 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loraflow_worker.artifacts import ArtifactStore, open_store
-from loraflow_worker.contract import JobInput, JobResult, Progress, run_prefix
+from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
+from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
 from loraflow_worker.supervisor import ERROR_FILE, PROGRESS_MARKER
 
 if TYPE_CHECKING:
+    from transformers import TrainerCallback
+
     from loraflow_worker.training_run import TrainOutcome
 
+DEADLINE_SAVE_RETRY_BUDGET_S = 30.0
+"""The deadline save retries a rate-limited or failing Hub this long: it must end before the supervisor kills
+the training process (`supervisor.DEADLINE_KILL_GRACE_S` past the deadline)."""
 _OOM_TYPES = ("OutOfMemoryError",)  # torch.OutOfMemoryError, and torch.cuda.OutOfMemoryError (the same class)
 
 
@@ -50,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     """Train `job` in `work_dir` (resuming from the store's latest checkpoint, if any) and publish the
-    adapter, metrics, manifest and result, then `DONE`."""
+    adapter, metrics, manifest, result and `DONE` in one commit. When the job's deadline stops training
+    first, store the adapter trained so far and a checkpoint of its last step instead (one commit, no `DONE`)
+    and raise `DeadlineReached`."""
     # The training stack takes seconds to import: after the job file is read, not before.
-    from loraflow_worker.checkpoints import CheckpointUploader, download_latest_checkpoint
-    from loraflow_worker.heartbeat import Heartbeat
+    from loraflow_worker.checkpoints import CheckpointTimer, CheckpointUploader, download_latest_checkpoint
+    from loraflow_worker.training_monitor import DeadlineReached
 
     if job.algorithm == "grpo":
         from loraflow_worker.grpo import train_grpo as train
@@ -65,10 +73,25 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     resume_from = download_latest_checkpoint(store, prefix, work_dir / "trainer")
     if resume_from is not None:
         report_progress(Progress(stage="loading", message=f"resuming from the checkpoint at step {resume_from.name.rpartition('-')[2]}"))
-    callbacks = [Heartbeat(store, prefix, job.attempt)]
-    if job.training.checkpoint_every_steps is not None:
-        callbacks.append(CheckpointUploader(store, prefix, job.training.keep_checkpoints))
+    callbacks: list[TrainerCallback] = [CheckpointUploader(store, prefix, job.training.keep_checkpoints)]
+    if job.training.checkpoint_every_minutes is not None:
+        callbacks.append(CheckpointTimer(job.training.checkpoint_every_minutes * 60.0))
     outcome = train(job, store, work_dir, report_progress, callbacks=callbacks, resume_from=resume_from)
+    if outcome.deadline_checkpoint is not None:
+        step, total = outcome.metrics.steps, outcome.total_steps
+        stopped = (f"deadline reached at step {step} of {total}: the job's deadline_epoch_s ({job.deadline_epoch_s}) "
+                   "passed before training finished")
+        report_progress(Progress(stage="saving", step=step, total_steps=total,
+                                 message=f"{stopped}; saving the adapter so far to {store.display_url(prefix)}"))
+        try:
+            partial = _publish_partial(store, prefix, job, outcome, stopped)
+        except ArtifactStoreError as e:
+            raise DeadlineReached(f"{stopped}; storing the adapter trained so far and a checkpoint failed: {e}") from e
+        raise DeadlineReached(
+            f"{stopped}. The adapter trained so far is stored at {store.display_url(partial.adapter_path)} and a "
+            f"checkpoint of step {step} at {store.display_url(partial.checkpoint_path)}; retrying the same flow run "
+            "resumes from that checkpoint."
+        )
     report_progress(Progress(stage="saving", step=outcome.metrics.steps, message=f"saving adapter to {store.display_url(prefix)}"))
     result = JobResult(run_id=job.run_id, attempt=job.attempt, run_prefix=prefix, adapter_path=f"{prefix}/adapter",
                        metrics=outcome.metrics)
@@ -82,24 +105,45 @@ def report_progress(progress: Progress) -> None:
 
 
 def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: JobResult) -> None:
-    """Everything in one commit (the Hub allows 128 commits/hour/repo), then DONE alone, last: a
-    reader that sees DONE can rely on the rest being there."""
-    files: dict[str, bytes | Path] = {
-        f"{prefix}/adapter/{path.relative_to(outcome.adapter_dir).as_posix()}": path
-        for path in sorted(outcome.adapter_dir.rglob("*"))
-        if path.is_file()
-    }
+    """Adapter, metrics, manifest, result and `DONE` in ONE commit (the Hub allows about 128 commits per hour
+    per repo), `DONE` last: a reader that sees `DONE` sees the rest. A Hub commit is all or nothing; FileStore
+    writes the files one by one in the order given (`FileStore.put`), so there too `DONE` comes after the rest."""
+    files = _adapter_files(outcome.adapter_dir, f"{prefix}/adapter")
     files[f"{prefix}/metrics.json"] = outcome.metrics.model_dump_json(indent=2).encode()
     files[f"{prefix}/manifest.json"] = outcome.manifest.model_dump_json(indent=2).encode()
     files[f"{prefix}/result.json"] = result.model_dump_json(indent=2).encode()
+    files[f"{prefix}/DONE"] = json.dumps({"run_id": result.run_id, "attempt": result.attempt}).encode()
     store.put(
         files,
-        message=f"run {result.run_id} attempt {result.attempt}: adapter, metrics, manifest, result",
-        # A previous attempt's adapter files must not mix with this one's.
-        delete_prefixes=[f"{prefix}/adapter"],
+        message=f"run {result.run_id} attempt {result.attempt}: adapter, metrics, manifest, result, DONE",
+        # A previous attempt's adapter files must not mix with this one's; its deadline save is superseded.
+        delete_prefixes=[f"{prefix}/adapter", f"{prefix}/partial"],
     )
-    done = json.dumps({"run_id": result.run_id, "attempt": result.attempt}).encode()
-    store.put({f"{prefix}/DONE": done}, message=f"run {result.run_id} attempt {result.attempt}: DONE")
+
+
+def _publish_partial(store: ArtifactStore, prefix: str, job: JobInput, outcome: TrainOutcome,
+                     stopped: str) -> PartialResult:
+    """The deadline's save, in ONE commit and without `DONE` (the run is not complete): the checkpoint of the
+    last step, where the next attempt resumes, and the adapter trained so far under `<prefix>/partial/`, with
+    `partial/result.json` last (written last by FileStore too, as in `_publish`)."""
+    from loraflow_worker.checkpoints import checkpoint_commit, checkpoints_prefix
+
+    step = outcome.metrics.steps
+    partial = PartialResult(run_id=job.run_id, attempt=job.attempt, step=step, total_steps=outcome.total_steps,
+                            loss=outcome.metrics.final_loss, stopped_because=stopped,
+                            adapter_path=f"{prefix}/partial/adapter",
+                            checkpoint_path=f"{checkpoints_prefix(prefix)}/step-{step}")
+    files, stale = checkpoint_commit(store, prefix, outcome.deadline_checkpoint, step, job.training.keep_checkpoints)
+    files.update(_adapter_files(outcome.adapter_dir, partial.adapter_path))
+    files[f"{prefix}/partial/result.json"] = partial.model_dump_json(indent=2).encode()
+    store.put(files, message=f"run {job.run_id} attempt {job.attempt}: deadline at step {step}, checkpoint and adapter so far",
+              delete_prefixes=[*stale, f"{prefix}/partial"], retry_budget_s=DEADLINE_SAVE_RETRY_BUDGET_S)
+    return partial
+
+
+def _adapter_files(adapter_dir: Path, folder: str) -> dict[str, bytes | Path]:
+    return {f"{folder}/{path.relative_to(adapter_dir).as_posix()}": path
+            for path in sorted(adapter_dir.rglob("*")) if path.is_file()}
 
 
 if __name__ == "__main__":

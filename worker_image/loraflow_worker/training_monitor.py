@@ -27,7 +27,8 @@ def check_deadline(deadline_epoch_s: float | None) -> None:
 
 class TrainingMonitor(TrainerCallback):
     """Collects (step, loss) pairs, sends progress at most every `PROGRESS_INTERVAL_S` (plus the first
-    logged loss and the end), and stops training once the deadline passes (`deadline_hit` tells).
+    logged loss and the end), and stops training once the deadline passes (`deadline_hit` tells), having the
+    Trainer checkpoint that last step first so that the run can resume there.
 
     A run resumed from a checkpoint keeps the losses logged before it: the Trainer restores its log
     history from the checkpoint's `trainer_state.json` before training begins."""
@@ -55,9 +56,14 @@ class TrainingMonitor(TrainerCallback):
                 self._send(state)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
+        passed = self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s
+        # At the last step training stops anyway (DefaultFlowCallback, which runs first, said so): its results are
+        # complete and get published, deadline or not.
+        if passed and not control.should_training_stop:
             self.deadline_hit = True
             control.should_training_stop = True
+            # Saved before the loop ends, within the supervisor's kill grace; train_job.py stores it.
+            control.should_save = True
         if time.monotonic() - self._last_sent >= PROGRESS_INTERVAL_S:
             self._send(state)
 

@@ -1,7 +1,7 @@
 """What every algorithm's training run shares: its inputs (data, base model, LoRA shape, the TrainingArguments
 the job's settings decide, the workload the fast paths plan for), running the trainer to its end or the job's
-deadline, and packaging the saved adapter with its metrics and manifest. `sft.py` and `grpo.py` hold only what
-differs: the dataset's shape, the TRL config and trainer."""
+deadline, and packaging the saved adapter (final, or trained so far) with its metrics and manifest. `sft.py` and
+`grpo.py` hold only what differs: the dataset's shape, the TRL config and trainer."""
 
 from __future__ import annotations
 
@@ -22,16 +22,21 @@ from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, 
 from loraflow_worker.fast_paths import cuda_allocator_settings
 from loraflow_worker.memory_estimate import Workload
 from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
-from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor
+from loraflow_worker.training_monitor import TrainingMonitor
 
 
 @dataclass
 class TrainOutcome:
-    """A finished training run, saved locally and ready to publish."""
+    """A training run that ended, at its last step or at the job's deadline, saved locally and ready to publish."""
 
     adapter_dir: Path
     metrics: TrainMetrics
     manifest: RunManifest
+    total_steps: int
+    """Optimizer steps the run was to take (`metrics.steps` is how many it took)."""
+    deadline_checkpoint: Path | None
+    """When the job's deadline stopped training: the Trainer's checkpoint folder of the last step taken (the
+    adapter is then the one trained so far). None when training finished."""
 
 
 def use_device() -> bool:
@@ -102,18 +107,14 @@ def job_workload(job: JobInput) -> Workload:
     return Workload(batch_size=t.batch_size, seq_len=t.max_seq_length, lora_rank=job.lora.rank)
 
 
-def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, monitor: TrainingMonitor, job: JobInput,
-                   revision: str | None, work_dir: Path, resume_from: Path | None) -> tuple[Path, float]:
+def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: JobInput, revision: str | None,
+                   work_dir: Path, resume_from: Path | None) -> tuple[Path, float]:
     """Train (from `resume_from` when given) and save the adapter; returns (adapter folder, wall seconds).
-    Raises `DeadlineReached` when the job's deadline stopped training first: no adapter is saved then."""
+    When the job's deadline stopped training first (`TrainingMonitor.deadline_hit`), the adapter saved is the
+    one trained so far, and the Trainer has checkpointed the last step (see `package_outcome`)."""
     started = time.monotonic()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     wall_seconds = time.monotonic() - started
-    if monitor.deadline_hit:
-        raise DeadlineReached(
-            f"deadline reached at step {trainer.state.global_step} of {trainer.state.max_steps}: the job's "
-            f"deadline_epoch_s ({job.deadline_epoch_s}) passed before training finished; no adapter was saved"
-        )
     adapter_dir = work_dir / "adapter"
     # Point the adapter at the Hub model and commit, not at this worker's download folder.
     trainer.model.peft_config["default"].base_model_name_or_path = job.model.id
@@ -126,7 +127,8 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, monitor
 def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput, revision: str | None,
                     adapter_dir: Path, wall_seconds: float, cuda: bool, fast_paths: dict[str, FastPath],
                     rows: Dataset, rewards: list[tuple[int, float]] | None = None) -> TrainOutcome:
-    """The metrics and the reproducibility record (manifest) of a finished run."""
+    """The metrics and the reproducibility record (manifest) of a run that ended, and where its deadline
+    checkpoint is when the deadline ended it."""
     device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
     metrics = TrainMetrics(
         steps=trainer.state.global_step,
@@ -152,4 +154,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         dataset_sha256=rows_sha256(rows),
         config_sha256=training_config_sha256(job),
     )
-    return TrainOutcome(adapter_dir=adapter_dir, metrics=metrics, manifest=manifest)
+    # TrainingMonitor asked for this save at the deadline; the Trainer writes it as `checkpoint-<step>`.
+    deadline_checkpoint = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+    return TrainOutcome(adapter_dir=adapter_dir, metrics=metrics, manifest=manifest, total_steps=trainer.state.max_steps,
+                        deadline_checkpoint=deadline_checkpoint if monitor.deadline_hit else None)

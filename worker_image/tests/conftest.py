@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from loraflow_worker.contract import CONTRACT_VERSION
 from loraflow_worker.handler import WORK_DIR_ENV, handler
 from loraflow_worker.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
 from worker_test_support import BASE_TRAINING, PLANTED_SECRET
@@ -74,7 +75,7 @@ def _make_job(run_id: str, model_dir: Path, store_root: Path, **overrides) -> di
     (store_root / dataset_path).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(TINY_CHAT, store_root / dataset_path)
     job_input = {
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
         "run_id": run_id,
         "model": {"id": str(model_dir)},
         "dataset": {"store_path": dataset_path},

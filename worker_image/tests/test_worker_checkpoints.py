@@ -1,4 +1,4 @@
-"""Checkpoints and heartbeats in the store: one commit each, pruned, rate-limited, found again on resume.
+"""Checkpoints in the store: one commit each, pruned, rate-limited, asked for by time, found again on resume.
 
 The Trainer's callbacks are driven directly here with real `TrainerState`s and local checkpoint folders.
 """
@@ -11,31 +11,19 @@ from pathlib import Path
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from loraflow_worker.artifacts import FileStore
-from loraflow_worker.checkpoints import COMPLETE, CheckpointUploader, download_latest_checkpoint, stored_checkpoints
-from loraflow_worker.heartbeat import Heartbeat
+from worker_test_support import Clock, CountingStore
+
+from loraflow_worker.checkpoints import (
+    COMPLETE,
+    CheckpointTimer,
+    CheckpointUploader,
+    download_latest_checkpoint,
+    save_settings,
+    stored_checkpoints,
+)
+from loraflow_worker.contract import TrainingSettings
 
 PREFIX = "runs/r"
-
-
-class CountingStore(FileStore):
-    """A FileStore that counts its commits (each `put` is one commit on the Hub)."""
-
-    def __init__(self, root: Path):
-        super().__init__(root)
-        self.commits: list[str] = []
-
-    def put(self, files, *, message, delete_prefixes=()):
-        self.commits.append(message)
-        super().put(files, message=message, delete_prefixes=delete_prefixes)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -48,13 +36,14 @@ def args(tmp_path) -> TrainingArguments:
     return TrainingArguments(output_dir=str(tmp_path / "trainer"), report_to="none", use_cpu=True)
 
 
-def _save(uploader: CheckpointUploader, args: TrainingArguments, step: int, max_steps: int = 100) -> None:
-    """What the Trainer does at a save: write checkpoint-<step>, then call on_save."""
+def _save(uploader: CheckpointUploader, args: TrainingArguments, step: int, *, last: bool = False) -> None:
+    """What the Trainer does at a save: write checkpoint-<step>, then call on_save (`last`: training stops
+    after this step, at its end or at the deadline)."""
     folder = Path(args.output_dir) / f"checkpoint-{step}"
     folder.mkdir(parents=True)
     (folder / "adapter_model.safetensors").write_bytes(b"weights %d" % step)
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    uploader.on_save(args, TrainerState(global_step=step, max_steps=max_steps), TrainerControl())
+    uploader.on_save(args, TrainerState(global_step=step, max_steps=100), TrainerControl(should_training_stop=last))
 
 
 def test_each_checkpoint_is_one_commit_holding_its_files_and_marker(store, args):
@@ -90,9 +79,10 @@ def test_checkpoint_sooner_than_the_commit_interval_stays_local(store, args):
     assert sorted(stored_checkpoints(store, PREFIX)) == [10, 30]
 
 
-def test_checkpoint_at_the_last_step_is_not_stored(store, args):
+def test_the_save_of_the_last_step_is_not_stored_as_a_checkpoint(store, args):
+    # At the end the results are published instead; at the deadline train_job stores it with the partial adapter.
     uploader = CheckpointUploader(store, PREFIX, keep=1)
-    _save(uploader, args, 100, max_steps=100)
+    _save(uploader, args, 100, last=True)
     assert store.commits == [] and stored_checkpoints(store, PREFIX) == {}
 
 
@@ -117,16 +107,33 @@ def test_next_checkpoint_removes_an_incomplete_leftover(store, args):
     assert stored_checkpoints(store, PREFIX) == {10: True}
 
 
-def test_heartbeat_is_written_at_the_start_and_then_once_per_interval(store, args):
+def test_timer_asks_for_a_save_once_the_interval_has_passed_since_training_began(args):
     clock = Clock()
-    heartbeat = Heartbeat(store, PREFIX, attempt=2, interval_s=300, clock=clock)
-    state = TrainerState(global_step=0, max_steps=100)
-    heartbeat.on_train_begin(args, state, TrainerControl())
-    for step in range(1, 11):
-        clock.now += 40
-        state.global_step = step
-        state.log_history.append({"step": step, "loss": 5.0 - step / 10})
-        heartbeat.on_step_end(args, state, TrainerControl())
-    assert store.commits == ["heartbeat at step 0", "heartbeat at step 8"]
-    beat = store.read_json(f"{PREFIX}/heartbeat.json")
-    assert (beat["attempt"], beat["step"], beat["total_steps"], beat["loss"]) == (2, 8, 100, 4.2)
+    timer = CheckpointTimer(interval_s=900, clock=clock)
+    timer.on_train_begin(args, TrainerState(), TrainerControl())
+    clock.now += 899
+    early = TrainerControl()
+    timer.on_step_end(args, TrainerState(), early)
+    clock.now += 1
+    due = TrainerControl()
+    timer.on_step_end(args, TrainerState(), due)
+    assert (early.should_save, due.should_save) == (False, True)
+
+
+def test_timer_counts_the_interval_again_from_each_save_whatever_asked_for_it(args):
+    clock = Clock()
+    timer = CheckpointTimer(interval_s=900, clock=clock)
+    timer.on_train_begin(args, TrainerState(), TrainerControl())
+    clock.now += 600
+    timer.on_save(args, TrainerState(), TrainerControl())  # a step-based checkpoint
+    clock.now += 600
+    control = TrainerControl()
+    timer.on_step_end(args, TrainerState(), control)
+    assert not control.should_save
+
+
+def test_checkpoints_are_on_by_default_every_15_minutes_and_not_by_step():
+    training = TrainingSettings()
+    assert (training.checkpoint_every_minutes, training.checkpoint_every_steps) == (15, None)
+    # Time-based saves come from CheckpointTimer's `should_save`, which the Trainer honours under "no".
+    assert save_settings(training)["save_strategy"] == "no"

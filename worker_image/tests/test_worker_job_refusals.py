@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from loraflow_worker.contract import CONTRACT_VERSION
 from loraflow_worker.handler import JobFailed, JobRefused, handler
 
 
 def _job(**input_fields) -> dict:
     job_input = {
-        "contract_version": 1,
+        "contract_version": CONTRACT_VERSION,
         "run_id": "r1",
         "model": {"id": "/nonexistent/model"},
         "dataset": {"store_path": "runs/r1/dataset/train.jsonl"},
@@ -21,9 +22,10 @@ def _job(**input_fields) -> dict:
 
 def test_wrong_contract_version_is_refused_with_the_fix():
     with pytest.raises(JobRefused) as refused:
-        handler(_job(contract_version=2))
+        handler(_job(contract_version=CONTRACT_VERSION + 1))
     assert str(refused.value) == (
-        "worker speaks contract version 1, job has version 2: deploy a matching worker image"
+        f"worker speaks contract version {CONTRACT_VERSION}, job has version {CONTRACT_VERSION + 1}: "
+        "deploy a matching worker image"
     )
 
 
@@ -45,7 +47,7 @@ def test_invalid_nested_field_is_named_with_its_path():
 def test_refusal_touches_nothing(tmp_path):
     store = tmp_path / "store"
     with pytest.raises(JobRefused):
-        handler(_job(contract_version=3, artifact_store=store.as_uri()))
+        handler(_job(contract_version=CONTRACT_VERSION + 1, artifact_store=store.as_uri()))
     assert not store.exists()
 
 
@@ -55,5 +57,5 @@ def test_secrets_in_an_error_are_redacted(monkeypatch):
     with pytest.raises(JobFailed) as failed:
         handler(_job(contract_version=f"v-{secret}"))
     assert secret not in str(failed.value)
-    assert "JobRefused: worker speaks contract version 1, job has version v-***: deploy" in str(failed.value)
+    assert f"JobRefused: worker speaks contract version {CONTRACT_VERSION}, job has version v-***: deploy" in str(failed.value)
     assert failed.value.__cause__ is None and failed.value.__suppress_context__  # no chained original

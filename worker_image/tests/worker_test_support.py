@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 from fault_injection.sitecustomize import CRASH_AT_STEP_ENV, CRASH_KIND_ENV
 
+from loraflow_worker import train_job
+from loraflow_worker.artifacts import FileStore
+from loraflow_worker.contract import JobInput, JobResult, Progress
+
 FAULT_INJECTION_DIR = Path(__file__).resolve().parent / "fault_injection"
 """The test-only fault module's folder (its `sitecustomize` plants the failures): on a training
 process's PYTHONPATH, it fails that process as `LORAFLOW_TEST_CRASH_*` say."""
@@ -33,3 +37,38 @@ def plant_fault(env: pytest.MonkeyPatch, kind: str, *, at_step: int | None = Non
         env.delenv(CRASH_AT_STEP_ENV, raising=False)
     else:
         env.setenv(CRASH_AT_STEP_ENV, str(at_step))
+
+
+class CountingStore(FileStore):
+    """A FileStore that records its commits (each `put` is one commit on the Hub): `commits` holds their
+    messages, `commit_paths` the paths each stored, in the order given."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.commits: list[str] = []
+        self.commit_paths: list[list[str]] = []
+
+    def put(self, files, *, message, **kwargs):
+        self.commits.append(message)
+        self.commit_paths.append(list(files))
+        super().put(files, message=message, **kwargs)
+
+
+class Clock:
+    """A monotonic clock the test moves by hand (`now`)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def train_in_process(job: dict, store: FileStore, work_dir: Path, progress: list[Progress]) -> JobResult:
+    """Run a job's training process (`train_job.train_and_publish`) in this process instead of a child, writing
+    to `store` (a `CountingStore` counts its commits) and appending its progress updates to `progress`. `store`
+    must be the folder the job's `artifact_store` names (where `make_job` put the dataset)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_job, "open_store", lambda url: store)
+        patch.setattr(train_job, "report_progress", progress.append)
+        return train_job.train_and_publish(JobInput.model_validate(job["input"]), work_dir)
