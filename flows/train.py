@@ -26,7 +26,7 @@ from prefect.states import Cancelled, State
 from flows.spec import RunSpec, SpecError, load_run_file
 from tasks.artifacts import RunResults, check_chat_jsonl, collect, publish_dataset_task
 from tasks.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
-from tasks.cost import check_budget, worst_case_cost_usd
+from tasks.cost import check_budget, cost_ceiling, read_billed_cost, read_gpu_prices
 from tasks.plan import AttemptPlan, plan_attempt, resolve_model_task
 from tasks.quota import ENDPOINT_LIMIT, ensure_endpoint_limit, wait_for_runpod_quota
 from tasks.reports import RunReport, publish_report
@@ -79,8 +79,9 @@ def train(spec: RunSpec) -> RunResults | State:
     # 1. Prepare: nothing is rented until this has passed.
     gpus = [resolve_gpu(name) for name in spec.compute.gpu]
     image = Settings().worker_image()
-    cost_ceiling = worst_case_cost_usd(gpus, spec.compute.gpu_count, spec.deadline_minutes)
-    check_budget(cost_ceiling, spec.budget_usd)
+    offers = {offer.gpu: offer for offer in read_gpu_prices(gpus)}  # RunPod's catalog, else the static table
+    ceiling = cost_ceiling(list(offers.values()), spec.compute.gpu_count, spec.deadline_minutes)
+    check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
     if spec.dataset.local_file is not None:
         examples = check_chat_jsonl(Path(spec.dataset.local_file))
         logger.info("Dataset %s: %d examples", spec.dataset.local_file, examples)
@@ -92,13 +93,13 @@ def train(spec: RunSpec) -> RunResults | State:
     job_input = JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset,
                          lora=spec.lora, training=spec.training, grpo=spec.grpo, artifact_store=spec.artifact_store,
                          deadline_epoch_s=deadline)
-    logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling $%.2f", spec.name, model.id, spec.compute.gpu, image,
-                cost_ceiling)
+    logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling %s", spec.name, model.id, spec.compute.gpu, image,
+                ceiling.describe())
     ensure_endpoint_limit()
     worker_env = prepare_worker_env()
 
     # 2. Attempts.
-    gpu_index, billed_s = 0, 0.0
+    gpu_index, billed_s, endpoint_ids = 0, 0.0, []
     for attempt in range(1, spec.attempts.max_attempts + 1):
         if run_cancel_requested():
             return Cancelled(message=f"Cancelled before attempt {attempt}")
@@ -108,7 +109,7 @@ def train(spec: RunSpec) -> RunResults | State:
                             startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60,
                             worker_env=worker_env)
         logger.info("Attempt %d on %d × %s: endpoint %s", attempt, spec.compute.gpu_count, plan.gpu.name, plan.endpoint_name)
-        outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress")
+        outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress", endpoint_ids=endpoint_ids)
         billed_s += outcome.running_seconds
         if outcome.kind == "run_cancelled":
             logger.warning("Attempt %d: %s", attempt, outcome.error)
@@ -134,8 +135,10 @@ def train(spec: RunSpec) -> RunResults | State:
     report = RunReport(
         run_name=spec.name, run_id=run_id, model=model.id, model_revision=model.revision, gpu=plan.gpu.name,
         gpu_count=spec.compute.gpu_count, endpoint_name=plan.endpoint_name, metrics=results.result.metrics,
-        cost_ceiling_usd=cost_ceiling,
-        estimated_cost_usd=round(plan.gpu.usd_per_hour * spec.compute.gpu_count * billed_s / 3600, 4),
+        cost_ceiling_usd=ceiling.usd,
+        estimated_cost_usd=round(offers[plan.gpu.name].usd_per_hour * spec.compute.gpu_count * billed_s / 3600, 4),
+        usd_per_hour=offers[plan.gpu.name].usd_per_hour, price_source=offers[plan.gpu.name].source,
+        billed_usd=_billed_usd(endpoint_ids, since_epoch_s=deadline - spec.deadline_minutes * 60),
         adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,
         fast_paths=(results.manifest or {}).get("fast_paths"),
     )
@@ -144,8 +147,15 @@ def train(spec: RunSpec) -> RunResults | State:
     return results
 
 
-def run_attempt(plan: AttemptPlan, progress_key: str) -> tuple[JobOutcome, UndeletedEndpoint | None]:
-    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always).
+def _billed_usd(endpoint_ids: list[str], since_epoch_s: float) -> float | None:
+    billed = read_billed_cost(endpoint_ids, since_epoch_s)
+    return None if billed is None else billed.usd
+
+
+def run_attempt(plan: AttemptPlan, progress_key: str,
+                endpoint_ids: list[str] | None = None) -> tuple[JobOutcome, UndeletedEndpoint | None]:
+    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always). The id of the
+    endpoint it created is appended to `endpoint_ids`.
 
     The slot is the endpoint. When the delete stays unconfirmed after its retries, a slot lease of its
     own and a record (`UndeletedEndpoint`, returned) outlive the attempt, for the reconciler; the
@@ -160,6 +170,8 @@ def run_attempt(plan: AttemptPlan, progress_key: str) -> tuple[JobOutcome, Undel
                 outcome = _create_submit_wait(plan, progress_key, created)
             finally:
                 endpoint_id = created[0].id if created else None
+                if endpoint_id is not None and endpoint_ids is not None:
+                    endpoint_ids.append(endpoint_id)
                 deleted = delete_endpoint(plan.endpoint_name, endpoint_id, return_state=True)
                 if not deleted.is_completed():
                     # Taken while this attempt still holds its slot, when the limit has room: the endpoint

@@ -1,5 +1,6 @@
 """Fault injection: the rules tests and benchmarks set through `/_localpod/faults`,
-`/_localpod/worker-faults` and `/_localpod/stock`, and which request, job or worker each one hits.
+`/_localpod/worker-faults` and `/_localpod/stock`, and which request, job or worker each one hits; and,
+from the stock, where a worker may start (`FaultBook.place`, over the catalog of `catalog.py`).
 
 Nothing here touches HTTP or processes. Routes ask `FaultBook.match_route` whether to misbehave
 (`routes_faults.route_fault` acts on the answer); the state arms a worker fault on a job when a
@@ -14,7 +15,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from localpod import catalog
+from localpod.models import WorkerPlacement
 
 RouteName = Literal[
     "create_endpoint",
@@ -26,6 +30,10 @@ RouteName = Literal[
     "status",
     "cancel",
     "health",
+    "list_gpu_types",
+    "get_gpu_type",
+    "list_data_centers",
+    "serverless_billing",
 ]
 RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500"]
 WorkerAction = Literal["crash", "hang", "preempt", "env"]
@@ -44,7 +52,9 @@ class RouteFaultRule(BaseModel):
 
     route: RouteName = Field(
         description="The operation: create_endpoint, get_endpoint, list_endpoints, delete_endpoint, patch_endpoint "
-        "(the control plane, /v2/serverless); run (/run and /runsync), status, cancel, health (the job API)."
+        "(the control plane, /v2/serverless); run (/run and /runsync), status, cancel, health (the job API); "
+        "list_gpu_types, get_gpu_type, list_data_centers (/v2/catalog/gpus[/{id}], /v2/catalog/datacenters[/{id}]), "
+        "serverless_billing (/v2/billing/serverless)."
     )
     action: RouteAction = Field(
         description="status_429: answer 429 (with Retry-After when retry_after_s is set); status_500: answer 500; "
@@ -56,7 +66,8 @@ class RouteFaultRule(BaseModel):
     endpoint_name_prefix: str | None = Field(
         default=None,
         description="Only requests about an endpoint whose name starts with this (for create_endpoint: the name in "
-        "the body). Omitted: every request to the route. Not allowed with list_endpoints, which names no endpoint.",
+        "the body). Omitted: every request to the route. Not allowed with list_endpoints and the catalog and billing "
+        "routes, which name no endpoint.",
     )
     retry_after_s: int | None = Field(
         default=None, ge=0, description="status_429 only: the Retry-After header, in seconds. Omitted: no header."
@@ -90,8 +101,8 @@ class RouteFaultRule(BaseModel):
             raise ValueError(f"hang_s applies to hang only, not to {self.action}")
         if self.seed is not None and self.probability is None:
             raise ValueError("seed applies to probability rules only: give probability too, or drop seed")
-        if self.endpoint_name_prefix is not None and self.route == "list_endpoints":
-            raise ValueError("list_endpoints names no endpoint: drop endpoint_name_prefix")
+        if self.endpoint_name_prefix is not None and self.route in _ROUTES_WITHOUT_ENDPOINT:
+            raise ValueError(f"{self.route} names no endpoint: drop endpoint_name_prefix")
         if self.times is None and self.probability is None:
             self.times = 1
         return self
@@ -162,15 +173,36 @@ class StockChange(BaseModel):
 
     pool: str = Field(min_length=1, description="A GPU pool id as endpoints name it in `gpu.pools`, e.g. ADA_24.")
     available: bool = Field(
-        description="false: no worker starts on this pool (an endpoint whose pools are all out of stock keeps its "
-        "jobs IN_QUEUE, as when RunPod has no capacity; running workers are not touched). true: in stock again."
+        description="false: no worker starts on this pool (in this datacenter, with data_center_id): an endpoint "
+        "with no allowed datacenter that has stock of one of its pools keeps its jobs IN_QUEUE, as when RunPod has "
+        "no capacity; running workers are not touched. true: in stock again. The catalog's availability follows."
     )
+    data_center_id: str | None = Field(
+        default=None,
+        description="A datacenter of localpod's catalog (`GET /v2/catalog/datacenters`), e.g. EU-RO-1: the change "
+        "applies there only. Omitted: in every datacenter.",
+    )
+
+    @field_validator("data_center_id")
+    @classmethod
+    def _known_data_center(cls, value: str | None) -> str | None:
+        if value is not None and value not in catalog.DATA_CENTER_IDS:
+            known = ", ".join(catalog.DATA_CENTER_IDS)
+            raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
+        return value
 
 
 class Stock(BaseModel):
     """What `POST`/`GET /_localpod/stock` answer."""
 
-    out_of_stock: list[str] = Field(description="GPU pools out of stock now, sorted; every other pool has stock.")
+    out_of_stock: list[str] = Field(
+        description="GPU pools out of stock in every datacenter now, sorted; every other pool has stock somewhere."
+    )
+    out_of_stock_by_data_center: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Pools out of stock in some datacenters only: datacenter id → pools, sorted. Omitted when none "
+        "(the answer then reads as it did before stock had datacenters).",
+    )
 
 
 @dataclass
@@ -202,11 +234,15 @@ class ArmedFault:
 
 @dataclass
 class FaultBook:
-    """Every fault rule of one server, the stock of GPU pools, and counts of what was injected."""
+    """Every fault rule of one server, the stock of GPU pools per datacenter, where each worker was placed,
+    and counts of what was injected."""
 
     route_rules: dict[str, _RouteEntry] = field(default_factory=dict)
     worker_rules: dict[str, ArmedFault] = field(default_factory=dict)
-    out_of_stock: set[str] = field(default_factory=set)
+    out_of_stock: set[tuple[str, str]] = field(default_factory=set)
+    """(pool, datacenter id) pairs taken out of stock."""
+    placements: dict[str, WorkerPlacement] = field(default_factory=dict)
+    """Worker id → where it was started (`place`); the account and the billing read it."""
     injected: Counter[str] = field(default_factory=Counter)
 
     # --- route faults ----------------------------------------------------------------------------
@@ -294,24 +330,45 @@ class FaultBook:
     # --- stock -----------------------------------------------------------------------------------
 
     def set_stock(self, change: StockChange) -> Stock:
+        where = [change.data_center_id] if change.data_center_id else catalog.DATA_CENTER_IDS
+        pairs = {(change.pool, dc) for dc in where}
         if change.available:
-            self.out_of_stock.discard(change.pool)
+            self.out_of_stock -= pairs
         else:
-            self.out_of_stock.add(change.pool)
+            self.out_of_stock |= pairs
         return self.stock()
 
     def stock(self) -> Stock:
-        return Stock(out_of_stock=sorted(self.out_of_stock))
+        by_pool: dict[str, set[str]] = {}
+        for pool, dc in self.out_of_stock:
+            by_pool.setdefault(pool, set()).add(dc)
+        everywhere = sorted(pool for pool, dcs in by_pool.items() if len(dcs) == len(catalog.DATA_CENTER_IDS))
+        by_dc: dict[str, list[str]] = {}
+        for pool, dc in sorted(self.out_of_stock):
+            if pool not in everywhere:
+                by_dc.setdefault(dc, []).append(pool)
+        return Stock(out_of_stock=everywhere, out_of_stock_by_data_center=dict(sorted(by_dc.items())))
+
+    def in_stock(self, pool: str, data_center_id: str) -> bool:
+        return (pool, data_center_id) not in self.out_of_stock
+
+    def place(self, spec: dict[str, Any]) -> WorkerPlacement | None:
+        """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock."""
+        return catalog.place(spec, self.in_stock)
 
     def placeable(self, spec: dict[str, Any]) -> bool:
-        """Can a worker of this endpoint start? Not when every GPU pool it allows is out of stock."""
-        pools = (spec.get("gpu") or {}).get("pools") or []
-        return not pools or any(pool not in self.out_of_stock for pool in pools)
+        """Can a worker of this endpoint start? Not when no datacenter it allows has stock of one of its pools."""
+        return self.place(spec) is not None
 
     def counts(self) -> dict[str, int]:
         """Faults injected so far by kind, every kind listed (0 when none)."""
         kinds = [*ROUTE_ACTIONS, *(f"worker_{a}" for a in WORKER_ACTIONS)]
         return {kind: self.injected[kind] for kind in kinds}
+
+
+_ROUTES_WITHOUT_ENDPOINT = frozenset(
+    {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_data_centers", "serverless_billing"}
+)
 
 
 def _prefix_matches(prefix: str | None, name: str | None) -> bool:

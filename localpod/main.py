@@ -8,7 +8,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from localpod import routes_account, routes_endpoints, routes_faults, routes_jobs, routes_secrets, routes_worker
+from localpod import (
+    routes_account,
+    routes_catalog,
+    routes_endpoints,
+    routes_faults,
+    routes_jobs,
+    routes_secrets,
+    routes_worker,
+)
 from localpod.models import LocalpodConfig
 from localpod.problems import install_problem_handlers
 from localpod.schema import OpenApiSchemas
@@ -37,9 +45,11 @@ def create_app(config: LocalpodConfig) -> FastAPI:
     app.state.localpod = state
     install_problem_handlers(app)
     routes_faults.install_fault_answers(app)
-    # Order matters: `/v2/serverless/...` and `/v2/account/...` must win over `/v2/{endpoint_id}/...`.
+    # Order matters: `/v2/serverless/...`, `/v2/account/...`, `/v2/catalog/...` and `/v2/billing/...` must win
+    # over `/v2/{endpoint_id}/...`.
     app.include_router(routes_endpoints.router)
     app.include_router(routes_secrets.router)
+    app.include_router(routes_catalog.router)
     app.include_router(routes_worker.router)
     app.include_router(routes_jobs.router)
     app.include_router(routes_account.router)

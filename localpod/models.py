@@ -258,6 +258,16 @@ class AccountJob(_Wire):
     expired: bool = Field(description="Deleted after its TTL: `/status` answers 404 for it.")
 
 
+class WorkerPlacement(_Wire):
+    """Where localpod placed a worker: a datacenter of its catalog with stock of one of the endpoint's pools."""
+
+    data_center_id: str = Field(description="The datacenter (the worker's RUNPOD_DC_ID), e.g. EU-RO-1.")
+    pool: str | None = Field(default=None, description="The GPU pool it runs on; None for a CPU endpoint.")
+    gpu_type_id: str | None = Field(
+        default=None, description="The GPU type it runs on; None for a CPU endpoint or a pool the catalog lacks."
+    )
+
+
 class AccountWorker(_Wire):
     id: str = Field(description="Worker (pod) id.")
     endpoint_id: str = Field(description="Endpoint it served.")
@@ -273,6 +283,9 @@ class AccountWorker(_Wire):
         "code, 128 + the signal when killed, e.g. 137 for SIGKILL).",
     )
     log_path: str | None = Field(default=None, description="Its stdout/stderr log file.")
+    placement: WorkerPlacement | None = Field(
+        default=None, description="Its datacenter and GPU pool; None for a worker localpod did not start."
+    )
 
 
 class Account(_Wire):
@@ -286,7 +299,10 @@ class Account(_Wire):
     billed_worker_seconds: float = Field(description="Sum of worker process lifetimes (what RunPod would bill).")
     workers_spawned: int = Field(description="Worker processes started.")
     workers: list[AccountWorker] = Field(description="Every worker, live or ended.")
-    out_of_stock_pools: list[str] = Field(description="GPU pools kept out of stock through `/_localpod/stock`.")
+    out_of_stock_pools: list[str] = Field(
+        description="GPU pools kept out of stock in every datacenter through `/_localpod/stock` (pools out in some "
+        "datacenters only are listed by `GET /_localpod/stock`)."
+    )
     faults_injected: dict[str, int] = Field(
         description="Faults injected so far by kind: the route actions (status_429, status_500, hang, drop, "
         "act_then_500) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."

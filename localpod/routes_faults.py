@@ -70,12 +70,15 @@ async def remove_worker_fault(fault_id: str, state: LocalpodState = Depends(get_
     return Response(status_code=204)
 
 
-@router.post("/stock")
+# Defaults excluded: with no pool out in only some datacenters, the answer reads as it did before stock had
+# datacenters (`{"out_of_stock": [...]}`).
+@router.post("/stock", response_model_exclude_defaults=True)
 async def set_stock(change: StockChange, state: LocalpodState = Depends(get_state)) -> Stock:
+    """Take a GPU pool out of stock, or put it back, in one datacenter or in all of them."""
     return state.faults.set_stock(change)
 
 
-@router.get("/stock")
+@router.get("/stock", response_model_exclude_defaults=True)
 async def get_stock(state: LocalpodState = Depends(get_state)) -> Stock:
     return state.faults.stock()
 

@@ -420,6 +420,7 @@ class LocalpodState:
                     ended_at=_utc(w.ended_at) if w.ended_at else None,
                     exit_code=w.exit_code,
                     log_path=str(w.log_path) if w.log_path else None,
+                    placement=self.faults.placements.get(w.id),
                 )
                 for w in self.workers.values()
             ],

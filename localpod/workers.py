@@ -233,13 +233,18 @@ class WorkerSupervisor:
                 return
 
     def _spawn(self, endpoint: EndpointRecord) -> bool:
+        placement = self.state.faults.place(endpoint.spec)
+        if placement is None:  # no datacenter it allows has stock of its pools (`_scale` checks first)
+            return False
         worker_id, token = _new_worker_id(self.state), secrets.token_urlsafe(24)
         log_path = self.config.log_dir / f"{endpoint.id}-{worker_id}.log"
         # Each RunPod worker is its own container with its own disk: give each local worker its own
         # folder (cwd and TMPDIR), or two workers on this machine would share scratch files.
         disk = self.config.log_dir / "disks" / worker_id
         disk.mkdir(parents=True, exist_ok=True)
-        worker_env = self.runpod_env(endpoint, worker_id, token) | {"TMPDIR": str(disk)}
+        # RunPod tells each worker its datacenter in RUNPOD_DC_ID.
+        worker_env = self.runpod_env(endpoint, worker_id, token) | {"TMPDIR": str(disk),
+                                                                     "RUNPOD_DC_ID": placement.data_center_id}
         if self.config.worker_runtime == "docker":
             # A RunPod container gets only what RunPod gives it: the client passes these names on from its own
             # environment, which keeps the values off its command line (an endpoint's env may hold a token).
@@ -270,7 +275,9 @@ class WorkerSupervisor:
             self._fail_queue(endpoint, f"could not start worker {command}: {e}")
             return False
         self.state.add_worker(endpoint.id, process, worker_id=worker_id, token=token, log_path=log_path)
-        log.info("started worker %s (pid %s) for endpoint %s, log %s", worker_id, process.pid, endpoint.id, log_path)
+        self.state.faults.placements[worker_id] = placement
+        log.info("started worker %s (pid %s) for endpoint %s in %s, log %s", worker_id, process.pid, endpoint.id,
+                 placement.data_center_id, log_path)
         return True
 
     def _fail_queue(self, endpoint: EndpointRecord, error: str) -> None:

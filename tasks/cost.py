@@ -1,11 +1,33 @@
-"""What a run may cost, decided before anything is rented."""
+"""What a run may cost, decided before anything is rented, and what it was billed.
+
+Prices come from RunPod's live catalog when it answers, else from loraflow's static table
+(`tasks/runpod/live_catalog.py`); the ceiling and the budget error say which.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Protocol
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, Field
+
+from tasks.runpod import errors
 from tasks.runpod.catalog import GpuClass
+from tasks.runpod.live_catalog import BilledAmount, GpuOffer, PriceSource, billed_usd, gpu_offers, static_offer
+from tasks.runpod.steps import make_client
 
 
-def worst_case_cost_usd(gpus: list[GpuClass], gpu_count: int, deadline_minutes: int) -> float:
+class Priced(Protocol):
+    """A GPU with a price per GPU-hour: a `GpuOffer`, or a `GpuClass` at its static price."""
+
+    @property
+    def usd_per_hour(self) -> float: ...
+
+
+def worst_case_cost_usd(gpus: Sequence[Priced], gpu_count: int, deadline_minutes: int) -> float:
     """The most the run can be billed: the dearest GPU of its fallback list, for the whole deadline.
 
     The worker stops at the deadline and the endpoint's execution timeout is set from it, so billed
@@ -15,9 +37,63 @@ def worst_case_cost_usd(gpus: list[GpuClass], gpu_count: int, deadline_minutes: 
     return round(price * gpu_count * deadline_minutes / 60.0, 2)
 
 
-def check_budget(cost_usd: float, budget_usd: float | None) -> None:
+class CostCeiling(BaseModel):
+    """The most a run can be billed, and the price it was worked out from."""
+
+    usd: float = Field(description="Dearest GPU of the fallback list × GPUs × deadline, USD.")
+    gpu: str = Field(description="The GPU class that sets the ceiling.")
+    usd_per_hour: float = Field(description="Its price per GPU-hour, USD.")
+    price_source: PriceSource = Field(description="Where that price came from.")
+
+    def describe(self) -> str:
+        return f"${self.usd:.2f} ({self.gpu} at ${self.usd_per_hour:.2f}/GPU-hour, price source: {self.price_source})"
+
+
+def cost_ceiling(offers: Sequence[GpuOffer], gpu_count: int, deadline_minutes: int) -> CostCeiling:
+    """`worst_case_cost_usd` over the offers, naming the GPU and the price source that set it."""
+    dearest = max(offers, key=lambda o: o.usd_per_hour)
+    return CostCeiling(usd=worst_case_cost_usd(offers, gpu_count, deadline_minutes), gpu=dearest.gpu,
+                       usd_per_hour=dearest.usd_per_hour, price_source=dearest.source)
+
+
+def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceSource | None = None) -> None:
+    """Refuse a run whose ceiling passes its budget; the message names the price source when given."""
     if budget_usd is not None and cost_usd > budget_usd:
+        source = f", price source: {price_source}" if price_source else ""
         raise ValueError(
-            f"the run may cost up to ${cost_usd:.2f} (GPU price × GPUs × deadline), above budget_usd "
+            f"the run may cost up to ${cost_usd:.2f} (GPU price × GPUs × deadline{source}), above budget_usd "
             f"${budget_usd:.2f}: lower deadline_minutes, pick a cheaper GPU, or raise budget_usd"
         )
+
+
+@task(name="read-gpu-prices", cache_policy=NO_CACHE)
+def read_gpu_prices(gpus: list[GpuClass]) -> list[GpuOffer]:
+    """Each GPU's serverless price from RunPod's live catalog, or the static table where it cannot be read.
+    Not retried: the static table is the answer to a failed read."""
+    logger = get_run_logger()
+    try:
+        client = make_client()
+    except (RuntimeError, errors.AuthError) as e:  # no RunPod key where the flow runs (Settings / the client)
+        offers = [static_offer(g, f"no RunPod client to read the catalog with: {e}") for g in gpus]
+    else:
+        with client:
+            offers = gpu_offers(client, gpus)
+    for offer in offers:
+        if offer.source == "catalog":
+            logger.info("%s: $%.2f/GPU-hour from RunPod's catalog; stock in %s", offer.gpu, offer.usd_per_hour,
+                        ", ".join(offer.in_stock_data_centers()) or "no datacenter now")
+        else:
+            logger.warning("%s: static list price $%.2f/GPU-hour (%s)", offer.gpu, offer.usd_per_hour,
+                           offer.fallback_reason)
+    return offers
+
+
+@task(name="read-billed-cost", cache_policy=NO_CACHE)
+def read_billed_cost(endpoint_ids: list[str], since_epoch_s: float) -> BilledAmount | None:
+    """What RunPod billed the run's endpoints since the run began; None when billing cannot be read."""
+    try:
+        client = make_client()
+    except (RuntimeError, errors.AuthError):
+        return None
+    with client:
+        return billed_usd(client, endpoint_ids, datetime.fromtimestamp(since_epoch_s, UTC))

@@ -12,7 +12,9 @@ from loraflow_worker.contract import TrainMetrics
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+from tasks.runpod.live_catalog import PriceSource
 
 
 class RunReport(BaseModel):
@@ -32,6 +34,11 @@ class RunReport(BaseModel):
     store_url: str
     attempts: int = 1
     fast_paths: dict[str, Any] | None = None
+    usd_per_hour: float | None = Field(default=None, description="The GPU-hour price the estimate used.")
+    price_source: PriceSource | None = Field(default=None, description="Where that price came from.")
+    billed_usd: float | None = Field(
+        default=None, description="What RunPod billed the run's endpoints (/v2/billing/serverless); None: not read."
+    )
 
 
 def summary_markdown(report: RunReport) -> str:
@@ -45,7 +52,8 @@ def summary_markdown(report: RunReport) -> str:
         ("Loss (first → final)", loss),
         ("Tokens", f"{m.tokens:,}"),
         ("Training wall time", f"{m.wall_seconds:.1f} s"),
-        ("Estimated cost", f"${report.estimated_cost_usd:.4f} (ceiling ${report.cost_ceiling_usd:.2f})"),
+        ("Estimated cost", _estimate(report)),
+        *([("Billed by RunPod", f"${report.billed_usd:.4f}")] if report.billed_usd is not None else []),
         ("Adapter", report.adapter_url),
         ("Artifact store", report.store_url),
         ("Endpoint", f"`{report.endpoint_name}` (deleted)"),
@@ -59,6 +67,13 @@ def summary_markdown(report: RunReport) -> str:
             info = info if isinstance(info, dict) else {"engaged": info}
             lines.append(f"| {name} | {'yes' if info.get('engaged') else 'no'} | {info.get('reason', '')} |")
     return "\n".join(lines)
+
+
+def _estimate(report: RunReport) -> str:
+    text = f"${report.estimated_cost_usd:.4f} (ceiling ${report.cost_ceiling_usd:.2f})"
+    if report.usd_per_hour is not None and report.price_source is not None:
+        text += f" at ${report.usd_per_hour:.2f}/GPU-hour, price source: {report.price_source}"
+    return text
 
 
 def metrics_rows(metrics: TrainMetrics) -> list[dict[str, Any]]:

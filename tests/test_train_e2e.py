@@ -72,9 +72,12 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     assert endpoint_slots_in_use(local_stack) == 0
 
     # The UI shows the summary and the loss table.
-    keys = {a["key"] for a in prefect_api(local_stack, "POST", "/artifacts/filter",
-                                          json={"artifacts": {"flow_run_id": {"any_": [run.flow_run_id]}}}).json()}
-    assert {"train-e2e-sft-summary", "train-e2e-sft-metrics", "train-e2e-sft-progress"} <= keys
+    artifacts = {a["key"]: a for a in prefect_api(local_stack, "POST", "/artifacts/filter",
+                                                 json={"artifacts": {"flow_run_id": {"any_": [run.flow_run_id]}}}).json()}
+    assert {"train-e2e-sft-summary", "train-e2e-sft-metrics", "train-e2e-sft-progress"} <= set(artifacts)
+    # Priced from RunPod's live catalog (localpod serves one), with what RunPod billed the endpoint.
+    summary = artifacts["train-e2e-sft-summary"]["data"]
+    assert "price source: catalog" in summary and "Billed by RunPod" in summary, summary
 
 
 def test_failing_job_fails_the_flow_with_the_workers_error_and_still_deletes_the_endpoint(local_stack, tmp_path):

@@ -17,13 +17,17 @@ import httpx
 from tasks.runpod import errors
 from tasks.runpod.models import (
     CreateEndpoint,
+    CreateNetworkVolume,
     CreateSecret,
     Endpoint,
     EndpointList,
     Health,
     JobStatus,
+    NetworkVolume,
+    NetworkVolumeList,
     RunRequest,
     Secret,
+    UpdateNetworkVolume,
     UpdateSecret,
 )
 
@@ -116,6 +120,11 @@ class RunpodClient:
             transport=transport,
         )
 
+    @property
+    def api_url(self) -> str:
+        """The control-plane base URL: which RunPod (or localpod) this client talks to."""
+        return self._api_url
+
     def close(self) -> None:
         self._http.close()
 
@@ -156,6 +165,32 @@ class RunpodClient:
 
     def delete_endpoint(self, endpoint_id: str) -> None:
         self._request("DELETE", f"{self._api_url}/serverless/{endpoint_id}")
+
+    def list_network_volumes(self) -> list[NetworkVolume]:
+        response = self._request("GET", f"{self._api_url}/network-volumes")
+        return NetworkVolumeList.model_validate(response.json()).network_volumes
+
+    def create_network_volume(self, body: CreateNetworkVolume) -> NetworkVolume:
+        """Not idempotent (names need not be unique): look the volume up first."""
+        response = self._request("POST", f"{self._api_url}/network-volumes", json=body.to_wire())
+        return NetworkVolume.model_validate(response.json())
+
+    def grow_network_volume(self, volume_id: str, size_gb: int) -> NetworkVolume:
+        response = self._request("PATCH", f"{self._api_url}/network-volumes/{volume_id}",
+                                 json=UpdateNetworkVolume(size=size_gb).to_wire())
+        return NetworkVolume.model_validate(response.json())
+
+    # The catalog and billing answer JSON documents: `live_catalog` parses them, since a document of an
+    # unexpected shape is one of the failures it falls back from.
+
+    def catalog_gpus(self, params: dict[str, Any]) -> Any:
+        return self._request("GET", f"{self._api_url}/catalog/gpus", params=params).json()
+
+    def catalog_data_centers(self, params: dict[str, Any]) -> Any:
+        return self._request("GET", f"{self._api_url}/catalog/datacenters", params=params).json()
+
+    def serverless_billing(self, params: dict[str, Any]) -> Any:
+        return self._request("GET", f"{self._api_url}/billing/serverless", params=params).json()
 
     def list_secrets(self) -> list[Secret]:
         response = self._request("GET", f"{self._api_url}/account/secrets")

@@ -160,3 +160,28 @@ class Secret(_Response):
     id: str
     name: str
     description: str | None = None
+
+
+class CreateNetworkVolume(_Request):
+    """Body of `POST /v2/network-volumes`."""
+
+    name: str = Field(min_length=1, description="Not unique at RunPod: loraflow finds its volumes by name and datacenter.")
+    size: int = Field(ge=10, le=4096, description="GB; a volume can grow, never shrink.")
+    data_center: str = Field(min_length=1, description="Immutable: workers that mount the volume run only there.")
+
+
+class UpdateNetworkVolume(_Request):
+    """Body of `PATCH /v2/network-volumes/{id}`: only growing is allowed."""
+
+    size: int = Field(ge=10, le=4096)
+
+
+class NetworkVolume(_Response):
+    id: str
+    name: str
+    size: int = Field(description="GB allocated.")
+    data_center: str
+
+
+class NetworkVolumeList(_Response):
+    network_volumes: list[NetworkVolume]

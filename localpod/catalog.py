@@ -1,0 +1,229 @@
+"""localpod's GPU and datacenter catalog: the table behind `/v2/catalog/*`, and where a worker may start.
+
+The table stands in for RunPod's live catalog: the GPU types of the pools loraflow rents, with their
+memory, CUDA versions and list prices, and a handful of datacenters with what each offers. Serverless
+prices are RunPod-like figures chosen to differ from loraflow's static table, so a test can tell which
+of the two a cost came from. Stock is not here: `FaultBook` (faults.py) keeps what `/_localpod/stock`
+took out, and the functions below take it as an `in_stock(pool, data_center_id)` callable.
+
+Nothing here touches HTTP; `routes_catalog.py` turns these documents into answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from localpod.models import WorkerPlacement
+
+AvailabilityLevel = Literal["NONE", "LOW", "MEDIUM", "HIGH"]
+InStock = Callable[[str, str], bool]
+"""`in_stock(pool, data_center_id)`: False once `/_localpod/stock` took the pool out there."""
+
+_LEVEL_ORDER: tuple[AvailabilityLevel, ...] = ("NONE", "LOW", "MEDIUM", "HIGH")
+
+POOL_SERVERLESS_USD_PER_HOUR: dict[str, float] = {
+    # RunPod quotes one serverless rate per pool (`price.serverless` is "the rate for this GPU's pool").
+    "ADA_24": 1.12,
+    "ADA_32_PRO": 1.58,
+    "AMPERE_80": 2.72,
+    "ADA_80_PRO": 4.18,
+    "HOPPER_141": 5.58,
+    "BLACKWELL_96": 3.02,
+    "BLACKWELL_180": 8.64,
+}
+
+_AMPERE_ADA_HOPPER_CUDA = ("12.4", "12.6", "12.8", "12.9")
+_BLACKWELL_CUDA = ("12.8", "12.9", "13.0")  # sm100/sm120 cards need CUDA 12.8 or later
+
+
+@dataclass(frozen=True)
+class GpuTypeRow:
+    """One GPU type, as `GpuType` describes it (ids as RunPod spells them)."""
+
+    id: str
+    name: str
+    pool: str
+    memory_gb: int
+    secure_usd: float
+    community_usd: float
+    max_secure: int
+    max_community: int
+    cuda_versions: tuple[str, ...]
+
+    @property
+    def serverless_usd(self) -> float | None:
+        return POOL_SERVERLESS_USD_PER_HOUR.get(self.pool)
+
+
+@dataclass(frozen=True)
+class DataCenterRow:
+    """One datacenter, as `DataCenter` describes it, with the GPU types it offers and their stock level
+    while in stock (a pool taken out through `/_localpod/stock` answers NONE instead)."""
+
+    id: str
+    name: str
+    country: str
+    region: str
+    global_network: bool
+    network_volume_types: tuple[str, ...]
+    compliance: tuple[str, ...]
+    offers: dict[str, AvailabilityLevel] = field(default_factory=dict)
+
+
+_4090, _5090 = "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 5090"
+_A100_PCIE, _A100_SXM = "NVIDIA A100 80GB PCIe", "NVIDIA A100-SXM4-80GB"
+_H100_SXM, _H100_PCIE, _H100_NVL = "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"
+_H200, _PRO6000, _B200 = "NVIDIA H200", "NVIDIA RTX PRO 6000 Blackwell Server Edition", "NVIDIA B200"
+
+GPU_TYPES: tuple[GpuTypeRow, ...] = (
+    GpuTypeRow(_4090, "RTX 4090", "ADA_24", 24, 0.59, 0.34, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_5090, "RTX 5090", "ADA_32_PRO", 32, 0.89, 0.69, 8, 8, _BLACKWELL_CUDA),
+    GpuTypeRow(_A100_PCIE, "A100 PCIe", "AMPERE_80", 80, 1.64, 1.19, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_A100_SXM, "A100 SXM", "AMPERE_80", 80, 1.74, 1.39, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_H100_SXM, "H100 SXM", "ADA_80_PRO", 80, 2.69, 2.39, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_H100_PCIE, "H100 PCIe", "ADA_80_PRO", 80, 2.39, 1.99, 8, 4, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_H100_NVL, "H100 NVL", "ADA_80_PRO", 94, 2.79, 2.59, 8, 4, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_H200, "H200 SXM", "HOPPER_141", 141, 3.59, 3.29, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_PRO6000, "RTX PRO 6000", "BLACKWELL_96", 96, 1.84, 1.59, 8, 4, _BLACKWELL_CUDA),
+    GpuTypeRow(_B200, "B200", "BLACKWELL_180", 180, 5.98, 5.19, 8, 8, _BLACKWELL_CUDA),
+)
+
+_VOLUMES = ("STANDARD", "HIGH_PERFORMANCE")
+DATA_CENTERS: tuple[DataCenterRow, ...] = (
+    # RunPod observed US-KS-2 to stock no RTX 4090 (shared/runpod-api/README.md).
+    DataCenterRow("US-KS-2", "US Kansas 2", "US", "NORTH_AMERICA", True, _VOLUMES, ("SOC_2_TYPE_2", "ISO_IEC_27001"),
+                  {_A100_SXM: "HIGH", _H100_SXM: "HIGH", _H100_PCIE: "MEDIUM", _H200: "MEDIUM", _B200: "LOW"}),
+    DataCenterRow("US-CA-2", "US California 2", "US", "NORTH_AMERICA", True, _VOLUMES, ("SOC_2_TYPE_2",),
+                  {_4090: "HIGH", _5090: "MEDIUM", _A100_PCIE: "HIGH", _H100_PCIE: "HIGH", _H100_NVL: "MEDIUM",
+                   _PRO6000: "HIGH"}),
+    DataCenterRow("EU-RO-1", "EU Romania 1", "RO", "EUROPE", True, _VOLUMES, ("GDPR", "ISO_IEC_27001"),
+                  {_4090: "HIGH", _5090: "HIGH", _A100_SXM: "MEDIUM", _H100_SXM: "HIGH", _H200: "LOW",
+                   _PRO6000: "MEDIUM"}),
+    DataCenterRow("EU-CZ-1", "EU Czechia 1", "CZ", "EUROPE", True, ("STANDARD",), ("GDPR",),
+                  {_4090: "MEDIUM", _5090: "LOW", _A100_PCIE: "MEDIUM", _H100_NVL: "HIGH", _B200: "MEDIUM"}),
+    # Not in RunPod's list of network-volume datacenters: a run with a volume is never placed here.
+    DataCenterRow("US-TX-3", "US Texas 3", "US", "NORTH_AMERICA", False, (), ("SOC_2_TYPE_2",),
+                  {_4090: "HIGH", _A100_PCIE: "LOW", _A100_SXM: "HIGH", _H100_SXM: "MEDIUM", _H200: "HIGH",
+                   _PRO6000: "LOW"}),
+)
+
+DATA_CENTER_IDS: tuple[str, ...] = tuple(dc.id for dc in DATA_CENTERS)
+_GPU_BY_ID = {g.id: g for g in GPU_TYPES}
+_DC_BY_ID = {dc.id: dc for dc in DATA_CENTERS}
+_KNOWN_POOLS = frozenset(g.pool for g in GPU_TYPES)
+
+
+def gpu_type(type_id: str) -> GpuTypeRow | None:
+    return _GPU_BY_ID.get(type_id)
+
+
+def data_center(data_center_id: str) -> DataCenterRow | None:
+    return _DC_BY_ID.get(data_center_id)
+
+
+@dataclass(frozen=True)
+class AvailabilityQuery:
+    """The availability filters of `GET /v2/catalog/gpus` that localpod honours (already validated)."""
+
+    count: int = 1
+    country_codes: frozenset[str] | None = None
+    cuda_versions: frozenset[str] | None = None
+    min_cuda: tuple[int, ...] | None = None
+    """`minCudaVersion` as `cuda_version` reads it."""
+
+    def usable_cuda(self, row: GpuTypeRow) -> list[str]:
+        versions = list(row.cuda_versions)
+        if self.cuda_versions is not None:
+            versions = [v for v in versions if v in self.cuda_versions]
+        if self.min_cuda is not None:
+            floor = self.min_cuda
+            versions = [v for v in versions if cuda_version(v)[: len(floor)] >= floor]
+        return versions
+
+    def scoped(self, dc: DataCenterRow) -> bool:
+        return self.country_codes is None or dc.country in self.country_codes
+
+
+def gpu_type_document(row: GpuTypeRow, in_stock: InStock, query: AvailabilityQuery | None) -> dict[str, Any]:
+    """The `GpuType` document; with a query (include=AVAILABILITY), its availability under the stock."""
+    price: dict[str, float] = {"secure": row.secure_usd, "community": row.community_usd}
+    if row.serverless_usd is not None:
+        price["serverless"] = row.serverless_usd
+    document: dict[str, Any] = {
+        "id": row.id, "name": row.name, "pool": row.pool, "manufacturer": "NVIDIA", "memory": row.memory_gb,
+        "secure": True, "community": row.community_usd > 0, "price": price,
+        "maxCount": {"secure": row.max_secure, "community": row.max_community},
+    }
+    if query is None:
+        return document
+    cuda = query.usable_cuda(row)
+    fits = bool(cuda) and query.count <= row.max_secure
+    levels = {dc.id: (level_in(dc, row, in_stock) if fits else "NONE")
+              for dc in DATA_CENTERS if row.id in dc.offers and query.scoped(dc)}
+    document["availability"] = best_level(levels.values())
+    if document["availability"] != "NONE":  # the schema: omitted entirely when unavailable everywhere
+        document["dataCenters"] = [{"id": dc_id, "name": _DC_BY_ID[dc_id].name, "availability": level}
+                                   for dc_id, level in levels.items()]
+    if cuda:
+        available = document["availability"] != "NONE"
+        document["cudaVersions"] = [{"version": v, "available": available} for v in cuda]
+    return document
+
+
+def data_center_document(dc: DataCenterRow, in_stock: InStock, gpu_availability: bool) -> dict[str, Any]:
+    """The `DataCenter` document; with include=GPU_AVAILABILITY, each GPU type it offers and its level."""
+    document: dict[str, Any] = {
+        "id": dc.id, "name": dc.name, "region": dc.region, "globalNetwork": dc.global_network,
+        "networkVolumeTypes": list(dc.network_volume_types), "compliance": list(dc.compliance),
+    }
+    if gpu_availability and dc.offers:
+        document["gpuAvailability"] = [
+            {"id": row.id, "name": row.name, "availability": level_in(dc, row, in_stock)}
+            for row in (_GPU_BY_ID[type_id] for type_id in dc.offers)
+        ]
+    return document
+
+
+def level_in(dc: DataCenterRow, row: GpuTypeRow, in_stock: InStock) -> AvailabilityLevel:
+    if row.id not in dc.offers or not in_stock(row.pool, dc.id):
+        return "NONE"
+    return dc.offers[row.id]
+
+
+def best_level(levels: Iterable[AvailabilityLevel]) -> AvailabilityLevel:
+    return max(levels, key=_LEVEL_ORDER.index, default="NONE")
+
+
+def place(spec: dict[str, Any], in_stock: InStock) -> WorkerPlacement | None:
+    """Where a worker of this endpoint can start now: the first datacenter it allows (its `dataCenterIds`
+    in their order; none listed: any, in catalog order) that offers one of its GPU types with stock.
+
+    A GPU endpoint's types are its pools' types less `excludedTypes`; a pool missing from the table is
+    taken as offered everywhere (localpod runs every worker on this machine). A CPU endpoint is placed in
+    the first allowed datacenter. None: no allowed datacenter has stock (a datacenter localpod does not
+    know has none).
+    """
+    allowed = [dc for dc in (spec.get("dataCenterIds") or DATA_CENTER_IDS) if dc in _DC_BY_ID]
+    gpu = spec.get("gpu")
+    if not gpu:
+        return WorkerPlacement(data_center_id=allowed[0]) if allowed else None
+    excluded = set(gpu.get("excludedTypes") or ())
+    for dc_id in allowed:
+        for pool in gpu.get("pools") or ():
+            if not in_stock(pool, dc_id):
+                continue
+            if pool not in _KNOWN_POOLS:
+                return WorkerPlacement(data_center_id=dc_id, pool=pool)
+            offers = _DC_BY_ID[dc_id].offers
+            offered = [g for g in GPU_TYPES if g.pool == pool and g.id not in excluded and g.id in offers]
+            if offered:
+                return WorkerPlacement(data_center_id=dc_id, pool=pool, gpu_type_id=offered[0].id)
+    return None
+
+
+def cuda_version(text: str) -> tuple[int, ...]:
+    """A CUDA version as a comparable tuple. As a `minCudaVersion` floor, "12" admits any 12.x (versions are
+    compared on as many parts as the floor has)."""
+    return tuple(int(part) for part in text.split("."))

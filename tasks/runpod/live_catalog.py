@@ -1,0 +1,279 @@
+"""RunPod's live catalog as the control plane reads it: the serverless price, CUDA versions and
+per-datacenter stock of each of loraflow's GPU classes (`GET /v2/catalog/gpus`), the datacenters
+(`GET /v2/catalog/datacenters`), and what RunPod billed an endpoint (`GET /v2/billing/serverless`).
+
+The GPU catalog is read at most once per `CATALOG_MAX_AGE_S` per process and API URL. When it cannot be
+read (a transient error, a 404 from an API without it, an answer of an unexpected shape), each figure
+falls back to the static table of `catalog.py` and says so: every `GpuOffer` carries its `source`, and
+the reason for a fallback. Nothing here retries: a fallback is the answer to a failed read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Literal
+
+from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from tasks.runpod import errors
+from tasks.runpod.catalog import GpuClass
+from tasks.runpod.client import RunpodClient
+
+log = logging.getLogger("loraflow.catalog")
+
+PriceSource = Literal["catalog", "static list price"]
+AvailabilityLevel = Literal["NONE", "LOW", "MEDIUM", "HIGH"]
+
+CATALOG_MAX_AGE_S = 300.0
+"""How long one read of the GPU catalog serves a process: prices change rarely, stock within minutes."""
+
+_LEVELS: tuple[AvailabilityLevel, ...] = ("NONE", "LOW", "MEDIUM", "HIGH")
+# What "cannot be read" means: any RunPod or transport error, and a body that is not the documented shape
+# (pydantic's ValidationError and a JSON decode error are both ValueErrors).
+_UNREADABLE = (errors.RunpodError, ValueError)
+
+
+# --- RunPod's catalog and billing documents (read-only: unknown fields are ignored) ------------------
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(
+        extra="ignore",
+        alias_generator=AliasGenerator(serialization_alias=to_camel, validation_alias=to_camel),
+        populate_by_name=True,
+    )
+
+
+class CatalogPrice(_Response):
+    secure: float | None = Field(default=None, description="Secure-cloud pod price per GPU-hour, USD.")
+    community: float | None = Field(default=None, description="Community-cloud pod price per GPU-hour, USD.")
+    serverless: float | None = Field(
+        default=None,
+        description="Serverless list price per GPU-hour of the GPU's pool, USD; absent when the GPU is in no "
+        "serverless pool open to the account. Negotiated discounts are not reflected.",
+    )
+
+
+class DataCenterAvailability(_Response):
+    id: str = Field(description="Datacenter id, e.g. EU-RO-1.")
+    name: str = Field(description="Datacenter name.")
+    availability: AvailabilityLevel = Field(description="Stock of this GPU there for the product asked about.")
+
+
+class CudaVersionAvailability(_Response):
+    version: str = Field(description="CUDA version, `major.minor`.")
+    available: bool = Field(description="Some machine on this version has free capacity now.")
+
+
+class CatalogGpuType(_Response):
+    """One `GpuType` of `GET /v2/catalog/gpus?include=AVAILABILITY&product=SERVERLESS`."""
+
+    id: str = Field(description="GPU type id, e.g. `NVIDIA GeForce RTX 4090` (what `excludedTypes` names).")
+    name: str = Field(description="Display name.")
+    pool: str | None = Field(default=None, description="Serverless pool id; None when in no serverless pool.")
+    memory: int = Field(description="VRAM in GB.")
+    price: CatalogPrice = Field(description="List prices per GPU-hour.")
+    availability: AvailabilityLevel | None = Field(default=None, description="Overall serverless stock.")
+    data_centers: list[DataCenterAvailability] = Field(
+        default_factory=list, description="Stock per datacenter offering it; absent (empty) when out everywhere."
+    )
+    cuda_versions: list[CudaVersionAvailability] = Field(
+        default_factory=list, description="CUDA versions offered with this GPU; absent means none reported."
+    )
+
+
+class _GpuTypeList(_Response):
+    gpus: list[CatalogGpuType]
+
+
+class CatalogResourceAvailability(_Response):
+    id: str = Field(description="GPU type id.")
+    name: str = Field(description="Display name.")
+    availability: AvailabilityLevel = Field(description="Stock of this GPU in the datacenter.")
+
+
+class CatalogDataCenter(_Response):
+    """One `DataCenter` of `GET /v2/catalog/datacenters?include=GPU_AVAILABILITY`."""
+
+    id: str = Field(description="Datacenter id, e.g. EU-RO-1 (what `dataCenterIds` and volumes name).")
+    name: str = Field(description="Display name.")
+    region: str = Field(description="Continental region, e.g. EUROPE.")
+    network_volume_types: list[str] = Field(
+        default_factory=list, description="Network volume tiers it supports (STANDARD, HIGH_PERFORMANCE); empty: none."
+    )
+    gpu_availability: list[CatalogResourceAvailability] = Field(
+        default_factory=list, description="Each GPU type it offers and its stock; empty when it offers none."
+    )
+
+    @property
+    def supports_network_volumes(self) -> bool:
+        return bool(self.network_volume_types)
+
+
+class _DataCenterList(_Response):
+    data_centers: list[CatalogDataCenter]
+
+
+class ServerlessBillingRecord(_Response):
+    """One record of `GET /v2/billing/serverless`: one endpoint in one time bucket."""
+
+    start_time: datetime = Field(description="Start of the bucket.")
+    end_time: datetime = Field(description="End of the bucket (exclusive).")
+    serverless_id: str = Field(description="The endpoint billed.")
+    total_amount: float = Field(description="USD billed for the endpoint in the bucket.")
+
+
+class _ServerlessBilling(_Response):
+    records: list[ServerlessBillingRecord]
+
+
+# --- what loraflow makes of them ---------------------------------------------------------------------
+
+
+class GpuOffer(BaseModel):
+    """One GPU class as the control plane prices and places it now."""
+
+    gpu: str = Field(description="loraflow's name for the GPU class, e.g. H100.")
+    pool: str = Field(description="Its serverless pool id.")
+    usd_per_hour: float = Field(description="Serverless price per GPU-hour, USD.")
+    source: PriceSource = Field(
+        description="catalog: RunPod's live catalog answered; static list price: it could not be read, or listed no "
+        "serverless price for the pool, and loraflow's table of tasks/runpod/catalog.py stands in."
+    )
+    fallback_reason: str | None = Field(
+        default=None, description="Why the static price stands in; None with the catalog's price."
+    )
+    cuda_versions: list[str] = Field(
+        default_factory=list,
+        description="CUDA versions RunPod offers with this class, lowest first; empty with the static price (unknown).",
+    )
+    data_centers: dict[str, AvailabilityLevel] = Field(
+        default_factory=dict,
+        description="Datacenter id → the class's serverless stock there (the best of its GPU types); empty with the "
+        "static price (unknown).",
+    )
+
+    def in_stock_data_centers(self) -> list[str]:
+        """Datacenters with stock of this class, best stocked first."""
+        ranked = sorted(self.data_centers.items(), key=lambda item: -_LEVELS.index(item[1]))
+        return [dc for dc, level in ranked if level != "NONE"]
+
+
+class LiveCatalog(BaseModel):
+    """One read of RunPod's GPU catalog, or the record that it could not be read."""
+
+    gpu_types: list[CatalogGpuType] | None = Field(description="The serverless GPU types; None when unreadable.")
+    fallback_reason: str | None = Field(default=None, description="Why the catalog could not be read.")
+    read_at: float = Field(description="`time.monotonic()` of the read.")
+
+    def offer(self, gpu: GpuClass) -> GpuOffer:
+        """The class's price, CUDA versions and stock from the catalog; the static price where it has none."""
+        if self.gpu_types is None:
+            return static_offer(gpu, self.fallback_reason or "the catalog could not be read")
+        types = [t for t in self.gpu_types if t.pool == gpu.pool and t.id not in gpu.exclude]
+        prices = [t.price.serverless for t in types if t.price.serverless is not None]
+        if not prices:
+            return static_offer(gpu, f"RunPod's catalog lists no serverless price for pool {gpu.pool}")
+        levels: dict[str, AvailabilityLevel] = {}
+        for t in types:
+            for dc in t.data_centers:
+                levels[dc.id] = max(levels.get(dc.id, "NONE"), dc.availability, key=_LEVELS.index)
+        versions = {v.version for t in types for v in t.cuda_versions}
+        return GpuOffer(gpu=gpu.name, pool=gpu.pool, usd_per_hour=max(prices), source="catalog",
+                        cuda_versions=sorted(versions, key=_version_key), data_centers=levels)
+
+
+class BilledAmount(BaseModel):
+    """What RunPod billed a set of endpoints, from `/v2/billing/serverless`."""
+
+    usd: float = Field(description="Sum of the endpoints' billed amounts since the time asked for, USD.")
+    endpoint_ids: list[str] = Field(description="The endpoints asked about.")
+
+
+# --- reads -------------------------------------------------------------------------------------------
+
+
+def read_gpu_types(client: RunpodClient) -> list[CatalogGpuType]:
+    """Every GPU type with its serverless availability. Raises the client's errors, or ValueError on a body
+    of another shape."""
+    body = client.catalog_gpus({"include": "AVAILABILITY", "product": "SERVERLESS"})
+    return _GpuTypeList.model_validate(body).gpus
+
+
+def read_data_centers(client: RunpodClient) -> list[CatalogDataCenter]:
+    """Every datacenter with its network-volume tiers and GPU stock. Raises as `read_gpu_types`."""
+    body = client.catalog_data_centers({"include": "GPU_AVAILABILITY"})
+    return _DataCenterList.model_validate(body).data_centers
+
+
+_cache: dict[str, LiveCatalog] = {}
+_cache_lock = threading.Lock()
+
+
+def live_catalog(
+    client: RunpodClient, *, max_age_s: float = CATALOG_MAX_AGE_S, clock: Callable[[], float] = time.monotonic
+) -> LiveCatalog:
+    """The GPU catalog, read at most once per `max_age_s` per process and API URL. Never raises: an unreadable
+    catalog comes back with `gpu_types=None` and the reason (logged), and is not kept, so the next call reads
+    again."""
+    key = client.api_url
+    with _cache_lock:
+        cached = _cache.get(key)
+    if cached is not None and clock() - cached.read_at < max_age_s:
+        return cached
+    try:
+        read = LiveCatalog(gpu_types=read_gpu_types(client), read_at=clock())
+    except _UNREADABLE as e:
+        reason = f"RunPod's catalog could not be read ({type(e).__name__}: {str(e)[:300]})"
+        log.warning("%s; using loraflow's static list prices", reason)
+        return LiveCatalog(gpu_types=None, fallback_reason=reason, read_at=clock())
+    with _cache_lock:
+        _cache[key] = read
+    return read
+
+
+def clear_catalog_cache() -> None:
+    """Forget every cached read (tests; a process that wants fresh prices at once)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def gpu_offers(client: RunpodClient, gpus: Sequence[GpuClass]) -> list[GpuOffer]:
+    """Each class's offer, in order, from one (cached) read of the catalog."""
+    catalog = live_catalog(client)
+    return [catalog.offer(gpu) for gpu in gpus]
+
+
+def static_offer(gpu: GpuClass, reason: str) -> GpuOffer:
+    """The class as loraflow's static table prices it, with why the catalog does not."""
+    return GpuOffer(gpu=gpu.name, pool=gpu.pool, usd_per_hour=gpu.usd_per_hour, source="static list price",
+                    fallback_reason=reason)
+
+
+def billed_usd(client: RunpodClient, endpoint_ids: Sequence[str], since: datetime) -> BilledAmount | None:
+    """What RunPod had billed these endpoints since `since` (timezone-aware) when asked; None when billing
+    cannot be read (logged), so a report can leave the figure out instead of failing."""
+    total = 0.0
+    try:
+        for endpoint_id in endpoint_ids:
+            body = client.serverless_billing(
+                {"serverlessId": endpoint_id, "startTime": since.isoformat(), "bucketSize": "day"})
+            total += sum(r.total_amount for r in _ServerlessBilling.model_validate(body).records
+                         if r.serverless_id == endpoint_id)
+    except _UNREADABLE as e:
+        log.warning("RunPod's billing could not be read (%s: %s); the report leaves the billed amount out",
+                    type(e).__name__, str(e)[:300])
+        return None
+    return BilledAmount(usd=round(total, 6), endpoint_ids=list(endpoint_ids))
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in version.split("."))
+    except ValueError:
+        return (0,)

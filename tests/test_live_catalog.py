@@ -1,0 +1,220 @@
+"""The control plane prices and places GPUs from RunPod's live catalog, read from localpod through the real
+client, and falls back to the static table, saying so, when the catalog cannot be read; the cost ceiling,
+the budget check and the report name the price source they used."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from loraflow_worker.contract import TrainMetrics
+
+from localpod import LocalpodConfig, create_app
+from localpod.catalog import POOL_SERVERLESS_USD_PER_HOUR
+from localpod.models import Account
+from tasks.cost import check_budget, cost_ceiling
+from tasks.reports import RunReport, summary_markdown
+from tasks.runpod.catalog import resolve_gpu
+from tasks.runpod.client import RunpodClient
+from tasks.runpod.live_catalog import (
+    LiveCatalog,
+    billed_usd,
+    clear_catalog_cache,
+    gpu_offers,
+    live_catalog,
+    read_data_centers,
+)
+from tests.test_localpod import API_KEY, AUTH, endpoint_body, wait_for
+
+RTX_4090, H100, B200 = resolve_gpu("4090"), resolve_gpu("h100"), resolve_gpu("b200")
+LIVE_4090 = POOL_SERVERLESS_USD_PER_HOUR["ADA_24"]
+LIVE_H100 = POOL_SERVERLESS_USD_PER_HOUR["ADA_80_PRO"]
+
+
+@pytest.fixture
+def localpod(tmp_path: Path) -> Iterator[TestClient]:
+    config = LocalpodConfig(api_key=API_KEY, worker_quota=10, log_dir=tmp_path / "logs", long_poll_s=0.2,
+                            kill_grace_s=1, worker_command=[sys.executable, "-c", "import time; time.sleep(300)"])
+    with TestClient(create_app(config)) as c:
+        yield c
+
+
+def client_for(localpod: TestClient, api_url: str = "http://localpod/v2") -> RunpodClient:
+    """loraflow's client, talking to the in-process localpod (query strings included)."""
+
+    def forward(request: httpx.Request) -> httpx.Response:
+        answer = localpod.request(request.method, request.url.raw_path.decode(), content=request.content,
+                                  headers=request.headers)
+        return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+
+    return RunpodClient(API_KEY, api_url=api_url, transport=httpx.MockTransport(forward))
+
+
+@pytest.fixture
+def runpod(localpod: TestClient) -> RunpodClient:
+    return client_for(localpod)
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache() -> Iterator[None]:
+    clear_catalog_cache()
+    yield
+    clear_catalog_cache()
+
+
+def fault(localpod: TestClient, route: str, **rule: object) -> None:
+    localpod.post("/_localpod/faults", json={"route": route, "action": "status_500", **rule}).raise_for_status()
+
+
+# --- prices, CUDA versions and stock from the catalog ------------------------------------------------
+
+
+def test_the_price_is_the_catalogs_serverless_price_when_it_answers(runpod: RunpodClient) -> None:
+    [offer] = gpu_offers(runpod, [RTX_4090])
+    assert (offer.usd_per_hour, offer.source, offer.fallback_reason) == (LIVE_4090, "catalog", None)
+    assert offer.usd_per_hour != RTX_4090.usd_per_hour  # localpod's prices differ from the static table's
+
+
+def test_an_offer_carries_the_cuda_versions_and_stock_of_the_classes_own_gpu_types(runpod: RunpodClient) -> None:
+    [rtx, h100] = gpu_offers(runpod, [RTX_4090, H100])
+    assert "12.8" in rtx.cuda_versions and rtx.cuda_versions == sorted(rtx.cuda_versions)
+    assert "US-KS-2" not in rtx.data_centers  # no RTX 4090 there
+    # H100 is the SXM card: datacenters with only the PCIe and NVL cards of its pool do not count.
+    assert set(h100.in_stock_data_centers()) == {"US-KS-2", "EU-RO-1", "US-TX-3"}
+
+
+def test_stock_taken_out_in_one_datacenter_shows_in_the_offer(localpod: TestClient, runpod: RunpodClient) -> None:
+    localpod.post("/_localpod/stock", json={"pool": "ADA_24", "available": False, "data_center_id": "EU-RO-1"})
+    [offer] = gpu_offers(runpod, [RTX_4090])
+    assert offer.data_centers["EU-RO-1"] == "NONE" and "EU-RO-1" not in offer.in_stock_data_centers()
+    assert offer.in_stock_data_centers()[0] in ("US-CA-2", "US-TX-3")  # HIGH before EU-CZ-1's MEDIUM
+
+
+def test_the_datacenters_say_which_take_network_volumes(runpod: RunpodClient) -> None:
+    volumes = {dc.id: dc.supports_network_volumes for dc in read_data_centers(runpod)}
+    assert volumes == {"US-KS-2": True, "US-CA-2": True, "EU-RO-1": True, "EU-CZ-1": True, "US-TX-3": False}
+
+
+# --- falling back to the static table ----------------------------------------------------------------
+
+
+def test_a_catalog_answering_500_falls_back_to_the_static_price_and_says_why(localpod, runpod) -> None:
+    fault(localpod, "list_gpu_types")
+    [offer] = gpu_offers(runpod, [RTX_4090])
+    assert (offer.usd_per_hour, offer.source) == (RTX_4090.usd_per_hour, "static list price")
+    assert "ServerError" in offer.fallback_reason and "500" in offer.fallback_reason
+    assert offer.data_centers == {} and offer.cuda_versions == []
+
+
+def test_an_api_without_the_catalog_404s_and_the_static_price_stands_in(localpod: TestClient) -> None:
+    retired = client_for(localpod, api_url="http://localpod/v1")  # localpod serves no /v1/catalog/gpus
+    [offer] = gpu_offers(retired, [RTX_4090])
+    assert (offer.usd_per_hour, offer.source) == (RTX_4090.usd_per_hour, "static list price")
+    assert "NotFoundError" in offer.fallback_reason
+
+
+def test_a_catalog_of_another_shape_falls_back(localpod: TestClient) -> None:
+    odd = RunpodClient(API_KEY, api_url="http://odd/v2", transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, json={"gpus": [{"id": "NVIDIA GeForce RTX 4090"}]})))
+    [offer] = gpu_offers(odd, [RTX_4090])
+    assert offer.source == "static list price" and "ValidationError" in offer.fallback_reason
+
+
+def test_a_class_whose_pool_has_no_serverless_price_falls_back_alone(runpod: RunpodClient) -> None:
+    read = live_catalog(runpod)
+    assert read.gpu_types is not None
+    without_b200 = LiveCatalog(gpu_types=[t for t in read.gpu_types if t.pool != "BLACKWELL_180"], read_at=0)
+    assert without_b200.offer(RTX_4090).source == "catalog"
+    b200 = without_b200.offer(B200)
+    assert (b200.source, b200.usd_per_hour) == ("static list price", B200.usd_per_hour)
+    assert "BLACKWELL_180" in b200.fallback_reason
+
+
+# --- the per-process cache ---------------------------------------------------------------------------
+
+
+def test_a_read_serves_until_it_is_older_than_the_max_age(localpod: TestClient, runpod: RunpodClient) -> None:
+    first = live_catalog(runpod)
+    localpod.post("/_localpod/stock", json={"pool": "ADA_24", "available": False})
+    assert live_catalog(runpod) is first
+    assert live_catalog(runpod, max_age_s=0) is not first
+    assert live_catalog(runpod).offer(RTX_4090).in_stock_data_centers() == []
+
+
+def test_a_failed_read_is_not_kept(localpod: TestClient, runpod: RunpodClient) -> None:
+    fault(localpod, "list_gpu_types", times=1)
+    assert live_catalog(runpod).gpu_types is None
+    assert live_catalog(runpod).gpu_types is not None
+
+
+# --- cost ceiling, budget and report -----------------------------------------------------------------
+
+
+def test_the_ceiling_takes_the_dearest_live_price_and_names_its_source(runpod: RunpodClient) -> None:
+    ceiling = cost_ceiling(gpu_offers(runpod, [RTX_4090, H100]), gpu_count=1, deadline_minutes=60)
+    assert (ceiling.usd, ceiling.gpu, ceiling.price_source) == (round(LIVE_H100, 2), "H100", "catalog")
+    assert "price source: catalog" in ceiling.describe()
+
+
+def test_the_budget_check_names_the_catalog_as_the_price_source(runpod: RunpodClient) -> None:
+    ceiling = cost_ceiling(gpu_offers(runpod, [H100]), gpu_count=1, deadline_minutes=60)
+    with pytest.raises(ValueError, match="price source: catalog"):
+        check_budget(ceiling.usd, 4.0, ceiling.price_source)
+    check_budget(ceiling.usd, 5.0, ceiling.price_source)
+
+
+def test_the_budget_check_names_the_static_list_price_when_the_catalog_failed(localpod, runpod) -> None:
+    fault(localpod, "list_gpu_types")
+    ceiling = cost_ceiling(gpu_offers(runpod, [H100]), gpu_count=1, deadline_minutes=60)
+    assert ceiling.usd == H100.usd_per_hour  # 3.29: within a budget the live price (4.18) would pass
+    with pytest.raises(ValueError, match="price source: static list price"):
+        check_budget(ceiling.usd, 3.0, ceiling.price_source)
+
+
+def report(**cost: object) -> RunReport:
+    metrics = TrainMetrics(steps=1, losses=[(1, 2.0)], first_loss=2.0, final_loss=2.0, tokens=10, wall_seconds=1.0,
+                           device="cpu")
+    return RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                     endpoint_name="loraflow-demo-a1", metrics=metrics, cost_ceiling_usd=1.12,
+                     estimated_cost_usd=0.0031, adapter_url="file:///a/adapter", store_url="file:///a", **cost)
+
+
+def test_the_report_names_the_price_and_its_source() -> None:
+    text = summary_markdown(report(usd_per_hour=1.12, price_source="catalog"))
+    assert "| Estimated cost | $0.0031 (ceiling $1.12) at $1.12/GPU-hour, price source: catalog |" in text
+    assert "Billed by RunPod" not in text  # not read: left out, not failed
+
+
+def test_the_report_adds_what_runpod_billed_when_billing_answered() -> None:
+    assert "| Billed by RunPod | $0.0029 |" in summary_markdown(report(billed_usd=0.0029))
+
+
+# --- billing -----------------------------------------------------------------------------------------
+
+
+def test_billed_usd_sums_what_localpod_billed_the_endpoints(localpod: TestClient, runpod: RunpodClient) -> None:
+    since = datetime.now(UTC) - timedelta(minutes=1)
+    body = endpoint_body(name="loraflow-billed", workers={"min": 1, "max": 1})
+    endpoint_id = localpod.post("/v2/serverless", json=body, headers=AUTH).json()["id"]
+
+    def workers() -> list:
+        return [w for w in Account.model_validate(localpod.get("/_localpod/account").json()).workers
+                if w.endpoint_id == endpoint_id]
+
+    wait_for(workers, "the endpoint's worker")
+    localpod.delete(f"/v2/serverless/{endpoint_id}", headers=AUTH)
+    [worker] = wait_for(lambda: [w for w in workers() if w.ended_at], "the worker to end", timeout=30)
+    billed = billed_usd(runpod, [endpoint_id], since)
+    assert billed is not None and billed.endpoint_ids == [endpoint_id]
+    seconds = (worker.ended_at - worker.started_at).total_seconds()
+    assert billed.usd == pytest.approx(seconds * LIVE_4090 / 3600, abs=2e-6)
+
+
+def test_billed_usd_is_none_when_billing_cannot_be_read(localpod: TestClient, runpod: RunpodClient) -> None:
+    fault(localpod, "serverless_billing")
+    assert billed_usd(runpod, ["someendpoint01"], datetime.now(UTC)) is None
