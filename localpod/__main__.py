@@ -10,6 +10,10 @@ Point a RunPod client at `http://HOST:PORT/v2` for both the control plane and th
 `Authorization: Bearer <api key>`. `GET /_localpod/account` reports endpoints, jobs, workers and
 billed worker-seconds. Prints `localpod listening on http://HOST:PORT` once it accepts connections.
 
+Network volumes (`/v2/network-volumes`) are folders under `--volume-dir` (default: `volumes/` in the log
+dir). A worker of an endpoint that attaches one runs in the volume's datacenter and sees the folder: a
+docker worker at `/runpod-volume`, as on RunPod; a process worker through `LORAFLOW_VOLUME_PATH`.
+
 Workers run one of two ways (`--worker-runtime`):
 
 - `process` (the default): each worker is a local process of the worker environment's interpreter,
@@ -76,6 +80,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         "worker_runtime": args.worker_runtime,
         "worker_mounts": [Path(m).absolute() for m in args.worker_mount],
         "docker_command": shlex.split(args.docker),
+        "volume_create_fails_in": args.volume_create_fails_in,
     }
     if args.worker_python:
         fields["worker_python"] = Path(args.worker_python).absolute()
@@ -85,6 +90,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         fields["log_dir"] = Path(args.log_dir)
     if args.openapi:
         fields["openapi_path"] = Path(args.openapi)
+    if args.volume_dir:
+        fields["volume_dir"] = Path(args.volume_dir).absolute()
     try:
         return LocalpodConfig.model_validate(fields)
     except ValidationError as e:
@@ -153,6 +160,10 @@ def _parser() -> argparse.ArgumentParser:
                    "(repeatable): a file:// artifact store, a local model")
     p.add_argument("--docker", default="docker", help="docker runtime: the Docker client (shell-split)")
     p.add_argument("--log-dir", help="folder for worker logs (default: a new temp folder)")
+    p.add_argument("--volume-dir", help="folder holding each network volume's folder (default: volumes/ in --log-dir)")
+    p.add_argument("--volume-create-fails-in", action="append", default=[], metavar="DATACENTER",
+                   help="creating a network volume in this datacenter answers 500, as RunPod did in US-MO-1 "
+                   "(repeatable; a datacenter of localpod's catalog that supports volumes)")
     p.add_argument("--openapi", help="RunPod's api-v2-openapi.json (default: the unedited copy shipped in localpod/)")
     p.add_argument("--kill-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL for a worker")
     p.add_argument("--long-poll", type=float, default=5.0, help="seconds a worker's job-take is held open")

@@ -196,9 +196,10 @@ def best_level(levels: Iterable[AvailabilityLevel]) -> AvailabilityLevel:
     return max(levels, key=_LEVEL_ORDER.index, default="NONE")
 
 
-def place(spec: dict[str, Any], in_stock: InStock) -> WorkerPlacement | None:
+def place(spec: dict[str, Any], in_stock: InStock, pinned_to: str | None = None) -> WorkerPlacement | None:
     """Where a worker of this endpoint can start now: the first datacenter it allows (its `dataCenterIds`
-    in their order; none listed: any, in catalog order) that offers one of its GPU types with stock.
+    in their order; none listed: any, in catalog order) that offers one of its GPU types with stock. With
+    `pinned_to` (the datacenter of the endpoint's network volume), that datacenter only, if it is allowed.
 
     A GPU endpoint's types are its pools' types less `excludedTypes`; a pool missing from the table is
     taken as offered everywhere (localpod runs every worker on this machine). A CPU endpoint is placed in
@@ -206,6 +207,8 @@ def place(spec: dict[str, Any], in_stock: InStock) -> WorkerPlacement | None:
     know has none).
     """
     allowed = [dc for dc in (spec.get("dataCenterIds") or DATA_CENTER_IDS) if dc in _DC_BY_ID]
+    if pinned_to is not None:  # RunPod starts the workers of an endpoint with a network volume in its datacenter
+        allowed = [dc for dc in allowed if dc == pinned_to]
     gpu = spec.get("gpu")
     if not gpu:
         return WorkerPlacement(data_center_id=allowed[0]) if allowed else None

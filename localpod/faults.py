@@ -1,6 +1,7 @@
 """Fault injection: the rules tests and benchmarks set through `/_localpod/faults`,
 `/_localpod/worker-faults` and `/_localpod/stock`, and which request, job or worker each one hits; and,
-from the stock, where a worker may start (`FaultBook.place`, over the catalog of `catalog.py`).
+from the stock and the endpoint's network volume, where a worker may start (`FaultBook.place`, over the
+catalog of `catalog.py`).
 
 Nothing here touches HTTP or processes. Routes ask `FaultBook.match_route` whether to misbehave
 (`routes_faults.route_fault` acts on the answer); the state arms a worker fault on a job when a
@@ -34,6 +35,11 @@ RouteName = Literal[
     "get_gpu_type",
     "list_data_centers",
     "serverless_billing",
+    "create_network_volume",
+    "list_network_volumes",
+    "get_network_volume",
+    "patch_network_volume",
+    "delete_network_volume",
 ]
 RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500"]
 WorkerAction = Literal["crash", "hang", "preempt", "env"]
@@ -54,7 +60,8 @@ class RouteFaultRule(BaseModel):
         description="The operation: create_endpoint, get_endpoint, list_endpoints, delete_endpoint, patch_endpoint "
         "(the control plane, /v2/serverless); run (/run and /runsync), status, cancel, health (the job API); "
         "list_gpu_types, get_gpu_type, list_data_centers (/v2/catalog/gpus[/{id}], /v2/catalog/datacenters[/{id}]), "
-        "serverless_billing (/v2/billing/serverless)."
+        "serverless_billing (/v2/billing/serverless); create_network_volume, list_network_volumes, "
+        "get_network_volume, patch_network_volume, delete_network_volume (/v2/network-volumes[/{id}])."
     )
     action: RouteAction = Field(
         description="status_429: answer 429 (with Retry-After when retry_after_s is set); status_500: answer 500; "
@@ -66,8 +73,8 @@ class RouteFaultRule(BaseModel):
     endpoint_name_prefix: str | None = Field(
         default=None,
         description="Only requests about an endpoint whose name starts with this (for create_endpoint: the name in "
-        "the body). Omitted: every request to the route. Not allowed with list_endpoints and the catalog and billing "
-        "routes, which name no endpoint.",
+        "the body). Omitted: every request to the route. Not allowed with list_endpoints and the catalog, billing "
+        "and network-volume routes, which name no endpoint.",
     )
     retry_after_s: int | None = Field(
         default=None, ge=0, description="status_429 only: the Retry-After header, in seconds. Omitted: no header."
@@ -243,6 +250,8 @@ class FaultBook:
     """(pool, datacenter id) pairs taken out of stock."""
     placements: dict[str, WorkerPlacement] = field(default_factory=dict)
     """Worker id → where it was started (`place`); the account and the billing read it."""
+    volume_data_centers: dict[str, str] = field(default_factory=dict)
+    """Network volume id → its datacenter, kept by `volumes.VolumeBook`; `place` pins endpoints' workers there."""
     injected: Counter[str] = field(default_factory=Counter)
 
     # --- route faults ----------------------------------------------------------------------------
@@ -353,8 +362,12 @@ class FaultBook:
         return (pool, data_center_id) not in self.out_of_stock
 
     def place(self, spec: dict[str, Any]) -> WorkerPlacement | None:
-        """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock."""
-        return catalog.place(spec, self.in_stock)
+        """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock.
+        An endpoint attaches one network volume at most (`VolumeBook.check_endpoint`): its workers start in its
+        datacenter."""
+        pins = self.volume_data_centers
+        pinned = [pins[v] for v in spec.get("networkVolumes") or () if v in pins]
+        return catalog.place(spec, self.in_stock, pinned[0] if pinned else None)
 
     def placeable(self, spec: dict[str, Any]) -> bool:
         """Can a worker of this endpoint start? Not when no datacenter it allows has stock of one of its pools."""
@@ -367,7 +380,9 @@ class FaultBook:
 
 
 _ROUTES_WITHOUT_ENDPOINT = frozenset(
-    {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_data_centers", "serverless_billing"}
+    {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_data_centers", "serverless_billing",
+     "create_network_volume", "list_network_volumes", "get_network_volume", "patch_network_volume",
+     "delete_network_volume"}
 )
 
 

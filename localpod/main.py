@@ -15,6 +15,7 @@ from localpod import (
     routes_faults,
     routes_jobs,
     routes_secrets,
+    routes_volumes,
     routes_worker,
 )
 from localpod.models import LocalpodConfig
@@ -45,9 +46,10 @@ def create_app(config: LocalpodConfig) -> FastAPI:
     app.state.localpod = state
     install_problem_handlers(app)
     routes_faults.install_fault_answers(app)
-    # Order matters: `/v2/serverless/...`, `/v2/account/...`, `/v2/catalog/...` and `/v2/billing/...` must win
-    # over `/v2/{endpoint_id}/...`.
+    # Order matters: `/v2/serverless/...`, `/v2/network-volumes/...`, `/v2/account/...`, `/v2/catalog/...` and
+    # `/v2/billing/...` must win over `/v2/{endpoint_id}/...`.
     app.include_router(routes_endpoints.router)
+    app.include_router(routes_volumes.router)
     app.include_router(routes_secrets.router)
     app.include_router(routes_catalog.router)
     app.include_router(routes_worker.router)

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 DEFAULT_OPENAPI_PATH = Path(__file__).resolve().parent / "runpod-api-v2-openapi.json"
@@ -74,6 +74,17 @@ class LocalpodConfig(BaseModel):
         default_factory=lambda: Path(tempfile.mkdtemp(prefix="localpod-logs-")),
         description="Folder for the per-worker log files (stdout and stderr of each worker process).",
     )
+    volume_dir: Path = Field(
+        default_factory=lambda data: data["log_dir"] / "volumes",
+        description="Folder holding one folder per network volume (`<volume_dir>/<volume id>`), created with the "
+        "volume and removed with it. Default: `volumes` in `log_dir`.",
+    )
+    volume_create_fails_in: list[str] = Field(
+        default=[],
+        description="Datacenters where creating a network volume answers 500 and creates nothing, as RunPod was "
+        "seen to in US-MO-1 (counted as a status_500 fault). Each must be a datacenter of localpod's catalog that "
+        "supports volumes (e.g. EU-CZ-1).",
+    )
     openapi_path: Path = Field(default=DEFAULT_OPENAPI_PATH, description="RunPod's API v2 OpenAPI document.")
     long_poll_s: float = Field(
         default=5.0,
@@ -99,6 +110,18 @@ class LocalpodConfig(BaseModel):
     default_ttl_ms: int = Field(
         default=24 * 3600 * 1000, ge=1, description="A job's TTL when `/run` sets none (RunPod: 24 h from submission)."
     )
+
+    @field_validator("volume_create_fails_in")
+    @classmethod
+    def _volume_data_centers(cls, names: list[str]) -> list[str]:
+        from localpod import catalog  # here, not at the top: the catalog imports this module
+
+        capable = [dc.id for dc in catalog.DATA_CENTERS if dc.network_volume_types]
+        unknown = [name for name in names if name not in capable]
+        if unknown:
+            raise ValueError(f"no datacenter with network volumes in localpod's catalog: {unknown}; "
+                             f"these have them: {', '.join(capable)}")
+        return names
 
     @model_validator(mode="after")
     def _runtime_settings(self) -> LocalpodConfig:
@@ -288,6 +311,14 @@ class AccountWorker(_Wire):
     )
 
 
+class AccountVolume(_Wire):
+    id: str = Field(description="Network volume id.")
+    name: str = Field(description="Its name (names need not be unique).")
+    data_center: str = Field(description="The datacenter it lives in, where its endpoints' workers start.")
+    size: int = Field(description="Allocated size in GB (localpod enforces no quota on its folder).")
+    path: str = Field(description="Its folder on this machine: what a worker sees at /runpod-volume.")
+
+
 class Account(_Wire):
     """`GET /_localpod/account`: what the account holds and has spent, for tests and benchmarks."""
 
@@ -308,3 +339,4 @@ class Account(_Wire):
         "act_then_500) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."
     )
     jobs: list[AccountJob] = Field(description="Every job submitted.")
+    volumes: list[AccountVolume] = Field(default=[], description="Network volumes that exist now.")

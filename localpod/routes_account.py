@@ -13,4 +13,5 @@ router = APIRouter(prefix="/_localpod", tags=["localpod"])
 
 @router.get("/account")
 async def get_account(state: LocalpodState = Depends(get_state)) -> Account:
-    return state.account()
+    # The state reports endpoints, workers and jobs; the volume book, its own volumes.
+    return state.account().model_copy(update={"volumes": state.volumes.account_rows()})

@@ -1,8 +1,8 @@
 """Control plane API v2: `/v2/serverless` (create, list, get, update, delete endpoints).
 
-Every body is checked against RunPod's own schema (`CreateEndpointRequest`,
-`UpdateEndpointRequest`), then against the rules the schema cannot say (one of gpu/cpu, the
-account's worker quota). Answers are `Endpoint` documents with RunPod's defaults filled in.
+Every body is checked against RunPod's own schema (`CreateEndpointRequest`, `UpdateEndpointRequest`),
+then against the rules the schema cannot say (one of gpu/cpu, the account's worker quota, one network
+volume that exists). Answers are `Endpoint` documents with RunPod's defaults filled in.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ async def create_endpoint(request: Request, state: LocalpodState = Depends(get_s
     fault = await route_fault(request, "create_endpoint", endpoint_name=name)
     state.schemas.check_request("CreateEndpointRequest", body)
     spec = _spec_from_create(body)
+    state.volumes.check_endpoint(spec)
     _check_quota(state, spec["workers"]["max"], excluding=None)
     endpoint = state.add_endpoint(spec)
     fault.after_action()
@@ -68,6 +69,7 @@ async def update_endpoint(
     body = await _json_body(request)
     state.schemas.check_request("UpdateEndpointRequest", body)
     spec = _spec_after_update(endpoint.spec, body)
+    state.volumes.check_endpoint(spec)
     _check_quota(state, spec["workers"]["max"], excluding=endpoint.id)
     endpoint.spec = spec
     state.note_peaks()

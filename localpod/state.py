@@ -35,6 +35,7 @@ from localpod.models import (
     RunRequest,
 )
 from localpod.schema import OpenApiSchemas
+from localpod.volumes import VolumeBook
 
 TERMINAL_STATUSES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"})
 _ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -52,8 +53,7 @@ def iso(t: float) -> str:
 
 @dataclass
 class SecretRecord:
-    """An account secret (`/v2/account/secrets`); `value` never leaves the server except into a booting
-    worker's environment."""
+    """An account secret (`/v2/account/secrets`); `value` leaves the server only into a booting worker's env."""
 
     id: str
     name: str
@@ -167,6 +167,7 @@ class LocalpodState:
         self.peak_workers_max = 0
         self.webhooks_due: list[JobRecord] = []
         self.faults = FaultBook()
+        self.volumes = VolumeBook(config, self.faults)
         self.closing = False
         """Set when the server starts to shut down: held worker requests then return at once."""
 

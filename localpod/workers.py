@@ -34,6 +34,7 @@ import httpx
 from localpod.models import LocalpodConfig
 from localpod.routes_secrets import resolve_secret_references
 from localpod.state import EndpointRecord, JobRecord, LocalpodState, WorkerRecord, new_id
+from localpod.volumes import docker_volume_args, volume_env
 
 log = logging.getLogger("localpod.workers")
 
@@ -296,7 +297,7 @@ class WorkerSupervisor:
             log.warning("endpoint %s refers to secrets the account does not have: %s", endpoint.id, ", ".join(missing))
         # runpod 1.12 appends `&job_in_progress=…` / `&isStream=…` to these URLs, so each needs a `?`.
         return {
-            **env,
+            **env, **volume_env(self.config, endpoint.spec),  # a process worker is told where its volume is
             **self.state.faults.spawn_env(endpoint.spec["name"]),
             "RUNPOD_WEBHOOK_GET_JOB": f"{base}/job-take/$ID?gpu={_GPU_NAME}",
             "RUNPOD_WEBHOOK_POST_OUTPUT": f"{base}/job-done/$RUNPOD_POD_ID/$ID?gpu={_GPU_NAME}",
@@ -361,9 +362,9 @@ def docker_run_command(
     `env_names` from the client's own environment, and nothing else of this machine's environment.
 
     Host networking lets the worker call localpod back on `config.base_url`; the scratch disk and each
-    `worker_mounts` folder appear at their own paths. Attached (no `-d`), so the client lives as long as
-    the container and relays its output and signals; `--rm` removes it once it exits; `--pull never`
-    makes a missing image fail at once (RunPod pulls; this machine may reach no registry).
+    `worker_mounts` folder appear at their own paths, the endpoint's network volume at /runpod-volume. Attached (no
+    `-d`), so the client lives as long as the container and relays its output and signals; `--rm` removes it once it
+    exits; `--pull never` makes a missing image fail at once (RunPod pulls; this machine may reach no registry).
     """
     container = config.container_name(worker_id)
     assert container is not None, "docker_run_command needs the docker runtime"
@@ -376,6 +377,7 @@ def docker_run_command(
     ]  # fmt: skip
     for mount in config.worker_mounts:
         command += ["--volume", f"{mount}:{mount}"]
+    command += docker_volume_args(config, endpoint.spec)
     for name in env_names:
         command += ["--env", name]
     # RunPod's `args`: what the container runs instead of the image's command.

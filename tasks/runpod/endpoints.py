@@ -84,9 +84,12 @@ def build_create_request(
     disk_gb: int,
     execution_timeout_s: int,
     image_min_cuda: str = "0.0",
+    data_center_ids: list[str] | None = None,
+    network_volume_id: str | None = None,
 ) -> CreateEndpoint:
     """One endpoint per run attempt, capped at one worker: one quota slot = one endpoint. Hosts must
-    have the CUDA version both the card and the image need."""
+    have the CUDA version both the card and the image need. A network volume pins the workers to its
+    datacenter (RunPod mounts it at `/runpod-volume`)."""
     return CreateEndpoint(
         name=name,
         image=image,
@@ -100,6 +103,8 @@ def build_create_request(
         ),
         workers=Workers(min=0, max=1, idle_timeout=5),
         timeout=execution_timeout_s * 1000,
+        data_center_ids=data_center_ids or None,
+        network_volumes=[network_volume_id] if network_volume_id else None,
     )
 
 
