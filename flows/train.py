@@ -49,6 +49,7 @@ from tasks.teardown import (
     keep_undeleted_endpoint,
     take_slot_for_undeleted,
 )
+from tasks.weight_cache import warm_cache_for
 
 
 # Each hook deletes the run's endpoints by name: the second layer of teardown, after `finally`.
@@ -99,16 +100,19 @@ def train(spec: RunSpec) -> RunResults | State:
     worker_env = prepare_worker_env()
 
     # 2. Attempts.
-    gpu_index, billed_s, endpoint_ids = 0, 0.0, []
+    gpu_index, billed_s, endpoint_ids, use_cache = 0, 0.0, [], True
     for attempt in range(1, spec.attempts.max_attempts + 1):
         if run_cancel_requested():
             return Cancelled(message=f"Cancelled before attempt {attempt}")
+        offer = offers[gpus[gpu_index].name]
+        cache = warm_cache_for(model.id, model.revision, offer.in_stock_data_centers()) if use_cache else None
         plan = plan_attempt(job_input=job_input.model_copy(update={"attempt": attempt}), run_label=spec.name,
                             gpu=gpus[gpu_index], gpu_count=spec.compute.gpu_count, disk_gb=spec.compute.disk_gb,
                             deadline_epoch_s=deadline, now=time.time(), queue_s=spec.attempts.queue_minutes * 60,
                             startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60,
-                            worker_env=worker_env)
-        logger.info("Attempt %d on %d × %s: endpoint %s", attempt, spec.compute.gpu_count, plan.gpu.name, plan.endpoint_name)
+                            worker_env=worker_env, cache=cache)
+        logger.info("Attempt %d on %d × %s: endpoint %s%s", attempt, spec.compute.gpu_count, plan.gpu.name,
+                    plan.endpoint_name, f", weights warm in {cache.data_center}" if cache else "")
         outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress", endpoint_ids=endpoint_ids)
         billed_s += outcome.running_seconds
         if outcome.kind == "run_cancelled":
@@ -124,7 +128,8 @@ def train(spec: RunSpec) -> RunResults | State:
                                plan.endpoint_name)
             break
         decision = decide_next_attempt(outcome, gpus, gpu_index, attempt, spec.attempts.max_attempts,
-                                       seconds_left=deadline - time.time())
+                                       seconds_left=deadline - time.time(), warm_in=cache.data_center if cache else None)
+        use_cache = use_cache and not decision.cold
         if not decision.retry:
             raise run_failed(spec.name, outcome, results, decision.reason)
         logger.warning("Attempt %d ended %s (%s); %s", attempt, outcome.kind, outcome.error, decision.reason)

@@ -15,15 +15,20 @@ class NextAttempt(BaseModel):
     retry: bool
     gpu_index: int
     reason: str
+    cold: bool = False
+    """The next attempt leaves the weight cache aside: it runs anywhere and downloads the model."""
 
 
 def decide_next_attempt(
-    outcome: JobOutcome, gpus: list[GpuClass], gpu_index: int, attempt: int, max_attempts: int, seconds_left: float
+    outcome: JobOutcome, gpus: list[GpuClass], gpu_index: int, attempt: int, max_attempts: int, seconds_left: float,
+    warm_in: str | None = None,
 ) -> NextAttempt:
     """The retry policy: code failures, cancellations and the run's deadline never retry; no capacity walks
     the GPU list; out of memory moves only to a GPU with more memory; stalls, preemptions, RunPod's own
     timeouts, lost workers, failed submits and a job status unreadable past its budget retry on the same
-    GPU (resuming from the run's last checkpoint); all within the attempt budget and the run's deadline."""
+    GPU (resuming from the run's last checkpoint); all within the attempt budget and the run's deadline.
+    An attempt pinned to `warm_in` (the datacenter whose volume holds the weights) that found no capacity
+    there retries the same GPU anywhere, cold."""
     here = gpus[gpu_index]
     if not outcome.retriable:
         return NextAttempt(retry=False, gpu_index=gpu_index, reason=f"{outcome.kind}: not retried")
@@ -33,6 +38,9 @@ def decide_next_attempt(
     if seconds_left < MIN_TIME_FOR_ATTEMPT_S:
         return NextAttempt(retry=False, gpu_index=gpu_index,
                            reason=f"{outcome.kind}, and only {seconds_left:.0f} s are left before the run's deadline")
+    if outcome.kind == "no_capacity" and warm_in is not None:
+        return NextAttempt(retry=True, gpu_index=gpu_index, cold=True,
+                           reason=f"no capacity in {warm_in}, where the weights are warm; next attempt runs anywhere, cold")
     if outcome.kind == "no_capacity":
         following = (gpu_index + 1) % len(gpus)
         return NextAttempt(retry=True, gpu_index=following,

@@ -18,6 +18,7 @@ from tasks.runpod.endpoints import build_create_request, endpoint_name
 from tasks.runpod.jobs import WatchLimits
 from tasks.runpod.models import CreateEndpoint, JobPolicy
 from tasks.settings import Settings
+from tasks.weight_cache import DataCenterCache
 
 TEARDOWN_MARGIN_S = 5 * 60
 """RunPod's execution timeout and job TTL sit this far past the run's deadline, so the worker's own
@@ -130,9 +131,11 @@ def plan_attempt(
     startup_s: float,
     stall_s: float,
     worker_env: dict[str, str],
+    cache: DataCenterCache | None = None,
     settings: Settings | None = None,
 ) -> AttemptPlan:
-    """`worker_env`: the endpoint's env (`steps.prepare_worker_env`), without the run's deadline."""
+    """`worker_env`: the endpoint's env (`steps.prepare_worker_env`), without the run's deadline. `cache`: a
+    datacenter whose volume holds the model warm: the endpoint attaches it, which pins it there."""
     settings = settings or Settings()
     remaining = max(int(deadline_epoch_s - now), 1)
     execution_timeout_s, ttl_s = job_limits_s(remaining)
@@ -147,6 +150,8 @@ def plan_attempt(
         disk_gb=disk_gb,
         execution_timeout_s=execution_timeout_s,
         image_min_cuda=settings.loraflow_image_min_cuda,
+        data_center_ids=[cache.data_center] if cache else None,
+        network_volume_id=cache.volume_id if cache else None,
     )
     policy = JobPolicy(execution_timeout=execution_timeout_s * 1000, ttl=ttl_s * 1000)
     return AttemptPlan(

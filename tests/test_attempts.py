@@ -47,3 +47,16 @@ def test_attempt_budget_is_respected():
 def test_no_attempt_is_started_too_close_to_the_deadline():
     decision = decide("stalled", seconds_left=60)
     assert not decision.retry and "deadline" in decision.reason
+
+
+def test_no_capacity_where_the_weights_are_warm_retries_the_same_gpu_cold():
+    decision = decide_next_attempt(JobOutcome(kind="no_capacity", job_id="j", status="IN_QUEUE"), GPUS, 1, 1, 3, 3600,
+                                   warm_in="EU-RO-1")
+    assert decision.retry and decision.cold and decision.gpu_index == 1
+    assert "EU-RO-1" in decision.reason
+
+
+def test_a_cold_retry_still_respects_the_attempt_budget():
+    decision = decide_next_attempt(JobOutcome(kind="no_capacity", job_id="j", status="IN_QUEUE"), GPUS, 1, 3, 3, 3600,
+                                   warm_in="EU-RO-1")
+    assert not decision.retry

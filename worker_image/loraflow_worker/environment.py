@@ -8,8 +8,10 @@ additions) plus RunPod's runtime variables. The training process gets it with th
   do: the supervisor, not the training process, talks to RunPod.
 - Control-plane-owned keys (`CONTROL_PLANE_KEYS`: run id, attempt, artifact store) are set from the
   validated job input, whatever the environment said: a run's env cannot redirect its artifacts.
-- Cache settings rooted at the network volume are dropped when no volume is mounted, so the libraries
-  fall back to their defaults instead of writing a cache to a path that is not persistent storage.
+- Settings that point into the network volume (HF_HOME, TRITON_CACHE_DIR, PIP_CACHE_DIR, ...) are
+  dropped, mounted or not: the volume is shared by every run in its datacenter, so only Hub model files
+  go there, and the worker puts them there itself (model_cache.py). A compiler or pip cache on it would
+  let one tenant plant code that the next one runs.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ import re
 from collections.abc import Mapping
 
 from loraflow_worker.contract import JobInput
+from loraflow_worker.model_cache import VOLUME_PATH_ENV, volume_path
 
 FORWARDED_CREDENTIALS = ("HF_TOKEN", "HF_ENDPOINT", "WANDB_API_KEY")
 """The only credentials (and credential-like settings) the training process receives."""
-
-VOLUME_ROOT = "/runpod-volume"
-"""Where RunPod mounts an endpoint's network volume."""
 
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD|CREDENTIAL", re.IGNORECASE)
 _RUNTIME_PREFIX = "RUNPOD_"
@@ -39,11 +39,11 @@ CONTROL_PLANE_KEYS = ("LORAFLOW_RUN_ID", "LORAFLOW_ATTEMPT", "LORAFLOW_ARTIFACT_
 """Set in the training process from the job input; the same names in the worker's environment are ignored."""
 
 
-def child_env(job: JobInput, env: Mapping[str, str] | None = None, *, volume_mounted: bool | None = None) -> dict[str, str]:
+def child_env(job: JobInput, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of `job`'s training process, built from `env` (default: this process's)."""
     result = {
         name: value
-        for name, value in without_unmounted_volume(os.environ if env is None else env, volume_mounted=volume_mounted).items()
+        for name, value in off_the_volume(os.environ if env is None else env).items()
         if not name.startswith(_RUNTIME_PREFIX)
         and name not in CONTROL_PLANE_KEYS
         and (name in FORWARDED_CREDENTIALS or not is_secret_name(name))
@@ -54,13 +54,11 @@ def child_env(job: JobInput, env: Mapping[str, str] | None = None, *, volume_mou
     return result
 
 
-def without_unmounted_volume(env: Mapping[str, str], *, volume_mounted: bool | None = None) -> dict[str, str]:
-    """`env` without the settings (HF_HOME, HF_HUB_CACHE, TRANSFORMERS_CACHE, ...) that point into the
-    network volume when none is mounted."""
-    if volume_mounted is None:
-        volume_mounted = os.path.ismount(VOLUME_ROOT)
-    return {name: value for name, value in env.items() if volume_mounted or not _under_volume(value)}
-
-
-def _under_volume(value: str) -> bool:
-    return value == VOLUME_ROOT or value.startswith(VOLUME_ROOT + "/")
+def off_the_volume(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the settings whose value points into the network volume (`LORAFLOW_VOLUME_PATH`
+    itself stays: it is how the training process finds the volume's Hub cache)."""
+    volume = str(volume_path(env))  # a Path: no trailing slash
+    return {
+        name: value for name, value in env.items()
+        if name == VOLUME_PATH_ENV or not (value == volume or value.startswith(volume + "/"))
+    }

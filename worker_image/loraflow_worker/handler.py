@@ -1,4 +1,5 @@
-"""The RunPod serverless handler: one job = one LoRA training run, published to the artifact store.
+"""The RunPod serverless handler: one job = one LoRA training run, published to the artifact store, or
+one preload of Hub models onto the endpoint's network volume (`"mode": "preload"`, preload.py).
 
 On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 
@@ -33,9 +34,10 @@ import runpod
 from pydantic import ValidationError
 
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
-from loraflow_worker.contract import CONTRACT_VERSION, JobInput, JobResult, Progress, run_prefix
+from loraflow_worker.contract import CONTRACT_VERSION, JobInput, JobResult, PreloadInput, Progress, run_prefix
 from loraflow_worker.lifetime import WorkerLifetime
 from loraflow_worker.packages import install_extra_packages
+from loraflow_worker.preload import preload_models
 from loraflow_worker.redaction import redact_secrets
 from loraflow_worker.supervisor import JobFailed, run_training
 
@@ -43,6 +45,7 @@ CONSOLE_RETRY_BUDGET_S = 60.0
 """How long a failed job's console upload retries a rate-limited or failing Hub before the failure is reported without it."""
 WORK_DIR_ENV = "LORAFLOW_WORK_DIR"
 """Folder under which the worker keeps the current job's files (default: the system temp folder)."""
+_INPUT_BY_MODE: dict[str, type[JobInput] | type[PreloadInput]] = {"train": JobInput, "preload": PreloadInput}
 
 log = logging.getLogger("loraflow_worker")
 
@@ -54,7 +57,8 @@ class JobRefused(ValueError):
 
 
 def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> dict[str, Any]:
-    """Run one RunPod job (`{"id": ..., "input": <JobInput as JSON>}`) and return its `JobResult`.
+    """Run one RunPod job (`{"id": ..., "input": <JobInput or PreloadInput as JSON>}`) and return its
+    `JobResult` or `PreloadResult`.
     Errors propagate (the runpod runtime reports them as the job's `error`), with secrets removed."""
     try:
         return _run(job, lifetime)
@@ -67,16 +71,20 @@ def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> d
         raise JobFailed(f"{type(exc).__name__}: {redacted}") from None
 
 
-def parse_job_input(raw: Any) -> JobInput:
-    """Validate a job's `input`, checking the contract version before anything else."""
+def parse_job_input(raw: Any) -> JobInput | PreloadInput:
+    """Validate a job's `input`, checking the contract version before anything else, then its `mode`
+    (left out: `train`)."""
     version = raw.get("contract_version", "none") if isinstance(raw, dict) else "none"
     if version != CONTRACT_VERSION or isinstance(version, bool):
         raise JobRefused(
             f"worker speaks contract version {CONTRACT_VERSION}, job has version {version}: "
             "deploy a matching worker image"
         )
+    mode = raw.get("mode", "train")
+    if not isinstance(mode, str) or mode not in _INPUT_BY_MODE:
+        raise JobRefused(f"invalid job input: `mode`: {mode!r} is not a mode; use one of {', '.join(_INPUT_BY_MODE)}")
     try:
-        return JobInput.model_validate(raw)
+        return _INPUT_BY_MODE[mode].model_validate(raw)
     except ValidationError as e:
         problems = "; ".join(f"`{'.'.join(map(str, err['loc']))}`: {err['msg']}" for err in e.errors())
         raise JobRefused(f"invalid job input: {problems}") from e
@@ -96,6 +104,8 @@ def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]
     job_input = parse_job_input(job.get("input"))
     if lifetime is not None:
         lifetime.use_deadline(job_input.deadline_epoch_s)
+    if isinstance(job_input, PreloadInput):
+        return preload_models(job_input, _progress_sender(job)).model_dump(mode="json")
     store = open_store(job_input.artifact_store)
     prefix = run_prefix(job_input.run_id)
     if store.exists(f"{prefix}/DONE"):

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from loraflow_worker.environment import is_secret_name, without_unmounted_volume
+from loraflow_worker.environment import is_secret_name, off_the_volume
 
 PIP_ARGS_ENV = "LORAFLOW_PIP_ARGS"
 """Extra pip options (shell syntax) for every install, e.g. `--no-index --find-links /wheels`."""
@@ -60,7 +60,7 @@ def install_extra_packages(requirements: Sequence[str], work_dir: Path, *,
     command = [sys.executable, "-m", "pip", "install", "-vv", "--disable-pip-version-check", "--no-input",
                "--progress-bar", "off", "--constraint", str(constraints),
                *shlex.split(os.environ.get(PIP_ARGS_ENV, "")), *requirements]
-    env = {name: value for name, value in without_unmounted_volume(os.environ).items() if not is_secret_name(name)}
+    env = {name: value for name, value in off_the_volume(os.environ).items() if not is_secret_name(name)}
     for attempt in range(1, ATTEMPTS + 1):
         started = time.monotonic()
         done = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

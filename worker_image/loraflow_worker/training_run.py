@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 from datasets import Dataset, load_dataset
-from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub import HfApi
 from peft import LoraConfig
+from peft.utils.constants import EMBEDDING_LAYER_NAMES
 from transformers import PreTrainedTokenizerBase, Trainer
 
 from loraflow_worker.artifacts import ArtifactStore
@@ -21,6 +22,7 @@ from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
 from loraflow_worker.fast_paths import cuda_allocator_settings
 from loraflow_worker.memory_estimate import Workload
+from loraflow_worker.model_cache import fetch_model, training_cache_dir
 from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
 from loraflow_worker.training_monitor import TrainingMonitor
 
@@ -63,8 +65,9 @@ def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
         return Path(source.id), None
     # Pin the commit first and download exactly it, so the manifest names what was trained on even if
     # the branch moves meanwhile. HF_ENDPOINT / HF_TOKEN in the worker's environment pick the Hub.
-    sha = HfApi().model_info(source.id, revision=source.revision).sha
-    return Path(snapshot_download(source.id, revision=sha)), sha
+    info = HfApi().model_info(source.id, revision=source.revision)
+    filenames = [sibling.rfilename for sibling in info.siblings or []]
+    return fetch_model(source.id, info.sha, filenames, training_cache_dir()), info.sha
 
 
 def lora_config(job: JobInput) -> LoraConfig:
@@ -119,7 +122,13 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
     # Point the adapter at the Hub model and commit, not at this worker's download folder.
     trainer.model.peft_config["default"].base_model_name_or_path = job.model.id
     trainer.model.peft_config["default"].revision = revision
-    trainer.model.save_pretrained(adapter_dir)
+    # PEFT's default ("auto") fetches the base model's config.json from the Hub, at its main branch, to see
+    # whether the vocabulary was resized: a download even when the model came from the volume. loraflow
+    # never resizes it, so the embeddings are saved exactly when LoRA targets them, as "auto" would.
+    targets = job.lora.target_modules
+    trainer.model.save_pretrained(
+        adapter_dir, save_embedding_layers=targets != "all-linear" and any(n in EMBEDDING_LAYER_NAMES for n in targets)
+    )
     tokenizer.save_pretrained(adapter_dir)
     return adapter_dir, wall_seconds
 

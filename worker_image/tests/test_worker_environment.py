@@ -22,29 +22,34 @@ WORKER_ENV = {
 
 
 def test_training_process_gets_only_the_forwarded_credentials():
-    env = child_env(JOB, WORKER_ENV, volume_mounted=True)
+    env = child_env(JOB, WORKER_ENV)
     assert {name for name in WORKER_ENV if name in env} == {"PATH", *FORWARDED_CREDENTIALS}
     assert env["HF_TOKEN"] == "hf_forwardedtokenvalue"
 
 
 def test_runpod_runtime_variables_stay_with_the_supervisor():
-    env = child_env(JOB, WORKER_ENV, volume_mounted=True)
+    env = child_env(JOB, WORKER_ENV)
     assert not [name for name in env if name.startswith("RUNPOD_")]
 
 
 def test_control_plane_keys_come_from_the_job_not_the_environment():
     overridden = {**WORKER_ENV, "LORAFLOW_RUN_ID": "someone-else", "LORAFLOW_ARTIFACT_STORE": "file:///elsewhere"}
-    env = child_env(JOB, overridden, volume_mounted=True)
+    env = child_env(JOB, overridden)
     assert {name: env[name] for name in CONTROL_PLANE_KEYS} == {
         "LORAFLOW_RUN_ID": "run-1", "LORAFLOW_ATTEMPT": "3", "LORAFLOW_ARTIFACT_STORE": "hf://datasets/org/artifacts",
     }
 
 
-def test_volume_cache_settings_are_dropped_when_no_volume_is_mounted():
-    caches = {"HF_HOME": "/runpod-volume/hf", "HF_HUB_CACHE": "/runpod-volume/hf/hub",
-              "TRANSFORMERS_CACHE": "/runpod-volume/hf/transformers", "TORCH_HOME": "/root/.cache/torch"}
-    assert {name for name in caches if name in child_env(JOB, caches, volume_mounted=False)} == {"TORCH_HOME"}
-    assert {name for name in caches if name in child_env(JOB, caches, volume_mounted=True)} == set(caches)
+def test_no_setting_of_the_training_process_points_into_the_volume():
+    caches = {"HF_HOME": "/runpod-volume/hf", "HF_HUB_CACHE": "/runpod-volume/huggingface/hub",
+              "TRITON_CACHE_DIR": "/runpod-volume/triton", "PIP_CACHE_DIR": "/runpod-volume",
+              "TORCH_HOME": "/root/.cache/torch", "OTHER": "/runpod-volume-not"}
+    assert {name for name in caches if name in child_env(JOB, caches)} == {"TORCH_HOME", "OTHER"}
+
+
+def test_a_named_volume_is_kept_off_the_training_process_too_but_its_name_passes():
+    env = {"LORAFLOW_VOLUME_PATH": "/srv/volume", "TORCHINDUCTOR_CACHE_DIR": "/srv/volume/inductor"}
+    assert {name for name in env if name in child_env(JOB, env)} == {"LORAFLOW_VOLUME_PATH"}
 
 
 def test_secret_values_from_the_environment_are_redacted():
