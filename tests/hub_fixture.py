@@ -75,12 +75,13 @@ class HubStandIn:
 
 @contextmanager
 def running_hub(data_dir: Path, *, require_token: str | None = None, commits_per_hour: int = 128,
-                commit_window_s: float = 3600.0) -> Iterator[HubStandIn]:
-    """Start `python -m localpod.hub --port 0` on `data_dir`, wait until it listens, stop it on exit."""
+                commit_window_s: float = 3600.0, python: str | Path = sys.executable) -> Iterator[HubStandIn]:
+    """Start `python -m localpod.hub --port 0` on `data_dir`, wait until it listens, stop it on exit.
+    `python`: an interpreter with localpod's dependencies (the worker's tests pass the control plane's)."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir.parent / f"{data_dir.name}.log"
-    command = [sys.executable, "-m", "localpod.hub", "--host", "127.0.0.1", "--port", "0",
+    command = [str(python), "-m", "localpod.hub", "--host", "127.0.0.1", "--port", "0",
                "--data-dir", str(data_dir), "--commits-per-hour", str(commits_per_hour),
                "--commit-window-s", str(commit_window_s)]
     if require_token is not None:

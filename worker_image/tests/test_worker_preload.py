@@ -29,9 +29,10 @@ from loraflow_worker.handler import JobRefused, WORK_DIR_ENV, handler
 from loraflow_worker.model_cache import VOLUME_PATH_ENV, download_ignore_patterns
 from loraflow_worker.preload import NoVolume
 
+from tests.hub_fixture import running_hub
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
-READY_LINE = "hub stand-in listening on "
 TOKEN = "hf_test_token_for_the_stand_in"
 MODEL = "loraflow-test/tiny-chat"
 MISSING = "loraflow-test/no-such-model"
@@ -75,15 +76,8 @@ def hub(tmp_path_factory, tiny_model_dir) -> Iterator[Hub]:
     if not CONTROL_PLANE_PYTHON.exists():
         pytest.skip(f"the Hub stand-in runs with the control plane's interpreter, and {CONTROL_PLANE_PYTHON} is missing")
     base = tmp_path_factory.mktemp("hub")
-    log_path = base / "hub.log"
-    with open(log_path, "wb") as log:  # a file, not a pipe: a pipe nobody drains would block the server
-        process = subprocess.Popen(
-            [str(CONTROL_PLANE_PYTHON), "-m", "localpod.hub", "--host", "127.0.0.1", "--port", "0",
-             "--data-dir", str(base / "data")],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = _wait_until_listening(process, log_path)
-        api = HfApi(endpoint=url, token=TOKEN)
+    with running_hub(base / "data", python=CONTROL_PLANE_PYTHON) as stand_in:
+        api = HfApi(endpoint=stand_in.url, token=TOKEN)
         api.create_repo(MODEL)
         repo_files = base / "repo"
         shutil.copytree(tiny_model_dir, repo_files)
@@ -91,14 +85,7 @@ def hub(tmp_path_factory, tiny_model_dir) -> Iterator[Hub]:
             (repo_files / name).parent.mkdir(parents=True, exist_ok=True)
             (repo_files / name).write_bytes(b"not for transformers" * 64)
         api.upload_folder(repo_id=MODEL, folder_path=repo_files, commit_message="tiny model and other runtimes' files")
-        yield Hub(url=url, sha=api.model_info(MODEL).sha)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        yield Hub(url=stand_in.url, sha=api.model_info(MODEL).sha)
 
 
 @pytest.fixture(scope="module")
@@ -226,15 +213,3 @@ def _worker_env(hub: Hub, volume: Path, base: Path) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if not name.startswith(("HF_", "HUGGING_FACE_"))}
     return {**env, "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HOME": str(base / "hf-home"),
             "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", VOLUME_PATH_ENV: str(volume)}
-
-
-def _wait_until_listening(process: subprocess.Popen, log_path: Path) -> str:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith(READY_LINE):
-                return line[len(READY_LINE):].strip()
-        if process.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise RuntimeError(f"Hub stand-in did not start (exit code {process.poll()}):\n{log_path.read_text()[-3000:]}")
