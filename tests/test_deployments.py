@@ -59,3 +59,32 @@ def test_the_pull_step_refuses_a_loraflow_home_that_is_not_a_checkout_naming_the
     monkeypatch.setenv("LORAFLOW_HOME", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=f"LORAFLOW_HOME={tmp_path} is not a loraflow checkout"):
         set_working_directory_to_checkout()
+
+
+def test_prefect_deploy_all_creates_every_deployment_and_the_nightly_preload_schedule(local_stack):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import prefect_api
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | local_stack.client_env
+    prefect = [sys.executable, "-m", "prefect", "--no-prompt"]
+    pool = subprocess.run([*prefect, "work-pool", "create", "loraflow", "--type", "process", "--overwrite"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert pool.returncode == 0, pool.stdout + pool.stderr
+    try:
+        deploy = subprocess.run([*prefect, "deploy", "--all"], cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        deployments = {d["name"]: d for d in prefect_api(local_stack, "POST", "/deployments/filter", json={}).json()}
+        assert {"qwen", "interval", "nightly"} <= set(deployments)
+        [schedule] = deployments["nightly"]["schedules"]
+        assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["schedule"]["timezone"] == "Europe/Berlin"
+        assert schedule["active"]
+    finally:
+        # Their scheduled runs would sit in the shared server for the session's other tests to see.
+        shipped = [d["name"] for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]]
+        for deployment in prefect_api(local_stack, "POST", "/deployments/filter", json={
+                "deployments": {"name": {"any_": shipped}}}).json():
+            prefect_api(local_stack, "DELETE", f"/deployments/{deployment['id']}")
