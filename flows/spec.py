@@ -10,11 +10,21 @@ field named. Secrets are never fields here: the spec is shown in the UI and stor
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from loraflow_worker.contract import GrpoSettings, LoraSettings, ModelSource, TrainingSettings, grpo_setting_problems
+from loraflow_worker.contract import (
+    MAX_EXTRA_PACKAGES,
+    GrpoSettings,
+    JobInput,
+    LoraSettings,
+    ModelSource,
+    TrainingSettings,
+    grpo_setting_problems,
+    plain_requirements,
+)
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.plan import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S, job_limits_s, max_deadline_minutes
@@ -28,8 +38,8 @@ class _Section(BaseModel):
 
 
 class DatasetSpec(_Section):
-    """Training data: a Hub dataset, or a local JSONL file of chat `messages` that the run publishes
-    to its artifact store so the worker can read it."""
+    """Training data: a Hub dataset, or a local JSONL file in one of TRL's conversational formats that the
+    run publishes to its artifact store so the worker can read it."""
 
     hub_id: str | None = Field(
         default=None, max_length=512, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
@@ -38,8 +48,10 @@ class DatasetSpec(_Section):
     split: str = Field(default="train", max_length=128, pattern=r"^[A-Za-z0-9_.\[\]:%-]+$", description="Split of the Hub dataset to train on.")
     local_file: str | None = Field(
         default=None, max_length=4096,
-        description="Path of a JSONL file on the machine that runs the flow, one `{\"messages\": [...]}` chat per "
-        "line. Relative paths are resolved from the working directory.",
+        description="Path of a JSONL file on the machine that runs the flow, one example per line in one of TRL's "
+        "conversational formats: `{\"messages\": [...]}` (SFT, GRPO), `{\"prompt\": [...], \"completion\": [...]}` "
+        "(SFT, GRPO) or prompt-only `{\"prompt\": [...], ...}` (GRPO; other columns such as `answer` reach the "
+        "rewards). Relative paths are resolved from the working directory.",
     )
 
     @model_validator(mode="after")
@@ -112,8 +124,8 @@ class RunSpec(_Section):
     )
     algorithm: Literal["sft", "grpo"] = Field(
         default="sft",
-        description="Training algorithm: `sft` (supervised fine-tuning on chat `messages`) or `grpo` (reinforcement "
-        "learning from rewards on the dataset's prompts; fill in the GRPO section).",
+        description="Training algorithm: `sft` (supervised fine-tuning on chats or prompt/completion pairs) or `grpo` "
+        "(reinforcement learning from rewards on the dataset's prompts; fill in the GRPO section).",
     )
     model: ModelSource = Field(description="The base model.")
     dataset: DatasetSpec = Field(description="The training data.")
@@ -124,6 +136,8 @@ class RunSpec(_Section):
         description="GRPO settings (group size, lengths, temperature, KL coefficient, rewards): required when the "
         "algorithm is `grpo`, refused otherwise.",
     )
+    extra_packages: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_PACKAGES,
+                                      description=JobInput.model_fields["extra_packages"].description)
     compute: ComputeSpec = Field(default_factory=ComputeSpec, description="GPUs to rent.")
     attempts: AttemptsSpec = Field(default_factory=AttemptsSpec, description="Retries of failed attempts.")
     artifact_store: str = Field(
@@ -142,6 +156,8 @@ class RunSpec(_Section):
         description="Refuse to start when the run's worst-case cost (GPU price × GPUs × deadline) is "
         "above this. Empty means no budget check.",
     )
+
+    _plain_requirements = field_validator("extra_packages")(plain_requirements)
 
     @field_validator("deadline_minutes")
     @classmethod
@@ -187,6 +203,93 @@ def describe_validation_error(error: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             message = "unknown field (check its spelling and section)"
         lines.append(f"  - {where}: {message}")
+    return "\n".join(lines)
+
+
+class RunOverrides(_Section):
+    """Flat changes to a run's spec, one per parameter of the `train` flow beside `spec`, so that
+    `prefect deployment run train/qwen --param max_steps=5` changes one field (a `--param spec=...`
+    replaces the whole spec). None leaves the field as the spec has it. The descriptions are the
+    flow's parameter descriptions (its docstring, which Prefect shows in the run form)."""
+
+    run_file: str | None = Field(
+        default=None, max_length=4096,
+        description="A TOML run file (e.g. `deployments/qwen.toml`) whose spec replaces `spec` before the other "
+        "overrides apply. Relative paths are resolved from the flow's working directory.",
+    )
+    name: str | None = Field(default=None, description="Replaces the spec's `name` (the run's label).")
+    model: str | None = Field(
+        default=None, description="Replaces the base model: a Hub model id (`Qwen/Qwen3-0.6B`, default branch) or a "
+        "local model directory (local mode).",
+    )
+    dataset: str | None = Field(
+        default=None, description="Replaces the training data: a local JSONL file (a path ending in `.jsonl` or "
+        "`.json`, or starting with `/`, `./`, `../` or `~`) or else a Hub dataset id (its `train` split).",
+    )
+    gpu: list[str] | None = Field(
+        default=None, description="Replaces `compute.gpu`: GPU classes in the order to try them, e.g. "
+        "`[\"h100\", \"a100 sxm\"]`.",
+    )
+    max_steps: int | None = Field(default=None, description="Replaces `training.max_steps` (optimizer steps).")
+    learning_rate: float | None = Field(default=None, description="Replaces `training.learning_rate`.")
+
+
+# Where each override goes in the spec.
+OVERRIDE_PATHS: dict[str, tuple[str, ...]] = {
+    "name": ("name",), "model": ("model",), "dataset": ("dataset",), "gpu": ("compute", "gpu"),
+    "max_steps": ("training", "max_steps"), "learning_rate": ("training", "learning_rate"),
+}
+_LOCAL_FILE = re.compile(r"^(/|\./|\.\./|~)|\.jsonl?$")
+
+
+def apply_overrides(spec: RunSpec, overrides: RunOverrides) -> RunSpec:
+    """`spec` (or the spec of `overrides.run_file`) with each set override in its field, validated as
+    a run file is. `SpecError` names the parameter behind each problem (`parameter max_steps ...`).
+
+    The fields the spec set stay set, so rules that depend on what was set (e.g. `training.max_seq_length`
+    refused for grpo) judge the merged spec as they would a run file.
+    """
+    if overrides.run_file is not None:
+        try:
+            spec = load_run_file(overrides.run_file)
+        except SpecError as e:
+            raise SpecError(f"parameter run_file: {e}") from e
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    for parameter, path in OVERRIDE_PATHS.items():
+        value = getattr(overrides, parameter)
+        if value is None:
+            continue
+        section = data
+        for key in path[:-1]:
+            section = section.setdefault(key, {})
+        section[path[-1]] = _source(parameter, value)
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(_describe_override_error(e, overrides)) from e
+
+
+def _source(parameter: str, value: object) -> object:
+    if parameter == "model":
+        return {"id": value}
+    if parameter == "dataset":
+        return {"local_file": str(Path(str(value)).expanduser())} if _LOCAL_FILE.search(str(value)) \
+            else {"hub_id": value}
+    return value
+
+
+def _describe_override_error(error: ValidationError, overrides: RunOverrides) -> str:
+    source = f"the spec{f' of {overrides.run_file}' if overrides.run_file else ''} with its overrides"
+    lines = [f"{error.error_count()} problem(s) in {source}:"]
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        given = [name for name, path in OVERRIDE_PATHS.items()
+                 if getattr(overrides, name) is not None and tuple(e["loc"][:len(path)]) == path]
+        message = "unknown field (check its spelling and section)" if e["type"] == "extra_forbidden" else e["msg"]
+        if given:
+            lines.append(f"  - parameter {given[0]}={getattr(overrides, given[0])!r} ({where}): {message}")
+        else:
+            lines.append(f"  - {where}: {message}")
     return "\n".join(lines)
 
 

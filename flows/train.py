@@ -8,6 +8,7 @@ or against RunPod, from a run file or a deployment:
 
     RUNPOD_API_KEY=... HF_TOKEN=... .venv/bin/python -m flows.train deployments/qwen.toml
     prefect deployment run train/qwen
+    prefect deployment run train/qwen --param max_steps=5 --param 'gpu=["h100"]'   # single fields changed
 """
 
 # No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
@@ -22,14 +23,17 @@ from prefect import flow, get_run_logger
 from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
+from pydantic import ValidationError
 
-from flows.spec import RunSpec, SpecError, load_run_file
-from tasks.artifacts import RunResults, check_chat_jsonl, collect, publish_dataset_task
+from flows.spec import RunOverrides, RunSpec, SpecError, apply_overrides, load_run_file
+from tasks import events
+from tasks.artifacts import RunResults, check_dataset_jsonl, collect, publish_run_inputs_task
 from tasks.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
 from tasks.cost import check_budget, cost_ceiling, read_billed_cost, read_gpu_prices
 from tasks.plan import AttemptPlan, plan_attempt, resolve_model_task
 from tasks.quota import ENDPOINT_LIMIT, ensure_endpoint_limit, wait_for_runpod_quota
-from tasks.reports import RunReport, publish_report
+from tasks.reports import RunReport, curve_png, publish_report, run_tags, run_title, store_curve, tag_run
+from tasks.rewards import check_reward_files
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.errors import JobFailedError, is_transient
 from tasks.runpod.jobs import JobOutcome
@@ -52,12 +56,36 @@ from tasks.teardown import (
 from tasks.weight_cache import warm_cache_for
 
 
+def _flow_run_name() -> str:
+    # Prefect calls this once the parameters are validated, before the body runs: the name describes the
+    # run the overrides make. When they are invalid the body fails on them, naming them; the name is only
+    # a label, so it falls back to the spec as given.
+    parameters = flow_run.parameters
+    spec: RunSpec = parameters["spec"]
+    try:
+        overrides = RunOverrides.model_validate({k: parameters.get(k) for k in RunOverrides.model_fields})
+        spec = apply_overrides(spec, overrides)
+    except (SpecError, ValidationError):
+        pass
+    return run_title(spec.name, spec.model.id, spec.algorithm, spec.compute.gpu[0])
+
+
 # Each hook deletes the run's endpoints by name: the second layer of teardown, after `finally`.
-@flow(name="train", log_prints=True, on_crashed=[delete_run_endpoints_hook],
+@flow(name="train", log_prints=True, flow_run_name=_flow_run_name, on_crashed=[delete_run_endpoints_hook],
       on_cancellation=[delete_run_endpoints_hook], on_failure=[delete_run_endpoints_hook])
-def train(spec: RunSpec) -> RunResults | State:
+def train(
+    spec: RunSpec,
+    run_file: str | None = None,
+    name: str | None = None,
+    model: str | None = None,
+    dataset: str | None = None,
+    gpu: list[str] | None = None,
+    max_steps: int | None = None,
+    learning_rate: float | None = None,
+) -> RunResults | State:
     """Fine-tune a LoRA adapter on a RunPod serverless GPU.
 
+    0. Apply the overrides to the spec (each names itself when invalid); name and tag the run.
     1. Prepare: check the budget, pin the model, publish a local dataset, build the job.
     2. For each attempt (a new endpoint each time, resuming from the last checkpoint):
        a. take one slot of the `runpod-endpoints` limit (the account's endpoint quota);
@@ -68,88 +96,140 @@ def train(spec: RunSpec) -> RunResults | State:
        e. delete the endpoint, confirmed, whatever happened; an unconfirmed delete keeps a slot and a
           record for the reconciler, and never changes how the attempt ended;
        f. collect: results stored completely (`DONE`) end the run, whatever the job's status said;
-          otherwise retry or fail, per the outcome.
-    3. Publish the report.
+          otherwise retry or fail, per the outcome (`loraflow.attempt.given-up`).
+    3. Publish the report and store the training curve.
 
-    A cancelled run ends Cancelled once its endpoint is deleted.
+    A cancelled run ends Cancelled once its endpoint is deleted. Every end sends `loraflow.run.finished`.
+
+    Args:
+        spec: The run, as a deployment's parameters or a run file give it. The parameters below change
+            single fields of it, so that `--param max_steps=5` works where `--param spec=...` would have
+            to repeat the whole spec.
+        run_file: A TOML run file (e.g. `deployments/qwen.toml`) whose spec replaces `spec` before the other
+            overrides apply. Relative paths are resolved from the flow's working directory.
+        name: Replaces the spec's `name` (the run's label).
+        model: Replaces the base model: a Hub model id (`Qwen/Qwen3-0.6B`, default branch) or a local model
+            directory (local mode).
+        dataset: Replaces the training data: a local JSONL file (a path ending in `.jsonl` or `.json`, or
+            starting with `/`, `./`, `../` or `~`) or else a Hub dataset id (its `train` split).
+        gpu: Replaces `compute.gpu`: GPU classes in the order to try them, e.g. `["h100", "a100 sxm"]`.
+        max_steps: Replaces `training.max_steps` (optimizer steps).
+        learning_rate: Replaces `training.learning_rate`.
     """
     logger = get_run_logger()
     run_id = flow_run.id or str(uuid.uuid4())
-    deadline = time.time() + spec.deadline_minutes * 60
+    spent = events.RunSpend()  # what `loraflow.run.finished` reports, however the run ends
+    try:
+        # 0. Overrides, name and tags.
+        spec = apply_overrides(spec, RunOverrides(run_file=run_file, name=name, model=model, dataset=dataset,
+                                                  gpu=gpu, max_steps=max_steps, learning_rate=learning_rate))
+        deadline = time.time() + spec.deadline_minutes * 60
+        tag_run(run_id, run_tags(spec.model.id, spec.algorithm, spec.compute.gpu))
 
-    # 1. Prepare: nothing is rented until this has passed.
-    gpus = [resolve_gpu(name) for name in spec.compute.gpu]
-    image = Settings().worker_image()
-    offers = {offer.gpu: offer for offer in read_gpu_prices(gpus)}  # RunPod's catalog, else the static table
-    ceiling = cost_ceiling(list(offers.values()), spec.compute.gpu_count, spec.deadline_minutes)
-    check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
-    if spec.dataset.local_file is not None:
-        examples = check_chat_jsonl(Path(spec.dataset.local_file))
-        logger.info("Dataset %s: %d examples", spec.dataset.local_file, examples)
-    model = resolve_model_task(spec.model, disk_gb=spec.compute.disk_gb)
-    if spec.dataset.local_file is not None:
-        dataset = DatasetSource(store_path=publish_dataset_task(spec.artifact_store, run_id, spec.dataset.local_file))
-    else:
-        dataset = DatasetSource(hub_id=spec.dataset.hub_id, split=spec.dataset.split)
-    job_input = JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset,
-                         lora=spec.lora, training=spec.training, grpo=spec.grpo, artifact_store=spec.artifact_store,
-                         deadline_epoch_s=deadline)
-    logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling %s", spec.name, model.id, spec.compute.gpu, image,
-                ceiling.describe())
-    ensure_endpoint_limit()
-    worker_env = prepare_worker_env()
+        # 1. Prepare: nothing is rented until this has passed.
+        gpus = [resolve_gpu(gpu_name) for gpu_name in spec.compute.gpu]
+        image = Settings().worker_image()
+        offers = {offer.gpu: offer for offer in read_gpu_prices(gpus)}  # RunPod's catalog, else the static table
+        ceiling = cost_ceiling(list(offers.values()), spec.compute.gpu_count, spec.deadline_minutes)
+        spent.ceiling_usd = ceiling.usd
+        check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
+        if spec.dataset.local_file is not None:
+            examples = check_dataset_jsonl(Path(spec.dataset.local_file), spec.algorithm)
+            logger.info("Dataset %s: %d examples", spec.dataset.local_file, examples)
+        rewards = spec.grpo.rewards if spec.grpo is not None else []
+        check_reward_files(rewards, Path.cwd())  # relative reward files start where a relative local_file does
+        model_source = resolve_model_task(spec.model, disk_gb=spec.compute.disk_gb)
+        # The dataset file and the reward files, in one commit; the rewards come back pointing at their copies.
+        dataset_path, rewards = publish_run_inputs_task(spec.artifact_store, run_id, spec.dataset.local_file,
+                                                        rewards, str(Path.cwd()))
+        if dataset_path is not None:
+            dataset_source = DatasetSource(store_path=dataset_path)
+        else:
+            dataset_source = DatasetSource(hub_id=spec.dataset.hub_id, split=spec.dataset.split)
+        grpo = spec.grpo.model_copy(update={"rewards": rewards}) if spec.grpo is not None else None
+        job_input = JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model_source,
+                             dataset=dataset_source, lora=spec.lora, training=spec.training, grpo=grpo,
+                             artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
+                             extra_packages=spec.extra_packages)
+        logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling %s", spec.name, model_source.id, spec.compute.gpu,
+                    image, ceiling.describe())
+        ensure_endpoint_limit()
+        worker_env = prepare_worker_env()
 
-    # 2. Attempts.
-    gpu_index, billed_s, endpoint_ids, use_cache = 0, 0.0, [], True
-    for attempt in range(1, spec.attempts.max_attempts + 1):
-        if run_cancel_requested():
-            return Cancelled(message=f"Cancelled before attempt {attempt}")
-        offer = offers[gpus[gpu_index].name]
-        cache = warm_cache_for(model.id, model.revision, offer.in_stock_data_centers()) if use_cache else None
-        plan = plan_attempt(job_input=job_input.model_copy(update={"attempt": attempt}), run_label=spec.name,
-                            gpu=gpus[gpu_index], gpu_count=spec.compute.gpu_count, disk_gb=spec.compute.disk_gb,
-                            deadline_epoch_s=deadline, now=time.time(), queue_s=spec.attempts.queue_minutes * 60,
-                            startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60,
-                            worker_env=worker_env, cache=cache)
-        logger.info("Attempt %d on %d × %s: endpoint %s%s", attempt, spec.compute.gpu_count, plan.gpu.name,
-                    plan.endpoint_name, f", weights warm in {cache.data_center}" if cache else "")
-        outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress", endpoint_ids=endpoint_ids)
-        billed_s += outcome.running_seconds
-        if outcome.kind == "run_cancelled":
-            logger.warning("Attempt %d: %s", attempt, outcome.error)
-            teardown = "not confirmed deleted (recorded for the reconciler)" if undeleted else "deleted"
-            return Cancelled(message=f"Cancelled during attempt {attempt}; its endpoint {teardown}")
-        results = collect(spec.artifact_store, run_id)
-        if results.done:
-            if outcome.kind != "completed":
-                logger.warning("Job ended %s but its results were stored completely; adopting them", outcome.kind)
-            if undeleted is not None:
-                logger.warning("The results are stored, so the run completes; endpoint %s is left to the reconciler",
-                               plan.endpoint_name)
-            break
-        decision = decide_next_attempt(outcome, gpus, gpu_index, attempt, spec.attempts.max_attempts,
-                                       seconds_left=deadline - time.time(), warm_in=cache.data_center if cache else None)
-        use_cache = use_cache and not decision.cold
-        if not decision.retry:
-            raise run_failed(spec.name, outcome, results, decision.reason)
-        logger.warning("Attempt %d ended %s (%s); %s", attempt, outcome.kind, outcome.error, decision.reason)
-        gpu_index = decision.gpu_index
+        # 2. Attempts.
+        gpu_index, endpoint_ids, use_cache = 0, [], True
+        for attempt in range(1, spec.attempts.max_attempts + 1):
+            if run_cancel_requested():
+                return spent.finish(run_id, spec.name, "cancelled",
+                                    Cancelled(message=f"Cancelled before attempt {attempt}"))
+            offer = offers[gpus[gpu_index].name]
+            cache = (warm_cache_for(model_source.id, model_source.revision, offer.in_stock_data_centers())
+                     if use_cache else None)
+            plan = plan_attempt(job_input=job_input.model_copy(update={"attempt": attempt}), run_label=spec.name,
+                                gpu=gpus[gpu_index], gpu_count=spec.compute.gpu_count, disk_gb=spec.compute.disk_gb,
+                                deadline_epoch_s=deadline, now=time.time(), queue_s=spec.attempts.queue_minutes * 60,
+                                startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60,
+                                worker_env=worker_env, cache=cache)
+            logger.info("Attempt %d on %d × %s: endpoint %s%s", attempt, spec.compute.gpu_count, plan.gpu.name,
+                        plan.endpoint_name, f", weights warm in {cache.data_center}" if cache else "")
+            spent.attempts, endpoints_before = attempt, len(endpoint_ids)
+            outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress",
+                                             endpoint_ids=endpoint_ids)
+            spent.usd += offer.usd_per_hour * spec.compute.gpu_count * outcome.running_seconds / 3600
+            if outcome.kind == "run_cancelled":
+                logger.warning("Attempt %d: %s", attempt, outcome.error)
+                teardown = "not confirmed deleted (recorded for the reconciler)" if undeleted else "deleted"
+                return spent.finish(run_id, spec.name, "cancelled",
+                                    Cancelled(message=f"Cancelled during attempt {attempt}; its endpoint {teardown}"))
+            results = collect(spec.artifact_store, run_id)
+            if results.done:
+                if outcome.kind != "completed":
+                    logger.warning("Job ended %s but its results were stored completely; adopting them", outcome.kind)
+                if undeleted is not None:
+                    logger.warning("The results are stored, so the run completes; endpoint %s is left to the "
+                                   "reconciler", plan.endpoint_name)
+                break
+            decision = decide_next_attempt(outcome, gpus, gpu_index, attempt, spec.attempts.max_attempts,
+                                           seconds_left=deadline - time.time(),
+                                           warm_in=cache.data_center if cache else None)
+            events.attempt_given_up(run_id, spec.name, attempt=attempt, outcome=outcome.kind, reason=decision.reason,
+                                    retry=decision.retry, error=outcome.error,
+                                    endpoint_id=endpoint_ids[-1] if len(endpoint_ids) > endpoints_before else None,
+                                    endpoint_name=plan.endpoint_name)
+            use_cache = use_cache and not decision.cold
+            if not decision.retry:
+                raise run_failed(spec.name, outcome, results, decision.reason)
+            logger.warning("Attempt %d ended %s (%s); %s", attempt, outcome.kind, outcome.error, decision.reason)
+            gpu_index = decision.gpu_index
 
-    # 3. Report.
-    assert results.result is not None
-    report = RunReport(
-        run_name=spec.name, run_id=run_id, model=model.id, model_revision=model.revision, gpu=plan.gpu.name,
-        gpu_count=spec.compute.gpu_count, endpoint_name=plan.endpoint_name, metrics=results.result.metrics,
-        cost_ceiling_usd=ceiling.usd,
-        estimated_cost_usd=round(offers[plan.gpu.name].usd_per_hour * spec.compute.gpu_count * billed_s / 3600, 4),
-        usd_per_hour=offers[plan.gpu.name].usd_per_hour, price_source=offers[plan.gpu.name].source,
-        billed_usd=_billed_usd(endpoint_ids, since_epoch_s=deadline - spec.deadline_minutes * 60),
-        adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,
-        fast_paths=(results.manifest or {}).get("fast_paths"),
-    )
-    publish_report(report, key_prefix=f"train-{spec.name}")
-    logger.info("Adapter: %s", results.adapter_url)
-    return results
+        # 3. Report, with the training curve, stored with the run (one commit: the Hub counts them).
+        assert results.result is not None
+        curve = curve_png(results.result.metrics, spec.algorithm)
+        stored = store_curve(spec.artifact_store, run_id, curve, return_state=True) if curve else None
+        if stored is not None and not stored.is_completed():
+            logger.warning("The training curve could not be stored (%s); the summary still shows it",
+                           stored.result(raise_on_failure=False))
+        curve_links = stored.result() if stored is not None and stored.is_completed() else None
+        offer = offers[plan.gpu.name]
+        report = RunReport(
+            run_name=spec.name, run_id=run_id, model=model_source.id, model_revision=model_source.revision,
+            gpu=plan.gpu.name, gpu_count=spec.compute.gpu_count, endpoint_name=plan.endpoint_name,
+            metrics=results.result.metrics, cost_ceiling_usd=ceiling.usd, estimated_cost_usd=round(spent.usd, 4),
+            usd_per_hour=offer.usd_per_hour, price_source=offer.source,
+            billed_usd=_billed_usd(endpoint_ids, since_epoch_s=deadline - spec.deadline_minutes * 60),
+            adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,
+            fast_paths=(results.manifest or {}).get("fast_paths"), algorithm=spec.algorithm,
+            run_url=curve_links.run_url if curve_links else None,
+            curve_url=curve_links.curve_url if curve_links else None,
+        )
+        publish_report(report, key_prefix=f"train-{spec.name}", curve=curve)
+        logger.info("Adapter: %s", results.adapter_url)
+        return spent.finish(run_id, spec.name, "completed", results, adapter_url=results.adapter_url)
+    except BaseException as e:
+        # Every failure ends here: refused before renting (0 attempts), out of attempts, or an error.
+        spent.finish(run_id, spec.name, "cancelled" if run_cancel_requested() else "failed", None,
+                     message=f"{type(e).__name__}: {e}")
+        raise
 
 
 def _billed_usd(endpoint_ids: list[str], since_epoch_s: float) -> float | None:

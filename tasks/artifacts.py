@@ -1,4 +1,5 @@
-"""The run's artifact store, seen from the control plane: publish the dataset, read the results.
+"""The run's artifact store, seen from the control plane: check and publish the run's local inputs (dataset
+file, reward files), read the results.
 
 The store itself (`file://` or `hf://datasets/...`) is the worker package's `open_store`, so both
 sides read and write it with the same code.
@@ -7,41 +8,68 @@ sides read and write it with the same code.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
-from loraflow_worker.contract import JobResult, run_prefix
+from loraflow_worker.contract import JobResult, RewardSpec, run_prefix
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from tasks.rewards import check_reward_files, reward_store_paths
 from tasks.settings import Settings
 
 CONSOLE_TAIL_BYTES = 4000
 
 
-def check_chat_jsonl(path: Path) -> int:
-    """Count the examples of a chat JSONL file; ValueError naming the first bad line."""
+DATASET_FORMATS = {
+    "messages": '{"messages": [{"role": ..., "content": ...}, ...]}',
+    "prompt-completion": '{"prompt": [{"role": ..., "content": ...}, ...], "completion": [{"role": "assistant", '
+                         '"content": ...}]}',
+    "prompt-only": '{"prompt": [{"role": ..., "content": ...}, ...], <extra columns for the rewards, e.g. "answer">}',
+}
+"""TRL's conversational dataset formats, as a line of a JSONL file (TRL's docs: "Dataset formats and types")."""
+ALGORITHM_FORMATS = {"sft": ("messages", "prompt-completion"), "grpo": ("prompt-only", "prompt-completion", "messages")}
+"""What each algorithm trains on. SFT learns the completion (or the assistant turns). GRPO generates from the
+prompt and hands every other column to the rewards; the worker turns the last assistant turn of `messages`, and
+the completion of a prompt/completion line, into the column `answer` (TRL would hide `completion` from rewards)."""
+_MESSAGE_COLUMNS = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "prompt-only": ("prompt",)}
+
+
+def check_dataset_jsonl(path: Path, algorithm: str) -> int:
+    """Count the examples of a JSONL dataset file for `algorithm` (`sft` or `grpo`); ValueError naming
+    `dataset.local_file`, the first bad line and the line shapes `algorithm` accepts. Every line must have
+    the format and the columns of the first: the worker reads the file as one table."""
+    accepted = ALGORITHM_FORMATS[algorithm]
+    expected = " or ".join(DATASET_FORMATS[f] for f in accepted)
     if not path.is_file():
         raise ValueError(f"dataset.local_file {path} does not exist or is not a file")
-    count = 0
+    count, first = 0, None
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
+            where = f"dataset.local_file {path}, line {number}"
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"dataset.local_file {path}, line {number}: not JSON ({e})") from e
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
+                raise ValueError(f"{where}: not JSON ({e}); expected {expected}") from e
+            found = _dataset_format(row)
+            if found not in accepted:
+                what = f"a {found} line, which {algorithm} does not train on" if found else "no `messages` or `prompt`"
+                raise ValueError(f"{where}: {what}; expected {expected}")
+            for column in _MESSAGE_COLUMNS[found]:
+                if not _is_messages(row[column]):
+                    raise ValueError(f"{where}: `{column}` is not a non-empty list of {{\"role\": ..., \"content\": "
+                                     f"...}} messages with text content; expected {expected}")
+            if first is None:
+                first = (number, found, sorted(row))
+            elif (found, sorted(row)) != first[1:]:
                 raise ValueError(
-                    f"dataset.local_file {path}, line {number}: expected "
-                    '{"messages": [{"role": ..., "content": ...}, ...]}'
+                    f"{where}: a {found} line with columns {_columns(row)}, but line {first[0]} is a {first[1]} line "
+                    f"with columns {_columns(first[2])}: every line needs the same format and columns"
                 )
             count += 1
     if count == 0:
@@ -49,12 +77,30 @@ def check_chat_jsonl(path: Path) -> int:
     return count
 
 
-def publish_dataset(store_url: str, run_id: str, local_file: Path, token: str | None = None) -> str:
-    """Copy a local dataset file (checked first with `check_chat_jsonl`) into the run's folder;
-    returns its path in the store. `token`: the Hub token (default: huggingface_hub's lookup)."""
-    store_path = f"{run_prefix(run_id)}/dataset/train.jsonl"
-    open_store(store_url, token).put({store_path: local_file}, message=f"dataset for run {run_id}")
-    return store_path
+def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, rewards: Sequence[RewardSpec],
+                       base_dir: Path, token: str | None = None) -> tuple[str | None, list[RewardSpec]]:
+    """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
+    hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
+    train.jsonl`, and each reward file (`path/to/file.py:function`, relative paths from `base_dir`) under
+    `runs/<run_id>/rewards/`. Returns the dataset's store path (None without a file) and `rewards` with each
+    reward file's `store_path` set, for the job. A reward file that is missing or lacks its function is refused
+    (ValueError naming `grpo.rewards[i].name`) before anything is written. `token`: the Hub token."""
+    reward_files = check_reward_files(rewards, base_dir)
+    store_paths = reward_store_paths(reward_files, run_id)
+    files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
+    dataset_path = None
+    if dataset_file is not None:
+        dataset_path = f"{run_prefix(run_id)}/dataset/train.jsonl"
+        files[dataset_path] = dataset_file
+    if files:
+        what = " and ".join(filter(None, ["dataset" if dataset_file else "", "reward files" if store_paths else ""]))
+        open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
+    published = [
+        RewardSpec.model_validate({**spec.model_dump(exclude_none=True), "store_path": store_paths[reward_files[i]]})
+        if i in reward_files else spec
+        for i, spec in enumerate(rewards)
+    ]
+    return dataset_path, published
 
 
 class RunResults(BaseModel):
@@ -82,6 +128,26 @@ def read_run_results(store_url: str, run_id: str, token: str | None = None) -> R
     return RunResults(done=True, result=result, manifest=manifest, adapter_url=store.display_url(result.adapter_path))
 
 
+def _dataset_format(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return None
+    if "messages" in row:
+        return "messages"
+    if "prompt" in row:
+        return "prompt-completion" if "completion" in row else "prompt-only"
+    return None
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    )
+
+
+def _columns(row: Any) -> str:
+    return ", ".join(f"`{c}`" for c in sorted(row))
+
+
 def _read_text(store: Any, path: str) -> str | None:
     try:
         return store.read_bytes(path).decode("utf-8", errors="replace")
@@ -89,9 +155,11 @@ def _read_text(store: Any, path: str) -> str | None:
         return None
 
 
-@task(name="publish-dataset", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
-def publish_dataset_task(store_url: str, run_id: str, local_file: str) -> str:
-    return publish_dataset(store_url, run_id, Path(local_file), _hub_token(store_url))
+@task(name="publish-run-inputs", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
+def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | None, rewards: list[RewardSpec],
+                            base_dir: str) -> tuple[str | None, list[RewardSpec]]:
+    return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
+                              Path(base_dir), _hub_token(store_url))
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])

@@ -1,20 +1,29 @@
-"""What a run shows in the Prefect UI: a markdown summary and a metrics table.
+"""What a run shows in the Prefect UI: its name and tags, a progress line while it trains, a markdown
+summary with its training curve, and a metrics table.
 
-The builders are pure functions (tested without Prefect); `publish_report` only hands their output to
-Prefect under stable keys, so the UI shows each run's history side by side.
+The builders are pure functions (tested without Prefect); the tasks only hand their output to Prefect
+(under stable keys, so the UI shows each run's history side by side) or to the run's artifact store.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import base64
+import re
+from pathlib import PurePosixPath
+from typing import Any, Literal
 
-from loraflow_worker.contract import TrainMetrics
-from prefect import task
+from loraflow_worker.artifacts import open_store
+from loraflow_worker.contract import JobResult, TrainMetrics, run_prefix
+from prefect import get_client, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
+from tasks.curve_png import line_chart_png
 from tasks.runpod.live_catalog import PriceSource
+from tasks.settings import Settings
+
+CURVE_FILE = "curve.png"
 
 
 class RunReport(BaseModel):
@@ -39,28 +48,96 @@ class RunReport(BaseModel):
     billed_usd: float | None = Field(
         default=None, description="What RunPod billed the run's endpoints (/v2/billing/serverless); None: not read."
     )
+    algorithm: Literal["sft", "grpo"] = Field(
+        default="sft", description="`sft` (the curve is the loss) or `grpo` (the mean reward)."
+    )
+    run_url: str | None = Field(default=None, description="Link to the run's folder in the artifact store.")
+    curve_url: str | None = Field(default=None, description="Link to the stored curve PNG; None: not stored.")
 
 
-def summary_markdown(report: RunReport) -> str:
+def run_title(name: str, model_id: str, algorithm: str, gpu: str) -> str:
+    """The flow run's name: `<name>-<model>-<algorithm>-<gpu>`, e.g. `capybara-qwen3-0.6b-sft-rtx-4090`.
+    The model is its last path part (a Hub id's name, a local folder's name)."""
+    return "-".join(_slug(part) for part in (name, PurePosixPath(model_id.rstrip("/")).name, algorithm, gpu))
+
+
+def run_tags(model_id: str, algorithm: str, gpus: list[str]) -> list[str]:
+    """The flow run's tags, `key:value` so that the UI's tag filter and automations can pick runs by them."""
+    return [f"algorithm:{algorithm}", f"model:{PurePosixPath(model_id.rstrip('/')).name}",
+            *(f"gpu:{gpu}" for gpu in gpus)]
+
+
+def progress_description(progress: dict[str, Any]) -> str:
+    """One line from a worker progress update (`loraflow_worker.contract.Progress`): stage, step, loss,
+    tokens/s, ETA, message; what is not known yet is left out."""
+    step, total = progress.get("step", 0), progress.get("total_steps")
+    parts = [f"{progress.get('stage', '?')}: step {step}/{total or '?'}"]
+    if isinstance(progress.get("loss"), (int, float)):
+        parts.append(f"loss {progress['loss']:.4f}")
+    if isinstance(progress.get("tokens_per_second"), (int, float)):
+        parts.append(f"{progress['tokens_per_second']:,.0f} tokens/s")
+    if isinstance(progress.get("eta_seconds"), (int, float)):
+        parts.append(f"ETA {_duration(progress['eta_seconds'])}")
+    if progress.get("message"):
+        parts.append(str(progress["message"]))
+    return " · ".join(parts)
+
+
+def finished_description(job_output: Any) -> str:
+    """The progress line of a completed job, from its result (`JobResult`): steps, final loss, tokens/s."""
+    try:
+        metrics = JobResult.model_validate(job_output).metrics
+    except ValidationError:
+        return "completed"  # the run is judged by what its store holds (`collect`), not by this line
+    return progress_description({
+        "stage": "completed", "step": metrics.steps, "total_steps": metrics.steps, "loss": metrics.final_loss,
+        "tokens_per_second": metrics.tokens / metrics.wall_seconds if metrics.wall_seconds > 0 else None,
+        "eta_seconds": 0})
+
+
+def curve_points(metrics: TrainMetrics, algorithm: str) -> list[tuple[int, float]]:
+    """What the summary plots: GRPO's mean reward per step, else the training loss per step."""
+    return list(metrics.rewards) if algorithm == "grpo" else list(metrics.losses)
+
+
+def curve_png(metrics: TrainMetrics, algorithm: str) -> bytes | None:
+    """The training curve as a PNG; None when fewer than two steps were logged (nothing to draw)."""
+    points = curve_points(metrics, algorithm)
+    return line_chart_png([(float(x), float(y)) for x, y in points]) if len(points) >= 2 else None
+
+
+def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
+    """The run's summary. `curve` (PNG bytes) is embedded as a data URI: the UI renders it whatever the
+    store (a private Hub repo's files need a token the browser does not send)."""
     m = report.metrics
     loss = (f"{m.first_loss:.4f} → {m.final_loss:.4f}" if m.first_loss is not None and m.final_loss is not None else "n/a")
+    rewards = f"{m.rewards[0][1]:.4f} → {m.rewards[-1][1]:.4f}" if m.rewards else None
     rows = [
         ("Model", f"`{report.model}`" + (f" @ `{report.model_revision}`" if report.model_revision else "")),
         ("GPU", f"{report.gpu_count} × {report.gpu}"),
         ("Device (worker)", m.device),
         ("Steps", str(m.steps)),
         ("Loss (first → final)", loss),
+        *([("Mean reward (first → final)", rewards)] if rewards else []),
         ("Tokens", f"{m.tokens:,}"),
         ("Training wall time", f"{m.wall_seconds:.1f} s"),
+        ("Cost before (worst case)", f"${report.cost_ceiling_usd:.2f}: GPU price × GPUs × deadline"),
         ("Estimated cost", _estimate(report)),
         *([("Billed by RunPod", f"${report.billed_usd:.4f}")] if report.billed_usd is not None else []),
-        ("Adapter", report.adapter_url),
-        ("Artifact store", report.store_url),
+        ("Adapter", _link(report.adapter_url)),
+        ("Artifact store", _link(report.store_url)),
+        *([("This run's files", _link(report.run_url))] if report.run_url else []),
         ("Endpoint", f"`{report.endpoint_name}` (deleted)"),
         ("Attempts", str(report.attempts)),
     ]
     lines = [f"# Run `{report.run_name}` completed", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
+    if curve is not None:
+        what = "Mean reward" if report.algorithm == "grpo" else "Training loss"
+        lines += ["", f"## {what} by step", "", f"![{what.lower()} by step](data:image/png;base64,"
+                  f"{base64.b64encode(curve).decode()})"]
+        if report.curve_url:
+            lines += ["", f"Stored as {_link(report.curve_url, CURVE_FILE)}."]
     if report.fast_paths:
         lines += ["", "## Fast paths", "", "| path | engaged | why |", "|---|---|---|"]
         for name, info in report.fast_paths.items():
@@ -76,13 +153,49 @@ def _estimate(report: RunReport) -> str:
     return text
 
 
+def _link(url: str, text: str | None = None) -> str:
+    return f"[{text or url}]({url})" if re.match(r"^(https?|file)://", url) else url
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")
+
+
 def metrics_rows(metrics: TrainMetrics) -> list[dict[str, Any]]:
     return [{"step": step, "loss": round(loss, 6)} for step, loss in metrics.losses]
 
 
+@task(name="tag-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
+def tag_run(flow_run_id: str, tags: list[str]) -> None:
+    """Add `tags` to the flow run (kept: the tags it already has, from its deployment or the CLI)."""
+    with get_client(sync_client=True) as client:
+        current = client.read_flow_run(flow_run_id).tags
+        client.update_flow_run(flow_run_id, tags=list(dict.fromkeys([*current, *tags])))
+
+
+class StoredCurve(BaseModel):
+    curve_url: str = Field(description="Link to the stored curve PNG.")
+    run_url: str = Field(description="Link to the run's folder in the store.")
+
+
+@task(name="store-curve", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30])
+def store_curve(store_url: str, run_id: str, png: bytes) -> StoredCurve:
+    """Store the curve as `runs/<run_id>/curve.png`, in one commit (the Hub counts commits)."""
+    path = f"{run_prefix(run_id)}/{CURVE_FILE}"
+    store = open_store(store_url, Settings().hub_token() if store_url.startswith("hf://") else None)
+    store.put({path: png}, message=f"training curve of run {run_id}")
+    return StoredCurve(curve_url=store.display_url(path), run_url=store.display_url(run_prefix(run_id)))
+
+
 @task(name="publish-report", cache_policy=NO_CACHE)
-def publish_report(report: RunReport, key_prefix: str) -> None:
-    create_markdown_artifact(markdown=summary_markdown(report), key=f"{key_prefix}-summary",
+def publish_report(report: RunReport, key_prefix: str, curve: bytes | None = None) -> None:
+    create_markdown_artifact(markdown=summary_markdown(report, curve), key=f"{key_prefix}-summary",
                              description=f"Run {report.run_name} summary")
     create_table_artifact(table=metrics_rows(report.metrics), key=f"{key_prefix}-metrics",
                           description=f"Run {report.run_name} training loss by step")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -112,3 +113,14 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 def localpod_account(stack) -> dict:
     return httpx.get(f"{stack.localpod_url}/_localpod/account", timeout=10).json()
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """End a process started with `start_new_session=True` and everything it started: SIGTERM to its group,
+    SIGKILL after `grace_s`."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import tomllib
@@ -12,7 +10,7 @@ import tomllib
 import httpx
 import pytest
 
-from tests.conftest import REPO, prefect_api
+from tests.conftest import REPO, prefect_api, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, live_endpoints, running_job, slots_in_use, wait_for
 from tests.test_train_e2e import write_run_file
 
@@ -37,11 +35,7 @@ def served_train(local_stack, tmp_path_factory):
         assert found != "exited", log_path.read_text()
         yield found
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)
 
 
 def start_run(stack, deployment_id: str, run_file) -> str:

@@ -18,6 +18,33 @@ def test_prefect_yaml_qwen_parameters_match_the_qwen_run_file():
     assert from_yaml == from_toml
 
 
+def test_prefect_yaml_grpo_qwen_parameters_match_the_grpo_qwen_run_file():
+    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+    from_yaml = RunSpec.model_validate(deployments["grpo-qwen"]["parameters"]["spec"])
+    from_toml = RunSpec.model_validate(tomllib.loads((REPO / "deployments" / "grpo-qwen.toml").read_text()))
+    assert from_yaml == from_toml
+    assert from_toml.algorithm == "grpo" and from_toml.grpo is not None
+
+
+def test_the_grpo_deployments_reward_patterns_find_a_boxed_answer():
+    from loraflow_worker.rewards import format_reward, normalized_match
+
+    spec = RunSpec.model_validate(tomllib.loads((REPO / "deployments" / "grpo-qwen.toml").read_text()))
+    match, boxed, _ = spec.grpo.rewards
+    completions = ["so x = 2, hence \\boxed{\\frac{1}{2}}.", "it is 1/2"]
+    assert normalized_match(completions, column=match.column, pattern=match.pattern, solution=["\\frac{1}{2}"] * 2) == [1.0, 0.0]
+    assert format_reward(completions, pattern=boxed.pattern) == [1.0, 0.0]
+
+
+def test_the_reward_files_deployments_name_exist_and_define_their_functions():
+    from tasks.rewards import check_reward_files
+
+    for path in (REPO / "deployments").glob("*.toml"):
+        spec = RunSpec.model_validate(tomllib.loads(path.read_text()))
+        # A deployment runs in the checkout (the pull step), where relative reward files start.
+        check_reward_files(spec.grpo.rewards if spec.grpo else [], REPO)
+
+
 def test_every_deployment_points_at_an_existing_flow():
     for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]:
         path, _, name = deployment["entrypoint"].partition(":")
@@ -39,7 +66,7 @@ def test_deployment_entrypoints_load_and_validate_their_parameters():
     for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]:
         flow = load_flow_from_entrypoint(str(REPO / deployment["entrypoint"]))
         validated = flow.validate_parameters(deployment["parameters"])
-        assert set(validated) == set(deployment["parameters"]), deployment["name"]
+        assert set(deployment["parameters"]) <= set(validated), deployment["name"]  # the rest: their defaults
 
 
 def test_the_pull_step_enters_the_checkout_without_any_setting(tmp_path, monkeypatch):
@@ -78,7 +105,7 @@ def test_prefect_deploy_all_creates_every_deployment_and_the_nightly_preload_sch
                                 timeout=300)
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         deployments = {d["name"]: d for d in prefect_api(local_stack, "POST", "/deployments/filter", json={}).json()}
-        assert {"qwen", "interval", "nightly"} <= set(deployments)
+        assert {"qwen", "grpo-qwen", "interval", "nightly"} <= set(deployments)
         [schedule] = deployments["nightly"]["schedules"]
         assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["schedule"]["timezone"] == "Europe/Berlin"
         assert schedule["active"]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.spec import RunOverrides, RunSpec, SpecError, apply_overrides, load_run_file
 from tasks.plan import job_limits_s, max_deadline_minutes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -224,3 +224,91 @@ def test_unknown_reward_field_is_refused_with_its_path():
         RunSpec.model_validate(minimal(algorithm="grpo", grpo={"rewards": [{"name": "format", "patern": "x"}]},
                                        training={"batch_size": 8}))
     assert "grpo.rewards.0.patern" in error_fields(e.value)
+
+
+# Overrides: the `train` flow's flat parameters, applied over the spec field by field.
+
+
+def test_no_overrides_leave_the_spec_as_it_was():
+    spec = RunSpec.model_validate(minimal(training={"max_steps": 500}))
+    assert apply_overrides(spec, RunOverrides()) == spec
+
+
+def test_max_steps_override_changes_only_training_max_steps():
+    spec = RunSpec.model_validate(minimal(training={"max_steps": 500, "learning_rate": 1e-4}))
+    merged = apply_overrides(spec, RunOverrides(max_steps=5))
+    assert merged.training.max_steps == 5
+    assert merged.model_dump(exclude={"training": {"max_steps"}}) == spec.model_dump(exclude={"training": {"max_steps"}})
+
+
+@pytest.mark.parametrize(
+    ("override", "read_back", "expected"),
+    [
+        ({"name": "quick"}, lambda s: s.name, "quick"),
+        ({"learning_rate": 0.01}, lambda s: s.training.learning_rate, 0.01),
+        ({"gpu": ["h100", "4090"]}, lambda s: s.compute.gpu, ["H100", "RTX 4090"]),
+        ({"model": "Qwen/Qwen3-1.7B"}, lambda s: (s.model.id, s.model.revision), ("Qwen/Qwen3-1.7B", None)),
+        ({"model": "/models/tiny"}, lambda s: s.model.id, "/models/tiny"),
+    ],
+)
+def test_each_override_lands_in_its_field(override, read_back, expected):
+    spec = RunSpec.model_validate(minimal(model={"id": "Qwen/Qwen3-0.6B", "revision": "main"}))
+    assert read_back(apply_overrides(spec, RunOverrides(**override))) == expected
+
+
+@pytest.mark.parametrize("value", ["data/chat.jsonl", "/abs/chat.json", "./chat", "../chat", "~/chat.jsonl"])
+def test_a_dataset_override_that_looks_like_a_file_is_a_local_file(value):
+    merged = apply_overrides(RunSpec.model_validate(minimal()), RunOverrides(dataset=value))
+    assert merged.dataset.hub_id is None
+    assert merged.dataset.local_file == str(Path(value).expanduser())
+
+
+def test_any_other_dataset_override_is_a_hub_dataset_on_its_train_split():
+    spec = RunSpec.model_validate(minimal(dataset={"hub_id": "acme/old", "split": "validation"}))
+    merged = apply_overrides(spec, RunOverrides(dataset="trl-lib/Capybara"))
+    assert (merged.dataset.hub_id, merged.dataset.split, merged.dataset.local_file) == ("trl-lib/Capybara", "train", None)
+
+
+def test_run_file_replaces_the_spec_before_the_other_overrides():
+    deployment_spec = RunSpec.model_validate(minimal(name="from-the-deployment"))
+    merged = apply_overrides(deployment_spec, RunOverrides(run_file=str(REPO / "deployments" / "qwen.toml"), max_steps=7))
+    from_file = load_run_file(REPO / "deployments" / "qwen.toml")
+    assert merged.name == from_file.name and merged.model == from_file.model
+    assert merged.training.max_steps == 7
+
+
+def test_a_missing_run_file_is_refused_naming_the_parameter(tmp_path):
+    with pytest.raises(SpecError, match=f"parameter run_file: run file {tmp_path / 'nope.toml'} does not exist"):
+        apply_overrides(RunSpec.model_validate(minimal()), RunOverrides(run_file=str(tmp_path / "nope.toml")))
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"max_steps": 0}, "parameter max_steps=0 (training.max_steps): Input should be greater than or equal to 1"),
+        ({"learning_rate": 2.0}, "parameter learning_rate=2.0 (training.learning_rate): Input should be less than"),
+        ({"gpu": ["tpu"]}, "parameter gpu=['tpu'] (compute.gpu): Value error, unknown GPU 'tpu'"),
+        ({"name": "Bad Name"}, "parameter name='Bad Name' (name): String should match pattern"),
+    ],
+)
+def test_an_invalid_override_is_refused_naming_the_parameter(override, expected):
+    with pytest.raises(SpecError) as e:
+        apply_overrides(RunSpec.model_validate(minimal()), RunOverrides(**override))
+    assert expected in str(e.value)
+
+
+def test_a_grpo_spec_takes_an_override_without_its_defaults_counting_as_set():
+    # grpo refuses `training.max_seq_length` only when it was set: the merge must not set the defaults.
+    spec = RunSpec.model_validate(minimal(algorithm="grpo", grpo=GRPO, training={"batch_size": 8}))
+    assert apply_overrides(spec, RunOverrides(max_steps=5)).training.max_steps == 5
+
+
+def test_every_override_is_described():
+    assert [name for name, field in RunOverrides.model_fields.items() if not field.description] == []
+
+
+def test_extra_packages_are_a_run_field_checked_as_the_worker_checks_them():
+    base = {"model": {"id": "a/b"}, "dataset": {"hub_id": "x/y"}, "artifact_store": "file:///tmp/store"}
+    assert RunSpec.model_validate(base | {"extra_packages": ["sympy == 1.13.3"]}).extra_packages == ["sympy==1.13.3"]
+    with pytest.raises(ValidationError, match="extra_packages"):
+        RunSpec.model_validate(base | {"extra_packages": ["https://example.com/evil.whl"]})

@@ -25,7 +25,9 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
+from tasks import events
 from tasks.liveness import beat
+from tasks.reports import finished_description, progress_description
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import delete_endpoint_confirmed, ensure_endpoint
@@ -80,6 +82,7 @@ def create_endpoint(request: CreateEndpoint) -> Endpoint:
     with make_client() as client:
         endpoint = ensure_endpoint(client, request)
     get_run_logger().info("Endpoint %s (%s) is up", endpoint.name, endpoint.id)
+    events.endpoint_created(endpoint.id, endpoint.name, flow_run.id, pools=request.gpu.pools)
     return endpoint
 
 
@@ -104,7 +107,8 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
     logger = get_run_logger()
     heartbeat_s = Settings().loraflow_heartbeat_seconds
     artifact_id = create_progress_artifact(progress=0.0, key=progress_key, description="Training progress")
-    last: dict[str, Any] = {"status": None, "progress": None, "logged": time.monotonic(), "error_logged": None}
+    last: dict[str, Any] = {"status": None, "progress": None, "logged": time.monotonic(), "error_logged": None,
+                            "percent": 0.0, "shown": {}}
 
     def on_status(status: JobStatus) -> None:
         beat(endpoint, status.status)
@@ -116,11 +120,16 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
             last.update(status=status.status, logged=now)
         if progress and progress != last["progress"]:
             last.update(progress=progress, logged=now)
-            step, total, loss = progress.get("step", 0), progress.get("total_steps"), progress.get("loss")
-            logger.info("[%s] step %s/%s%s %s", progress.get("stage", "?"), step, total or "?",
-                        f" loss {loss:.4f}" if isinstance(loss, (int, float)) else "", progress.get("message", ""))
+            # An update carries what its stage knows (a `saving` one has no loss): the rest keeps its last value.
+            last["shown"] = last["shown"] | {k: v for k, v in progress.items() if v is not None} \
+                | {"message": progress.get("message", "")}
+            step, total = last["shown"].get("step", 0), last["shown"].get("total_steps")
+            line = progress_description(last["shown"])
+            logger.info("%s", line)
             if total:
-                update_progress_artifact(artifact_id=artifact_id, progress=min(100.0, 100.0 * step / total))
+                last["percent"] = min(100.0, 100.0 * step / total)
+            # The bar says how far; the description says how fast, how well and how long still.
+            update_progress_artifact(artifact_id=artifact_id, progress=last["percent"], description=line)
         elif now - last["logged"] >= heartbeat_s:
             logger.info("Job %s still %s", job_id, status.status)
             last["logged"] = now
@@ -138,7 +147,9 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
         outcome = watch_job(client, endpoint.id, job_id, limits, poll_interval_s=poll_interval_s, on_status=on_status,
                             on_read_error=on_read_error, cancel_requested=lambda: run_cancel_requested(prefect))
     if outcome.kind == "completed":
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0)
+        # Polls may miss the last updates of a short run: the result's metrics give the final line.
+        update_progress_artifact(artifact_id=artifact_id, progress=100.0,
+                                 description=finished_description(outcome.output))
     logger.info("Job %s ended: %s%s", job_id, outcome.kind, f" ({outcome.error})" if outcome.error else "")
     return outcome
 
@@ -176,6 +187,8 @@ def delete_endpoint(name: str, endpoint_id: str | None) -> list[str]:
     with make_client() as client:
         deleted = delete_attempt_endpoints(client, name, endpoint_id)
     get_run_logger().info("Deleted endpoint(s) %s named %s", deleted or "(none)", name)
+    for deleted_id in deleted:
+        events.endpoint_deleted(deleted_id, name, flow_run.id)
     return deleted
 
 
@@ -184,3 +197,4 @@ def delete_endpoint_by_id(endpoint_id: str) -> None:
     """Delete one endpoint, confirmed by a 404 on GET. Safe to call when absent."""
     with make_client() as client:
         delete_endpoint_confirmed(client, endpoint_id)
+    events.endpoint_deleted(endpoint_id, None, None)

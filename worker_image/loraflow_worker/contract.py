@@ -16,6 +16,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from loraflow_worker.reward_names import BUILTIN_REWARD_PARAMS, REWARD_STORE_PATH_PATTERN, reward_kind
+
 CONTRACT_VERSION = 2
 """Bump when a change to `JobInput` or `JobResult` is not backwards compatible."""
 
@@ -129,17 +131,7 @@ class TrainingSettings(_Strict):
     )
 
 
-BUILTIN_REWARD_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "exact_match": (("column",), ("pattern",)),
-    "normalized_match": (("column",), ("pattern",)),
-    "numeric_match": (("column",), ("pattern", "tolerance")),
-    "format": (("pattern",), ()),
-    "length_penalty": (("target_length",), ()),
-    "digit_fraction": ((), ()),
-}
-"""The worker's built-in rewards (`loraflow_worker.rewards`): name -> (required, optional) parameters."""
 _REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")
-_USER_REWARD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class RewardSpec(_Strict):
@@ -149,17 +141,19 @@ class RewardSpec(_Strict):
         min_length=1,
         max_length=256,
         description="A built-in reward (`exact_match`, `normalized_match`, `numeric_match`, `format`, "
-        "`length_penalty`, `digit_fraction`) or a user reward `package.module:function` importable on the "
-        "worker (e.g. installed with `extra_packages`); it is called as TRL calls reward functions, with "
-        "`prompts`, `completions`, `completion_ids` and every dataset column as keyword arguments.",
+        "`length_penalty`, `digit_fraction`); a user reward `package.module:function` importable on the "
+        "worker (e.g. installed with `extra_packages`); or your own reward file `path/to/file.py:function` "
+        "(`.py` required; a relative path starts at the flow's working directory), which the run uploads to its "
+        "artifact store and the worker imports from there. A user reward is called as TRL calls reward functions, "
+        "with `prompts`, `completions`, `completion_ids` and every dataset column as keyword arguments.",
     )
     weight: float = Field(default=1.0, ge=-1000.0, le=1000.0, description="Factor of this reward in the summed reward.")
     column: str | None = Field(
         default=None,
         min_length=1,
         max_length=256,
-        description="Match rewards: the dataset column holding the reference answer. For chat `messages` "
-        "datasets the last assistant turn is available as the column `answer`.",
+        description="Match rewards: the dataset column holding the reference answer. The last assistant turn of a "
+        "chat `messages` dataset, and the completion of a prompt/completion dataset, is the column `answer`.",
     )
     pattern: str | None = Field(
         default=None,
@@ -180,11 +174,19 @@ class RewardSpec(_Strict):
     tolerance: float | None = Field(
         default=None, ge=0.0, description="`numeric_match`: largest absolute difference that still counts as equal (default 1e-6)."
     )
+    store_path: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=REWARD_STORE_PATH_PATTERN,
+        description="Reward files only: where the file is in the artifact store. The run sets it when it uploads "
+        "the file; leave it empty.",
+    )
 
     @model_validator(mode="after")
     def _known_reward_and_its_parameters(self) -> RewardSpec:
         given = [p for p in _REWARD_PARAMS if getattr(self, p) is not None]
-        if self.name in BUILTIN_REWARD_PARAMS:
+        kind = reward_kind(self.name)
+        if kind == "builtin":
             required, optional = BUILTIN_REWARD_PARAMS[self.name]
             for param in required:
                 if getattr(self, param) is None:
@@ -193,7 +195,7 @@ class RewardSpec(_Strict):
                 if param not in required + optional:
                     takes = ", ".join(f"`{p}`" for p in required + optional) or "no parameters"
                     raise ValueError(f"reward `{self.name}` takes {takes}, not `{param}`: remove `{param}`")
-        elif _USER_REWARD.match(self.name):
+        elif kind in ("module", "file"):
             if given:
                 raise ValueError(
                     f"user reward `{self.name}` takes no `{given[0]}`: user rewards receive every dataset column "
@@ -201,7 +203,11 @@ class RewardSpec(_Strict):
                 )
         else:
             valid = ", ".join(sorted(BUILTIN_REWARD_PARAMS))
-            raise ValueError(f"unknown reward `{self.name}`: use one of {valid}, or `package.module:function` for a user reward")
+            raise ValueError(f"unknown reward `{self.name}`: use one of {valid}, `package.module:function` for a user "
+                             "reward, or `path/to/file.py:function` for a reward file")
+        if self.store_path is not None and kind != "file":
+            raise ValueError(f"reward `{self.name}`: `store_path` is for reward files (`path/to/file.py:function`) "
+                             "only: remove it")
         if self.pattern is not None:
             try:
                 re.compile(self.pattern)
@@ -256,6 +262,17 @@ def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: T
     return []
 
 
+def plain_requirements(packages: list[str]) -> list[str]:
+    """`extra_packages` as the worker installs them; ValueError for anything but a plain pip requirement."""
+    for package in packages:
+        if len(package) > 200 or not _REQUIREMENT.match(package.replace(" ", "")):
+            raise ValueError(
+                f"{package!r} is not a plain pip requirement: use `name`, `name==1.2.3` or "
+                "`name[extra]>=1,<2` (no URLs, paths, markers or options)"
+            )
+    return [package.replace(" ", "") for package in packages]
+
+
 class JobInput(_Strict):
     """What the control plane asks the worker to do: the RunPod job's `input`."""
 
@@ -292,16 +309,7 @@ class JobInput(_Strict):
         "stack (torch, transformers, ...) is held at its installed versions.",
     )
 
-    @field_validator("extra_packages")
-    @classmethod
-    def _plain_requirements(cls, packages: list[str]) -> list[str]:
-        for package in packages:
-            if len(package) > 200 or not _REQUIREMENT.match(package.replace(" ", "")):
-                raise ValueError(
-                    f"{package!r} is not a plain pip requirement: use `name`, `name==1.2.3` or "
-                    "`name[extra]>=1,<2` (no URLs, paths, markers or options)"
-                )
-        return [package.replace(" ", "") for package in packages]
+    _plain_requirements = field_validator("extra_packages")(plain_requirements)
 
     @field_validator("grpo")
     @classmethod

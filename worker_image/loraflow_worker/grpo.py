@@ -11,7 +11,9 @@ fast paths were in effect. A job selects this with `algorithm: grpo` and a `grpo
                           {"name": "format", "pattern": "^<think>.*</think>", "weight": 0.2}]}}
 
 Prompts come from the dataset's `prompt` column (text, or chat messages), or else from its chat `messages`
-without the last assistant turn, whose text becomes the column `answer` for the match rewards.
+without the last assistant turn, whose text becomes the column `answer` for the match rewards. TRL hands a
+reward every column but `prompt` and `completion` (e.g. a prompt-only dataset's `answer`), so the completion
+of a prompt/completion dataset becomes the column `answer` too.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
     dataset = prompt_dataset(rows, tokenizer, settings.max_prompt_length)
     check_reward_columns(settings.rewards, dataset.column_names)
-    reward_funcs, _ = resolve_rewards(settings.rewards)
+    reward_funcs, _ = resolve_rewards(settings.rewards, store, work_dir / "reward-files")
     plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job)))
 
     args = grpo_config(job, plan, work_dir)
@@ -120,8 +122,14 @@ def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig
 
 def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> Dataset:
     """The GRPO prompts of `rows`: its `prompt` column, or its chat `messages` without the last assistant
-    turn (that turn's text becomes the column `answer` unless the dataset has one). Prompts longer than
-    `max_prompt_length` tokens (chat template applied) are left out, with a warning."""
+    turn (that turn's text becomes the column `answer` unless the dataset has one; so does the `completion` of a
+    prompt/completion dataset). Prompts longer than `max_prompt_length` tokens (chat template applied) are left
+    out, with a warning."""
+    if "completion" in rows.column_names and "prompt" in rows.column_names:
+        # TRL's GRPOTrainer leaves a `completion` column out of the rewards' keyword arguments.
+        if ANSWER_COLUMN not in rows.column_names:
+            rows = rows.map(lambda row: {ANSWER_COLUMN: _text(row["completion"])})
+        rows = rows.remove_columns("completion")
     if "prompt" not in rows.column_names:
         if "messages" not in rows.column_names:
             raise ValueError(
@@ -147,6 +155,10 @@ def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt
     if dropped:
         log.warning("left out %d of %d prompts longer than grpo.max_prompt_length (%d tokens)", dropped, len(rows), max_prompt_length)
     return kept
+
+
+def _text(completion: str | list[dict[str, str]]) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def _split_chat(messages: list[dict[str, str]], has_answer: bool) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""GRPO reward functions: the built-ins for common verifiable tasks, and user rewards by `module:function`.
+"""GRPO reward functions: the built-ins for common verifiable tasks, user rewards by `module:function`, and
+reward files (`path/to/file.py:function`) that the run ships in its artifact store.
 
 Every reward has TRL's reward-function signature: called once per batch with `prompts`, `completions`
 (strings, or `[{"role": "assistant", "content": ...}]` for chat prompts), `completion_ids` and every
@@ -11,19 +12,29 @@ package listed in the job's `extra_packages`:
 
     def boxed_answer(completions, answer, **kwargs) -> list[float]:
         return [1.0 if f"\\boxed{{{a}}}" in c else 0.0 for c, a in zip(completions, answer)]
+
+The same function in a file of its own needs no package: name it `rewards/math.py:boxed_answer` and the
+control plane uploads the file to the run's store (`RewardSpec.store_path`), from where the worker imports it.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import math
 import re
 import string
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from loraflow_worker.contract import BUILTIN_REWARD_PARAMS, RewardSpec
+from loraflow_worker.reward_names import reward_kind, split_file_reward
+
+if TYPE_CHECKING:
+    from loraflow_worker.artifacts import ArtifactStore
 
 RewardFunc = Callable[..., list[float]]
 
@@ -96,15 +107,20 @@ BUILTIN_REWARDS: dict[str, RewardFunc] = {
 }
 
 
-def resolve_rewards(specs: Sequence[RewardSpec]) -> tuple[list[RewardFunc], list[float]]:
-    """The reward callables of a job's `grpo.rewards`, parameters bound, and their weights (same order)."""
+def resolve_rewards(specs: Sequence[RewardSpec], store: ArtifactStore | None = None,
+                    files_dir: Path | None = None) -> tuple[list[RewardFunc], list[float]]:
+    """The reward callables of a job's `grpo.rewards`, parameters bound, and their weights (same order). Reward
+    files are read from `store` (at their `store_path`) into `files_dir` and imported from there."""
     functions = []
     for spec in specs:
-        if spec.name in BUILTIN_REWARDS:
+        kind = reward_kind(spec.name)
+        if kind == "builtin":
             params = {p: getattr(spec, p) for p in sum(BUILTIN_REWARD_PARAMS[spec.name], ()) if getattr(spec, p) is not None}
             # functools.partial keeps the function's name, which TRL logs the reward under (`rewards/<name>/mean`).
             functions.append(functools.partial(BUILTIN_REWARDS[spec.name], **params))
-        elif ":" in spec.name:
+        elif kind == "file":
+            functions.append(_load_reward_file(spec, store, files_dir))
+        elif kind == "module":
             functions.append(_import_user_reward(spec.name))
         else:
             valid = ", ".join(sorted(BUILTIN_REWARDS))
@@ -135,6 +151,41 @@ def _import_user_reward(name: str) -> RewardFunc:
     if not callable(function):
         found = "is not callable" if attribute in vars(module) else "does not exist"
         raise RewardError(f"user reward `{name}`: `{attribute}` {found} in module `{module_name}` ({module.__file__})")
+    return function
+
+
+def _load_reward_file(spec: RewardSpec, store: ArtifactStore | None, files_dir: Path | None) -> RewardFunc:
+    """Fetch a reward file from the run's store and import it as a module of its own; its function."""
+    from loraflow_worker.artifacts import ArtifactNotFound
+
+    if spec.store_path is None or store is None or files_dir is None:
+        raise RewardError(
+            f"reward file `{spec.name}`: it is not in the run's artifact store (`store_path` is empty); start the run "
+            "with the train flow, which uploads the file, or package it and name it `package.module:function`"
+        )
+    _, attribute = split_file_reward(spec.name)
+    try:
+        source = store.read_bytes(spec.store_path)
+    except ArtifactNotFound as e:
+        raise RewardError(f"reward file `{spec.name}`: {spec.store_path} is not in the artifact store ({e})") from e
+    local = files_dir / spec.store_path
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_bytes(source)
+    # One module per stored file, under a name no installed package has; registered before it runs, as an
+    # import would, so that the file's dataclasses and pickling find their module.
+    module_name = "loraflow_reward_file_" + re.sub(r"\W", "_", spec.store_path.removesuffix(".py"))
+    module_spec = importlib.util.spec_from_file_location(module_name, local)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever the user's file raises, the job must say which reward failed
+        del sys.modules[module_name]
+        raise RewardError(f"reward file `{spec.name}`: importing it failed: {type(e).__name__}: {e}") from e
+    function = vars(module).get(attribute)
+    if not callable(function):
+        found = "is not a function" if attribute in vars(module) else "does not exist"
+        raise RewardError(f"reward file `{spec.name}`: `{attribute}` {found} in the file")
     return function
 
 

@@ -1,0 +1,79 @@
+"""Reward files of a GRPO run (`grpo.rewards[i].name = "path/to/file.py:function"`), seen from the control plane.
+
+They are checked before anything is rented: the file must exist and define the function at its top level. The
+file is parsed with `ast`, never run here: it is the worker's code, run on the worker.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from loraflow_worker.contract import RewardSpec, run_prefix
+from loraflow_worker.reward_names import reward_kind, split_file_reward
+
+
+def check_reward_files(rewards: Sequence[RewardSpec], base_dir: Path) -> dict[int, Path]:
+    """The reward files of `rewards` by the index of the reward that names them, resolved (relative paths start at
+    `base_dir`); ValueError naming `grpo.rewards[i].name` for a file that does not exist, is not Python, or has no
+    top-level function of that name."""
+    files = {}
+    for index, spec in enumerate(rewards):
+        if reward_kind(spec.name) != "file":
+            continue
+        field = f"grpo.rewards[{index}].name"
+        path_text, function = split_file_reward(spec.name)
+        path = (base_dir / path_text).resolve()
+        if not path.is_file():
+            raise ValueError(f"{field} `{spec.name}`: reward file {path} does not exist or is not a file")
+        try:
+            tree = ast.parse(path.read_bytes(), filename=str(path))
+        except (SyntaxError, ValueError) as e:
+            where = f", line {e.lineno}" if isinstance(e, SyntaxError) else ""
+            raise ValueError(f"{field} `{spec.name}`: reward file {path} is not valid Python{where}: {e}") from e
+        defined = _top_level_names(tree)
+        if function not in defined:
+            functions = ", ".join(f"`{name}`" for name, is_function in defined.items() if is_function) or "none"
+            raise ValueError(
+                f"{field} `{spec.name}`: reward file {path} defines no top-level function `{function}` "
+                f"(its functions: {functions})"
+            )
+        files[index] = path
+    return files
+
+
+def reward_store_paths(files: dict[int, Path], run_id: str) -> dict[Path, str]:
+    """Where each distinct reward file goes in the run's store: `runs/<run_id>/rewards/<file name>`, the name made
+    store-safe, and numbered when two different files share a name."""
+    store_paths: dict[Path, str] = {}
+    for path in files.values():
+        if path in store_paths:
+            continue
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem).lstrip(".-") or "reward"
+        name, n = f"{stem}.py", 1
+        while f"{run_prefix(run_id)}/rewards/{name}" in store_paths.values():
+            n += 1
+            name = f"{stem}-{n}.py"
+        store_paths[path] = f"{run_prefix(run_id)}/rewards/{name}"
+    return store_paths
+
+
+def _top_level_names(tree: ast.Module) -> dict[str, bool]:
+    """Names the module binds at its top level, each with whether a `def` binds it. Names bound otherwise
+    (`score = make_reward(...)`, `from x import score`) count too: they may well be callables."""
+    names: dict[str, bool] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = True
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names.setdefault(name.id, False)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names.setdefault((alias.asname or alias.name).split(".")[0], False)
+    return names

@@ -1,0 +1,139 @@
+"""A run on the local stack leaves the Prefect events automations match on (`tasks/events.py`), read
+back through the events API (`POST /events/filter`), and README.md's example automation is accepted
+by the server and fires for a run that gave up."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tasks.events import ATTEMPT_GIVEN_UP, ENDPOINT_CREATED, ENDPOINT_DELETED, RUN_FINISHED
+from tests.conftest import REPO, prefect_api, run_train_flow
+from tests.test_crash_recovery_e2e import flow_env, wait_for
+from tests.test_train_e2e import run_endpoints, write_run_file
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK_PLACEHOLDER = "YOUR-NOTIFICATION-BLOCK-ID"
+# A webhook nobody listens on: the automation's action is attempted and fails at once, offline.
+MAKE_BLOCK = ("from prefect.blocks.notifications import CustomWebhookNotificationBlock as B; "
+              "print(B(name='loraflow-test', url='http://127.0.0.1:9/hook', json_data={'text': '{{body}}'})"
+              ".save('loraflow-test-alerts', overwrite=True))")
+
+
+def events(stack, name: str, **filters) -> list[dict]:
+    """Stored events called `name` matching `filters` (an `EventFilter`'s fields), oldest first."""
+    body = {"filter": {"event": {"name": [name]}, "order": "ASC", **filters}, "limit": 50}
+    return prefect_api(stack, "POST", "/events/filter", json=body).json()["events"]
+
+
+def wait_for_events(stack, name: str, count: int = 1, **filters) -> list[dict]:
+    # The server stores events a moment after they arrive.
+    return wait_for(lambda: len(found := events(stack, name, **filters)) >= count and found, 60,
+                    f"{count} {name} event(s)", interval_s=1)
+
+
+def related_ids(event: dict) -> set[str]:
+    return {r["prefect.resource.id"] for r in event["related"]}
+
+
+def readme_automation() -> dict:
+    blocks = re.findall(r"```json\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    [automation] = [json.loads(b) for b in blocks if '"trigger"' in b]
+    return automation
+
+
+@pytest.fixture(scope="module")
+def completed_run(local_stack, tiny_model, tmp_path_factory):
+    home = tmp_path_factory.mktemp("events-ok")
+    run = run_train_flow(local_stack, write_run_file(home / "run.toml", name="e2e-events", model=tiny_model,
+                                                     store=home / "store", max_steps=4))
+    assert run.returncode == 0, run.output
+    return run.flow_run_id
+
+
+@pytest.fixture(scope="module")
+def readme_automation_id(local_stack):
+    block = subprocess.run([sys.executable, "-c", MAKE_BLOCK], cwd=REPO, env=flow_env(local_stack),
+                           capture_output=True, text=True, timeout=120)
+    assert block.returncode == 0, block.stdout + block.stderr
+    block_id = block.stdout.split()[-1]
+    automation = json.loads(json.dumps(readme_automation()).replace(BLOCK_PLACEHOLDER, block_id))
+    automation_id = prefect_api(local_stack, "POST", "/automations/", json=automation).json()["id"]
+    try:
+        yield automation_id
+    finally:
+        prefect_api(local_stack, "DELETE", f"/automations/{automation_id}")
+        prefect_api(local_stack, "DELETE", f"/block_documents/{block_id}")
+
+
+@pytest.fixture(scope="module")
+def failed_run(local_stack, readme_automation_id, tmp_path_factory):
+    home = tmp_path_factory.mktemp("events-fail")
+    not_a_model = home / "not-a-model"
+    not_a_model.mkdir()
+    run = run_train_flow(local_stack, write_run_file(home / "run.toml", name="e2e-events-fail", model=not_a_model,
+                                                     store=home / "store"))
+    assert run.returncode == 1, run.output
+    return run.flow_run_id
+
+
+def test_a_run_announces_its_endpoint_created_then_deleted(local_stack, completed_run):
+    [endpoint] = run_endpoints(local_stack, "e2e-events")
+    resource = {"id": [f"loraflow.endpoint.{endpoint['id']}"]}
+    [created] = wait_for_events(local_stack, ENDPOINT_CREATED, resource=resource)
+    [deleted] = wait_for_events(local_stack, ENDPOINT_DELETED, resource=resource)
+    for event in (created, deleted):
+        assert event["resource"]["prefect.resource.name"] == endpoint["name"]
+        # The run, as loraflow names it and as Prefect does: the event shows on the flow run's page.
+        assert {f"loraflow.run.{completed_run}", f"prefect.flow-run.{completed_run}"} <= related_ids(event)
+    assert created["occurred"] < deleted["occurred"]
+
+
+def test_a_completed_run_announces_its_end_with_its_cost(local_stack, completed_run):
+    [finished] = wait_for_events(local_stack, RUN_FINISHED, resource={"id": [f"loraflow.run.{completed_run}"]})
+    assert finished["resource"]["loraflow.status"] == "completed"
+    assert finished["resource"]["prefect.resource.name"] == "e2e-events"
+    payload = finished["payload"]
+    assert payload["attempts"] == 1 and payload["cost_usd"] >= 0 and payload["cost_ceiling_usd"] > 0, payload
+    assert payload["adapter_url"].endswith(f"runs/{completed_run}/adapter")
+    assert f"prefect.flow-run.{completed_run}" in related_ids(finished)
+
+
+def test_a_completed_run_gives_up_no_attempt(local_stack, completed_run):
+    wait_for_events(local_stack, RUN_FINISHED, resource={"id": [f"loraflow.run.{completed_run}"]})
+    assert events(local_stack, ATTEMPT_GIVEN_UP, resource={"id": [f"loraflow.run.{completed_run}"]}) == []
+
+
+def test_a_failed_attempt_is_given_up_naming_its_outcome_and_reason(local_stack, failed_run):
+    [given_up] = wait_for_events(local_stack, ATTEMPT_GIVEN_UP, resource={"id": [f"loraflow.run.{failed_run}"]})
+    assert given_up["resource"]["loraflow.outcome"] == "failed"
+    assert given_up["resource"]["loraflow.retry"] == "false"
+    assert given_up["payload"]["reason"] == "failed: not retried"
+    assert "not-a-model" in given_up["payload"]["error"]
+    [endpoint] = run_endpoints(local_stack, "e2e-events-fail")
+    assert f"loraflow.endpoint.{endpoint['id']}" in related_ids(given_up)
+
+
+def test_a_failed_run_announces_its_end_as_failed(local_stack, failed_run):
+    [finished] = wait_for_events(local_stack, RUN_FINISHED, resource={"id": [f"loraflow.run.{failed_run}"]})
+    assert finished["resource"]["loraflow.status"] == "failed"
+    assert finished["payload"]["attempts"] == 1
+    assert "JobFailedError" in finished["payload"]["message"]
+
+
+def test_the_readme_automation_fires_for_a_run_that_gave_up(local_stack, readme_automation_id, failed_run):
+    [given_up] = wait_for_events(local_stack, ATTEMPT_GIVEN_UP, resource={"id": [f"loraflow.run.{failed_run}"]})
+    [fired] = wait_for_events(local_stack, "prefect.automation.triggered",
+                              resource={"id": [f"prefect.automation.{readme_automation_id}"]})
+    assert f"prefect.event.{given_up['id']}" in related_ids(fired)
+
+
+def test_the_readme_automation_is_what_the_server_stores(local_stack, readme_automation_id):
+    stored = prefect_api(local_stack, "GET", f"/automations/{readme_automation_id}").json()
+    expected = readme_automation()["trigger"]
+    assert stored["trigger"]["expect"] == expected["expect"] and stored["trigger"]["match"] == expected["match"]
