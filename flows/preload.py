@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tasks.preload import DataCenterOutcome, choose_gpu, preload_data_center
 from tasks.quota import ensure_endpoint_limit
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
-from tasks.runpod.live_catalog import read_data_centers
+from tasks.runpod.live_catalog import gpu_offers, read_data_centers
 from tasks.runpod.steps import make_client, prepare_worker_env
 from tasks.runpod.volumes import volume_size_gb
 from tasks.settings import Settings
@@ -109,8 +109,6 @@ def size_models(models: list[ModelSource]) -> list[int]:
 
 @task(name="read-datacenters", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def read_catalog(gpu: str | None) -> tuple[list, list]:
-    from tasks.runpod.live_catalog import gpu_offers
-
     classes = [resolve_gpu(gpu)] if gpu else list(GPU_CLASSES.values())
     with make_client() as client:
         return read_data_centers(client), gpu_offers(client, classes)
