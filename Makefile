@@ -17,16 +17,27 @@ PIP := $(PY) -m pip install --quiet -c constraints-cpu.txt
 WORKER_PIP := $(WORKER_PY) -m pip install --quiet -c worker_image/cpu-constraints.txt
 DOCKER ?= docker
 
-.PHONY: demo test install image image-test
+.PHONY: demo test install system-packages image image-test
 
 demo: $(VENV)/.installed $(WORKER_VENV)/.installed
 	$(PY) deployments/local.py $(ARGS)
 
-test: $(VENV)/.installed $(WORKER_VENV)/.installed
+test: system-packages $(VENV)/.installed $(WORKER_VENV)/.installed
 	$(WORKER_PY) -m pytest worker_image/tests $(ARGS)
 	$(PY) -m pytest tests $(ARGS)
 
 install: $(VENV)/.installed $(WORKER_VENV)/.installed
+
+# Debian's packages the tests start: headless Chromium (the UI tests), PostgreSQL and Redis (the team
+# setup's tests). Installed when missing (as root, or through sudo).
+SYSTEM_PACKAGES := chromium postgresql redis-server
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		echo "installing Debian packages: $$missing"; \
+		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 $(VENV)/.installed: pyproject.toml worker_image/pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,5 +57,5 @@ $(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constrai
 image:
 	bash worker_image/image.sh build
 
-image-test: $(VENV)/.installed $(WORKER_VENV)/.installed
+image-test: system-packages $(VENV)/.installed $(WORKER_VENV)/.installed
 	bash worker_image/image.sh test

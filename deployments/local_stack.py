@@ -139,6 +139,9 @@ class LocalStack:
     worker_mounts: list[Path] = field(default_factory=list)
     """Folders a containerised worker sees at the same path (a `file://` store, a local model)."""
     docker: str = os.environ.get("DOCKER", "docker")
+    server_env: dict[str, str] = field(default_factory=dict)
+    """Extra settings for the Prefect server, on top of PREFECT_SERVER_ENV (a benchmark's wait setting, a
+    database URL)."""
     services: dict[str, Service] = field(default_factory=dict)
     _exit: ExitStack = field(default_factory=ExitStack)
 
@@ -219,7 +222,7 @@ class LocalStack:
             "prefect server",
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.prefect_port)],
             # The UI asks its server's /ui-settings for the API URL, which defaults to port 4200.
-            base | PREFECT_SERVER_ENV | {"PREFECT_HOME": str(self.home / "prefect-server"),
+            base | PREFECT_SERVER_ENV | self.server_env | {"PREFECT_HOME": str(self.home / "prefect-server"),
                                          "PREFECT_UI_API_URL": self.prefect_api_url},
             f"http://127.0.0.1:{self.prefect_port}", "/api/health",
             self.home / "logs" / "prefect-server.log",
