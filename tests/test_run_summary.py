@@ -107,6 +107,11 @@ def test_the_progress_line_shows_step_loss_throughput_and_eta():
     assert line == "training: step 12/40 · loss 1.2346 · 8,312 tokens/s · ETA 2m 10s"
 
 
+def test_a_grpo_progress_line_shows_the_mean_reward_beside_the_loss():
+    line = progress_description({"stage": "training", "step": 3, "total_steps": 10, "loss": 0.01, "reward": 0.8125})
+    assert line == "training: step 3/10 · loss 0.0100 · reward 0.812"
+
+
 def test_the_progress_line_leaves_out_what_is_not_known_yet():
     assert progress_description({"stage": "loading", "step": 0, "message": "downloading the model"}) == \
         "loading: step 0/? · downloading the model"

@@ -429,6 +429,7 @@ class Progress(_Strict):
     step: int = Field(default=0, description="Optimizer steps done.")
     total_steps: int | None = Field(default=None, description="Optimizer steps planned, when known.")
     loss: float | None = Field(default=None, description="Latest training loss.")
+    reward: float | None = Field(default=None, description="Latest mean total reward (GRPO).")
     tokens_per_second: float | None = Field(default=None, description="Training tokens per second in this attempt so far.")
     eta_seconds: float | None = Field(default=None, description="Estimated seconds until training ends.")
     message: str = Field(default="", max_length=2000, description="Free text for the log.")

@@ -26,7 +26,7 @@ def check_deadline(deadline_epoch_s: float | None) -> None:
 
 
 class TrainingMonitor(TrainerCallback):
-    """Collects (step, loss) pairs, sends progress at most every `PROGRESS_INTERVAL_S` (plus the first
+    """Collects (step, loss) pairs and the latest mean reward (GRPO logs one), sends progress at most every `PROGRESS_INTERVAL_S` (plus the first
     logged loss and the end), and stops training once the deadline passes (`deadline_hit` tells), having the
     Trainer checkpoint that last step first so that the run can resume there.
 
@@ -37,6 +37,7 @@ class TrainingMonitor(TrainerCallback):
         self.report = report
         self.deadline_epoch_s = deadline_epoch_s
         self.losses: list[tuple[int, float]] = []
+        self.reward: float | None = None
         self.deadline_hit = False
         self._last_sent = 0.0
         self._logged = False
@@ -49,6 +50,8 @@ class TrainingMonitor(TrainerCallback):
         self._last_sent = time.monotonic()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            self.reward = float(logs["reward"])
         if logs and "loss" in logs:
             self.losses.append((state.global_step, float(logs["loss"])))
             if not self._logged:  # the first loss of this attempt goes out at once
@@ -80,4 +83,4 @@ class TrainingMonitor(TrainerCallback):
             tokens_per_second = round((state.num_input_tokens_seen - first_tokens) / elapsed, 1)
             eta_seconds = round(max(state.max_steps - state.global_step, 0) * elapsed / steps_done, 1)
         self.report(Progress(stage="training", step=state.global_step, total_steps=state.max_steps, loss=loss,
-                             tokens_per_second=tokens_per_second, eta_seconds=eta_seconds))
+                             reward=self.reward, tokens_per_second=tokens_per_second, eta_seconds=eta_seconds))

@@ -89,6 +89,12 @@ def test_metrics_describe_the_run(grpo_run):
     assert grpo_run.progress[-1].step == STEPS
 
 
+def test_training_progress_updates_carry_the_latest_mean_reward(grpo_run):
+    training = [update for update in grpo_run.progress if update.stage == "training"]
+    assert training and all(update.reward is not None for update in training)
+    assert training[-1].reward == grpo_run.outcome.metrics.rewards[-1][1]
+
+
 def test_adapter_loads_with_peft_and_changes_the_output(grpo_run, tiny_model_dir):
     adapter_dir = grpo_run.outcome.adapter_dir
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
