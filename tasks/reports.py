@@ -69,11 +69,13 @@ def run_tags(model_id: str, algorithm: str, gpus: list[str]) -> list[str]:
 
 def progress_description(progress: dict[str, Any]) -> str:
     """One line from a worker progress update (`loraflow_worker.contract.Progress`): stage, step, loss,
-    tokens/s, ETA, message; what is not known yet is left out."""
+    reward (GRPO), tokens/s, ETA, message; what is not known yet is left out."""
     step, total = progress.get("step", 0), progress.get("total_steps")
     parts = [f"{progress.get('stage', '?')}: step {step}/{total or '?'}"]
     if isinstance(progress.get("loss"), (int, float)):
         parts.append(f"loss {progress['loss']:.4f}")
+    if isinstance(progress.get("reward"), (int, float)):
+        parts.append(f"reward {progress['reward']:.3f}")
     if isinstance(progress.get("tokens_per_second"), (int, float)):
         parts.append(f"{progress['tokens_per_second']:,.0f} tokens/s")
     if isinstance(progress.get("eta_seconds"), (int, float)):
@@ -91,6 +93,7 @@ def finished_description(job_output: Any) -> str:
         return "completed"  # the run is judged by what its store holds (`collect`), not by this line
     return progress_description({
         "stage": "completed", "step": metrics.steps, "total_steps": metrics.steps, "loss": metrics.final_loss,
+        "reward": metrics.rewards[-1][1] if metrics.rewards else None,
         "tokens_per_second": metrics.tokens / metrics.wall_seconds if metrics.wall_seconds > 0 else None,
         "eta_seconds": 0})
 
