@@ -17,7 +17,7 @@ PIP := $(PY) -m pip install --quiet -c constraints-cpu.txt
 WORKER_PIP := $(WORKER_PY) -m pip install --quiet -c worker_image/cpu-constraints.txt
 DOCKER ?= docker
 
-.PHONY: demo test install system-packages image image-test
+.PHONY: demo test install system-packages image image-test control-plane-image
 
 demo: $(VENV)/.installed $(WORKER_VENV)/.installed
 	$(PY) deployments/local.py $(ARGS)
@@ -59,3 +59,11 @@ image:
 
 image-test: system-packages $(VENV)/.installed $(WORKER_VENV)/.installed
 	bash worker_image/image.sh test
+
+# The control-plane image of the Docker work pool, as `prefect deploy --prefect-file deployments/docker/prefect.yaml`
+# builds it (offline: CONTROL_PLANE_BASE=loraflow-base:bookworm, made by worker_image/base_image.sh).
+CONTROL_PLANE_BASE ?= python:3.11-slim-bookworm
+control-plane-image:
+	bash deployments/docker/build_ca.sh copy
+	$(DOCKER) build --network host --build-arg BASE_IMAGE=$(CONTROL_PLANE_BASE) -f deployments/docker/Dockerfile \
+		-t loraflow-control-plane . ; rc=$$?; bash deployments/docker/build_ca.sh remove; exit $$rc
