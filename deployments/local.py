@@ -1,21 +1,25 @@
 """Run the main job on the embedded local stack: no cloud account, no download, CPU only.
 
-    make demo                                   # install, then run this
-    .venv/bin/python deployments/local.py       # run it again
+    make demo                                      # install, then run this
+    .venv/bin/python deployments/local.py          # run it again
     .venv/bin/python deployments/local.py --keep   # leave the Prefect UI up afterwards (Ctrl-C stops it)
 
 It starts a Prefect server (SQLite) and localpod, builds a tiny Qwen3-architecture model offline,
 runs the `train` flow for a short LoRA SFT run through localpod, checks that the adapter loads with
-PEFT, prints where everything is, and stops what it started. Exit code 0 only if the run completed
-and its adapter exists.
+PEFT, prints where everything is (adapter, artifact store, the run's summary) and stops what it
+started; with `--keep` it leaves the Prefect server up, prints the run's page, and stops everything on
+Ctrl-C or SIGTERM. Exit code 0 only if the run completed and its adapter loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,62 +27,182 @@ sys.path.insert(0, str(REPO))
 
 from deployments.local_stack import LocalStack, build_tiny_model, check_adapter  # noqa: E402
 
+SILENCE_S = 8  # a long phase prints a line when the terminal has been quiet this long
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-file", default=str(REPO / "deployments" / "local.toml"), help="TOML run file to train.")
     parser.add_argument("--home", default=str(REPO / ".local"), help="Folder for the stack's state, the model and artifacts.")
     parser.add_argument("--keep", action="store_true", help="Keep the Prefect server running after the run, for the UI.")
+    parser.add_argument("--port", type=int, default=0, help="Port of the Prefect server and its UI (default: a free one).")
     args = parser.parse_args()
     home = Path(args.home).resolve()
     os.chdir(REPO)
+    watch_output()
+    stop_on_signals()
 
     model_dir = home / "tiny-model"
     if not (model_dir / "config.json").exists():
-        print(f"Building the tiny model in {model_dir} ...", flush=True)
-        build_tiny_model(model_dir)
+        with phase(f"Building the tiny model in {model_dir}", "building the tiny model"):
+            build_tiny_model(model_dir)
 
-    print("Starting the local Prefect server and localpod ...", flush=True)
-    with LocalStack(home / "stack") as stack:
+    stack = LocalStack(home / "stack", prefect_port=args.port)
+    try:
+        with phase("Starting the local Prefect server and localpod", "starting the Prefect server and localpod"):
+            stack.__enter__()  # stops what it started if it fails
         os.environ.update(stack.client_env)
-        # Prefect reads its settings when first imported: import it only now that the env points at the stack.
-        from flows.spec import load_run_file
-        from flows.train import train
+        code = train_and_report(stack, args.run_file, home, model_dir, links=args.keep)
+        if args.keep:
+            print(f"\nThe Prefect UI stays up at {stack.prefect_ui_url} (the links above work) until you press "
+                  f"Ctrl-C or run `kill {os.getpid()}`.", flush=True)
+            wait_for_stop()
+        else:
+            print("\n`make demo ARGS=--keep` keeps the Prefect UI up after the run, to look at it there.")
+        return code
+    except KeyboardInterrupt:
+        print("\nInterrupted.", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        # Whatever ended the demo (the run, Ctrl-C, SIGTERM, an error): no server outlives it, and a second
+        # Ctrl-C does not cut the stopping short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with phase("Stopping the local Prefect server and localpod", "stopping"):
+            stack.stop()
+        print("Stopped.", flush=True)
 
-        spec = load_run_file(args.run_file)
-        spec = spec.model_copy(update={"artifact_store": f"file://{home / 'artifacts'}",
-                                       "model": spec.model.model_copy(update={"id": str(model_dir)})})
-        started = time.time()
+
+def train_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Path, links: bool) -> int:
+    """Run the flow, check its adapter, print where its artifacts are (`links`: and its pages in the Prefect
+    UI, which work while the server runs); the exit code."""
+    # Prefect reads its settings when first imported: import it only now that the env points at the stack.
+    from flows.spec import load_run_file
+    from flows.train import train
+
+    spec = load_run_file(run_file)
+    spec = spec.model_copy(update={"artifact_store": f"file://{home / 'artifacts'}",
+                                   "model": spec.model.model_copy(update={"id": str(model_dir)})})
+    started = time.time()
+    with phase(f"Training `{spec.name}` ({spec.training.max_steps} steps) through localpod; Prefect's log follows",
+               "training"):
         state = train(spec, return_state=True)
-        run_id = state.state_details.flow_run_id
-        run_page = f"{stack.prefect_ui_url}/runs/flow-run/{run_id}"
-        if not state.is_completed():
-            print(f"\nThe run did not complete: {state.message}\nRun page: {run_page}", file=sys.stderr)
-            return 1
-        results = state.result()
-        adapter_dir = Path(results.adapter_url.removeprefix("file://"))
+    run_id = str(state.state_details.flow_run_id)
+    ui = stack.prefect_ui_url
+    summary = summary_artifact(run_id)
+    pages = [f"  run page:      {ui}/runs/flow-run/{run_id}"] if links else []  # tests/test_ui_browser.py reads this line
+    if links and summary is not None:
+        pages.append(f"  summary page:  {ui}/artifacts/artifact/{summary.id}")
+    if not state.is_completed():
+        print(f"\nThe run did not complete: {state.message}", *pages, sep="\n", file=sys.stderr, flush=True)
+        return 1
+    results = state.result()
+    adapter_dir = Path(results.adapter_url.removeprefix("file://"))
+    with phase("Checking that the adapter loads with PEFT", "checking the adapter"):
         # The promise of a run: an adapter that loads with PEFT on its base model.
         report = check_adapter(model_dir, adapter_dir)
-        if not report["loads"]:
-            print(f"\nThe run completed but its adapter does not load: {report['error']}", file=sys.stderr)
-            return 1
-        metrics = results.result.metrics
-        print(
-            f"\nRun completed in {time.time() - started:.0f} s: {metrics.steps} steps, loss "
-            f"{metrics.first_loss:.3f} -> {metrics.final_loss:.3f} on {metrics.device}\n"
-            f"  adapter:  {adapter_dir}\n"
-            f"  metrics:  {adapter_dir.parent / 'metrics.json'}"
-        )
-        if not args.keep:
-            print("  (the local Prefect server has stopped; `make demo ARGS=--keep` keeps it and its UI up)")
-        else:
-            print(f"\nThe run's page: {run_page}\nPrefect UI at {stack.prefect_ui_url}; press Ctrl-C to stop the local stack.")
-            try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
+    if not report["loads"]:
+        print(f"\nThe run completed but its adapter does not load: {report['error']}", *pages, sep="\n",
+              file=sys.stderr, flush=True)
+        return 1
+    run_dir = adapter_dir.parent
+    summary_file = home / "summaries" / f"{run_id}.md"
+    if summary is not None:
+        summary_file.parent.mkdir(parents=True, exist_ok=True)
+        summary_file.write_text(summary.data)
+    metrics = results.result.metrics
+    lines = [
+        f"\nRun completed in {time.time() - started:.0f} s: {metrics.steps} steps, loss "
+        f"{metrics.first_loss:.3f} -> {metrics.final_loss:.3f} on {metrics.device}",
+        f"  adapter:       {adapter_dir}  (loads with PEFT onto {model_dir})",
+        f"  store:         {home / 'artifacts'}  (this run's files: {run_dir}: "
+        f"{', '.join(sorted(p.name for p in run_dir.iterdir()))})",
+        *([f"  summary:       {summary_file}  (the run's summary in markdown, curve included)"] if summary else []),
+        *pages,
+    ]
+    print(*lines, sep="\n", flush=True)
     return 0
+
+
+def summary_artifact(run_id: str):
+    """The run's markdown summary artifact (id, data), or None when the run wrote none (it failed early)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), type=ArtifactFilterType(any_=["markdown"])))
+    return next((a for a in found if a.key and a.key.endswith("-summary")), None)
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM both unwind the `with` blocks, so the servers are stopped. A shell starts a
+    background job with SIGINT ignored, and Python keeps it ignored: install the handler anyway."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def wait_for_stop() -> None:
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print(flush=True)  # past the ^C the terminal echoed
+
+
+@contextmanager
+def phase(what: str, doing: str):
+    """Say `what` is starting; while it lasts, print "still <doing>" whenever the terminal has been silent
+    for SILENCE_S, so a long step never looks like a hang."""
+    print(f"{what} ...", flush=True)
+    started = time.monotonic()
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(1):
+            if time.monotonic() - _OUTPUT.last >= SILENCE_S:
+                print(f"  ... still {doing} ({time.monotonic() - started:.0f} s)", flush=True)
+
+    ticker = threading.Thread(target=tick, name="demo-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
+class _LastOutput:
+    """When this process last wrote to its terminal (Prefect's log lines included)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+
+class _Watched:
+    """A stream that records when it was written to, and otherwise behaves as the one it wraps."""
+
+    def __init__(self, stream, record: _LastOutput) -> None:
+        self._stream, self._record = stream, record
+
+    def write(self, text: str) -> int:
+        self._record.last = time.monotonic()
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+_OUTPUT = _LastOutput()
+
+
+def watch_output() -> None:
+    # Before Prefect is imported: its console log handler keeps the stream it finds then.
+    sys.stdout, sys.stderr = _Watched(sys.stdout, _OUTPUT), _Watched(sys.stderr, _OUTPUT)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,12 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
             f"checkpoint of step {step} at {store.display_url(partial.checkpoint_path)}; retrying the same flow run "
             "resumes from that checkpoint."
         )
-    report_progress(Progress(stage="saving", step=outcome.metrics.steps, message=f"saving adapter to {store.display_url(prefix)}"))
+    # The final loss (and reward) go with it: a short run may end between two of the control plane's polls, and
+    # this is then the only update it sees after the first.
+    metrics = outcome.metrics
+    report_progress(Progress(stage="saving", step=metrics.steps, total_steps=metrics.steps, loss=metrics.final_loss,
+                             reward=metrics.rewards[-1][1] if metrics.rewards else None,
+                             message=f"saving adapter to {store.display_url(prefix)}"))
     result = JobResult(run_id=job.run_id, attempt=job.attempt, run_prefix=prefix, adapter_path=f"{prefix}/adapter",
                        metrics=outcome.metrics)
     _publish(store, prefix, outcome, result)

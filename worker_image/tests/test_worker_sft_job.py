@@ -116,6 +116,12 @@ def test_progress_carries_throughput_and_eta(finished_job):
     assert last["tokens_per_second"] > 0 and last["eta_seconds"] == 0
 
 
+def test_the_saving_update_carries_the_final_loss(finished_job):
+    saving = finished_job.progress[-1]
+    assert saving["stage"] == "saving" and saving["step"] == saving["total_steps"] == 50
+    assert saving["loss"] == finished_job.result["metrics"]["final_loss"]
+
+
 def test_planted_token_is_in_no_stored_file_and_not_in_the_result(finished_job):
     assert stored_files_containing(finished_job.run_dir, PLANTED_SECRET) == []
     assert PLANTED_SECRET not in json.dumps(finished_job.result)
