@@ -7,6 +7,9 @@ its image): localpod starts workers with the worker environment's interpreter, `
 overrides it), and whatever needs the training stack here (building the tiny model, loading an adapter)
 runs there too.
 
+The team setup (PostgreSQL, leases in Redis, several Prefect workers) builds on this stack:
+`deployments/team_stack.py`.
+
 Every process is started here, stopped here by its PID (with its process group), and given free
 ports; nothing of a developer's own Prefect profile is touched (PREFECT_HOME is the stack's folder).
 """
@@ -20,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +40,11 @@ PREFECT_SERVER_ENV = {
     # the filesystem storage keeps them, so the repossessor frees a crashed holder's slot.
     "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
     "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+    # Queued runs ask for a slot again after at most 5 s, not Prefect's 30 s: bench/quota.py measured a freed
+    # slot idle 2.3 s instead of 11.2 s (median) and a 12-run batch done in 0.47 × the time (bench/README.md).
+    "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "5",
 }
-SERVER_START_TIMEOUT_S = 120  # ~20 s on a fresh database, more on a loaded 2-core machine
+SERVER_START_TIMEOUT_S = 240  # ~20 s on a fresh database; over 120 s seen on a loaded 2-core machine
 
 
 def free_port() -> int:
@@ -52,12 +59,14 @@ class Service:
     process: subprocess.Popen
     url: str
     log_path: Path
+    stop_signal: int = signal.SIGTERM
+    """Sent to the process group to stop it (PostgreSQL's fast shutdown is SIGINT; SIGTERM waits for clients)."""
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self.process.poll() is not None:
             return
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            os.killpg(self.process.pid, self.stop_signal)
         except ProcessLookupError:
             return
         try:
@@ -68,22 +77,22 @@ class Service:
 
 
 def start_service(name: str, argv: list[str], env: dict[str, str], url: str, health_path: str, log_path: Path,
-                  timeout_s: float = SERVER_START_TIMEOUT_S) -> Service:
-    """Start a server in its own process group and wait until `url + health_path` answers 200."""
+                  timeout_s: float = SERVER_START_TIMEOUT_S, ready: Callable[[], bool] | None = None,
+                  user: str | None = None, stop_signal: int = signal.SIGTERM) -> Service:
+    """Start a server in its own process group and wait until `url + health_path` answers 200 (or, for a
+    server that speaks no HTTP, until `ready()` is true). `user`: run it as that system user (root only)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
-    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    service = Service(name, process, url, log_path)
-    health_url = url + health_path
+    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               user=user, group=user, extra_groups=[] if user else None)
+    service = Service(name, process, url, log_path, stop_signal)
+    ready = ready or (lambda: _answers_200(url + health_path))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited with code {process.returncode}; see {log_path}:\n{_tail(log_path)}")
-        try:
-            if httpx.get(health_url, timeout=2).status_code == 200:
-                return service
-        except httpx.TransportError:
-            pass
+        if ready():
+            return service
         time.sleep(0.3)
     service.stop()
     raise RuntimeError(f"{name} did not become healthy within {timeout_s:.0f} s; see {log_path}:\n{_tail(log_path)}")
@@ -113,6 +122,13 @@ def check_adapter(base_model: Path, adapter_dir: Path, python: Path = WORKER_PYT
     if not lines:
         raise RuntimeError(f"the adapter check printed nothing (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def _tail(path: Path, size: int = 3000) -> str:

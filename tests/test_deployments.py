@@ -88,7 +88,7 @@ def test_the_pull_step_refuses_a_loraflow_home_that_is_not_a_checkout_naming_the
         set_working_directory_to_checkout()
 
 
-def test_prefect_deploy_all_creates_every_deployment_and_the_nightly_preload_schedule(local_stack):
+def test_prefect_deploy_all_creates_every_deployment_the_nightly_schedule_and_one_reconcile_at_a_time(local_stack):
     import os
     import subprocess
     import sys
@@ -109,6 +109,8 @@ def test_prefect_deploy_all_creates_every_deployment_and_the_nightly_preload_sch
         [schedule] = deployments["nightly"]["schedules"]
         assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["schedule"]["timezone"] == "Europe/Berlin"
         assert schedule["active"]
+        assert deployments["interval"]["global_concurrency_limit"]["limit"] == 1
+        assert deployments["interval"]["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
     finally:
         # Their scheduled runs would sit in the shared server for the session's other tests to see.
         shipped = [d["name"] for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]]

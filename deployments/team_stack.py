@@ -1,0 +1,357 @@
+"""The team setup on one machine: the parts a team runs loraflow on, started and stopped here.
+
+    .venv/bin/python -m deployments.team_stack                 # PostgreSQL, Redis, server, localpod, 3 workers
+    .venv/bin/python -m deployments.team_stack --workers 5 --limit 8 --home .local/team
+    .venv/bin/python -m deployments.team_stack --runs 6 --quota 2    # the demo: 6 tiny-model runs, 2 slots, then stop
+
+A Prefect server on PostgreSQL (Debian's `postgresql`, its own data directory, a free port), slot leases
+in Redis through `prefect-redis` (Debian's `redis-server`, likewise), the automation that marks a run
+Crashed when its heartbeats stop, a process work pool and N `prefect worker start --pool ...` processes
+(each as a separate host would run it, with its own PREFECT_HOME), all drawing on the one global
+concurrency limit `runpod-endpoints`; localpod stands in for RunPod. It prints the settings each part
+was given (README.md, "For a team", says what each is for) and runs until Ctrl-C (or, with `--runs`, runs
+the demo and stops). The end-to-end tests
+of this setup are `tests/test_team_stack_e2e.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from deployments.local_stack import REPO, LocalStack, Service, build_tiny_model, free_port, start_service
+
+POOL = "loraflow"
+"""The pool prefect.yaml's deployments name, so `prefect deploy --all` targets these workers."""
+PG_USER = "loraflow"
+PG_DATABASE = "prefect"
+WORKER_LIMIT = 10
+"""Flow runs one worker process holds at once (`--limit`): three such workers cover the 28-slot quota. A run
+costs its worker ~100 MB and ~8 CPU s, mostly at its start (README.md, "For a team": the measured figures)."""
+SLOT_LEASE_S = 600
+"""LORAFLOW_SLOT_LEASE_SECONDS the workers give their runs. Prefect renews a lease once 3/4 of it has passed,
+so a lease rides out a server outage of a quarter of its length at worst (the default 120 s: 30 s); a
+restart of this server took 32-91 s on a loaded 2-core machine. A lapsed lease frees its slot under a live
+endpoint; a longer one gives a dead host's slots back later."""
+HEARTBEAT_S = 30
+"""PREFECT_FLOWS_HEARTBEAT_FREQUENCY the workers give their runs: the least Prefect accepts."""
+ZOMBIE_WITHIN_S = 3 * HEARTBEAT_S
+"""A run with no heartbeat (and no final state) for this long is marked Crashed."""
+
+# Prefect's documented zombie-run automation (docs: v3/advanced/detect-zombie-flows): a killed worker host
+# leaves its runs Running for ever otherwise, since no process is left to report the crash.
+CRASH_SILENT_RUNS = {
+    "name": "loraflow: crash runs whose heartbeats stopped",
+    "description": "A flow run that sent no heartbeat and reached no final state for "
+                   f"{ZOMBIE_WITHIN_S} s lost its process (a worker host died): mark it Crashed.",
+    "enabled": True,
+    "trigger": {
+        "type": "event",
+        "posture": "Proactive",
+        "match": {"prefect.resource.id": "prefect.flow-run.*"},
+        "after": ["prefect.flow-run.heartbeat"],
+        "expect": ["prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                   "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"],
+        "for_each": ["prefect.resource.id"],
+        "threshold": 1,
+        "within": ZOMBIE_WITHIN_S,
+    },
+    "actions": [{"type": "change-flow-run-state", "state": "CRASHED",
+                 "message": f"No heartbeat for {ZOMBIE_WITHIN_S} s: the run's process is gone."}],
+}
+
+
+def postgres_bin(name: str) -> Path:
+    """A PostgreSQL server binary from Debian's `postgresql` (the newest installed major version)."""
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=lambda p: int(p.split("/")[4]))
+    if not found:
+        raise RuntimeError(f"no PostgreSQL server ({name}): `make system-packages` installs Debian's postgresql")
+    return Path(found[-1])
+
+
+def team_server_env(database_url: str, redis_url: str) -> dict[str, str]:
+    """The Prefect server settings of the team setup (on top of the local stack's PREFECT_SERVER_ENV)."""
+    return {
+        "PREFECT_API_DATABASE_CONNECTION_URL": database_url,
+        # Leases in Redis survive a server restart (no slot leaks), like the filesystem storage, but on any host.
+        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect_redis.lease_storage",
+        "PREFECT_REDIS_MESSAGING_URL": redis_url,
+    }
+
+
+@dataclass
+class TeamStack:
+    """Start with `with TeamStack(home) as team:`; `team.local` is the LocalStack (Prefect server and localpod),
+    `team.client_env` what a CLI or flow process needs."""
+
+    home: Path
+    workers: int = 3
+    worker_limit: int = WORKER_LIMIT
+    pool: str = POOL
+    worker_quota: int = 30
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for the Prefect workers, which their flow runs inherit (a test's short lease)."""
+    local: LocalStack | None = None
+    services: dict[str, Service] = field(default_factory=dict)
+    database_url: str = ""
+    redis_url: str = ""
+    _pg_tmp: Path | None = None
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        return self.local.client_env
+
+    @property
+    def worker_names(self) -> list[str]:
+        return sorted(name for name in self.services if name.startswith("worker-"))
+
+    def __enter__(self) -> TeamStack:
+        self.home = self.home.resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_postgres()
+            self._start_redis()
+            self.local = LocalStack(self.home, worker_quota=self.worker_quota,
+                                    server_env=team_server_env(self.database_url, self.redis_url)).__enter__()
+            self._prefect("work-pool", "create", self.pool, "--type", "process", "--overwrite")
+            httpx.post(f"{self.local.prefect_api_url}/automations/", json=CRASH_SILENT_RUNS, timeout=30).raise_for_status()
+            for i in range(self.workers):
+                self.start_worker(f"worker-{i + 1}")
+            self.wait_for_workers(self.workers)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start_worker(self, name: str) -> Service:
+        """`prefect worker start --pool POOL --limit N` as a host of its own would run it (own PREFECT_HOME)."""
+        env = self._base_env() | self.client_env | {
+            "PREFECT_HOME": str(self.home / name),
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+            "LORAFLOW_SLOT_LEASE_SECONDS": str(SLOT_LEASE_S),
+        } | self.worker_env
+        log_path = self.home / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process",
+             "--name", name, "--limit", str(self.worker_limit)],
+            cwd=REPO, env=env, stdout=log_path.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.services[name] = Service(name, process, "", log_path)
+        return self.services[name]
+
+    def wait_for_workers(self, count: int, timeout_s: float = 180) -> None:
+        """Until `count` workers of the pool are ONLINE (each has sent its first heartbeat)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name in self.worker_names:
+                if self.services[name].process.poll() is not None:
+                    raise RuntimeError(f"{name} exited; see {self.services[name].log_path}")
+            online = [w for w in httpx.post(f"{self.local.prefect_api_url}/work_pools/{self.pool}/workers/filter",
+                                            json={}, timeout=30).json() if w["status"] == "ONLINE"]
+            if len(online) >= count:
+                return
+            time.sleep(1)
+        raise RuntimeError(f"fewer than {count} workers came online within {timeout_s:.0f} s; see {self.home / 'logs'}")
+
+    def kill_worker(self, name: str) -> list[int]:
+        """SIGKILL a worker and every process under it (its flow runs run in sessions of their own), as when its
+        host dies; returns the PIDs killed."""
+        worker = self.services.pop(name)
+        pids = [worker.process.pid, *descendants(worker.process.pid)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        worker.process.wait(10)
+        return pids
+
+    def stop(self) -> None:
+        # Workers first, with any run a worker leaves behind (runs live in sessions of their own), then the
+        # server and localpod, then the server's storage.
+        for name in self.worker_names:
+            worker = self.services.pop(name)
+            runs = descendants(worker.process.pid)
+            worker.stop(grace_s=30)
+            for pid in runs:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # a flow run left behind by a worker that did not stop it
+                except ProcessLookupError:
+                    pass
+        if self.local is not None:
+            self.local.stop()
+        for name in ("redis", "postgres"):
+            service = self.services.pop(name, None)
+            if service is not None:
+                service.stop()
+        if self._pg_tmp is not None:
+            shutil.rmtree(self._pg_tmp, ignore_errors=True)
+            self._pg_tmp = None
+
+    def _start_postgres(self) -> None:
+        # PostgreSQL refuses to run as root: as root, run it as Debian's `postgres` user, in a folder that user
+        # can reach (a temporary one when the stack's own folder is private, as pytest's are).
+        user = "postgres" if os.geteuid() == 0 else None
+        data = self.home / "postgres"
+        if user and not _reachable_by_others(self.home):
+            self._pg_tmp = Path(tempfile.mkdtemp(prefix="loraflow-postgres-"))
+            os.chmod(self._pg_tmp, 0o755)
+            data = self._pg_tmp / "data"
+        if not (data / "PG_VERSION").exists():
+            data.mkdir(parents=True, exist_ok=True)
+            if user:
+                shutil.chown(data, user, user)
+            # trust: the server listens on 127.0.0.1 only, its socket in its own data directory.
+            subprocess.run([str(postgres_bin("initdb")), "-D", str(data), "-U", PG_USER, "--auth=trust",
+                            "-E", "UTF8", "--no-sync"], check=True, capture_output=True, user=user, group=user,
+                           extra_groups=[] if user else None)
+        port = free_port()
+        self.services["postgres"] = start_service(
+            "postgres", [str(postgres_bin("postgres")), "-D", str(data), "-p", str(port), "-h", "127.0.0.1",
+                         "-k", str(data)],
+            {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}, f"127.0.0.1:{port}", "",
+            self.home / "logs" / "postgres.log", ready=lambda: _pg_ready(port), user=user,
+            stop_signal=signal.SIGINT)  # PostgreSQL's fast shutdown; SIGTERM waits for every client to leave
+        created = subprocess.run([str(postgres_bin("createdb")), "-h", "127.0.0.1", "-p", str(port), "-U", PG_USER,
+                                  PG_DATABASE], capture_output=True, text=True)
+        if created.returncode != 0 and "already exists" not in created.stderr:
+            raise RuntimeError(f"createdb failed: {created.stderr}")
+        self.database_url = f"postgresql+asyncpg://{PG_USER}@127.0.0.1:{port}/{PG_DATABASE}"
+
+    def _start_redis(self) -> None:
+        port = free_port()
+        (self.home / "redis").mkdir(exist_ok=True)
+        # The append-only file keeps leases across a Redis restart too, as a production Redis would.
+        self.services["redis"] = start_service(
+            "redis", [shutil.which("redis-server") or "/usr/bin/redis-server", "--bind", "127.0.0.1", "--port",
+                      str(port), "--dir", str(self.home / "redis"), "--appendonly", "yes", "--save", ""],
+            {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, f"redis://127.0.0.1:{port}/0", "",
+            self.home / "logs" / "redis.log", ready=lambda: _redis_ready(port))
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+
+    def _prefect(self, *args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=REPO,
+                              env=self._base_env() | self.client_env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"prefect {' '.join(args)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return proc.stdout
+
+    @staticmethod
+    def _base_env() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_", "HF_"))}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`, however deep (read from /proc: a process's children may have left its group)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _reachable_by_others(path: Path) -> bool:
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+
+
+def _pg_ready(port: int) -> bool:
+    return subprocess.run([str(postgres_bin("pg_isready")), "-q", "-h", "127.0.0.1", "-p", str(port)]).returncode == 0
+
+
+def _redis_ready(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--home", default=str(REPO / ".local" / "team"), help="Folder for the stack's state and logs.")
+    parser.add_argument("--workers", type=int, default=3, help="Prefect worker processes on the pool.")
+    parser.add_argument("--limit", type=int, default=WORKER_LIMIT, help="Flow runs each worker runs at once.")
+    parser.add_argument("--runs", type=int, default=0,
+                        help="The demo: deploy deployments/local.toml (tiny model) as train/team-demo, start this many "
+                             "runs, wait for them, print what happened and stop. 0: keep the stack up until Ctrl-C.")
+    parser.add_argument("--quota", type=int, default=3, help="With --runs: slots of runpod-endpoints (when missing).")
+    args = parser.parse_args()
+    with TeamStack(Path(args.home), workers=args.workers, worker_limit=args.limit) as team:
+        server = team_server_env(team.database_url, team.redis_url)
+        print(f"Prefect UI: {team.local.prefect_ui_url}   pool: {team.pool}, {args.workers} workers\n"
+              f"server: {' '.join(f'{k}={v}' for k, v in server.items())}\n"
+              f"clients and workers: PREFECT_API_URL={team.local.prefect_api_url} "
+              f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={HEARTBEAT_S} LORAFLOW_SLOT_LEASE_SECONDS={SLOT_LEASE_S}\n"
+              f"RunPod: localpod at {team.local.localpod_url}", flush=True)
+        if args.runs:
+            return _demo(team, args.runs, args.quota)
+        print("Ctrl-C stops everything.", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _demo(team: TeamStack, runs: int, quota: int) -> int:
+    api = team.local.prefect_api_url
+    model = team.home / "tiny-model"
+    if not (model / "config.json").exists():
+        build_tiny_model(model)
+    spec = tomllib.loads((REPO / "deployments" / "local.toml").read_text())
+    spec["model"]["id"] = str(model)
+    spec["artifact_store"] = f"file://{team.home / 'artifacts'}"
+    spec["training"]["max_steps"] = 10
+    # Created only when missing, as the flow itself does: an operator's limit is never overwritten.
+    if httpx.get(f"{api}/v2/concurrency_limits/runpod-endpoints", timeout=30).status_code == 404:
+        httpx.post(f"{api}/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": quota},
+                   timeout=30).raise_for_status()
+    team._prefect("deploy", "flows/train.py:train", "--name", "team-demo", "--pool", team.pool, "--params",
+                  json.dumps({"spec": spec}))
+    deployment = httpx.get(f"{api}/deployments/name/train/team-demo", timeout=30).json()
+    ids = [httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=30).json()["id"]
+           for _ in range(runs)]
+    print(f"Started {runs} runs of train/team-demo; waiting ...", flush=True)
+    started = time.monotonic()
+    while True:
+        found = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"id": {"any_": ids}}}, timeout=30).json()
+        states = [r["state"]["type"] for r in found]
+        if all(s in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"} for s in states):
+            break
+        time.sleep(5)
+    account = httpx.get(f"{team.local.localpod_url}/_localpod/account", timeout=30).json()
+    limit = httpx.get(f"{api}/v2/concurrency_limits/runpod-endpoints", timeout=30).json()["limit"]
+    print(f"{states.count('COMPLETED')}/{runs} runs completed in {time.monotonic() - started:.0f} s through "
+          f"{len(team.worker_names)} workers; peak endpoints alive {account['peakLiveEndpoints']} (limit {limit})")
+    return 0 if states.count("COMPLETED") == runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The team setup, end to end (`deployments/team_stack.py`): a Prefect server on PostgreSQL, slot leases in
+Redis, three `prefect worker start` processes on one process pool, deployment runs of the train flow, and
+the reconcile deployment on a short interval, all against one `runpod-endpoints` limit of 3.
+
+- 12 runs through 3 workers: never more than 3 endpoints alive, all complete.
+- A worker SIGKILLed mid-run with its runs (its host dies): its runs end Crashed, their endpoints are deleted
+  and their slots freed within the lease + one reconcile interval, the other workers' runs train on.
+- The server restarted mid-run, a fourth run waiting for a slot: never more than 3 endpoints (no lease lapsed),
+  the runs complete, no slot leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from deployments.team_stack import SLOT_LEASE_S, TeamStack, descendants
+from tasks.runpod.endpoints import parse_endpoint_name, run_hash
+from tests.conftest import REPO, localpod_account, prefect_api
+from tests.test_crash_recovery_e2e import wait_for
+from tests.test_train_e2e import write_run_file
+
+pytestmark = pytest.mark.timeout(1800)
+
+LIMIT = 3
+WORKERS = 3
+WORKER_LIMIT = 2
+"""Runs each worker starts at once: 3 workers then hold 6 runs for 3 slots (the quota, not the workers, is
+what holds runs back), and any 3 runs are spread over at least 2 workers (the kill test needs that)."""
+LEASE_S = 60
+"""The slot lease of the first two tests' runs: the shortest Prefect's server accepts, so that a dead worker's
+slots come back within the test (the restart test uses the team setup's own, SLOT_LEASE_S)."""
+RECONCILE_S = 30
+SILENT_AFTER_MIN = 1.0
+"""The reconcile deployment's silence threshold: above the runs' heartbeats (30 s flow, 10 s endpoint)."""
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory, tiny_model):
+    home = tmp_path_factory.mktemp("team")
+    with TeamStack(home, workers=WORKERS, worker_limit=WORKER_LIMIT,
+                   worker_env={"LORAFLOW_SLOT_LEASE_SECONDS": str(LEASE_S), "LORAFLOW_HEARTBEAT_SECONDS": "10"}) as team:
+        prefect_api(team.local, "POST", "/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": LIMIT})
+        spec = tomllib.loads(write_run_file(home / "deployment.toml", name="team", model=tiny_model,
+                                            store=home / "store", max_steps=3).read_text())
+        deploy(team, "flows/train.py:train", "team-e2e", {"spec": spec})
+        deploy(team, "flows/reconcile.py:reconcile", "team-interval",
+               {"policy": {"silent_after_minutes": SILENT_AFTER_MIN, "min_age_minutes": 0}},
+               "--interval", str(RECONCILE_S), "--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW")
+        yield team
+
+
+def deploy(team: TeamStack, entrypoint: str, name: str, parameters: dict, *args: str) -> None:
+    """`prefect deploy ENTRYPOINT` on the team's pool, as README.md's team setup does (prefect.yaml's pull step)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | team.client_env
+    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", entrypoint, "--name", name,
+                           "--pool", team.pool, "--params", json.dumps(parameters), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def start_runs(team: TeamStack, count: int, env: dict[str, str] | None = None, **params) -> list[str]:
+    """`count` runs of `train/team-e2e` with `params`; `env` on top of the worker's for their processes."""
+    deployment = prefect_api(team.local, "GET", "/deployments/name/train/team-e2e").json()
+    body = {"parameters": params, "job_variables": {"env": env or {}}}
+    return [prefect_api(team.local, "POST", f"/deployments/{deployment['id']}/create_flow_run", json=body).json()["id"]
+            for _ in range(count)]
+
+
+def runs(team: TeamStack, ids: list[str]) -> dict[str, dict]:
+    found = prefect_api(team.local, "POST", "/flow_runs/filter", json={"flow_runs": {"id": {"any_": ids}}}).json()
+    return {r["id"]: r for r in found}
+
+
+def states(team: TeamStack, ids: list[str]) -> dict[str, str]:
+    return {i: r["state"]["type"] for i, r in runs(team, ids).items()}
+
+
+def endpoints(team: TeamStack, name: str) -> list[dict]:
+    return [e for e in localpod_account(team.local)["endpoints"] if e["name"].startswith(f"loraflow-{name}-")]
+
+
+def peak_alive(endpoints: list[dict]) -> int:
+    """Most endpoints alive at one instant, from their creation and deletion times (localpod's clock)."""
+    events = []
+    for e in endpoints:
+        events.append((datetime.fromisoformat(e["createdAt"].replace("Z", "+00:00")), 1))
+        if e["deletedAt"]:
+            events.append((datetime.fromisoformat(e["deletedAt"].replace("Z", "+00:00")), -1))
+    alive = peak = 0
+    for _, step in sorted(events, key=lambda ev: (ev[0], ev[1])):  # a delete before a create at the same instant
+        alive += step
+        peak = max(peak, alive)
+    return peak
+
+
+def slots_in_use(team: TeamStack) -> int:
+    return prefect_api(team.local, "GET", "/v2/concurrency_limits/runpod-endpoints").json()["active_slots"]
+
+
+def worker_of(team: TeamStack, run: dict) -> str | None:
+    """The worker whose process tree holds the run's process (`infrastructure_pid` is `host:pid`)."""
+    pid = int(str(run.get("infrastructure_pid") or "0").rpartition(":")[2] or 0)
+    for name in team.worker_names:
+        if pid in descendants(team.services[name].process.pid):
+            return name
+    return None
+
+
+class RunSampler(threading.Thread):
+    """Samples, every second, the processes under each worker: the runs it holds, their memory and CPU time."""
+
+    def __init__(self, team: TeamStack):
+        super().__init__(daemon=True)
+        self.team, self.stopped = team, threading.Event()
+        self.runs: dict[int, dict] = {}  # a flow-run process (a worker's child) → its peak RSS, CPU s, life
+        self.most_per_worker = 0
+        self.workers_used: set[str] = set()
+        self.worker_rss = 0
+
+    def run(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not self.stopped.wait(1.0):
+            for name in list(self.team.worker_names):
+                worker_pid = self.team.services[name].process.pid
+                children = _children(worker_pid)
+                self.most_per_worker = max(self.most_per_worker, len(children))
+                if children:
+                    self.workers_used.add(name)
+                self.worker_rss = max(self.worker_rss, _rss(worker_pid))
+                for child in children:
+                    tree = [child, *descendants(child)]
+                    seen = self.runs.setdefault(child, {"rss": 0, "cpu_s": 0.0, "first": time.monotonic()})
+                    seen["rss"] = max(seen["rss"], sum(_rss(p) for p in tree))
+                    seen["cpu_s"] = max(seen["cpu_s"], sum(_cpu_ticks(p) for p in tree) / tick)
+                    seen["last"] = time.monotonic()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(10)
+
+
+def test_twelve_runs_through_three_workers_never_exceed_the_limit_and_all_complete(team, figures):
+    sampler = RunSampler(team)
+    sampler.start()
+    started = time.monotonic()
+    ids = start_runs(team, 12, name="team-quota")
+    most_alive = 0
+
+    def all_final():
+        nonlocal most_alive
+        most_alive = max(most_alive, len(localpod_account(team.local)["liveEndpoints"]))
+        return set(states(team, ids).values()) <= FINAL
+
+    try:
+        wait_for(all_final, 1500, "the 12 runs to end", interval_s=1)
+    finally:
+        sampler.stop()
+    elapsed = time.monotonic() - started
+    final = states(team, ids)
+    assert list(final.values()) == ["COMPLETED"] * 12, final
+    ours = endpoints(team, "team-quota")
+    peak = peak_alive(ours)
+    figures(f"team stack: 12 runs, limit {LIMIT}, {WORKERS} workers: {len(final)} completed in {elapsed:.0f} s; peak "
+            f"endpoints alive {peak} (sampled {most_alive}, localpod's own count "
+            f"{localpod_account(team.local)['peakLiveEndpoints']})")
+    assert len(ours) == 12 and all(e["deletedAt"] for e in ours)
+    assert peak == LIMIT and most_alive <= LIMIT  # the quota was reached and never passed
+    assert slots_in_use(team) == 0
+    assert len(sampler.workers_used) == WORKERS and sampler.most_per_worker <= WORKER_LIMIT, sampler.workers_used
+
+    per_run = [r for r in sampler.runs.values() if "last" in r and r["last"] - r["first"] > 5]
+    rss_mb = sum(r["rss"] for r in per_run) / len(per_run) / 2**20
+    cpu_s = sum(r["cpu_s"] for r in per_run) / len(per_run)
+    life_s = sum(r["last"] - r["first"] for r in per_run) / len(per_run)
+    available_mb = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) / 1024
+    figures(f"team stack: a worker process {sampler.worker_rss / 2**20:.0f} MB; each run it holds {rss_mb:.0f} MB "
+            f"and {cpu_s:.1f} CPU s over {life_s:.0f} s ({100 * cpu_s / life_s:.0f}% of a core, mostly starting up); "
+            f"this machine ({os.cpu_count()} cores, {available_mb / 1024:.1f} GB free) holds ~"
+            f"{int(0.8 * available_mb / rss_mb)} runs by memory, ~{int(0.8 * os.cpu_count() * life_s / cpu_s)} by CPU")
+
+
+def test_a_sigkilled_worker_leaves_no_endpoint_or_slot_and_other_workers_runs_train_on(team, figures):
+    ids = start_runs(team, LIMIT, name="team-kill", max_steps=100_000)
+
+    def all_training():
+        seen = runs(team, ids)
+        live = {e["id"] for e in endpoints(team, "team-kill") if not e["deletedAt"]}
+        training = {j["endpointId"] for j in localpod_account(team.local)["jobs"]
+                    if j["endpointId"] in live and j["status"] == "IN_PROGRESS"}
+        return len(training) == LIMIT and all(worker_of(team, r) for r in seen.values()) and seen
+
+    seen = wait_for(all_training, 600, "3 runs training", interval_s=2)
+    by_worker: dict[str, list[str]] = {}
+    for run_id, run in seen.items():
+        by_worker.setdefault(worker_of(team, run), []).append(run_id)
+    assert len(by_worker) >= 2, by_worker
+    victim, killed_runs = max(by_worker.items(), key=lambda item: len(item[1]))
+    survivors = [i for i in ids if i not in killed_runs]
+    endpoint_of = {run_id: [e for e in endpoints(team, "team-kill")
+                            if parse_endpoint_name(e["name"]).run_hash == run_hash(run_id)] for run_id in ids}
+
+    killed_at = time.monotonic()
+    team.kill_worker(victim)
+    times: dict[str, float] = {}
+
+    def cleaned_up():
+        now = time.monotonic() - killed_at
+        live = {e["id"] for e in localpod_account(team.local)["liveEndpoints"]}
+        if "endpoints" not in times and not any(e["id"] in live for r in killed_runs for e in endpoint_of[r]):
+            times["endpoints"] = now
+        if "slots" not in times and slots_in_use(team) == len(survivors):
+            times["slots"] = now
+        if "crashed" not in times and {states(team, killed_runs)[r] for r in killed_runs} == {"CRASHED"}:
+            times["crashed"] = now
+        return len(times) == 3
+
+    wait_for(cleaned_up, LEASE_S + RECONCILE_S + 240, "the killed worker's runs to be cleaned up", interval_s=1)
+    figures(f"team stack: worker SIGKILLed with {len(killed_runs)} run(s): endpoints deleted after "
+            f"{times['endpoints']:.0f} s, slots freed after {times['slots']:.0f} s, runs Crashed after "
+            f"{times['crashed']:.0f} s (lease {LEASE_S} s, reconcile every {RECONCILE_S} s)")
+    # The other workers' runs were never touched: still running, their endpoints training.
+    assert set(states(team, survivors).values()) == {"RUNNING"}
+    live_jobs = {j["endpointId"] for j in localpod_account(team.local)["jobs"] if j["status"] == "IN_PROGRESS"}
+    assert all(e["id"] in live_jobs for r in survivors for e in endpoint_of[r])
+    # + 60 s: a reconcile run's own start (a fresh Python process importing Prefect) on a loaded 2-core machine.
+    assert times["endpoints"] <= LEASE_S + RECONCILE_S + 60 and times["slots"] <= LEASE_S + RECONCILE_S + 60
+
+    # Stop the survivors the way a user would: cancelled runs delete their endpoints and give their slots back.
+    for run_id in survivors:
+        prefect_api(team.local, "POST", f"/flow_runs/{run_id}/set_state",
+                    json={"state": {"type": "CANCELLING"}, "force": True})
+    wait_for(lambda: set(states(team, survivors).values()) == {"CANCELLED"}, 300, "the survivors to cancel")
+    wait_for(lambda: slots_in_use(team) == 0 and not localpod_account(team.local)["liveEndpoints"], 120,
+             "the survivors' endpoints and slots")
+    team.start_worker(victim)  # the host comes back
+    team.wait_for_workers(WORKERS)
+
+
+def test_runs_complete_across_a_server_restart_and_the_quota_holds_through_it(team, figures):
+    # The team setup's lease (the other tests shorten it), sized to ride out a restart. One that lapsed would
+    # free its slot under a live endpoint and the waiting run would take it: a 4th endpoint.
+    env = {"LORAFLOW_SLOT_LEASE_SECONDS": str(SLOT_LEASE_S)}
+    holders = start_runs(team, LIMIT, env, name="team-restart", max_steps=150)
+    waiter = start_runs(team, 1, env, name="team-restart", max_steps=3)
+
+    def training() -> int:
+        live = {e["id"] for e in endpoints(team, "team-restart") if not e["deletedAt"]}
+        return len({j["endpointId"] for j in localpod_account(team.local)["jobs"]
+                    if j["endpointId"] in live and j["status"] == "IN_PROGRESS"})
+
+    wait_for(lambda: training() == LIMIT, 600, "3 runs training", interval_s=2)
+    leases = subprocess.run(["redis-cli", "-u", team.redis_url, "--scan", "--pattern", "prefect:concurrency:lease:*"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert len(leases) >= LIMIT, f"the slot leases are not in Redis: {leases}"
+    down_s = team.local.restart_prefect()
+    ids = holders + waiter
+    wait_for(lambda: set(states(team, ids).values()) <= FINAL, 900, "the runs to end", interval_s=2)
+    final = states(team, ids)
+    ours = endpoints(team, "team-restart")
+    figures(f"team stack: server (PostgreSQL, leases in Redis: {len(leases)}) down {down_s:.0f} s mid-run: "
+            f"{list(final.values()).count('COMPLETED')}/{len(ids)} runs completed, peak endpoints {peak_alive(ours)} "
+            f"(limit {LIMIT}), slots in use after {slots_in_use(team)} (lease {SLOT_LEASE_S} s)")
+    assert down_s < SLOT_LEASE_S / 4, "the restart took longer than the lease can ride out"
+    assert list(final.values()) == ["COMPLETED"] * len(ids), final
+    assert len(ours) == len(ids) and all(e["deletedAt"] for e in ours) and peak_alive(ours) <= LIMIT
+    assert slots_in_use(team) == 0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError):
+        return 0
+
+
+def _cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15 of proc(5))
