@@ -10,7 +10,10 @@ medians:
   run that is the training itself plus the worker's start;
 - teardown: seconds from the job finishing to its endpoint being deleted, over a bare DELETE + 404 GET
   cycle timed against the same localpod (the baseline);
-- billed waste: the worker's billed lifetime over the job's time (1.0 = no idle worker billed).
+- billed waste: the worker's billed lifetime over the job's time (1.0 = no idle worker billed), and its
+  idle billed seconds split into before the job was submitted and after it finished.
+
+The same figures with hold jobs (no training) and beside a bare script's: `bench/bare_script.py`.
 """
 
 from __future__ import annotations
@@ -73,14 +76,19 @@ def main() -> int:
                 job_s = (job.finished_at - job.created_at).total_seconds()
                 billed_s = sum(((w.ended_at or job.finished_at) - w.started_at).total_seconds() for w in workers)
                 teardown_s = (endpoint.deleted_at - job.finished_at).total_seconds()
-                rows.append((record.wall_s, job_s, teardown_s, billed_s))
+                before_s = sum(max(0.0, (job.created_at - w.started_at).total_seconds()) for w in workers)
+                after_s = sum(max(0.0, ((w.ended_at or endpoint.deleted_at) - job.finished_at).total_seconds())
+                              for w in workers)
+                rows.append((record.wall_s, job_s, teardown_s, billed_s, before_s, after_s))
                 print(f"run {i}: flow {record.wall_s:6.1f} s  job {job_s:6.1f} s  overhead x{record.wall_s / job_s:5.2f}  "
                       f"teardown {teardown_s:5.2f} s (x{teardown_s / baseline_s:6.1f} baseline)  "
-                      f"billed x{billed_s / job_s:4.2f} of the job", flush=True)
-    wall, job, teardown, billed = (statistics.median(column) for column in zip(*rows))
+                      f"billed x{billed_s / job_s:4.2f} of the job (idle {before_s:.2f} s before submit, "
+                      f"{after_s:.2f} s after completion)", flush=True)
+    wall, job, teardown, billed, before, after = (statistics.median(column) for column in zip(*rows))
     print(f"\nmedians over {len(rows)} runs: overhead x{wall / job:.2f} (flow {wall:.1f} s / job {job:.1f} s); "
           f"teardown {teardown:.2f} s = x{teardown / baseline_s:.1f} the bare delete cycle ({baseline_s * 1000:.0f} ms); "
-          f"billed worker time x{billed / job:.2f} the job's time")
+          f"billed worker time x{billed / job:.2f} the job's time (idle {before:.2f} s before submit, {after:.2f} s "
+          "after completion)")
     return 0
 
 

@@ -5,6 +5,7 @@
         --worker-python .venv-worker/bin/python --log-dir /tmp/localpod-logs
     python -m localpod --port 8765 --worker-runtime docker \
         --worker-mount /srv/loraflow-store --worker-mount /srv/models
+    python -m localpod --port 8765 --hold-jobs 8     # benchmarks: jobs hold a worker 8 s, no training
 
 Point a RunPod client at `http://HOST:PORT/v2` for both the control plane and the job API, with
 `Authorization: Bearer <api key>`. `GET /_localpod/account` reports endpoints, jobs, workers and
@@ -21,7 +22,10 @@ Workers run one of two ways (`--worker-runtime`):
   which `make install` builds from the worker image's lock), running `python -m loraflow_worker.handler`.
   localpod refuses to start when that interpreter is missing. `--worker-command` replaces the whole
   command (e.g. a test's own handler script). Workers get this machine's environment, plus the
-  endpoint's `env` and RunPod's worker variables.
+  endpoint's `env` and RunPod's worker variables. `--hold-jobs SECONDS` (env `LOCALPOD_HOLD_JOBS`) runs
+  `localpod/hold_worker.py` instead, with the same interpreter: a real `runpod.serverless` worker whose
+  jobs hold it for that long, report progress and store a result labelled as a hold job, training
+  nothing (the benchmarks measure the control plane with it).
 - `docker`: each worker is a container of the endpoint's `image`, as the control plane sent it (it must
   exist locally: nothing is pulled; a missing image fails the endpoint's queued jobs with Docker's
   reason). The container runs the image's command, or the endpoint's `args` when set. As on RunPod it
@@ -51,8 +55,10 @@ import uvicorn
 from pydantic import ValidationError
 
 from localpod.main import create_app
-from localpod.models import LocalpodConfig
+from localpod.models import DEFAULT_WORKER_PYTHON, LocalpodConfig
 from localpod.state import LocalpodState
+
+HOLD_WORKER = Path(__file__).resolve().parent / "hold_worker.py"
 
 # A backstop: held worker requests end at once on shutdown (see _Server), others are short.
 _GRACEFUL_SHUTDOWN_S = 3
@@ -86,6 +92,14 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         fields["worker_python"] = Path(args.worker_python).absolute()
     if args.worker_command:
         fields["worker_command"] = shlex.split(args.worker_command)
+    if args.hold_jobs is not None:
+        if args.worker_command or args.worker_runtime != "process":
+            parser.error("--hold-jobs runs the hold worker as a process: it replaces --worker-command and needs "
+                         "--worker-runtime process")
+        python = Path(args.worker_python).absolute() if args.worker_python else DEFAULT_WORKER_PYTHON
+        if not os.access(python, os.X_OK):
+            parser.error(f"--hold-jobs: no worker interpreter at {python} (--worker-python): run `make install`")
+        fields["worker_command"] = [str(python), str(HOLD_WORKER), str(args.hold_jobs)]
     if args.log_dir:
         fields["log_dir"] = Path(args.log_dir)
     if args.openapi:
@@ -155,6 +169,11 @@ def _parser() -> argparse.ArgumentParser:
                    "else this checkout's .venv-worker/bin/python, built by `make install`)")
     p.add_argument("--worker-command", help="process runtime: the whole command starting one worker (shell-split); "
                    "default: <worker python> -m loraflow_worker.handler")
+    p.add_argument("--hold-jobs", type=float, metavar="SECONDS",
+                   default=float(os.environ["LOCALPOD_HOLD_JOBS"]) if os.environ.get("LOCALPOD_HOLD_JOBS") else None,
+                   help="benchmarks: run localpod/hold_worker.py (with the worker interpreter) instead of the loraflow "
+                   "worker; each job holds its worker SECONDS, reports progress and stores a result labelled as a "
+                   "hold job, without training (default: env LOCALPOD_HOLD_JOBS, else off)")
     p.add_argument("--worker-mount", action="append", default=[], metavar="PATH",
                    help="docker runtime: a host folder mounted at the same path in every worker container "
                    "(repeatable): a file:// artifact store, a local model")

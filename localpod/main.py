@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from localpod import (
+    request_counts,
     routes_account,
     routes_catalog,
     routes_endpoints,
@@ -56,4 +57,7 @@ def create_app(config: LocalpodConfig) -> FastAPI:
     app.include_router(routes_jobs.router)
     app.include_router(routes_account.router)
     app.include_router(routes_faults.router)
+    app.include_router(request_counts.router)
+    app.state.request_counts = request_counts.RequestCounts()
+    app.add_middleware(request_counts.CountRequests, counts=app.state.request_counts)
     return app

@@ -1,0 +1,18 @@
+"""The Prefect server settings the README recommends, with bench/quota.py's evidence, are the ones the
+local stack runs."""
+
+from pathlib import Path
+
+from bench.quota import RECOMMENDED_WAIT_S
+from bench.scale_lib import WAIT_SETTING
+from deployments.local_stack import PREFECT_SERVER_ENV
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_local_stack_runs_the_slot_wait_the_quota_bench_recommends():
+    assert float(PREFECT_SERVER_ENV[WAIT_SETTING]) == RECOMMENDED_WAIT_S
+
+
+def test_the_readme_recommends_the_slot_wait_the_local_stack_runs():
+    assert f"{WAIT_SETTING}={PREFECT_SERVER_ENV[WAIT_SETTING]} prefect server start" in README.read_text()
