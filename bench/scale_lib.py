@@ -36,29 +36,15 @@ _WORKER_ROUTES = ("job-take", "job-done", "job-stream", "job-stop", "ping")  # t
 
 @contextmanager
 def hold_stack(home: Path, hold_s: float, *, quota: int = 30, wait_s: float | None = None,
-               eta: bool = True, tries: int = 3) -> Iterator[LocalStack]:
+               eta: bool = True) -> Iterator[LocalStack]:
     """A running local stack whose jobs hold their worker `hold_s` seconds, stopped on leaving. `wait_s`: the
     Prefect server's slot-wait setting (None: the local stack's, the recommended 5 s). `eta=False`: the hold
     worker reports progress without an ETA, so the flows poll at the fixed base interval, as before adaptive
-    polling.
-    A server that misses LocalStack's start timeout (a machine loaded by others) is started again, up to
-    `tries` times."""
-    for attempt in range(1, tries + 1):
-        stack = LocalStack(home / f"try{attempt}", worker_quota=quota,
-                           worker_env={"LOCALPOD_HOLD_JOBS": str(hold_s), "LOCALPOD_HOLD_ETA": "1" if eta else "0"},
-                           server_env={} if wait_s is None else {WAIT_SETTING: str(wait_s)})
-        try:
-            stack.__enter__()  # stops what it started when it fails
-        except RuntimeError as e:
-            if attempt == tries:
-                raise
-            print(f"the local stack did not start ({str(e).splitlines()[0]}); starting it again", flush=True)
-            continue
-        try:
-            yield stack
-        finally:
-            stack.stop()
-        return
+    polling."""
+    with LocalStack(home, worker_quota=quota,
+                    worker_env={"LOCALPOD_HOLD_JOBS": str(hold_s), "LOCALPOD_HOLD_ETA": "1" if eta else "0"},
+                    server_env={} if wait_s is None else {WAIT_SETTING: str(wait_s)}) as stack:
+        yield stack
 
 
 def hold_model(root: Path) -> Path:

@@ -118,7 +118,11 @@ def localpod_account(stack) -> dict:
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """End a process started with `start_new_session=True` and everything it started: SIGTERM to its group,
     SIGKILL after `grace_s`."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the group has already ended
+        proc.wait()
+        return
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:

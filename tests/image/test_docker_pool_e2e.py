@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from deployments.local_stack import LocalStack
-from tests.conftest import DATASET, prefect_api
+from tests.conftest import DATASET, prefect_api, stop_process_group
 from tests.image.conftest import containers, docker
 from tests.test_train_e2e import run_endpoints, write_run_file
 
@@ -64,17 +63,6 @@ def final_state(stack: LocalStack, flow_run_id: str) -> dict:
         assert time.monotonic() < deadline, f"flow run {flow_run_id} still {state['type']} after {RUN_TIMEOUT_S} s"
         time.sleep(2)
     return state
-
-
-def stop_group(process: subprocess.Popen[bytes], grace_s: float = 30) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
 
 
 def test_a_train_deployment_of_the_docker_pool_completes_in_a_container_of_the_built_image(tiny_model: Path,
@@ -129,7 +117,7 @@ def test_a_train_deployment_of_the_docker_pool_completes_in_a_container_of_the_b
             [container] = containers(f"io.prefect.flow-run-id={flow_run_id}")
             assert docker("inspect", "--format", "{{.Config.Image}}", container).stdout.strip() == IMAGE
         finally:
-            stop_group(worker)
+            stop_process_group(worker)
             if flow_run_id:
                 for container in containers(f"io.prefect.flow-run-id={flow_run_id}"):
                     docker("rm", "-f", container, check=False)
