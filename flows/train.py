@@ -20,7 +20,6 @@ from pathlib import Path
 
 from loraflow_worker.contract import DatasetSource, JobInput
 from prefect import flow, get_run_logger
-from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 from pydantic import ValidationError
@@ -31,7 +30,7 @@ from tasks.artifacts import RunResults, check_dataset_jsonl, collect, publish_ru
 from tasks.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
 from tasks.cost import check_budget, cost_ceiling, read_billed_cost, read_gpu_prices
 from tasks.plan import AttemptPlan, plan_attempt, resolve_model_task
-from tasks.quota import ENDPOINT_LIMIT, ensure_endpoint_limit, wait_for_runpod_quota
+from tasks.quota import endpoint_slot, ensure_endpoint_limit, wait_for_runpod_quota
 from tasks.reports import RunReport, curve_png, publish_report, run_tags, run_title, store_curve, tag_run
 from tasks.rewards import check_reward_files
 from tasks.runpod.catalog import resolve_gpu
@@ -249,8 +248,8 @@ def run_attempt(plan: AttemptPlan, progress_key: str,
     created: list[Endpoint] = []
     undeleted: UndeletedEndpoint | None = None
     try:
-        with concurrency(ENDPOINT_LIMIT, occupy=1, strict=True, lease_duration=Settings().loraflow_slot_lease_seconds,
-                         raise_on_lease_renewal_failure=False):
+        with endpoint_slot(Settings().loraflow_slot_lease_seconds, logger=get_run_logger(),
+                           give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S):
             try:
                 outcome = _create_submit_wait(plan, progress_key, created)
             finally:

@@ -14,11 +14,10 @@ from typing import Literal
 from loraflow_worker.contract import CONTRACT_VERSION, ModelSource, PreloadResult
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.concurrency.sync import concurrency
 from pydantic import BaseModel, Field
 
 from tasks.liveness import beat
-from tasks.quota import ENDPOINT_LIMIT, wait_for_runpod_quota
+from tasks.quota import endpoint_slot, wait_for_runpod_quota
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import build_create_request, endpoint_name, ensure_endpoint
@@ -152,8 +151,8 @@ def preload_data_center(data_center: str, gpu_name: str, models: list[ModelSourc
     settings = Settings()
     gpu = GPU_CLASSES[gpu_name]
     try:
-        with concurrency(ENDPOINT_LIMIT, occupy=1, strict=True, lease_duration=settings.loraflow_slot_lease_seconds,
-                         raise_on_lease_renewal_failure=False), make_client(settings) as client:
+        with endpoint_slot(settings.loraflow_slot_lease_seconds, give_up_at=deadline_epoch_s, logger=logger), \
+                make_client(settings) as client:
             outcome = preload_one(client, run_id=run_id, namespace=namespace, data_center=data_center, gpu=gpu,
                                   models=models, volume_gb=volume_gb, image=settings.worker_image(), env=env,
                                   image_min_cuda=settings.loraflow_image_min_cuda, deadline_epoch_s=deadline_epoch_s,

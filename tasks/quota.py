@@ -5,7 +5,8 @@ account, 30 at a $300 balance), scaled-to-zero endpoints included. Each run's en
 `workers.max = 1`, so holding one slot of this limit from before the create until the delete is
 confirmed keeps the account under its quota across every Prefect worker that shares the server.
 
-Two things keep that true when something goes wrong:
+Runs hold their slot through `endpoint_slot`, whose wait outlasts the Prefect server failing for a while.
+Three things keep the quota true when something goes wrong:
 - an endpoint whose delete is never confirmed keeps a slot under a long lease of its own
   (`take_slot_lease`), released once the endpoint is proved gone (`tasks/teardown.py`);
 - RunPod's own quota error (the limit set above the account's quota, or endpoints made outside
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import TypeVar
 
 import httpx
 from prefect import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError  # Prefect 3.9 defines it only there
+from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from tasks.runpod import errors
@@ -36,6 +40,11 @@ expire; the holder renews it in the background while alive."""
 UNDELETED_LEASE_SECONDS = 24 * 3600
 """Lease of the slot kept for an endpoint whose delete is unconfirmed: the longest Prefect's server
 grants. Whoever retries the delete renews it; unrenewed, the slot frees after a day at worst."""
+SERVER_RETRY_S = 10.0
+"""Wait before a run asks for a slot again after the Prefect server failed the request. Prefect's client has
+by then retried 503/429/502 and lost connections for about a minute (5 tries, 2-32 s apart); a server whose
+SQLite database is busy with 60 waiting runs, or one being restarted, can take longer than that."""
+SERVER_UNAVAILABLE = {408, 429, 502, 503, 504}
 QUOTA_WAITS_S = (15, 30, 60, 120)
 """Waits between creates refused by RunPod's quota error; the last one repeats."""
 
@@ -59,6 +68,46 @@ def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int = DEFAULT_ENDPO
         except ObjectAlreadyExists:
             pass  # another run created it first
         return client.read_global_concurrency_limit_by_name(name).limit
+
+
+@contextmanager
+def endpoint_slot(lease_seconds: float, *, give_up_at: float, name: str = ENDPOINT_LIMIT,
+                  logger: logging.Logger | logging.LoggerAdapter = log, retry_s: float = SERVER_RETRY_S,
+                  clock: Callable[[], float] = time.time) -> Iterator[None]:
+    """Hold one slot of the limit for the block: Prefect's `concurrency(strict=True)` (a missing limit is an
+    error), under a lease it renews in the background.
+
+    The wait for the slot is asked again every `retry_s` when the Prefect server fails it transiently (a
+    busy database, a restart), until `give_up_at` (Unix time): a waiting run has rented nothing yet, and a
+    server that is back finds it still in the queue. Any other failure is raised at once.
+    """
+    started = clock()
+    with ExitStack() as slot:
+        while True:
+            try:
+                slot.enter_context(concurrency(name, occupy=1, strict=True, lease_duration=lease_seconds,
+                                               raise_on_lease_renewal_failure=False))
+                break
+            except ConcurrencySlotAcquisitionError as e:
+                if not server_unavailable(e):
+                    raise
+                if clock() + retry_s > give_up_at:
+                    raise ConcurrencySlotAcquisitionError(
+                        f"{e}. The Prefect server failed this run's requests for a slot of {name} for "
+                        f"{clock() - started:.0f} s; the run's deadline leaves no time to wait longer.") from e
+                logger.warning("The Prefect server failed this run's request for a slot of %s (%s); asking again "
+                               "in %g s", name, e, retry_s)
+                time.sleep(retry_s)
+        yield
+
+
+def server_unavailable(error: ConcurrencySlotAcquisitionError) -> bool:
+    """Whether a slot request failed because the server could not answer (worth asking again), not because
+    it refused (a missing limit)."""
+    cause = error.__cause__
+    if isinstance(cause, httpx.HTTPStatusError):
+        return cause.response.status_code in SERVER_UNAVAILABLE
+    return isinstance(cause, httpx.TransportError)
 
 
 def slots_in_use(name: str = ENDPOINT_LIMIT) -> int:
