@@ -46,6 +46,7 @@ from bench.scale_lib import (  # noqa: E402
     peak_alive,
     percentile,
     process_usage,
+    report_failures,
     seconds,
     set_endpoint_limit,
     start_flow,
@@ -72,7 +73,8 @@ def run_setting(root: Path, wait_s: float, runs: int, slots: int, hold_s: float,
             "names": [ENDPOINT_LIMIT], "slots": slots, "mode": "concurrency", "lease_duration": _GATE_LEASE_S,
         }).json()["lease_id"]
         names = [f"q{i:02d}-{label}" for i in range(runs)]
-        processes = [start_flow(stack, write_hold_run(root / name, name, model)) for name in names]
+        run_files = [write_hold_run(root / name, name, model) for name in names]
+        processes = [start_flow(stack, run_file) for run_file in run_files]
         logs = [root / name / "run.log" for name in names]
         waiting = wait_for(lambda: all("Attempt 1 on" in log.read_text() for log in logs if log.exists())
                            and all(log.exists() for log in logs), timeout_s=600, interval_s=1.0)
@@ -84,6 +86,7 @@ def run_setting(root: Path, wait_s: float, runs: int, slots: int, hold_s: float,
         opened = datetime.now(timezone.utc)
         _post(prefect, "/v2/concurrency_limits/decrement-with-lease", {"lease_id": gate})
         codes = wait_all(processes, timeout_s=runs / slots * (hold_s + 120) + 300)
+        report_failures(run_files, codes)
         endpoints = endpoints_of(pod.account(), "loraflow-q")
         server_cpu_s = process_usage(server).cpu_s - cpu_before
         learned = prefect.get(f"/v2/concurrency_limits/{ENDPOINT_LIMIT}").raise_for_status().json()

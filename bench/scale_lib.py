@@ -41,10 +41,14 @@ def hold_stack(home: Path, hold_s: float, *, quota: int = 30, wait_s: float | No
     Prefect server's slot-wait setting (None: the local stack's, the recommended 5 s). `eta=False`: the hold
     worker reports progress without an ETA, so the flows poll at the fixed base interval, as before adaptive
     polling."""
-    with LocalStack(home, worker_quota=quota,
-                    worker_env={"LOCALPOD_HOLD_JOBS": str(hold_s), "LOCALPOD_HOLD_ETA": "1" if eta else "0"},
+    with LocalStack(home, worker_quota=quota, worker_env=hold_env(hold_s, eta),
                     server_env={} if wait_s is None else {WAIT_SETTING: str(wait_s)}) as stack:
         yield stack
+
+
+def hold_env(hold_s: float, eta: bool = True) -> dict[str, str]:
+    """localpod's environment for hold jobs of `hold_s` seconds (`eta=False`: progress without an ETA)."""
+    return {"LOCALPOD_HOLD_JOBS": str(hold_s), "LOCALPOD_HOLD_ETA": "1" if eta else "0"}
 
 
 def hold_model(root: Path) -> Path:
@@ -167,6 +171,18 @@ def process_usage(pids: list[int]) -> Usage:
     return Usage(cpu, rss, count)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a Prefect worker's flow-run processes)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def group_pids(pgid: int) -> list[int]:
     """Every process of a process group (a service LocalStack started in its own session)."""
     pids = []
@@ -183,6 +199,16 @@ def write_json(path: Path | None, figures: dict[str, Any]) -> None:
     if path is not None:
         path.write_text(json.dumps(figures, indent=2, default=str))
         print(f"figures written to {path}")
+
+
+def report_failures(run_files: list[Path], codes: list[int | None], lines: int = 25) -> None:
+    """Print the end of each failed flow's log (`run.log` beside its run file): a bench's runs are many and
+    its folder is temporary, so a failure's reason is printed, not left behind."""
+    for run_file, code in zip(run_files, codes):
+        if code != 0:
+            log = run_file.parent / "run.log"
+            tail = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else ["(no log)"]
+            print(f"--- {run_file.parent.name}: exit status {code}; the end of its log:", *tail, sep="\n", flush=True)
 
 
 def wait_all(processes: list[subprocess.Popen[str]], timeout_s: float) -> list[int | None]:

@@ -105,6 +105,8 @@ class TeamStack:
     worker_quota: int = 30
     worker_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the Prefect workers, which their flow runs inherit (a test's short lease)."""
+    runpod_worker_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for localpod and the RunPod workers it starts (a benchmark's hold jobs)."""
     local: LocalStack | None = None
     services: dict[str, Service] = field(default_factory=dict)
     database_url: str = ""
@@ -125,7 +127,7 @@ class TeamStack:
         try:
             self._start_postgres()
             self._start_redis()
-            self.local = LocalStack(self.home, worker_quota=self.worker_quota,
+            self.local = LocalStack(self.home, worker_quota=self.worker_quota, worker_env=self.runpod_worker_env,
                                     server_env=team_server_env(self.database_url, self.redis_url)).__enter__()
             self._prefect("work-pool", "create", self.pool, "--type", "process", "--overwrite")
             httpx.post(f"{self.local.prefect_api_url}/automations/", json=CRASH_SILENT_RUNS, timeout=30).raise_for_status()
@@ -246,6 +248,15 @@ class TeamStack:
             self.home / "logs" / "redis.log", ready=lambda: _redis_ready(port))
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 
+    def deploy(self, entrypoint: str, name: str, parameters: dict, *args: str) -> str:
+        """`prefect deploy ENTRYPOINT` on the team's pool, as README.md's team setup does (prefect.yaml's pull
+        step); `args`: more of its options (a schedule). Returns the deployment's id."""
+        self._prefect("deploy", entrypoint, "--name", name, "--pool", self.pool, "--params", json.dumps(parameters),
+                      *args)
+        flow = entrypoint.rpartition(":")[2]
+        return httpx.get(f"{self.local.prefect_api_url}/deployments/name/{flow}/{name}",
+                         timeout=30).raise_for_status().json()["id"]
+
     def _prefect(self, *args: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=REPO,
                               env=self._base_env() | self.client_env, capture_output=True, text=True, timeout=300)
@@ -333,10 +344,8 @@ def _demo(team: TeamStack, runs: int, quota: int) -> int:
     if httpx.get(f"{api}/v2/concurrency_limits/runpod-endpoints", timeout=30).status_code == 404:
         httpx.post(f"{api}/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": quota},
                    timeout=30).raise_for_status()
-    team._prefect("deploy", "flows/train.py:train", "--name", "team-demo", "--pool", team.pool, "--params",
-                  json.dumps({"spec": spec}))
-    deployment = httpx.get(f"{api}/deployments/name/train/team-demo", timeout=30).json()
-    ids = [httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=30).json()["id"]
+    deployment = team.deploy("flows/train.py:train", "team-demo", {"spec": spec})
+    ids = [httpx.post(f"{api}/deployments/{deployment}/create_flow_run", json={}, timeout=30).json()["id"]
            for _ in range(runs)]
     print(f"Started {runs} runs of train/team-demo; waiting ...", flush=True)
     started = time.monotonic()

@@ -11,10 +11,8 @@ the reconcile deployment on a short interval, all against one `runpod-endpoints`
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import threading
 import time
 import tomllib
@@ -23,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.scale_lib import children, process_usage
 from deployments.team_stack import SLOT_LEASE_S, TeamStack, descendants
 from tasks.runpod.endpoints import parse_endpoint_name, run_hash
-from tests.conftest import REPO, localpod_account, prefect_api
+from tests.conftest import localpod_account, prefect_api
 from tests.test_crash_recovery_e2e import wait_for
 from tests.test_train_e2e import write_run_file
 
@@ -53,20 +52,11 @@ def team(tmp_path_factory, tiny_model):
         prefect_api(team.local, "POST", "/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": LIMIT})
         spec = tomllib.loads(write_run_file(home / "deployment.toml", name="team", model=tiny_model,
                                             store=home / "store", max_steps=3).read_text())
-        deploy(team, "flows/train.py:train", "team-e2e", {"spec": spec})
-        deploy(team, "flows/reconcile.py:reconcile", "team-interval",
+        team.deploy("flows/train.py:train", "team-e2e", {"spec": spec})
+        team.deploy("flows/reconcile.py:reconcile", "team-interval",
                {"policy": {"silent_after_minutes": SILENT_AFTER_MIN, "min_age_minutes": 0}},
                "--interval", str(RECONCILE_S), "--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW")
         yield team
-
-
-def deploy(team: TeamStack, entrypoint: str, name: str, parameters: dict, *args: str) -> None:
-    """`prefect deploy ENTRYPOINT` on the team's pool, as README.md's team setup does (prefect.yaml's pull step)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | team.client_env
-    proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", entrypoint, "--name", name,
-                           "--pool", team.pool, "--params", json.dumps(parameters), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def start_runs(team: TeamStack, count: int, env: dict[str, str] | None = None, **params) -> list[str]:
@@ -123,26 +113,25 @@ class RunSampler(threading.Thread):
     def __init__(self, team: TeamStack):
         super().__init__(daemon=True)
         self.team, self.stopped = team, threading.Event()
-        self.runs: dict[int, dict] = {}  # a flow-run process (a worker's child) → its peak RSS, CPU s, life
+        self.runs: dict[int, dict] = {}  # a flow-run process (a worker's child) → its peak MiB, CPU s, life
         self.most_per_worker = 0
         self.workers_used: set[str] = set()
-        self.worker_rss = 0
+        self.worker_mib = 0.0
 
     def run(self) -> None:
-        tick = os.sysconf("SC_CLK_TCK")
         while not self.stopped.wait(1.0):
             for name in list(self.team.worker_names):
                 worker_pid = self.team.services[name].process.pid
-                children = _children(worker_pid)
-                self.most_per_worker = max(self.most_per_worker, len(children))
-                if children:
+                runs = children(worker_pid)
+                self.most_per_worker = max(self.most_per_worker, len(runs))
+                if runs:
                     self.workers_used.add(name)
-                self.worker_rss = max(self.worker_rss, _rss(worker_pid))
-                for child in children:
-                    tree = [child, *descendants(child)]
-                    seen = self.runs.setdefault(child, {"rss": 0, "cpu_s": 0.0, "first": time.monotonic()})
-                    seen["rss"] = max(seen["rss"], sum(_rss(p) for p in tree))
-                    seen["cpu_s"] = max(seen["cpu_s"], sum(_cpu_ticks(p) for p in tree) / tick)
+                self.worker_mib = max(self.worker_mib, process_usage([worker_pid]).rss_mib)
+                for run in runs:
+                    usage = process_usage([run, *descendants(run)])
+                    seen = self.runs.setdefault(run, {"mib": 0.0, "cpu_s": 0.0, "first": time.monotonic()})
+                    seen["mib"] = max(seen["mib"], usage.rss_mib)
+                    seen["cpu_s"] = max(seen["cpu_s"], usage.cpu_s)
                     seen["last"] = time.monotonic()
 
     def stop(self) -> None:
@@ -180,14 +169,14 @@ def test_twelve_runs_through_three_workers_never_exceed_the_limit_and_all_comple
     assert len(sampler.workers_used) == WORKERS and sampler.most_per_worker <= WORKER_LIMIT, sampler.workers_used
 
     per_run = [r for r in sampler.runs.values() if "last" in r and r["last"] - r["first"] > 5]
-    rss_mb = sum(r["rss"] for r in per_run) / len(per_run) / 2**20
+    run_mib = sum(r["mib"] for r in per_run) / len(per_run)
     cpu_s = sum(r["cpu_s"] for r in per_run) / len(per_run)
     life_s = sum(r["last"] - r["first"] for r in per_run) / len(per_run)
-    available_mb = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) / 1024
-    figures(f"team stack: a worker process {sampler.worker_rss / 2**20:.0f} MB; each run it holds {rss_mb:.0f} MB "
+    available_mib = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) / 1024
+    figures(f"team stack: a worker process {sampler.worker_mib:.0f} MiB; each run it holds {run_mib:.0f} MiB "
             f"and {cpu_s:.1f} CPU s over {life_s:.0f} s ({100 * cpu_s / life_s:.0f}% of a core, mostly starting up); "
-            f"this machine ({os.cpu_count()} cores, {available_mb / 1024:.1f} GB free) holds ~"
-            f"{int(0.8 * available_mb / rss_mb)} runs by memory, ~{int(0.8 * os.cpu_count() * life_s / cpu_s)} by CPU")
+            f"this machine ({os.cpu_count()} cores, {available_mib / 1024:.1f} GiB free) holds ~"
+            f"{int(0.8 * available_mib / run_mib)} runs by memory, ~{int(0.8 * os.cpu_count() * life_s / cpu_s)} by CPU")
 
 
 def test_a_sigkilled_worker_leaves_no_endpoint_or_slot_and_other_workers_runs_train_on(team, figures):
@@ -275,29 +264,3 @@ def test_runs_complete_across_a_server_restart_and_the_quota_holds_through_it(te
     assert list(final.values()) == ["COMPLETED"] * len(ids), final
     assert len(ours) == len(ids) and all(e["deletedAt"] for e in ours) and peak_alive(ours) <= LIMIT
     assert slots_in_use(team) == 0
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-def _rss(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError):
-        return 0
-
-
-def _cpu_ticks(pid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15 of proc(5))
