@@ -89,6 +89,9 @@ def _measure(team: TeamStack, deployment: str, level: int, hold_s: float, label:
 
     # The window opens once every job runs (started by its worker) and closes when the first ends.
     while time.monotonic() - started < hold_s + 900:
+        if (code := team.services["worker-1"].process.poll()) is not None:
+            raise RuntimeError(f"the Prefect worker exited ({code}) with {level} runs to start; see "
+                               f"{team.services['worker-1'].log_path} and the server's log beside it")
         current = jobs()
         if any(j.finished_at for j in current) or (len(current) == level and all(j.worker_id for j in current)):
             break
@@ -96,7 +99,8 @@ def _measure(team: TeamStack, deployment: str, level: int, hold_s: float, label:
     worker = team.services["worker-1"].process.pid
     groups = {
         "server": group_pids(team.local.services["prefect"].process.pid),
-        "database": group_pids(team.services["postgres"].process.pid) + group_pids(team.services["redis"].process.pid),
+        # PostgreSQL's backends are group leaders of their own: found as the postmaster's children.
+        "database": [pg := team.services["postgres"].process.pid, *descendants(pg), team.services["redis"].process.pid],
         "worker": [worker],
         "runs": descendants(worker),
         "localpod": group_pids(team.local.services["localpod"].process.pid),

@@ -49,6 +49,8 @@ restart of this server took 32-91 s on a loaded 2-core machine. A lapsed lease f
 endpoint; a longer one gives a dead host's slots back later."""
 HEARTBEAT_S = 30
 """PREFECT_FLOWS_HEARTBEAT_FREQUENCY the workers give their runs: the least Prefect accepts."""
+DB_POOL_SIZE = 20
+DB_POOL_OVERFLOW = 40
 ZOMBIE_WITHIN_S = 3 * HEARTBEAT_S
 """A run with no heartbeat (and no final state) for this long is marked Crashed."""
 
@@ -90,6 +92,12 @@ def team_server_env(database_url: str, redis_url: str) -> dict[str, str]:
         # Leases in Redis survive a server restart (no slot leaks), like the filesystem storage, but on any host.
         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect_redis.lease_storage",
         "PREFECT_REDIS_MESSAGING_URL": redis_url,
+        # A worker that picks up many runs at once reads the deployment for each at once: with SQLAlchemy's
+        # default pool (5 + 10 overflow, 30 s timeout) 100 such reads timed out, the server answered 500, and
+        # the Prefect worker exited. 20 + 40 stays under PostgreSQL's default 100 connections.
+        "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": str(DB_POOL_SIZE),
+        "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": str(DB_POOL_OVERFLOW),
+        "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_TIMEOUT": "60",
     }
 
 
