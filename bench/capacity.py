@@ -140,7 +140,7 @@ def _measure(team: TeamStack, deployment: str, level: int, hold_s: float, label:
     pct = 100 / window / level
 
     def cpu(name: str) -> float:
-        return (after[name].cpu_s - before[name].cpu_s) * pct
+        return after[name].cpu_since(before[name]) * pct
 
     result = {
         "runs": level, "completed": sum(r["state"]["type"] == "COMPLETED" for r in found), "window_s": window,
@@ -149,7 +149,7 @@ def _measure(team: TeamStack, deployment: str, level: int, hold_s: float, label:
         "worker_cpu_pct_per_run": cpu("worker"),
         "flow_cpu_pct_per_run": cpu("runs"),
         "localpod_cpu_pct_per_run": cpu("localpod"),
-        "control_plane_cpu_cores": sum(after[k].cpu_s - before[k].cpu_s for k in groups) / window,
+        "control_plane_cpu_cores": sum(after[k].cpu_since(before[k]) for k in groups) / window,
         "flow_rss_mib_per_run": after["runs"].rss_mib / level,
         "worker_rss_mib": after["worker"].rss_mib,
         "server_rss_mib": after["server"].rss_mib,

@@ -82,13 +82,13 @@ def run_setting(root: Path, wait_s: float, runs: int, slots: int, hold_s: float,
             print(f"{label}: not every run reached its slot wait within 600 s; opening the gate anyway", flush=True)
         time.sleep(2.0)  # the last run's first slot request reaches the server
         server = group_pids(stack.services["prefect"].process.pid)
-        cpu_before = process_usage(server).cpu_s
+        cpu_before = process_usage(server)
         opened = datetime.now(timezone.utc)
         _post(prefect, "/v2/concurrency_limits/decrement-with-lease", {"lease_id": gate})
         codes = wait_all(processes, timeout_s=runs / slots * (hold_s + 120) + 300)
         report_failures(run_files, codes)
         endpoints = endpoints_of(pod.account(), "loraflow-q")
-        server_cpu_s = process_usage(server).cpu_s - cpu_before
+        server_cpu_s = process_usage(server).cpu_since(cpu_before)
         learned = prefect.get(f"/v2/concurrency_limits/{ENDPOINT_LIMIT}").raise_for_status().json()
     last_deleted = max((e.deleted_at for e in endpoints if e.deleted_at), default=opened)
     makespan = seconds(opened, last_deleted)

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -154,21 +154,27 @@ class Usage:
     cpu_s: float
     rss_mib: float
     count: int
+    cpu_by_pid: dict[int, float] = field(default_factory=dict)
+
+    def cpu_since(self, before: Usage) -> float:
+        """CPU seconds used since `before` by the processes alive at both instants (one that ended meanwhile
+        takes its CPU time with it, which would make a plain difference of sums too small, even negative)."""
+        return sum(cpu - before.cpu_by_pid[pid] for pid, cpu in self.cpu_by_pid.items() if pid in before.cpu_by_pid)
 
 
 def process_usage(pids: list[int]) -> Usage:
-    cpu = rss = 0.0
-    count = 0
+    usage = Usage(0.0, 0.0, 0)
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             statm = Path(f"/proc/{pid}/statm").read_text().split()
         except (OSError, IndexError):
             continue  # ended meanwhile
-        cpu += (int(stat[11]) + int(stat[12])) / _CLK_TCK  # utime, stime
-        rss += int(statm[1]) * _PAGE_KB / 1024
-        count += 1
-    return Usage(cpu, rss, count)
+        usage.cpu_by_pid[pid] = (int(stat[11]) + int(stat[12])) / _CLK_TCK  # utime, stime
+        usage.cpu_s += usage.cpu_by_pid[pid]
+        usage.rss_mib += int(statm[1]) * _PAGE_KB / 1024
+        usage.count += 1
+    return usage
 
 
 def children(pid: int) -> list[int]:
