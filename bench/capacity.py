@@ -2,7 +2,7 @@
 server and one Prefect process worker hold on this machine, and what each run costs.
 
     .venv/bin/python bench/capacity.py                                  # 2, 4, 8 runs; ~10 minutes
-    .venv/bin/python bench/capacity.py --levels 10,25,50,100             # the sizes (~1 hour)
+    .venv/bin/python bench/capacity.py --levels 10,25,50,100 --start-allowance 6   # the sizes (~1 hour)
     .venv/bin/python bench/capacity.py --fixed-at 0 --json capacity.json   # no before/after comparison
 
 For each level M it starts the team setup (`deployments/team_stack.py`: Prefect on PostgreSQL, slot
