@@ -94,6 +94,13 @@ def peak_alive(endpoints: list[dict]) -> int:
     return peak
 
 
+def logged(team: TeamStack, run_id: str, text: str) -> bool:
+    """Whether the run's logs in Prefect hold `text`."""
+    logs = prefect_api(team.local, "POST", "/logs/filter",
+                       json={"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}).json()
+    return any(text in log["message"] for log in logs)
+
+
 def slots_in_use(team: TeamStack) -> int:
     return prefect_api(team.local, "GET", "/v2/concurrency_limits/runpod-endpoints").json()["active_slots"]
 
@@ -249,6 +256,9 @@ def test_runs_complete_across_a_server_restart_and_the_quota_holds_through_it(te
                     if j["endpointId"] in live and j["status"] == "IN_PROGRESS"})
 
     wait_for(lambda: training() == LIMIT, 600, "3 runs training", interval_s=2)
+    # The fourth run waits for a slot before the restart. A flow-run process that starts while the server is
+    # down ends at once, Crashed: Prefect's client retries a refused connection only once it has connected.
+    wait_for(lambda: logged(team, waiter[0], "Attempt 1 on"), 600, "the fourth run to wait for a slot", interval_s=2)
     leases = subprocess.run(["redis-cli", "-u", team.redis_url, "--scan", "--pattern", "prefect:concurrency:lease:*"],
                             capture_output=True, text=True, check=True).stdout.split()
     assert len(leases) >= LIMIT, f"the slot leases are not in Redis: {leases}"
