@@ -135,7 +135,7 @@ def _measure(team: TeamStack, deployment: str, level: int, hold_s: float, label:
         job = next((j for e in endpoints if e.name.startswith(f"loraflow-{name}-")
                     for j in account.jobs if j.endpoint_id == e.id), None)
         if job is not None and job.finished_at and run["end_time"]:
-            wall = seconds(_when(run["created"]), _when(run["end_time"]))
+            wall = seconds(datetime.fromisoformat(run["created"]), datetime.fromisoformat(run["end_time"]))
             overheads.append(wall - seconds(job.created_at, job.finished_at))
     pct = 100 / window / level
 
@@ -161,10 +161,6 @@ def _measure(team: TeamStack, deployment: str, level: int, hold_s: float, label:
           f"run RSS {result['flow_rss_mib_per_run']:5.0f} MiB  {result['requests_per_s_per_run']:.2f} req/s/run  "
           f"overhead {result['overhead_median_s']:5.1f} s  ({result['completed']}/{level} completed)", flush=True)
     return result
-
-
-def _when(iso: str) -> datetime:
-    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
 
 
 def knee(results: list[dict[str, float]], cores: int) -> int | None:

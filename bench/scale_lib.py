@@ -149,12 +149,14 @@ def control_plane_requests(counts: dict[str, Any]) -> int:
 
 @dataclass
 class Usage:
-    """CPU seconds and resident memory (MiB) of a set of processes at one instant."""
+    """CPU seconds (per process) and resident memory (MiB) of a set of processes at one instant."""
 
-    cpu_s: float
-    rss_mib: float
-    count: int
     cpu_by_pid: dict[int, float] = field(default_factory=dict)
+    rss_mib: float = 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self.cpu_by_pid.values())
 
     def cpu_since(self, before: Usage) -> float:
         """CPU seconds used since `before` by the processes alive at both instants (one that ended meanwhile
@@ -163,7 +165,7 @@ class Usage:
 
 
 def process_usage(pids: list[int]) -> Usage:
-    usage = Usage(0.0, 0.0, 0)
+    usage = Usage()
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -171,22 +173,8 @@ def process_usage(pids: list[int]) -> Usage:
         except (OSError, IndexError):
             continue  # ended meanwhile
         usage.cpu_by_pid[pid] = (int(stat[11]) + int(stat[12])) / _CLK_TCK  # utime, stime
-        usage.cpu_s += usage.cpu_by_pid[pid]
         usage.rss_mib += int(statm[1]) * _PAGE_KB / 1024
-        usage.count += 1
     return usage
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (a Prefect worker's flow-run processes)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def group_pids(pgid: int) -> list[int]:

@@ -277,21 +277,32 @@ class TeamStack:
         return {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_", "HF_"))}
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a Prefect worker's flow-run processes)."""
+    return _children_by_parent().get(pid, [])
+
+
 def descendants(pid: int) -> list[int]:
     """Every process under `pid`, however deep (read from /proc: a process's children may have left its group)."""
-    children: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    by_parent = _children_by_parent()
     found, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for child in by_parent.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
     return found
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    by_parent: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            # The command name, in parentheses, may hold spaces: the parent's id is the 2nd field after it.
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a process that ended meanwhile
+        by_parent.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    return by_parent
 
 
 def _reachable_by_others(path: Path) -> bool:

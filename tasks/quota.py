@@ -5,12 +5,13 @@ account, 30 at a $300 balance), scaled-to-zero endpoints included. Each run's en
 `workers.max = 1`, so holding one slot of this limit from before the create until the delete is
 confirmed keeps the account under its quota across every Prefect worker that shares the server.
 
-Runs hold their slot through `endpoint_slot`, whose wait outlasts the Prefect server failing for a while.
-Three things keep the quota true when something goes wrong:
+Three things keep that true when something goes wrong:
 - an endpoint whose delete is never confirmed keeps a slot under a long lease of its own
   (`take_slot_lease`), released once the endpoint is proved gone (`tasks/teardown.py`);
 - RunPod's own quota error (the limit set above the account's quota, or endpoints made outside
-  loraflow) makes the run wait and try again (`wait_for_runpod_quota`), not fail.
+  loraflow) makes the run wait and try again (`wait_for_runpod_quota`), not fail;
+- a Prefect server that fails a run's slot request for a while (a busy database, a restart) is asked
+  again until the run's deadline (`endpoint_slot`, which every run holds its slot through).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int = DEFAULT_ENDPO
 
 @contextmanager
 def endpoint_slot(lease_seconds: float, *, give_up_at: float, name: str = ENDPOINT_LIMIT,
-                  logger: logging.Logger | logging.LoggerAdapter = log, retry_s: float = SERVER_RETRY_S,
-                  clock: Callable[[], float] = time.time) -> Iterator[None]:
+                  logger: logging.Logger | logging.LoggerAdapter = log,
+                  retry_s: float = SERVER_RETRY_S) -> Iterator[None]:
     """Hold one slot of the limit for the block: Prefect's `concurrency(strict=True)` (a missing limit is an
     error), under a lease it renews in the background.
 
@@ -81,7 +82,7 @@ def endpoint_slot(lease_seconds: float, *, give_up_at: float, name: str = ENDPOI
     busy database, a restart), until `give_up_at` (Unix time): a waiting run has rented nothing yet, and a
     server that is back finds it still in the queue. Any other failure is raised at once.
     """
-    started = clock()
+    started = time.time()
     with ExitStack() as slot:
         while True:
             try:
@@ -91,10 +92,10 @@ def endpoint_slot(lease_seconds: float, *, give_up_at: float, name: str = ENDPOI
             except ConcurrencySlotAcquisitionError as e:
                 if not server_unavailable(e):
                     raise
-                if clock() + retry_s > give_up_at:
+                if time.time() + retry_s > give_up_at:
                     raise ConcurrencySlotAcquisitionError(
                         f"{e}. The Prefect server failed this run's requests for a slot of {name} for "
-                        f"{clock() - started:.0f} s; the run's deadline leaves no time to wait longer.") from e
+                        f"{time.time() - started:.0f} s; the run's deadline leaves no time to wait longer.") from e
                 logger.warning("The Prefect server failed this run's request for a slot of %s (%s); asking again "
                                "in %g s", name, e, retry_s)
                 time.sleep(retry_s)

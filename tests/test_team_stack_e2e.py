@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.scale_lib import children, process_usage
-from deployments.team_stack import SLOT_LEASE_S, TeamStack, descendants
+from bench.scale_lib import process_usage
+from deployments.team_stack import SLOT_LEASE_S, TeamStack, children, descendants
 from tasks.runpod.endpoints import parse_endpoint_name, run_hash
 from tests.conftest import localpod_account, prefect_api
 from tests.test_crash_recovery_e2e import wait_for

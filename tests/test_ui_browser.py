@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deployments.team_stack import children
 from flows.spec import RunOverrides, RunSpec
 from tasks.curve_png import BACKGROUND, LINE
 from tests.conftest import REPO, prefect_api, stop_process_group
@@ -227,7 +228,7 @@ def test_the_kept_demo_says_where_its_results_are_serves_its_run_page_and_stops_
         page = open_page(run_page, OUT / "demo-run.png", until="Completed")
         figures(f"UI demo --keep run page: {page.screenshot}  ({run_page})")
         assert "e2e-demo" in page.text and "Completed" in page.text, page.text[:2000]
-        servers = child_pids(demo.pid)
+        servers = children(demo.pid)
         assert len(servers) == 2, servers  # the Prefect server and localpod
 
         demo.send_signal(signal.SIGTERM)
@@ -236,18 +237,6 @@ def test_the_kept_demo_says_where_its_results_are_serves_its_run_page_and_stops_
     finally:
         if demo.poll() is None:
             stop_process_group(demo)
-
-
-def child_pids(pid: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # The command name, in parentheses, may hold spaces: the parent's id is the 2nd field after it.
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            pass  # a process that ended meanwhile
-    return children
 
 
 def pid_alive(pid: int) -> bool:
