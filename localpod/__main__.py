@@ -11,6 +11,16 @@ Point a RunPod client at `http://HOST:PORT/v2` for both the control plane and th
 `Authorization: Bearer <api key>`. `GET /_localpod/account` reports endpoints, jobs, workers and
 billed worker-seconds. Prints `localpod listening on http://HOST:PORT` once it accepts connections.
 
+GPU hosts: each GPU type's hosts run some CUDA versions per datacenter (the default table is in
+`localpod/catalog.py`; `POST /_localpod/cuda` changes it, `DELETE /_localpod/cuda` restores it). A worker
+starts only on hosts that meet its endpoint's `gpu.minCudaVersion` / `gpu.allowedCudaVersions`; where none
+does, its jobs stay IN_QUEUE and `/health` counts the worker as throttled, as on RunPod.
+
+`LORAFLOW_REQUIRE_CUDA` is lifted: the control plane sets it to 1 in every endpoint's env so a worker on
+a RunPod host refuses to train on a CPU, but localpod's workers (processes and containers alike) run on
+this machine's CPU, so each is started with `LORAFLOW_REQUIRE_CUDA=0` instead, and the log says so for
+every worker it lifts it for.
+
 Network volumes (`/v2/network-volumes`) are folders under `--volume-dir` (default: `volumes/` in the log
 dir). A worker of an endpoint that attaches one runs in the volume's datacenter and sees the folder: a
 docker worker at `/runpod-volume`, as on RunPod; a process worker through `LORAFLOW_VOLUME_PATH`.

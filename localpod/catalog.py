@@ -1,10 +1,21 @@
 """localpod's GPU and datacenter catalog: the table behind `/v2/catalog/*`, and where a worker may start.
 
 The table stands in for RunPod's live catalog: the GPU types of the pools loraflow rents, with their
-memory, CUDA versions and list prices, and a handful of datacenters with what each offers. Serverless
-prices are RunPod-like figures chosen to differ from loraflow's static table, so a test can tell which
-of the two a cost came from. Stock is not here: `FaultBook` (faults.py) keeps what `/_localpod/stock`
-took out, and the functions below take it as an `in_stock(pool, data_center_id)` callable.
+memory and list prices, a handful of datacenters with what each offers, and the CUDA versions the hosts
+of each GPU type run in each datacenter. Serverless prices are RunPod-like figures chosen to differ from
+loraflow's static table, so a test can tell which of the two a cost came from.
+
+Hosts' CUDA versions (localpod's assumption, not a RunPod fact: RunPod publishes only the union per GPU
+type, `cudaVersions`): the hosts of the Ampere, Ada and Hopper types run CUDA 12.4, 12.6, 12.8, 12.9
+and 13.0 in US-KS-2, US-CA-2, EU-RO-1 and EU-CZ-1, but only 12.4, 12.6 and 12.8 in US-TX-3 (older
+drivers there); the Blackwell types (RTX 5090, RTX PRO 6000, B200) run 12.8, 12.9 and 13.0 wherever
+they are offered. So an endpoint whose image needs CUDA 13 can be served by an RTX 4090 in EU-RO-1 but
+not in US-TX-3: placement takes a host that meets the endpoint's `gpu.minCudaVersion` or
+`gpu.allowedCudaVersions`, and a worker no host meets is never started (its jobs stay IN_QUEUE).
+
+Neither stock nor the hosts' versions in force are here: `FaultBook` (faults.py) keeps what
+`/_localpod/stock` took out and what `/_localpod/cuda` set, and the functions below take them as
+`in_stock(pool, data_center_id)` and `host_cuda(gpu_type_id, data_center_id)` callables.
 
 Nothing here touches HTTP; `routes_catalog.py` turns these documents into answers.
 """
@@ -20,6 +31,9 @@ from localpod.models import WorkerPlacement
 AvailabilityLevel = Literal["NONE", "LOW", "MEDIUM", "HIGH"]
 InStock = Callable[[str, str], bool]
 """`in_stock(pool, data_center_id)`: False once `/_localpod/stock` took the pool out there."""
+HostCuda = Callable[[str, str], tuple[str, ...]]
+"""`host_cuda(gpu_type_id, data_center_id)`: the CUDA versions that type's hosts run there, sorted by version
+(empty: none reported, or the type is not offered there)."""
 
 _LEVEL_ORDER: tuple[AvailabilityLevel, ...] = ("NONE", "LOW", "MEDIUM", "HIGH")
 
@@ -34,7 +48,8 @@ POOL_SERVERLESS_USD_PER_HOUR: dict[str, float] = {
     "BLACKWELL_180": 8.64,
 }
 
-_AMPERE_ADA_HOPPER_CUDA = ("12.4", "12.6", "12.8", "12.9")
+_AMPERE_ADA_HOPPER_CUDA = ("12.4", "12.6", "12.8", "12.9", "13.0")
+_OLDER_DRIVERS_CUDA = ("12.4", "12.6", "12.8")  # hosts whose drivers predate CUDA 12.9
 _BLACKWELL_CUDA = ("12.8", "12.9", "13.0")  # sm100/sm120 cards need CUDA 12.8 or later
 
 
@@ -50,7 +65,8 @@ class GpuTypeRow:
     community_usd: float
     max_secure: int
     max_community: int
-    cuda_versions: tuple[str, ...]
+    host_cuda: tuple[str, ...]
+    """The CUDA versions its hosts run, in a datacenter that says nothing else (`DataCenterRow.host_cuda`)."""
 
     @property
     def serverless_usd(self) -> float | None:
@@ -60,7 +76,8 @@ class GpuTypeRow:
 @dataclass(frozen=True)
 class DataCenterRow:
     """One datacenter, as `DataCenter` describes it, with the GPU types it offers and their stock level
-    while in stock (a pool taken out through `/_localpod/stock` answers NONE instead)."""
+    while in stock (a pool taken out through `/_localpod/stock` answers NONE instead), and the GPU types whose
+    hosts here run other CUDA versions than the type's own `host_cuda`."""
 
     id: str
     name: str
@@ -70,6 +87,7 @@ class DataCenterRow:
     network_volume_types: tuple[str, ...]
     compliance: tuple[str, ...]
     offers: dict[str, AvailabilityLevel] = field(default_factory=dict)
+    host_cuda: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 _4090, _5090 = "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 5090"
@@ -103,16 +121,18 @@ DATA_CENTERS: tuple[DataCenterRow, ...] = (
                    _PRO6000: "MEDIUM"}),
     DataCenterRow("EU-CZ-1", "EU Czechia 1", "CZ", "EUROPE", True, ("STANDARD",), ("GDPR",),
                   {_4090: "MEDIUM", _5090: "LOW", _A100_PCIE: "MEDIUM", _H100_NVL: "HIGH", _B200: "MEDIUM"}),
-    # Not in RunPod's list of network-volume datacenters: a run with a volume is never placed here.
+    # Not in RunPod's list of network-volume datacenters: a run with a volume is never placed here. Its Ampere,
+    # Ada and Hopper hosts run older drivers (its RTX PRO 6000 hosts are newer machines).
     DataCenterRow("US-TX-3", "US Texas 3", "US", "NORTH_AMERICA", False, (), ("SOC_2_TYPE_2",),
                   {_4090: "HIGH", _A100_PCIE: "LOW", _A100_SXM: "HIGH", _H100_SXM: "MEDIUM", _H200: "HIGH",
-                   _PRO6000: "LOW"}),
+                   _PRO6000: "LOW"},
+                  dict.fromkeys((_4090, _A100_PCIE, _A100_SXM, _H100_SXM, _H200), _OLDER_DRIVERS_CUDA)),
 )
 
 DATA_CENTER_IDS: tuple[str, ...] = tuple(dc.id for dc in DATA_CENTERS)
 _GPU_BY_ID = {g.id: g for g in GPU_TYPES}
 _DC_BY_ID = {dc.id: dc for dc in DATA_CENTERS}
-_KNOWN_POOLS = frozenset(g.pool for g in GPU_TYPES)
+KNOWN_POOLS: tuple[str, ...] = tuple(dict.fromkeys(g.pool for g in GPU_TYPES))
 
 
 def gpu_type(type_id: str) -> GpuTypeRow | None:
@@ -123,31 +143,89 @@ def data_center(data_center_id: str) -> DataCenterRow | None:
     return _DC_BY_ID.get(data_center_id)
 
 
+def offered_in(row: GpuTypeRow) -> list[str]:
+    """The datacenters offering this GPU type, in catalog order."""
+    return [dc.id for dc in DATA_CENTERS if row.id in dc.offers]
+
+
+def default_host_cuda(type_id: str, data_center_id: str) -> tuple[str, ...]:
+    """The CUDA versions this type's hosts run in this datacenter by default (a `HostCuda`); () where the
+    datacenter does not offer the type."""
+    row, dc = _GPU_BY_ID.get(type_id), _DC_BY_ID.get(data_center_id)
+    if row is None or dc is None or type_id not in dc.offers:
+        return ()
+    return dc.host_cuda.get(type_id, row.host_cuda)
+
+
+def default_host_table() -> dict[str, dict[str, tuple[str, ...]]]:
+    """A fresh copy of the default hosts: GPU type id → datacenter offering it → its hosts' CUDA versions."""
+    return {row.id: {dc_id: default_host_cuda(row.id, dc_id) for dc_id in offered_in(row)} for row in GPU_TYPES}
+
+
+@dataclass(frozen=True)
+class CudaNeed:
+    """What an endpoint asks of its hosts' CUDA (`gpu.minCudaVersion` or a non-empty `gpu.allowedCudaVersions`),
+    or a catalog query of them (`minCudaVersion`, `cudaVersions`); both None: anything goes."""
+
+    floor: str | None = None
+    allowed: frozenset[str] | None = None
+
+    @classmethod
+    def of(cls, gpu: dict[str, Any]) -> CudaNeed:
+        # RunPod refuses both at once (routes_endpoints checks it); an empty allowed list states no constraint.
+        allowed = gpu.get("allowedCudaVersions") or None
+        return cls(floor=gpu.get("minCudaVersion") or None, allowed=frozenset(allowed) if allowed else None)
+
+    @property
+    def any(self) -> bool:
+        return self.floor is None and self.allowed is None
+
+    def admits(self, version: str) -> bool:
+        if self.allowed is not None and version not in self.allowed:
+            return False
+        if self.floor is not None:
+            floor = cuda_version(self.floor)
+            return cuda_version(version)[: len(floor)] >= floor
+        return True
+
+    def met_by(self, versions: Iterable[str]) -> bool:
+        return self.any or any(self.admits(v) for v in versions)
+
+    def describe(self) -> str:
+        """As a log line says it: "CUDA >= 13.0", "CUDA 12.9 or 13.0"."""
+        if self.floor is not None:
+            return f"CUDA >= {self.floor}"
+        return "CUDA " + " or ".join(sorted(self.allowed or (), key=cuda_version))
+
+
 @dataclass(frozen=True)
 class AvailabilityQuery:
     """The availability filters of `GET /v2/catalog/gpus` that localpod honours (already validated)."""
 
     count: int = 1
     country_codes: frozenset[str] | None = None
-    cuda_versions: frozenset[str] | None = None
-    min_cuda: tuple[int, ...] | None = None
-    """`minCudaVersion` as `cuda_version` reads it."""
+    cuda: CudaNeed = CudaNeed()
+    """`cudaVersions` (as `allowed`) or `minCudaVersion` (as `floor`)."""
 
-    def usable_cuda(self, row: GpuTypeRow) -> list[str]:
-        versions = list(row.cuda_versions)
-        if self.cuda_versions is not None:
-            versions = [v for v in versions if v in self.cuda_versions]
-        if self.min_cuda is not None:
-            floor = self.min_cuda
-            versions = [v for v in versions if cuda_version(v)[: len(floor)] >= floor]
-        return versions
+    def usable_cuda(self, versions: Iterable[str]) -> list[str]:
+        """The hosts' versions that meet the query's `cudaVersions` or `minCudaVersion`."""
+        return [v for v in versions if self.cuda.admits(v)]
 
     def scoped(self, dc: DataCenterRow) -> bool:
         return self.country_codes is None or dc.country in self.country_codes
 
 
-def gpu_type_document(row: GpuTypeRow, in_stock: InStock, query: AvailabilityQuery | None) -> dict[str, Any]:
-    """The `GpuType` document; with a query (include=AVAILABILITY), its availability under the stock."""
+def gpu_type_document(
+    row: GpuTypeRow, in_stock: InStock, query: AvailabilityQuery | None, host_cuda: HostCuda = default_host_cuda
+) -> dict[str, Any]:
+    """The `GpuType` document; with a query (include=AVAILABILITY), its availability under the stock and the
+    hosts' CUDA versions.
+
+    Only the datacenters offering the type within the query's countries count. Its `cudaVersions` is the union of
+    its hosts' versions there that meet the query's CUDA filter, each `available` when a datacenter with stock
+    has hosts on it. A datacenter whose hosts meet none of the filter answers NONE, as one out of stock does: it
+    stays listed while the type is available somewhere (`dataCenters` is omitted when it is available nowhere).
+    """
     price: dict[str, float] = {"secure": row.secure_usd, "community": row.community_usd}
     if row.serverless_usd is not None:
         price["serverless"] = row.serverless_usd
@@ -158,17 +236,20 @@ def gpu_type_document(row: GpuTypeRow, in_stock: InStock, query: AvailabilityQue
     }
     if query is None:
         return document
-    cuda = query.usable_cuda(row)
-    fits = bool(cuda) and query.count <= row.max_secure
-    levels = {dc.id: (level_in(dc, row, in_stock) if fits else "NONE")
-              for dc in DATA_CENTERS if row.id in dc.offers and query.scoped(dc)}
+    fits = query.count <= row.max_secure
+    scoped = [dc for dc in DATA_CENTERS if row.id in dc.offers and query.scoped(dc)]
+    usable = {dc.id: query.usable_cuda(host_cuda(row.id, dc.id)) for dc in scoped}
+    levels = {dc.id: (level_in(dc, row, in_stock) if fits and usable[dc.id] else "NONE") for dc in scoped}
     document["availability"] = best_level(levels.values())
     if document["availability"] != "NONE":  # the schema: omitted entirely when unavailable everywhere
         document["dataCenters"] = [{"id": dc_id, "name": _DC_BY_ID[dc_id].name, "availability": level}
                                    for dc_id, level in levels.items()]
-    if cuda:
-        available = document["availability"] != "NONE"
-        document["cudaVersions"] = [{"version": v, "available": available} for v in cuda]
+    offered = sorted({v for versions in usable.values() for v in versions}, key=cuda_version)
+    if offered:  # the schema: absent for a type whose hosts report no (matching) CUDA version
+        document["cudaVersions"] = [
+            {"version": v, "available": any(levels[dc_id] != "NONE" and v in usable[dc_id] for dc_id in levels)}
+            for v in offered
+        ]
     return document
 
 
@@ -196,34 +277,52 @@ def best_level(levels: Iterable[AvailabilityLevel]) -> AvailabilityLevel:
     return max(levels, key=_LEVEL_ORDER.index, default="NONE")
 
 
-def place(spec: dict[str, Any], in_stock: InStock, pinned_to: str | None = None) -> WorkerPlacement | None:
+def place(
+    spec: dict[str, Any], in_stock: InStock, pinned_to: str | None = None, host_cuda: HostCuda = default_host_cuda,
+    *, ignore_cuda: bool = False,
+) -> WorkerPlacement | None:
     """Where a worker of this endpoint can start now: the first datacenter it allows (its `dataCenterIds`
-    in their order; none listed: any, in catalog order) that offers one of its GPU types with stock. With
-    `pinned_to` (the datacenter of the endpoint's network volume), that datacenter only, if it is allowed.
+    in their order; none listed: any, in catalog order) that offers one of its GPU types with stock, on hosts
+    that meet its CUDA need (`CudaNeed`). With `pinned_to` (the datacenter of the endpoint's network volume),
+    that datacenter only, if it is allowed. `ignore_cuda`: as if the endpoint needed no particular CUDA (to
+    tell a CUDA mismatch from a lack of stock).
 
     A GPU endpoint's types are its pools' types less `excludedTypes`; a pool missing from the table is
-    taken as offered everywhere (localpod runs every worker on this machine). A CPU endpoint is placed in
-    the first allowed datacenter. None: no allowed datacenter has stock (a datacenter localpod does not
-    know has none).
+    taken as offered everywhere, on hosts that meet any CUDA need (localpod runs every worker on this
+    machine). A CPU endpoint is placed in the first allowed datacenter. None: no allowed datacenter has stock
+    on such hosts (a datacenter localpod does not know has none).
     """
-    allowed = [dc for dc in (spec.get("dataCenterIds") or DATA_CENTER_IDS) if dc in _DC_BY_ID]
-    if pinned_to is not None:  # RunPod starts the workers of an endpoint with a network volume in its datacenter
-        allowed = [dc for dc in allowed if dc == pinned_to]
+    allowed = allowed_data_centers(spec, pinned_to)
     gpu = spec.get("gpu")
     if not gpu:
         return WorkerPlacement(data_center_id=allowed[0]) if allowed else None
-    excluded = set(gpu.get("excludedTypes") or ())
+    need = CudaNeed() if ignore_cuda else CudaNeed.of(gpu)
     for dc_id in allowed:
         for pool in gpu.get("pools") or ():
             if not in_stock(pool, dc_id):
                 continue
-            if pool not in _KNOWN_POOLS:
+            if pool not in KNOWN_POOLS:
                 return WorkerPlacement(data_center_id=dc_id, pool=pool)
-            offers = _DC_BY_ID[dc_id].offers
-            offered = [g for g in GPU_TYPES if g.pool == pool and g.id not in excluded and g.id in offers]
-            if offered:
-                return WorkerPlacement(data_center_id=dc_id, pool=pool, gpu_type_id=offered[0].id)
+            fitting = [g for g in endpoint_gpu_types(gpu, pool, dc_id) if need.met_by(host_cuda(g.id, dc_id))]
+            if fitting:
+                return WorkerPlacement(data_center_id=dc_id, pool=pool, gpu_type_id=fitting[0].id)
     return None
+
+
+def allowed_data_centers(spec: dict[str, Any], pinned_to: str | None = None) -> list[str]:
+    """The datacenters of the catalog an endpoint allows (its `dataCenterIds` in their order; none listed: all, in
+    catalog order), narrowed to `pinned_to` when given."""
+    allowed = [dc for dc in (spec.get("dataCenterIds") or DATA_CENTER_IDS) if dc in _DC_BY_ID]
+    if pinned_to is not None:  # RunPod starts the workers of an endpoint with a network volume in its datacenter
+        allowed = [dc for dc in allowed if dc == pinned_to]
+    return allowed
+
+
+def endpoint_gpu_types(gpu: dict[str, Any], pool: str, data_center_id: str) -> list[GpuTypeRow]:
+    """The types of one of an endpoint's pools that a datacenter offers, less the endpoint's `excludedTypes`."""
+    excluded = set(gpu.get("excludedTypes") or ())
+    offers = _DC_BY_ID[data_center_id].offers
+    return [g for g in GPU_TYPES if g.pool == pool and g.id not in excluded and g.id in offers]
 
 
 def cuda_version(text: str) -> tuple[int, ...]:

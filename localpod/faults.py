@@ -1,7 +1,7 @@
 """Fault injection: the rules tests and benchmarks set through `/_localpod/faults`,
-`/_localpod/worker-faults` and `/_localpod/stock`, and which request, job or worker each one hits; and,
-from the stock and the endpoint's network volume, where a worker may start (`FaultBook.place`, over the
-catalog of `catalog.py`).
+`/_localpod/worker-faults`, `/_localpod/stock` and `/_localpod/cuda`, and which request, job or worker each
+one hits; and, from the stock, the hosts' CUDA versions and the endpoint's network volume, where a worker may
+start (`FaultBook.place`, over the catalog of `catalog.py`).
 
 Nothing here touches HTTP or processes. Routes ask `FaultBook.match_route` whether to misbehave
 (`routes_faults.route_fault` acts on the answer); the state arms a worker fault on a job when a
@@ -11,6 +11,7 @@ worker takes it, and the supervisor (`workers.py`) fires it by signalling the wo
 from __future__ import annotations
 
 import random
+import re
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,11 +41,12 @@ RouteName = Literal[
     "get_network_volume",
     "patch_network_volume",
     "delete_network_volume",
+    "list_endpoint_workers",
 ]
-RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500"]
+RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status"]
 WorkerAction = Literal["crash", "hang", "preempt", "env"]
 
-ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "hang", "drop", "act_then_500")
+ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status")
 WORKER_ACTIONS: tuple[WorkerAction, ...] = ("crash", "hang", "preempt", "env")
 
 
@@ -61,14 +63,17 @@ class RouteFaultRule(BaseModel):
         "(the control plane, /v2/serverless); run (/run and /runsync), status, cancel, health (the job API); "
         "list_gpu_types, get_gpu_type, list_data_centers (/v2/catalog/gpus[/{id}], /v2/catalog/datacenters[/{id}]), "
         "serverless_billing (/v2/billing/serverless); create_network_volume, list_network_volumes, "
-        "get_network_volume, patch_network_volume, delete_network_volume (/v2/network-volumes[/{id}])."
+        "get_network_volume, patch_network_volume, delete_network_volume (/v2/network-volumes[/{id}]); "
+        "list_endpoint_workers (/v2/serverless/{id}/workers)."
     )
     action: RouteAction = Field(
         description="status_429: answer 429 (with Retry-After when retry_after_s is set); status_500: answer 500; "
         "hang: hold the request hang_s seconds, then carry it out and answer normally (without hang_s: hold it "
         "until the client gives up, and never carry it out); drop: close the connection mid-response (the client "
         "sees a transport error); act_then_500: carry the operation out (e.g. really create the endpoint), then "
-        "answer 500. Every action but act_then_500 and a finite hang leaves the account unchanged."
+        "answer 500; unknown_status (status route only): answer 200 with the job's real status document, its "
+        "`status` replaced by job_status (a status the client may not know). Every action but act_then_500 and a "
+        "finite hang leaves the account unchanged."
     )
     endpoint_name_prefix: str | None = Field(
         default=None,
@@ -81,6 +86,12 @@ class RouteFaultRule(BaseModel):
     )
     hang_s: float | None = Field(
         default=None, ge=0, description="hang only: seconds to hold the request. Omitted: until the client gives up."
+    )
+    job_status: str | None = Field(
+        default=None,
+        min_length=1,
+        description="unknown_status only, and required there: the `status` the job's status document answers "
+        "instead of its real one, e.g. RUNNING (a status RunPod's docs list that loraflow's client does not model).",
     )
     times: int | None = Field(
         default=None,
@@ -106,6 +117,10 @@ class RouteFaultRule(BaseModel):
             raise ValueError(f"retry_after_s applies to status_429 only, not to {self.action}")
         if self.hang_s is not None and self.action != "hang":
             raise ValueError(f"hang_s applies to hang only, not to {self.action}")
+        if self.action == "unknown_status" and (self.job_status is None or self.route != "status"):
+            raise ValueError("unknown_status applies to the status route and needs job_status, e.g. \"RUNNING\"")
+        if self.job_status is not None and self.action != "unknown_status":
+            raise ValueError(f"job_status applies to unknown_status only, not to {self.action}")
         if self.seed is not None and self.probability is None:
             raise ValueError("seed applies to probability rules only: give probability too, or drop seed")
         if self.endpoint_name_prefix is not None and self.route in _ROUTES_WITHOUT_ENDPOINT:
@@ -212,6 +227,85 @@ class Stock(BaseModel):
     )
 
 
+class CudaChange(BaseModel):
+    """Body of `POST /_localpod/cuda`: set the CUDA versions the hosts of some GPU types run in some datacenters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type_id: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A GPU type of localpod's catalog (`GET /v2/catalog/gpus`), e.g. NVIDIA GeForce RTX 4090. Not "
+        "with pool. Neither given: every type.",
+    )
+    pool: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A GPU pool of localpod's catalog, e.g. ADA_24: every type of that pool. Not with gpu_type_id.",
+    )
+    data_center_id: str | None = Field(
+        default=None,
+        description="A datacenter of localpod's catalog, e.g. US-TX-3: the change applies there only. Omitted: in "
+        "every datacenter offering the type.",
+    )
+    versions: list[str] = Field(
+        description="Exactly the CUDA versions (`major.minor`, e.g. 12.8) those hosts run from now on. [] : they "
+        "report none, so an endpoint with any `gpu.minCudaVersion` or `gpu.allowedCudaVersions` is not placed on "
+        "them (one without either still is). Workers already running are not touched; queued jobs are placed "
+        "under the new versions at the supervisor's next pass. The catalog's `cudaVersions` follows."
+    )
+
+    @field_validator("gpu_type_id")
+    @classmethod
+    def _known_gpu_type(cls, value: str | None) -> str | None:
+        if value is not None and catalog.gpu_type(value) is None:
+            known = ", ".join(g.id for g in catalog.GPU_TYPES)
+            raise ValueError(f"no GPU type {value!r} in localpod's catalog; known: {known}")
+        return value
+
+    @field_validator("pool")
+    @classmethod
+    def _known_pool(cls, value: str | None) -> str | None:
+        if value is not None and value not in catalog.KNOWN_POOLS:
+            raise ValueError(f"no pool {value!r} in localpod's catalog; known: {', '.join(catalog.KNOWN_POOLS)}")
+        return value
+
+    @field_validator("data_center_id")
+    @classmethod
+    def _known_data_center(cls, value: str | None) -> str | None:
+        if value is not None and value not in catalog.DATA_CENTER_IDS:
+            known = ", ".join(catalog.DATA_CENTER_IDS)
+            raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
+        return value
+
+    @field_validator("versions")
+    @classmethod
+    def _major_minor(cls, versions: list[str]) -> list[str]:
+        bad = [v for v in versions if not _CUDA_VERSION.match(v)]
+        if bad:
+            raise ValueError(f"CUDA versions are major.minor, e.g. 12.8; not {bad}")
+        return sorted(set(versions), key=catalog.cuda_version)
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> CudaChange:
+        if self.gpu_type_id is not None and self.pool is not None:
+            raise ValueError("give gpu_type_id or pool, not both")
+        return self
+
+    def gpu_types(self) -> list[catalog.GpuTypeRow]:
+        return [g for g in catalog.GPU_TYPES
+                if self.gpu_type_id in (None, g.id) and self.pool in (None, g.pool)]
+
+
+class HostsCuda(BaseModel):
+    """What `POST`, `GET /_localpod/cuda` answer."""
+
+    hosts: dict[str, dict[str, list[str]]] = Field(
+        description="GPU type id → datacenter offering it → the CUDA versions its hosts there run, sorted by "
+        "version; every type and every datacenter offering it (an empty list: hosts that report none)."
+    )
+
+
 @dataclass
 class _RouteEntry:
     id: str
@@ -252,6 +346,8 @@ class FaultBook:
     """Worker id → where it was started (`place`); the account and the billing read it."""
     volume_data_centers: dict[str, str] = field(default_factory=dict)
     """Network volume id → its datacenter, kept by `volumes.VolumeBook`; `place` pins endpoints' workers there."""
+    hosts: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=catalog.default_host_table)
+    """GPU type id → datacenter offering it → the CUDA versions its hosts run there (`/_localpod/cuda`)."""
     injected: Counter[str] = field(default_factory=Counter)
 
     # --- route faults ----------------------------------------------------------------------------
@@ -361,17 +457,63 @@ class FaultBook:
     def in_stock(self, pool: str, data_center_id: str) -> bool:
         return (pool, data_center_id) not in self.out_of_stock
 
-    def place(self, spec: dict[str, Any]) -> WorkerPlacement | None:
-        """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock.
-        An endpoint attaches one network volume at most (`VolumeBook.check_endpoint`): its workers start in its
-        datacenter."""
-        pins = self.volume_data_centers
-        pinned = [pins[v] for v in spec.get("networkVolumes") or () if v in pins]
-        return catalog.place(spec, self.in_stock, pinned[0] if pinned else None)
+    # --- hosts' CUDA versions -------------------------------------------------------------------
+
+    def set_host_cuda(self, change: CudaChange) -> HostsCuda:
+        for row in change.gpu_types():
+            for dc_id in self.hosts[row.id]:
+                if change.data_center_id in (None, dc_id):
+                    self.hosts[row.id][dc_id] = tuple(change.versions)
+        return self.hosts_cuda()
+
+    def reset_host_cuda(self) -> None:
+        self.hosts = catalog.default_host_table()
+
+    def hosts_cuda(self) -> HostsCuda:
+        return HostsCuda(hosts={type_id: {dc: list(versions) for dc, versions in by_dc.items()}
+                                for type_id, by_dc in self.hosts.items()})
+
+    def host_cuda(self, gpu_type_id: str, data_center_id: str) -> tuple[str, ...]:
+        """A `catalog.HostCuda`: the versions in force now."""
+        return self.hosts.get(gpu_type_id, {}).get(data_center_id, ())
+
+    # --- placement -------------------------------------------------------------------------------
+
+    def place(self, spec: dict[str, Any], *, ignore_cuda: bool = False) -> WorkerPlacement | None:
+        """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock on
+        hosts that meet its CUDA need. An endpoint attaches one network volume at most
+        (`VolumeBook.check_endpoint`): its workers start in its datacenter."""
+        return catalog.place(spec, self.in_stock, self._pinned(spec), self.host_cuda, ignore_cuda=ignore_cuda)
 
     def placeable(self, spec: dict[str, Any]) -> bool:
-        """Can a worker of this endpoint start? Not when no datacenter it allows has stock of one of its pools."""
+        """Can a worker of this endpoint start? Not when no datacenter it allows has stock of one of its pools
+        on hosts that meet its CUDA need."""
         return self.place(spec) is not None
+
+    def unplaceable_reason(self, spec: dict[str, Any]) -> str | None:
+        """Why no worker of this endpoint can start now, as the log says it; None when one can."""
+        if self.placeable(spec):
+            return None
+        pinned = self._pinned(spec)
+        allowed = catalog.allowed_data_centers(spec, pinned)
+        where = ", ".join(allowed) or "no datacenter of localpod's catalog"
+        if pinned is not None:
+            where += f" (its network volume's datacenter is {pinned})"
+        gpu = spec.get("gpu") or {}
+        pools = list(gpu.get("pools") or ())
+        if self.place(spec, ignore_cuda=True) is None:
+            return f"no stock of {', '.join(pools) or 'its GPUs'} in {where}"
+        # Stock is not what stops it: name the types it could have and the datacenters that have them in stock.
+        stocked = {dc: [g.id for p in pools if self.in_stock(p, dc) for g in catalog.endpoint_gpu_types(gpu, p, dc)]
+                   for dc in allowed}
+        types = dict.fromkeys(type_id for type_ids in stocked.values() for type_id in type_ids)
+        return (f"no host of {', '.join(types)} in {', '.join(dc for dc, ids in stocked.items() if ids)} runs "
+                f"{catalog.CudaNeed.of(gpu).describe()}")
+
+    def _pinned(self, spec: dict[str, Any]) -> str | None:
+        pins = self.volume_data_centers
+        pinned = [pins[v] for v in spec.get("networkVolumes") or () if v in pins]
+        return pinned[0] if pinned else None
 
     def counts(self) -> dict[str, int]:
         """Faults injected so far by kind, every kind listed (0 when none)."""
@@ -384,6 +526,9 @@ _ROUTES_WITHOUT_ENDPOINT = frozenset(
      "create_network_volume", "list_network_volumes", "get_network_volume", "patch_network_volume",
      "delete_network_volume"}
 )
+
+
+_CUDA_VERSION = re.compile(r"^\d+\.\d+$")
 
 
 def _prefix_matches(prefix: str | None, name: str | None) -> bool:

@@ -233,7 +233,10 @@ class HealthWorkers(_Wire):
     initializing: int = Field(description="Workers started that have not called in yet.")
     ready: int = Field(description="Workers able to take a job now (same as idle here).")
     running: int = Field(description="Workers running a job.")
-    throttled: int = Field(description="Workers wanted but not started: all the endpoint's GPU pools are out of stock.")
+    throttled: int = Field(
+        description="Workers wanted but not started: no datacenter the endpoint allows has stock of its GPUs on hosts "
+        "that meet its CUDA need (`gpu.minCudaVersion` / `gpu.allowedCudaVersions`)."
+    )
     unhealthy: int = Field(description="Workers that reported a failed fitness check.")
 
 
@@ -336,7 +339,7 @@ class Account(_Wire):
     )
     faults_injected: dict[str, int] = Field(
         description="Faults injected so far by kind: the route actions (status_429, status_500, hang, drop, "
-        "act_then_500) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."
+        "act_then_500, unknown_status) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."
     )
     jobs: list[AccountJob] = Field(description="Every job submitted.")
     volumes: list[AccountVolume] = Field(default=[], description="Network volumes that exist now.")

@@ -2,8 +2,9 @@
 serverless billing (`/v2/billing/serverless`).
 
 The catalog comes from localpod's table (`catalog.py`); its availability follows the stock set through
-`/_localpod/stock`, per datacenter. Billing is computed from this server's own workers: each started
-worker's seconds × the serverless price of the pool it was placed on × the endpoint's `gpu.count`.
+`/_localpod/stock`, per datacenter, and its CUDA versions the hosts' versions set through `/_localpod/cuda`.
+Billing is computed from this server's own workers: each started worker's seconds × the serverless price of
+the pool it was placed on × the endpoint's `gpu.count`.
 Query parameters are checked as RunPod's schema states them (enums against the OpenAPI document's own
 component schemas), and every answer is checked against its response schema before it leaves.
 """
@@ -42,7 +43,8 @@ async def list_gpu_types(request: Request, state: LocalpodState = Depends(get_st
     query = _availability_query(state, request)
     rows = [row for row in catalog.GPU_TYPES if query is None or query.country_codes is None
             or any(row.id in dc.offers and query.scoped(dc) for dc in catalog.DATA_CENTERS)]
-    body = {"gpus": [catalog.gpu_type_document(row, state.faults.in_stock, query) for row in rows]}
+    body = {"gpus": [catalog.gpu_type_document(row, state.faults.in_stock, query, state.faults.host_cuda)
+                     for row in rows]}
     fault.after_action()
     return _answer(state, "ListGpuTypesResponse", body)
 
@@ -55,7 +57,7 @@ async def get_gpu_type(gpu_id: str, request: Request, state: LocalpodState = Dep
     row = catalog.gpu_type(gpu_id)
     if row is None:
         raise ProblemError(404, f"GPU type {gpu_id!r} not found")
-    body = catalog.gpu_type_document(row, state.faults.in_stock, query)
+    body = catalog.gpu_type_document(row, state.faults.in_stock, query, state.faults.host_cuda)
     fault.after_action()
     return _answer(state, "GpuType", body)
 
@@ -156,8 +158,7 @@ def _availability_query(state: LocalpodState, request: Request) -> catalog.Avail
     return catalog.AvailabilityQuery(
         count=_positive_int(params.get("count", "1"), "count"),
         country_codes=frozenset(countries) if countries is not None else None,
-        cuda_versions=frozenset(versions) if versions is not None else None,
-        min_cuda=catalog.cuda_version(floor) if floor is not None else None,
+        cuda=catalog.CudaNeed(floor=floor, allowed=frozenset(versions) if versions is not None else None),
     )
 
 

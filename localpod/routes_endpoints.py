@@ -1,14 +1,18 @@
-"""Control plane API v2: `/v2/serverless` (create, list, get, update, delete endpoints).
+"""Control plane API v2: `/v2/serverless` (create, list, get, update, delete endpoints, and list an
+endpoint's workers).
 
 Every body is checked against RunPod's own schema (`CreateEndpointRequest`, `UpdateEndpointRequest`),
 then against the rules the schema cannot say (one of gpu/cpu, the account's worker quota, one network
-volume that exists). Answers are `Endpoint` documents with RunPod's defaults filled in.
+volume that exists). Answers are `Endpoint` documents with RunPod's defaults filled in; the workers list is
+checked against `ListEndpointWorkersResponse` before it leaves.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import time
+from collections import Counter
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -17,7 +21,7 @@ from fastapi.responses import JSONResponse
 from localpod.auth import require_api_key
 from localpod.problems import ProblemError
 from localpod.routes_faults import route_fault
-from localpod.state import EndpointRecord, LocalpodState, get_state, iso
+from localpod.state import EndpointRecord, LocalpodState, WorkerRecord, get_state, iso
 
 router = APIRouter(prefix="/v2/serverless", tags=["endpoints"], dependencies=[Depends(require_api_key)])
 
@@ -72,6 +76,7 @@ async def update_endpoint(
     state.volumes.check_endpoint(spec)
     _check_quota(state, spec["workers"]["max"], excluding=endpoint.id)
     endpoint.spec = spec
+    endpoint.version += 1  # workers started before now run a stale configuration
     state.note_peaks()
     fault.after_action()
     return JSONResponse(endpoint_document(endpoint, str(request.base_url)))
@@ -84,6 +89,31 @@ async def delete_endpoint(endpoint_id: str, request: Request, state: LocalpodSta
     state.delete_endpoint(_live(state, endpoint_id))
     fault.after_action()
     return Response(status_code=204)
+
+
+@router.get("/{endpoint_id}/workers")
+async def list_endpoint_workers(
+    endpoint_id: str, request: Request, state: LocalpodState = Depends(get_state)
+) -> JSONResponse:
+    """`ListEndpointWorkersResponse` (RunPod's listEndpointWorkers): the endpoint's active workers and a summary by
+    status. Workers localpod wants but cannot place (no stock, or no host that meets the endpoint's CUDA need) are
+    listed as THROTTLED entries, unplaced (no datacenter, GPU type or start), as many as `/health` counts: the
+    schema's summary is a roll-up of the list (`running + idle + initializing + throttled + unhealthy == total ==
+    len(workers)`)."""
+    fault = await route_fault(request, "list_endpoint_workers", endpoint_id=endpoint_id)
+    endpoint = _live(state, endpoint_id)
+    # A worker told to stop without a job is being scaled down: RunPod lists active workers only.
+    active = [w for w in state.live_workers(endpoint.id) if not w.stopping or w.job_id is not None]
+    workers = [_worker_document(state, endpoint, w) for w in active]
+    workers += [_throttled_document(endpoint, n) for n in range(1, state.throttled_workers(endpoint) + 1)]
+    by_status = Counter(w["status"] for w in workers)
+    summary = {name.lower(): by_status[name] for name in ("RUNNING", "IDLE", "INITIALIZING", "THROTTLED", "UNHEALTHY")}
+    body = {"workers": workers, "summary": {**summary, "total": len(workers)}, "endpointVersion": endpoint.version}
+    errors = state.schemas.errors("ListEndpointWorkersResponse", body)
+    if errors:
+        raise ProblemError(500, "localpod built an answer that does not match ListEndpointWorkersResponse", errors)
+    fault.after_action()
+    return JSONResponse(body)
 
 
 def endpoint_document(endpoint: EndpointRecord, base_url: str) -> dict[str, Any]:
@@ -104,6 +134,53 @@ def endpoint_document(endpoint: EndpointRecord, base_url: str) -> dict[str, Any]
         },
         "createdAt": iso(endpoint.created_at),
     }
+
+
+def _worker_document(state: LocalpodState, endpoint: EndpointRecord, worker: WorkerRecord) -> dict[str, Any]:
+    """A `Worker`: RUNNING with a job, UNHEALTHY after a failed fitness check, INITIALIZING until it first calls
+    in, IDLE otherwise. A worker someone ran by hand has no placement (no datacenter or GPU type)."""
+    if worker.unhealthy:
+        status = "UNHEALTHY"
+    elif worker.job_id is not None:
+        status = "RUNNING"
+    elif not worker.contacted:
+        status = "INITIALIZING"
+    else:
+        status = "IDLE"
+    placement = state.faults.placements.get(worker.id)
+    return {
+        "id": worker.id,
+        "status": status,
+        "isStale": worker.endpoint_version != endpoint.version,
+        "version": worker.endpoint_version,
+        "gpuCount": _gpu_count(endpoint),
+        "image": endpoint.spec.get("image"),
+        "uptimeSeconds": int(time.time() - worker.started_at),
+        "gpuTypeId": placement.gpu_type_id if placement else None,
+        "dataCenterId": placement.data_center_id if placement else None,
+        "startedAt": iso(worker.started_at),
+    }
+
+
+def _throttled_document(endpoint: EndpointRecord, n: int) -> dict[str, Any]:
+    """A `Worker` waiting on capacity: never placed nor started. Its id names the endpoint and its place in line."""
+    return {
+        "id": f"throttled-{endpoint.id}-{n}",
+        "status": "THROTTLED",
+        "isStale": False,
+        "version": endpoint.version,
+        "gpuCount": _gpu_count(endpoint),
+        "image": endpoint.spec.get("image"),
+        "uptimeSeconds": None,
+        "gpuTypeId": None,
+        "dataCenterId": None,
+        "startedAt": None,
+    }
+
+
+def _gpu_count(endpoint: EndpointRecord) -> int:
+    gpu = endpoint.spec.get("gpu")
+    return int(gpu.get("count", 1)) if gpu else 0  # a CPU worker has no GPU
 
 
 def _live(state: LocalpodState, endpoint_id: str) -> EndpointRecord:

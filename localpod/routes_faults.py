@@ -1,19 +1,30 @@
-"""`/_localpod/faults`, `/_localpod/worker-faults` and `/_localpod/stock`: fault injection for tests
-and benchmarks (not RunPod's API, so no key, like the account), and `route_fault`, the hook the
+"""`/_localpod/faults`, `/_localpod/worker-faults`, `/_localpod/stock` and `/_localpod/cuda`: fault injection
+for tests and benchmarks (not RunPod's API, so no key, like the account), and `route_fault`, the hook the
 control-plane and job-API routes call to misbehave as a rule says.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from localpod.faults import RouteFault, RouteFaultRule, Stock, StockChange, WorkerFault, WorkerFaultRule
+from localpod.faults import (
+    CudaChange,
+    HostsCuda,
+    RouteFault,
+    RouteFaultRule,
+    Stock,
+    StockChange,
+    WorkerFault,
+    WorkerFaultRule,
+)
 from localpod.problems import ProblemError, problem_response
 from localpod.state import LocalpodState, get_state
 
@@ -83,15 +94,49 @@ async def get_stock(state: LocalpodState = Depends(get_state)) -> Stock:
     return state.faults.stock()
 
 
+# The body is read by hand so that every refusal is a 422 naming the field (FastAPI's own body validation
+# answers 400 in this app, as RunPod does for its schemas); the schema is still published.
+@router.post(
+    "/cuda",
+    openapi_extra={"requestBody": {"required": True,
+                                   "content": {"application/json": {"schema": CudaChange.model_json_schema()}}}},
+)
+async def set_host_cuda(request: Request, state: LocalpodState = Depends(get_state)) -> HostsCuda:
+    """Set the CUDA versions the hosts of a GPU type (or of every type of a pool, or of every type) run in one
+    datacenter or in every one offering it. 422 for an unknown type, pool or datacenter, a version that is not
+    major.minor, or gpu_type_id and pool together."""
+    try:
+        change = CudaChange.model_validate(json.loads(await request.body()))
+    except ValueError as e:  # json's and pydantic's errors alike
+        errors = ([f"${''.join(f'.{part}' for part in error['loc'])}: {error['msg'].removeprefix('Value error, ')}"
+                   for error in e.errors()] if isinstance(e, ValidationError) else [f"$: not JSON: {e}"])
+        raise ProblemError(422, "; ".join(errors), errors) from e
+    return state.faults.set_host_cuda(change)
+
+
+@router.get("/cuda")
+async def get_host_cuda(state: LocalpodState = Depends(get_state)) -> HostsCuda:
+    return state.faults.hosts_cuda()
+
+
+@router.delete("/cuda", status_code=204)
+async def reset_host_cuda(state: LocalpodState = Depends(get_state)) -> Response:
+    """Back to the catalog's default hosts (`catalog.py`)."""
+    state.faults.reset_host_cuda()
+    return Response(status_code=204)
+
+
 # --- the hook in the control-plane and job-API routes ----------------------------------------------
 
 
 @dataclass(frozen=True)
 class RouteFaultHit:
-    """What `route_fault` let through: nothing, or an act_then_500 to answer once the operation is done."""
+    """What `route_fault` let through: nothing, an act_then_500 to answer once the operation is done, or an
+    unknown_status's job status to answer in place of the real one."""
 
     route: str
     act_then_500: bool
+    job_status: str | None = None
 
     def after_action(self) -> None:
         """Call once the operation took effect: an act_then_500 rule answers 500 now."""
@@ -106,8 +151,9 @@ async def route_fault(
 ) -> RouteFaultHit:
     """Apply the first route fault rule that matches this request, before the operation runs.
 
-    Raises `InjectedAnswer` for status_429, status_500 and drop; holds the request for hang. Name the
-    endpoint by id (any endpoint ever created) or, for a create, by the name in the body.
+    Raises `InjectedAnswer` for status_429, status_500 and drop; holds the request for hang; an unknown_status
+    comes back in the hit, for the status route to answer. Name the endpoint by id (any endpoint ever created)
+    or, for a create, by the name in the body.
     """
     state = get_state(request)
     if endpoint_id is not None:
@@ -128,7 +174,7 @@ async def route_fault(
         raise InjectedAnswer(_CutResponse())
     if rule.action == "hang":
         await _hang(request, state, rule.hang_s)
-    return RouteFaultHit(route, act_then_500=rule.action == "act_then_500")
+    return RouteFaultHit(route, act_then_500=rule.action == "act_then_500", job_status=rule.job_status)
 
 
 class InjectedAnswer(Exception):

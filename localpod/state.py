@@ -72,6 +72,10 @@ class EndpointRecord:
     deleted_at: float | None = None
     queue: deque[str] = field(default_factory=deque)
     spawn_not_before: float = 0.0
+    version: int = 1
+    """Its configuration version: 1 at creation, one more per update (`endpointVersion` in the workers list)."""
+    unplaceable_reason: str | None = None
+    """Why no worker of it could start at the supervisor's last try, once logged; None since one could."""
 
     @property
     def live(self) -> bool:
@@ -126,6 +130,8 @@ class WorkerRecord:
     started_at: float
     process: subprocess.Popen[bytes] | None
     """None for a worker localpod did not start (someone ran it by hand with the account key)."""
+    endpoint_version: int = 1
+    """The endpoint's configuration version it started under (an update since makes it stale)."""
     log_path: Path | None = None
     contacted: bool = False
     job_id: str | None = None
@@ -306,12 +312,25 @@ class LocalpodState:
         worker.job_id, worker.idle_since = None, time.time()
         worker.pending_stops.clear()
 
+    def workers_wanted(self, endpoint: EndpointRecord) -> int:
+        """Workers to start now for this endpoint: one per queued job no free worker can take, and up to
+        `workers.min`, within `workers.max`."""
+        live = self.live_workers(endpoint.id)
+        up = [w for w in live if not w.stopping]
+        free = [w for w in up if w.job_id is None]
+        wanted = max(len(endpoint.queue) - len(free), endpoint.workers_min - len(up))
+        return max(0, min(wanted, endpoint.workers_max - len(live)))
+
+    def throttled_workers(self, endpoint: EndpointRecord) -> int:
+        """RunPod's "throttled": workers wanted but not started, since no datacenter the endpoint allows has stock
+        of its GPUs on hosts that meet its CUDA need. `/health` and the workers list both report it."""
+        wanted = self.workers_wanted(endpoint)
+        return wanted if wanted and not self.faults.placeable(endpoint.spec) else 0
+
     def health(self, endpoint_id: str) -> Health:
         jobs = [j for j in self.jobs.values() if j.endpoint_id == endpoint_id and not j.expired]
         workers = self.live_workers(endpoint_id)
-        endpoint = self.endpoints[endpoint_id]
-        # RunPod's name for workers it would start but has no capacity for.
-        throttled = 0 if self.faults.placeable(endpoint.spec) else min(len(endpoint.queue), endpoint.workers_max)
+        throttled = self.throttled_workers(self.endpoints[endpoint_id])
         idle = sum(1 for w in workers if w.contacted and not w.stopping and w.job_id is None)
 
         def count(*statuses: str) -> int:
@@ -352,6 +371,7 @@ class LocalpodState:
             token=token,
             started_at=time.time(),
             process=process,
+            endpoint_version=self.endpoints[endpoint_id].version,
             log_path=log_path,
         )
         self.workers[worker.id] = worker

@@ -43,6 +43,7 @@ _WEBHOOK_TIMEOUT = httpx.Timeout(10.0, connect=5.0)
 _GPU_NAME = "localpod-cpu"  # RunPod puts the worker's GPU name in its protocol URLs' `gpu` query
 _DOCKER_RUN_FAILED = 125  # `docker run`'s own failure (no such image, a bad mount), not the container's exit
 _DOCKER_TIMEOUT_S = 30  # a Docker command run to completion (only at shutdown)
+REQUIRE_CUDA_ENV = "LORAFLOW_REQUIRE_CUDA"  # the control plane sets it to 1: the worker then refuses a CPU
 
 
 class WorkerSupervisor:
@@ -223,19 +224,26 @@ class WorkerSupervisor:
             _signal_group(worker.process, signal.SIGKILL)
 
     def _scale(self, endpoint: EndpointRecord, now: float) -> None:
-        if now < endpoint.spawn_not_before or not self.state.faults.placeable(endpoint.spec):
+        if now < endpoint.spawn_not_before:
             return
-        live = self.state.live_workers(endpoint.id)
-        up = [w for w in live if not w.stopping]
-        free = [w for w in up if w.job_id is None]
-        wanted = max(len(endpoint.queue) - len(free), endpoint.workers_min - len(up))
-        for _ in range(min(wanted, endpoint.workers_max - len(live))):
+        wanted = self.state.workers_wanted(endpoint)
+        if not wanted:
+            return
+        # As on RunPod, jobs no worker can be placed for wait IN_QUEUE (throttled): say why once, not every pass.
+        reason = self.state.faults.unplaceable_reason(endpoint.spec)
+        if reason is not None and reason != endpoint.unplaceable_reason:
+            log.warning("no worker can start for endpoint %s (%s): %s; its jobs stay IN_QUEUE", endpoint.id,
+                        endpoint.spec["name"], reason)
+        endpoint.unplaceable_reason = reason
+        if reason is not None:
+            return
+        for _ in range(wanted):
             if not self._spawn(endpoint):
                 return
 
     def _spawn(self, endpoint: EndpointRecord) -> bool:
         placement = self.state.faults.place(endpoint.spec)
-        if placement is None:  # no datacenter it allows has stock of its pools (`_scale` checks first)
+        if placement is None:  # no datacenter it allows has stock on hosts it can use (`_scale` checks first)
             return False
         worker_id, token = _new_worker_id(self.state), secrets.token_urlsafe(24)
         log_path = self.config.log_dir / f"{endpoint.id}-{worker_id}.log"
@@ -288,13 +296,21 @@ class WorkerSupervisor:
         log.error("%s", error)
 
     def runpod_env(self, endpoint: EndpointRecord, worker_id: str, token: str) -> dict[str, str]:
-        """What RunPod gives a worker: the endpoint's env (and any env fault), and its worker variables."""
+        """What RunPod gives a worker: the endpoint's env (and any env fault), and its worker variables.
+
+        An endpoint's `LORAFLOW_REQUIRE_CUDA` is lifted (set to 0), and the log says so: localpod's workers run on
+        this machine's CPU, where a worker that requires CUDA would refuse every job. An env fault may still set
+        it (a test of the refusal itself)."""
         base = f"{self.config.base_url}/v2/{endpoint.id}"
         # RunPod replaces `{{ RUNPOD_SECRET_<name> }}` in the endpoint's env with the secret's value at boot.
         env, missing = resolve_secret_references(endpoint.spec.get("env", {}),
                                                  {s.name: s.value for s in self.state.secrets.values()})
         if missing:
             log.warning("endpoint %s refers to secrets the account does not have: %s", endpoint.id, ", ".join(missing))
+        if env.get(REQUIRE_CUDA_ENV, "0") != "0":
+            env[REQUIRE_CUDA_ENV] = "0"
+            log.info("%s lifted for worker %s: localpod's workers run on this machine's CPU", REQUIRE_CUDA_ENV,
+                     worker_id)
         # runpod 1.12 appends `&job_in_progress=…` / `&isStream=…` to these URLs, so each needs a `?`.
         return {
             **env, **volume_env(self.config, endpoint.spec),  # a process worker is told where its volume is

@@ -111,12 +111,18 @@ def test_filters_out_of_place_or_malformed_are_refused_as_runpod_does(pod, param
     assert complaint in body["detail"]
 
 
-def test_a_cuda_floor_leaves_only_gpus_offered_with_that_cuda_available(pod: TestClient) -> None:
-    listed = {g["pool"]: g for g in gpus(pod, **SERVERLESS, minCudaVersion="13")}
-    assert listed["BLACKWELL_180"]["availability"] != "NONE"
-    assert listed["BLACKWELL_180"]["cudaVersions"] == [{"version": "13.0", "available": True}]
-    assert listed["ADA_24"]["availability"] == "NONE"
-    assert "dataCenters" not in listed["ADA_24"] and "cudaVersions" not in listed["ADA_24"]
+def test_a_cuda_floor_leaves_only_the_versions_and_datacenters_whose_hosts_meet_it(pod: TestClient) -> None:
+    listed = {g["id"]: g for g in gpus(pod, **SERVERLESS, minCudaVersion="13")}
+    assert listed["NVIDIA B200"]["cudaVersions"] == [{"version": "13.0", "available": True}]
+    rtx = listed[RTX_4090]
+    assert rtx["availability"] == "HIGH" and rtx["cudaVersions"] == [{"version": "13.0", "available": True}]
+    assert levels(rtx)["US-TX-3"] == "NONE"  # its RTX 4090 hosts run CUDA 12.8 at most
+
+
+def test_a_cuda_floor_no_host_meets_leaves_the_gpu_unavailable_without_datacenters(pod: TestClient) -> None:
+    rtx = {g["id"]: g for g in gpus(pod, **SERVERLESS, minCudaVersion="13.1")}[RTX_4090]
+    assert rtx["availability"] == "NONE"
+    assert "dataCenters" not in rtx and "cudaVersions" not in rtx
 
 
 def test_country_codes_scope_the_datacenters_and_drop_gpus_offered_elsewhere(pod: TestClient) -> None:
