@@ -14,8 +14,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,51 @@ class Localpod:
         return Account.model_validate(self.http.get("/account").raise_for_status().json())
 
 
+class EndpointDeleter:
+    """Deletes the first attempt's endpoint of one run through RunPod's API (localpod's, with the key) once its
+    job reports a training step, from a thread of its own: what a person in RunPod's console would do."""
+
+    def __init__(self, stack, pod: Localpod, prefix: str, at_step: int, timeout_s: float):
+        self.runpod = httpx.Client(base_url=stack.client_env["RUNPOD_API_URL"], timeout=30,
+                                   headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"})
+        self.pod, self.prefix, self.at_step, self.timeout_s = pod, prefix, at_step, timeout_s
+        self.deleted: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EndpointDeleter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.runpod.close()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                if self._delete_when_training():
+                    return
+            except httpx.HTTPError:
+                pass  # the next look tries again
+            self._stop.wait(0.2)
+
+    def _delete_when_training(self) -> bool:
+        account = self.pod.account()
+        first = [e for e in account.live_endpoints if e.name.startswith(self.prefix) and e.name.endswith("-a1")]
+        for endpoint in first:
+            for job in (j for j in account.jobs if j.endpoint_id == endpoint.id and j.status == "IN_PROGRESS"):
+                status = self.runpod.get(f"/{endpoint.id}/status/{job.id}").raise_for_status().json()
+                progress = status.get("output") if isinstance(status.get("output"), dict) else {}
+                if progress.get("stage") == "training" and (progress.get("step") or 0) >= self.at_step:
+                    self.runpod.delete(f"/serverless/{endpoint.id}").raise_for_status()
+                    self.deleted = endpoint.id
+                    return True
+        return False
+
+
 class PrefectApi:
     """The few Prefect server reads the checks need."""
 
@@ -122,6 +169,8 @@ class RunRecord:
     resumed_from_step: int | None = None
     endpoint_names: list[str] = field(default_factory=list)
     done: bool = False
+    endpoint_deleted: str | None = None
+    """The endpoint the scenario deleted behind the run, when it did."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -185,13 +234,18 @@ def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir
         record.fault_ids.append(pod.add_worker_fault({**rule, "endpoint_name_prefix": record.endpoint_prefix}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
     started = time.monotonic()
+    deleter = (EndpointDeleter(stack, pod, record.endpoint_prefix, scenario.delete_endpoint_at_step, timeout_s)
+               if scenario.delete_endpoint_at_step is not None else nullcontext())
     try:
-        proc = subprocess.run([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
+        with deleter:
+            proc = subprocess.run([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=timeout_s)
         record.returncode, record.output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
     record.wall_s = time.monotonic() - started
+    if isinstance(deleter, EndpointDeleter):
+        record.endpoint_deleted = deleter.deleted
     match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
     record.flow_run_id = match.group(1) if match else None
     return record
@@ -245,6 +299,8 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         problems.append(f"endpoints of attempts {sorted(attempts)}, expected 1..{len(record.retried) + 1}")
     if s.final_gpu is not None and record.gpus_used[-1:] != [s.final_gpu]:
         problems.append(f"attempts ran on {record.gpus_used}, expected the last on {s.final_gpu}")
+    if s.delete_endpoint_at_step is not None and record.endpoint_deleted is None:
+        problems.append(f"the endpoint was never deleted at step {s.delete_endpoint_at_step}: the job ended first")
     if s.resumes and record.resumed_from_step is None:
         problems.append("the last attempt did not resume from a checkpoint")
     missing = [t for t in s.failure_text if t not in record.state_message]

@@ -71,6 +71,9 @@ class Scenario:
     queue_minutes: float = 20
     startup_minutes: float = 30
     stall_minutes: float = 15
+    delete_endpoint_at_step: int | None = None
+    """Delete the first attempt's endpoint through RunPod's API once its job reports this training step, as a
+    person in RunPod's console, a teammate's script or RunPod itself could."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -152,6 +155,50 @@ SCENARIOS: dict[str, Scenario] = {
             failure_text=("out_of_memory", "no GPU with more memory"),
         ),
         Scenario(
+            "oom-cuda-error",
+            "the training process prints `CUDA error: out of memory` and exits: out_of_memory (GPU) whatever the "
+            "prefix, and on the largest GPU of the list the run fails saying what to change",
+            expect_state="FAILED", gpus=("A100 SXM",), worker_faults=(training_fault("cuda-error-oom", at_step=0),),
+            failure_text=("out_of_memory", "out of memory (GPU)", "CUDA error: out of memory", "no GPU with more memory"),
+        ),
+        Scenario(
+            "oom-cublas", "cuBLAS cannot allocate its handle (CUBLAS_STATUS_ALLOC_FAILED): out of memory (GPU)",
+            expect_state="FAILED", gpus=("A100 SXM",), worker_faults=(training_fault("cublas-alloc", at_step=0),),
+            failure_text=("out_of_memory", "CUBLAS_STATUS_ALLOC_FAILED", "no GPU with more memory"),
+        ),
+        Scenario(
+            "oom-vllm-kv", "vLLM finds no memory for its KV cache at start-up: out of memory (vLLM KV cache)",
+            expect_state="FAILED", gpus=("A100 SXM",), worker_faults=(training_fault("vllm-kv-cache", at_step=0),),
+            failure_text=("out_of_memory", "out of memory (vLLM KV cache)", "no GPU with more memory"),
+        ),
+        Scenario(
+            "oom-host",
+            "the kernel's OOM killer ends the training process (host RAM): its own outcome, not moved to a GPU with "
+            "more memory, and the run fails naming host memory",
+            expect_state="FAILED", gpus=("RTX 4090", "A100 SXM"), worker_faults=(training_fault("oom-killer", at_step=0),),
+            failure_text=("host_out_of_memory", "out of memory (host RAM)", "host's RAM"),
+        ),
+        Scenario(
+            "cuda-unavailable",
+            "CUDA does not start on the host (LORAFLOW_REQUIRE_CUDA=1 on a CPU): the worker trains nothing and fails "
+            "at once; retried once on a new endpoint, then the run fails naming the driver",
+            expect_state="FAILED", retried=("cuda_unavailable",),
+            worker_faults=(worker("env", env={"LORAFLOW_REQUIRE_CUDA": "1"}, times=2),),
+            failure_text=("cuda_unavailable", "CUDA unavailable", "driver"),
+        ),
+        Scenario(
+            "endpoint-deleted",
+            "the endpoint is deleted through RunPod's API mid-training: the attempt is lost, not the run, which "
+            "completes on a new endpoint",
+            retried=("lost",), delete_endpoint_at_step=1,
+        ),
+        Scenario(
+            "unknown-status",
+            "`/status` answers a status loraflow does not know (RUNNING) three times: logged once, treated as "
+            "running, one attempt",
+            route_faults=(route("status", "unknown_status", job_status="RUNNING", times=3),),
+        ),
+        Scenario(
             "delete-outage",
             "every delete answers 500 for longer than the delete task's retries (6 times), after the job stored "
             "its results: the endpoint must still go, and the run complete",
@@ -166,7 +213,8 @@ SCENARIOS: dict[str, Scenario] = {
 
 SHORT_FORM: tuple[str, ...] = (
     "api-faults", "ambiguous-create", "run-500", "worker-crash", "preempt", "worker-hang", "stall-resume",
-    "no-capacity", "oom", "code-failure",
+    "no-capacity", "oom", "oom-cuda-error", "oom-cublas", "oom-vllm-kv", "oom-host", "cuda-unavailable",
+    "endpoint-deleted", "unknown-status", "code-failure",
 )
 """The scenarios the CI test runs, one run each: every fault kind of the issue, at the cost of about one
 queue allowance (the no-capacity run) of wall time."""

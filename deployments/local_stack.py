@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from loraflow_worker.contract import CONTRACT_VERSION
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER_PYTHON = Path(os.environ.get("LORAFLOW_WORKER_PYTHON") or REPO / ".venv-worker" / "bin" / "python")
@@ -150,8 +151,9 @@ class LocalStack:
     container gets only the endpoint's env, as on RunPod."""
     worker_runtime: str = "process"
     """`process` (workers run with `worker_python`) or `docker` (each worker a container of `worker_image`)."""
-    worker_image: str = "loraflow-worker:local"
-    """The image the flows ask for (LORAFLOW_WORKER_IMAGE); with the docker runtime it must be built here."""
+    worker_image: str = f"loraflow-worker:local-contract{CONTRACT_VERSION}"
+    """The image the flows ask for (LORAFLOW_WORKER_IMAGE); with the docker runtime it must be built here. Its
+    tag names the job contract, as `make image` tags do: the control plane checks it before renting."""
     worker_mounts: list[Path] = field(default_factory=list)
     """Folders a containerised worker sees at the same path (a `file://` store, a local model)."""
     docker: str = os.environ.get("DOCKER", "docker")

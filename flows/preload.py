@@ -27,6 +27,7 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tasks.image_contract import check_image_contract
 from tasks.preload import DataCenterOutcome, choose_gpu, preload_data_center
 from tasks.quota import ensure_endpoint_limit
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
@@ -130,7 +131,8 @@ def preload(spec: PreloadSpec) -> list[DataCenterOutcome] | State:
     logger = get_run_logger()
     run_id = str(flow_run.id)
     settings = Settings()
-    settings.worker_image()  # refused before anything is created when unset
+    # Refused before anything is created when unset, or when the image would refuse this contract's jobs.
+    check_image_contract(settings.worker_image())
     sizes = size_models(spec.models)
     volume_gb = volume_size_gb(sizes)
     data_centers, offers = read_catalog(spec.gpu)

@@ -29,12 +29,14 @@ from tasks import events
 from tasks.artifacts import RunResults, check_dataset_jsonl, collect, publish_run_inputs_task
 from tasks.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
 from tasks.cost import check_budget, cost_ceiling, read_billed_cost, read_gpu_prices
+from tasks.image_contract import check_image_contract
+from tasks.placement import catalog_fits, placeable_gpus
 from tasks.plan import AttemptPlan, plan_attempt, resolve_model_task
 from tasks.quota import endpoint_slot, ensure_endpoint_limit, wait_for_runpod_quota
 from tasks.reports import RunReport, curve_png, publish_report, run_tags, run_title, store_curve, tag_run
 from tasks.rewards import check_reward_files
-from tasks.runpod.catalog import resolve_gpu
-from tasks.runpod.errors import JobFailedError, is_transient
+from tasks.runpod.catalog import cuda_floor, resolve_gpu
+from tasks.runpod.errors import JobFailedError, NotFoundError, is_transient
 from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.models import Endpoint
 from tasks.runpod.steps import (
@@ -127,9 +129,17 @@ def train(
 
         # 1. Prepare: nothing is rented until this has passed.
         gpus = [resolve_gpu(gpu_name) for gpu_name in spec.compute.gpu]
-        image = Settings().worker_image()
-        offers = {offer.gpu: offer for offer in read_gpu_prices(gpus)}  # RunPod's catalog, else the static table
-        ceiling = cost_ceiling(list(offers.values()), spec.compute.gpu_count, spec.deadline_minutes)
+        settings = Settings()
+        image = settings.worker_image()
+        check_image_contract(image)  # a stale image would refuse the job only after a GPU was rented
+        floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
+        # RunPod's catalog (else the static table): prices, the hosts' CUDA, and stock on hosts that meet the floor.
+        offers = {offer.gpu: offer for offer in read_gpu_prices(gpus, floors)}
+        gpus, excluded = placeable_gpus(gpus, offers, floors,
+                                        alternatives=lambda: catalog_fits(settings.loraflow_image_min_cuda))
+        for fit in excluded:
+            logger.warning("Not renting %s: no host runs the worker image (%s)", fit.gpu, fit.describe())
+        ceiling = cost_ceiling([offers[g.name] for g in gpus], spec.compute.gpu_count, spec.deadline_minutes)
         spent.ceiling_usd = ceiling.usd
         check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
         if spec.dataset.local_file is not None:
@@ -156,7 +166,7 @@ def train(
         worker_env = prepare_worker_env()
 
         # 2. Attempts.
-        gpu_index, endpoint_ids, use_cache = 0, [], True
+        gpu_index, endpoint_ids, use_cache, earlier = 0, [], True, []
         for attempt in range(1, spec.attempts.max_attempts + 1):
             if run_cancel_requested():
                 return spent.finish(run_id, spec.name, "cancelled",
@@ -190,7 +200,8 @@ def train(
                 break
             decision = decide_next_attempt(outcome, gpus, gpu_index, attempt, spec.attempts.max_attempts,
                                            seconds_left=deadline - time.time(),
-                                           warm_in=cache.data_center if cache else None)
+                                           warm_in=cache.data_center if cache else None, earlier=earlier)
+            earlier.append(outcome.kind)
             events.attempt_given_up(run_id, spec.name, attempt=attempt, outcome=outcome.kind, reason=decision.reason,
                                     retry=decision.retry, error=outcome.error,
                                     endpoint_id=endpoint_ids[-1] if len(endpoint_ids) > endpoints_before else None,
@@ -285,6 +296,9 @@ def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endp
         # `/run` is not idempotent: rather than POST again (maybe starting a second job), give this
         # endpoint up (deleted by the caller, with any job it got) and let a new attempt start clean.
         error = submitted.result(raise_on_failure=False)
+        if isinstance(error, NotFoundError):  # the endpoint vanished between its create and the submit
+            return JobOutcome(kind="lost", job_id="", status="UNKNOWN",
+                              error=f"the endpoint vanished before its job was submitted ({error})")
         if not is_transient(error):
             raise error
         return JobOutcome(kind="submit_failed", job_id="", status="UNKNOWN", error=str(error))

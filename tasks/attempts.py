@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel
 
 from tasks.runpod.catalog import GpuClass
@@ -9,6 +11,8 @@ from tasks.runpod.jobs import JobOutcome
 
 MIN_TIME_FOR_ATTEMPT_S = 5 * 60
 """An attempt with less time than this before the deadline cannot start a worker and train."""
+MAX_CUDA_UNAVAILABLE = 1
+"""Hosts on which CUDA did not start that a run retries past: one may be a bad host, two are a pattern."""
 
 
 class NextAttempt(BaseModel):
@@ -21,15 +25,28 @@ class NextAttempt(BaseModel):
 
 def decide_next_attempt(
     outcome: JobOutcome, gpus: list[GpuClass], gpu_index: int, attempt: int, max_attempts: int, seconds_left: float,
-    warm_in: str | None = None,
+    warm_in: str | None = None, earlier: Sequence[str] = (),
 ) -> NextAttempt:
     """The retry policy: code failures, cancellations and the run's deadline never retry; no capacity walks
-    the GPU list; out of memory moves only to a GPU with more memory; stalls, preemptions, RunPod's own
-    timeouts, lost workers, failed submits and a job status unreadable past its budget retry on the same
+    the GPU list; out of memory moves only to a GPU with more memory; the host's RAM running out is not cured
+    by another GPU and fails the run; a host whose CUDA did not start is retried once on a new endpoint
+    (another host), then the run fails naming the driver; stalls, preemptions, RunPod's own timeouts, lost
+    workers, vanished endpoints, failed submits and a job status unreadable past its budget retry on the same
     GPU (resuming from the run's last checkpoint); all within the attempt budget and the run's deadline.
     An attempt pinned to `warm_in` (the datacenter whose volume holds the weights) that found no capacity
-    there retries the same GPU anywhere, cold."""
+    there retries the same GPU anywhere, cold. `earlier`: the outcome kinds of the run's earlier attempts."""
     here = gpus[gpu_index]
+    if outcome.kind == "host_out_of_memory":
+        return NextAttempt(retry=False, gpu_index=gpu_index,
+                           reason="the host's RAM ran out (the kernel's OOM killer), not the GPU's memory: a GPU with "
+                                  "more memory does not cure it; lower training.batch_size or max_seq_length, or "
+                                  "use a smaller dataset or model")
+    if outcome.kind == "cuda_unavailable" and MAX_CUDA_UNAVAILABLE <= list(earlier).count("cuda_unavailable"):
+        return NextAttempt(retry=False, gpu_index=gpu_index,
+                           reason=f"CUDA did not start on {MAX_CUDA_UNAVAILABLE + 1} hosts of the run: their NVIDIA "
+                                  "driver is older than the image's CUDA needs, or the GPUs are not exposed to the "
+                                  "container (see the error); try another GPU class, or an image built for an older "
+                                  "CUDA with LORAFLOW_IMAGE_MIN_CUDA set to match")
     if not outcome.retriable:
         return NextAttempt(retry=False, gpu_index=gpu_index, reason=f"{outcome.kind}: not retried")
     if attempt >= max_attempts:

@@ -67,9 +67,10 @@ def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceS
 
 
 @task(name="read-gpu-prices", cache_policy=NO_CACHE)
-def read_gpu_prices(gpus: list[GpuClass]) -> list[GpuOffer]:
-    """Each GPU's serverless price from RunPod's live catalog, or the static table where it cannot be read.
-    Not retried: the static table is the answer to a failed read."""
+def read_gpu_prices(gpus: list[GpuClass], cuda_floors: list[str] | None = None, *, log: bool = True) -> list[GpuOffer]:
+    """Each GPU's serverless price and hosts' CUDA versions from RunPod's live catalog, with its stock on hosts
+    that meet its CUDA floor (given `cuda_floors`), or the static table where it cannot be read. Not retried:
+    the static table is the answer to a failed read."""
     logger = get_run_logger()
     try:
         client = make_client()
@@ -77,10 +78,12 @@ def read_gpu_prices(gpus: list[GpuClass]) -> list[GpuOffer]:
         offers = [static_offer(g, f"no RunPod client to read the catalog with: {e}") for g in gpus]
     else:
         with client:
-            offers = gpu_offers(client, gpus)
-    for offer in offers:
+            offers = gpu_offers(client, gpus, cuda_floors)
+    for offer in offers if log else ():
         if offer.source == "catalog":
-            logger.info("%s: $%.2f/GPU-hour from RunPod's catalog; stock in %s", offer.gpu, offer.usd_per_hour,
+            floor = f" on hosts with CUDA >= {offer.cuda_floor}" if offer.cuda_floor else ""
+            logger.info("%s: $%.2f/GPU-hour from RunPod's catalog; hosts run CUDA %s; stock%s in %s", offer.gpu,
+                        offer.usd_per_hour, ", ".join(offer.cuda_versions) or "(none listed)", floor,
                         ", ".join(offer.in_stock_data_centers()) or "no datacenter now")
         else:
             logger.warning("%s: static list price $%.2f/GPU-hour (%s)", offer.gpu, offer.usd_per_hour,

@@ -13,12 +13,16 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
-from tasks.runpod.catalog import GpuClass
+from tasks.runpod.catalog import GpuClass, cuda_floor
 from tasks.runpod.endpoints import build_create_request, endpoint_name
 from tasks.runpod.jobs import WatchLimits
 from tasks.runpod.models import CreateEndpoint, JobPolicy
 from tasks.settings import Settings
 from tasks.weight_cache import DataCenterCache
+
+REQUIRE_CUDA_ENV = "LORAFLOW_REQUIRE_CUDA"
+"""In a training endpoint's env: the worker fails the job within seconds when CUDA cannot start, instead of
+training on the host's CPU (localpod's CPU workers lift it, saying so)."""
 
 TEARDOWN_MARGIN_S = 5 * 60
 """RunPod's execution timeout and job TTL sit this far past the run's deadline, so the worker's own
@@ -145,11 +149,12 @@ def plan_attempt(
         gpu=gpu,
         gpu_count=gpu_count,
         image=settings.worker_image(),
-        # The worker exits by itself at the run's deadline, even if no job ever reaches it.
-        env=worker_env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
+        # The worker exits by itself at the run's deadline, even if no job ever reaches it; and trains on the
+        # GPU or fails at once: a CPU fallback on a RunPod host is a GPU bill for CPU speed.
+        env=worker_env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}", REQUIRE_CUDA_ENV: "1"},
         disk_gb=disk_gb,
         execution_timeout_s=execution_timeout_s,
-        image_min_cuda=settings.loraflow_image_min_cuda,
+        cuda_floor=cuda_floor(gpu, settings.loraflow_image_min_cuda),
         data_center_ids=[cache.data_center] if cache else None,
         network_volume_id=cache.volume_id if cache else None,
     )

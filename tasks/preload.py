@@ -102,7 +102,6 @@ def preload_one(
     volume_gb: int,
     image: str,
     env: dict[str, str],
-    image_min_cuda: str,
     deadline_epoch_s: float,
     queue_s: float,
     cancel_requested: Callable[[], bool] = lambda: False,
@@ -116,7 +115,8 @@ def preload_one(
     request = build_create_request(
         name=name, gpu=gpu, gpu_count=1, image=image, disk_gb=PRELOAD_DISK_GB,
         env=env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
-        execution_timeout_s=remaining + 300, image_min_cuda=image_min_cuda,
+        # A download needs no CUDA: any host of the GPU will do, whatever its driver.
+        execution_timeout_s=remaining + 300, cuda_floor=None,
         data_center_ids=[data_center], network_volume_id=volume.id,
     )
     endpoint: Endpoint | None = None
@@ -155,7 +155,7 @@ def preload_data_center(data_center: str, gpu_name: str, models: list[ModelSourc
                 make_client(settings) as client:
             outcome = preload_one(client, run_id=run_id, namespace=namespace, data_center=data_center, gpu=gpu,
                                   models=models, volume_gb=volume_gb, image=settings.worker_image(), env=env,
-                                  image_min_cuda=settings.loraflow_image_min_cuda, deadline_epoch_s=deadline_epoch_s,
+                                  deadline_epoch_s=deadline_epoch_s,
                                   queue_s=queue_s, cancel_requested=run_cancel_requested)
     except Exception as e:  # noqa: BLE001 - one datacenter's failure is reported in the sweep's table
         logger.exception("Preload in %s failed", data_center)

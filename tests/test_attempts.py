@@ -9,8 +9,9 @@ from tasks.runpod.jobs import JobOutcome
 GPUS = [resolve_gpu("4090"), resolve_gpu("a100"), resolve_gpu("h200")]
 
 
-def decide(kind, gpu_index=0, attempt=1, max_attempts=3, seconds_left=3600, gpus=GPUS):
-    return decide_next_attempt(JobOutcome(kind=kind, job_id="j", status="X"), gpus, gpu_index, attempt, max_attempts, seconds_left)
+def decide(kind, gpu_index=0, attempt=1, max_attempts=3, seconds_left=3600, gpus=GPUS, earlier=()):
+    return decide_next_attempt(JobOutcome(kind=kind, job_id="j", status="X"), gpus, gpu_index, attempt, max_attempts,
+                               seconds_left, earlier=earlier)
 
 
 @pytest.mark.parametrize("kind", ["failed", "cancelled", "run_cancelled", "deadline"])
@@ -34,7 +35,8 @@ def test_out_of_memory_on_the_biggest_gpu_fails_with_the_fix():
     assert "batch_size" in decision.reason
 
 
-@pytest.mark.parametrize("kind", ["stalled", "preempted", "timed_out", "worker_lost", "unreachable", "submit_failed"])
+@pytest.mark.parametrize("kind", ["stalled", "preempted", "timed_out", "worker_lost", "unreachable", "submit_failed",
+                                  "lost"])
 def test_infrastructure_failures_retry_on_the_same_gpu(kind):
     decision = decide(kind, gpu_index=1)
     assert decision.retry and decision.gpu_index == 1
@@ -60,3 +62,17 @@ def test_a_cold_retry_still_respects_the_attempt_budget():
     decision = decide_next_attempt(JobOutcome(kind="no_capacity", job_id="j", status="IN_QUEUE"), GPUS, 1, 3, 3, 3600,
                                    warm_in="EU-RO-1")
     assert not decision.retry
+
+
+def test_a_host_without_cuda_is_retried_once_on_the_same_gpu_then_the_run_fails_naming_the_driver():
+    first = decide("cuda_unavailable", gpu_index=1)
+    assert first.retry and first.gpu_index == 1
+    second = decide("cuda_unavailable", gpu_index=1, attempt=2, earlier=["cuda_unavailable"])
+    assert not second.retry
+    assert "driver" in second.reason
+
+
+def test_host_ram_running_out_is_not_moved_to_a_bigger_gpu():
+    decision = decide("host_out_of_memory", gpu_index=0)
+    assert not decision.retry
+    assert "host's RAM" in decision.reason and "batch_size" in decision.reason

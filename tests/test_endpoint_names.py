@@ -4,7 +4,7 @@ from the run id alone."""
 import httpx
 import pytest
 
-from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
+from tasks.runpod.catalog import GPU_CLASSES, cuda_floor, resolve_gpu
 from tasks.runpod.endpoints import (
     ENDPOINT_PREFIX,
     MAX_ENDPOINT_NAME,
@@ -103,7 +103,7 @@ def test_a_runs_endpoints_are_found_by_name_across_attempts_and_tags():
 
 def test_create_request_pins_one_worker_and_the_card():
     request = build_create_request(name="loraflow-x", gpu=resolve_gpu("h100"), gpu_count=1, image="img", env={},
-                                   disk_gb=40, execution_timeout_s=600)
+                                   disk_gb=40, execution_timeout_s=600, cuda_floor="13.0")
     wire = request.to_wire()
     assert wire["workers"]["max"] == 1
     assert wire["gpu"]["pools"] == ["ADA_80_PRO"]
@@ -118,13 +118,18 @@ def test_catalog_has_the_known_gpus_and_aliases():
         resolve_gpu("v100")
 
 
-def test_endpoint_asks_for_the_higher_of_the_cards_and_the_images_cuda():
-    common = dict(name="loraflow-x", gpu_count=1, image="img", env={}, disk_gb=40, execution_timeout_s=600)
-    h100 = build_create_request(gpu=resolve_gpu("h100"), image_min_cuda="13.0", **common)
-    assert h100.gpu.min_cuda_version == "13.0"
-    b200 = build_create_request(gpu=resolve_gpu("b200"), image_min_cuda="12.11", **common)
-    assert b200.gpu.min_cuda_version == "13.0"
-    assert build_create_request(gpu=resolve_gpu("h100"), image_min_cuda="12.11", **common).gpu.min_cuda_version == "12.11"
+def test_the_cuda_floor_is_the_higher_of_the_cards_and_the_images():
+    assert cuda_floor(resolve_gpu("h100"), "13.0") == "13.0"
+    assert cuda_floor(resolve_gpu("b200"), "12.11") == "13.0"
+    assert cuda_floor(resolve_gpu("h100"), "12.11") == "12.11"  # compared as numbers: 12.11 > 12.8
+
+
+def test_endpoint_asks_for_its_cuda_floor_or_none():
+    common = dict(name="loraflow-x", gpu=resolve_gpu("h100"), gpu_count=1, image="img", env={}, disk_gb=40,
+                  execution_timeout_s=600)
+    assert build_create_request(cuda_floor="13.0", **common).gpu.min_cuda_version == "13.0"
+    no_floor = build_create_request(cuda_floor=None, **common)
+    assert "minCudaVersion" not in no_floor.to_wire()["gpu"]
 
 
 def test_without_a_worker_image_the_run_is_refused_naming_the_setting(monkeypatch):

@@ -91,10 +91,48 @@ def test_handler_exception_is_a_code_failure_with_message_and_traceback():
     assert outcome.traceback == "Traceback..."
 
 
-def test_out_of_memory_is_its_own_retriable_outcome():
-    error = json.dumps({"error_type": "<class 'RuntimeError'>", "error_message": "out of memory: CUDA out of memory. Tried to allocate 2 GiB"})
-    outcome = watch(scripted_client([job("FAILED", error=error)]), FakeClock())
-    assert outcome.kind == "out_of_memory" and outcome.retriable
+def handler_failure(message, error_type="JobFailed"):
+    """A FAILED job's error as runpod 1.12's runtime sends a handler exception."""
+    return job("FAILED", error=json.dumps({"error_type": f"<class 'loraflow_worker.supervisor.{error_type}'>",
+                                           "error_message": message}))
+
+
+@pytest.mark.parametrize(
+    ("message", "kind", "memory"),
+    [
+        # The worker's markers, behind the prefix RunPod's runtime adds (`JobFailed: `).
+        ("out of memory (GPU): torch.OutOfMemoryError: Tried to allocate 2 GiB", "out_of_memory", "gpu"),
+        ("out of memory (vLLM KV cache): ValueError: No available memory for the cache blocks", "out_of_memory",
+         "vllm_kv"),
+        ("out of memory (host RAM): the kernel's OOM killer ended the training process", "host_out_of_memory", "host"),
+        # The libraries' own texts, with no marker (an error that did not pass the worker's supervisor).
+        ("RuntimeError: CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+         "out_of_memory", "gpu"),
+        ("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "out_of_memory",
+         "gpu"),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB", "out_of_memory", "gpu"),
+        ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
+         "out_of_memory", "vllm_kv"),
+        ("CUDA unavailable: torch 2.14.0 is built for CUDA 13.0 (NVIDIA driver >= 580)", "cuda_unavailable", None),
+    ],
+)
+def test_failures_are_classified_by_their_sign_wherever_it_is_in_the_error(message, kind, memory):
+    outcome = watch(scripted_client([training(2), handler_failure(message)]), FakeClock())
+    assert (outcome.kind, outcome.memory) == (kind, memory)
+    assert outcome.error == f"JobFailed: {message}"
+
+
+def test_gpu_out_of_memory_and_cuda_unavailable_retry_and_host_out_of_memory_is_its_own_outcome():
+    gpu = watch(scripted_client([handler_failure("out of memory (GPU): x")]), FakeClock())
+    host = watch(scripted_client([handler_failure("out of memory (host RAM): y")]), FakeClock())
+    cuda = watch(scripted_client([handler_failure("CUDA unavailable: z")]), FakeClock())
+    assert gpu.retriable and cuda.retriable
+    assert host.kind == "host_out_of_memory"
+
+
+def test_an_ordinary_code_failure_is_not_taken_for_out_of_memory():
+    outcome = watch(scripted_client([handler_failure("KeyError: 'messages' (memory of the run)")]), FakeClock())
+    assert outcome.kind == "failed" and outcome.memory is None
 
 
 def test_worker_dying_without_a_result_is_worker_lost():
@@ -204,9 +242,32 @@ def test_the_deadline_still_ends_an_unreadable_job():
 
 def test_permanent_read_errors_are_raised_at_once():
     clock = FakeClock()
-    with pytest.raises(errors.NotFoundError):
-        watch(scripted_client([(404, {"detail": "no such job"})]), clock)
+    with pytest.raises(errors.AuthError):
+        watch(scripted_client([(401, {"detail": "bad key"})]), clock)
     assert clock.now == 1000.0
+
+
+def test_an_endpoint_or_job_that_vanishes_during_the_watch_is_lost_and_retried():
+    clock = FakeClock()
+    outcome = watch(scripted_client([training(4), (404, {"detail": "endpoint not found"})]), clock)
+    assert outcome.kind == "lost" and outcome.retriable
+    assert outcome.last_step == 4 and "vanished" in outcome.error
+
+
+def test_an_unknown_status_is_reported_once_and_treated_as_running():
+    unknown = []
+    clock = FakeClock()
+    answers = [training(1)] + [job("RUNNING")] * 5 + [training(2), job("RUNNING"), job("COMPLETED")]
+    outcome = watch(scripted_client(answers), clock, on_unknown_status=unknown.append)
+    assert outcome.kind == "completed"
+    assert unknown == ["RUNNING"]
+
+
+def test_a_job_that_stays_in_an_unknown_status_is_ended_by_the_stall_limits():
+    clock = FakeClock()
+    outcome = watch(scripted_client([job("RUNNING")]), clock, startup=300, stall=60, on_unknown_status=lambda s: None)
+    assert outcome.kind == "stalled"
+    assert 300 <= clock.now - 1000 <= 303
 
 
 def test_a_cancelled_run_cancels_its_job_within_a_check_interval():

@@ -55,6 +55,23 @@ def _key(name: str) -> str:
 _BY_KEY = {_key(n): n for n in GPU_CLASSES} | {_key(a): n for a, n in _ALIASES.items()}
 
 
+def cuda_floor(gpu: GpuClass, image_min_cuda: str) -> str:
+    """The lowest host CUDA version a training worker of this class can run on: the card's and the image's."""
+    return max(gpu.min_cuda, image_min_cuda, key=cuda_version)
+
+
+def cuda_version(version: str) -> tuple[int, ...]:
+    """A CUDA version as comparable numbers, as RunPod compares them: 12.11 is above 12.2. A floor of "12"
+    is (12,), below every 12.x."""
+    return tuple(int(part) for part in version.split("."))
+
+
+def meets_cuda_floor(version: str, floor: str) -> bool:
+    """Whether a host on CUDA `version` meets `floor` (compared on as many parts as the floor has)."""
+    wanted = cuda_version(floor)
+    return cuda_version(version)[: len(wanted)] >= wanted
+
+
 def resolve_gpu(name: str) -> GpuClass:
     """The GPU class for a name or alias ("h100", "RTX 4090", "4090"); ValueError listing the known ones."""
     canonical = _BY_KEY.get(_key(name))

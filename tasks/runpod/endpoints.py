@@ -83,13 +83,14 @@ def build_create_request(
     env: dict[str, str],
     disk_gb: int,
     execution_timeout_s: int,
-    image_min_cuda: str = "0.0",
+    cuda_floor: str | None,
     data_center_ids: list[str] | None = None,
     network_volume_id: str | None = None,
 ) -> CreateEndpoint:
-    """One endpoint per run attempt, capped at one worker: one quota slot = one endpoint. Hosts must
-    have the CUDA version both the card and the image need. A network volume pins the workers to its
-    datacenter (RunPod mounts it at `/runpod-volume`)."""
+    """One endpoint per run attempt, capped at one worker: one quota slot = one endpoint. Hosts must run at
+    least `cuda_floor` (`catalog.cuda_floor`: what both the card and the image need; None for a job that
+    needs no CUDA, such as a preload). A network volume pins the workers to its datacenter (RunPod mounts
+    it at `/runpod-volume`)."""
     return CreateEndpoint(
         name=name,
         image=image,
@@ -99,18 +100,13 @@ def build_create_request(
             pools=[gpu.pool],
             excluded_types=list(gpu.exclude) or None,
             count=gpu_count,
-            min_cuda_version=max(gpu.min_cuda, image_min_cuda, key=_cuda_key),
+            min_cuda_version=cuda_floor,
         ),
         workers=Workers(min=0, max=1, idle_timeout=5),
         timeout=execution_timeout_s * 1000,
         data_center_ids=data_center_ids or None,
         network_volumes=[network_volume_id] if network_volume_id else None,
     )
-
-
-def _cuda_key(version: str) -> tuple[int, ...]:
-    # Compared as numbers, as RunPod does: 12.11 is above 12.2.
-    return tuple(int(part) for part in version.split("."))
 
 
 def ensure_endpoint(client: RunpodClient, request: CreateEndpoint) -> Endpoint:

@@ -15,6 +15,7 @@ from here, however the run was started.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -26,13 +27,18 @@ from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.models import Health, JobStatus
 
+log = logging.getLogger("loraflow.jobs")
+
 OutcomeKind = Literal[
     "completed", "failed", "cancelled", "run_cancelled", "deadline", "timed_out", "no_capacity", "image_pull_failed",
-    "stalled", "preempted", "worker_lost", "out_of_memory", "submit_failed", "unreachable",
+    "stalled", "preempted", "worker_lost", "out_of_memory", "host_out_of_memory", "cuda_unavailable", "submit_failed",
+    "unreachable", "lost",
 ]
 RETRIABLE_OUTCOMES: frozenset[str] = frozenset(
-    {"no_capacity", "stalled", "preempted", "timed_out", "worker_lost", "out_of_memory", "submit_failed", "unreachable"}
+    {"no_capacity", "stalled", "preempted", "timed_out", "worker_lost", "out_of_memory", "cuda_unavailable",
+     "submit_failed", "unreachable", "lost"}
 )
+MemoryKind = Literal["gpu", "vllm_kv", "host"]
 
 MAX_POLL_INTERVAL_S = 30.0
 """The longest wait between two polls, backoff after errors and Retry-After included."""
@@ -52,7 +58,21 @@ STEADY_POLL_MAX_S = 5.0
 loop serves, and 2.5 × fewer polls than the 2 s base on a long run."""
 HEALTH_CHECK_S = 30.0
 """How often `/health` is read while the job is queued and no worker has taken it."""
-_OOM = re.compile(r"^out of memory|CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
+# How a FAILED job's error says what failed, searched anywhere in it (RunPod's runtime and the handler add
+# their own prefixes, e.g. `JobFailed: `). First the worker's own markers (loraflow_worker.supervisor), then
+# the libraries' texts, for an error that did not pass through the worker's supervisor.
+_FAILURE_KINDS: tuple[tuple[OutcomeKind, MemoryKind | None, re.Pattern[str]], ...] = (
+    ("cuda_unavailable", None, re.compile(r"CUDA unavailable:")),
+    ("host_out_of_memory", "host", re.compile(r"out of memory \(host RAM\)")),
+    ("out_of_memory", "vllm_kv", re.compile(r"out of memory \(vLLM KV cache\)")),
+    ("out_of_memory", "gpu", re.compile(r"out of memory \(GPU\)")),
+    # vLLM's start-up check when the share it was given leaves nothing for the KV cache.
+    ("out_of_memory", "vllm_kv", re.compile(r"No available memory for the cache blocks|"
+                                            r"available KV cache memory|KV cache is needed", re.IGNORECASE)),
+    # PyTorch's allocator (torch.OutOfMemoryError), a kernel launch (CUDA error), cuBLAS handle creation.
+    ("out_of_memory", "gpu", re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|"
+                                        r"CUBLAS_STATUS_ALLOC_FAILED", re.IGNORECASE)),
+)
 
 
 class WatchLimits(BaseModel):
@@ -80,9 +100,15 @@ class JobOutcome(BaseModel):
                               "left the queue while /health showed workers stuck initializing: every GPU would pull the "
                               "same image, so no retry); stalled (no "
                               "progress); preempted (requeued after it started); worker_lost (the worker died "
-                              "without a result); out_of_memory; submit_failed (`/run` errored: whether a job "
+                              "without a result); out_of_memory (the GPU's memory, or vLLM's KV cache: see `memory`); "
+                              "host_out_of_memory (the host's RAM: the kernel's OOM killer; a GPU with more memory "
+                              "does not cure it); cuda_unavailable (CUDA did not start on the host: the worker "
+                              "refused to train on its CPU); submit_failed (`/run` errored: whether a job "
                               "started is unknown); unreachable (the job's status answered only transient errors "
-                              "for longer than the attempt's budget for them).")
+                              "for longer than the attempt's budget for them); lost (the endpoint or its job "
+                              "vanished: deleted behind the run, by a person, another process or RunPod).")
+    memory: MemoryKind | None = Field(default=None, description="Which memory ran out: gpu (training on the GPU), "
+                                      "vllm_kv (vLLM's KV cache at start-up), host (the host's RAM); None otherwise.")
     job_id: str
     status: str = Field(description="RunPod's last job status.")
     output: Any = None
@@ -131,7 +157,8 @@ class _Progress:
         self.last_step: int | None = None
 
     def see(self, status: JobStatus, now: float) -> None:
-        if status.status == "IN_PROGRESS" and self.first_running is None:
+        # A status loraflow does not know counts as running: the stall limits then end a job that never moves.
+        if (status.status == "IN_PROGRESS" or not status.known) and self.first_running is None:
             self.first_running = self.last_change = now
         progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
         if progress is None:
@@ -154,6 +181,8 @@ def watch_job(
     poll_interval_s: float = 2.0,
     on_status: Callable[[JobStatus], None] = lambda status: None,
     on_read_error: Callable[[errors.RunpodError, float], None] = lambda error, unreadable_s: None,
+    on_unknown_status: Callable[[str], None] = lambda status: log.warning(
+        "RunPod sent job status %r, which loraflow does not know: treated as running", status),
     cancel_requested: Callable[[], bool] = lambda: False,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
@@ -163,13 +192,16 @@ def watch_job(
     A job given up on (queued, stalled, requeued, unreachable, past the deadline, or its run cancelled)
     is cancelled first; the caller deletes the endpoint afterwards in any case. `cancel_requested` is
     asked every `CANCEL_CHECK_S`; `on_read_error` hears each transient error with how long the status
-    has been unreadable. Non-transient errors (401, 404, ...) are raised at once.
+    has been unreadable. A 404 for the endpoint or the job means it vanished behind the run (outcome `lost`:
+    another attempt starts on a new endpoint). A status loraflow does not know is reported once to
+    `on_unknown_status` and treated as running. Other non-transient errors (401, 403, ...) are raised at once.
     """
     seen = _Progress(clock())
     queue = _QueueHealth()
     last: JobStatus | None = None
     unreadable_since: float | None = None
     error_streak = 0
+    unknown_seen: set[str] = set()
     next_cancel_check = next_health_check = seen.submitted
     while True:
         now = clock()
@@ -197,7 +229,14 @@ def watch_job(
                                       f"{now - unreadable_since:.0f} s (last: {error})")
             sleep(min(_backoff(poll_interval_s, error_streak, error), max(_deadline(limits, seen) - now, 0.0)))
             continue
+        except errors.NotFoundError as error:
+            return _outcome("lost", job_id, last.status if last else "UNKNOWN", seen, clock(),
+                            error=f"the endpoint or its job vanished while the run watched it ({error}): deleted "
+                                  "behind the run, from RunPod's console, by another process or by RunPod")
         unreadable_since, error_streak, last = None, 0, status
+        if not status.known and status.status not in unknown_seen:
+            unknown_seen.add(status.status)
+            on_unknown_status(status.status)
         now = clock()
         on_status(status)
         seen.see(status, now)
@@ -313,17 +352,29 @@ def _terminal_outcome(status: JobStatus, seen: _Progress, now: float) -> JobOutc
     message, traceback, raised_by_handler = parse_worker_error(status.error)
     kind: OutcomeKind = {"COMPLETED": "completed", "FAILED": "failed", "CANCELLED": "cancelled",
                          "TIMED_OUT": "timed_out"}[status.status]  # type: ignore[assignment]
-    if kind == "failed" and message and _OOM.search(message):
-        kind = "out_of_memory"
+    memory: MemoryKind | None = None
+    failure = classify_failure(message) if kind == "failed" else None
+    if failure is not None:
+        kind, memory = failure
     elif kind == "failed" and not raised_by_handler:
         kind = "worker_lost"
     outcome = _outcome(kind, status.id, status.status, seen, now, error=message)
+    outcome.memory = memory
     outcome.output, outcome.traceback = status.output, traceback
     if status.delay_time is not None:
         outcome.queued_seconds = status.delay_time / 1000
     if status.execution_time is not None:
         outcome.running_seconds = status.execution_time / 1000
     return outcome
+
+
+def classify_failure(message: str | None) -> tuple[OutcomeKind, MemoryKind | None] | None:
+    """What a FAILED job's error says failed, wherever in it the sign is: out of memory (and which), CUDA
+    unavailable; None for any other failure."""
+    for kind, memory, pattern in _FAILURE_KINDS:
+        if message and pattern.search(message):
+            return kind, memory
+    return None
 
 
 def _outcome(kind: OutcomeKind, job_id: str, status: str, seen: _Progress, now: float, error: str | None) -> JobOutcome:

@@ -154,8 +154,11 @@ class GpuOffer(BaseModel):
     )
     data_centers: dict[str, AvailabilityLevel] = Field(
         default_factory=dict,
-        description="Datacenter id → the class's serverless stock there (the best of its GPU types); empty with the "
-        "static price (unknown).",
+        description="Datacenter id → the class's serverless stock there (the best of its GPU types) on hosts that "
+        "meet `cuda_floor`; empty with the static price (unknown).",
+    )
+    cuda_floor: str | None = Field(
+        default=None, description="The CUDA floor the stock was read for (`minCudaVersion`); None: any host."
     )
 
     def in_stock_data_centers(self) -> list[str]:
@@ -170,22 +173,28 @@ class LiveCatalog(BaseModel):
     gpu_types: list[CatalogGpuType] | None = Field(description="The serverless GPU types; None when unreadable.")
     fallback_reason: str | None = Field(default=None, description="Why the catalog could not be read.")
     read_at: float = Field(description="`time.monotonic()` of the read.")
+    min_cuda: str | None = Field(default=None, description="The `minCudaVersion` the read was scoped to; None: none.")
 
-    def offer(self, gpu: GpuClass) -> GpuOffer:
-        """The class's price, CUDA versions and stock from the catalog; the static price where it has none."""
+    def offer(self, gpu: GpuClass, stock: LiveCatalog | None = None) -> GpuOffer:
+        """The class's price, CUDA versions and stock from the catalog; the static price where it has none. With
+        `stock` (a read scoped to a CUDA floor), the per-datacenter stock comes from it: hosts below the floor
+        cannot take the class's workers, so their stock is no stock."""
         if self.gpu_types is None:
             return static_offer(gpu, self.fallback_reason or "the catalog could not be read")
         types = [t for t in self.gpu_types if t.pool == gpu.pool and t.id not in gpu.exclude]
         prices = [t.price.serverless for t in types if t.price.serverless is not None]
         if not prices:
             return static_offer(gpu, f"RunPod's catalog lists no serverless price for pool {gpu.pool}")
+        stock_types = types if stock is None or stock.gpu_types is None else \
+            [t for t in stock.gpu_types if t.pool == gpu.pool and t.id not in gpu.exclude]
         levels: dict[str, AvailabilityLevel] = {}
-        for t in types:
+        for t in stock_types:
             for dc in t.data_centers:
                 levels[dc.id] = max(levels.get(dc.id, "NONE"), dc.availability, key=_LEVELS.index)
         versions = {v.version for t in types for v in t.cuda_versions}
         return GpuOffer(gpu=gpu.name, pool=gpu.pool, usd_per_hour=max(prices), source="catalog",
-                        cuda_versions=sorted(versions, key=_version_key), data_centers=levels)
+                        cuda_versions=sorted(versions, key=_version_key), data_centers=levels,
+                        cuda_floor=stock.min_cuda if stock is not None and stock.gpu_types is not None else None)
 
 
 class BilledAmount(BaseModel):
@@ -198,10 +207,14 @@ class BilledAmount(BaseModel):
 # --- reads -------------------------------------------------------------------------------------------
 
 
-def read_gpu_types(client: RunpodClient) -> list[CatalogGpuType]:
-    """Every GPU type with its serverless availability. Raises the client's errors, or ValueError on a body
-    of another shape."""
-    body = client.catalog_gpus({"include": "AVAILABILITY", "product": "SERVERLESS"})
+def read_gpu_types(client: RunpodClient, min_cuda: str | None = None) -> list[CatalogGpuType]:
+    """Every GPU type with its serverless availability; with `min_cuda`, the availability on hosts that run
+    at least that CUDA version (RunPod's `minCudaVersion` scopes the stock per datacenter). Raises the
+    client's errors, or ValueError on a body of another shape."""
+    params = {"include": "AVAILABILITY", "product": "SERVERLESS"}
+    if min_cuda is not None:
+        params["minCudaVersion"] = min_cuda
+    body = client.catalog_gpus(params)
     return _GpuTypeList.model_validate(body).gpus
 
 
@@ -211,27 +224,28 @@ def read_data_centers(client: RunpodClient) -> list[CatalogDataCenter]:
     return _DataCenterList.model_validate(body).data_centers
 
 
-_cache: dict[str, LiveCatalog] = {}
+_cache: dict[tuple[str, str | None], LiveCatalog] = {}
 _cache_lock = threading.Lock()
 
 
 def live_catalog(
-    client: RunpodClient, *, max_age_s: float = CATALOG_MAX_AGE_S, clock: Callable[[], float] = time.monotonic
+    client: RunpodClient, *, min_cuda: str | None = None, max_age_s: float = CATALOG_MAX_AGE_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> LiveCatalog:
-    """The GPU catalog, read at most once per `max_age_s` per process and API URL. Never raises: an unreadable
-    catalog comes back with `gpu_types=None` and the reason (logged), and is not kept, so the next call reads
-    again."""
-    key = client.api_url
+    """The GPU catalog (its stock scoped to hosts that run at least `min_cuda`, when given), read at most once
+    per `max_age_s` per process, API URL and floor. Never raises: an unreadable catalog comes back with
+    `gpu_types=None` and the reason (logged), and is not kept, so the next call reads again."""
+    key = (client.api_url, min_cuda)
     with _cache_lock:
         cached = _cache.get(key)
     if cached is not None and clock() - cached.read_at < max_age_s:
         return cached
     try:
-        read = LiveCatalog(gpu_types=read_gpu_types(client), read_at=clock())
+        read = LiveCatalog(gpu_types=read_gpu_types(client, min_cuda), read_at=clock(), min_cuda=min_cuda)
     except _UNREADABLE as e:
         reason = f"RunPod's catalog could not be read ({type(e).__name__}: {str(e)[:300]})"
         log.warning("%s; using loraflow's static list prices", reason)
-        return LiveCatalog(gpu_types=None, fallback_reason=reason, read_at=clock())
+        return LiveCatalog(gpu_types=None, fallback_reason=reason, read_at=clock(), min_cuda=min_cuda)
     with _cache_lock:
         _cache[key] = read
     return read
@@ -243,10 +257,17 @@ def clear_catalog_cache() -> None:
         _cache.clear()
 
 
-def gpu_offers(client: RunpodClient, gpus: Sequence[GpuClass]) -> list[GpuOffer]:
-    """Each class's offer, in order, from one (cached) read of the catalog."""
+def gpu_offers(client: RunpodClient, gpus: Sequence[GpuClass], cuda_floors: Sequence[str | None] | None = None,
+               ) -> list[GpuOffer]:
+    """Each class's offer, in order, from one (cached) read of the catalog; with `cuda_floors` (one per class,
+    None for none), each class's per-datacenter stock counts only hosts that meet its floor (one more read per
+    distinct floor)."""
     catalog = live_catalog(client)
-    return [catalog.offer(gpu) for gpu in gpus]
+    floors = list(cuda_floors) if cuda_floors is not None else [None] * len(gpus)
+    if catalog.gpu_types is None:
+        return [catalog.offer(gpu) for gpu in gpus]
+    return [catalog.offer(gpu, live_catalog(client, min_cuda=floor) if floor is not None else None)
+            for gpu, floor in zip(gpus, floors, strict=True)]
 
 
 def static_offer(gpu: GpuClass, reason: str) -> GpuOffer:

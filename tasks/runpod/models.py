@@ -7,7 +7,7 @@ ignore fields we do not use, so a RunPod addition does not break a run.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -83,6 +83,7 @@ class EndpointList(_Response):
 
 
 JobStatusName = Literal["IN_QUEUE", "IN_PROGRESS", "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"]
+KNOWN_JOB_STATUSES: frozenset[str] = frozenset(get_args(JobStatusName))
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"})
 
 
@@ -102,7 +103,9 @@ class JobStatus(_Response):
     """`/run`, `/status` and `/cancel` answers."""
 
     id: str
-    status: JobStatusName
+    # Not the Literal: RunPod's job-state docs list more statuses than loraflow acts on (e.g. RUNNING), and a
+    # status this model refused would end the watch of a live job. The watch treats an unknown one as running.
+    status: str = Field(description="The job's status: one of `JobStatusName`, or another RunPod may send.")
     delay_time: int | None = Field(default=None, description="Milliseconds the job waited in the queue.")
     execution_time: int | None = Field(default=None, description="Milliseconds the job ran.")
     worker_id: str | None = None
@@ -112,6 +115,10 @@ class JobStatus(_Response):
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_JOB_STATUSES
+
+    @property
+    def known(self) -> bool:
+        return self.status in KNOWN_JOB_STATUSES
 
 
 class HealthJobs(_Response):

@@ -145,7 +145,10 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
 
     with make_client() as client, get_client(sync_client=True) as prefect:
         outcome = watch_job(client, endpoint.id, job_id, limits, poll_interval_s=poll_interval_s, on_status=on_status,
-                            on_read_error=on_read_error, cancel_requested=lambda: run_cancel_requested(prefect))
+                            on_read_error=on_read_error, cancel_requested=lambda: run_cancel_requested(prefect),
+                            on_unknown_status=lambda name: logger.warning(
+                                "Job %s: RunPod sent status %r, which loraflow does not know; treated as running "
+                                "(the stall limits still apply)", job_id, name))
     if outcome.kind == "completed":
         # Polls may miss the last updates of a short run: the result's metrics give the final line.
         update_progress_artifact(artifact_id=artifact_id, progress=100.0,

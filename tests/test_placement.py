@@ -1,0 +1,45 @@
+"""Placement: a GPU class is rented only when some of its hosts run the CUDA its workers need."""
+
+import pytest
+
+from tasks.placement import NoHostForImage, cuda_fits, placeable_gpus
+from tasks.runpod.catalog import cuda_floor, meets_cuda_floor, resolve_gpu
+from tasks.runpod.live_catalog import GpuOffer, static_offer
+
+RTX_4090, H100, B200 = resolve_gpu("4090"), resolve_gpu("h100"), resolve_gpu("b200")
+
+
+def offer(gpu, versions):
+    return GpuOffer(gpu=gpu.name, pool=gpu.pool, usd_per_hour=1.0, source="catalog", cuda_versions=versions)
+
+
+@pytest.mark.parametrize(("version", "floor", "meets"), [("13.0", "13.0", True), ("12.9", "13.0", False),
+                                                         ("12.11", "12.8", True), ("12.4", "12", True),
+                                                         ("11.8", "12", False)])
+def test_a_host_meets_a_floor_compared_as_numbers(version, floor, meets):
+    assert meets_cuda_floor(version, floor) is meets
+
+
+def test_gpus_whose_hosts_meet_the_floor_are_kept_in_order_and_the_others_named():
+    offers = {RTX_4090.name: offer(RTX_4090, ["12.4", "12.8", "13.0"]), H100.name: offer(H100, ["12.4", "12.9"])}
+    kept, excluded = placeable_gpus([H100, RTX_4090], offers, ["13.0", "13.0"])
+    assert kept == [RTX_4090]
+    assert [fit.gpu for fit in excluded] == ["H100"]
+    assert "12.4, 12.9" in excluded[0].describe() and ">= 13.0" in excluded[0].describe()
+
+
+def test_a_run_no_host_can_serve_is_refused_naming_each_gpu_the_versions_the_floor_and_the_fix():
+    offers = {RTX_4090.name: offer(RTX_4090, ["12.4", "12.8"]), H100.name: offer(H100, [])}
+    alternatives = cuda_fits([B200], {B200.name: offer(B200, ["12.8", "13.0"])}, ["13.0"])
+    with pytest.raises(NoHostForImage) as refused:
+        placeable_gpus([RTX_4090, H100], offers, ["13.0", "13.0"], alternatives=lambda: alternatives)
+    message = str(refused.value)
+    assert "RTX 4090: hosts run CUDA 12.4, 12.8; needs >= 13.0" in message
+    assert "H100: hosts run CUDA none" in message
+    assert "compute.gpu" in message and "B200" in message and "LORAFLOW_IMAGE_MIN_CUDA" in message
+
+
+def test_an_unreadable_catalog_excludes_nothing():
+    offers = {RTX_4090.name: static_offer(RTX_4090, "the catalog could not be read")}
+    kept, excluded = placeable_gpus([RTX_4090], offers, [cuda_floor(RTX_4090, "13.0")])
+    assert kept == [RTX_4090] and excluded == []
