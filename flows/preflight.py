@@ -1,0 +1,135 @@
+"""The `preflight` flow: before the first real run, check what a run of this spec needs, renting and changing
+nothing (no create, update or delete, at RunPod, on the Hub or in Prefect).
+
+Run it where the runs will run (the same RUNPOD_API_KEY, HF_TOKEN, LORAFLOW_WORKER_IMAGE and Prefect server),
+on the run file you mean to train, with the worker quota RunPod's console shows for the account:
+
+    RUNPOD_API_KEY=... HF_TOKEN=... LORAFLOW_WORKER_IMAGE=... .venv/bin/python -m flows.preflight deployments/qwen.toml --worker-quota 5
+    prefect deployment run preflight/check --param worker_quota=30
+
+It prints one line per check, `ok`, `warn` or `FAIL`, what it found and, for a warn or a FAIL, the fix; the
+same table is the run's artifact `preflight`. It exits 1 (the flow run ends Failed) when any check FAILs.
+"""
+
+# No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
+# the flow signature when it loads the entrypoint, and cannot resolve postponed annotations.
+import argparse
+import sys
+from contextlib import ExitStack
+from typing import Annotated
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
+from prefect.states import Failed, State
+from pydantic import Field
+
+from flows.spec import RunSpec, SpecError, load_run_file
+from tasks.preflight import (
+    PERMISSIONS,
+    Check,
+    catalog_alternatives,
+    check_data_centers,
+    check_dataset,
+    check_key_can_list,
+    check_model,
+    check_store,
+    check_worker_image,
+    check_worker_quota,
+    failed,
+    guarded,
+    judge_cost,
+    judge_gpus,
+    open_runpod,
+    read_offers,
+    summary,
+    table_rows,
+)
+from tasks.runpod.catalog import cuda_floor, resolve_gpu
+from tasks.settings import Settings
+
+
+def _flow_run_name() -> str:
+    return f"preflight-{flow_run.parameters['spec'].name}"
+
+
+@flow(name="preflight", flow_run_name=_flow_run_name)
+def preflight(
+    spec: RunSpec,
+    worker_quota: Annotated[int | None, Field(ge=1)] = None,
+) -> list[Check] | State:
+    """Check, read-only, what a run of `spec` needs before the first real one; one line per check.
+
+    1. The RunPod key: may it list endpoints, secrets and network volumes (read access; write is not checked,
+       since that would change the account)?
+    2. The worker quota against the `runpod-endpoints` limit plus the workers of endpoints outside it.
+    3. The worker image's tag names this control plane's job contract.
+    4. Each GPU of `compute.gpu`: its hosts' CUDA against its floor, its stock there, its price's source; then
+       the run's cost ceiling against `budget_usd`.
+    5. The datacenters with network volumes, and the account's weight-cache volumes.
+    6. The Hub token: it reads the model and the dataset, and may write to (or create) the artifact store.
+
+    Args:
+        spec: The run to check, as a deployment's parameters or a run file give it.
+        worker_quota: The account's worker quota as RunPod's console shows it (5 on a new account; 10 to 60 with
+            the balance). RunPod's API does not expose it: without it, the quota line is a warn.
+    """
+    logger = get_run_logger()
+    settings = Settings().with_hub_token()
+    checks: list[Check] = []
+    with ExitStack() as stack:
+        client, no_key = open_runpod(settings)
+        if client is not None:
+            stack.enter_context(client)
+        list_calls = {"endpoints": client.list_endpoints, "secrets": client.list_secrets,
+                      "network volumes": client.list_network_volumes} if client is not None else {}
+        for kind, permission in PERMISSIONS.items():
+            checks += guarded(permission.name, lambda: check_key_can_list(
+                permission, list_calls.get(kind), no_key, settings.runpod_api_key_block))
+        checks += guarded("worker quota", lambda: check_worker_quota(client, settings, worker_quota))
+        checks += guarded("worker image", lambda: check_worker_image(settings))
+        gpus = [resolve_gpu(name) for name in spec.compute.gpu]
+        floors = [cuda_floor(gpu, settings.loraflow_image_min_cuda) for gpu in gpus]
+        offers = read_offers(client, gpus, floors)
+        checks += guarded("gpus", lambda: judge_gpus(
+            gpus, offers, floors, alternatives=lambda: catalog_alternatives(client, settings.loraflow_image_min_cuda)))
+        checks += guarded("cost ceiling", lambda: judge_cost(
+            gpus, offers, floors, spec.compute.gpu_count, spec.deadline_minutes, spec.budget_usd))
+        checks += guarded("datacenters with volumes", lambda: check_data_centers(client, settings))
+    checks += guarded("hub: model", lambda: check_model(spec.model, settings, spec.compute.disk_gb))
+    checks += guarded("hub: dataset", lambda: check_dataset(
+        spec.dataset.hub_id, spec.dataset.local_file, spec.algorithm, settings))
+    checks += guarded("artifact store", lambda: check_store(spec.artifact_store, settings))
+
+    for check in checks:
+        print(check.line(), flush=True)  # the table itself, unprefixed: log lines would wrap each row in a header
+    create_table_artifact(key="preflight", table=table_rows(checks), description=f"Preflight of {spec.name}: "
+                          f"{summary(checks)}")
+    if failed(checks):
+        logger.error("Preflight: %s", summary(checks))
+        return Failed(message=f"preflight: {summary(checks)}")
+    logger.info("Preflight: %s", summary(checks))
+    return checks
+
+
+def _quota(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a worker quota is at least 1")
+    return value
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m flows.preflight",
+                                     description="Check, read-only, what a run of RUN_FILE needs before the first one.")
+    parser.add_argument("run_file", metavar="RUN_FILE.toml")
+    parser.add_argument("--worker-quota", type=_quota, metavar="N",
+                        help="the account's worker quota, as RunPod's console shows it (the API does not expose it)")
+    args = parser.parse_args()
+    try:
+        run_spec = load_run_file(args.run_file)
+    except SpecError as e:
+        sys.exit(str(e))
+    final = preflight(run_spec, worker_quota=args.worker_quota, return_state=True)
+    print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
+    sys.exit(0 if final.is_completed() else 1)

@@ -1,0 +1,523 @@
+"""The preflight: what a first real run needs, checked without renting or changing anything.
+
+Each check is a plain function returning a `Check` (ok, warn or FAIL, what it found, and for a warn or a
+FAIL the fix). `guarded` runs one so that an error in it becomes its FAIL line and the others still run.
+
+Read-only by construction: the RunPod calls are lists and catalog reads (a key's write access is not
+checked, because that would change the account); the Prefect calls read the `runpod-endpoints` limit and
+the `loraflow-namespace` Variable, and never create them (`Settings.control_plane_namespace` would create
+the Variable, so it is not called here); the Hub calls read repo info and `whoami`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from huggingface_hub import HfApi, hf_hub_url
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+from loraflow_worker.contract import ModelSource
+from prefect import get_client
+from prefect.exceptions import ObjectNotFound
+from pydantic import BaseModel, Field
+
+from tasks.artifacts import check_dataset_jsonl
+from tasks.cost import check_budget, cost_ceiling
+from tasks.image_contract import ImageContractError, check_image_contract
+from tasks.placement import CudaFit, cuda_fits
+from tasks.plan import resolve_model
+from tasks.quota import DEFAULT_ENDPOINT_SLOTS, ENDPOINT_LIMIT
+from tasks.runpod import errors
+from tasks.runpod.catalog import GPU_CLASSES, GpuClass, cuda_floor
+from tasks.runpod.client import API_URL, RunpodClient
+from tasks.runpod.endpoints import parse_endpoint_name
+from tasks.runpod.live_catalog import CatalogDataCenter, GpuOffer, gpu_offers, read_data_centers, static_offer
+from tasks.runpod.models import Endpoint, NetworkVolume
+from tasks.settings import NAMESPACE_VARIABLE, Settings
+from tasks.runpod.volumes import VOLUME_PREFIX, volume_name
+
+Status = Literal["ok", "warn", "FAIL"]
+
+NAME_WIDTH = 28
+"""Width of the check-name column in the printed lines (the longest name, `runpod key: network volumes`)."""
+
+QUOTA_TIERS = ("5 on a new account; 10, 20, 30, 40, 50, 60 at balances of $100, $200, $300, $500, $700, $900+")
+"""RunPod's worker quota by balance (../shared/runpod-api/README.md, "Account facts"): API v2 does not expose it."""
+
+KEY_SETTINGS_FIX = ("create a RunPod API key (console → Settings → API Keys) and set RUNPOD_API_KEY where the flow "
+                    "runs, or save it in a Prefect Secret block named '{block}' (RUNPOD_API_KEY_BLOCK changes the name)")
+
+
+class Check(BaseModel):
+    """One line of the preflight."""
+
+    name: str = Field(description="What was checked, e.g. `runpod key: endpoints` or `gpu RTX 4090: cuda`.")
+    status: Status = Field(
+        description="ok; warn: a run can go ahead, but not as well as it could (a GPU it would skip, a static price, "
+        "a figure that could not be read); FAIL: a run would be refused, or would fail after renting."
+    )
+    found: str = Field(description="What the check found, in one line.")
+    fix: str | None = Field(default=None, description="What to do about a warn or a FAIL; None for ok.")
+
+    def line(self) -> str:
+        """`STATUS  name  found — fix: ...`, on one line."""
+        text = f"{self.status:<4}  {self.name:<{NAME_WIDTH}}  {_one_line(self.found)}"
+        return f"{text} — fix: {_one_line(self.fix)}" if self.fix else text
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def guarded(name: str, check: Callable[[], Check | list[Check]]) -> list[Check]:
+    """The check's lines; an error it raises becomes its FAIL line, so one broken check never hides the others.
+
+    Catching every exception is the point here: the preflight reports what went wrong instead of stopping at it.
+    """
+    try:
+        result = check()
+    except Exception as e:  # any kind: see the docstring
+        return [Check(name=name, status="FAIL", found=f"the check itself failed: {type(e).__name__}: {e}",
+                      fix="read the error; a transient one (a timeout, a 5xx) passes when the preflight runs again")]
+    return result if isinstance(result, list) else [result]
+
+
+def failed(checks: Sequence[Check]) -> list[Check]:
+    return [c for c in checks if c.status == "FAIL"]
+
+
+def summary(checks: Sequence[Check]) -> str:
+    """`12 checks: 9 ok, 2 warn, 1 FAIL (worker image)`."""
+    counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "FAIL")}
+    text = f"{len(checks)} checks: {counts['ok']} ok, {counts['warn']} warn, {counts['FAIL']} FAIL"
+    return text + (f" ({', '.join(c.name for c in failed(checks))})" if counts["FAIL"] else "")
+
+
+def table_rows(checks: Sequence[Check]) -> list[dict[str, str]]:
+    """The Prefect table artifact's rows."""
+    return [{"status": c.status, "check": c.name, "found": c.found, "fix": c.fix or ""} for c in checks]
+
+
+# --- 1. The RunPod key's permissions -------------------------------------------------------------------
+
+
+class Permission(BaseModel):
+    """One kind of RunPod resource loraflow needs the key to reach."""
+
+    name: str = Field(description="The check's name.")
+    what: str = Field(description="What the list call lists, e.g. `endpoints`.")
+    needs: str = Field(description="The access the key needs, and why loraflow needs it.")
+
+
+PERMISSIONS = {
+    "endpoints": Permission(
+        name="runpod key: endpoints", what="endpoints",
+        needs="read/write on Serverless (each run attempt creates, watches and deletes one endpoint)"),
+    "secrets": Permission(
+        name="runpod key: secrets", what="account secrets",
+        needs="read/write on secrets (each run keeps the Hub token in a RunPod account secret that its workers read)"),
+    "network volumes": Permission(
+        name="runpod key: network volumes", what="network volumes",
+        needs="read/write on network volumes (the preload flow creates and grows weight-cache volumes; runs attach "
+              "them)"),
+}
+
+
+def open_runpod(settings: Settings) -> tuple[RunpodClient | None, str | None]:
+    """A client with the key where the flow runs, or None and why there is none."""
+    try:
+        key = settings.api_key()
+        return RunpodClient(key, api_url=settings.runpod_api_url, job_url=settings.runpod_job_url), None
+    except (RuntimeError, errors.AuthError) as e:  # no key in the environment nor in the Secret block; an empty one
+        return None, str(e)
+
+
+def check_key_can_list(permission: Permission, list_them: Callable[[], Sequence[object]] | None,
+                       no_key: str | None, key_block: str) -> Check:
+    """Whether the key may list these resources: read access, checked; write access is not (that would change
+    the account). `list_them` None: there is no key (`no_key` says why)."""
+    name = permission.name
+    if list_them is None:
+        return Check(name=name, status="FAIL", found=no_key or "no RunPod API key",
+                     fix=KEY_SETTINGS_FIX.format(block=key_block))
+    not_write = "write access is not checked: checking it would change the account"
+    try:
+        listed = list_them()
+    except errors.AuthError as e:
+        # 401: RunPod does not know the key; 403: the key is valid but lacks this permission.
+        key = "a valid key (RunPod does not know this one)" if e.status == 401 else "a key"
+        return Check(name=name, status="FAIL", found=str(e),
+                     fix=f"use {key} with {permission.needs}, set as RUNPOD_API_KEY or in the Secret block "
+                     f"'{key_block}'; read access was checked here, {not_write}")
+    except errors.TRANSIENT_ERRORS as e:
+        return Check(name=name, status="warn", found=f"RunPod could not list {permission.what} now: {e}",
+                     fix="run the preflight again in a minute; RunPod's status page says whether it is down")
+    except errors.RunpodError as e:
+        return Check(name=name, status="FAIL", found=str(e),
+                     fix=f"check that RUNPOD_API_URL is RunPod's API v2 ({API_URL}) or localpod's")
+    return Check(name=name, status="ok", found=f"may list {permission.what} ({len(listed)}); {not_write}")
+
+
+# --- 2. Worker quota vs the runpod-endpoints limit -----------------------------------------------------
+
+
+def read_endpoint_limit(name: str = ENDPOINT_LIMIT) -> int | None:
+    """The limit's slots, or None when it does not exist yet. Reads only (`tasks.quota.ensure_endpoint_limit`
+    creates it, at a run's start)."""
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).limit
+        except ObjectNotFound:
+            return None
+
+
+def read_namespace(settings: Settings) -> str | None:
+    """This control plane's endpoint-name tag, or None when it has none yet (its first run generates it). Unlike
+    `Settings.control_plane_namespace`, never creates the Variable."""
+    if settings.loraflow_namespace is not None:
+        return settings.loraflow_namespace
+    with get_client(sync_client=True) as client:
+        variable = client.read_variable_by_name(NAMESPACE_VARIABLE)
+    return variable.value if variable is not None and isinstance(variable.value, str) else None
+
+
+def judge_worker_quota(endpoints: Sequence[Endpoint], limit: int | None, namespace: str | None,
+                       worker_quota: int | None) -> Check:
+    """The limit plus the `workers.max` of the endpoints outside it against the account's quota.
+
+    This control plane's endpoints each hold a slot of the limit, so they are inside it; every other endpoint
+    (another control plane's, a person's, a server's) counts against RunPod's quota and not against the limit.
+    """
+    name = "worker quota"
+    ours = [e for e in endpoints if (parsed := parse_endpoint_name(e.name)) and parsed.namespace == namespace]
+    others = [e for e in endpoints if e not in ours]
+    others_max = sum(e.workers.max for e in others)
+    slots = limit if limit is not None else DEFAULT_ENDPOINT_SLOTS
+    limit_text = (f"limit {ENDPOINT_LIMIT} = {limit}" if limit is not None else
+                  f"limit {ENDPOINT_LIMIT} missing (the first run creates it with {DEFAULT_ENDPOINT_SLOTS} slots)")
+    other_names = ", ".join(e.name for e in others[:5]) + (", ..." if len(others) > 5 else "")
+    found = (f"{limit_text}; this control plane's endpoints: {len(ours)}; other endpoints on the account: "
+             f"{len(others)} with workers.max {others_max} in all" + (f" ({other_names})" if others else ""))
+    if worker_quota is None:
+        return Check(name=name, status="warn", found=f"{found}; the account's worker quota could not be read (RunPod's "
+                     "API does not expose it)",
+                     fix=f"read the quota in RunPod's console (it is {QUOTA_TIERS}) and run the preflight with "
+                     "--worker-quota N (the deployment: its worker_quota parameter)")
+    needed = slots + others_max
+    if needed <= worker_quota:
+        return Check(name=name, status="ok", found=f"{found}; {slots} + {others_max} = {needed} <= worker quota "
+                     f"{worker_quota}")
+    fitting = worker_quota - others_max
+    verb = "update" if limit is not None else "create"
+    if fitting >= 1:
+        fix = (f"prefect gcl {verb} {ENDPOINT_LIMIT} --limit {fitting} (the quota {worker_quota} less the "
+               f"{others_max} workers other endpoints hold), or raise the account's balance ({QUOTA_TIERS})")
+    else:
+        fix = (f"the other endpoints alone fill the quota {worker_quota}: delete the ones nobody uses (every "
+               f"endpoint's workers.max counts, scaled to zero or not) or raise the account's balance ({QUOTA_TIERS}), "
+               f"then size the limit with prefect gcl {verb} {ENDPOINT_LIMIT} --limit M")
+    return Check(name=name, status="FAIL", found=f"{found}; {slots} + {others_max} = {needed} > worker quota "
+                 f"{worker_quota}: runs would hold slots while RunPod refuses their endpoints", fix=fix)
+
+
+def check_worker_quota(client: RunpodClient | None, settings: Settings, worker_quota: int | None) -> Check:
+    """`judge_worker_quota` on the account's endpoints, the limit and the namespace as they are now."""
+    if client is None:
+        return Check(name="worker quota", status="warn", found="not checked: no RunPod key to list the account's "
+                     "endpoints with", fix="see runpod key: endpoints")
+    try:
+        endpoints = client.list_endpoints()
+    except errors.RunpodError as e:
+        return Check(name="worker quota", status="warn", found=f"not checked: the account's endpoints could not be "
+                     f"listed ({e})", fix="see runpod key: endpoints")
+    return judge_worker_quota(endpoints, read_endpoint_limit(), read_namespace(settings), worker_quota)
+
+
+# --- 3. The worker image -------------------------------------------------------------------------------
+
+
+def check_worker_image(settings: Settings) -> Check:
+    """The image is set, and its tag names this control plane's job contract."""
+    name = "worker image"
+    try:
+        image = settings.worker_image()
+    except RuntimeError as e:
+        return Check(name=name, status="FAIL", found="LORAFLOW_WORKER_IMAGE is not set", fix=str(e))
+    try:
+        version = check_image_contract(image)
+    except ImageContractError as e:
+        return Check(name=name, status="FAIL", found=str(e),
+                     fix="`make image`, push it, and set LORAFLOW_WORKER_IMAGE to the pushed tag")
+    return Check(name=name, status="ok", found=f"{image} speaks job contract {version}, this control plane's (the "
+                 "tag is what is checked: RunPod pulls the image, this machine does not)")
+
+
+# --- 4. The run's GPUs against the catalog -------------------------------------------------------------
+
+
+def read_offers(client: RunpodClient | None, gpus: Sequence[GpuClass], floors: Sequence[str]) -> list[GpuOffer]:
+    """Each GPU's offer, its stock counted on hosts that meet its floor; the static table when there is no key
+    (every offer then says so)."""
+    if client is None:
+        return [static_offer(g, "no RunPod key to read the catalog with") for g in gpus]
+    return gpu_offers(client, gpus, floors)
+
+
+def judge_gpus(gpus: Sequence[GpuClass], offers: Sequence[GpuOffer], floors: Sequence[str],
+               alternatives: Callable[[], list[CudaFit]] = list) -> list[Check]:
+    """Per GPU of the run, in order: its hosts' CUDA against its floor, its stock on hosts that meet it, and where
+    its price comes from. A GPU below its floor is a warn when another GPU of the run meets its own (the run
+    skips it), a FAIL when none does (the run is refused). `alternatives()`: every GPU class's fit, for the fix."""
+    by_gpu = {offer.gpu: offer for offer in offers}
+    fits = cuda_fits(gpus, by_gpu, floors)
+    any_meets = any(fit.meets for fit in fits)
+    checks: list[Check] = []
+    for gpu, fit in zip(gpus, fits, strict=True):
+        offer = by_gpu[gpu.name]
+        prefix = f"gpu {gpu.name}"
+        if not fit.known:
+            checks.append(Check(name=f"{prefix}: cuda", status="warn", found=fit.describe(),
+                                fix="see the price line: once RunPod's catalog answers, the hosts' CUDA is checked"))
+        elif fit.meets:
+            checks.append(Check(name=f"{prefix}: cuda", status="ok", found=fit.describe()))
+        elif any_meets:
+            checks.append(Check(name=f"{prefix}: cuda", status="warn", found=f"{fit.describe()}: a run skips this GPU",
+                                fix=f"drop {gpu.name} from compute.gpu, or run an image built for its hosts' CUDA and "
+                                "set LORAFLOW_IMAGE_MIN_CUDA to that image's floor"))
+        else:
+            others = [a.gpu for a in alternatives() if a.known and a.meets and a.gpu not in {g.name for g in gpus}]
+            instead = f" ({', '.join(others)} per RunPod's catalog now)" if others else ""
+            checks.append(Check(name=f"{prefix}: cuda", status="FAIL",
+                                found=f"{fit.describe()}, and no GPU of compute.gpu has hosts that run the worker "
+                                "image: a run is refused before renting",
+                                fix=f"add a GPU whose hosts do to compute.gpu{instead}, or run an image built for the "
+                                "hosts' CUDA and set LORAFLOW_IMAGE_MIN_CUDA to its floor"))
+        if fit.known and fit.meets:
+            stock = offer.in_stock_data_centers()
+            if stock:
+                checks.append(Check(name=f"{prefix}: stock", status="ok",
+                                    found=f"in stock on hosts with CUDA >= {fit.floor} in {', '.join(stock)}"))
+            else:
+                checks.append(Check(name=f"{prefix}: stock", status="warn",
+                                    found=f"no stock now on hosts with CUDA >= {fit.floor} in any datacenter",
+                                    fix="stock changes within minutes; a run waits attempts.queue_minutes for it, then "
+                                    "tries the next GPU of compute.gpu: keep another GPU in the list"))
+        if offer.source == "catalog":
+            checks.append(Check(name=f"{prefix}: price", status="ok",
+                                found=f"${offer.usd_per_hour:.2f}/GPU-hour from RunPod's catalog"))
+        else:
+            checks.append(Check(name=f"{prefix}: price", status="warn",
+                                found=f"${offer.usd_per_hour:.2f}/GPU-hour from loraflow's static table: "
+                                f"{offer.fallback_reason}",
+                                fix="budgets and cost ceilings use the static price until RunPod's catalog "
+                                "(GET /v2/catalog/gpus) answers: check the key and RUNPOD_API_URL"))
+    return checks
+
+
+def catalog_alternatives(client: RunpodClient | None, image_min_cuda: str) -> list[CudaFit]:
+    """Every GPU class loraflow knows against its floor: the GPUs a CUDA FAIL suggests."""
+    gpus = list(GPU_CLASSES.values())
+    floors = [cuda_floor(g, image_min_cuda) for g in gpus]
+    return cuda_fits(gpus, {o.gpu: o for o in read_offers(client, gpus, floors)}, floors)
+
+
+def judge_cost(gpus: Sequence[GpuClass], offers: Sequence[GpuOffer], floors: Sequence[str], gpu_count: int,
+               deadline_minutes: int, budget_usd: float | None) -> Check:
+    """The run's cost ceiling over the GPUs it would rent (those whose hosts meet their floor, else all) against
+    its budget, as the train flow refuses it."""
+    fits = cuda_fits(gpus, {o.gpu: o for o in offers}, floors)
+    kept = [o for o, fit in zip(offers, fits, strict=True) if fit.meets] or list(offers)
+    ceiling = cost_ceiling(kept, gpu_count, deadline_minutes)
+    try:
+        check_budget(ceiling.usd, budget_usd, ceiling.price_source)
+    except ValueError:
+        return Check(name="cost ceiling", status="FAIL", found=f"up to {ceiling.describe()}, above budget_usd "
+                     f"${budget_usd:.2f} (the dearest GPU × GPUs × deadline_minutes): a run is refused before renting",
+                     fix="lower deadline_minutes, drop the dearest GPU from compute.gpu, or raise budget_usd")
+    budget = f"within budget_usd ${budget_usd:.2f}" if budget_usd is not None else "no budget_usd set"
+    return Check(name="cost ceiling", status="ok", found=f"at most {ceiling.describe()}; {budget}")
+
+
+# --- 5. Datacenters with volumes -----------------------------------------------------------------------
+
+
+def judge_data_centers(data_centers: Sequence[CatalogDataCenter], volumes: Sequence[NetworkVolume],
+                       namespace: str | None) -> Check:
+    """Which datacenters support network volumes, and which volumes of the account are loraflow's weight caches."""
+    name = "datacenters with volumes"
+    with_volumes = [dc.id for dc in data_centers if dc.supports_network_volumes]
+    ours = [v for v in volumes if namespace is not None and v.name == volume_name(v.data_center, namespace)]
+    other_caches = [v for v in volumes if v.name.startswith(VOLUME_PREFIX) and v not in ours]
+    rest = len(volumes) - len(ours) - len(other_caches)
+    caches = ", ".join(f"{v.data_center} ({v.size} GB)" for v in ours) or "none yet (the preload flow makes them)"
+    found = (f"network volumes in {', '.join(with_volumes) or 'no datacenter'}; this control plane's weight caches: "
+             f"{caches}; other control planes' caches: {len(other_caches)}; other volumes: {rest}")
+    if not with_volumes:
+        return Check(name=name, status="warn", found=found,
+                     fix="no weight cache can be kept: every run downloads its model (a cold start); nothing to do")
+    return Check(name=name, status="ok", found=found)
+
+
+def check_data_centers(client: RunpodClient | None, settings: Settings) -> Check:
+    if client is None:
+        return Check(name="datacenters with volumes", status="warn", found="not checked: no RunPod key",
+                     fix="see runpod key: endpoints")
+    try:
+        data_centers = read_data_centers(client)
+        volumes = client.list_network_volumes()
+    except (errors.RunpodError, ValueError) as e:  # ValueError: a catalog document of another shape
+        return Check(name="datacenters with volumes", status="warn", found=f"not read: {type(e).__name__}: {e}",
+                     fix="runs still place without it (cold); see runpod key: network volumes")
+    return judge_data_centers(data_centers, volumes, read_namespace(settings))
+
+
+# --- 6. The Hub token's access -------------------------------------------------------------------------
+
+
+def _hub(settings: Settings) -> HfApi:
+    return HfApi(endpoint=settings.hf_endpoint, token=settings.hf_token.get_secret_value() if settings.hf_token else None)
+
+
+def _talks_to_runpod(settings: Settings) -> bool:
+    """Whether the workers are RunPod's (not localpod's): they cannot see this machine's files."""
+    return settings.runpod_api_url.rstrip("/") == API_URL
+
+
+def check_model(model: ModelSource, settings: Settings, disk_gb: int) -> Check:
+    """The model resolves as a run resolves it: a Hub id the token can download (pinned to a commit, within the
+    disk), or a local directory (local mode only)."""
+    name = "hub: model"
+    try:
+        resolved = resolve_model(model, settings, disk_gb=disk_gb)
+    except ValueError as e:
+        return Check(name=name, status="FAIL", found=str(e),
+                     fix=f"set model.id to a Hub model the token (HF_TOKEN, or the Secret block '{settings.hf_token_block}') can read, "
+                     "with model.revision a branch, tag or commit of it, or to a local model directory in local mode")
+    if resolved.revision is None:
+        if _talks_to_runpod(settings):
+            return Check(name=name, status="FAIL", found=f"{resolved.id} is a directory of this machine, which "
+                         "RunPod's workers cannot read", fix="push the model to the Hub and set model.id to its id")
+        return Check(name=name, status="ok", found=f"local directory {resolved.id} (local mode)")
+    return Check(name=name, status="ok", found=f"{resolved.id} at commit {resolved.revision[:12]}, readable with "
+                 f"{'the token' if settings.hf_token else 'no token (public)'}, fits compute.disk_gb {disk_gb}")
+
+
+def check_dataset(hub_id: str | None, local_file: str | None, algorithm: str, settings: Settings) -> Check:
+    """A Hub dataset the token can read, or a local JSONL file in a format the algorithm trains on."""
+    name = "hub: dataset"
+    if local_file is not None:
+        try:
+            examples = check_dataset_jsonl(Path(local_file), algorithm)
+        except ValueError as e:
+            return Check(name="dataset file", status="FAIL", found=str(e),
+                         fix="fix the file (one JSON example per line, as dataset.local_file's help says)")
+        return Check(name="dataset file", status="ok", found=f"{local_file}: {examples} {algorithm} examples (the run "
+                     "publishes it to its artifact store)")
+    assert hub_id is not None  # DatasetSpec sets exactly one of the two
+    api = _hub(settings)
+    fix = (f"check dataset.hub_id {hub_id!r} on the Hub; a private or gated dataset needs a token (HF_TOKEN, or the "
+           f"Secret block '{settings.hf_token_block}') whose account can read it")
+    try:
+        info = api.dataset_info(hub_id)
+        if info.gated and info.siblings:
+            # dataset_info answers for gated repos too: ask for a file the way the worker's download does.
+            api.get_hf_file_metadata(url=hf_hub_url(hub_id, info.siblings[0].rfilename, repo_type="dataset",
+                                                    revision=info.sha, endpoint=api.endpoint))
+    except GatedRepoError:
+        return Check(name=name, status="FAIL", found=f"{hub_id} is gated and the token has not been granted access",
+                     fix="accept its terms on the Hub with the token's account")
+    except RepositoryNotFoundError:
+        reader = "the token cannot read it" if settings.hf_token else "there is no token to read it with"
+        return Check(name=name, status="FAIL", found=f"{hub_id}: no such dataset on the Hub, or it is private and "
+                     f"{reader}", fix=fix)
+    return Check(name=name, status="ok", found=f"{hub_id} at commit {(info.sha or '?')[:12]} "
+                 f"({'private' if info.private else 'public'}), readable")
+
+
+WRITE_ROLES = {"admin", "write", "contributor"}
+"""Org roles that may create repos in the org and write to them (`contributor`: to the repos it created)."""
+
+
+def judge_hub_write(whoami: dict, namespace: str, repo_id: str, exists: bool) -> str | None:
+    """Why the token behind `whoami` (the Hub's `/api/whoami-v2` answer) cannot write to the dataset repo
+    `repo_id` of `namespace` (or create it, when it does not exist); None when it can."""
+    user = whoami.get("name")
+    token = (whoami.get("auth") or {}).get("accessToken") or {}
+    role = token.get("role")
+    if role == "read":
+        return f"the token ({token.get('displayName', 'unnamed')}) is read-only"
+    if role == "fineGrained":
+        scoped = (token.get("fineGrained") or {}).get("scoped") or []
+        targets = {(namespace, ("user", "org"))} | ({(repo_id, ("dataset",))} if exists else set())
+        if not any("repo.write" in s.get("permissions", []) and (s.get("entity") or {}).get("name") == target
+                   and (s.get("entity") or {}).get("type") in types for s in scoped for target, types in targets):
+            where = f"{namespace}" + (f" or on {repo_id}" if exists else "")
+            return f"the fine-grained token ({token.get('displayName', 'unnamed')}) has no repo.write on {where}"
+    if namespace == user:
+        return None
+    orgs = {o.get("name"): o.get("roleInOrg") for o in whoami.get("orgs") or []}
+    if namespace not in orgs:
+        return (f"{namespace} is neither the token's user ({user}) nor one of its orgs "
+                f"({', '.join(o for o in orgs if o) or 'none'})")
+    if orgs[namespace] is not None and orgs[namespace] not in WRITE_ROLES:
+        return f"{user} has the role {orgs[namespace]!r} in {namespace}, which cannot write"
+    return None
+
+
+def check_store(store: str, settings: Settings) -> Check:
+    """The token may write to the `hf://` store (or create it), or the `file://` folder is writable; read-only."""
+    name = "artifact store"
+    if store.startswith("file://"):
+        return _check_folder_store(store, settings)
+    repo_id = store.removeprefix("hf://datasets/")
+    namespace = repo_id.split("/", 1)[0]
+    if settings.hf_token is None:
+        return Check(name=name, status="FAIL", found=f"{store}: no Hub token, and the store must be written",
+                     fix=f"set HF_TOKEN (or a Prefect Secret block named '{settings.hf_token_block}') to a token with "
+                     f"write access to {namespace}")
+    api = _hub(settings)
+    try:
+        api.repo_info(repo_id, repo_type="dataset")
+        exists = True
+    except RepositoryNotFoundError:
+        exists = False
+    state = "exists" if exists else "does not exist yet (the first run creates it, private)"
+    try:
+        whoami = api.whoami()
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        if status == 401:
+            return Check(name=name, status="FAIL", found=f"{store} {state}; the Hub refused the token (401)",
+                         fix="set HF_TOKEN (or the Secret block) to a valid token with write access")
+        return Check(name=name, status="warn", found=f"{store} {state}; who the token belongs to could not be read "
+                     f"(GET {api.endpoint}/api/whoami-v2 answered {status}), so its write access is unknown",
+                     fix=f"check on the Hub (Settings → Access Tokens) that the token may write to {namespace}")
+    problem = judge_hub_write(whoami, namespace, repo_id, exists)
+    if problem:
+        what = "write to it" if exists else f"create it in {namespace}"
+        return Check(name=name, status="FAIL", found=f"{store} {state}; the token cannot {what}: {problem}",
+                     fix=f"use a token with write access to {namespace} (a write token of a member with the write or "
+                     "admin role), or an artifact_store in a namespace the token can write")
+    return Check(name=name, status="ok", found=f"{store} {state}; the token ({whoami.get('name')}) may "
+                 f"{'write to it' if exists else 'create it'}")
+
+
+def _check_folder_store(store: str, settings: Settings) -> Check:
+    name = "artifact store"
+    path = Path(store.removeprefix("file://"))
+    if _talks_to_runpod(settings):
+        return Check(name=name, status="FAIL", found=f"{store} is a folder of this machine, which RunPod's workers "
+                     "cannot write", fix="use hf://datasets/<org>/<repo> (file:// is for local mode, with localpod)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return Check(name=name, status="FAIL", found=f"{existing} is a file, not a folder",
+                     fix="set artifact_store to a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return Check(name=name, status="FAIL", found=f"{existing} is not writable by this user",
+                     fix=f"make {existing} writable, or set artifact_store to a folder this user can write")
+    where = "exists" if existing == path else f"will be created under {existing}"
+    return Check(name=name, status="ok", found=f"{path} {where}, writable")
