@@ -11,6 +11,8 @@
 #   worker_image/build.sh check [--target DIR]    # no GPU, offline: the lock parses and pins everything the
 #                                                 #   .in asks for; the worker installs --no-deps into DIR
 #   worker_image/build.sh tag                     # the image tag these settings build (see README.md)
+#   worker_image/build.sh contract-version [--expect N]  # the job contract the worker speaks (contract.py's
+#                                                 #   CONTRACT_VERSION); with --expect, fail unless it is N
 #
 # Settings (environment): LORAFLOW_VENV (default /opt/venv), PYTHON (the interpreter that creates the venv
 # and runs `check`; default python3), TORCH_CUDA_ARCH_LIST (SM architectures, default
@@ -35,12 +37,33 @@ worker_version() {
     sed -n 's/^version = "\(.*\)"$/\1/p' "$HERE/pyproject.toml" | head -n 1
 }
 
+contract_version() {
+    # Read, not imported: the tag is computed where the worker's dependencies may not be installed.
+    local version
+    version="$(sed -n 's/^CONTRACT_VERSION = \([0-9][0-9]*\)\([^0-9].*\)\{0,1\}$/\1/p' "$HERE/loraflow_worker/contract.py")"
+    [[ "$version" =~ ^[0-9]+$ ]] || die "no 'CONTRACT_VERSION = <N>' line in $HERE/loraflow_worker/contract.py"
+    echo "$version"
+}
+
 step_tag() {
-    # loraflow-worker:<worker version>-cu130-sm<arch>[-<arch>...], e.g. loraflow-worker:0.1.0-cu130-sm90
+    # loraflow-worker:<worker version>-contract<N>-cu130-sm<arch>[-<arch>...], e.g.
+    # loraflow-worker:0.1.0-contract2-cu130-sm90. The control plane reads `contract<N>` from the tag and refuses a
+    # run whose image speaks another job contract before renting a GPU for it.
     local archs
     archs="$(echo "$TORCH_CUDA_ARCH_LIST" | tr ';, ' '\n' | sed -e 's/+PTX//' -e 's/\.//' | grep -v '^$' | paste -sd- -)"
     [[ -n "$archs" ]] || die "TORCH_CUDA_ARCH_LIST is empty: give SM architectures like '9.0' or '8.0;8.9;9.0'"
-    echo "${IMAGE_REPO}:$(worker_version)-${CUDA_TAG}-sm${archs}"
+    echo "${IMAGE_REPO}:$(worker_version)-contract$(contract_version)-${CUDA_TAG}-sm${archs}"
+}
+
+step_contract_version() {
+    local version
+    version="$(contract_version)"
+    if [[ "${1:-}" == "--expect" ]]; then
+        # The Dockerfile's label comes from a build arg: an image must not carry a label its code contradicts.
+        [[ "${2:-}" == "$version" ]] || die "the build says contract version '${2:-}' and contract.py says $version: \
+build with --build-arg CONTRACT_VERSION=\$(worker_image/build.sh contract-version) (image.sh build does)"
+    fi
+    echo "$version"
 }
 
 step_system() {
@@ -151,6 +174,7 @@ case "${1:-}" in
     verify) step_verify ;;
     check) shift; step_check "$@" ;;
     tag) step_tag ;;
+    contract-version) shift; step_contract_version "$@" ;;
     all) step_system; step_deps; step_worker; step_verify ;;
-    *) die "usage: build.sh system|deps [--find-links DIR]|worker|verify|check [--target DIR]|tag|all" ;;
+    *) die "usage: build.sh system|deps [--find-links DIR]|worker|verify|check [--target DIR]|tag|contract-version [--expect N]|all" ;;
 esac

@@ -59,6 +59,7 @@ step_build() {
     started=$SECONDS
     echo "image.sh: building $TAG on $base" >&2
     "$DOCKER" build --network host --build-arg "BASE=$base" --build-arg "IMAGE_TAG=$TAG" \
+        --build-arg "CONTRACT_VERSION=$(bash "$HERE/build.sh" contract-version)" \
         --build-arg "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;8.6;8.9;9.0;10.0;12.0}" -t "$TAG" "$HERE"
     size="$("$DOCKER" image inspect --format '{{.Size}}' "$TAG")"
     echo "image.sh: built $TAG in $((SECONDS - started)) s; $((size / 1000000)) MB"

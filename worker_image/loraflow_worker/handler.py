@@ -14,7 +14,9 @@ Locally, one job through runpod's test mode (no server involved):
 
 (the dataset must already be in the store at `store_path`). The job's artifacts land under
 `runs/<run_id>/` in the store, `DONE` last; a redelivered job whose `DONE` exists returns the stored
-result without training again. The training itself runs in a child process (supervisor.py); the job
+result without training again. With `LORAFLOW_REQUIRE_CUDA=1` (the control plane's training endpoints) a
+train job first checks that CUDA starts and fails at once when it does not (cuda_check.py; set 0 to train
+on the CPU, as localpod's workers do). The training itself runs in a child process (supervisor.py); the job
 succeeded when `DONE` is in the store, whatever that process's exit code. A failed job leaves its
 console tail in `runs/<run_id>/console.txt`. The worker exits by itself at the run's deadline
 (lifetime.py).
@@ -35,6 +37,8 @@ from pydantic import ValidationError
 
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, JobResult, PreloadInput, Progress, run_prefix
+from loraflow_worker.cuda_check import check_cuda
+from loraflow_worker.environment import child_env
 from loraflow_worker.lifetime import WorkerLifetime
 from loraflow_worker.packages import install_extra_packages
 from loraflow_worker.preload import preload_models
@@ -112,6 +116,8 @@ def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]
         log.info("run %s already has DONE in %s: returning the stored result", job_input.run_id, store.url)
         return _stored_result(store, prefix)
 
+    # Before anything is downloaded or installed: on a GPU host without a working CUDA, this job must cost seconds.
+    check_cuda(child_env(job_input))
     work_dir = fresh_work_dir()
     report = _progress_sender(job)
     if job_input.extra_packages:

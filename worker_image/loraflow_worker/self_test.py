@@ -4,9 +4,13 @@ SFT job and a short GRPO job run through the real handler on a tiny model built 
     python -m loraflow_worker.self_test                 # inside the image: `docker run --rm IMAGE python -m ...`
     python -m loraflow_worker.self_test --steps 8
 
+    LORAFLOW_REQUIRE_CUDA=1 python -m loraflow_worker.self_test    # on a GPU box: CUDA or nothing, as on RunPod
+
 Needs no network and no GPU (without CUDA the jobs take the CPU branch, under this environment's own library
-versions). Prints one line per fast-path package (version, or why it does not import) and one per job
-(steps, first and final loss or reward, device, what engaged); exits non-zero when anything failed.
+versions) unless `LORAFLOW_REQUIRE_CUDA=1` says CUDA is required: then, when CUDA cannot start, it runs no job
+and says why (cuda_check.py). Prints one line per fast-path package (version, or why it does not import), one
+on CUDA, and one per job (steps, first and final loss or reward, device, what engaged); exits non-zero when
+anything failed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from loraflow_worker.cuda_check import REQUIRE_CUDA_ENV, CudaUnavailable, check_cuda, describe_available
 
 FAST_PATH_PACKAGES = {"vllm": "vllm", "liger_kernel": "liger-kernel", "fla": "flash-linear-attention",
                       "bitsandbytes": "bitsandbytes"}
@@ -83,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per job (default 4)")
     args = parser.parse_args(argv)
     problems = import_fast_path_packages()
+    try:
+        probe = check_cuda(os.environ)
+    except (CudaUnavailable, ValueError) as exc:  # CUDA required and absent, or a setting that is neither 0 nor 1
+        print(f"self test: FAILED before any job: {exc}", flush=True)
+        return 1
+    print(f"cuda: {describe_available(probe)}" if probe is not None else
+          f"cuda: not required ({REQUIRE_CUDA_ENV} is not 1): without CUDA the jobs train on the CPU", flush=True)
     root = Path(tempfile.mkdtemp(prefix="loraflow-self-test-"))
     try:
         run_jobs(root, args.steps)

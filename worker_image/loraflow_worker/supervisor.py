@@ -7,7 +7,9 @@ line: marker lines (`LORAFLOW_PROGRESS {json}`) become progress updates; every o
 (secrets redacted) and the last `CONSOLE_TAIL_BYTES` are kept for the failure report.
 
 Whether the job succeeded is decided by the store (`DONE`), not by the exit code; this module only says
-what happened to the process and builds the error message when it failed.
+what happened to the process and builds the error message when it failed. An out-of-memory failure's message
+starts with its kind's marker (`memory_failures.MARKERS`): from the exception or the console, or, for a
+SIGKILL, from the container's cgroup counting an OOM kill while the process ran.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import ctypes
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from pydantic import ValidationError
 
 from loraflow_worker.contract import JobInput, Progress
 from loraflow_worker.environment import child_env
+from loraflow_worker.memory_failures import MARKERS, MemoryKind, OomKills, memory_kind, read_oom_kills
 from loraflow_worker.redaction import redact_secrets
 
 PROGRESS_MARKER = "LORAFLOW_PROGRESS "
@@ -40,7 +42,8 @@ PROGRESS_MARKER = "LORAFLOW_PROGRESS "
 SPEC_FILE = "job.json"
 """The validated job input, in the work dir: the training process's only instructions."""
 ERROR_FILE = "error.json"
-"""Written by a training process that failed with an exception: `{type, message, out_of_memory}`."""
+"""Written by a training process that failed with an exception: `{type, message, memory_kind}` (memory_kind:
+a `memory_failures.MemoryKind`, or null)."""
 CONSOLE_TAIL_BYTES = 64 * 1024
 DEADLINE_KILL_GRACE_S = 60.0
 """The training process stops itself at the deadline at the end of a step; this is how long past the
@@ -48,7 +51,6 @@ deadline it may take (a long step, saving) before it is killed."""
 TERM_GRACE_S = 10.0
 """Between SIGTERM and SIGKILL when a training process is killed."""
 
-_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED")
 _QUOTED_LINES = 10
 
 log = logging.getLogger("loraflow_worker")
@@ -69,28 +71,50 @@ class ChildExit:
     error: dict[str, Any] | None
     """Its `error.json`, when it failed with an exception."""
     deadline_killed: bool
+    oom_kills_before: OomKills | None = None
+    """The container's cgroup OOM-kill counter just before the process started (None: unreadable)."""
+    oom_kills_after: OomKills | None = None
+    """The same counter once the process had ended."""
 
     def failure_message(self) -> str:
-        """What went wrong, for the job's error. Out-of-memory failures start with `out of memory:` so
-        the control plane can classify them."""
+        """What went wrong, for the job's error. An out-of-memory failure starts with the marker of its kind
+        (`memory_failures.MARKERS`), so the control plane can tell which memory to add."""
         if self.deadline_killed:
             return (f"deadline reached: the training process was still running {DEADLINE_KILL_GRACE_S:.0f} s after "
                     "the job's deadline and was killed")
+        kind: MemoryKind | None = None
         if self.error is not None:
             message = f"{self.error.get('type', 'Error')}: {self.error.get('message', '')}"
+            kind = self.error.get("memory_kind")
         else:
             if self.returncode < 0:
                 number = -self.returncode
                 message = f"the training process was killed by signal {number} ({_signal_name(number)})"
-                if number == signal.SIGKILL:
+                oom_killed = self._oom_killed()
+                if oom_killed is not None:
+                    message += f", which the worker did not send; {oom_killed}"
+                    kind = "host_ram"
+                elif number == signal.SIGKILL:
                     message += " (when nothing else stopped it, that is usually the kernel's out-of-memory killer: host RAM)"
             else:
                 message = f"the training process exited with code {self.returncode} without reporting an error"
             last = self.console_tail.splitlines()[-_QUOTED_LINES:]
             if last:
                 message += "; its last console lines:\n" + "\n".join(last)
-        out_of_memory = (self.error or {}).get("out_of_memory") or bool(_OOM.search(self.console_tail))
-        return redact_secrets(f"out of memory: {message}" if out_of_memory else message)
+        # The failure's own text before the whole console, which may hold earlier lines of another kind.
+        kind = kind or memory_kind(message) or memory_kind(self.console_tail)
+        return redact_secrets(MARKERS[kind] + message if kind else message)
+
+    def _oom_killed(self) -> str | None:
+        """When the kernel's OOM killer ended the process (a SIGKILL the supervisor did not send while the
+        cgroup's OOM-kill counter went up), what the cgroup says; else None."""
+        before, after = self.oom_kills_before, self.oom_kills_after
+        if self.returncode != -signal.SIGKILL or before is None or after is None or after.count <= before.count:
+            return None
+        limit = f"; memory limit {after.limit_bytes / 2**30:.1f} GiB" if after.limit_bytes is not None else ""
+        return (f"the container's cgroup counted {after.count - before.count} OOM kill(s) while it ran "
+                f"({after.counter} {before.count} -> {after.count}{limit}): the kernel's out-of-memory killer ended "
+                "it, so give the job a host with more RAM or hold less in memory (dataset, data loader workers)")
 
 
 def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress], None]) -> ChildExit:
@@ -101,6 +125,7 @@ def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress]
         raise JobFailed(f"deadline reached before training started: the job's deadline_epoch_s ({deadline}) has passed")
     spec = work_dir / SPEC_FILE
     spec.write_text(job.model_dump_json(indent=2))
+    oom_kills_before = read_oom_kills()
     process = subprocess.Popen(
         [sys.executable, "-m", "loraflow_worker.train_job", str(spec)],
         cwd=work_dir,
@@ -134,7 +159,8 @@ def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress]
         reader.join(timeout=10)
     log.info("training process %d exited with %s", process.pid, returncode)
     return ChildExit(returncode=returncode, console_tail=tail.text(), error=_read_error(work_dir / ERROR_FILE),
-                     deadline_killed=deadline_killed)
+                     deadline_killed=deadline_killed, oom_kills_before=oom_kills_before,
+                     oom_kills_after=read_oom_kills())
 
 
 class ConsoleTail:

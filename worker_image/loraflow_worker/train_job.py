@@ -7,8 +7,8 @@ The handler's supervisor starts it in the job's (empty) work dir:
 
 `job.json` is the validated job input, the process's only instructions (the run id and the artifact
 store come from it, never from the environment). Progress goes to stdout as `LORAFLOW_PROGRESS {json}`
-lines. On failure it prints the traceback, writes `error.json` (exception type and message) beside the
-job file and exits with 1; the supervisor turns that into the job's error.
+lines. On failure it prints the traceback, writes `error.json` (exception type and message, and which memory
+ran out, if any) beside the job file and exits with 1; the supervisor turns that into the job's error.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
 from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
+from loraflow_worker.memory_failures import exception_memory_kind
 from loraflow_worker.supervisor import ERROR_FILE, PROGRESS_MARKER
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 DEADLINE_SAVE_RETRY_BUDGET_S = 30.0
 """The deadline save retries a rate-limited or failing Hub this long: it must end before the supervisor kills
 the training process (`supervisor.DEADLINE_KILL_GRACE_S` past the deadline)."""
-_OOM_TYPES = ("OutOfMemoryError",)  # torch.OutOfMemoryError, and torch.cuda.OutOfMemoryError (the same class)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         train_and_publish(job, spec.parent)
     except BaseException as exc:  # noqa: BLE001 - every failure must leave its report, even KeyboardInterrupt
         traceback.print_exc()
-        report = {"type": type(exc).__name__, "message": str(exc),
-                  "out_of_memory": type(exc).__name__ in _OOM_TYPES or "CUDA out of memory" in str(exc)}
+        report = {"type": type(exc).__name__, "message": str(exc), "memory_kind": exception_memory_kind(exc)}
         (spec.parent / ERROR_FILE).write_text(json.dumps(report))
         return 1
     return 0

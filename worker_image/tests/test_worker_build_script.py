@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from loraflow_worker.contract import CONTRACT_VERSION
 
 WORKER_IMAGE = Path(__file__).resolve().parents[1]
 BUILD = WORKER_IMAGE / "build.sh"
@@ -61,10 +62,46 @@ def test_check_refuses_an_unpinned_lock_entry(tmp_path):
     assert done.returncode != 0 and "`numpy>=2` is not pinned with ==" in done.stderr
 
 
-def test_image_tag_names_version_cuda_and_sm_architectures():
-    assert _run(BUILD, "tag", TORCH_CUDA_ARCH_LIST="9.0").stdout.strip() == "loraflow-worker:0.1.0-cu130-sm90"
+def test_image_tag_names_version_contract_cuda_and_sm_architectures():
+    assert _run(BUILD, "tag", TORCH_CUDA_ARCH_LIST="9.0").stdout.strip() == \
+        f"loraflow-worker:0.1.0-contract{CONTRACT_VERSION}-cu130-sm90"
     tag = _run(BUILD, "tag", TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0+PTX", IMAGE_REPO="ghcr.io/acme/lf").stdout.strip()
-    assert tag == "ghcr.io/acme/lf:0.1.0-cu130-sm80-89-90"
+    assert tag == f"ghcr.io/acme/lf:0.1.0-contract{CONTRACT_VERSION}-cu130-sm80-89-90"
+
+
+def test_the_control_plane_reads_the_contract_version_from_the_tag():
+    # The control plane's pattern (tasks/image_contract.py), on the tag part of the reference.
+    tag = _run(BUILD, "tag", IMAGE_REPO="registry.example:5000/lf").stdout.strip().rsplit(":", 1)[1]
+    assert re.search(r"(?:^|[-_.:])contract(\d+)(?=$|[-_.])", tag).group(1) == str(CONTRACT_VERSION)
+
+
+def test_contract_version_is_read_from_contract_py_and_checked():
+    assert _run(BUILD, "contract-version").stdout.strip() == str(CONTRACT_VERSION)
+    assert _run(BUILD, "contract-version", "--expect", str(CONTRACT_VERSION)).returncode == 0
+    wrong = _run(BUILD, "contract-version", "--expect", str(CONTRACT_VERSION + 1))
+    assert wrong.returncode != 0
+    assert f"the build says contract version '{CONTRACT_VERSION + 1}' and contract.py says {CONTRACT_VERSION}" in wrong.stderr
+
+
+def test_the_image_carries_its_contract_version_as_a_label_checked_against_its_code():
+    final_stage = _stages()[1]
+    assert "ARG CONTRACT_VERSION\n" in final_stage
+    assert "LABEL ai.loraflow.contract-version=${CONTRACT_VERSION}" in final_stage
+    assert 'bash build.sh contract-version --expect "${CONTRACT_VERSION}"' in final_stage
+    image_sh = (WORKER_IMAGE / "image.sh").read_text()
+    assert '--build-arg "CONTRACT_VERSION=$(bash "$HERE/build.sh" contract-version)"' in image_sh
+
+
+def test_the_image_asks_the_nvidia_runtime_for_gpus_and_sends_no_usage_stats():
+    env = dict(re.findall(r"^\s*(?:ENV\s+)?([A-Z_]+)=(\S+?)\s*\\?$", _stages()[1], re.MULTILINE))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
+
+
+def _stages() -> list[str]:
+    """The Dockerfile's build stage and final stage."""
+    return re.split(r"^FROM .*$", (WORKER_IMAGE / "Dockerfile").read_text(), flags=re.MULTILINE)[1:]
 
 
 def test_the_dockerfile_runs_the_build_script_steps_and_starts_the_handler():

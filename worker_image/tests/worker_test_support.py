@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
-from fault_injection.sitecustomize import CRASH_AT_STEP_ENV, CRASH_KIND_ENV
+from fault_injection.sitecustomize import CRASH_AT_STEP_ENV, CRASH_KIND_ENV, fake_cgroup_root
 
-from loraflow_worker import train_job
+from loraflow_worker import memory_failures, train_job
 from loraflow_worker.artifacts import FileStore
 from loraflow_worker.contract import JobInput, JobResult, Progress
 
@@ -30,9 +30,13 @@ def stored_files_containing(root: Path, text: str) -> list[Path]:
 def plant_fault(env: pytest.MonkeyPatch, kind: str, *, at_step: int | None = None) -> None:
     """Make the training processes of the jobs run while `env` is in force fail the way `kind` says, at
     the end of optimizer step `at_step` (0: before training starts); see `fault_injection/sitecustomize.py`.
-    The handler runs in this process; the training process it starts inherits PYTHONPATH and the switches."""
+    The handler runs in this process; the training process it starts inherits PYTHONPATH and the switches.
+    For `oom-killer`, this process's handler reads the fake cgroup the training process counts its OOM kill in
+    (what the fault module does in a handler process of its own), so call it after setting the work folder."""
     env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAULT_INJECTION_DIR), os.environ.get("PYTHONPATH")])))
     env.setenv(CRASH_KIND_ENV, kind)
+    if kind == "oom-killer":
+        env.setattr(memory_failures, "CGROUP_ROOT", fake_cgroup_root(os.getpid()))
     if at_step is None:
         env.delenv(CRASH_AT_STEP_ENV, raising=False)
     else:

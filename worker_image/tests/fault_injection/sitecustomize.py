@@ -5,8 +5,9 @@ Python imports `sitecustomize` at start-up from any folder on PYTHONPATH. The wo
 folder there for the jobs they mean to fail (`worker_test_support.plant_fault`); the chaos suite does
 the same for the workers of its faulted runs, through localpod's `env` worker fault
 (`bench/chaos_scenarios.py`). The worker hands PYTHONPATH on to the training process as it does any
-setting that is not a secret. In any other process (pytest, the handler, localpod) this module only
-defines names.
+setting that is not a secret. In a handler process (`python -m loraflow_worker.handler`) with the kind
+`oom-killer`, it points the worker's cgroup reader at a fake cgroup (`fake_cgroup_root`); in any other
+process (pytest, localpod, a handler with another kind) this module only defines names.
 
 In a training process (`python -m loraflow_worker.train_job JOB_FILE`):
 
@@ -20,6 +21,13 @@ In a training process (`python -m loraflow_worker.train_job JOB_FILE`):
         hang             ignore SIGTERM and sleep an hour: only SIGKILL ends it
         exit-after-done  (no step) train and publish normally, then die of SIGSEGV at interpreter
                          exit, as vLLM can
+        cuda-error-oom   print the end of torch's traceback for `RuntimeError: CUDA error: out of memory`
+                         and exit with 1, leaving no error report: only the console says what failed
+        cublas-alloc     the same for `CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate`
+        vllm-kv-cache    the same for vLLM's start-up failure with no memory left for its KV cache
+        oom-killer       count an OOM kill in the fake cgroup the handler reads, then SIGKILL itself: what
+                         the kernel's out-of-memory killer does (the handler must have the fault module too:
+                         `plant_fault` patches a handler in pytest's process itself)
 
 Every crash first prints `LORAFLOW_TEST_CRASH_AT_STEP: crashing (KIND)`. A kind or step this module
 does not know ends the training process at once with exit code 2 and a line saying what it accepts,
@@ -41,6 +49,7 @@ import importlib.abc
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,9 +57,43 @@ from types import ModuleType
 
 CRASH_AT_STEP_ENV = "LORAFLOW_TEST_CRASH_AT_STEP"
 CRASH_KIND_ENV = "LORAFLOW_TEST_CRASH_KIND"
-KINDS = ("kill", "oom", "error", "hang", "exit-after-done")
+KINDS = ("kill", "oom", "error", "hang", "exit-after-done", "cuda-error-oom", "cublas-alloc", "vllm-kv-cache",
+         "oom-killer")
 TRAINING_MODULE = "loraflow_worker.train_job"
 """The training process runs as `python -m TRAINING_MODULE JOB_FILE` (the worker's supervisor starts it)."""
+HANDLER_MODULE = "loraflow_worker.handler"
+"""The worker runs as `python -m HANDLER_MODULE` (the image's command; localpod's workers)."""
+WORK_DIR_ENV = "LORAFLOW_WORK_DIR"
+"""`loraflow_worker.handler.WORK_DIR_ENV`: the folder under which the worker keeps its jobs' files."""
+# The end of what the training process prints when it dies of these: the console line is all the worker sees.
+CONSOLE_FAILURES = {
+    # torch: a CUDA call failing with cudaErrorMemoryAllocation (C10_CUDA_CHECK's message).
+    "cuda-error-oom": (
+        "Traceback (most recent call last):\n"
+        '  File "torch/nn/modules/linear.py", line 134, in forward\n'
+        "RuntimeError: CUDA error: out of memory\n"
+        "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below "
+        "might be incorrect.\n"
+        "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+        "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+    ),
+    # torch: cuBLAS cannot allocate its handle (at::cuda::getCurrentCUDABlasHandle).
+    "cublas-alloc": (
+        "Traceback (most recent call last):\n"
+        '  File "torch/nn/modules/linear.py", line 134, in forward\n'
+        "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`\n"
+    ),
+    # vLLM 0.33: vllm/v1/worker/gpu_worker.py logs the KV cache's share, then
+    # vllm/v1/core/kv_cache_planning.py `_check_enough_kv_cache_memory` raises when it is not positive.
+    "vllm-kv-cache": (
+        "INFO [gpu_worker.py:773] Available KV cache memory: -1.25 GiB\n"
+        "Traceback (most recent call last):\n"
+        '  File "vllm/v1/core/kv_cache_planning.py", line 57, in _check_enough_kv_cache_memory\n'
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+        "initializing the engine (this flag also controls CPU memory reservation on the CPU backend, despite its "
+        "name). See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.\n"
+    ),
+}
 
 
 def crash(kind: str) -> None:
@@ -72,6 +115,33 @@ def crash(kind: str) -> None:
     elif kind == "hang":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         time.sleep(3600)
+    elif kind in CONSOLE_FAILURES:
+        sys.stderr.write(CONSOLE_FAILURES[kind])
+        sys.stderr.flush()
+        os._exit(1)  # no exception in this process, so no error report: the console alone must tell
+    elif kind == "oom-killer":
+        _count_oom_kill(fake_cgroup_root(os.getppid()))  # the supervisor that reads it is this process's parent
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fake_cgroup_root(handler_pid: int) -> Path:
+    """A cgroup v2 folder (`memory.events`, `memory.max`: 8 GiB) for the worker of process `handler_pid` to read
+    in place of its own cgroup (`loraflow_worker.memory_failures.CGROUP_ROOT`), made with no OOM kill counted
+    if missing. Both processes find it: it lies under the handler's work folder, which the training process
+    inherits."""
+    root = Path(os.environ.get(WORK_DIR_ENV) or tempfile.gettempdir()) / f"loraflow-test-cgroup-{handler_pid}"
+    if not (root / "memory.events").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "memory.max").write_text(f"{8 * 2**30}\n")
+        (root / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n")
+    return root
+
+
+def _count_oom_kill(root: Path) -> None:
+    events = dict(line.split() for line in (root / "memory.events").read_text().splitlines())
+    for name in ("max", "oom", "oom_kill"):  # what the kernel counts when its OOM killer acts on the cgroup
+        events[name] = str(int(events[name]) + 1)
+    (root / "memory.events").write_text("".join(f"{name} {value}\n" for name, value in events.items()))
 
 
 class _OnFirstImport(importlib.abc.MetaPathFinder):
@@ -148,6 +218,15 @@ def _job_file() -> Path | None:
     return None
 
 
+def _handler_process() -> bool:
+    argv = sys.orig_argv
+    return any(argv[at] == "-m" and argv[at + 1] == HANDLER_MODULE for at in range(len(argv) - 1))
+
+
+def _read_fake_cgroup(memory_failures: ModuleType) -> None:
+    memory_failures.CGROUP_ROOT = fake_cgroup_root(os.getpid())
+
+
 def _plant(job_file: Path) -> None:
     kind = os.environ.get(CRASH_KIND_ENV, "kill")
     step = os.environ.get(CRASH_AT_STEP_ENV, "")
@@ -165,3 +244,5 @@ def _plant(job_file: Path) -> None:
 
 if (CRASH_AT_STEP_ENV in os.environ or CRASH_KIND_ENV in os.environ) and (_job := _job_file()) is not None:
     _plant(_job)
+elif os.environ.get(CRASH_KIND_ENV) == "oom-killer" and _handler_process():
+    sys.meta_path.insert(0, _OnFirstImport("loraflow_worker.memory_failures", after=_read_fake_cgroup))
