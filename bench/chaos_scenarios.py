@@ -22,6 +22,7 @@ FAULT_INJECTION_DIR = Path(__file__).resolve().parent.parent / "worker_image" / 
 process as `CRASH_AT_STEP` and `CRASH_KIND` say. The image ships no such switch."""
 CRASH_AT_STEP = "LORAFLOW_TEST_CRASH_AT_STEP"
 CRASH_KIND = "LORAFLOW_TEST_CRASH_KIND"
+STEP_SECONDS = "LORAFLOW_TEST_STEP_SECONDS"
 
 
 def route(route_name: str, action: str, **rule: Any) -> dict[str, Any]:
@@ -190,7 +191,10 @@ SCENARIOS: dict[str, Scenario] = {
             "endpoint-deleted",
             "the endpoint is deleted through RunPod's API mid-training: the attempt is lost, not the run, which "
             "completes on a new endpoint",
-            retried=("lost",), delete_endpoint_at_step=1,
+            # The first worker's steps last 2 s (progress is sent every 2 s): the deletion lands mid-training, after
+            # the step-2 checkpoint was stored, and the deleted worker cannot finish in localpod's 5 s kill grace.
+            retried=("lost",), checkpoint_every_steps=2, delete_endpoint_at_step=3, resumes=True,
+            worker_faults=(worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: "2"}),),
         ),
         Scenario(
             "unknown-status",

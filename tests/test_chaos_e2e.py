@@ -127,6 +127,7 @@ def test_an_endpoint_deleted_mid_training_costs_an_attempt_not_the_run(chaos):
     assert run.endpoint_deleted is not None
     assert run.retried == ["lost"] and run.state_type == "COMPLETED"
     assert sorted(n[-3:] for n in run.endpoint_names) == ["-a1", "-a2"]
+    assert run.resumed_from_step is not None and run.resumed_from_step >= 2  # the checkpoint stored before the delete
 
 
 def test_an_unknown_job_status_is_treated_as_running(chaos):

@@ -29,6 +29,10 @@ In a training process (`python -m loraflow_worker.train_job JOB_FILE`):
                          the kernel's out-of-memory killer does (the handler must have the fault module too:
                          `plant_fault` patches a handler in pytest's process itself)
 
+    LORAFLOW_TEST_STEP_SECONDS=S   every optimizer step lasts at least S seconds (a sleep at its end): a job
+                                   long enough for a fault from outside (its endpoint deleted) to land
+                                   mid-training, whatever this machine's speed
+
 Every crash first prints `LORAFLOW_TEST_CRASH_AT_STEP: crashing (KIND)`. A kind or step this module
 does not know ends the training process at once with exit code 2 and a line saying what it accepts,
 so a typo in a test cannot pass as a job that never failed.
@@ -57,6 +61,7 @@ from types import ModuleType
 
 CRASH_AT_STEP_ENV = "LORAFLOW_TEST_CRASH_AT_STEP"
 CRASH_KIND_ENV = "LORAFLOW_TEST_CRASH_KIND"
+STEP_SECONDS_ENV = "LORAFLOW_TEST_STEP_SECONDS"
 KINDS = ("kill", "oom", "error", "hang", "exit-after-done", "cuda-error-oom", "cublas-alloc", "vllm-kv-cache",
          "oom-killer")
 TRAINING_MODULE = "loraflow_worker.train_job"
@@ -201,6 +206,28 @@ def _add_crash_callback(step: int, kind: str) -> Callable[[ModuleType], None]:
     return patch
 
 
+def _slow_steps(seconds: float) -> Callable[[ModuleType], None]:
+    """What to do to `transformers.trainer` once imported: every Trainer's steps last at least `seconds`."""
+
+    def patch(trainer_module: ModuleType) -> None:
+        from transformers.trainer_callback import TrainerCallback
+
+        class SlowSteps(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                time.sleep(seconds)
+
+        init = trainer_module.Trainer.__init__
+
+        @functools.wraps(init)
+        def init_slowed(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.add_callback(SlowSteps())
+
+        trainer_module.Trainer.__init__ = init_slowed
+
+    return patch
+
+
 def _crash_if_published(job_file: Path) -> None:
     """At interpreter exit: SIGSEGV, unless the job failed (its error report lies beside the job file)."""
     from loraflow_worker.supervisor import ERROR_FILE
@@ -242,6 +269,8 @@ def _plant(job_file: Path) -> None:
         sys.meta_path.insert(0, _OnFirstImport("transformers.trainer", after=_add_crash_callback(int(step), kind)))
 
 
+if STEP_SECONDS_ENV in os.environ and _job_file() is not None:
+    sys.meta_path.insert(0, _OnFirstImport("transformers.trainer", after=_slow_steps(float(os.environ[STEP_SECONDS_ENV]))))
 if (CRASH_AT_STEP_ENV in os.environ or CRASH_KIND_ENV in os.environ) and (_job := _job_file()) is not None:
     _plant(_job)
 elif os.environ.get(CRASH_KIND_ENV) == "oom-killer" and _handler_process():
