@@ -35,10 +35,12 @@ def worker(action: str, **rule: Any) -> dict[str, Any]:
     return {"action": action, **rule}
 
 
-def training_fault(kind: str, at_step: int) -> dict[str, Any]:
+def training_fault(kind: str, at_step: int, times: int = 1) -> dict[str, Any]:
     """A worker fault that fails the training process at the end of step `at_step`, as `kind` says (kill,
-    oom, error, hang): the next worker started gets the fault module on its PYTHONPATH, and the switches."""
-    return worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), CRASH_AT_STEP: str(at_step), CRASH_KIND: kind})
+    oom, error, hang, ...): the next `times` workers started get the fault module on their PYTHONPATH, and the
+    switches."""
+    return worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), CRASH_AT_STEP: str(at_step), CRASH_KIND: kind},
+                  times=times)
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,16 @@ SCENARIOS: dict[str, Scenario] = {
             out_of_stock=OUT_OF_STOCK_POOL, queue_minutes=1,  # the spec's minimum
         ),
         Scenario(
-            "oom", "the worker reports CUDA out of memory: the next attempt runs on a GPU with more memory",
-            retried=("out_of_memory",), gpus=("RTX 4090", "A100 SXM"), final_gpu="A100 SXM",
+            "oom", "the worker reports CUDA out of memory: the same GPU again, with gradient checkpointing on and half "
+            "the micro-batch (the out-of-memory ladder's first rung)",
+            retried=("out_of_memory",), gpus=("RTX 4090", "A100 SXM"), final_gpu="RTX 4090",
             worker_faults=(training_fault("oom", at_step=1),),
+        ),
+        Scenario(
+            "oom-twice", "out of memory again with checkpointing on and half the micro-batch: the ladder's next step "
+            "is a GPU with more memory",
+            retried=("out_of_memory", "out_of_memory"), gpus=("RTX 4090", "A100 SXM"), final_gpu="A100 SXM",
+            worker_faults=(training_fault("oom", at_step=1, times=2),),
         ),
         Scenario(
             "oom-no-bigger", "out of memory on the largest GPU of the list: fails, saying what to change",
@@ -159,24 +168,29 @@ SCENARIOS: dict[str, Scenario] = {
             "oom-cuda-error",
             "the training process prints `CUDA error: out of memory` and exits: out_of_memory (GPU) whatever the "
             "prefix, and on the largest GPU of the list the run fails saying what to change",
-            expect_state="FAILED", gpus=("A100 SXM",), worker_faults=(training_fault("cuda-error-oom", at_step=0),),
+            expect_state="FAILED", gpus=("A100 SXM",), retried=("out_of_memory",),
+            worker_faults=(training_fault("cuda-error-oom", at_step=0, times=2),),
             failure_text=("out_of_memory", "out of memory (GPU)", "CUDA error: out of memory", "no GPU with more memory"),
         ),
         Scenario(
             "oom-cublas", "cuBLAS cannot allocate its handle (CUBLAS_STATUS_ALLOC_FAILED): out of memory (GPU)",
-            expect_state="FAILED", gpus=("A100 SXM",), worker_faults=(training_fault("cublas-alloc", at_step=0),),
+            expect_state="FAILED", gpus=("A100 SXM",), retried=("out_of_memory",),
+            worker_faults=(training_fault("cublas-alloc", at_step=0, times=2),),
             failure_text=("out_of_memory", "CUBLAS_STATUS_ALLOC_FAILED", "no GPU with more memory"),
         ),
         Scenario(
             "oom-vllm-kv", "vLLM finds no memory for its KV cache at start-up: out of memory (vLLM KV cache)",
-            expect_state="FAILED", gpus=("A100 SXM",), worker_faults=(training_fault("vllm-kv-cache", at_step=0),),
+            expect_state="FAILED", gpus=("A100 SXM",), retried=("out_of_memory",),
+            worker_faults=(training_fault("vllm-kv-cache", at_step=0, times=2),),
             failure_text=("out_of_memory", "out of memory (vLLM KV cache)", "no GPU with more memory"),
         ),
         Scenario(
             "oom-host",
-            "the kernel's OOM killer ends the training process (host RAM): its own outcome, not moved to a GPU with "
-            "more memory, and the run fails naming host memory",
-            expect_state="FAILED", gpus=("RTX 4090", "A100 SXM"), worker_faults=(training_fault("oom-killer", at_step=0),),
+            "the kernel's OOM killer ends the training process (host RAM), twice: its own outcome, retried with half "
+            "the micro-batch on the same GPU, never moved to a GPU with more memory, then the run fails naming host "
+            "memory",
+            expect_state="FAILED", gpus=("RTX 4090", "A100 SXM"), final_gpu="RTX 4090",
+            retried=("host_out_of_memory",), worker_faults=(training_fault("oom-killer", at_step=0, times=2),),
             failure_text=("host_out_of_memory", "out of memory (host RAM)", "host's RAM"),
         ),
         Scenario(
@@ -217,7 +231,7 @@ SCENARIOS: dict[str, Scenario] = {
 
 SHORT_FORM: tuple[str, ...] = (
     "api-faults", "ambiguous-create", "run-500", "worker-crash", "preempt", "worker-hang", "stall-resume",
-    "no-capacity", "oom", "oom-cuda-error", "oom-cublas", "oom-vllm-kv", "oom-host", "cuda-unavailable",
+    "no-capacity", "oom", "oom-twice", "oom-cuda-error", "oom-cublas", "oom-vllm-kv", "oom-host", "cuda-unavailable",
     "endpoint-deleted", "unknown-status", "code-failure",
 )
 """The scenarios the CI test runs, one run each: every fault kind of the issue, at the cost of about one

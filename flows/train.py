@@ -13,12 +13,15 @@ or against RunPod, from a run file or a deployment:
 
 # No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
 # the flow signature when it loads the entrypoint, and cannot resolve postponed annotations.
+import functools
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-from loraflow_worker.contract import DatasetSource, JobInput
+from loraflow_worker.contract import DatasetSource, JobInput, MemorySettings
+from loraflow_worker.memory_plan import MemoryPlan, ModelShape, plan_job
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
@@ -30,8 +33,9 @@ from tasks.artifacts import RunResults, check_dataset_jsonl, collect, publish_ru
 from tasks.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
 from tasks.cost import check_budget, cost_ceiling, read_billed_cost, read_gpu_prices
 from tasks.image_contract import check_image_contract
-from tasks.placement import catalog_fits, placeable_gpus
-from tasks.plan import AttemptPlan, plan_attempt, resolve_model_task
+from tasks.memory_ladder import MemoryContext
+from tasks.placement import GIB, catalog_fits, gpus_that_fit, placeable_gpus
+from tasks.plan import AttemptPlan, plan_attempt, read_model_shape_task, resolve_model_task
 from tasks.quota import endpoint_slot, ensure_endpoint_limit, wait_for_runpod_quota
 from tasks.reports import RunReport, curve_png, publish_report, run_tags, run_title, store_curve, tag_run
 from tasks.rewards import check_reward_files
@@ -87,7 +91,8 @@ def train(
     """Fine-tune a LoRA adapter on a RunPod serverless GPU.
 
     0. Apply the overrides to the spec (each names itself when invalid); name and tag the run.
-    1. Prepare: check the budget, pin the model, publish a local dataset, build the job.
+    1. Prepare: check the image's contract, keep the GPUs whose hosts run its CUDA, check the budget, pin the
+       model, publish a local dataset, build the job, and keep the GPUs the memory plan fits.
     2. For each attempt (a new endpoint each time, resuming from the last checkpoint):
        a. take one slot of the `runpod-endpoints` limit (the account's endpoint quota);
        b. create the attempt's endpoint (looked up by name first; RunPod's own quota error waits);
@@ -156,17 +161,29 @@ def train(
         else:
             dataset_source = DatasetSource(hub_id=spec.dataset.hub_id, split=spec.dataset.split)
         grpo = spec.grpo.model_copy(update={"rewards": rewards}) if spec.grpo is not None else None
+        # QLoRA GRPO generates with the training model: TRL's merge of an adapter into a 4-bit base for vLLM misbehaves.
+        qlora_grpo = spec.algorithm == "grpo" and spec.lora.quantization == "4bit"
         job_input = JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model_source,
                              dataset=dataset_source, lora=spec.lora, training=spec.training, grpo=grpo,
                              artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
-                             extra_packages=spec.extra_packages)
+                             extra_packages=spec.extra_packages,
+                             memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None)
+        # The worker's own memory planner, on each GPU of the list: those the run cannot fit are not rented.
+        shape = read_model_shape_task(model_source)
+        if shape is not None:
+            gpus, too_small = gpus_that_fit(gpus, functools.partial(plan_job, job_input, shape),
+                                            quantized_plan_for=_quantized_planner(job_input, shape))
+            for fit in too_small:
+                logger.warning("Not renting %s: the run does not fit it (%s)", fit.gpu, fit.describe())
+            ceiling = cost_ceiling([offers[g.name] for g in gpus], spec.compute.gpu_count, spec.deadline_minutes)
+            spent.ceiling_usd = ceiling.usd
         logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling %s", spec.name, model_source.id, spec.compute.gpu,
                     image, ceiling.describe())
         ensure_endpoint_limit()
         worker_env = prepare_worker_env()
 
         # 2. Attempts.
-        gpu_index, endpoint_ids, use_cache, earlier = 0, [], True, []
+        gpu_index, endpoint_ids, use_cache, earlier, forced = 0, [], True, [], job_input.memory
         for attempt in range(1, spec.attempts.max_attempts + 1):
             if run_cancel_requested():
                 return spent.finish(run_id, spec.name, "cancelled",
@@ -174,13 +191,15 @@ def train(
             offer = offers[gpus[gpu_index].name]
             cache = (warm_cache_for(model_source.id, model_source.revision, offer.in_stock_data_centers())
                      if use_cache else None)
-            plan = plan_attempt(job_input=job_input.model_copy(update={"attempt": attempt}), run_label=spec.name,
+            attempt_input = job_input.model_copy(update={"attempt": attempt, "memory": forced})
+            plan = plan_attempt(job_input=attempt_input, run_label=spec.name,
                                 gpu=gpus[gpu_index], gpu_count=spec.compute.gpu_count, disk_gb=spec.compute.disk_gb,
                                 deadline_epoch_s=deadline, now=time.time(), queue_s=spec.attempts.queue_minutes * 60,
                                 startup_s=spec.attempts.startup_minutes * 60, stall_s=spec.attempts.stall_minutes * 60,
                                 worker_env=worker_env, cache=cache)
-            logger.info("Attempt %d on %d × %s: endpoint %s%s", attempt, spec.compute.gpu_count, plan.gpu.name,
-                        plan.endpoint_name, f", weights warm in {cache.data_center}" if cache else "")
+            logger.info("Attempt %d on %d × %s: endpoint %s%s%s", attempt, spec.compute.gpu_count, plan.gpu.name,
+                        plan.endpoint_name, f", weights warm in {cache.data_center}" if cache else "",
+                        f", forcing {forced.model_dump(exclude_none=True)}" if forced else "")
             spent.attempts, endpoints_before = attempt, len(endpoint_ids)
             outcome, undeleted = run_attempt(plan, progress_key=f"train-{spec.name}-progress",
                                              endpoint_ids=endpoint_ids)
@@ -198,9 +217,15 @@ def train(
                     logger.warning("The results are stored, so the run completes; endpoint %s is left to the "
                                    "reconciler", plan.endpoint_name)
                 break
+            memory = MemoryContext(
+                forced=forced, batch_size=spec.training.batch_size,
+                vllm=spec.algorithm == "grpo" and not (forced is not None and forced.vllm_colocate is False),
+                effective_batch=spec.training.batch_size * spec.training.gradient_accumulation_steps,
+                vllm_share=(plan_job(attempt_input, shape, plan.gpu.vram_gb * GIB).vllm_gpu_memory_utilization
+                            if shape is not None else None))
             decision = decide_next_attempt(outcome, gpus, gpu_index, attempt, spec.attempts.max_attempts,
                                            seconds_left=deadline - time.time(),
-                                           warm_in=cache.data_center if cache else None, earlier=earlier)
+                                           warm_in=cache.data_center if cache else None, earlier=earlier, memory=memory)
             earlier.append(outcome.kind)
             events.attempt_given_up(run_id, spec.name, attempt=attempt, outcome=outcome.kind, reason=decision.reason,
                                     retry=decision.retry, error=outcome.error,
@@ -210,7 +235,7 @@ def train(
             if not decision.retry:
                 raise run_failed(spec.name, outcome, results, decision.reason)
             logger.warning("Attempt %d ended %s (%s); %s", attempt, outcome.kind, outcome.error, decision.reason)
-            gpu_index = decision.gpu_index
+            gpu_index, forced = decision.gpu_index, decision.memory
 
         # 3. Report, with the training curve, stored with the run (one commit: the Hub counts them).
         assert results.result is not None
@@ -230,7 +255,8 @@ def train(
             adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,
             fast_paths=(results.manifest or {}).get("fast_paths"), algorithm=spec.algorithm,
             run_url=curve_links.run_url if curve_links else None,
-            curve_url=curve_links.curve_url if curve_links else None,
+            curve_url=curve_links.curve_url if curve_links else None, quantization=spec.lora.quantization,
+            forced_memory=(results.manifest or {}).get("forced_memory_settings") or [],
         )
         publish_report(report, key_prefix=f"train-{spec.name}", curve=curve)
         logger.info("Adapter: %s", results.adapter_url)
@@ -240,6 +266,14 @@ def train(
         spent.finish(run_id, spec.name, "cancelled" if run_cancel_requested() else "failed", None,
                      message=f"{type(e).__name__}: {e}")
         raise
+
+
+def _quantized_planner(job_input: JobInput, shape: ModelShape) -> Callable[[int], MemoryPlan] | None:
+    """The same run's plan in 4 bits (QLoRA), for a refusal to suggest; None when it already is."""
+    if job_input.lora.quantization == "4bit":
+        return None
+    quantized = job_input.model_copy(update={"lora": job_input.lora.model_copy(update={"quantization": "4bit"})})
+    return functools.partial(plan_job, quantized, shape)
 
 
 def _billed_usd(endpoint_ids: list[str], since_epoch_s: float) -> float | None:

@@ -1,5 +1,6 @@
-"""Renting only where the worker image runs: each GPU class's hosts' CUDA versions, from RunPod's live
-catalog, against the CUDA floor of the image and the card, before anything is rented.
+"""Renting only where the run can work: each GPU class's hosts' CUDA versions, from RunPod's live catalog,
+against the CUDA floor of the image and the card; and each class's memory against the run's memory plan
+(`loraflow_worker.memory_plan`, the worker's own planner); both before anything is rented.
 
 An endpoint whose `minCudaVersion` no host of its GPU offers is never served: its job sits IN_QUEUE until
 the attempt gives the GPU up as "no capacity", and the run walks its list to the same end. The catalog's
@@ -11,11 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from loraflow_worker.memory_plan import MemoryPlan
 from pydantic import BaseModel, Field
 
 from tasks.cost import read_gpu_prices
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass, cuda_floor, meets_cuda_floor
 from tasks.runpod.live_catalog import GpuOffer
+
+
+GIB = 2**30
+"""RunPod's catalog gives GPU memory in GB that are GiB (an RTX 4090's 24 GB are 24 GiB)."""
 
 
 class NoHostForImage(ValueError):
@@ -83,3 +89,54 @@ def catalog_fits(image_min_cuda: str) -> list[CudaFit]:
     gpus = list(GPU_CLASSES.values())
     offers = {offer.gpu: offer for offer in read_gpu_prices(gpus, log=False)}
     return cuda_fits(gpus, offers, [cuda_floor(gpu, image_min_cuda) for gpu in gpus])
+
+
+class NoGpuFits(ValueError):
+    """The run's memory plan fits no GPU of its list: refused before renting."""
+
+
+class MemoryFit(BaseModel):
+    """One GPU class against the run's memory plan (`loraflow_worker.memory_plan`), gradient checkpointing on."""
+
+    gpu: str = Field(description="loraflow's name for the GPU class.")
+    memory_gib: float = Field(description="The GPU's memory, GiB.")
+    estimate_gib: float = Field(description="The run's estimated peak GPU memory with gradient checkpointing, GiB.")
+    usable_gib: float = Field(description="What the plan may count on of the GPU's memory, GiB.")
+    fits: bool
+
+    def describe(self) -> str:
+        verdict = "fits" if self.fits else "does not fit"
+        return (f"{self.gpu} ({self.memory_gib:.0f} GiB): needs ~{self.estimate_gib:.1f} GiB of {self.usable_gib:.1f} "
+                f"GiB usable ({verdict})")
+
+
+def memory_fit(gpu: GpuClass, plan_for: Callable[[int], MemoryPlan]) -> MemoryFit:
+    """`plan_for(gpu_memory_bytes)`: the run's plan on a GPU of that much memory."""
+    plan = plan_for(gpu.vram_gb * GIB)
+    return MemoryFit(gpu=gpu.name, memory_gib=gpu.vram_gb, estimate_gib=plan.estimate_with_checkpointing_bytes / GIB,
+                     usable_gib=plan.usable_bytes / GIB, fits=plan.fits)
+
+
+def gpus_that_fit(gpus: Sequence[GpuClass], plan_for: Callable[[int], MemoryPlan],
+                  quantized_plan_for: Callable[[int], MemoryPlan] | None = None) -> tuple[list[GpuClass], list[MemoryFit]]:
+    """The classes on which the run fits even with gradient checkpointing, in order, and the fits of those left out.
+    When none is left, `NoGpuFits` names the estimate, each GPU, the smallest GPU class that would fit, and (given
+    `quantized_plan_for`, the same run in 4 bits) whether QLoRA would."""
+    fits = [memory_fit(gpu, plan_for) for gpu in gpus]
+    kept = [gpu for gpu, fit in zip(gpus, fits, strict=True) if fit.fits]
+    excluded = [fit for fit in fits if not fit.fits]
+    if kept:
+        return kept, excluded
+    by_size = sorted(GPU_CLASSES.values(), key=lambda g: (g.vram_gb, g.usd_per_hour))
+    bigger = next((fit for fit in (memory_fit(g, plan_for) for g in by_size) if fit.fits), None)
+    fixes = [f"add {bigger.gpu} ({bigger.memory_gib:.0f} GiB) to compute.gpu" if bigger else
+             "no GPU class loraflow rents holds it: lower training.batch_size or max_seq_length"]
+    if quantized_plan_for is not None:
+        quantized = next((fit for fit in (memory_fit(g, quantized_plan_for) for g in by_size) if fit.fits), None)
+        if quantized is not None:
+            fixes.append(f'set lora.quantization = "4bit" (QLoRA: ~{quantized.estimate_gib:.1f} GiB, fits {quantized.gpu})')
+    fixes.append("lower training.batch_size or max_seq_length")
+    raise NoGpuFits(
+        "the run fits no GPU of compute.gpu, even with gradient checkpointing, so an attempt would run out of memory: "
+        + "; ".join(fit.describe() for fit in excluded) + ". Fix: " + ", or ".join(fixes) + "."
+    )

@@ -3,13 +3,15 @@ request, the job input and its limits."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
-from huggingface_hub import HfApi, hf_hub_url
-from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub import HfApi, hf_hub_download, hf_hub_url
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from loraflow_worker.contract import JobInput, ModelSource
-from prefect import task
+from loraflow_worker.memory_plan import ModelShape, shape_from_config
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
@@ -101,6 +103,30 @@ def resolve_model(model: ModelSource, settings: Settings | None = None, *, disk_
     if problem:
         raise ValueError(problem)
     return ModelSource(id=model.id, revision=info.sha)
+
+
+def read_model_config(model: ModelSource, settings: Settings | None = None) -> dict:
+    """The model's `config.json` (a resolved source: a local directory, or a Hub id pinned to a commit), for the
+    memory plan. Raises OSError or ValueError when it cannot be read."""
+    local = Path(model.id)
+    if local.is_dir():
+        return json.loads((local / "config.json").read_text())
+    settings = settings or Settings()
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    path = hf_hub_download(model.id, "config.json", revision=model.revision, endpoint=settings.hf_endpoint, token=token)
+    return json.loads(Path(path).read_text())
+
+
+@task(name="read-model-shape", cache_policy=NO_CACHE)
+def read_model_shape_task(model: ModelSource) -> ModelShape | None:
+    """The model's shape for the memory plan, from its `config.json` alone (a Hub model's weights are not
+    downloaded here); None, said in the log, when it cannot be read: the worker plans from the model it loads."""
+    try:
+        return shape_from_config(read_model_config(model, Settings().with_hub_token()))
+    except (OSError, ValueError, HfHubHTTPError) as e:
+        get_run_logger().warning("%s's config.json could not be read (%s: %s): the GPUs are not checked against the "
+                                 "memory plan before renting", model.id, type(e).__name__, str(e)[:300])
+        return None
 
 
 @task(name="resolve-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],

@@ -53,6 +53,9 @@ class RunReport(BaseModel):
     )
     run_url: str | None = Field(default=None, description="Link to the run's folder in the artifact store.")
     curve_url: str | None = Field(default=None, description="Link to the stored curve PNG; None: not stored.")
+    quantization: Literal["none", "4bit"] = Field(default="none", description="`4bit`: QLoRA (the base in 4 bits).")
+    forced_memory: list[str] = Field(
+        default_factory=list, description="Memory settings the last attempt forced after running out of memory.")
 
 
 def run_title(name: str, model_id: str, algorithm: str, gpu: str) -> str:
@@ -118,6 +121,10 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
     rows = [
         ("Model", f"`{report.model}`" + (f" @ `{report.model_revision}`" if report.model_revision else "")),
         ("GPU", f"{report.gpu_count} × {report.gpu}"),
+        *([("Base weights", "4-bit (QLoRA: nf4, double quantization, bf16 compute)")]
+          if report.quantization == "4bit" else []),
+        *([("Memory settings forced", ", ".join(report.forced_memory) + " (after running out of memory)")]
+          if report.forced_memory else []),
         ("Device (worker)", m.device),
         ("Steps", str(m.steps)),
         ("Loss (first → final)", loss),

@@ -8,6 +8,8 @@ scenarios of `bench/chaos_scenarios.py`. This module starts its own stack: local
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.chaos_batch import Batch, plan, run_batch
@@ -95,9 +97,17 @@ def test_no_capacity_walks_the_gpu_list(chaos):
     assert run.retried == ["no_capacity"] and run.gpus_used == ["RTX 5090", "A100 SXM"] and run.state_type == "COMPLETED"
 
 
-def test_out_of_memory_moves_to_a_gpu_with_more_memory(chaos):
+def test_out_of_memory_first_retries_the_same_gpu_with_checkpointing_and_half_the_micro_batch(chaos):
     run = chaos.record("oom")
-    assert run.retried == ["out_of_memory"] and run.gpus_used == ["RTX 4090", "A100 SXM"] and run.state_type == "COMPLETED"
+    assert run.retried == ["out_of_memory"] and run.gpus_used == ["RTX 4090", "RTX 4090"] and run.state_type == "COMPLETED"
+    manifest = json.loads((run.run_dir / "manifest.json").read_text())
+    assert set(manifest["forced_memory_settings"]) >= {"gradient_checkpointing", "micro_batch_size"}, manifest
+
+
+def test_out_of_memory_again_moves_to_a_gpu_with_more_memory(chaos):
+    run = chaos.record("oom-twice")
+    assert run.retried == ["out_of_memory", "out_of_memory"] and run.state_type == "COMPLETED"
+    assert run.gpus_used == ["RTX 4090", "RTX 4090", "A100 SXM"]
 
 
 @pytest.mark.parametrize(("kind", "sign"), [("oom-cuda-error", "CUDA error: out of memory"),
@@ -105,13 +115,14 @@ def test_out_of_memory_moves_to_a_gpu_with_more_memory(chaos):
                                             ("oom-vllm-kv", "out of memory (vLLM KV cache)")])
 def test_gpu_out_of_memory_is_recognised_whatever_the_prefix(chaos, kind, sign):
     run = chaos.record(kind)
-    assert run.state_type == "FAILED" and run.retried == [], run.state_message
+    assert run.state_type == "FAILED" and run.retried == ["out_of_memory"], run.state_message
     assert "out_of_memory" in run.state_message and sign in run.state_message, run.state_message
 
 
 def test_host_ram_running_out_is_its_own_outcome_and_not_moved_to_a_bigger_gpu(chaos):
     run = chaos.record("oom-host")
-    assert run.state_type == "FAILED" and run.retried == [] and run.gpus_used == ["RTX 4090"]
+    assert run.state_type == "FAILED" and run.retried == ["host_out_of_memory"]
+    assert run.gpus_used == ["RTX 4090", "RTX 4090"]
     assert "host_out_of_memory" in run.state_message and "host's RAM" in run.state_message, run.state_message
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tasks.placement import NoHostForImage, cuda_fits, placeable_gpus
+from tasks.placement import NoGpuFits, NoHostForImage, cuda_fits, gpus_that_fit, placeable_gpus
 from tasks.runpod.catalog import cuda_floor, meets_cuda_floor, resolve_gpu
 from tasks.runpod.live_catalog import GpuOffer, static_offer
 
@@ -43,3 +43,30 @@ def test_an_unreadable_catalog_excludes_nothing():
     offers = {RTX_4090.name: static_offer(RTX_4090, "the catalog could not be read")}
     kept, excluded = placeable_gpus([RTX_4090], offers, [cuda_floor(RTX_4090, "13.0")])
     assert kept == [RTX_4090] and excluded == []
+
+
+def _plan_on(estimate_gib):
+    """A stand-in for the planner (the real one's figures are the worker's tests'): a run needing `estimate_gib`
+    with checkpointing on any GPU, of which 90 % is usable."""
+    def plan(gpu_memory_bytes):
+        class Plan:
+            estimate_with_checkpointing_bytes = int(estimate_gib * 2**30)
+            usable_bytes = int(gpu_memory_bytes * 0.9)
+            fits = estimate_with_checkpointing_bytes <= usable_bytes
+        return Plan()
+    return plan
+
+
+def test_gpus_the_run_does_not_fit_are_left_out_in_order():
+    kept, excluded = gpus_that_fit([RTX_4090, H100], _plan_on(40))
+    assert kept == [H100]
+    assert [fit.gpu for fit in excluded] == ["RTX 4090"] and "needs ~40.0 GiB" in excluded[0].describe()
+
+
+def test_a_run_that_fits_no_gpu_is_refused_naming_the_estimate_the_gpu_that_would_fit_and_qlora():
+    with pytest.raises(NoGpuFits) as refused:
+        gpus_that_fit([RTX_4090, H100], _plan_on(120), quantized_plan_for=_plan_on(40))
+    message = str(refused.value)
+    assert "RTX 4090 (24 GiB): needs ~120.0 GiB" in message and "H100 (80 GiB)" in message
+    assert "add H200 (141 GiB) to compute.gpu" in message
+    assert 'lora.quantization = "4bit"' in message

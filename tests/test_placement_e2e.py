@@ -5,6 +5,7 @@ preload, which needs no CUDA, runs on hosts of any driver."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -85,3 +86,18 @@ def test_preload_needs_no_cuda_floor_and_a_run_lands_only_where_hosts_meet_its_f
     assert placements(local_stack, "e2e-hosts") == ["EU-CZ-1"]
     assert "Not renting" not in run.output  # the 4090 has such hosts: nothing was excluded
     assert not localpod_account(local_stack)["liveEndpoints"]
+
+
+def test_a_run_whose_memory_plan_fits_no_gpu_of_its_list_is_refused_before_any_endpoint_exists(local_stack, tmp_path):
+    # A Llama-3.1-70B-shaped model (its config.json only: the plan reads nothing else) on an RTX 4090 and an H100.
+    model = tmp_path / "llama-70b-config"
+    model.mkdir()
+    shutil.copy(REPO / "worker_image" / "tests" / "model_configs" / "llama-3.1-70b" / "config.json", model)
+    run_file = hub_run_file(tmp_path, "e2e-toobig", str(model))
+    run_file.write_text(run_file.read_text() + '[compute]\ngpu = ["RTX 4090", "H100"]\n')
+    run = run_train_flow(local_stack, run_file)
+    assert run.returncode == 1
+    message = flow_run_state(local_stack, run.flow_run_id)["message"]
+    assert "NoGpuFits" in message and "RTX 4090 (24 GiB): needs ~" in message and "H100 (80 GiB)" in message, message
+    assert "to compute.gpu" in message and 'lora.quantization = "4bit"' in message, message
+    assert run_endpoints(local_stack, "e2e-toobig") == []

@@ -35,5 +35,15 @@ def test_summary_names_model_gpu_steps_loss_cost_and_adapter():
         assert expected in text
 
 
+def test_summary_says_qlora_and_the_memory_settings_an_out_of_memory_attempt_forced():
+    report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                       endpoint_name="loraflow-demo-abc-a2", metrics=METRICS, cost_ceiling_usd=0.35,
+                       estimated_cost_usd=0.0005, adapter_url="file:///a/adapter", store_url="file:///a",
+                       quantization="4bit", forced_memory=["gradient_checkpointing", "micro_batch_size"])
+    text = summary_markdown(report)
+    assert "| Base weights | 4-bit (QLoRA" in text
+    assert "| Memory settings forced | gradient_checkpointing, micro_batch_size" in text
+
+
 def test_metrics_table_has_one_row_per_logged_step():
     assert metrics_rows(METRICS) == [{"step": 1, "loss": 6.4}, {"step": 2, "loss": 3.0}, {"step": 3, "loss": 1.25}]

@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from loraflow_worker.reward_names import BUILTIN_REWARD_PARAMS, REWARD_STORE_PATH_PATTERN, reward_kind
 
-CONTRACT_VERSION = 2
-"""Bump when a change to `JobInput` or `JobResult` is not backwards compatible."""
+CONTRACT_VERSION = 3
+"""Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
+and `memory` (forced memory settings)."""
 
 MAX_EXTRA_PACKAGES = 20
 MAX_PRELOAD_MODELS = 100
@@ -89,6 +90,12 @@ class LoraSettings(_Strict):
         default="all-linear",
         description="Module names to adapt (e.g. `[\"q_proj\", \"v_proj\"]`), or `all-linear` for every "
         "linear layer except the output head.",
+    )
+    quantization: Literal["none", "4bit"] = Field(
+        default="none",
+        description="`none`: the base model in bf16. `4bit`: QLoRA — the base loaded in 4 bits (nf4, double "
+        "quantization, bf16 compute) through bitsandbytes, to fit a larger model on one GPU. GRPO with `4bit` needs "
+        "`memory.vllm_colocate` false.",
     )
 
 
@@ -262,6 +269,71 @@ def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: T
     return []
 
 
+class MemorySettings(_Strict):
+    """Memory settings forced on an attempt instead of the worker's memory plan (each None: the plan decides). The
+    control plane sets them after an out-of-memory attempt; the run manifest records which were forced."""
+
+    gradient_checkpointing: bool | None = Field(
+        default=None, description="Force gradient checkpointing on (recompute activations: less memory, ~30% slower) or off."
+    )
+    micro_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Sequences per device step. The worker sets the gradient accumulation steps so that micro-batch × "
+        "accumulation is the run's effective batch (`training.batch_size` × `training.gradient_accumulation_steps`), "
+        "which it must divide.",
+    )
+    vllm_gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0.0,
+        lt=1.0,
+        description="GRPO: the share of the GPU's memory the colocated vLLM engine takes, instead of the planned one.",
+    )
+    vllm_colocate: bool | None = Field(
+        default=None,
+        description="GRPO: false turns vLLM colocation off, so the training model generates the completions "
+        "(transformers' `generate`: slower, but no memory set aside for vLLM). None: vLLM colocates where the "
+        "memory plan says it fits. True is refused: to force vLLM's share, set `vllm_gpu_memory_utilization`.",
+    )
+
+
+def memory_setting_problems(algorithm: str, lora: LoraSettings, training: TrainingSettings,
+                            memory: MemorySettings | None) -> list[str]:
+    """What is wrong with a job's forced memory settings and its quantization (empty when nothing). Shared by the
+    worker's `JobInput` and the control plane, so both refuse the same jobs with the same words."""
+    memory = memory or MemorySettings()
+    problems = []
+    effective = training.batch_size * training.gradient_accumulation_steps
+    micro = memory.micro_batch_size
+    if micro is not None and effective % micro:
+        divisors = [d for d in range(1, effective + 1) if effective % d == 0]
+        problems.append(
+            f"`memory.micro_batch_size` ({micro}) must divide the effective batch, `training.batch_size` × "
+            f"`training.gradient_accumulation_steps` ({training.batch_size} × {training.gradient_accumulation_steps} = "
+            f"{effective} sequences per optimizer step), so that micro-batches × accumulation steps keep it: use one of "
+            f"{', '.join(map(str, divisors))}"
+        )
+    vllm_set = [f"`memory.{name}`" for name in ("vllm_gpu_memory_utilization", "vllm_colocate") if getattr(memory, name) is not None]
+    if algorithm != "grpo" and vllm_set:
+        problems.append(f"{' and '.join(vllm_set)} {'applies' if len(vllm_set) == 1 else 'apply'} to GRPO only "
+                        f"(algorithm is '{algorithm}'): remove {'it' if len(vllm_set) == 1 else 'them'}")
+    if memory.vllm_colocate is True:
+        problems.append("`memory.vllm_colocate` can only turn colocation off (false): vLLM colocates wherever the memory "
+                        "plan says it fits; to force its share, set `memory.vllm_gpu_memory_utilization` instead")
+    if memory.vllm_colocate is False and memory.vllm_gpu_memory_utilization is not None:
+        problems.append("`memory.vllm_gpu_memory_utilization` is set but `memory.vllm_colocate` is false: there is no "
+                        "colocated vLLM to give a share to; remove one of them")
+    if lora.quantization == "4bit" and algorithm == "grpo" and memory.vllm_colocate is not False:
+        # TRL loads a colocated vLLM with the adapter merged into the base; into a 4-bit base that merge misbehaves.
+        problems.append(
+            "`lora.quantization` '4bit' with algorithm 'grpo' needs vLLM colocation off: TRL merges the adapter into the "
+            "4-bit base to load it into vLLM, which misbehaves. Set `memory.vllm_colocate` to false (the training model "
+            "generates the completions), or `lora.quantization` to 'none'"
+        )
+    return problems
+
+
 def plain_requirements(packages: list[str]) -> list[str]:
     """`extra_packages` as the worker installs them; ValueError for anything but a plain pip requirement."""
     for package in packages:
@@ -301,6 +373,12 @@ class JobInput(_Strict):
         description="Unix time by which the worker must have stopped; None means no deadline. Training that "
         "reaches it stores the adapter trained so far and a checkpoint to resume from, then fails the job.",
     )
+    memory: MemorySettings | None = Field(
+        default=None,
+        validate_default=True,
+        description="Memory settings the control plane forces after an out-of-memory attempt (None: the worker's memory "
+        "plan decides everything).",
+    )
     extra_packages: list[str] = Field(
         default_factory=list,
         max_length=MAX_EXTRA_PACKAGES,
@@ -320,6 +398,16 @@ class JobInput(_Strict):
             if problems:
                 raise ValueError("; ".join(problems))
         return grpo
+
+    @field_validator("memory")
+    @classmethod
+    def _memory_settings_fit_the_job(cls, memory: MemorySettings | None, info: ValidationInfo) -> MemorySettings | None:
+        # Validated for an unset `memory` too (`validate_default`): the 4-bit GRPO refusal needs no memory settings.
+        if all(name in info.data for name in ("algorithm", "lora", "training")):
+            problems = memory_setting_problems(info.data["algorithm"], info.data["lora"], info.data["training"], memory)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return memory
 
 
 class PreloadInput(_Strict):

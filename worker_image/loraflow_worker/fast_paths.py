@@ -4,14 +4,15 @@ Kernels fail silently (a Qwen3.5 model without flash-linear-attention trains thr
 times slower, with one log warning), so every speed-up is recorded as a `FastPath(engaged, reason)` in the
 run manifest, and the kernel ones are confirmed on the built model, not assumed from the plan:
 
-    facts = gather_facts(model_dir, "sft", job_workload(job))  # exports the allocator setting, then probes CUDA
+    facts = gather_facts(model_dir, "sft", job_workload(job), job.memory)  # exports the allocator setting, probes CUDA
     plan = plan_fast_paths(facts)                              # pure: the decisions, testable on CPU
     trainer = SFTTrainer(..., args=sft_config(job, plan, work_dir))
     fast_paths = engage_fast_paths(plan, trainer.model)        # applies Liger, confirms the kernels; for the manifest
 
-The memory decisions (gradient checkpointing, the optimizer, vLLM's share of the GPU) come from an estimate
-of what LoRA training needs (`training_memory`, `vllm_memory`) against the GPU's memory, and their reasons
-quote both numbers.
+The memory decisions (gradient checkpointing, the optimizer, vLLM's share of the GPU) come from the memory plan
+(`memory_plan.plan_memory`, the same planner the control plane sizes GPUs with) against the GPU's memory, overridden
+by what the job's `memory` settings force; their reasons quote the plan's numbers, and the plan goes into the
+manifest whole.
 
 TRL 1.16 deprecates `use_liger_kernel` in favour of Hub kernels, which need Hub access at run time, so
 Liger is applied here through its own instance-patching API.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-import math
 import os
 import sys
 from collections.abc import Mapping
@@ -29,18 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraflow_worker.contract import MemorySettings
 from loraflow_worker.manifest import FastPath
-from loraflow_worker.memory_estimate import (
-    ADAMW_8BIT_BYTES,
-    ADAMW_BYTES,
-    ModelShape,
-    Workload,
-    gib,
-    read_model_shape,
-    training_memory,
-    usable_memory,
-    vllm_memory,
-)
+from loraflow_worker.memory_plan import MemoryPlan, ModelShape, plan_memory, read_model_shape
 
 NO_CUDA = "no CUDA device"
 FAST_PATHS = (
@@ -71,9 +62,31 @@ estimate that proved too low in the field)."""
 FORCIBLE = ("gradient_checkpointing", "paged_adamw_8bit")
 """The fast paths `LORAFLOW_FORCE_FAST_PATHS` may name: the memory trade-offs (kernels are on when they can be)."""
 
+VLLM_TEXT_ONLY = {"limit_mm_per_prompt": {"image": 0, "video": 0}}
+"""What the colocated vLLM engine is built with for a text run: no image or video inputs, so vLLM 0.33 neither loads
+nor profiles a checkpoint's vision tower (`_mark_tower_model` in `vllm/model_executor/models/interfaces.py` skips a
+tower whose modalities all have a limit of 0; ignored for text-only models). `grpo.text_only_vllm` passes it."""
+
 _KERNEL_MODULES = {"flash_linear_attention": "fla", "causal_conv1d": "causal_conv1d"}
 """Fast paths whose module is blocked from import when disabled: transformers binds these kernels when it
 imports the modeling module, so blocking the import is the only switch (Liger is simply not applied)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training micro-batch asks of memory (`training_run.job_workload` reads it from the job)."""
+
+    batch_size: int
+    """Sequences per micro-batch (`per_device_train_batch_size`: the job's forced micro-batch, or its batch size;
+    completions for GRPO)."""
+    seq_len: int
+    """Tokens per sequence at most (SFT `max_length`; GRPO prompt + completion)."""
+    lora_rank: int
+    lora_dropout: float = 0.0
+    quantization: str = "none"
+    """`lora.quantization`: `none` or `4bit` (QLoRA)."""
+    generations: int = 0
+    """Completions generated per round (GRPO: the generation batch); 0 for SFT."""
 
 
 @dataclass(frozen=True)
@@ -100,25 +113,35 @@ class Facts:
     """Fast paths switched off on purpose (`LORAFLOW_DISABLE_FAST_PATHS`)."""
     forced: frozenset[str] = frozenset()
     """Memory savers switched on whatever the estimate says (`LORAFLOW_FORCE_FAST_PATHS`)."""
+    memory: MemorySettings | None = None
+    """The job's forced memory settings (`JobInput.memory`), which override the memory plan's choices."""
 
 
 @dataclass
 class FastPathPlan:
-    """The decisions: one `FastPath` per name in `FAST_PATHS`, and the trainer config they need (the model-loading
-    kwargs among it, as `model_init_kwargs`)."""
+    """The decisions: one `FastPath` per name in `FAST_PATHS`, the trainer config they need (the model-loading kwargs
+    among it, as `model_init_kwargs`, unless the worker loads the model itself: a 4-bit base), the model-loading
+    kwargs on their own, and the memory plan they come from (None without CUDA)."""
 
     fast_paths: dict[str, FastPath]
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_init_kwargs: dict[str, Any] = field(default_factory=dict)
+    memory: MemoryPlan | None = None
 
 
 def plan_fast_paths(facts: Facts) -> FastPathPlan:
     """Decide every fast path from `facts` alone (no probing), with the reason for each decision."""
+    four_bit = facts.workload.quantization == "4bit"
     if not facts.cuda:
+        model_init_kwargs = {"dtype": "float32"}
         plan = FastPathPlan(
             {name: FastPath(engaged=False, reason=NO_CUDA) for name in FAST_PATHS},
             # TRL defaults to bf16 and gradient checkpointing; on CPU both only slow training down.
-            {"use_cpu": True, "bf16": False, "gradient_checkpointing": False, "model_init_kwargs": {"dtype": "float32"}},
+            {"use_cpu": True, "bf16": False, "gradient_checkpointing": False},
+            model_init_kwargs,
         )
+        if not four_bit:
+            plan.trainer_kwargs["model_init_kwargs"] = model_init_kwargs
         if facts.algorithm == "grpo":
             plan.trainer_kwargs["use_vllm"] = False
         return plan
@@ -160,94 +183,100 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
         else:
             settle(name, True, "planned; confirmed once the model is built")
 
-    # Memory: vLLM's share first (it is taken off what training may use), then what training needs within the rest.
-    usable = usable_memory(facts.gpu_memory_bytes)
-    expandable = _holds_expandable_segments(facts.allocator_settings)
-    lean = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_8BIT_BYTES)
-    vllm_share = 0.0
+    # Memory: the plan decides checkpointing, the optimizer and vLLM's share; the job's memory settings and
+    # LORAFLOW_FORCE_FAST_PATHS force what they name.
+    forced = facts.memory or MemorySettings()
     if facts.algorithm != "grpo":
-        settle("vllm_colocate", False, f"{facts.algorithm} generates no completions")
+        vllm_off = f"{facts.algorithm} generates no completions"
     elif not has("vllm"):
-        settle("vllm_colocate", False, "vllm not installed: completions come from transformers' generate (slower)")
+        vllm_off = "vllm not installed: completions come from transformers' generate (slower)"
     elif "vllm_colocate" in facts.disabled:
-        settle("vllm_colocate", False, "disabled for this run")
-    elif (needed := vllm_memory(facts.model, facts.workload)) + lean > usable:
-        settle("vllm_colocate", False, f"vLLM needs ~{gib(needed)} beside training's ~{gib(lean)} at its leanest, "
-                                       f"over the {gib(usable)} usable: completions come from transformers' generate")
+        vllm_off = "disabled for this run"
+    elif forced.vllm_colocate is False:
+        vllm_off = "turned off by the job's memory settings: completions come from transformers' generate"
+    elif four_bit:
+        # The contract refuses this combination; a job built without it still never merges into a 4-bit base.
+        vllm_off = "not with a 4-bit base (TRL's merge of the adapter into it for vLLM misbehaves)"
     else:
-        vllm_share = math.ceil(needed / facts.gpu_memory_bytes * 100) / 100
-        sleep = ("awake throughout (sleep mode refuses the expandable segments the environment's allocator setting "
-                 "asks for)" if expandable else "asleep between generations")
-        settle("vllm_colocate", True, f"vllm {facts.packages['vllm']} colocated with training, {sleep}, with "
-                                      f"{vllm_share:.2f} of the GPU (~{gib(needed)} for rounds of "
-                                      f"{facts.workload.generations} completions)")
-    # Counted as held throughout: sleep mode frees most of it between generations, so this errs toward saving memory.
-    budget = usable - int(vllm_share * facts.gpu_memory_bytes)
+        vllm_off = None
+    checkpointing = forced.gradient_checkpointing
+    if checkpointing is None and "gradient_checkpointing" in facts.forced | facts.disabled:
+        checkpointing = "gradient_checkpointing" in facts.forced
+    eight_bit = None
+    if "paged_adamw_8bit" in facts.forced | facts.disabled:
+        eight_bit = "paged_adamw_8bit" in facts.forced and has("bitsandbytes")
 
-    full = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
-    recomputed = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=True, optimizer_bytes=ADAMW_BYTES)
-    if "gradient_checkpointing" in facts.forced:
-        settle("gradient_checkpointing", True, f"forced on for this run (~{gib(full)} estimated without it, {gib(budget)} available)")
-    elif full <= budget:
-        settle("gradient_checkpointing", False, f"not needed: ~{gib(full)} estimated without it, {gib(budget)} available")
-    else:
-        settle("gradient_checkpointing", True, f"~{gib(full)} estimated without it, over the {gib(budget)} available: "
-                                               f"recomputing activations brings it to ~{gib(recomputed)}")
-    checkpointing = decided["gradient_checkpointing"].engaged
+    def planned(eight_bit: bool | None) -> MemoryPlan:
+        w = facts.workload
+        return plan_memory(
+            facts.model, algorithm=facts.algorithm, batch_size=w.batch_size, seq_len=w.seq_len, lora_rank=w.lora_rank,
+            lora_dropout=w.lora_dropout, gpu_memory_bytes=facts.gpu_memory_bytes, quantization=w.quantization,
+            num_generations=w.generations, vllm_colocate=vllm_off is None, fused_lm_head=True,
+            gradient_checkpointing=checkpointing, paged_adamw_8bit=eight_bit,
+            vllm_gpu_memory_utilization=forced.vllm_gpu_memory_utilization,
+            liger_kernels=decided["liger_kernel"].engaged, bf16=bf16,
+        )
 
-    with_adamw = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_BYTES)
-    if "paged_adamw_8bit" in facts.forced:
-        settle("paged_adamw_8bit", *((True, "forced on for this run") if has("bitsandbytes") else
-                                     (False, "forced, but bitsandbytes is not installed")))
-    elif with_adamw <= budget:
-        settle("paged_adamw_8bit", False, f"not needed: ~{gib(with_adamw)} estimated with torch AdamW, {gib(budget)} available")
-    elif not has("bitsandbytes"):
-        settle("paged_adamw_8bit", False, f"memory is short (~{gib(with_adamw)} estimated with torch AdamW, "
-                                          f"{gib(budget)} available), but bitsandbytes is not installed")
+    memory = planned(eight_bit)
+    eight_bit_reason = memory.reasons["paged_adamw_8bit"]
+    if "paged_adamw_8bit" in facts.forced and not has("bitsandbytes"):
+        memory, eight_bit_reason = planned(False), "forced, but bitsandbytes is not installed"
+    elif memory.paged_adamw_8bit and not has("bitsandbytes"):
+        short = eight_bit_reason.removeprefix("memory is short: ")
+        memory, eight_bit_reason = planned(False), f"memory is short ({short}), but bitsandbytes is not installed"
+
+    if vllm_off is not None:
+        settle("vllm_colocate", False, vllm_off)
+    elif not memory.vllm_colocate:
+        settle("vllm_colocate", False, memory.reasons["vllm_colocate"])
     else:
-        settle("paged_adamw_8bit", True, f"memory is short: ~{gib(with_adamw)} estimated with torch AdamW, {gib(budget)} available")
-    eight_bit = decided["paged_adamw_8bit"].engaged
-    if eight_bit:
+        settle("vllm_colocate", True, f"vllm {facts.packages['vllm']} colocated with training, asleep between "
+                                      f"generations: {memory.reasons['vllm_colocate']}")
+    settle("gradient_checkpointing", memory.gradient_checkpointing, memory.reasons["gradient_checkpointing"])
+    settle("paged_adamw_8bit", memory.paged_adamw_8bit, eight_bit_reason)
+    if decided["paged_adamw_8bit"].engaged:
         settle("fused_adamw", False, "8-bit paged AdamW instead")
     else:
         settle("fused_adamw", True, "torch AdamW with its fused CUDA kernel (the LoRA optimizer state is small)")
-    planned = training_memory(facts.model, facts.workload, bf16=bf16, checkpointing=checkpointing, optimizer_bytes=ADAMW_8BIT_BYTES if eight_bit else ADAMW_BYTES)
-    if planned > budget:
-        decided["gradient_checkpointing"] = decided["gradient_checkpointing"].model_copy(update={"reason": (
-            f"{decided['gradient_checkpointing'].reason}; as planned still ~{gib(planned)}: expect out-of-memory, "
-            f"lower the batch size or the sequence length")})
-
-    decided["expandable_segments"] = _allocator_decision(facts, expandable, decided["vllm_colocate"].engaged)
+    decided["expandable_segments"] = _allocator_decision(facts, _holds_expandable_segments(facts.allocator_settings),
+                                                         decided["vllm_colocate"].engaged)
 
     optim = "paged_adamw_8bit" if decided["paged_adamw_8bit"].engaged else (
         "adamw_torch_fused" if decided["fused_adamw"].engaged else "adamw_torch")
+    # The whole model on the one GPU: TRL's default ("auto") would offload what does not fit to the CPU, silently.
+    model_init_kwargs = {"dtype": "bfloat16" if bf16 else "float32", "device_map": {"": 0}}
     kwargs: dict[str, Any] = {
         "use_cpu": False,
         "bf16": bf16,
-        # The whole model on the one GPU: TRL's default ("auto") would offload what does not fit to the CPU, silently.
-        "model_init_kwargs": {"dtype": "bfloat16" if bf16 else "float32", "device_map": {"": 0}},
-        "gradient_checkpointing": checkpointing,
+        "gradient_checkpointing": decided["gradient_checkpointing"].engaged,
         "optim": optim,
     }
+    if not four_bit:
+        kwargs["model_init_kwargs"] = model_init_kwargs  # a 4-bit base is loaded by the worker (`training_run.load_model`)
     if facts.algorithm == "grpo":
         kwargs["use_vllm"] = decided["vllm_colocate"].engaged
         if kwargs["use_vllm"]:
-            kwargs.update(vllm_mode="colocate", vllm_enable_sleep_mode=not expandable, vllm_gpu_memory_utilization=vllm_share)
-    return FastPathPlan({name: decided[name] for name in FAST_PATHS}, kwargs)
+            # Sleep mode frees vLLM's weights and KV cache while training steps; vLLM 0.33 keeps it working with
+            # expandable segments (see `_allocator_decision`).
+            kwargs.update(vllm_mode="colocate", vllm_enable_sleep_mode=True,
+                          vllm_gpu_memory_utilization=memory.vllm_gpu_memory_utilization)
+    return FastPathPlan({name: decided[name] for name in FAST_PATHS}, kwargs, model_init_kwargs, memory)
 
 
-def allocator_conf(algorithm: str, packages: Mapping[str, str], disabled: frozenset[str]) -> str | None:
+def allocator_conf(disabled: frozenset[str]) -> str | None:
     """The `PYTORCH_CUDA_ALLOC_CONF` the worker sets before CUDA initialises: expandable segments (less
-    fragmentation), unless they are disabled or vLLM's sleep mode may run (its memory pool refuses them)."""
-    if "expandable_segments" in disabled or _vllm_expected(algorithm, packages, disabled):
+    fragmentation), unless they are disabled. With vLLM's sleep mode too: vLLM 0.33's sleep-mode pool turns them off
+    around its own allocations and restores the setting after (`CuMemAllocator.use_memory_pool`,
+    `vllm/device_allocator/cumem.py`)."""
+    if "expandable_segments" in disabled:
         return None
     return EXPANDABLE_SEGMENTS
 
 
-def gather_facts(model_dir: Path, algorithm: str, workload: Workload) -> Facts:
+def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: MemorySettings | None = None) -> Facts:
     """Probe this process: CUDA, the GPU's memory, the installed kernel packages, the model's type and size, and
     the fast paths `LORAFLOW_DISABLE_FAST_PATHS` switches off (whose kernel modules it blocks from import) or
-    `LORAFLOW_FORCE_FAST_PATHS` switches on.
+    `LORAFLOW_FORCE_FAST_PATHS` switches on; `memory` (the job's forced memory settings) joins the facts as given.
 
     The CUDA allocator reads `PYTORCH_CUDA_ALLOC_CONF` once, when CUDA initialises, and probing the GPU
     initialises it: so unless the environment already set it, the variable is set first (`allocator_conf`),
@@ -267,7 +296,7 @@ def gather_facts(model_dir: Path, algorithm: str, workload: Workload) -> Facts:
             continue
     cuda = torch.cuda.is_available()  # counts devices; initialises neither CUDA nor its allocator
     alloc_conf = os.environ.get(ALLOC_CONF_ENV)
-    wanted = allocator_conf(algorithm, packages, disabled)
+    wanted = allocator_conf(disabled)
     if cuda and alloc_conf is None and wanted is not None:
         os.environ[ALLOC_CONF_ENV] = wanted
     gpu = torch.cuda.get_device_properties(0) if cuda else None  # CUDA initialises here, and its allocator with it
@@ -291,6 +320,7 @@ def gather_facts(model_dir: Path, algorithm: str, workload: Workload) -> Facts:
         allocator_settings=cuda_allocator_settings() if cuda else None,
         disabled=disabled,
         forced=forced,
+        memory=memory,
     )
 
 
@@ -349,11 +379,6 @@ def _named_fast_paths(variable: str, valid: tuple[str, ...]) -> frozenset[str]:
     return names
 
 
-def _vllm_expected(algorithm: str, packages: Mapping[str, str], disabled: frozenset[str]) -> bool:
-    """Whether vLLM may colocate, as far as is known before the GPU's memory is."""
-    return algorithm == "grpo" and "vllm" in packages and "vllm_colocate" not in disabled
-
-
 def _holds_expandable_segments(allocator_settings: str | None) -> bool:
     settings = dict(item.strip().split(":", 1) for item in (allocator_settings or "").split(",") if ":" in item)
     return settings.get("expandable_segments") == "True"
@@ -364,11 +389,11 @@ def _allocator_decision(facts: Facts, expandable: bool, vllm: bool) -> FastPath:
         return FastPath(engaged=expandable, reason=f"{ALLOC_CONF_ENV} is set to {facts.alloc_conf!r} by the environment")
     if "expandable_segments" in facts.disabled:
         return FastPath(engaged=False, reason="disabled for this run")
-    if _vllm_expected(facts.algorithm, facts.packages, facts.disabled):
-        return FastPath(engaged=False, reason="not with vLLM's sleep mode (its memory pool refuses expandable segments)" if vllm
-                        else "left unset: vLLM's sleep mode was still expected when CUDA initialised")
     if expandable:
-        return FastPath(engaged=True, reason=f"{ALLOC_CONF_ENV}={EXPANDABLE_SEGMENTS} set before CUDA initialised: less fragmentation")
+        beside_vllm = (" (vLLM's sleep-mode pool turns them off around its own allocations and back on: vLLM 0.33, "
+                       "`CuMemAllocator.use_memory_pool`)" if vllm else "")
+        return FastPath(engaged=True, reason=f"{ALLOC_CONF_ENV}={EXPANDABLE_SEGMENTS} set before CUDA initialised: less "
+                                             f"fragmentation{beside_vllm}")
     return FastPath(engaged=False, reason=f"the allocator holds {facts.allocator_settings!r}, not {EXPANDABLE_SEGMENTS}: "
                                           f"CUDA initialised before {ALLOC_CONF_ENV} was set")
 

@@ -18,8 +18,10 @@ of a prompt/completion dataset becomes the column `answer` too.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +31,14 @@ from trl import GRPOConfig, GRPOTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
-from loraflow_worker.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
+from loraflow_worker.fast_paths import VLLM_TEXT_ONLY, FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training_run import (
     TrainOutcome,
     job_workload,
     load_job_dataset,
+    load_model,
     lora_config,
     package_outcome,
     resolve_base_model,
@@ -79,24 +82,25 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     dataset = prompt_dataset(rows, tokenizer, settings.max_prompt_length)
     check_reward_columns(settings.rewards, dataset.column_names)
     reward_funcs, _ = resolve_rewards(settings.rewards, store, work_dir / "reward-files")
-    plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job)))
+    plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job), job.memory))
 
     args = grpo_config(job, plan, work_dir)
     monitor = TrainingMonitor(report, job.deadline_epoch_s)
     reward_log = RewardLog()
-    trainer = GRPOTrainer(
-        model=str(model_path),
-        reward_funcs=reward_funcs,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=lora_config(job),
-        callbacks=[monitor, reward_log, *callbacks],
-    )
+    with text_only_vllm() if args.use_vllm else contextlib.nullcontext():  # GRPOTrainer builds the vLLM engine
+        trainer = GRPOTrainer(
+            model=load_model(model_path, job, plan),
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=lora_config(job),
+            callbacks=[monitor, reward_log, *callbacks],
+        )
     fast_paths = engage_fast_paths(plan, trainer.model)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
-                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, rows=rows,
+                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=rows,
                            rewards=reward_log.rewards)
 
 
@@ -118,6 +122,25 @@ def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig
         **extra,
         **plan.trainer_kwargs,
     )
+
+
+@contextlib.contextmanager
+def text_only_vllm() -> Iterator[None]:
+    """Within it, the vLLM engine TRL builds takes no image or video inputs (`fast_paths.VLLM_TEXT_ONLY`), so vLLM
+    neither loads nor profiles a checkpoint's vision tower (Qwen3.5) for a text run.
+
+    TRL 1.16 builds the colocated `vllm.LLM` with a fixed list of arguments and has no passthrough for vLLM's own
+    (`VLLMGeneration.__init__`, `trl/generation/vllm_generation.py`; GRPOConfig has `vllm_model_impl`,
+    `vllm_enable_sleep_mode`, ... but no `vllm_kwargs`), so the `LLM` that module calls is wrapped meanwhile.
+    TODO: pass `limit_mm_per_prompt` through GRPOConfig once TRL forwards vLLM engine arguments."""
+    from trl.generation import vllm_generation
+
+    build = vllm_generation.LLM
+    vllm_generation.LLM = functools.partial(build, **VLLM_TEXT_ONLY)
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = build
 
 
 def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> Dataset:

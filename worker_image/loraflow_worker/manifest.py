@@ -15,13 +15,16 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from loraflow_worker.contract import JobInput
+from loraflow_worker.memory_plan import MemoryPlan
 
 RECORDED_LIBRARIES = (
     "torch", "transformers", "trl", "peft", "accelerate", "datasets",
     "liger-kernel", "flash-linear-attention", "fla-core", "causal-conv1d", "bitsandbytes", "vllm", "triton",
 )
 """Libraries whose versions the manifest records, when installed."""
-_NOT_TRAINING_CONFIG = {"contract_version", "run_id", "attempt", "artifact_store", "deadline_epoch_s", "mode"}
+_NOT_TRAINING_CONFIG = {"contract_version", "run_id", "attempt", "artifact_store", "deadline_epoch_s", "mode", "memory"}
+"""What names or schedules an attempt, not what it trains: `memory` too, since a forced micro-batch keeps the effective
+batch and checkpointing or vLLM's share change how much memory training takes, not what it learns."""
 
 
 class FastPath(BaseModel):
@@ -46,6 +49,17 @@ class RunManifest(BaseModel):
     fast_paths: dict[str, FastPath] = Field(
         description="Speed-ups and memory savers by name (`bf16`, `liger_kernel`, `gradient_checkpointing`, ...), "
         "whether each engaged, and why."
+    )
+    memory_plan: MemoryPlan | None = Field(
+        default=None,
+        description="The memory plan the worker decided gradient checkpointing, the optimizer and vLLM's share from: its "
+        "estimates by what holds the memory, the decisions and their reasons, and which it was forced to take; None "
+        "on CPU.",
+    )
+    forced_memory_settings: list[str] = Field(
+        default_factory=list,
+        description="The job's memory settings that were forced (`JobInput.memory`, e.g. `micro_batch_size`): they "
+        "overrode the plan.",
     )
     cuda_version: str | None = Field(default=None, description="CUDA version torch was built with; None on CPU.")
     cuda_allocator_settings: str | None = Field(

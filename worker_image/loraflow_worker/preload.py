@@ -2,7 +2,7 @@
 
 The control plane starts an endpoint with a datacenter's volume attached and sends it
 
-    {"contract_version": 2, "mode": "preload", "run_id": "warm-2025-06-01",
+    {"contract_version": 3, "mode": "preload", "run_id": "warm-2025-06-01",
      "models": [{"id": "Qwen/Qwen3-0.6B"}, {"id": "meta-llama/Llama-3.1-8B", "revision": "main"}]}
 
 Each model's revision is resolved to a commit; when the volume already holds every file of that commit

@@ -22,6 +22,7 @@ from loraflow_worker.training_run import (
     TrainOutcome,
     job_workload,
     load_job_dataset,
+    load_model,
     lora_config,
     package_outcome,
     resolve_base_model,
@@ -42,13 +43,13 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     dataset = load_job_dataset(job.dataset, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
-    plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job)))
+    plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory))
 
     args = sft_config(job, plan, work_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     monitor = TrainingMonitor(report, job.deadline_epoch_s)
     trainer = SFTTrainer(
-        model=str(model_path),
+        model=load_model(model_path, job, plan),
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -58,7 +59,7 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     fast_paths = engage_fast_paths(plan, trainer.model)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
-                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, rows=dataset)
+                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset)
 
 
 def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> SFTConfig:

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 from datasets import Dataset, load_dataset
 from huggingface_hub import HfApi
-from peft import LoraConfig
+from peft import LoraConfig, prepare_model_for_kbit_training
 from peft.utils.constants import EMBEDDING_LAYER_NAMES
-from transformers import PreTrainedTokenizerBase, Trainer
+from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from trl.trainer.utils import create_model_from_path
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
-from loraflow_worker.fast_paths import cuda_allocator_settings
-from loraflow_worker.memory_estimate import Workload
+from loraflow_worker.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
 from loraflow_worker.model_cache import fetch_model, training_cache_dir
 from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
 from loraflow_worker.training_monitor import TrainingMonitor
@@ -70,6 +70,26 @@ def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
     return fetch_model(source.id, info.sha, filenames, training_cache_dir()), info.sha
 
 
+def quantization_config(job: JobInput) -> BitsAndBytesConfig | None:
+    """How the base is loaded for QLoRA (`lora.quantization` 4bit): nf4 with double quantization, computing in bf16
+    (the QLoRA paper's recipe); None for a bf16 base."""
+    if job.lora.quantization != "4bit":
+        return None
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def load_model(model_path: Path, job: JobInput, plan: FastPathPlan) -> str | PreTrainedModel:
+    """What the trainer gets as `model`: the folder, which TRL loads with the plan's `model_init_kwargs`; or, for
+    QLoRA, the base loaded in 4 bits and prepared for k-bit training (PEFT's `prepare_model_for_kbit_training`: the
+    weights it does not quantize in fp32, input gradients for checkpointing), which TRL's own loading does not do."""
+    quantization = quantization_config(job)
+    if quantization is None:
+        return str(model_path)
+    model = create_model_from_path(str(model_path), **plan.model_init_kwargs, quantization_config=quantization)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.trainer_kwargs["gradient_checkpointing"])
+
+
 def lora_config(job: JobInput) -> LoraConfig:
     return LoraConfig(
         r=job.lora.rank,
@@ -80,13 +100,25 @@ def lora_config(job: JobInput) -> LoraConfig:
     )
 
 
+def micro_batching(job: JobInput) -> tuple[int, int]:
+    """(sequences per device step, gradient accumulation steps): the job's, or a forced micro-batch
+    (`memory.micro_batch_size`) with the accumulation that keeps the effective batch (the contract checked that it
+    divides it)."""
+    t = job.training
+    micro = job.memory.micro_batch_size if job.memory else None
+    if micro is None:
+        return t.batch_size, t.gradient_accumulation_steps
+    return micro, t.batch_size * t.gradient_accumulation_steps // micro
+
+
 def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
     """The TrainingArguments every algorithm takes from the job's training settings."""
     t = job.training
+    micro, accumulation = micro_batching(job)
     return dict(
         output_dir=str(work_dir / "trainer"),
-        per_device_train_batch_size=t.batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
         learning_rate=t.learning_rate,
         num_train_epochs=t.epochs,
         max_steps=t.max_steps or -1,
@@ -100,14 +132,17 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
 
 def job_workload(job: JobInput) -> Workload:
     """What one micro-batch of `job` asks of GPU memory, for the fast-path plan. A GRPO micro-batch holds
-    `batch_size` completions of prompt + completion tokens; a generation round makes `batch_size ×
-    gradient_accumulation_steps` of them (TRL's `generation_batch_size`)."""
+    `batch_size` (or the forced micro-batch's) completions of prompt + completion tokens; a generation round makes
+    `batch_size × gradient_accumulation_steps` of them (TRL's `generation_batch_size`, which a forced micro-batch
+    keeps)."""
     t = job.training
+    micro, _ = micro_batching(job)
+    lora = dict(lora_rank=job.lora.rank, lora_dropout=job.lora.dropout, quantization=job.lora.quantization)
     if job.algorithm == "grpo":
         g = job.grpo
-        return Workload(batch_size=t.batch_size, seq_len=g.max_prompt_length + g.max_completion_length,
-                        lora_rank=job.lora.rank, generations=t.batch_size * t.gradient_accumulation_steps)
-    return Workload(batch_size=t.batch_size, seq_len=t.max_seq_length, lora_rank=job.lora.rank)
+        return Workload(batch_size=micro, seq_len=g.max_prompt_length + g.max_completion_length,
+                        generations=t.batch_size * t.gradient_accumulation_steps, **lora)
+    return Workload(batch_size=micro, seq_len=t.max_seq_length, **lora)
 
 
 def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: JobInput, revision: str | None,
@@ -135,7 +170,7 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
 
 def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput, revision: str | None,
                     adapter_dir: Path, wall_seconds: float, cuda: bool, fast_paths: dict[str, FastPath],
-                    rows: Dataset, rewards: list[tuple[int, float]] | None = None) -> TrainOutcome:
+                    plan: FastPathPlan, rows: Dataset, rewards: list[tuple[int, float]] | None = None) -> TrainOutcome:
     """The metrics and the reproducibility record (manifest) of a run that ended, and where its deadline
     checkpoint is when the deadline ended it."""
     device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
@@ -158,6 +193,8 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         seed=job.training.seed,
         libraries=library_versions(),
         fast_paths=fast_paths,
+        memory_plan=plan.memory,
+        forced_memory_settings=sorted(job.memory.model_dump(exclude_none=True)) if job.memory else [],
         cuda_version=torch.version.cuda if cuda else None,
         cuda_allocator_settings=cuda_allocator_settings() if cuda else None,
         dataset_sha256=rows_sha256(rows),

@@ -99,6 +99,11 @@ def test_the_image_asks_the_nvidia_runtime_for_gpus_and_sends_no_usage_stats():
     assert env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"
 
 
+def test_the_image_keeps_fla_on_its_triton_kernels():
+    env = dict(re.findall(r"^\s*(?:ENV\s+)?([A-Z_]+)=(\S+?)\s*\\?$", _stages()[1], re.MULTILINE))
+    assert env["FLA_TILELANG"] == "0"
+
+
 def _stages() -> list[str]:
     """The Dockerfile's build stage and final stage."""
     return re.split(r"^FROM .*$", (WORKER_IMAGE / "Dockerfile").read_text(), flags=re.MULTILINE)[1:]

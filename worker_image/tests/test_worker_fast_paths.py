@@ -1,6 +1,6 @@
 """Fast-path decisions (pure, from the facts: kernels from the packages and the model, memory savers and vLLM's
-share from the memory estimate), the facts this machine gives, their confirmation on a built model, and the CPU
-manifest."""
+share from the memory plan and the job's forced memory settings), the facts this machine gives, their confirmation on
+a built model, and the CPU manifest. The memory plan's own arithmetic is tested in test_worker_memory_plan.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextCo
 from transformers.integrations import use_kernel_func_from_hub_with_fallback
 
 from loraflow_worker.artifacts import open_store
-from loraflow_worker.contract import JobInput
+from loraflow_worker.contract import JobInput, MemorySettings
 from loraflow_worker.fast_paths import (
     ALLOC_CONF_ENV,
     DISABLE_ENV,
@@ -25,26 +25,16 @@ from loraflow_worker.fast_paths import (
     FAST_PATHS,
     FORCE_ENV,
     Facts,
+    Workload,
+    allocator_conf,
     cuda_allocator_settings,
     engage_fast_paths,
     gather_facts,
     kernel_hooks,
     plan_fast_paths,
 )
-from loraflow_worker.memory_estimate import (
-    ADAMW_BYTES,
-    CUDA_OVERHEAD_BYTES,
-    GIB,
-    MEMORY_HEADROOM,
-    lora_parameters,
-    ModelShape,
-    read_model_shape,
-    training_memory,
-    usable_memory,
-    vllm_memory,
-    Workload,
-)
 from loraflow_worker.manifest import rows_sha256, training_config_sha256
+from loraflow_worker.memory_plan import CUDA_OVERHEAD_BYTES, MEMORY_HEADROOM, plan_memory, read_model_shape, shape_from_config
 from loraflow_worker.sft import train_sft
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 
@@ -57,10 +47,13 @@ EVERYTHING = {
     "triton": "3.8.0",
 }
 LIGER_TYPES = frozenset({"qwen3", "qwen3_5", "qwen3_5_text"})
-QWEN3_1_7B = ModelShape(parameters=1_720_574_976, hidden_size=2048, intermediate_size=6144, layers=28,
-                        attention_layers=28, kv_heads=8, head_dim=128, vocab_size=151_936)
-QWEN3_8B = ModelShape(parameters=8_190_735_360, hidden_size=4096, intermediate_size=12288, layers=36,
-                      attention_layers=36, kv_heads=8, head_dim=128, vocab_size=151_936)
+# The public config.json values of Qwen3-1.7B and Qwen3-8B (the dimensions the memory plan reads).
+QWEN3_1_7B = shape_from_config({"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                                "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
+                                "tie_word_embeddings": True})
+QWEN3_8B = shape_from_config({"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
+                              "tie_word_embeddings": False})
 H100_BYTES, H200_BYTES, RTX_4090_BYTES = 80 * 10**9, 141 * 10**9, 24 * 10**9  # as sold, in GB
 SFT = Workload(batch_size=8, seq_len=1024, lora_rank=16)
 GRPO = Workload(batch_size=16, seq_len=1024, lora_rank=16, generations=16)
@@ -68,8 +61,7 @@ GRPO = Workload(batch_size=16, seq_len=1024, lora_rank=16, generations=16)
 
 def _cuda(algorithm="sft", model_type="qwen3_5_text", packages=EVERYTHING, **more) -> Facts:
     facts = {"compute_capability": (9, 0), "model": QWEN3_1_7B, "workload": GRPO if algorithm == "grpo" else SFT,
-             "gpu_memory_bytes": H100_BYTES, "liger_model_types": LIGER_TYPES,
-             "allocator_settings": "" if algorithm == "grpo" else EXPANDABLE, **more}
+             "gpu_memory_bytes": H100_BYTES, "liger_model_types": LIGER_TYPES, "allocator_settings": EXPANDABLE, **more}
     return Facts(cuda=True, packages=packages, model_type=model_type, algorithm=algorithm, **facts)
 
 
@@ -95,10 +87,11 @@ def test_on_cpu_every_fast_path_is_off_because_there_is_no_cuda():
         "use_cpu": True, "bf16": False, "gradient_checkpointing": False,
         "model_init_kwargs": {"dtype": "float32"}, "use_vllm": False,
     }
+    assert plan.memory is None
 
 
 def test_sft_on_a_large_gpu_engages_every_kernel_and_needs_no_memory_saver():
-    plan = plan_fast_paths(_cuda())
+    plan = plan_fast_paths(_cuda(model_type="qwen3_5_text"))
     assert _engaged(plan) == {"bf16", "liger_kernel", "flash_linear_attention", "causal_conv1d", "fused_adamw",
                               "expandable_segments"}
     assert plan.fast_paths["vllm_colocate"].reason == "sft generates no completions"
@@ -113,35 +106,27 @@ def test_the_model_is_loaded_whole_onto_the_one_gpu():
     assert plan_fast_paths(_cuda()).trainer_kwargs["model_init_kwargs"]["device_map"] == {"": 0}
 
 
-def test_the_estimate_counts_16_bit_weights_the_adapter_state_and_the_micro_batch_activations():
+def test_the_memory_decisions_are_the_memory_plans():
     facts = _cuda()
-    tokens = SFT.batch_size * SFT.seq_len
-    adapter = lora_parameters(QWEN3_1_7B, 16) * ADAMW_BYTES
-    assert lora_parameters(QWEN3_1_7B, 16) == 16 * 28 * (11 * 2048 + 3 * 6144)
-    assert training_memory(facts.model, facts.workload, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES) == (
-        QWEN3_1_7B.parameters * 2 + adapter + tokens * 2048 * 28 * 34)
-    assert training_memory(facts.model, facts.workload, bf16=True, checkpointing=True, optimizer_bytes=ADAMW_BYTES) == (
-        QWEN3_1_7B.parameters * 2 + adapter + tokens * 2048 * (28 * 2 + 34))
-    assert training_memory(facts.model, facts.workload, bf16=False, checkpointing=False, optimizer_bytes=ADAMW_BYTES) == (
-        QWEN3_1_7B.parameters * 4 + adapter + tokens * 2048 * 28 * 34 * 2)
+    plan = plan_fast_paths(facts)
+    expected = plan_memory(QWEN3_1_7B, algorithm="sft", batch_size=8, seq_len=1024, lora_rank=16, lora_dropout=0.0,
+                           gpu_memory_bytes=H100_BYTES, liger_kernels=True)
+    assert plan.memory == expected
+    for name in ("gradient_checkpointing", "paged_adamw_8bit"):
+        assert (plan.fast_paths[name].engaged, plan.fast_paths[name].reason) == (getattr(expected, name), expected.reasons[name])
 
 
-def test_gradient_checkpointing_stays_off_when_training_fits_without_it():
-    path = plan_fast_paths(_cuda()).fast_paths["gradient_checkpointing"]
-    facts = _cuda()
-    full = training_memory(facts.model, facts.workload, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
-    assert not path.engaged
-    assert path.reason == f"not needed: ~{full / GIB:.1f} GiB estimated without it, {usable_memory(H100_BYTES) / GIB:.1f} GiB available"
+def test_the_plan_counts_liger_only_where_it_is_planned():
+    without_liger = plan_fast_paths(_cuda(model_type="gpt2")).memory
+    with_liger = plan_fast_paths(_cuda()).memory
+    assert with_liger.estimate_without_checkpointing_bytes < without_liger.estimate_without_checkpointing_bytes
 
 
 def test_gradient_checkpointing_turns_on_when_the_activations_do_not_fit():
-    facts = _cuda()
-    full = training_memory(facts.model, facts.workload, bf16=True, checkpointing=False, optimizer_bytes=ADAMW_BYTES)
-    recomputed = training_memory(facts.model, facts.workload, bf16=True, checkpointing=True, optimizer_bytes=ADAMW_BYTES)
-    plan = plan_fast_paths(_cuda(gpu_memory_bytes=_gpu_with_usable((full + recomputed) // 2)))
+    full = plan_fast_paths(_cuda()).memory.estimate_without_checkpointing_bytes
+    plan = plan_fast_paths(_cuda(gpu_memory_bytes=_gpu_with_usable(full)))  # fits, but not within the margin
     assert plan.trainer_kwargs["gradient_checkpointing"] is True
-    assert plan.fast_paths["gradient_checkpointing"].reason.endswith(
-        f"recomputing activations brings it to ~{recomputed / GIB:.1f} GiB")
+    assert "over 60% of the" in plan.fast_paths["gradient_checkpointing"].reason
     assert plan.trainer_kwargs["optim"] == "adamw_torch_fused"  # memory is not short once checkpointing is on
 
 
@@ -163,6 +148,7 @@ def test_short_memory_without_bitsandbytes_keeps_torch_adamw_and_says_so():
     plan = plan_fast_paths(facts)
     assert plan.trainer_kwargs["optim"] == "adamw_torch_fused"
     assert plan.fast_paths["paged_adamw_8bit"].reason.endswith("but bitsandbytes is not installed")
+    assert plan.memory.paged_adamw_8bit is False
 
 
 def test_a_plan_that_cannot_fit_even_at_its_leanest_warns_of_out_of_memory():
@@ -183,38 +169,53 @@ def test_forced_8bit_adamw_replaces_fused_adamw():
     assert plan.fast_paths["paged_adamw_8bit"].reason == "forced on for this run"
 
 
-def test_grpo_with_vllm_colocates_it_with_sleep_mode_and_leaves_the_allocator_alone():
+def test_the_jobs_forced_checkpointing_overrides_the_plan():
+    short = _cuda(model=QWEN3_8B, workload=Workload(batch_size=4, seq_len=2048, lora_rank=16))
+    assert plan_fast_paths(short).trainer_kwargs["gradient_checkpointing"] is True
+    plan = plan_fast_paths(_cuda(model=QWEN3_8B, workload=Workload(batch_size=4, seq_len=2048, lora_rank=16),
+                                 memory=MemorySettings(gradient_checkpointing=False)))
+    assert plan.trainer_kwargs["gradient_checkpointing"] is False
+    assert plan.fast_paths["gradient_checkpointing"].reason.startswith("forced off for this run (~")
+    assert plan.memory.forced == ["gradient_checkpointing"]
+
+
+def test_grpo_with_vllm_colocates_it_with_sleep_mode_and_keeps_expandable_segments():
     plan = plan_fast_paths(_cuda(algorithm="grpo"))
     assert plan.fast_paths["vllm_colocate"].engaged
     assert plan.trainer_kwargs["use_vllm"] is True
     assert (plan.trainer_kwargs["vllm_mode"], plan.trainer_kwargs["vllm_enable_sleep_mode"]) == ("colocate", True)
-    assert plan.fast_paths["expandable_segments"] == plan.fast_paths["expandable_segments"].model_copy(
-        update={"engaged": False, "reason": "not with vLLM's sleep mode (its memory pool refuses expandable segments)"}
-    )
+    segments = plan.fast_paths["expandable_segments"]
+    assert segments.engaged
+    assert segments.reason.endswith("(vLLM's sleep-mode pool turns them off around its own allocations and back on: "
+                                    "vLLM 0.33, `CuMemAllocator.use_memory_pool`)")
 
 
-def test_vllms_share_of_the_gpu_is_sized_from_the_model_and_the_gpu():
-    grpo = _cuda(algorithm="grpo")
-    needed = vllm_memory(grpo.model, grpo.workload)
-    h100 = plan_fast_paths(_cuda(algorithm="grpo")).trainer_kwargs["vllm_gpu_memory_utilization"]
+def test_the_allocator_setting_asks_for_expandable_segments_with_vllm_too():
+    assert allocator_conf(frozenset()) == EXPANDABLE
+    assert allocator_conf(frozenset({"expandable_segments"})) is None
+
+
+def test_vllms_share_of_the_gpu_is_the_memory_plans():
+    plan = plan_fast_paths(_cuda(algorithm="grpo"))
+    assert plan.trainer_kwargs["vllm_gpu_memory_utilization"] == plan.memory.vllm_gpu_memory_utilization
     h200 = plan_fast_paths(_cuda(algorithm="grpo", gpu_memory_bytes=H200_BYTES)).trainer_kwargs["vllm_gpu_memory_utilization"]
-    assert (h100, h200) == (0.10, 0.06)
-    assert h100 * H100_BYTES >= needed > (h100 - 0.01) * H100_BYTES  # rounded up to the next hundredth
+    assert h200 < plan.trainer_kwargs["vllm_gpu_memory_utilization"]  # the same bytes are a smaller share of more memory
     bigger = plan_fast_paths(_cuda(algorithm="grpo", model=QWEN3_8B)).trainer_kwargs["vllm_gpu_memory_utilization"]
-    assert bigger > h100
+    assert bigger > plan.trainer_kwargs["vllm_gpu_memory_utilization"]
 
 
-def test_vllms_estimate_holds_its_weights_and_a_kv_cache_for_a_whole_generation_round():
-    kv_per_token = 2 * 28 * 8 * 128 * 2  # keys and values, 28 attention layers, 8 heads of 128, bf16
-    grpo = _cuda(algorithm="grpo")
-    assert vllm_memory(grpo.model, grpo.workload) == QWEN3_1_7B.parameters * 2 + kv_per_token * 16 * 1024 + 2 * GIB
+def test_the_jobs_forced_vllm_share_replaces_the_planned_one():
+    plan = plan_fast_paths(_cuda(algorithm="grpo", memory=MemorySettings(vllm_gpu_memory_utilization=0.35)))
+    assert plan.trainer_kwargs["vllm_gpu_memory_utilization"] == 0.35
+    assert "colocated with a forced 0.35 of the GPU" in plan.fast_paths["vllm_colocate"].reason
 
 
-def test_vllms_share_is_taken_off_what_training_may_use():
-    share = plan_fast_paths(_cuda(algorithm="grpo")).trainer_kwargs["vllm_gpu_memory_utilization"]
-    reason = plan_fast_paths(_cuda(algorithm="grpo")).fast_paths["gradient_checkpointing"].reason
-    budget = usable_memory(H100_BYTES) - int(share * H100_BYTES)
-    assert reason.endswith(f"{budget / GIB:.1f} GiB available")
+def test_the_jobs_memory_settings_can_turn_vllm_off():
+    plan = plan_fast_paths(_cuda(algorithm="grpo", memory=MemorySettings(vllm_colocate=False)))
+    assert plan.trainer_kwargs["use_vllm"] is False and "vllm_gpu_memory_utilization" not in plan.trainer_kwargs
+    assert plan.fast_paths["vllm_colocate"].reason == (
+        "turned off by the job's memory settings: completions come from transformers' generate")
+    assert plan.memory.breakdown.generation_bytes > 0  # the training model's own generation is planned instead
 
 
 def test_vllm_is_not_colocated_where_it_would_not_fit_beside_training():
@@ -222,8 +223,17 @@ def test_vllm_is_not_colocated_where_it_would_not_fit_beside_training():
                   gpu_memory_bytes=RTX_4090_BYTES)
     plan = plan_fast_paths(facts)
     assert plan.trainer_kwargs["use_vllm"] is False and "vllm_gpu_memory_utilization" not in plan.trainer_kwargs
-    assert plan.fast_paths["vllm_colocate"].reason.endswith("usable: completions come from transformers' generate")
-    assert plan.fast_paths["expandable_segments"].reason == "left unset: vLLM's sleep mode was still expected when CUDA initialised"
+    assert plan.fast_paths["vllm_colocate"].reason.endswith("usable: completions come from the training model's generate")
+
+
+def test_a_4bit_base_never_colocates_vllm_and_is_loaded_by_the_worker():
+    plan = plan_fast_paths(_cuda(algorithm="grpo", workload=Workload(batch_size=16, seq_len=1024, lora_rank=16,
+                                                                      quantization="4bit", generations=16)))
+    assert plan.trainer_kwargs["use_vllm"] is False
+    assert plan.fast_paths["vllm_colocate"].reason.startswith("not with a 4-bit base")
+    assert "model_init_kwargs" not in plan.trainer_kwargs  # TRL would ignore them for a model it did not load
+    assert plan.model_init_kwargs == {"dtype": "bfloat16", "device_map": {"": 0}}
+    assert plan.memory.quantization == "4bit"
 
 
 def test_grpo_without_vllm_generates_with_transformers_and_uses_expandable_segments():
@@ -245,11 +255,11 @@ def test_an_allocator_setting_from_the_environment_is_kept_and_recorded():
         update={"engaged": False, "reason": "PYTORCH_CUDA_ALLOC_CONF is set to 'max_split_size_mb:128' by the environment"})
 
 
-def test_expandable_segments_from_the_environment_keep_vllm_awake():
-    # vLLM's sleep mode allocates from its own memory pool, which refuses expandable segments.
+def test_expandable_segments_from_the_environment_keep_vllm_asleep_between_generations():
+    # vLLM 0.33's sleep-mode pool turns expandable segments off around its own allocations, so sleep mode stays.
     plan = plan_fast_paths(_cuda(algorithm="grpo", alloc_conf=EXPANDABLE, allocator_settings=EXPANDABLE))
-    assert plan.trainer_kwargs["use_vllm"] is True and plan.trainer_kwargs["vllm_enable_sleep_mode"] is False
-    assert "awake throughout" in plan.fast_paths["vllm_colocate"].reason
+    assert plan.trainer_kwargs["use_vllm"] is True and plan.trainer_kwargs["vllm_enable_sleep_mode"] is True
+    assert "asleep between generations" in plan.fast_paths["vllm_colocate"].reason
 
 
 def test_a_gpu_without_bf16_trains_in_fp32():

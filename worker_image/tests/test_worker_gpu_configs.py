@@ -38,7 +38,7 @@ from loraflow_worker.fast_paths import (
     engage_fast_paths,
     plan_fast_paths,
 )
-from loraflow_worker.memory_estimate import ModelShape, read_model_shape, usable_memory, vllm_memory
+from loraflow_worker.memory_plan import ModelShape, read_model_shape, shape_from_config, usable_memory
 from loraflow_worker.grpo import grpo_config
 from loraflow_worker.sft import sft_config
 from loraflow_worker.training_run import job_workload, lora_config
@@ -61,13 +61,20 @@ H100 = Gpu("H100", (9, 0), 80 * 10**9)
 H200 = Gpu("H200", (9, 0), 141 * 10**9)
 RTX_4090 = Gpu("RTX 4090", (8, 9), 24 * 10**9)
 
-QWEN3_1_7B = ModelShape(parameters=1_720_574_976, hidden_size=2048, intermediate_size=6144, layers=28,
-                        attention_layers=28, kv_heads=8, head_dim=128, vocab_size=151_936)
-QWEN3_8B = ModelShape(parameters=8_190_735_360, hidden_size=4096, intermediate_size=12288, layers=36,
-                      attention_layers=36, kv_heads=8, head_dim=128, vocab_size=151_936)
-QWEN3_5_SHAPED_2B = ModelShape(parameters=2_000_000_000, hidden_size=2048, intermediate_size=6144, layers=24,
-                               attention_layers=6, kv_heads=2, head_dim=256, vocab_size=151_936)
-"""Gated-DeltaNet layers with one full-attention layer in four, as Qwen3.5 models are built."""
+# The public config.json values of Qwen3-1.7B and Qwen3-8B (the dimensions the memory plan reads).
+QWEN3_1_7B = shape_from_config({"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                                "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
+                                "tie_word_embeddings": True})
+QWEN3_8B = shape_from_config({"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
+                              "tie_word_embeddings": False})
+QWEN3_5_SHAPED_2B = shape_from_config({
+    "model_type": "qwen3_5_text", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 151_936, "tie_word_embeddings": True,
+    "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "mamba_ssm_dtype": "float32",
+})
+"""Gated-DeltaNet layers with one full-attention layer in four, as Qwen3.5 models are built (a made-up size)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ class Case:
     model: ModelShape
     training: dict
     lora_rank: int = 16
+    quantization: str = "none"
+    memory: dict | None = None
     expect_checkpointing: bool = False
     expect_optim: str = "adamw_torch_fused"
     expect_vllm: bool = False
@@ -87,25 +96,36 @@ GRPO_SETTINGS = {"num_generations": 8, "max_prompt_length": 512, "max_completion
                  "rewards": [{"name": "format", "pattern": "^<think>"}, {"name": "digit_fraction", "weight": 0.5}]}
 CASES = [
     Case(H100, "sft", "qwen3", QWEN3_8B, {"batch_size": 8, "max_seq_length": 2048}, expect_checkpointing=True),
-    Case(H200, "sft", "qwen3", QWEN3_8B, {"batch_size": 8, "max_seq_length": 2048}),
-    Case(H100, "sft", "qwen3_5_text", QWEN3_5_SHAPED_2B, {"batch_size": 4, "max_seq_length": 4096}),
+    Case(H200, "sft", "qwen3", QWEN3_1_7B, {"batch_size": 4, "max_seq_length": 1024}),
+    Case(H100, "sft", "qwen3_5_text", QWEN3_5_SHAPED_2B, {"batch_size": 4, "max_seq_length": 4096}, expect_checkpointing=True),
     Case(RTX_4090, "sft", "qwen3", QWEN3_8B, {"batch_size": 1, "max_seq_length": 2048}, lora_rank=64,
          expect_checkpointing=True, expect_optim="paged_adamw_8bit"),
-    Case(H100, "grpo", "qwen3", QWEN3_1_7B, {"batch_size": 16, "gradient_accumulation_steps": 2}, expect_vllm=True),
+    Case(RTX_4090, "sft", "qwen3", QWEN3_8B, {"batch_size": 2, "max_seq_length": 2048}, quantization="4bit",
+         expect_checkpointing=True),
+    Case(H100, "grpo", "qwen3", QWEN3_1_7B, {"batch_size": 16, "gradient_accumulation_steps": 2}, expect_checkpointing=True,
+         expect_vllm=True),
+    Case(H200, "grpo", "qwen3", QWEN3_1_7B, {"batch_size": 8}, expect_vllm=True),
     Case(H200, "grpo", "qwen3", QWEN3_8B, {"batch_size": 16}, expect_checkpointing=True, expect_vllm=True),
     Case(RTX_4090, "grpo", "qwen3", QWEN3_1_7B, {"batch_size": 8}, expect_checkpointing=True, expect_vllm=True),
+    Case(RTX_4090, "grpo", "qwen3", QWEN3_8B, {"batch_size": 8}, quantization="4bit", memory={"vllm_colocate": False},
+         expect_checkpointing=True),
+    Case(H100, "grpo", "qwen3", QWEN3_1_7B, {"batch_size": 16}, memory={"micro_batch_size": 4, "vllm_gpu_memory_utilization": 0.2},
+         expect_vllm=True),
 ]
 
 
 def _id(case: Case) -> str:
-    return f"{case.gpu.name}-{case.algorithm}-{case.model_type}-{case.model.parameters // 10**8 / 10:g}B"
+    extra = "-4bit" if case.quantization == "4bit" else ""
+    extra += "".join(f"-{name}={value}" for name, value in (case.memory or {}).items())
+    return f"{case.gpu.name}-{case.algorithm}-{case.model_type}-{case.model.parameters // 10**8 / 10:g}B{extra}"
 
 
 def _job(case: Case) -> JobInput:
     spec = {"run_id": "gpu-config", "algorithm": case.algorithm, "model": {"id": "Qwen/some-model"},
-            "dataset": {"hub_id": "org/data"}, "lora": {"rank": case.lora_rank, "alpha": 2 * case.lora_rank},
+            "dataset": {"hub_id": "org/data"},
+            "lora": {"rank": case.lora_rank, "alpha": 2 * case.lora_rank, "quantization": case.quantization},
             "training": {"max_steps": 100, "checkpoint_every_steps": 20, **case.training},
-            "artifact_store": "file:///srv/store"}
+            "artifact_store": "file:///srv/store", "memory": case.memory}
     if case.algorithm == "grpo":
         spec["grpo"] = GRPO_SETTINGS
     return JobInput.model_validate(spec)
@@ -125,7 +145,8 @@ def _facts(case: Case, job: JobInput) -> Facts:
         gpu_memory_bytes=case.gpu.memory_bytes,
         liger_model_types=frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN),
         # What the allocator holds in the image: the setting gather_facts exports before CUDA initialises.
-        allocator_settings=allocator_conf(case.algorithm, IMAGE_KERNEL_PACKAGES, frozenset()) or "",
+        allocator_settings=allocator_conf(frozenset()) or "",
+        memory=job.memory,
     )
 
 
@@ -148,7 +169,9 @@ def test_the_gpu_plan_decides_from_the_gpus_memory(case):
     plan = plan_fast_paths(_facts(case, job))
     kwargs = plan.trainer_kwargs
     assert (kwargs["bf16"], kwargs["use_cpu"]) == (True, False)
-    assert kwargs["model_init_kwargs"] == {"dtype": "bfloat16", "device_map": {"": 0}}
+    assert plan.model_init_kwargs == {"dtype": "bfloat16", "device_map": {"": 0}}
+    # A 4-bit base is loaded by the worker (`load_model`), so TRL gets no loading kwargs to ignore.
+    assert kwargs.get("model_init_kwargs") == (None if case.quantization == "4bit" else plan.model_init_kwargs)
     assert plan.fast_paths["liger_kernel"].engaged
     assert kwargs["gradient_checkpointing"] is case.expect_checkpointing, plan.fast_paths["gradient_checkpointing"].reason
     assert kwargs["optim"] == case.expect_optim, plan.fast_paths["paged_adamw_8bit"].reason
@@ -177,12 +200,19 @@ def test_the_locked_trl_accepts_the_grpo_config_as_built_for_the_gpu(case, bf16_
     assert (config.num_generations, config.max_completion_length) == (8, 1024)
     assert config.reward_weights == [1.0, 0.5]
     assert config.generation_batch_size == job.training.batch_size * job.training.gradient_accumulation_steps
-    assert (config.vllm_mode, config.vllm_enable_sleep_mode) == ("colocate", True)
-    assert config.vllm_max_model_length == 512 + 1024
-    share = config.vllm_gpu_memory_utilization
-    # vLLM's share holds what it needs, and leaves training its usable memory less that share.
-    assert 0 < share < 1 and share * case.gpu.memory_bytes >= vllm_memory(facts.model, facts.workload)
-    assert share * case.gpu.memory_bytes < usable_memory(case.gpu.memory_bytes)
+    assert (config.per_device_train_batch_size * config.gradient_accumulation_steps
+            == job.training.batch_size * job.training.gradient_accumulation_steps)
+    assert config.use_vllm is case.expect_vllm
+    if case.expect_vllm:
+        assert (config.vllm_mode, config.vllm_enable_sleep_mode) == ("colocate", True)
+        assert config.vllm_max_model_length == 512 + 1024
+        share = config.vllm_gpu_memory_utilization
+        # vLLM's share holds what the plan says it needs (or what the job forced), and leaves training the rest.
+        needed = plan.memory.vllm
+        forced = (case.memory or {}).get("vllm_gpu_memory_utilization")
+        assert share == forced if forced else share * case.gpu.memory_bytes >= (
+            needed.weights_bytes + needed.kv_cache_bytes + needed.linear_attention_state_bytes + needed.runtime_bytes)
+        assert share * case.gpu.memory_bytes < usable_memory(case.gpu.memory_bytes)
     _assert_optimizer_resolves(config)
 
 
@@ -230,9 +260,10 @@ def _assert_planned_values_survive(config, config_class, plan: FastPathPlan) -> 
 
 def _assert_optimizer_resolves(config) -> None:
     """transformers maps the planned optimizer name to the optimizer the image will build."""
+    optimizer, kwargs = Trainer.get_optimizer_cls_and_kwargs(config)
     if config.optim.value == "paged_adamw_8bit":
-        with pytest.raises(ImportError, match="bitsandbytes"):  # its bitsandbytes optimizer: in the image, not here
-            Trainer.get_optimizer_cls_and_kwargs(config)
+        import bitsandbytes
+
+        assert (optimizer, kwargs["optim_bits"], kwargs["is_paged"]) == (bitsandbytes.optim.AdamW, 8, True)
     else:
-        optimizer, kwargs = Trainer.get_optimizer_cls_and_kwargs(config)
         assert (optimizer, kwargs["fused"]) == (torch.optim.AdamW, True)

@@ -1,37 +1,114 @@
 """The GPU smoke script: its CPU mode end to end through `gpu_smoke.sh` (the machinery; nothing engages on a
-CPU), and its own logic: the variants, the deadline, the report, and the check that a colocated vLLM generated."""
+CPU), and its own logic: the runs a slot holds, the budget split, the skip lines, the deadline, the report, the
+refusals (a busy GPU, kernel combinations that train wrongly), and the check that a colocated vLLM generated.
+The kernel checks also run against the image's lock, so a lock that moves onto a bad combination fails here."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from loraflow_worker.fast_paths import FAST_PATHS, FORCIBLE
-from loraflow_worker.gpu_smoke import VARIANTS, Variant, _checked, main, report, run_variants
+from loraflow_worker.gpu_smoke import (
+    SLOT_DEADLINE_S,
+    SLOT_RUNS,
+    VARIANTS,
+    DeviceMemory,
+    Run,
+    Variant,
+    _checked,
+    gpu_refusal,
+    kernel_problems,
+    main,
+    read_gpu,
+    report,
+    run_in_session,
+    run_variants,
+    skip_reason,
+)
 
-GPU_SMOKE = Path(__file__).resolve().parents[1] / "gpu_smoke.sh"
-ALL = VARIANTS[0]
-NO_LIGER = next(v for v in VARIANTS if v.name == "no-liger")
+WORKER_IMAGE = Path(__file__).resolve().parents[1]
+GPU_SMOKE = WORKER_IMAGE / "gpu_smoke.sh"
+sys.path.insert(0, str(WORKER_IMAGE))
+import cpu_constraints  # noqa: E402  (a script beside the lock, not part of the worker package)
+
+BY_NAME = {v.name: v for v in VARIANTS}
+ALL, NO_LIGER, QLORA, NO_VLLM = BY_NAME["all"], BY_NAME["no-liger"], BY_NAME["qlora"], BY_NAME["no-vllm"]
+HOPPER, BLACKWELL = (9, 0), (10, 0)
+
+
+def _stand_in_vllm(root: Path) -> Path:
+    """An installed-looking `vllm` (distribution metadata and the modules TRL 1.16 imports from it) that does
+    nothing: whether a child process imported it shows in its `sys.modules`."""
+    modules = {
+        "vllm/__init__.py": "class LLM: ...\nclass RequestOutput: ...\nclass SamplingParams: ...\n",
+        "vllm/sampling_params.py": "class StructuredOutputsParams: ...\n",
+        "vllm/utils/__init__.py": "",
+        "vllm/utils/network_utils.py": "def get_ip(): return '127.0.0.1'\n",
+        "vllm/distributed/__init__.py": "",
+        "vllm/distributed/weight_transfer/__init__.py": "",
+        "vllm/distributed/weight_transfer/nccl_common.py": "def trainer_init(*args, **kwargs): ...\n",
+        "vllm/distributed/weight_transfer/packed_tensor.py": "def packed_nccl_broadcast_producer(*args, **kwargs): ...\n",
+    }
+    info = root / "vllm-0.33.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    (info / "top_level.txt").write_text("vllm\n")
+    (info / "RECORD").write_text("".join(f"{path},,\n" for path in modules))
+    for path, text in modules.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cpu_smoke(tmp_path_factory) -> tuple[str, dict]:
+    """One CPU smoke run of `all` (SFT and GRPO) through gpu_smoke.sh, with a stand-in vLLM installed: its output
+    and its results.json."""
+    out = tmp_path_factory.mktemp("smoke")
+    stand_in = _stand_in_vllm(tmp_path_factory.mktemp("stand-in"))
+    done = subprocess.run(
+        ["bash", str(GPU_SMOKE), "--cpu", "--steps", "2", "--warmup", "1", "--variants", "all", "--out", str(out)],
+        capture_output=True, text=True, timeout=280,
+        env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(stand_in)},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout, json.loads((out / "results.json").read_text())
 
 
 @pytest.mark.timeout(300)
-def test_the_cpu_mode_trains_each_algorithm_through_the_worker_and_reports_it(tmp_path):
-    done = subprocess.run(
-        ["bash", str(GPU_SMOKE), "--cpu", "--steps", "2", "--warmup", "1", "--variants", "all", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHON": sys.executable},
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    table = done.stdout
+def test_the_cpu_mode_trains_each_algorithm_through_the_worker_and_reports_it(cpu_smoke):
+    table, _ = cpu_smoke
     assert "(Qwen3.5, vocabulary 1024, hidden 64, 4 layers)" in table
     assert "1 warm-up + 2 timed steps per run" in table
-    assert re.search(r"^all\s+sft\s+2\s+\d+\s+1\.00\s+-\s+-\s+none$", table, re.MULTILINE), table
-    assert re.search(r"^all\s+grpo\s+2\s+\d+\s+1\.00\s+-\s+0\s+none$", table, re.MULTILINE), table  # vLLM generated none
+    assert re.search(r"^all\s+sft\s+2\s+\d+\s+1\.00\s+-\s+-\s+-\s+none$", table, re.MULTILINE), table
+    assert re.search(r"^all\s+grpo\s+2\s+\d+\s+1\.00\s+-\s+-\s+0\s+none$", table, re.MULTILINE), table  # vLLM generated none
     assert "flash_linear_attention: off - no CUDA device" in table
+
+
+@pytest.mark.timeout(300)
+def test_the_report_names_the_machines_library_versions_beside_the_figures(cpu_smoke):
+    table, results = cpu_smoke
+    line = next(line for line in table.splitlines() if line.startswith("machine: "))
+    assert line.startswith("machine: no GPU (CPU check); torch ")
+    assert f"transformers {results['versions']['transformers']}, trl {results['versions']['trl']}, peft " in line
+    assert "flash-linear-attention absent" in line and "causal-conv1d absent" in line and "vllm 0.33.0" in line
+
+
+@pytest.mark.timeout(300)
+def test_an_sft_child_never_imports_vllm_where_a_grpo_child_does(cpu_smoke):
+    _, results = cpu_smoke
+    imported = {run["algorithm"]: run["vllm_imported"] for run in results["runs"]}
+    # The GRPO child shows that the stand-in vLLM is importable (TRL's GRPO module imports it wherever installed).
+    assert imported == {"sft": False, "grpo": True}
 
 
 def test_unknown_variants_are_refused_with_the_known_ones(capsys):
@@ -44,31 +121,105 @@ def test_each_variant_names_only_real_fast_paths_and_forces_only_memory_savers()
     assert ALL == Variant("all", ("sft", "grpo"))
     assert len({v.name for v in VARIANTS}) == len(VARIANTS)
     for variant in VARIANTS[1:]:
-        assert variant.disabled or variant.forced, variant.name
+        assert variant.disabled or variant.forced or variant.quantization, variant.name
         assert variant.disabled <= set(FAST_PATHS) and variant.forced <= set(FORCIBLE), variant.name
+
+
+def test_a_slot_runs_sft_with_and_without_liger_and_fla_qlora_and_grpo_without_vllm_in_420_s():
+    assert SLOT_RUNS == (("all", "sft"), ("no-liger", "sft"), ("no-fla", "sft"), ("qlora", "sft"), ("no-vllm", "grpo"))
+    assert NO_VLLM.disabled == {"vllm_colocate"} and QLORA.quantization == "4bit"
+    assert SLOT_DEADLINE_S == 420.0  # a lent machine's command runs 600 s at most, carried wheels' install included
+
+
+def test_a_variant_whose_package_is_missing_is_skipped_saying_why():
+    assert skip_reason(QLORA, {"torch": "2.14.0"}) == (
+        "bitsandbytes is not installed (QLoRA loads the base model in 4 bits through it)")
+    assert skip_reason(NO_LIGER, {"torch": "2.14.0"}) == (
+        "liger-kernel is not installed (without it `all` already ran without Liger)")
+    assert skip_reason(QLORA, {"bitsandbytes": "0.50.2"}) is None
+    assert skip_reason(ALL, {}) is None
+
+
+def test_a_skipped_run_is_not_started_and_takes_no_share_of_the_time():
+    started = []
+    results = run_variants([Run(QLORA, "sft", skipped="bitsandbytes is not installed (...)"), Run(ALL, "sft")],
+                           lambda run, timeout: started.append((run.variant.name, timeout)) or {},
+                           variant_timeout=600, deadline_at=300.0, clock=lambda: 0.0)
+    assert started == [("all", 300.0)]
+    assert results[0] == {"variant": "qlora", "algorithm": "sft", "skipped": "bitsandbytes is not installed (...)", "error": None}
+
+
+def test_the_report_lists_a_skipped_run_as_skipped_not_passed():
+    table = report([{"variant": "qlora", "algorithm": "sft", "skipped": "bitsandbytes is not installed (x)", "error": None}])
+    assert re.search(r"^qlora\s+sft\s+skipped  bitsandbytes is not installed \(x\)$", table, re.MULTILINE), table
+    assert table.endswith("1 run(s) skipped, not passed: qlora/sft (bitsandbytes is not installed (x))")
+
+
+def test_each_run_gets_its_weighted_share_of_the_time_left_and_grpo_twice_an_sft_runs():
+    times = iter([60.0, 100.0, 160.0])
+    timeouts = []
+    run_variants([Run(ALL, "sft"), Run(NO_LIGER, "sft"), Run(NO_VLLM, "grpo")],
+                 lambda run, timeout: timeouts.append(timeout) or {}, variant_timeout=600, deadline_at=420.0,
+                 clock=lambda: next(times))
+    # 360 s left over weights 1 + 1 + 2; the first run ended after 40 s, so its unused 50 s pass on.
+    assert timeouts == [90.0, 320.0 / 3, 260.0]
+
+
+def test_a_run_that_hangs_costs_only_its_share_and_the_later_runs_still_run():
+    clock = [0.0]
+
+    def run_one(run: Run, timeout: float) -> dict:
+        clock[0] += timeout if run.variant is NO_LIGER else 10.0  # no-liger hangs until its share runs out
+        return {"variant": run.variant.name, "algorithm": run.algorithm, "error": None}
+
+    results = run_variants([Run(ALL, "sft"), Run(NO_LIGER, "sft"), Run(NO_VLLM, "grpo")], run_one,
+                           variant_timeout=600, deadline_at=400.0, clock=lambda: clock[0])
+    assert [r["variant"] for r in results] == ["all", "no-liger", "no-vllm"]
+    assert not any(r.get("not_run") for r in results)
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has ended (a zombie no parent has reaped yet counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_run_past_its_share_is_killed_with_the_processes_it_started():
+    sleeper = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+              "print(p.pid, flush=True); time.sleep(60)"
+    started = time.monotonic()
+    returncode, stdout, _ = run_in_session([sys.executable, "-c", sleeper], os.environ, timeout=3)
+    assert returncode is None and time.monotonic() - started < 30
+    grandchild = int(stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(grandchild)
 
 
 def test_runs_that_cannot_start_before_the_deadline_are_reported_as_not_run():
     times = iter([0.0, 60.0, 130.0])
     ran = []
-    results = run_variants([(ALL, "sft"), (NO_LIGER, "sft"), (ALL, "grpo")],
-                           lambda v, a, timeout: ran.append((v.name, a)) or {"variant": v.name, "algorithm": a, "error": None},
+    results = run_variants([Run(ALL, "sft"), Run(NO_LIGER, "sft"), Run(ALL, "grpo")],
+                           lambda run, timeout: ran.append((run.variant.name, run.algorithm))
+                           or {"variant": run.variant.name, "algorithm": run.algorithm, "error": None},
                            variant_timeout=600, deadline_at=120.0, clock=lambda: next(times))
     assert ran == [("all", "sft"), ("no-liger", "sft")]
     assert results[2] == {"variant": "all", "algorithm": "grpo", "not_run": "deadline reached", "error": None}
 
 
-def test_a_run_gets_no_more_time_than_the_deadline_leaves():
-    times = iter([0.0, 100.0])
+def test_no_run_gets_more_than_the_variant_timeout():
     timeouts = []
-    run_variants([(ALL, "sft"), (NO_LIGER, "sft")], lambda v, a, timeout: timeouts.append(timeout) or {},
-                 variant_timeout=300, deadline_at=150.0, clock=lambda: next(times))
-    assert timeouts == [150.0, 50.0]
+    run_variants([Run(ALL, "sft")], lambda run, timeout: timeouts.append(timeout) or {}, variant_timeout=300,
+                 deadline_at=1000.0, clock=lambda: 0.0)
+    assert timeouts == [300]
 
 
 def _result(variant: str, algorithm: str, tokens_per_second: float, **more) -> dict:
     return {"variant": variant, "algorithm": algorithm, "timed_steps": 20, "tokens_per_second": tokens_per_second,
-            "peak_memory_gib": 30.5, "vllm_completions": 640 if algorithm == "grpo" else 0,
+            "max_memory_reserved_gib": 30.5, "device_peak_gib": 31.25, "vllm_completions": 640 if algorithm == "grpo" else 0,
             "fast_paths": {"bf16": [True, "sm_90 supports bf16"], "liger_kernel": [variant != "no-liger", "why"]},
             "error": None, **more}
 
@@ -77,12 +228,19 @@ def test_the_report_rates_each_run_against_all_of_its_algorithm():
     table = report([_result("all", "sft", 9000.0), _result("no-liger", "sft", 6000.0), _result("all", "grpo", 1500.0),
                     {"variant": "no-vllm", "algorithm": "grpo", "not_run": "deadline reached", "error": None},
                     {"variant": "no-fla", "algorithm": "sft", "error": "exit 1: CUDA out of memory"}])
-    assert re.search(r"^no-liger\s+sft\s+20\s+6000\s+1\.50\s+30\.5\s+-\s+bf16$", table, re.MULTILINE), table
-    assert re.search(r"^all\s+grpo\s+20\s+1500\s+1\.00\s+30\.5\s+640\s+bf16, liger_kernel$", table, re.MULTILINE), table
+    assert re.search(r"^no-liger\s+sft\s+20\s+6000\s+1\.50\s+30\.5\s+31\.2\s+-\s+bf16$", table, re.MULTILINE), table
+    assert re.search(r"^all\s+grpo\s+20\s+1500\s+1\.00\s+30\.5\s+31\.2\s+640\s+bf16, liger_kernel$", table, re.MULTILINE), table
     assert re.search(r"^no-vllm\s+grpo\s+not run  deadline reached$", table, re.MULTILINE), table
     assert re.search(r"^no-fla\s+sft\s+failed  exit 1: CUDA out of memory$", table, re.MULTILINE), table
     assert "why (variant `all`, grpo):\n  bf16: on - sm_90 supports bf16" in table
     assert table.endswith("1 run(s) not run: the deadline was reached first")
+
+
+def test_the_report_shows_which_backend_fla_chose_and_how_the_allocator_was_read():
+    table = report([_result("all", "sft", 9000.0, fla_backends={"common": "tilelang", "gated_delta_rule": "triton"},
+                            allocator_probe="read from PYTORCH_CUDA_ALLOC_CONF: torch 2.11.0 has no ...")])
+    assert "  fla backends: common tilelang, gated_delta_rule triton" in table
+    assert "  allocator settings: read from PYTORCH_CUDA_ALLOC_CONF: torch 2.11.0 has no ..." in table
 
 
 def test_a_colocated_vllm_that_returned_no_completion_fails_the_run():
@@ -90,3 +248,116 @@ def test_a_colocated_vllm_that_returned_no_completion_fails_the_run():
     assert _checked(_result("all", "grpo", 1500.0, fast_paths=engaged, vllm_completions=0))["error"] == (
         "vllm_colocate is engaged, but vLLM returned no completion to TRL")
     assert _checked(_result("all", "grpo", 1500.0, fast_paths=engaged))["error"] is None
+
+
+def _fake_nvml(used_gib: list[float], processes=()) -> SimpleNamespace:
+    """A pynvml whose device reports `used_gib` on successive reads (the last one from then on) and `processes`."""
+    reads = []
+
+    def memory_info(handle):
+        reads.append(handle)
+        return SimpleNamespace(used=int(used_gib[min(len(reads), len(used_gib)) - 1] * 2**30), total=141 * 2**30)
+
+    return SimpleNamespace(
+        reads=reads, nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetMemoryInfo=memory_info, nvmlSystemGetDriverVersion=lambda: "580.159.04",
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [SimpleNamespace(pid=p, usedGpuMemory=u) for p, u in processes],
+        nvmlDeviceGetName=lambda handle: "NVIDIA H200", nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0))
+
+
+def test_the_device_peak_is_the_highest_use_sampled_less_the_use_before_the_run():
+    nvml = _fake_nvml([1.0, 5.0, 9.0, 7.0])
+    sampler = DeviceMemory(nvml, 0)
+    sampler.start()
+    while len(nvml.reads) < 5:
+        time.sleep(0.01)
+    assert sampler.stop() == {"peak_gib": 8.0, "baseline_gib": 1.0}
+
+
+def test_memory_in_use_with_no_process_listed_is_reported_as_possibly_shared(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml([20.5]))
+    gpu = read_gpu()
+    assert gpu["processes"] == [] and gpu["capability"] == [9, 0] and gpu["total_gib"] == 141.0
+    assert gpu["warning"].startswith("20.5 GiB of the GPU is in use but NVML lists no process")
+
+
+def test_the_processes_nvml_lists_on_the_gpu_are_read_with_their_memory(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml([40.0], processes=[(4242, 38 * 2**30), (4343, None)]))
+    gpu = read_gpu()
+    assert gpu["processes"] == [(4242, 38.0), (4343, None)] and gpu["warning"] is None
+
+
+def _gpu(processes=(), capability=(9, 0)) -> dict:
+    return {"name": "NVIDIA H200", "capability": list(capability), "processes": list(processes), "warning": None}
+
+
+def test_a_gpu_another_process_uses_is_refused_naming_it():
+    refusal = gpu_refusal(_gpu([(4242, 37.5)]), {}, {}, allow_busy=False)
+    assert refusal.startswith("the GPU is in use by another process (pid 4242 (37.5 GiB), as NVML's "
+                              "nvmlDeviceGetComputeRunningProcesses lists them)")
+    assert refusal.endswith("stop it, or pass --allow-busy-gpu")
+
+
+def test_a_busy_gpu_is_accepted_when_allowed_and_this_process_never_counts():
+    assert gpu_refusal(_gpu([(4242, None)]), {}, {}, allow_busy=True) is None
+    assert gpu_refusal(_gpu([(os.getpid(), 0.5)]), {}, {}, allow_busy=False) is None
+
+
+FLA_ON_TRITON_3_6 = {"flash-linear-attention": "0.6.0", "triton": "3.6.0"}
+
+
+def test_fla_on_hopper_with_a_triton_that_miscompiles_its_backward_is_refused():
+    assert kernel_problems(HOPPER, FLA_ON_TRITON_3_6, {}) == [
+        "flash-linear-attention 0.6.0 with triton 3.6.0 on sm_90: Triton >= 3.4.0, < 3.7.1 miscompiles fla's gated "
+        "backward on Hopper (fla issue 640) and fla refuses it at the first backward: use triton >= 3.7.1, or leave "
+        "flash-linear-attention out"]
+    assert kernel_problems(HOPPER, {**FLA_ON_TRITON_3_6, "tilelang": "0.1.12"}, {"FLA_TILELANG": "0"}) != []
+
+
+def test_fla_on_hopper_with_that_triton_is_accepted_where_tilelang_takes_the_kernel():
+    assert kernel_problems(HOPPER, {**FLA_ON_TRITON_3_6, "tilelang": "0.1.12"}, {}) == []
+
+
+def test_fla_with_that_triton_off_hopper_is_accepted():
+    assert kernel_problems((8, 0), FLA_ON_TRITON_3_6, {}) == []
+
+
+def test_fla_before_0_5_2_on_hopper_with_triton_3_4_or_later_is_refused():
+    assert "releases before 0.5.2" in kernel_problems(HOPPER, {"flash-linear-attention": "0.5.1", "triton": "3.8.0"}, {})[0]
+
+
+FLA_WITH_TILELANG = {"flash-linear-attention": "0.6.0", "triton": "3.8.0", "tilelang": "0.1.12"}
+
+
+def test_tilelang_forced_on_blackwell_is_refused():
+    assert kernel_problems(BLACKWELL, FLA_WITH_TILELANG, {"FLA_TILELANG": "1"}) == [
+        "FLA_TILELANG=1 on sm_100 sends fla's gated backward to TileLang, whose gradients are wrong on Blackwell "
+        "(fla PR 948): unset FLA_TILELANG or set it to 0"]
+
+
+def test_fla_on_blackwell_with_tilelang_unset_or_off_is_accepted():
+    assert kernel_problems(BLACKWELL, FLA_WITH_TILELANG, {}) == []
+    assert kernel_problems(BLACKWELL, FLA_WITH_TILELANG, {"FLA_TILELANG": "0"}) == []
+
+
+def test_the_kernel_problems_refuse_the_smoke_before_anything_runs():
+    refusal = gpu_refusal(_gpu(), {"flash-linear-attention": "0.6.0", "triton": "3.5.1"}, {}, allow_busy=False)
+    assert "fla issue 640" in refusal
+
+
+def _locked() -> dict[str, str]:
+    return cpu_constraints.locked_versions((WORKER_IMAGE / "requirements-gpu.lock").read_text())
+
+
+def test_the_locked_fla_and_triton_train_correctly_on_hopper_without_tilelang():
+    # FLA_TILELANG=0: fla's own Triton kernels, which fla's H100 CI gates on (fla PR 983), must be right on their own.
+    assert kernel_problems(HOPPER, _locked(), {"FLA_TILELANG": "0"}) == []
+
+
+def test_the_locked_fla_and_triton_train_correctly_on_blackwell_by_default():
+    assert kernel_problems(BLACKWELL, _locked(), {}) == []
+
+
+def test_the_locked_fla_packages_are_one_release():
+    locked = _locked()
+    assert locked["fla-core"] == locked["flash-linear-attention"]  # flash-linear-attention is fla-core's layers on top

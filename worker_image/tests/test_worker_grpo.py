@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import BUILTIN_REWARD_PARAMS, JobInput, RewardSpec
-from loraflow_worker.grpo import prompt_dataset, train_grpo
+from loraflow_worker.grpo import prompt_dataset, text_only_vllm, train_grpo
 from loraflow_worker.manifest import rows_sha256
 from loraflow_worker.rewards import (
     BUILTIN_REWARDS,
@@ -232,3 +232,17 @@ def test_a_dataset_without_prompts_is_refused_naming_its_columns(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match=r"needs a `prompt` column .* this one has `text`"):
         prompt_dataset(Dataset.from_list([{"text": "hello"}]), tokenizer, max_prompt_length=16)
+
+
+def test_the_colocated_vllm_engine_is_built_without_image_or_video_inputs(monkeypatch):
+    # vLLM is not installed here: a recorder stands in for the `LLM` TRL's generation module builds its engine with.
+    from trl.generation import vllm_generation
+
+    built = []
+    monkeypatch.setattr(vllm_generation, "LLM", lambda **kwargs: built.append(kwargs), raising=False)
+    recorder = vllm_generation.LLM
+    with text_only_vllm():
+        vllm_generation.LLM(model="/models/qwen3.5", gpu_memory_utilization=0.2)
+    assert built == [{"limit_mm_per_prompt": {"image": 0, "video": 0}, "model": "/models/qwen3.5",
+                      "gpu_memory_utilization": 0.2}]
+    assert vllm_generation.LLM is recorder  # restored once the trainer is built
