@@ -183,47 +183,39 @@ class _OnFirstImport(importlib.abc.MetaPathFinder):
 
 
 def _add_crash_callback(step: int, kind: str) -> Callable[[ModuleType], None]:
-    """What to do to `transformers.trainer` once imported: every Trainer gets a callback that crashes at
-    the end of `step`."""
+    """What to do to `transformers.trainer` once imported: every Trainer crashes at the end of `step`."""
 
-    def patch(trainer_module: ModuleType) -> None:
-        from transformers.trainer_callback import TrainerCallback
+    def crash_at_step(state) -> None:
+        if state.global_step == step:
+            crash(kind)
 
-        class CrashAtStep(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                if state.global_step == step:
-                    crash(kind)
-
-        init = trainer_module.Trainer.__init__
-
-        @functools.wraps(init)
-        def init_with_crash(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            self.add_callback(CrashAtStep())
-
-        trainer_module.Trainer.__init__ = init_with_crash
-
-    return patch
+    return _add_step_end_callback(crash_at_step)
 
 
 def _slow_steps(seconds: float) -> Callable[[ModuleType], None]:
     """What to do to `transformers.trainer` once imported: every Trainer's steps last at least `seconds`."""
+    return _add_step_end_callback(lambda state: time.sleep(seconds))
+
+
+def _add_step_end_callback(on_step_end: Callable[[object], None]) -> Callable[[ModuleType], None]:
+    """A patch of `transformers.trainer` that gives every Trainer (TRL's SFTTrainer and GRPOTrainer are Trainers)
+    one more callback, calling `on_step_end(state)` after the worker's own callbacks ran."""
 
     def patch(trainer_module: ModuleType) -> None:
         from transformers.trainer_callback import TrainerCallback
 
-        class SlowSteps(TrainerCallback):
+        class StepEnd(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
-                time.sleep(seconds)
+                on_step_end(state)
 
         init = trainer_module.Trainer.__init__
 
         @functools.wraps(init)
-        def init_slowed(self, *args, **kwargs):
+        def init_with_callback(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            self.add_callback(SlowSteps())
+            self.add_callback(StepEnd())
 
-        trainer_module.Trainer.__init__ = init_slowed
+        trainer_module.Trainer.__init__ = init_with_callback
 
     return patch
 
