@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 import httpx
 import pytest
 
+from bench.chaos_scenarios import FAULT_INJECTION_DIR, STEP_SECONDS
 from tasks.liveness import ENDPOINT_HEARTBEAT, ENDPOINT_RESOURCE, FLOW_RUN_RESOURCE, newest_heartbeats
 from tasks.reconcile import live_flow_runs
 from tasks.runpod.endpoints import endpoint_name, parse_endpoint_name, run_hash
@@ -242,7 +243,11 @@ def test_runs_ending_between_pages_hide_no_live_run(local_stack, many_live_runs)
     assert ours - set(ending.ended) <= found
 
 
-WARNING_ONLY_STEPS = 2500  # 1.5-8 min of training on 2 CPU cores; the sweep comes ~45 s after the run starts
+WARNING_ONLY_STEPS = 120
+WARNING_ONLY_STEP_S = 1.0
+"""The quiet run's steps last at least this long (the fault module's slow-step switch): at least 2 min of training
+whatever the machine's speed, and the sweep comes ~45 s after the run starts (2,500 plain steps once ended in 38 s
+on a quiet machine)."""
 
 
 def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_stack, tiny_model, tmp_path, figures):
@@ -255,6 +260,9 @@ def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_st
     env = flow_env(local_stack, PREFECT_LOGGING_LEVEL="WARNING", PREFECT_FLOWS_HEARTBEAT_FREQUENCY=600,
                    LORAFLOW_HEARTBEAT_SECONDS=2)
     log_path = tmp_path / "flow.log"
+    slow = httpx.post(f"{local_stack.localpod_url}/_localpod/worker-faults", timeout=10, json={
+        "action": "env", "endpoint_name_prefix": "loraflow-e2e-quiet-",
+        "env": {"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: str(WARNING_ONLY_STEP_S)}}).raise_for_status()
     flow = subprocess.Popen([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env,
                             stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -277,7 +285,7 @@ def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_st
         output = run_reconcile(local_stack, f'{{"silent_after_minutes": {silent_after_s / 60}, "min_age_minutes": 0}}')
         swept_after_s = (datetime.now(timezone.utc) - running_since).total_seconds()
         assert running_job(local_stack, {endpoint["id"]}), (
-            f"the job ended before the sweep ({swept_after_s:.0f} s after Running): raise WARNING_ONLY_STEPS")
+            f"the job ended before the sweep ({swept_after_s:.0f} s after Running): raise WARNING_ONLY_STEP_S")
         assert f"kept {endpoint['name']}: its run is Running" in output, output
         assert live_endpoints(local_stack, "loraflow-e2e-quiet-")
 
@@ -285,6 +293,7 @@ def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_st
     finally:
         if flow.poll() is None:
             os.killpg(flow.pid, signal.SIGKILL)
+        httpx.delete(f"{local_stack.localpod_url}/_localpod/worker-faults/{slow.json()['id']}", timeout=10)
     with prefect_client(local_stack) as client:
         assert client.read_flow_run(run.id).state.type.value == "COMPLETED"
     assert not live_endpoints(local_stack, "loraflow-e2e-quiet-")
