@@ -26,7 +26,7 @@ from loraflow_worker.contract import MemorySettings
 from pydantic import BaseModel, Field
 
 VLLM_SHARE_STEP = 0.75
-"""A vLLM share that failed is retried at this fraction of itself."""
+"""A vLLM share that failed is retried at this fraction of itself (too big) or divided by it (too small)."""
 VLLM_SHARE_FLOOR = 0.1
 """Below this share of the GPU a colocated vLLM cannot hold a model and any KV cache: colocate goes off instead."""
 VLLM_SHARE_CEILING = 0.8
