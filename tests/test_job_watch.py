@@ -263,6 +263,20 @@ def test_an_unknown_status_is_reported_once_and_treated_as_running():
     assert unknown == ["RUNNING"]
 
 
+def test_a_queued_job_after_unknown_statuses_was_not_preempted():
+    clock = FakeClock()
+    answers = [job("RUNNING")] * 3 + [job("IN_QUEUE")] * 2 + [training(1), job("COMPLETED")]
+    outcome = watch(scripted_client(answers), clock, on_unknown_status=lambda s: None)
+    assert outcome.kind == "completed"
+
+
+def test_a_job_requeued_after_it_was_in_progress_is_preempted():
+    clock = FakeClock()
+    outcome = watch(scripted_client([training(1), job("RUNNING"), job("IN_QUEUE")]), clock,
+                    on_unknown_status=lambda s: None)
+    assert outcome.kind == "preempted"
+
+
 def test_a_job_that_stays_in_an_unknown_status_is_ended_by_the_stall_limits():
     clock = FakeClock()
     outcome = watch(scripted_client([job("RUNNING")]), clock, startup=300, stall=60, on_unknown_status=lambda s: None)

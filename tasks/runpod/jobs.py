@@ -151,6 +151,7 @@ class _Progress:
     def __init__(self, now: float):
         self.submitted = now
         self.first_running: float | None = None
+        self.in_progress_seen = False
         self.first_step: float | None = None
         self.last_change = now
         self.last_key: tuple | None = None
@@ -160,6 +161,10 @@ class _Progress:
         # A status loraflow does not know counts as running: the stall limits then end a job that never moves.
         if (status.status == "IN_PROGRESS" or not status.known) and self.first_running is None:
             self.first_running = self.last_change = now
+        # Only RunPod's own IN_PROGRESS proves the job started: a queued job after unknown statuses is not preempted.
+        self.in_progress_seen = self.in_progress_seen or status.status == "IN_PROGRESS"
+        if status.status == "IN_QUEUE" and not self.in_progress_seen:
+            self.first_running = None
         progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
         if progress is None:
             return
@@ -336,7 +341,7 @@ def _give_up(status: JobStatus, seen: _Progress, limits: WatchLimits, now: float
     if now >= _deadline(limits, seen):
         return "deadline", "the run's deadline passed before the job finished"
     if status.status == "IN_QUEUE":
-        if seen.first_running is not None:
+        if seen.in_progress_seen:
             return "preempted", "the job went back to the queue after it had started (worker preempted)"
         if now - seen.submitted > limits.queue_s:
             return "no_capacity", f"the job stayed queued for {now - seen.submitted:.0f} s: no worker started"
