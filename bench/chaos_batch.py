@@ -57,6 +57,12 @@ class Figures:
     failed_as_expected: int = 0
     not_as_expected: int = 0
     faults_injected: dict[str, int] = field(default_factory=dict)
+    """localpod's own count by kind, every rule (the scenarios' and the background noise's)."""
+    scenario_faults: int = 0
+    """Faults the scenarios injected: their rules' hits, the endpoints deleted behind runs, and one per run that
+    met an out-of-stock pool. Background noise is counted apart."""
+    noise_faults: int = 0
+    scenario_kinds: int = 0
     out_of_stock_pools: list[str] = field(default_factory=list)
     attempts_given_up: dict[str, int] = field(default_factory=dict)
     results_adopted: int = 0
@@ -84,6 +90,8 @@ class Figures:
         return "\n".join([
             "=== chaos figures ===",
             f"faults injected by kind: {faults} (total {sum(self.faults_injected.values())})",
+            f"faults by origin:        {self.scenario_faults} by {self.scenario_kinds} scenarios, "
+            f"{self.noise_faults} background noise",
             f"pools out of stock:      {', '.join(self.out_of_stock_pools) or 'none'}",
             f"runs:                    {self.runs} (completed {self.completed}, failed as expected "
             f"{self.failed_as_expected}, not as expected {self.not_as_expected})",
@@ -152,6 +160,11 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
                       billed_worker_seconds=after.billed_worker_seconds - before.billed_worker_seconds,
                       run_wall_s=[r.wall_s for r in records])
     figures.faults_injected = {k: v - before.faults_injected.get(k, 0) for k, v in after.faults_injected.items()}
+    figures.scenario_faults = sum(faults.get(fid, {}).get("hits", 0) for r in records for fid in r.fault_ids) + sum(
+        bool(r.endpoint_deleted) + bool(r.scenario.out_of_stock) for r in records)
+    figures.noise_faults = sum(f.get("hits", 0) for f in faults.values()) - sum(
+        faults.get(fid, {}).get("hits", 0) for r in records for fid in r.fault_ids)
+    figures.scenario_kinds = len({r.scenario.kind for r in records if r.scenario.kind != "clean"})
     figures.endpoints_created = sum(1 for e in after.endpoints if e.id in ours)
     figures.endpoints_leaked = sum(1 for e in after.live_endpoints if e.id in ours)
     figures.workers_leaked = len(_live_workers(after, ours))

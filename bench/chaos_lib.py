@@ -308,10 +308,14 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         problems.append(f"the failure message lacks {missing}: {record.state_message[:1500]}")
     if record.state_type == "COMPLETED":
         problems += artifact_problems(record.run_dir, max_steps)
-    for fault_id in record.fault_ids:
-        fault = faults.get(fault_id)
-        if fault is not None and fault["hits"] == 0:
+    ours = [faults[fault_id] for fault_id in record.fault_ids if fault_id in faults]
+    for fault in ours:
+        if fault["hits"] == 0 and fault.get("probability") is None:
             problems.append(f"fault {fault['action']} on {fault.get('route', 'the worker')} never fired")
+    # A rule that fires by chance may miss a short run; together they must have fired.
+    chance = [f for f in ours if f.get("probability") is not None]
+    if chance and not any(f["hits"] for f in chance):
+        problems.append(f"none of the {len(chance)} faults that fire by chance fired")
     return problems
 
 

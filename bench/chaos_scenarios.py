@@ -102,6 +102,22 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         ),
         Scenario(
+            "api-storm",
+            "a storm on one run: about a third of its status polls answer 429 (Retry-After 1 s), 500 or drop and "
+            "a fifth of the rest answer a second late, half its /health reads fail, and its create, get and delete calls fail twice each: one attempt, the storm "
+            "absorbed by the watch loop's time budget and the tasks' retries",
+            route_faults=(
+                route("status", "status_429", retry_after_s=1, probability=0.15, seed=11),
+                route("status", "status_500", probability=0.12, seed=12),
+                route("status", "drop", probability=0.08, seed=13),
+                route("status", "hang", hang_s=1, probability=0.2, seed=14),
+                route("health", "status_500", probability=0.5, seed=15),
+                route("create_endpoint", "status_500", times=2),
+                route("get_endpoint", "status_429", retry_after_s=1, times=2),
+                route("delete_endpoint", "drop", times=2),
+            ),
+        ),
+        Scenario(
             "ambiguous-create",
             "create answers 500 after making the endpoint: found by name, exactly one endpoint, one attempt",
             route_faults=(route("create_endpoint", "act_then_500"),),
