@@ -23,7 +23,17 @@ every worker it lifts it for.
 
 Network volumes (`/v2/network-volumes`) are folders under `--volume-dir` (default: `volumes/` in the log
 dir). A worker of an endpoint that attaches one runs in the volume's datacenter and sees the folder: a
-docker worker at `/runpod-volume`, as on RunPod; a process worker through `LORAFLOW_VOLUME_PATH`.
+docker worker at `/runpod-volume`, as on RunPod; a process worker through `LORAFLOW_VOLUME_PATH`. A volume
+created without `type` gets its datacenter's primary tier; `POST /_localpod/volume-types` changes the tiers a
+datacenter offers (`DELETE` restores them). Volumes bill by size and time from creation to deletion, as on
+RunPod ($0.07/GB-month standard, $0.05 above 1 TB; high-performance $0.14; a month of 30 days), reported by
+`GET /v2/billing/network-volumes` (deleted volumes included); `POST /_localpod/clock {"advance_days": N}` lets
+storage time pass so their cost accrues without waiting.
+
+CPU serverless: the catalog lists CPU flavors (`/v2/catalog/cpus`, `cpuAvailability` of the datacenters), an
+endpoint created with `cpu: [{id, vcpuCount}]` runs its workers in a datacenter offering one of its flavors
+(no CUDA need) and bills their vCPUs as `cpuAmount` in `/v2/billing/serverless`; `POST /_localpod/cpu-stock`
+takes flavors out of stock, as `/_localpod/stock` does GPU pools.
 
 Workers run one of two ways (`--worker-runtime`):
 

@@ -1,9 +1,11 @@
-"""localpod's GPU and datacenter catalog: the table behind `/v2/catalog/*`, and where a worker may start.
+"""localpod's GPU, CPU and datacenter catalog: the table behind `/v2/catalog/*`, and where a worker may
+start.
 
-The table stands in for RunPod's live catalog: the GPU types of the pools loraflow rents, with their
-memory and list prices, a handful of datacenters with what each offers, and the CUDA versions the hosts
-of each GPU type run in each datacenter. Serverless prices are RunPod-like figures chosen to differ from
-loraflow's static table, so a test can tell which of the two a cost came from.
+The table stands in for RunPod's live catalog: the GPU types of the pools loraflow rents, with their memory
+and list prices, a few CPU flavors with their vCPU ranges, RAM per vCPU and prices per vCPU, a handful of
+datacenters with what each offers (GPU types, CPU flavors, network volume tiers), and the CUDA versions the
+hosts of each GPU type run in each datacenter. Serverless GPU prices are RunPod-like figures chosen to
+differ from loraflow's static table, so a test can tell which of the two a cost came from.
 
 Hosts' CUDA versions (localpod's assumption, not a RunPod fact: RunPod publishes only the union per GPU
 type, `cudaVersions`): the hosts of the Ampere, Ada and Hopper types run CUDA 12.4, 12.6, 12.8, 12.9
@@ -13,9 +15,14 @@ they are offered. So an endpoint whose image needs CUDA 13 can be served by an R
 not in US-TX-3: placement takes a host that meets the endpoint's `gpu.minCudaVersion` or
 `gpu.allowedCudaVersions`, and a worker no host meets is never started (its jobs stay IN_QUEUE).
 
-Neither stock nor the hosts' versions in force are here: `FaultBook` (faults.py) keeps what
-`/_localpod/stock` took out and what `/_localpod/cuda` set, and the functions below take them as
-`in_stock(pool, data_center_id)` and `host_cuda(gpu_type_id, data_center_id)` callables.
+A CPU endpoint (`cpu: [{id, vcpuCount}]`) has no GPU and no CUDA need: its worker starts in the first
+datacenter it allows that offers one of its flavors with stock. EU-CZ-1 offers no CPU flavor, so an
+endpoint pinned there by its network volume must run on a GPU.
+
+Neither stock nor the hosts' versions nor the volume tiers in force are here: `FaultBook` (faults.py) keeps
+what `/_localpod/stock` and `/_localpod/cpu-stock` took out, what `/_localpod/cuda` set and what
+`/_localpod/volume-types` changed, and the functions below take them as `in_stock(pool, data_center_id)`,
+`in_stock(cpu_flavor_id, data_center_id)` and `host_cuda(gpu_type_id, data_center_id)` callables.
 
 Nothing here touches HTTP; `routes_catalog.py` turns these documents into answers.
 """
@@ -48,6 +55,37 @@ POOL_SERVERLESS_USD_PER_HOUR: dict[str, float] = {
     "BLACKWELL_180": 8.64,
 }
 
+
+
+@dataclass(frozen=True)
+class CpuTypeRow:
+    """One CPU flavor, as `CpuType` describes it: an endpoint picks a flavor and a vCPU count in its range; its
+    RAM is the count times `ram_gb_per_vcpu`, its price the count times the per-vCPU figure (USD per hour, as
+    `GpuType.price` quotes GPUs)."""
+
+    id: str
+    name: str
+    group: str
+    vcpu_min: int
+    vcpu_max: int
+    ram_gb_per_vcpu: float
+    secure_usd_per_vcpu: float
+    serverless_usd_per_vcpu: float
+
+    def memory_gb(self, vcpu_count: int) -> int:
+        """`CpuConfig.memory`: RunPod derives it from the flavor's RAM multiplier."""
+        return max(1, round(vcpu_count * self.ram_gb_per_vcpu))
+
+
+CPU_TYPES: tuple[CpuTypeRow, ...] = (
+    # RAM per vCPU as RunPod's Flash docs list the flavors (cpu3c-2-4, cpu5c-4-8: 2 GB per vCPU; the general-purpose
+    # "g" flavors 4 GB). cpu3c's prices are the schema's own example (0.04 secure, 0.03 serverless per vCPU); the
+    # search found no published serverless CPU price list, so cpu3g's and cpu5c's are plausible figures above it.
+    CpuTypeRow("cpu3c", "Compute-Optimized", "Gen 3", 2, 32, 2.0, 0.04, 0.03),
+    CpuTypeRow("cpu3g", "General Purpose", "Gen 3", 2, 32, 4.0, 0.05, 0.04),
+    CpuTypeRow("cpu5c", "Compute-Optimized", "Gen 5", 2, 32, 2.0, 0.06, 0.05),
+)
+
 _AMPERE_ADA_HOPPER_CUDA = ("12.4", "12.6", "12.8", "12.9", "13.0")
 _OLDER_DRIVERS_CUDA = ("12.4", "12.6", "12.8")  # hosts whose drivers predate CUDA 12.9
 _BLACKWELL_CUDA = ("12.8", "12.9", "13.0")  # sm100/sm120 cards need CUDA 12.8 or later
@@ -76,8 +114,11 @@ class GpuTypeRow:
 @dataclass(frozen=True)
 class DataCenterRow:
     """One datacenter, as `DataCenter` describes it, with the GPU types it offers and their stock level
-    while in stock (a pool taken out through `/_localpod/stock` answers NONE instead), and the GPU types whose
-    hosts here run other CUDA versions than the type's own `host_cuda`."""
+    while in stock (a pool taken out through `/_localpod/stock` answers NONE instead), the GPU types whose
+    hosts here run other CUDA versions than the type's own `host_cuda`, and the CPU flavors it offers and their
+    level while in stock (`/_localpod/cpu-stock`). `network_volume_types` is the default offer: the first tier
+    is the datacenter's primary one (a volume created without `type` gets it); `/_localpod/volume-types`
+    changes it."""
 
     id: str
     name: str
@@ -88,6 +129,7 @@ class DataCenterRow:
     compliance: tuple[str, ...]
     offers: dict[str, AvailabilityLevel] = field(default_factory=dict)
     host_cuda: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    cpu_offers: dict[str, AvailabilityLevel] = field(default_factory=dict)
 
 
 _4090, _5090 = "NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 5090"
@@ -112,13 +154,17 @@ _VOLUMES = ("STANDARD", "HIGH_PERFORMANCE")
 DATA_CENTERS: tuple[DataCenterRow, ...] = (
     # RunPod observed US-KS-2 to stock no RTX 4090 (shared/runpod-api/README.md).
     DataCenterRow("US-KS-2", "US Kansas 2", "US", "NORTH_AMERICA", True, _VOLUMES, ("SOC_2_TYPE_2", "ISO_IEC_27001"),
-                  {_A100_SXM: "HIGH", _H100_SXM: "HIGH", _H100_PCIE: "MEDIUM", _H200: "MEDIUM", _B200: "LOW"}),
+                  {_A100_SXM: "HIGH", _H100_SXM: "HIGH", _H100_PCIE: "MEDIUM", _H200: "MEDIUM", _B200: "LOW"},
+                  cpu_offers={"cpu3c": "HIGH", "cpu3g": "MEDIUM", "cpu5c": "HIGH"}),
     DataCenterRow("US-CA-2", "US California 2", "US", "NORTH_AMERICA", True, _VOLUMES, ("SOC_2_TYPE_2",),
                   {_4090: "HIGH", _5090: "MEDIUM", _A100_PCIE: "HIGH", _H100_PCIE: "HIGH", _H100_NVL: "MEDIUM",
-                   _PRO6000: "HIGH"}),
+                   _PRO6000: "HIGH"},
+                  cpu_offers={"cpu3c": "MEDIUM", "cpu3g": "HIGH"}),
     DataCenterRow("EU-RO-1", "EU Romania 1", "RO", "EUROPE", True, _VOLUMES, ("GDPR", "ISO_IEC_27001"),
                   {_4090: "HIGH", _5090: "HIGH", _A100_SXM: "MEDIUM", _H100_SXM: "HIGH", _H200: "LOW",
-                   _PRO6000: "MEDIUM"}),
+                   _PRO6000: "MEDIUM"},
+                  cpu_offers={"cpu3c": "HIGH", "cpu5c": "MEDIUM"}),
+    # No CPU serverless here: an endpoint pinned to a volume in EU-CZ-1 runs on a GPU.
     DataCenterRow("EU-CZ-1", "EU Czechia 1", "CZ", "EUROPE", True, ("STANDARD",), ("GDPR",),
                   {_4090: "MEDIUM", _5090: "LOW", _A100_PCIE: "MEDIUM", _H100_NVL: "HIGH", _B200: "MEDIUM"}),
     # Not in RunPod's list of network-volume datacenters: a run with a volume is never placed here. Its Ampere,
@@ -126,12 +172,15 @@ DATA_CENTERS: tuple[DataCenterRow, ...] = (
     DataCenterRow("US-TX-3", "US Texas 3", "US", "NORTH_AMERICA", False, (), ("SOC_2_TYPE_2",),
                   {_4090: "HIGH", _A100_PCIE: "LOW", _A100_SXM: "HIGH", _H100_SXM: "MEDIUM", _H200: "HIGH",
                    _PRO6000: "LOW"},
-                  dict.fromkeys((_4090, _A100_PCIE, _A100_SXM, _H100_SXM, _H200), _OLDER_DRIVERS_CUDA)),
+                  dict.fromkeys((_4090, _A100_PCIE, _A100_SXM, _H100_SXM, _H200), _OLDER_DRIVERS_CUDA),
+                  cpu_offers={"cpu3c": "HIGH", "cpu3g": "HIGH", "cpu5c": "LOW"}),
 )
 
 DATA_CENTER_IDS: tuple[str, ...] = tuple(dc.id for dc in DATA_CENTERS)
 _GPU_BY_ID = {g.id: g for g in GPU_TYPES}
 _DC_BY_ID = {dc.id: dc for dc in DATA_CENTERS}
+_CPU_BY_ID = {c.id: c for c in CPU_TYPES}
+CPU_FLAVOR_IDS: tuple[str, ...] = tuple(c.id for c in CPU_TYPES)
 KNOWN_POOLS: tuple[str, ...] = tuple(dict.fromkeys(g.pool for g in GPU_TYPES))
 
 
@@ -141,6 +190,15 @@ def gpu_type(type_id: str) -> GpuTypeRow | None:
 
 def data_center(data_center_id: str) -> DataCenterRow | None:
     return _DC_BY_ID.get(data_center_id)
+
+
+def cpu_type(flavor_id: str) -> CpuTypeRow | None:
+    return _CPU_BY_ID.get(flavor_id)
+
+
+def default_volume_types() -> dict[str, tuple[str, ...]]:
+    """A fresh copy of the default volume tiers: datacenter id → the tiers it offers, its primary one first."""
+    return {dc.id: dc.network_volume_types for dc in DATA_CENTERS}
 
 
 def offered_in(row: GpuTypeRow) -> list[str]:
@@ -253,17 +311,49 @@ def gpu_type_document(
     return document
 
 
-def data_center_document(dc: DataCenterRow, in_stock: InStock, gpu_availability: bool) -> dict[str, Any]:
-    """The `DataCenter` document; with include=GPU_AVAILABILITY, each GPU type it offers and its level."""
+def data_center_document(
+    dc: DataCenterRow, in_stock: InStock, cpu_in_stock: InStock, volume_types: Iterable[str], include: Iterable[str]
+) -> dict[str, Any]:
+    """The `DataCenter` document with the volume tiers in force; with include=GPU_AVAILABILITY, each GPU type it
+    offers and its level; with include=CPU_AVAILABILITY, each CPU flavor it offers and its level (each list
+    omitted where the datacenter offers none, as the schema says)."""
     document: dict[str, Any] = {
         "id": dc.id, "name": dc.name, "region": dc.region, "globalNetwork": dc.global_network,
-        "networkVolumeTypes": list(dc.network_volume_types), "compliance": list(dc.compliance),
+        "networkVolumeTypes": list(volume_types), "compliance": list(dc.compliance),
     }
-    if gpu_availability and dc.offers:
+    include = set(include)
+    if "GPU_AVAILABILITY" in include and dc.offers:
         document["gpuAvailability"] = [
             {"id": row.id, "name": row.name, "availability": level_in(dc, row, in_stock)}
             for row in (_GPU_BY_ID[type_id] for type_id in dc.offers)
         ]
+    if "CPU_AVAILABILITY" in include and dc.cpu_offers:
+        document["cpuAvailability"] = [
+            {"id": row.id, "name": row.name, "availability": cpu_level_in(dc, row, cpu_in_stock)}
+            for row in (_CPU_BY_ID[flavor_id] for flavor_id in dc.cpu_offers)
+        ]
+    return document
+
+
+def cpu_type_document(row: CpuTypeRow, cpu_in_stock: InStock, availability: bool, vcpu_count: int | None = None
+                      ) -> dict[str, Any]:
+    """The `CpuType` document; with `availability` (include=AVAILABILITY), its level in each datacenter offering it
+    under the CPU stock (NONE where `vcpu_count` is outside the flavor's range), `dataCenters` omitted when it is
+    available nowhere."""
+    document: dict[str, Any] = {
+        "id": row.id, "name": row.name, "group": row.group, "vcpu": {"min": row.vcpu_min, "max": row.vcpu_max},
+        "ramGbPerVcpu": row.ram_gb_per_vcpu,
+        "price": {"securePerVcpu": row.secure_usd_per_vcpu, "serverlessPerVcpu": row.serverless_usd_per_vcpu},
+    }
+    if not availability:
+        return document
+    fits = vcpu_count is None or row.vcpu_min <= vcpu_count <= row.vcpu_max
+    levels = {dc.id: (cpu_level_in(dc, row, cpu_in_stock) if fits else "NONE")
+              for dc in DATA_CENTERS if row.id in dc.cpu_offers}
+    document["availability"] = best_level(levels.values())
+    if document["availability"] != "NONE":
+        document["dataCenters"] = [{"id": dc_id, "name": _DC_BY_ID[dc_id].name, "availability": level}
+                                   for dc_id, level in levels.items()]
     return document
 
 
@@ -273,13 +363,19 @@ def level_in(dc: DataCenterRow, row: GpuTypeRow, in_stock: InStock) -> Availabil
     return dc.offers[row.id]
 
 
+def cpu_level_in(dc: DataCenterRow, row: CpuTypeRow, cpu_in_stock: InStock) -> AvailabilityLevel:
+    if row.id not in dc.cpu_offers or not cpu_in_stock(row.id, dc.id):
+        return "NONE"
+    return dc.cpu_offers[row.id]
+
+
 def best_level(levels: Iterable[AvailabilityLevel]) -> AvailabilityLevel:
     return max(levels, key=_LEVEL_ORDER.index, default="NONE")
 
 
 def place(
     spec: dict[str, Any], in_stock: InStock, pinned_to: str | None = None, host_cuda: HostCuda = default_host_cuda,
-    *, ignore_cuda: bool = False,
+    *, ignore_cuda: bool = False, cpu_in_stock: InStock = lambda flavor_id, data_center_id: True,
 ) -> WorkerPlacement | None:
     """Where a worker of this endpoint can start now: the first datacenter it allows (its `dataCenterIds`
     in their order; none listed: any, in catalog order) that offers one of its GPU types with stock, on hosts
@@ -289,13 +385,19 @@ def place(
 
     A GPU endpoint's types are its pools' types less `excludedTypes`; a pool missing from the table is
     taken as offered everywhere, on hosts that meet any CUDA need (localpod runs every worker on this
-    machine). A CPU endpoint is placed in the first allowed datacenter. None: no allowed datacenter has stock
-    on such hosts (a datacenter localpod does not know has none).
+    machine). A CPU endpoint (`cpu: [{id, vcpuCount}]`, no CUDA need) is placed in the first allowed datacenter
+    that offers one of its flavors with stock (`cpu_in_stock`), its configurations tried in their order. None: no
+    allowed datacenter has stock on such hosts (a datacenter localpod does not know has none).
     """
     allowed = allowed_data_centers(spec, pinned_to)
     gpu = spec.get("gpu")
     if not gpu:
-        return WorkerPlacement(data_center_id=allowed[0]) if allowed else None
+        for dc_id in allowed:
+            for config in spec.get("cpu") or ():
+                if config["id"] in _DC_BY_ID[dc_id].cpu_offers and cpu_in_stock(config["id"], dc_id):
+                    return WorkerPlacement(data_center_id=dc_id, cpu_flavor_id=config["id"],
+                                           vcpu_count=config["vcpuCount"])
+        return None
     need = CudaNeed() if ignore_cuda else CudaNeed.of(gpu)
     for dc_id in allowed:
         for pool in gpu.get("pools") or ():

@@ -1,7 +1,8 @@
 """Fault injection: the rules tests and benchmarks set through `/_localpod/faults`,
-`/_localpod/worker-faults`, `/_localpod/stock` and `/_localpod/cuda`, and which request, job or worker each
-one hits; and, from the stock, the hosts' CUDA versions and the endpoint's network volume, where a worker may
-start (`FaultBook.place`, over the catalog of `catalog.py`).
+`/_localpod/worker-faults`, `/_localpod/stock`, `/_localpod/cpu-stock`, `/_localpod/cuda` and
+`/_localpod/volume-types`, and which request, job or worker each one hits; and, from the GPU and CPU stock,
+the hosts' CUDA versions and the endpoint's network volume, where a worker may start (`FaultBook.place`,
+over the catalog of `catalog.py`).
 
 Nothing here touches HTTP or processes. Routes ask `FaultBook.match_route` whether to misbehave
 (`routes_faults.route_fault` acts on the answer); the state arms a worker fault on a job when a
@@ -34,8 +35,11 @@ RouteName = Literal[
     "health",
     "list_gpu_types",
     "get_gpu_type",
+    "list_cpu_types",
+    "get_cpu_type",
     "list_data_centers",
     "serverless_billing",
+    "network_volume_billing",
     "create_network_volume",
     "list_network_volumes",
     "get_network_volume",
@@ -61,8 +65,9 @@ class RouteFaultRule(BaseModel):
     route: RouteName = Field(
         description="The operation: create_endpoint, get_endpoint, list_endpoints, delete_endpoint, patch_endpoint "
         "(the control plane, /v2/serverless); run (/run and /runsync), status, cancel, health (the job API); "
-        "list_gpu_types, get_gpu_type, list_data_centers (/v2/catalog/gpus[/{id}], /v2/catalog/datacenters[/{id}]), "
-        "serverless_billing (/v2/billing/serverless); create_network_volume, list_network_volumes, "
+        "list_gpu_types, get_gpu_type, list_cpu_types, get_cpu_type, list_data_centers (/v2/catalog/gpus[/{id}], "
+        "/v2/catalog/cpus[/{id}], /v2/catalog/datacenters[/{id}]), serverless_billing (/v2/billing/serverless), "
+        "network_volume_billing (/v2/billing/network-volumes); create_network_volume, list_network_volumes, "
         "get_network_volume, patch_network_volume, delete_network_volume (/v2/network-volumes[/{id}]); "
         "list_endpoint_workers (/v2/serverless/{id}/workers)."
     )
@@ -227,6 +232,95 @@ class Stock(BaseModel):
     )
 
 
+class CpuStockChange(BaseModel):
+    """Body of `POST /_localpod/cpu-stock`: take CPU flavors out of stock, or put them back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpu_flavor: str | None = Field(
+        default=None,
+        description="A CPU flavor of localpod's catalog (`GET /v2/catalog/cpus`), e.g. cpu3c. Omitted: every flavor "
+        "(so that no CPU endpoint can start, and the catalog offers no CPU anywhere).",
+    )
+    available: bool = Field(
+        description="false: no CPU worker starts on this flavor (in this datacenter, with data_center_id): a CPU "
+        "endpoint with no allowed datacenter that has stock of one of its flavors keeps its jobs IN_QUEUE "
+        "(throttled), as when RunPod has no capacity; running workers are not touched. true: in stock again. The "
+        "catalog's CPU availability follows."
+    )
+    data_center_id: str | None = Field(
+        default=None,
+        description="A datacenter of localpod's catalog, e.g. EU-RO-1: the change applies there only. Omitted: in "
+        "every datacenter.",
+    )
+
+    @field_validator("cpu_flavor")
+    @classmethod
+    def _known_flavor(cls, value: str | None) -> str | None:
+        if value is not None and catalog.cpu_type(value) is None:
+            known = ", ".join(catalog.CPU_FLAVOR_IDS)
+            raise ValueError(f"no CPU flavor {value!r} in localpod's catalog; known: {known}")
+        return value
+
+    @field_validator("data_center_id")
+    @classmethod
+    def _known_data_center(cls, value: str | None) -> str | None:
+        if value is not None and value not in catalog.DATA_CENTER_IDS:
+            known = ", ".join(catalog.DATA_CENTER_IDS)
+            raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
+        return value
+
+
+class CpuStock(BaseModel):
+    """What `POST`/`GET /_localpod/cpu-stock` answer."""
+
+    out_of_stock: list[str] = Field(description="CPU flavors out of stock in every datacenter now, sorted.")
+    out_of_stock_by_data_center: dict[str, list[str]] = Field(
+        description="Flavors out of stock in some datacenters only: datacenter id → flavors, sorted ({} when none)."
+    )
+
+
+VolumeType = Literal["STANDARD", "HIGH_PERFORMANCE"]
+
+
+class VolumeTypesChange(BaseModel):
+    """Body of `POST /_localpod/volume-types`: set the network volume tiers one datacenter offers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_center_id: str = Field(description="A datacenter of localpod's catalog, e.g. EU-RO-1.")
+    types: list[VolumeType] = Field(
+        description="Exactly the tiers it offers from now on, its primary (default) tier first: e.g. "
+        "[\"HIGH_PERFORMANCE\"] for a datacenter that offers only high-performance storage. [] : it supports no "
+        "network volumes. Volumes already there are not touched; `GET /v2/catalog/datacenters` and volume creation "
+        "follow at once. `DELETE /_localpod/volume-types` restores the catalog's tiers everywhere."
+    )
+
+    @field_validator("data_center_id")
+    @classmethod
+    def _known_data_center(cls, value: str) -> str:
+        if value not in catalog.DATA_CENTER_IDS:
+            known = ", ".join(catalog.DATA_CENTER_IDS)
+            raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
+        return value
+
+    @field_validator("types")
+    @classmethod
+    def _once_each(cls, types: list[VolumeType]) -> list[VolumeType]:
+        if len(set(types)) != len(types):
+            raise ValueError(f"name each tier once, the primary one first; not {types}")
+        return types
+
+
+class VolumeTypes(BaseModel):
+    """What `POST`, `GET /_localpod/volume-types` answer."""
+
+    network_volume_types: dict[str, list[str]] = Field(
+        description="Every datacenter of the catalog → the network volume tiers it offers now, its primary one first "
+        "([] : no volumes)."
+    )
+
+
 class CudaChange(BaseModel):
     """Body of `POST /_localpod/cuda`: set the CUDA versions the hosts of some GPU types run in some datacenters."""
 
@@ -348,6 +442,10 @@ class FaultBook:
     """Network volume id → its datacenter, kept by `volumes.VolumeBook`; `place` pins endpoints' workers there."""
     hosts: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=catalog.default_host_table)
     """GPU type id → datacenter offering it → the CUDA versions its hosts run there (`/_localpod/cuda`)."""
+    cpu_out_of_stock: set[tuple[str, str]] = field(default_factory=set)
+    """(CPU flavor id, datacenter id) pairs taken out of stock (`/_localpod/cpu-stock`)."""
+    volume_types: dict[str, tuple[str, ...]] = field(default_factory=catalog.default_volume_types)
+    """Datacenter id → the network volume tiers it offers, primary first (`/_localpod/volume-types`)."""
     injected: Counter[str] = field(default_factory=Counter)
 
     # --- route faults ----------------------------------------------------------------------------
@@ -457,6 +555,42 @@ class FaultBook:
     def in_stock(self, pool: str, data_center_id: str) -> bool:
         return (pool, data_center_id) not in self.out_of_stock
 
+    # --- CPU stock -------------------------------------------------------------------------------
+
+    def set_cpu_stock(self, change: CpuStockChange) -> CpuStock:
+        flavors = [change.cpu_flavor] if change.cpu_flavor else catalog.CPU_FLAVOR_IDS
+        where = [change.data_center_id] if change.data_center_id else catalog.DATA_CENTER_IDS
+        pairs = {(flavor, dc) for flavor in flavors for dc in where}
+        if change.available:
+            self.cpu_out_of_stock -= pairs
+        else:
+            self.cpu_out_of_stock |= pairs
+        return self.cpu_stock()
+
+    def cpu_stock(self) -> CpuStock:
+        everywhere = sorted(f for f in catalog.CPU_FLAVOR_IDS
+                            if all((f, dc) in self.cpu_out_of_stock for dc in catalog.DATA_CENTER_IDS))
+        by_dc: dict[str, list[str]] = {}
+        for flavor, dc in sorted(self.cpu_out_of_stock):
+            if flavor not in everywhere:
+                by_dc.setdefault(dc, []).append(flavor)
+        return CpuStock(out_of_stock=everywhere, out_of_stock_by_data_center=dict(sorted(by_dc.items())))
+
+    def cpu_in_stock(self, flavor_id: str, data_center_id: str) -> bool:
+        return (flavor_id, data_center_id) not in self.cpu_out_of_stock
+
+    # --- network volume tiers --------------------------------------------------------------------
+
+    def set_volume_types(self, change: VolumeTypesChange) -> VolumeTypes:
+        self.volume_types[change.data_center_id] = tuple(change.types)
+        return self.volume_types_view()
+
+    def reset_volume_types(self) -> None:
+        self.volume_types = catalog.default_volume_types()
+
+    def volume_types_view(self) -> VolumeTypes:
+        return VolumeTypes(network_volume_types={dc: list(types) for dc, types in self.volume_types.items()})
+
     # --- hosts' CUDA versions -------------------------------------------------------------------
 
     def set_host_cuda(self, change: CudaChange) -> HostsCuda:
@@ -483,11 +617,12 @@ class FaultBook:
         """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock on
         hosts that meet its CUDA need. An endpoint attaches one network volume at most
         (`VolumeBook.check_endpoint`): its workers start in its datacenter."""
-        return catalog.place(spec, self.in_stock, self._pinned(spec), self.host_cuda, ignore_cuda=ignore_cuda)
+        return catalog.place(spec, self.in_stock, self._pinned(spec), self.host_cuda, ignore_cuda=ignore_cuda,
+                             cpu_in_stock=self.cpu_in_stock)
 
     def placeable(self, spec: dict[str, Any]) -> bool:
         """Can a worker of this endpoint start? Not when no datacenter it allows has stock of one of its pools
-        on hosts that meet its CUDA need."""
+        on hosts that meet its CUDA need (a CPU endpoint: of one of its CPU flavors)."""
         return self.place(spec) is not None
 
     def unplaceable_reason(self, spec: dict[str, Any]) -> str | None:
@@ -499,6 +634,9 @@ class FaultBook:
         where = ", ".join(allowed) or "no datacenter of localpod's catalog"
         if pinned is not None:
             where += f" (its network volume's datacenter is {pinned})"
+        if not spec.get("gpu"):
+            flavors = ", ".join(dict.fromkeys(c["id"] for c in spec.get("cpu") or ()))
+            return f"no stock of CPU flavor {flavors} in {where}"
         gpu = spec.get("gpu") or {}
         pools = list(gpu.get("pools") or ())
         if self.place(spec, ignore_cuda=True) is None:
@@ -522,7 +660,8 @@ class FaultBook:
 
 
 _ROUTES_WITHOUT_ENDPOINT = frozenset(
-    {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_data_centers", "serverless_billing",
+    {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_cpu_types", "get_cpu_type", "list_data_centers",
+     "serverless_billing", "network_volume_billing",
      "create_network_volume", "list_network_volumes", "get_network_volume", "patch_network_volume",
      "delete_network_volume"}
 )

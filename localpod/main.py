@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from localpod import (
     request_counts,
     routes_account,
+    routes_billing,
     routes_catalog,
     routes_endpoints,
     routes_faults,
@@ -53,6 +54,7 @@ def create_app(config: LocalpodConfig) -> FastAPI:
     app.include_router(routes_volumes.router)
     app.include_router(routes_secrets.router)
     app.include_router(routes_catalog.router)
+    app.include_router(routes_billing.router)
     app.include_router(routes_worker.router)
     app.include_router(routes_jobs.router)
     app.include_router(routes_account.router)

@@ -285,12 +285,19 @@ class AccountJob(_Wire):
 
 
 class WorkerPlacement(_Wire):
-    """Where localpod placed a worker: a datacenter of its catalog with stock of one of the endpoint's pools."""
+    """Where localpod placed a worker: a datacenter of its catalog with stock of one of the endpoint's pools (a GPU
+    endpoint) or of one of its CPU flavors (a CPU endpoint)."""
 
     data_center_id: str = Field(description="The datacenter (the worker's RUNPOD_DC_ID), e.g. EU-RO-1.")
     pool: str | None = Field(default=None, description="The GPU pool it runs on; None for a CPU endpoint.")
     gpu_type_id: str | None = Field(
         default=None, description="The GPU type it runs on; None for a CPU endpoint or a pool the catalog lacks."
+    )
+    cpu_flavor_id: str | None = Field(
+        default=None, description="The CPU flavor it runs on (e.g. cpu3c), for a CPU endpoint; None on a GPU."
+    )
+    vcpu_count: int | None = Field(
+        default=None, description="Its vCPUs (the endpoint's `cpu[].vcpuCount` for that flavor); None on a GPU."
     )
 
 
@@ -319,6 +326,7 @@ class AccountVolume(_Wire):
     name: str = Field(description="Its name (names need not be unique).")
     data_center: str = Field(description="The datacenter it lives in, where its endpoints' workers start.")
     size: int = Field(description="Allocated size in GB (localpod enforces no quota on its folder).")
+    type: str = Field(default="STANDARD", description="Its storage tier: STANDARD or HIGH_PERFORMANCE.")
     path: str = Field(description="Its folder on this machine: what a worker sees at /runpod-volume.")
 
 

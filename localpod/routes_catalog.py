@@ -1,10 +1,10 @@
-"""Control plane API v2: the catalog (`/v2/catalog/gpus[/{id}]`, `/v2/catalog/datacenters[/{id}]`) and
-serverless billing (`/v2/billing/serverless`).
+"""Control plane API v2: the catalog (`/v2/catalog/gpus[/{id}]`, `/v2/catalog/cpus[/{id}]`,
+`/v2/catalog/datacenters[/{id}]`).
 
-The catalog comes from localpod's table (`catalog.py`); its availability follows the stock set through
-`/_localpod/stock`, per datacenter, and its CUDA versions the hosts' versions set through `/_localpod/cuda`.
-Billing is computed from this server's own workers: each started worker's seconds × the serverless price of
-the pool it was placed on × the endpoint's `gpu.count`.
+The catalog comes from localpod's table (`catalog.py`); its GPU availability follows the stock set through
+`/_localpod/stock`, per datacenter, and its CUDA versions the hosts' versions set through `/_localpod/cuda`;
+its CPU availability follows `/_localpod/cpu-stock`, and each datacenter's network volume tiers
+`/_localpod/volume-types`. Billing is `routes_billing.py`'s.
 Query parameters are checked as RunPod's schema states them (enums against the OpenAPI document's own
 component schemas), and every answer is checked against its response schema before it leaves.
 """
@@ -12,9 +12,6 @@ component schemas), and every answer is checked against its response schema befo
 from __future__ import annotations
 
 import re
-import time
-from collections import defaultdict
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -32,8 +29,6 @@ _COUNTRY = re.compile(r"^[A-Z]{2}$")
 _CUDA_EXACT = re.compile(r"^\d+\.\d+$")
 _CUDA_FLOOR = re.compile(r"^\d+(\.\d+)?$")
 _AVAILABILITY_ONLY = ("count", "cloud", "countryCodes", "cudaVersions", "minCudaVersion")
-_BILLING_WINDOW_DEFAULT = timedelta(days=30)  # RunPod: startTime "defaults to 30 days ago"
-_FIXED_BUCKETS = {"hour": timedelta(hours=1), "day": timedelta(days=1), "week": timedelta(weeks=1)}
 
 
 @router.get("/catalog/gpus")
@@ -71,11 +66,12 @@ async def list_data_centers(request: Request, state: LocalpodState = Depends(get
     volume_types = set(_enum_list(state, request, "networkVolumeTypes", "VolumeType") or ())
     compliance = set(_enum_list(state, request, "compliance", "Compliance") or ())
     global_network = _boolean(request, "globalNetwork")
+    tiers = state.faults.volume_types
     listed = [
-        catalog.data_center_document(dc, state.faults.in_stock, "GPU_AVAILABILITY" in include)
+        catalog.data_center_document(dc, state.faults.in_stock, state.faults.cpu_in_stock, tiers[dc.id], include)
         for dc in catalog.DATA_CENTERS
         if (regions is None or dc.region in regions)
-        and volume_types <= set(dc.network_volume_types)
+        and volume_types <= set(tiers[dc.id])
         and compliance <= set(dc.compliance)
         and global_network in (None, dc.global_network)
     ]
@@ -92,39 +88,35 @@ async def get_data_center(
     dc = catalog.data_center(data_center_id)
     if dc is None:
         raise ProblemError(404, f"data center {data_center_id!r} not found")
-    body = catalog.data_center_document(dc, state.faults.in_stock, "GPU_AVAILABILITY" in include)
+    body = catalog.data_center_document(dc, state.faults.in_stock, state.faults.cpu_in_stock,
+                                        state.faults.volume_types[dc.id], include)
     fault.after_action()
     return _answer(state, "DataCenter", body)
 
 
-@router.get("/billing/serverless")
-async def serverless_billing(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
-    """`ListServerlessBillingResponse`: one record per endpoint per bucket it was billed in, within the
-    bucket-aligned window (startTime/endTime, or the lastN buckets up to the current one)."""
-    fault = await route_fault(request, "serverless_billing")
-    params = request.query_params
-    size = params.get("bucketSize", "day")
-    _check_value(state, "bucketSize", size, "BillingBucketSize")
-    start, end = _billing_window(params.get("startTime"), params.get("endTime"), params.get("lastN"), size)
-    serverless_id = params.get("serverlessId")
-    amounts = _billed_amounts(state, start, end, size, serverless_id)
-    records = [
-        {"startTime": _rfc3339(bucket), "endTime": _rfc3339(_step(bucket, size)), "serverlessId": endpoint_id,
-         **_amounts(usd)}
-        for (bucket, endpoint_id), usd in sorted(amounts.items())
-    ]
-    body = {
-        "records": records,
-        "metadata": {
-            "query": {"startTime": _rfc3339(start), "endTime": _rfc3339(end), "bucketSize": size,
-                      "serverlessId": serverless_id},
-            "recordCount": len(records),
-            "uniqueServerlessCount": len({endpoint_id for _, endpoint_id in amounts}),
-            "totals": _amounts(sum(amounts.values(), 0.0)),
-        },
-    }
+@router.get("/catalog/cpus")
+async def list_cpu_types(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
+    """`ListCpuTypesResponse`: every CPU flavor with its vCPU range, RAM per vCPU and prices per vCPU; with
+    include=AVAILABILITY (and product), its level per datacenter offering it."""
+    fault = await route_fault(request, "list_cpu_types")
+    availability, vcpu_count = _cpu_availability_query(state, request)
+    body = {"cpus": [catalog.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
+                     for row in catalog.CPU_TYPES]}
     fault.after_action()
-    return _answer(state, "ListServerlessBillingResponse", body)
+    return _answer(state, "ListCpuTypesResponse", body)
+
+
+@router.get("/catalog/cpus/{cpu_id}")
+async def get_cpu_type(cpu_id: str, request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
+    """`CpuType`; 404 naming the known flavors for an unknown one."""
+    fault = await route_fault(request, "get_cpu_type")
+    availability, vcpu_count = _cpu_availability_query(state, request)
+    row = catalog.cpu_type(cpu_id)
+    if row is None:
+        raise ProblemError(404, f"CPU type {cpu_id!r} not found; known: {', '.join(catalog.CPU_FLAVOR_IDS)}")
+    body = catalog.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
+    fault.after_action()
+    return _answer(state, "CpuType", body)
 
 
 # --- query parameters -------------------------------------------------------------------------------
@@ -160,6 +152,29 @@ def _availability_query(state: LocalpodState, request: Request) -> catalog.Avail
         country_codes=frozenset(countries) if countries is not None else None,
         cuda=catalog.CudaNeed(floor=floor, allowed=frozenset(versions) if versions is not None else None),
     )
+
+
+def _cpu_availability_query(state: LocalpodState, request: Request) -> tuple[bool, int | None]:
+    """(include=AVAILABILITY asked, its vcpuCount): product is required with include and valid only with it, as is
+    vcpuCount (a power of two, at least 2)."""
+    params = request.query_params
+    include = _enum_list(state, request, "include", "CatalogInclude")
+    if include is not None and len(include) > 1:
+        raise ProblemError(400, "include takes one value (AVAILABILITY)")
+    product = _enum_list(state, request, "product", "CpuProduct")
+    if not include:
+        stray = [name for name in ("product", "vcpuCount") if name in params]
+        if stray:
+            raise ProblemError(400, f"{', '.join(stray)} valid only with include=AVAILABILITY")
+        return False, None
+    if not product:  # CPU stock differs by product too
+        raise ProblemError(400, "include=AVAILABILITY requires product (POD, SERVERLESS)")
+    if "vcpuCount" not in params:
+        return True, None
+    vcpu_count = _positive_int(params["vcpuCount"], "vcpuCount")
+    if vcpu_count < 2 or vcpu_count & (vcpu_count - 1):
+        raise ProblemError(400, f"vcpuCount must be a power of two of at least 2, not {vcpu_count}")
+    return True, vcpu_count
 
 
 def _enum_list(state: LocalpodState, request: Request, name: str, schema: str) -> list[str] | None:
@@ -214,97 +229,3 @@ def _answer(state: LocalpodState, schema: str, body: dict[str, Any]) -> JSONResp
     if errors:
         raise ProblemError(500, f"localpod built an answer that does not match {schema}", errors)
     return JSONResponse(body)
-
-
-# --- billing ----------------------------------------------------------------------------------------
-
-
-def _billing_window(
-    start_text: str | None, end_text: str | None, last_n_text: str | None, size: str
-) -> tuple[datetime, datetime]:
-    """The window RunPod resolves: startTime snapped down and endTime snapped up to bucket boundaries
-    (defaults: 30 days ago, now), or the lastN buckets ending with the current one."""
-    now = datetime.now(UTC)
-    try:
-        if last_n_text is not None:
-            if start_text is not None or end_text is not None:
-                raise ProblemError(400, "lastN is mutually exclusive with startTime/endTime")
-            current = _floor(now, size)
-            return _step(current, size, 1 - _positive_int(last_n_text, "lastN")), _step(current, size)
-        start = _floor(_timestamp(start_text, "startTime") if start_text else now - _BILLING_WINDOW_DEFAULT, size)
-        end = _timestamp(end_text, "endTime") if end_text else now
-        floor = _floor(end, size)
-        end = floor if floor == end else _step(floor, size)
-    except (OverflowError, ValueError) as e:  # a window reaching past the calendar's years
-        raise ProblemError(400, f"billing window out of range: {e}") from e
-    if start >= end:
-        raise ProblemError(400, f"startTime {_rfc3339(start)} is not before endTime {_rfc3339(end)}")
-    return start, end
-
-
-def _billed_amounts(
-    state: LocalpodState, start: datetime, end: datetime, size: str, serverless_id: str | None
-) -> dict[tuple[datetime, str], float]:
-    """USD per (bucket start, endpoint id). Only workers localpod started bill, as in the account's
-    `billed_worker_seconds`; a CPU worker, or a pool without a serverless price, bills nothing here."""
-    amounts: dict[tuple[datetime, str], float] = defaultdict(float)
-    now = time.time()
-    for worker in state.workers.values():
-        placement = state.faults.placements.get(worker.id)
-        if worker.process is None or placement is None or serverless_id not in (None, worker.endpoint_id):
-            continue
-        rate = catalog.POOL_SERVERLESS_USD_PER_HOUR.get(placement.pool or "")
-        if rate is None:
-            continue
-        gpus = int((state.endpoints[worker.endpoint_id].spec.get("gpu") or {}).get("count", 1))
-        began = max(datetime.fromtimestamp(worker.started_at, UTC), start)
-        ended = min(datetime.fromtimestamp(worker.ended_at or now, UTC), end)
-        bucket = _floor(began, size)
-        while bucket < ended:
-            following = _step(bucket, size)
-            seconds = (min(ended, following) - max(began, bucket)).total_seconds()
-            amounts[(bucket, worker.endpoint_id)] += seconds * rate * gpus / 3600
-            bucket = following
-    return amounts
-
-
-def _amounts(usd: float) -> dict[str, float]:
-    """`ServerlessBillingAmounts`: localpod bills GPU time only (no disk, CPU or platform fee)."""
-    return {"totalAmount": round(usd, 6), "gpuAmount": round(usd, 6), "cpuAmount": 0.0, "diskAmount": 0.0,
-            "feeAmount": 0.0}
-
-
-def _floor(t: datetime, size: str) -> datetime:
-    """The start of the bucket holding `t` (weeks start on Monday, UTC)."""
-    t = t.replace(minute=0, second=0, microsecond=0)
-    if size == "hour":
-        return t
-    t = t.replace(hour=0)
-    if size == "day":
-        return t
-    if size == "week":
-        return t - timedelta(days=t.weekday())
-    t = t.replace(day=1)
-    return t if size == "month" else t.replace(month=1)
-
-
-def _step(bucket: datetime, size: str, n: int = 1) -> datetime:
-    """The start of the bucket `n` buckets after this one (before it, for a negative `n`)."""
-    if size in _FIXED_BUCKETS:
-        return bucket + n * _FIXED_BUCKETS[size]
-    months = bucket.year * 12 + bucket.month - 1 + n * (12 if size == "year" else 1)
-    return bucket.replace(year=months // 12, month=months % 12 + 1)
-
-
-def _timestamp(text: str, name: str) -> datetime:
-    try:
-        value = datetime.fromisoformat(text)
-    except ValueError:
-        value = None
-    if value is None or value.tzinfo is None:
-        raise ProblemError(400, f"{name} must be an RFC 3339 date-time with a time zone, not {text!r}")
-    return value.astimezone(UTC)
-
-
-def _rfc3339(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

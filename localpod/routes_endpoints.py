@@ -2,8 +2,8 @@
 endpoint's workers).
 
 Every body is checked against RunPod's own schema (`CreateEndpointRequest`, `UpdateEndpointRequest`),
-then against the rules the schema cannot say (one of gpu/cpu, the account's worker quota, one network
-volume that exists). Answers are `Endpoint` documents with RunPod's defaults filled in; the workers list is
+then against the rules the schema cannot say (one of gpu/cpu, CPU flavors of the catalog at vCPU counts they
+offer, the account's worker quota, one network volume that exists). Answers are `Endpoint` documents with RunPod's defaults filled in; the workers list is
 checked against `ListEndpointWorkersResponse` before it leaves.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
+from localpod import catalog
 from localpod.auth import require_api_key
 from localpod.problems import ProblemError
 from localpod.routes_faults import route_fault
@@ -29,8 +30,6 @@ router = APIRouter(prefix="/v2/serverless", tags=["endpoints"], dependencies=[De
 _WORKERS_DEFAULTS = {"min": 0, "max": 3, "idleTimeout": 10}
 _DEFAULT_TIMEOUT_MS = 300_000
 _DEFAULT_FLASHBOOT = "OFF"
-# localpod has no CPU catalog; 4 GB per vCPU stands in for the flavor's RAM multiplier.
-_GB_PER_VCPU = 4
 
 
 @router.post("", status_code=201)
@@ -221,7 +220,7 @@ def _spec_from_create(body: dict[str, Any]) -> dict[str, Any]:
     if "gpu" in spec:
         spec["gpu"] = {"count": 1, "allowedCudaVersions": [], "minCudaVersion": None, **spec["gpu"]}
     else:
-        spec["cpu"] = [{**c, "memory": c["vcpuCount"] * _GB_PER_VCPU} for c in spec["cpu"]]
+        spec["cpu"] = _cpu_configs(spec["cpu"])
     _check_consistent(spec)
     return spec
 
@@ -239,11 +238,28 @@ def _spec_after_update(old: dict[str, Any], patch: dict[str, Any]) -> dict[str, 
         elif key == "gpu":
             spec["gpu"] = _gpu_after_update(spec["gpu"], value)
         elif key == "cpu":
-            spec["cpu"] = [{**c, "memory": c["vcpuCount"] * _GB_PER_VCPU} for c in value]
+            spec["cpu"] = _cpu_configs(value)
         else:
             spec[key] = copy.deepcopy(value)
     _check_consistent(spec)
     return spec
+
+
+def _cpu_configs(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`CpuConfig`s: each flavor must be in the catalog and its vCPU count a power of two in the flavor's range
+    (`BaseCpuConfig.vcpuCount`); its memory is derived from the flavor's RAM multiplier, as RunPod does."""
+    documents = []
+    for n, config in enumerate(configs):
+        flavor = catalog.cpu_type(config["id"])
+        if flavor is None:
+            raise ProblemError(400, f"cpu[{n}].id: no CPU flavor {config['id']!r}; GET /v2/catalog/cpus lists them: "
+                                    f"{', '.join(catalog.CPU_FLAVOR_IDS)}")
+        count = config["vcpuCount"]
+        if count & (count - 1) or not flavor.vcpu_min <= count <= flavor.vcpu_max:
+            raise ProblemError(400, f"cpu[{n}].vcpuCount: {count} is not valid for {flavor.id}: give a power of two "
+                                    f"from {flavor.vcpu_min} to {flavor.vcpu_max}")
+        documents.append({**config, "memory": flavor.memory_gb(count)})
+    return documents
 
 
 def _gpu_after_update(old: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""`/_localpod/faults`, `/_localpod/worker-faults`, `/_localpod/stock` and `/_localpod/cuda`: fault injection
-for tests and benchmarks (not RunPod's API, so no key, like the account), and `route_fault`, the hook the
-control-plane and job-API routes call to misbehave as a rule says.
+"""`/_localpod/faults`, `/_localpod/worker-faults`, `/_localpod/stock`, `/_localpod/cpu-stock`, `/_localpod/cuda`,
+`/_localpod/volume-types` and `/_localpod/clock`: fault injection and test controls for tests and benchmarks
+(not RunPod's API, so no key, like the account), and `route_fault`, the hook the control-plane and job-API
+routes call to misbehave as a rule says.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from localpod.billing import ClockAdvance, ClockReading
 from localpod.faults import (
+    CpuStock,
+    CpuStockChange,
     CudaChange,
     HostsCuda,
     RouteFault,
     RouteFaultRule,
     Stock,
     StockChange,
+    VolumeTypes,
+    VolumeTypesChange,
     WorkerFault,
     WorkerFaultRule,
 )
@@ -92,6 +98,46 @@ async def set_stock(change: StockChange, state: LocalpodState = Depends(get_stat
 @router.get("/stock", response_model_exclude_defaults=True)
 async def get_stock(state: LocalpodState = Depends(get_state)) -> Stock:
     return state.faults.stock()
+
+
+@router.post("/cpu-stock")
+async def set_cpu_stock(change: CpuStockChange, state: LocalpodState = Depends(get_state)) -> CpuStock:
+    """Take a CPU flavor (or every flavor) out of stock, or put it back, in one datacenter or in all of them."""
+    return state.faults.set_cpu_stock(change)
+
+
+@router.get("/cpu-stock")
+async def get_cpu_stock(state: LocalpodState = Depends(get_state)) -> CpuStock:
+    return state.faults.cpu_stock()
+
+
+@router.post("/volume-types")
+async def set_volume_types(change: VolumeTypesChange, state: LocalpodState = Depends(get_state)) -> VolumeTypes:
+    """Set the network volume tiers one datacenter offers, its primary one first."""
+    return state.faults.set_volume_types(change)
+
+
+@router.get("/volume-types")
+async def get_volume_types(state: LocalpodState = Depends(get_state)) -> VolumeTypes:
+    return state.faults.volume_types_view()
+
+
+@router.delete("/volume-types", status_code=204)
+async def reset_volume_types(state: LocalpodState = Depends(get_state)) -> Response:
+    """Back to the catalog's tiers (`catalog.py`) in every datacenter."""
+    state.faults.reset_volume_types()
+    return Response(status_code=204)
+
+
+@router.post("/clock")
+async def advance_clock(change: ClockAdvance, state: LocalpodState = Depends(get_state)) -> ClockReading:
+    """Let storage time pass: network volumes are billed as if `advance_days` went by (workers keep real time)."""
+    return state.storage_clock.advance(change)
+
+
+@router.get("/clock")
+async def get_clock(state: LocalpodState = Depends(get_state)) -> ClockReading:
+    return state.storage_clock.reading()
 
 
 # The body is read by hand so that every refusal is a 422 naming the field (FastAPI's own body validation

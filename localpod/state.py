@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import Request
 
+from localpod.billing import StorageClock
 from localpod.faults import ArmedFault, FaultBook
 from localpod.models import (
     Account,
@@ -173,7 +174,9 @@ class LocalpodState:
         self.peak_workers_max = 0
         self.webhooks_due: list[JobRecord] = []
         self.faults = FaultBook()
-        self.volumes = VolumeBook(config, self.faults)
+        self.storage_clock = StorageClock()
+        """The time network volumes are billed by (`/_localpod/clock` moves it forward)."""
+        self.volumes = VolumeBook(config, self.faults, self.storage_clock)
         self.closing = False
         """Set when the server starts to shut down: held worker requests then return at once."""
 

@@ -7,7 +7,15 @@ worker shares this machine's files and is told the folder in `LORAFLOW_VOLUME_PA
 the workers of an endpoint with a volume in the volume's datacenter only: `FaultBook.place` reads the pins
 this book keeps.
 
-Nothing here touches HTTP; `routes_volumes.py` answers `/v2/network-volumes`.
+A volume bills by size and time from its creation to its deletion, as on RunPod (`billing.py` has the prices):
+the book keeps each volume's bill (its tier, each size it had and from when, when it was deleted) after the
+volume is gone, on the storage clock (`billing.StorageClock`), which tests move forward through
+`/_localpod/clock`. Growing a volume changes its rate from that moment. The tiers a datacenter offers are
+`FaultBook.volume_types` (the catalog's, unless `/_localpod/volume-types` changed them); the first is its
+primary tier, the one a volume created without `type` gets.
+
+Nothing here touches HTTP; `routes_volumes.py` answers `/v2/network-volumes`, `routes_billing.py`
+`/v2/billing/network-volumes`.
 """
 
 from __future__ import annotations
@@ -15,12 +23,13 @@ from __future__ import annotations
 import secrets
 import shutil
 import string
-import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from localpod import catalog
+from localpod.billing import StorageClock
 from localpod.faults import FaultBook
 from localpod.models import AccountVolume, LocalpodConfig
 from localpod.problems import ProblemError
@@ -41,41 +50,63 @@ class VolumeRecord:
     data_center: str
     type: str
     path: Path
-    created_at: float
 
     def document(self) -> dict[str, Any]:
         """The `NetworkVolume` schema's document."""
         return {"id": self.id, "name": self.name, "size": self.size, "dataCenter": self.data_center, "type": self.type}
 
 
+@dataclass
+class VolumeBill:
+    """What one volume was billed for, kept after it is deleted: its tier, and each size it had from when (storage
+    clock seconds), until its deletion."""
+
+    volume_id: str
+    type: str
+    sizes: list[tuple[float, int]] = field(default_factory=list)
+    """(from when, GB), in time order: the creation's size first, then each growth."""
+    deleted_at: float | None = None
+
+    def spans(self, now: float) -> Iterator[tuple[float, float, int]]:
+        """(began, ended, GB) for each stretch at one size; the last ends at the deletion, or `now`."""
+        ends = [since for since, _ in self.sizes[1:]] + [self.deleted_at if self.deleted_at is not None else now]
+        for (since, size), until in zip(self.sizes, ends, strict=True):
+            yield since, until, size
+
+
 class VolumeBook:
     """Every network volume of one server. Methods raise `ProblemError` with RunPod's answer to a refused call."""
 
-    def __init__(self, config: LocalpodConfig, faults: FaultBook) -> None:
+    def __init__(self, config: LocalpodConfig, faults: FaultBook, clock: StorageClock) -> None:
         self.config = config
         self.faults = faults
+        self.clock = clock
         self.volumes: dict[str, VolumeRecord] = {}
+        self.bills: dict[str, VolumeBill] = {}
+        """Every volume ever created, deleted ones included: what `/v2/billing/network-volumes` reads."""
 
     def create(self, name: str, size: int, data_center: str, volume_type: str | None) -> VolumeRecord:
-        """A new volume and its empty folder. Names need not be unique (RunPod's `NetworkVolume.name`)."""
-        dc = catalog.data_center(data_center)
-        if dc is None or not dc.network_volume_types:
-            capable = ", ".join(row.id for row in catalog.DATA_CENTERS if row.network_volume_types)
+        """A new volume and its empty folder, billed from now. Names need not be unique (RunPod's
+        `NetworkVolume.name`)."""
+        offered = self.faults.volume_types.get(data_center, ())
+        if not offered:
+            capable = ", ".join(dc for dc, tiers in self.faults.volume_types.items() if tiers)
             raise ProblemError(400, f"data center {data_center} does not support network volumes; these do: {capable}")
         # RunPod: an omitted type is the datacenter's default (primary) storage tier.
-        tier = volume_type or dc.network_volume_types[0]
-        if tier not in dc.network_volume_types:
-            offered = ", ".join(dc.network_volume_types)
-            raise ProblemError(400, f"data center {data_center} offers no {tier} network volumes, only {offered}")
+        tier = volume_type or offered[0]
+        if tier not in offered:
+            raise ProblemError(400, f"data center {data_center} offers no {tier} network volumes, only "
+                                    f"{', '.join(offered)}: pick one of those as `type`, or another datacenter")
         if data_center in self.config.volume_create_fails_in:
             self.faults.injected["status_500"] += 1
             raise ProblemError(500, f"creating a network volume in {data_center} failed "
                                     "(localpod fault injection: volume_create_fails_in)")
         volume_id = self._new_id()
         volume = VolumeRecord(id=volume_id, name=name, size=size, data_center=data_center, type=tier,
-                              path=volume_path(self.config, volume_id), created_at=time.time())
+                              path=volume_path(self.config, volume_id))
         volume.path.mkdir(parents=True, exist_ok=True)
         self.volumes[volume.id] = volume
+        self.bills[volume.id] = VolumeBill(volume_id=volume.id, type=tier, sizes=[(self.clock.now(), size)])
         self.faults.volume_data_centers[volume.id] = data_center
         return volume
 
@@ -86,12 +117,14 @@ class VolumeBook:
         return volume
 
     def update(self, volume: VolumeRecord, name: str | None, size: int | None) -> None:
-        """Rename and grow; RunPod cannot shrink a volume's storage."""
+        """Rename and grow (billed at the new size from now); RunPod cannot shrink a volume's storage."""
         if size is not None and size < volume.size:
             raise ProblemError(400, f"network volume {volume.id} is {volume.size} GB and cannot shrink to {size} GB: "
                                     "network volume storage cannot be reduced")
         volume.name = name if name is not None else volume.name
-        volume.size = size if size is not None else volume.size
+        if size is not None and size != volume.size:
+            volume.size = size
+            self.bills[volume.id].sizes.append((self.clock.now(), size))
 
     def delete(self, volume: VolumeRecord, users: list[tuple[str, str]]) -> None:
         """Remove the volume and its folder; refused while endpoints (id, name) still attach it, as RunPod does."""
@@ -101,6 +134,7 @@ class VolumeBook:
                                     "delete the endpoint first")
         del self.volumes[volume.id]
         del self.faults.volume_data_centers[volume.id]
+        self.bills[volume.id].deleted_at = self.clock.now()  # its bill stays: billing still reports what it cost
         # A docker worker may have left files only root can remove: the volume is gone for the API regardless.
         shutil.rmtree(volume.path, ignore_errors=True)
 
@@ -117,12 +151,13 @@ class VolumeBook:
                                     f"{RUNPOD_VOLUME_MOUNT}, and starts in its datacenter")
 
     def account_rows(self) -> list[AccountVolume]:
-        return [AccountVolume(id=v.id, name=v.name, data_center=v.data_center, size=v.size, path=str(v.path))
+        return [AccountVolume(id=v.id, name=v.name, data_center=v.data_center, size=v.size, type=v.type,
+                              path=str(v.path))
                 for v in self.volumes.values()]
 
     def _new_id(self) -> str:
         volume_id = _random_id()
-        while volume_id in self.volumes:
+        while volume_id in self.bills:  # a deleted volume's id stays taken: its bill is still listed under it
             volume_id = _random_id()
         return volume_id
 

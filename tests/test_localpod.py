@@ -652,6 +652,18 @@ def test_real_worker_echoes_its_input(live: LiveServer) -> None:
     assert status["workerId"] == live.workers_of(endpoint_id)[0].id
 
 
+def test_a_cpu_endpoints_real_worker_runs_its_job_in_a_datacenter_offering_its_flavor(live: LiveServer) -> None:
+    body = endpoint_body(cpu=[{"id": "cpu3c", "vcpuCount": 2}], dataCenterIds=["EU-RO-1"],
+                         workers={"max": 1, "idleTimeout": 1})
+    del body["gpu"]
+    endpoint_id = live.http.post("/v2/serverless", json=body).raise_for_status().json()["id"]
+    status = live.wait_status(endpoint_id, live.run(endpoint_id, {"on": "cpu"}), "COMPLETED")
+    assert status["output"] == {"echo": {"on": "cpu"}}
+    [worker] = live.workers_of(endpoint_id)
+    assert worker.placement is not None
+    assert (worker.placement.data_center_id, worker.placement.cpu_flavor_id) == ("EU-RO-1", "cpu3c")
+
+
 def test_runsync_returns_the_real_workers_result(live: LiveServer) -> None:
     endpoint_id = live.endpoint()
     response = live.http.post(f"/v2/{endpoint_id}/runsync", json={"input": {"n": 1}}, timeout=70)

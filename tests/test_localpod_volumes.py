@@ -103,6 +103,70 @@ def test_a_tier_the_datacenter_does_not_offer_is_refused(pod: TestClient) -> Non
     assert "only STANDARD" in assert_problem(answer, 400)["detail"]
 
 
+def set_volume_types(pod: TestClient, data_center_id: str, types: list[str]) -> dict[str, list[str]]:
+    answer = pod.post("/_localpod/volume-types", json={"data_center_id": data_center_id, "types": types})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["network_volume_types"]
+
+
+def catalog_tiers(pod: TestClient, data_center_id: str) -> list[str]:
+    answer = pod.get(f"/v2/catalog/datacenters/{data_center_id}", headers=AUTH)
+    assert answer.status_code == 200 and SCHEMAS.errors("DataCenter", answer.json()) == []
+    return answer.json()["networkVolumeTypes"]
+
+
+def test_a_datacenter_set_to_offer_only_high_performance_gives_it_by_default_and_refuses_standard(pod) -> None:
+    set_volume_types(pod, "EU-RO-1", ["HIGH_PERFORMANCE"])
+    assert catalog_tiers(pod, "EU-RO-1") == ["HIGH_PERFORMANCE"]
+    assert create_volume(pod, dataCenter="EU-RO-1")["type"] == "HIGH_PERFORMANCE"
+    answer = pod.post("/v2/network-volumes", json={"name": "w", "size": 10, "dataCenter": "EU-RO-1",
+                                                   "type": "STANDARD"}, headers=AUTH)
+    detail = assert_problem(answer, 400)["detail"]
+    assert "no STANDARD" in detail and "only HIGH_PERFORMANCE" in detail
+
+
+def test_the_primary_tier_is_the_first_a_datacenter_offers(pod: TestClient) -> None:
+    set_volume_types(pod, "US-KS-2", ["HIGH_PERFORMANCE", "STANDARD"])
+    assert create_volume(pod, dataCenter="US-KS-2")["type"] == "HIGH_PERFORMANCE"
+    assert create_volume(pod, dataCenter="US-KS-2", type="STANDARD")["type"] == "STANDARD"
+
+
+def test_the_datacenter_filter_on_tiers_follows_the_tiers_set(pod: TestClient) -> None:
+    set_volume_types(pod, "EU-RO-1", ["HIGH_PERFORMANCE"])
+    answer = pod.get("/v2/catalog/datacenters", params={"networkVolumeTypes": "STANDARD"}, headers=AUTH)
+    assert "EU-RO-1" not in [dc["id"] for dc in answer.json()["dataCenters"]]
+
+
+def test_a_datacenter_set_to_offer_no_tier_refuses_volumes(pod: TestClient) -> None:
+    tiers = set_volume_types(pod, "EU-CZ-1", [])
+    assert tiers["EU-CZ-1"] == [] and tiers["EU-RO-1"] == ["STANDARD", "HIGH_PERFORMANCE"]
+    answer = pod.post("/v2/network-volumes", json={"name": "w", "size": 10, "dataCenter": "EU-CZ-1"}, headers=AUTH)
+    assert "EU-CZ-1 does not support network volumes" in assert_problem(answer, 400)["detail"]
+
+
+def test_deleting_the_tiers_set_restores_the_catalogs(pod: TestClient) -> None:
+    set_volume_types(pod, "EU-RO-1", ["HIGH_PERFORMANCE"])
+    assert pod.delete("/_localpod/volume-types").status_code == 204
+    assert catalog_tiers(pod, "EU-RO-1") == ["STANDARD", "HIGH_PERFORMANCE"]
+    assert pod.get("/_localpod/volume-types").json()["network_volume_types"]["EU-CZ-1"] == ["STANDARD"]
+
+
+def test_a_volume_keeps_its_tier_when_its_datacenters_tiers_change(pod: TestClient) -> None:
+    volume = create_volume(pod, dataCenter="EU-RO-1")
+    set_volume_types(pod, "EU-RO-1", ["HIGH_PERFORMANCE"])
+    assert pod.get(f"/v2/network-volumes/{volume['id']}", headers=AUTH).json()["type"] == "STANDARD"
+
+
+@pytest.mark.parametrize(("body", "complaint"), [
+    ({"data_center_id": "MARS-1", "types": ["STANDARD"]}, "MARS-1"),
+    ({"data_center_id": "EU-RO-1", "types": ["FAST"]}, "types"),
+    ({"data_center_id": "EU-RO-1", "types": ["STANDARD", "STANDARD"]}, "once"),
+])
+def test_tiers_set_for_an_unknown_datacenter_or_tier_are_refused(pod: TestClient, body, complaint) -> None:
+    problem = assert_problem(pod.post("/_localpod/volume-types", json=body), 400)
+    assert any(complaint in error for error in problem["errors"])
+
+
 def test_names_need_not_be_unique(pod: TestClient) -> None:
     first, second = create_volume(pod, name="same"), create_volume(pod, name="same")
     assert first["id"] != second["id"]
@@ -178,6 +242,7 @@ def test_the_account_lists_each_volume_with_its_folder(pod: TestClient) -> None:
     volume = create_volume(pod, name="weights", size=30, dataCenter="US-CA-2")
     [listed] = account(pod).volumes
     assert (listed.id, listed.name, listed.data_center, listed.size) == (volume["id"], "weights", "US-CA-2", 30)
+    assert listed.type == "STANDARD"
     assert Path(listed.path).is_dir()
 
 
