@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
           f"folder {home}", flush=True)
     try:
         model = build_tiny_model(home / "tiny-model")
-        with LocalStack(home / "stack", worker_quota=MAX_CONCURRENCY + 2) as stack:
+        with LocalStack(home / "stack", worker_quota=MAX_CONCURRENCY + 2, with_hub=True) as stack:
             batch = run_batch(stack, plan(kinds, prefix="b"), home / "runs", model, concurrency=args.concurrency,
                               max_steps=args.max_steps, load_adapters=args.load_adapters, noise=args.noise,
                               seed=args.seed)

@@ -25,7 +25,9 @@ from bench.chaos_lib import (
     artifact_problems,
     check_run,
     live_training_processes,
+    own_token,
     read_back,
+    runpod_api,
     run_scenario,
     wait_for,
 )
@@ -59,8 +61,9 @@ class Figures:
     faults_injected: dict[str, int] = field(default_factory=dict)
     """localpod's own count by kind, every rule (the scenarios' and the background noise's)."""
     scenario_faults: int = 0
-    """Faults the scenarios injected: their rules' hits, the endpoints deleted behind runs, and one per run that
-    met an out-of-stock pool. Background noise is counted apart."""
+    """Faults the scenarios injected: their rules' hits, the endpoints deleted behind runs, the too-tight
+    reconciles run beside them, the volumes deleted under a warm record, and one per run that met an
+    out-of-stock pool. Background noise is counted apart."""
     noise_faults: int = 0
     scenario_kinds: int = 0
     out_of_stock_pools: list[str] = field(default_factory=list)
@@ -69,6 +72,12 @@ class Figures:
     """Runs whose last given-up attempt had stored complete results anyway, adopted instead of retried."""
     endpoints_created: int = 0
     endpoints_leaked: int = 0
+    secrets_made: int = 0
+    secrets_leaked: int = 0
+    """Account secrets made beyond one per distinct Hub token the batch's runs carried."""
+    volumes_made: int = 0
+    volumes_unaccounted: int = 0
+    """Network volumes made by the batch that still exist and no weight-cache record keeps."""
     slots_leaked: int = 0
     workers_leaked: int = 0
     training_processes_leaked: int = 0
@@ -80,6 +89,7 @@ class Figures:
 
     def leaks_and_losses(self) -> dict[str, int]:
         return {"endpoints_leaked": self.endpoints_leaked, "slots_leaked": self.slots_leaked,
+                "secrets_leaked": self.secrets_leaked, "volumes_unaccounted": self.volumes_unaccounted,
                 "workers_leaked": self.workers_leaked, "training_processes_leaked": self.training_processes_leaked,
                 "results_lost": self.results_lost}
 
@@ -100,6 +110,9 @@ class Figures:
             f"endpoints created:       {self.endpoints_created}",
             f"endpoints leaked:        {self.endpoints_leaked}",
             f"slots leaked:            {self.slots_leaked}",
+            f"secrets:                 {self.secrets_made} made, {self.secrets_leaked} leaked (one per distinct token)",
+            f"volumes:                 {self.volumes_made} made, {self.volumes_unaccounted} unaccounted (neither "
+            "deleted nor kept by a weight-cache record)",
             f"workers leaked:          {self.workers_leaked} (training processes {self.training_processes_leaked})",
             f"results lost:            {self.results_lost}",
             f"adapters loaded (PEFT):  {self.adapters_loaded}",
@@ -132,6 +145,7 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
     Faults are cleared and the stock restored in a `finally`, whatever happened."""
     pod, prefect = Localpod(stack.localpod_url), PrefectApi(stack.prefect_api_url)
     before = pod.account()
+    secrets_before = _secret_names(stack)
     pools = sorted({s.out_of_stock for _, s in runs if s.out_of_stock})
     started = time.monotonic()
     try:
@@ -150,8 +164,7 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
             pod.set_stock(pool, available=True)
     wall_s = time.monotonic() - started
     slots = prefect.slots_in_use()  # read at once: a slot the flows did not give back is a leak, not a delay
-    prefixes = tuple(r.endpoint_prefix for r in records)
-    ours = {e.id for e in pod.account().endpoints if e.name.startswith(prefixes)}
+    ours = {e.id for e in pod.account().endpoints if any(r.owns(e.name) for r in records)}
     wait_for(lambda: not _live_workers(pod.account(), ours), WORKER_EXIT_WAIT_S)
     wait_for(lambda: not live_training_processes(stack.home), WORKER_EXIT_WAIT_S)
     after = pod.account()
@@ -161,10 +174,17 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
                       run_wall_s=[r.wall_s for r in records])
     figures.faults_injected = {k: v - before.faults_injected.get(k, 0) for k, v in after.faults_injected.items()}
     figures.scenario_faults = sum(faults.get(fid, {}).get("hits", 0) for r in records for fid in r.fault_ids) + sum(
-        bool(r.endpoint_deleted) + bool(r.scenario.out_of_stock) for r in records)
+        bool(r.endpoint_deleted) + bool(r.reconcile) + (r.stale_record_cleared is not None)
+        + bool(r.scenario.out_of_stock) for r in records)
     figures.noise_faults = sum(f.get("hits", 0) for f in faults.values()) - sum(
         faults.get(fid, {}).get("hits", 0) for r in records for fid in r.fault_ids)
     figures.scenario_kinds = len({r.scenario.kind for r in records if r.scenario.kind != "clean"})
+    tokens = {stack.client_env.get("HF_TOKEN")} | {own_token(r.name) for r in records if r.scenario.own_token}
+    figures.secrets_made = len(_secret_names(stack) - secrets_before)
+    figures.secrets_leaked = max(figures.secrets_made - len(tokens - {None}), 0)
+    new_volumes = {v.id for v in after.volumes} - {v.id for v in before.volumes}
+    figures.volumes_made = len(new_volumes)
+    figures.volumes_unaccounted = len(new_volumes - prefect.recorded_volumes())
     figures.endpoints_created = sum(1 for e in after.endpoints if e.id in ours)
     figures.endpoints_leaked = sum(1 for e in after.live_endpoints if e.id in ours)
     figures.workers_leaked = len(_live_workers(after, ours))
@@ -192,6 +212,11 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
             record.problems.append("the stored adapter does not change the model's output")
             figures.results_lost += 1
     return Batch(records, figures)
+
+
+def _secret_names(stack) -> set[str]:
+    with runpod_api(stack) as runpod:
+        return {s["name"] for s in runpod.get("/account/secrets").raise_for_status().json()["secrets"]}
 
 
 def _live_workers(account: Account, endpoint_ids: set[str]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ import httpx
 
 from bench.chaos_scenarios import Scenario, scoped
 from deployments.local_stack import check_adapter
+from tasks.runpod.endpoints import run_hash
+from tasks.weight_cache import VARIABLE_PREFIX, DataCenterCache, WarmModel, variable_name
 from localpod.models import Account
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,38 +82,40 @@ class Localpod:
         return Account.model_validate(self.http.get("/account").raise_for_status().json())
 
 
-class EndpointDeleter:
-    """Deletes the first attempt's endpoint of one run through RunPod's API (localpod's, with the key) once its
-    job reports a training step, from a thread of its own: what a person in RunPod's console would do."""
+class WhenTraining:
+    """Does something to one run behind its back, from a thread of its own, once the job of its first attempt
+    reports training step `at_step`: what a person in RunPod's console, a teammate's script or RunPod itself
+    could do at that moment. `action(endpoint_id)` runs once; its return value is kept as `result`."""
 
-    def __init__(self, stack, pod: Localpod, prefix: str, at_step: int, timeout_s: float):
-        self.runpod = httpx.Client(base_url=stack.client_env["RUNPOD_API_URL"], timeout=30,
-                                   headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"})
-        self.pod, self.prefix, self.at_step, self.timeout_s = pod, prefix, at_step, timeout_s
-        self.deleted: str | None = None
+    def __init__(self, pod: Localpod, runpod: httpx.Client, prefix: str, at_step: int, timeout_s: float,
+                 action: Callable[[str], Any]):
+        self.pod, self.runpod, self.prefix, self.at_step, self.timeout_s = pod, runpod, prefix, at_step, timeout_s
+        self.action = action
+        self.done = False
+        self.result: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> EndpointDeleter:
+    def __enter__(self) -> WhenTraining:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=30)
-        self.runpod.close()
+        self._thread.join(timeout=120)
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                if self._delete_when_training():
+                if endpoint_id := self._training_endpoint():
+                    self.result, self.done = self.action(endpoint_id), True
                     return
             except httpx.HTTPError:
                 pass  # the next look tries again
             self._stop.wait(0.2)
 
-    def _delete_when_training(self) -> bool:
+    def _training_endpoint(self) -> str | None:
         account = self.pod.account()
         first = [e for e in account.live_endpoints if e.name.startswith(self.prefix) and e.name.endswith("-a1")]
         for endpoint in first:
@@ -117,10 +123,67 @@ class EndpointDeleter:
                 status = self.runpod.get(f"/{endpoint.id}/status/{job.id}").raise_for_status().json()
                 progress = status.get("output") if isinstance(status.get("output"), dict) else {}
                 if progress.get("stage") == "training" and (progress.get("step") or 0) >= self.at_step:
-                    self.runpod.delete(f"/serverless/{endpoint.id}").raise_for_status()
-                    self.deleted = endpoint.id
-                    return True
-        return False
+                    return endpoint.id
+        return None
+
+
+class WorkerTokens:
+    """Reads, from a thread of its own while the run goes, the `HF_TOKEN` each of the run's workers booted with
+    (from the process itself: what RunPod put in when it filled in the account secret). None: booted without."""
+
+    def __init__(self, pod: Localpod, prefix: str):
+        self.pod, self.prefix = pod, prefix
+        self.tokens: dict[str, str | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> WorkerTokens:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                account = self.pod.account()
+            except httpx.HTTPError:
+                account = None
+            names = {e.id: e.name for e in account.endpoints} if account else {}
+            for w in account.workers if account else []:
+                if w.id in self.tokens or w.ended_at is not None or w.pid is None:
+                    continue
+                if not names.get(w.endpoint_id, "").startswith(self.prefix):
+                    continue
+                try:
+                    environ = Path(f"/proc/{w.pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue  # ended meanwhile
+                env = dict(item.decode(errors="replace").split("=", 1) for item in environ if b"=" in item)
+                self.tokens[w.id] = env.get("HF_TOKEN")
+            self._stop.wait(0.2)
+
+
+def own_token(run_name: str) -> str:
+    """The Hub token of the person who started this run (a scenario with `own_token`)."""
+    return f"hf_chaos_{run_name.replace('-', '_')}"
+
+
+def runpod_api(stack) -> httpx.Client:
+    """RunPod's API as localpod serves it, with the account's key."""
+    return httpx.Client(base_url=stack.client_env["RUNPOD_API_URL"], timeout=30,
+                        headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"})
+
+
+def tight_reconcile(stack, minutes: float) -> Callable[[str], subprocess.CompletedProcess]:
+    """Runs the reconcile flow with a silence threshold of `minutes`, as an operator would from a shell."""
+    def run(endpoint_id: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
+        return subprocess.run([sys.executable, "-m", "flows.reconcile", json.dumps({"silent_after_minutes": minutes})],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return run
 
 
 class PrefectApi:
@@ -142,6 +205,30 @@ class PrefectApi:
             messages += [log["message"] for log in page]
             if len(page) < 200:
                 return messages
+
+    def set_variable(self, name: str, value: Any) -> None:
+        response = self.http.post("/variables/", json={"name": name, "value": value})
+        if response.status_code == 409:
+            response = self.http.patch(f"/variables/name/{name}", json={"value": value})
+        response.raise_for_status()
+
+    def get_variable(self, name: str) -> Any:
+        response = self.http.get(f"/variables/name/{name}")
+        return None if response.status_code == 404 else response.raise_for_status().json()["value"]
+
+    def recorded_volumes(self) -> set[str]:
+        """The network volumes the weight-cache records keep."""
+        found = self.http.post("/variables/filter", json={"variables": {"name": {"like_": VARIABLE_PREFIX}}}
+                               ).raise_for_status().json()
+        return {v["value"]["volume_id"] for v in found
+                if v["name"].startswith(VARIABLE_PREFIX) and isinstance(v.get("value"), dict) and "volume_id" in v["value"]}
+
+    def sweep_table(self, flow_run_id: str) -> dict[str, dict[str, Any]]:
+        """A preload flow run's sweep table, datacenter → row."""
+        found = self.http.post("/artifacts/filter", json={"artifacts": {
+            "flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": ["preload-sweep"]}}}).raise_for_status().json()
+        rows = [row for a in found for row in (a["data"] if isinstance(a["data"], list) else json.loads(a["data"]))]
+        return {row["datacenter"]: row for row in rows}
 
     def slots_in_use(self) -> int:
         response = self.http.get(f"/v2/concurrency_limits/{ENDPOINT_LIMIT}")
@@ -171,11 +258,28 @@ class RunRecord:
     done: bool = False
     endpoint_deleted: str | None = None
     """The endpoint the scenario deleted behind the run, when it did."""
+    worker_tokens: dict[str, str | None] = field(default_factory=dict)
+    """Worker id → the HF_TOKEN it booted with, read when the scenario gives the run a token of its own."""
+    stale_record_cleared: bool | None = None
+    """Whether the stale weight-cache record the scenario wrote was gone after the run (None: none written)."""
+    sweep_rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """A preload scenario's sweep table, datacenter → row."""
+    volumes_before: list[str] = field(default_factory=list)
+    """A preload scenario's volume ids in its datacenters before it ran."""
+    reconcile: subprocess.CompletedProcess | None = None
+    """The too-tight reconcile the scenario ran while the run trained, when it did."""
     problems: list[str] = field(default_factory=list)
 
     @property
     def endpoint_prefix(self) -> str:
         return f"loraflow-{self.name}-"
+
+    def owns(self, endpoint_name: str) -> bool:
+        """Whether the endpoint is this run's: named with its prefix (a train run), or with its flow run's hash
+        (a preload sweep's endpoints are named for their datacenter)."""
+        if endpoint_name.startswith(self.endpoint_prefix):
+            return True
+        return self.scenario.flow == "preload" and self.flow_run_id is not None and run_hash(self.flow_run_id) in endpoint_name
 
     @property
     def run_dir(self) -> Path | None:
@@ -218,42 +322,130 @@ stall_minutes = {scenario.stall_minutes}
     return path
 
 
+# Runs whose scenario writes a datacenter's weight-cache record take turns: the record is one per datacenter.
+_RECORD_LOCK = threading.Lock()
+_HUB_LOCK = threading.Lock()
+HUB_MODEL = "chaos/tiny-model"
+
+
+def hub_model(stack, model: Path) -> str:
+    """The tiny model as a Hub repo of the stack's Hub stand-in (uploaded once), for preload sweeps."""
+    from huggingface_hub import HfApi
+
+    with _HUB_LOCK:
+        api = HfApi(endpoint=stack.hub_url, token=stack.client_env["HF_TOKEN"])
+        if not api.repo_exists(HUB_MODEL):
+            api.create_repo(HUB_MODEL)
+            api.upload_folder(repo_id=HUB_MODEL, folder_path=str(model), commit_message="tiny model")
+    return HUB_MODEL
+
+
+def write_stale_record(stack, prefect: PrefectApi, data_center: str, model_id: str) -> str:
+    """A weight-cache record saying `model_id` is warm in `data_center` on a network volume that is then
+    deleted through RunPod's API, as someone would in RunPod's console. Returns the record's Variable name."""
+    with runpod_api(stack) as runpod:
+        volume = runpod.post("/network-volumes", json={"name": f"chaos-stale-{data_center.lower()}", "size": 10,
+                                                       "dataCenter": data_center}).raise_for_status().json()
+        record = DataCenterCache(data_center=data_center, volume_id=volume["id"], volume_gb=10, models={
+            model_id: WarmModel(revision="local", size_bytes=1, warmed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                      time.gmtime()))})
+        prefect.set_variable(variable_name(data_center), record.model_dump(mode="json"))
+        runpod.delete(f"/network-volumes/{volume['id']}").raise_for_status()
+    return variable_name(data_center)
+
+
 def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir: Path, model: Path, max_steps: int,
                  timeout_s: float = 900) -> RunRecord:
-    """Inject the scenario's faults for this run's endpoints, then run `python -m flows.train` to its end."""
+    """Inject the scenario's faults for this run's endpoints, then run its flow to its end."""
     here = workdir / name
     here.mkdir(parents=True)
+    if scenario.flow == "preload":
+        return run_preload_scenario(stack, pod, scenario, name=name, here=here, model=model, timeout_s=timeout_s)
     if scenario.broken_model:
         model = here / "not-a-model"
         model.mkdir()
+    if scenario.stale_warm_record:
+        # A copy of its own (the flow resolves links), so that only this run's model is named in the record.
+        model = Path(shutil.copytree(model, here / "model")).resolve()
     record = RunRecord(scenario, name, here / "store")
     run_file = write_run_file(here / "run.toml", scenario, name=name, model=model, store=record.store, max_steps=max_steps)
+    with _RECORD_LOCK if scenario.stale_warm_record else nullcontext():
+        if scenario.stale_warm_record:
+            prefect = PrefectApi(stack.prefect_api_url)
+            variable = write_stale_record(stack, prefect, scenario.stale_warm_record, str(model))
+        _run_train(stack, pod, scenario, record, run_file, timeout_s=timeout_s)
+        if scenario.stale_warm_record:
+            record.stale_record_cleared = prefect.get_variable(variable) is None
+    return record
+
+
+def run_preload_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, here: Path, model: Path,
+                         timeout_s: float) -> RunRecord:
+    """A preload sweep of the tiny model (a Hub repo of the stack's Hub stand-in) with the scenario's faults."""
+    record = RunRecord(scenario, name, here / "store")
+    spec = {"models": [{"id": hub_model(stack, model)}], "data_centers": list(scenario.preload_data_centers),
+            "minutes_per_data_center": 10, "queue_minutes": 3}
+    record.volumes_before = [v.id for v in pod.account().volumes if v.data_center in scenario.preload_data_centers]
+    for rule in scenario.route_faults:
+        record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
+    started = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flows.preload", json.dumps(spec)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+        record.returncode, record.output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
+    record.wall_s = time.monotonic() - started
+    match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
+    record.flow_run_id = match.group(1) if match else None
+    if record.flow_run_id:
+        record.sweep_rows = PrefectApi(stack.prefect_api_url).sweep_table(record.flow_run_id)
+    return record
+
+
+def _run_train(stack, pod: Localpod, scenario: Scenario, record: RunRecord, run_file: Path, *,
+               timeout_s: float) -> None:
+    name = record.name
     for rule in scenario.route_faults:
         record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
     for rule in scenario.worker_faults:
         record.fault_ids.append(pod.add_worker_fault({**rule, "endpoint_name_prefix": record.endpoint_prefix}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
+    if scenario.own_token:
+        env["HF_TOKEN"] = own_token(name)
     started = time.monotonic()
-    deleter = (EndpointDeleter(stack, pod, record.endpoint_prefix, scenario.delete_endpoint_at_step, timeout_s)
-               if scenario.delete_endpoint_at_step is not None else nullcontext())
+    runpod = runpod_api(stack)
+    deleter = reconciler = tokens = nullcontext()
+    if scenario.own_token:
+        tokens = WorkerTokens(pod, record.endpoint_prefix)
+    if scenario.delete_endpoint_at_step is not None:
+        deleter = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.delete_endpoint_at_step, timeout_s,
+                               lambda endpoint_id: runpod.delete(f"/serverless/{endpoint_id}").raise_for_status())
+    if scenario.tight_reconcile_at_step is not None:
+        reconciler = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.tight_reconcile_at_step, timeout_s,
+                                  tight_reconcile(stack, scenario.tight_reconcile_minutes))
     try:
-        with deleter:
+        with runpod, deleter, reconciler, tokens:
             proc = subprocess.run([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env,
                                   capture_output=True, text=True, timeout=timeout_s)
         record.returncode, record.output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
     record.wall_s = time.monotonic() - started
-    if isinstance(deleter, EndpointDeleter):
-        record.endpoint_deleted = deleter.deleted
+    if isinstance(deleter, WhenTraining) and deleter.done:
+        record.endpoint_deleted = deleter.result.request.url.path.rsplit("/", 1)[-1]
+    if isinstance(tokens, WorkerTokens):
+        record.worker_tokens = dict(tokens.tokens)
+    if isinstance(reconciler, WhenTraining) and reconciler.done:
+        record.reconcile = reconciler.result
     match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
     record.flow_run_id = match.group(1) if match else None
-    return record
 
 
 def read_back(record: RunRecord, prefect: PrefectApi, account: Account) -> None:
     """Fill in what the Prefect server, localpod and the store say about the run."""
-    endpoints = [e for e in account.endpoints if e.name.startswith(record.endpoint_prefix)]
+    endpoints = [e for e in account.endpoints if record.owns(e.name)]
     record.endpoint_names = [e.name for e in endpoints]
     # The worker says it resumed in a progress message, which the flow's 2 s polls can miss on a short
     # run, and in its console, which is kept: read the last attempt's worker logs.
@@ -282,6 +474,8 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
     s, problems = record.scenario, []
     if record.flow_run_id is None:
         return [f"no flow run id in the flow's output (exit code {record.returncode}):\n{record.output[-3000:]}"]
+    if s.flow == "preload":
+        return _preload_problems(record, account) + _fault_problems(record, faults)
     if record.state_type != s.expect_state:
         problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
     ended = record.retried + ([record.adopted_after] if record.adopted_after else [])
@@ -301,6 +495,11 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         problems.append(f"attempts ran on {record.gpus_used}, expected the last on {s.final_gpu}")
     if s.delete_endpoint_at_step is not None and record.endpoint_deleted is None:
         problems.append(f"the endpoint was never deleted at step {s.delete_endpoint_at_step}: the job ended first")
+    if s.own_token and (not record.worker_tokens or set(record.worker_tokens.values()) != {own_token(record.name)}):
+        problems.append(f"its workers booted with HF_TOKEN {sorted(map(str, record.worker_tokens.values()))}, not "
+                        "only the run's own")
+    if s.tight_reconcile_at_step is not None:
+        problems += _tight_reconcile_problems(record.reconcile, s.tight_reconcile_minutes)
     if s.resumes and record.resumed_from_step is None:
         problems.append("the last attempt did not resume from a checkpoint")
     missing = [t for t in s.failure_text if t not in record.state_message]
@@ -308,6 +507,15 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         problems.append(f"the failure message lacks {missing}: {record.state_message[:1500]}")
     if record.state_type == "COMPLETED":
         problems += artifact_problems(record.run_dir, max_steps)
+    if s.stale_warm_record and not record.stale_record_cleared:
+        problems.append(f"the stale weight-cache record of {s.stale_warm_record} was not cleared")
+    if s.stale_warm_record and not any("no longer exists" in line for line in record.output.splitlines()):
+        problems.append("the run never said its warm volume no longer exists")
+    return problems + _fault_problems(record, faults)
+
+
+def _fault_problems(record: RunRecord, faults: dict[str, dict[str, Any]]) -> list[str]:
+    problems = []
     ours = [faults[fault_id] for fault_id in record.fault_ids if fault_id in faults]
     for fault in ours:
         if fault["hits"] == 0 and fault.get("probability") is None:
@@ -317,6 +525,39 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
     if chance and not any(f["hits"] for f in chance):
         problems.append(f"none of the {len(chance)} faults that fire by chance fired")
     return problems
+
+
+def _preload_problems(record: RunRecord, account: Account) -> list[str]:
+    s, problems = record.scenario, []
+    if record.state_type != s.expect_state:
+        problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
+    missing = [t for t in s.failure_text if t not in record.state_message]
+    if s.expect_state == "FAILED" and missing:
+        problems.append(f"the failure message lacks {missing}: {record.state_message[:1500]}")
+    for dc in s.preload_data_centers:
+        row = record.sweep_rows.get(dc)
+        if row is None or row["status"] != "error" or "500" not in row.get("note", ""):
+            problems.append(f"the sweep's table does not report {dc}'s refused volume: {row}")
+    live = [e.name for e in account.live_endpoints if record.owns(e.name)]
+    if live:
+        problems.append(f"endpoints still live: {live}")
+    if record.endpoint_names:
+        problems.append(f"endpoints were rented though no volume could be made: {record.endpoint_names}")
+    made = [v.id for v in account.volumes if v.data_center in s.preload_data_centers and v.id not in record.volumes_before]
+    if made:
+        problems.append(f"volumes left in {list(s.preload_data_centers)}: {made}")
+    return problems
+
+
+def _tight_reconcile_problems(run: subprocess.CompletedProcess | None, minutes: float) -> list[str]:
+    if run is None:
+        return ["the too-tight reconcile never ran: the job ended before it trained"]
+    said = run.stdout + run.stderr
+    if run.returncode == 0:
+        return [f"a reconcile with silent_after_minutes={minutes} was accepted:\n{said[-2000:]}"]
+    if "silent_after_minutes" not in said or "heartbeat" not in said:
+        return [f"the refused reconcile did not name the setting and the heartbeat:\n{said[-2000:]}"]
+    return []
 
 
 def artifact_problems(run_dir: Path | None, max_steps: int) -> list[str]:

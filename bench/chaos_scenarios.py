@@ -77,6 +77,19 @@ class Scenario:
     delete_endpoint_at_step: int | None = None
     """Delete the first attempt's endpoint through RunPod's API once its job reports this training step, as a
     person in RunPod's console, a teammate's script or RunPod itself could."""
+    tight_reconcile_at_step: int | None = None
+    """Run the reconcile flow with `tight_reconcile_minutes` once the first attempt's job reports this training
+    step: it must be refused, naming the setting and the heartbeat, and delete nothing."""
+    tight_reconcile_minutes: float = 0.5
+    flow: Literal["train", "preload"] = "train"
+    """The flow the scenario runs: a train run, or a preload sweep of a Hub model (`preload_data_centers`)."""
+    preload_data_centers: tuple[str, ...] = ()
+    stale_warm_record: str | None = None
+    """A datacenter whose weight-cache record says the run's model is warm on a network volume that was deleted
+    behind it (by hand, in RunPod's console): the run must go cold, complete, and clear the record."""
+    own_token: bool = False
+    """Start the run with a Hub token of its own (`HF_TOKEN` of its flow process), while the batch's other runs
+    carry the stack's: every worker of this run must boot with this run's token, never another's."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -227,6 +240,37 @@ SCENARIOS: dict[str, Scenario] = {
             worker_faults=(worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: "2"}),),
         ),
         Scenario(
+            "tight-policy",
+            "an operator runs reconcile with silent_after_minutes = 0.5 while the run trains, below 3 × the heartbeat "
+            "intervals in force: the reconcile is refused naming both, deletes nothing, and the run completes on its "
+            "first attempt",
+            # Steps of 2 s: the job is still training when the reconcile flow has started and decided.
+            tight_reconcile_at_step=1,
+            worker_faults=(worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: "2"}),),
+        ),
+        Scenario(
+            "own-token",
+            "a second person starts a run with their own Hub token while others run with the first's: the run's "
+            "workers boot with its own token (one account secret per token, never rotated under a teammate)",
+            own_token=True,
+        ),
+        Scenario(
+            "volume-deleted",
+            "the weight-cache record of EU-RO-1 names a network volume deleted by hand: the run goes cold at once "
+            "(same attempt), completes, and the record is cleared; a record is a hint, never a requirement",
+            stale_warm_record="EU-RO-1",
+        ),
+        Scenario(
+            "volume-refused",
+            "a preload sweep's volume create in US-CA-2 is refused (500, as RunPod was seen to answer in US-MO-1), "
+            "every time: that datacenter is reported, the sweep fails after the others, nothing is rented there and "
+            "no volume is left",
+            flow="preload", expect_state="FAILED", preload_data_centers=("US-CA-2",),
+            route_faults=(route("create_network_volume", "status_500", probability=1.0, times=50,
+                                data_center_id="US-CA-2"),),
+            failure_text=("US-CA-2",),
+        ),
+        Scenario(
             "unknown-status",
             "`/status` answers a status loraflow does not know (RUNNING) three times: logged once, treated as "
             "running, one attempt",
@@ -248,14 +292,20 @@ SCENARIOS: dict[str, Scenario] = {
 SHORT_FORM: tuple[str, ...] = (
     "api-faults", "ambiguous-create", "run-500", "worker-crash", "preempt", "worker-hang", "stall-resume",
     "no-capacity", "oom", "oom-twice", "oom-cuda-error", "oom-cublas", "oom-vllm-kv", "oom-host", "cuda-unavailable",
-    "endpoint-deleted", "unknown-status", "code-failure",
+    "endpoint-deleted", "unknown-status", "code-failure", "tight-policy", "own-token", "volume-deleted",
+    "volume-refused",
 )
 """The scenarios the CI test runs, one run each: every fault kind of the issue, at the cost of about one
 queue allowance (the no-capacity run) of wall time."""
 
 
+UNSCOPED_ROUTES = frozenset({"list_endpoints", "create_network_volume", "list_network_volumes", "get_network_volume",
+                             "patch_network_volume", "delete_network_volume"})
+"""Routes that name no endpoint: a rule on them stays global (a volume create's may name its datacenter)."""
+
+
 def scoped(rule: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The rule limited to endpoints named with `prefix`; list_endpoints names no endpoint, so stays global."""
-    if rule.get("route") == "list_endpoints":
+    """The rule limited to endpoints named with `prefix`; routes that name no endpoint stay global."""
+    if rule.get("route") in UNSCOPED_ROUTES:
         return dict(rule)
     return {**rule, "endpoint_name_prefix": prefix}

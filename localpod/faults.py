@@ -86,6 +86,9 @@ class RouteFaultRule(BaseModel):
         "the body). Omitted: every request to the route. Not allowed with list_endpoints and the catalog, billing "
         "and network-volume routes, which name no endpoint.",
     )
+    data_center_id: str | None = Field(
+        default=None, description="create_network_volume only: only creates in this datacenter (the body's "
+        "`dataCenter`). Omitted: every create.")
     retry_after_s: int | None = Field(
         default=None, ge=0, description="status_429 only: the Retry-After header, in seconds. Omitted: no header."
     )
@@ -128,6 +131,8 @@ class RouteFaultRule(BaseModel):
             raise ValueError(f"job_status applies to unknown_status only, not to {self.action}")
         if self.seed is not None and self.probability is None:
             raise ValueError("seed applies to probability rules only: give probability too, or drop seed")
+        if self.data_center_id is not None and self.route != "create_network_volume":
+            raise ValueError(f"data_center_id applies to create_network_volume only, not to {self.route}")
         if self.endpoint_name_prefix is not None and self.route in _ROUTES_WITHOUT_ENDPOINT:
             raise ValueError(f"{self.route} names no endpoint: drop endpoint_name_prefix")
         if self.times is None and self.probability is None:
@@ -464,11 +469,13 @@ class FaultBook:
     def clear_route_faults(self) -> None:
         self.route_rules.clear()
 
-    def match_route(self, route: str, endpoint_name: str | None) -> RouteFaultRule | None:
+    def match_route(self, route: str, endpoint_name: str | None, data_center: str | None = None) -> RouteFaultRule | None:
         """The rule that applies to this request, counted as a hit; None: answer normally."""
         for entry in self.route_rules.values():
             rule = entry.rule
             if rule.route != route or not _prefix_matches(rule.endpoint_name_prefix, endpoint_name):
+                continue
+            if rule.data_center_id is not None and rule.data_center_id != data_center:
                 continue
             if rule.times is not None and entry.hits >= rule.times:
                 continue

@@ -193,19 +193,20 @@ class RouteFaultHit:
 
 
 async def route_fault(
-    request: Request, route: str, *, endpoint_id: str | None = None, endpoint_name: str | None = None
+    request: Request, route: str, *, endpoint_id: str | None = None, endpoint_name: str | None = None,
+    data_center: str | None = None,
 ) -> RouteFaultHit:
     """Apply the first route fault rule that matches this request, before the operation runs.
 
     Raises `InjectedAnswer` for status_429, status_500 and drop; holds the request for hang; an unknown_status
     comes back in the hit, for the status route to answer. Name the endpoint by id (any endpoint ever created)
-    or, for a create, by the name in the body.
+    or, for a create, by the name in the body; a volume create by its body's datacenter.
     """
     state = get_state(request)
     if endpoint_id is not None:
         endpoint = state.endpoints.get(endpoint_id)
         endpoint_name = endpoint.spec["name"] if endpoint is not None else None
-    rule = state.faults.match_route(route, endpoint_name)
+    rule = state.faults.match_route(route, endpoint_name, data_center)
     if rule is None:
         return RouteFaultHit(route, act_then_500=False)
     log.info("injecting %s on %s (endpoint %s)", rule.action, route, endpoint_name)

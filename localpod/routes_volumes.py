@@ -24,8 +24,9 @@ router = APIRouter(prefix="/v2/network-volumes", tags=["network volumes"], depen
 
 @router.post("", status_code=201)
 async def create_network_volume(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
-    fault = await route_fault(request, "create_network_volume")
     body = await _json_body(request)
+    fault = await route_fault(request, "create_network_volume",
+                              data_center=body.get("dataCenter") if isinstance(body, dict) else None)
     state.schemas.check_request("CreateNetworkVolumeRequest", body)
     volume = state.volumes.create(body["name"], body["size"], body["dataCenter"], body.get("type"))
     fault.after_action()

@@ -24,7 +24,7 @@ MAX_STEPS = 6
 def chaos_stack(tmp_path_factory):
     from deployments.local_stack import LocalStack
 
-    with LocalStack(tmp_path_factory.mktemp("chaos-stack"), worker_quota=30) as stack:
+    with LocalStack(tmp_path_factory.mktemp("chaos-stack"), worker_quota=30, with_hub=True) as stack:
         yield stack
 
 

@@ -196,6 +196,15 @@ def test_a_name_prefix_limits_a_rule_to_matching_endpoints(pod: Pod) -> None:
     assert pod.http.get(f"/v2/serverless/{hit}").status_code == 500
 
 
+def test_a_datacenter_limits_a_volume_create_rule_to_creates_there(pod: Pod) -> None:
+    pod.add_fault("faults", route="create_network_volume", action="status_500", probability=1.0,
+                  data_center_id="US-CA-2")
+    refused = pod.http.post("/v2/network-volumes", json={"name": unique("vol"), "size": 10, "dataCenter": "US-CA-2"})
+    created = pod.http.post("/v2/network-volumes", json={"name": unique("vol"), "size": 10, "dataCenter": "EU-RO-1"})
+    assert (refused.status_code, created.status_code) == (500, 201)
+    pod.http.delete(f"/v2/network-volumes/{created.json()['id']}").raise_for_status()
+
+
 def test_rules_are_listed_with_ids_and_removed_one_by_one_or_all(pod: Pod) -> None:
     first = pod.add_fault("faults", route="cancel", action="status_500")
     second = pod.add_fault("faults", route="patch_endpoint", action="drop", times=3)
@@ -213,6 +222,7 @@ def test_rules_are_listed_with_ids_and_removed_one_by_one_or_all(pod: Pod) -> No
         ("faults", {"route": "run", "action": "status_500", "retry_after_s": 3}, "retry_after_s applies to status_429"),
         ("faults", {"route": "runsync", "action": "status_500"}, "$.body.route"),
         ("faults", {"route": "list_endpoints", "action": "drop", "endpoint_name_prefix": "x"}, "names no endpoint"),
+        ("faults", {"route": "get_endpoint", "action": "drop", "data_center_id": "EU-RO-1"}, "create_network_volume only"),
         ("worker-faults", {"action": "env"}, "env needs `env`"),
         ("worker-faults", {"action": "crash", "times": 0}, "$.body.times"),
     ],
