@@ -31,11 +31,15 @@ MAX_CONCURRENCY = 28  # the `runpod-endpoints` limit the flows create: more woul
 
 
 def parse_mix(text: str | None) -> dict[str, int]:
-    """`kind=weight,kind,...` (weight 1 when omitted); None: every scenario, the common faults twice."""
+    """`kind=weight,kind,...` (weight 1 when omitted; `all`: every scenario once); None: every scenario, the
+    common faults twice."""
     if not text:
         return DEFAULT_MIX
     mix: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
+        if part == "all":  # every scenario once; later parts change weights
+            mix |= dict.fromkeys(SCENARIOS, 1)
+            continue
         kind, _, weight = part.partition("=")
         if kind not in SCENARIOS:
             raise SystemExit(f"unknown scenario {kind!r}; known: {', '.join(SCENARIOS)}")
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20, help="train runs in all (default 20)")
     parser.add_argument("--concurrency", type=int, default=6, help=f"runs at once, at most {MAX_CONCURRENCY} (default 6)")
-    parser.add_argument("--mix", help="scenarios and weights, e.g. `oom=2,preempt,api-faults=3` (default: all, "
+    parser.add_argument("--mix", help="scenarios and weights, e.g. `oom=2,preempt,api-faults=3` or `all,api-storm=30` (default: all, "
                         f"api-faults/worker-crash/preempt twice); known: {', '.join(SCENARIOS)}")
     parser.add_argument("--max-steps", type=int, default=6, help="training steps per run (default 6)")
     parser.add_argument("--noise", type=float, default=0.0,

@@ -160,6 +160,9 @@ SCENARIOS: dict[str, Scenario] = {
             # Two minutes: on a loaded 2-core machine a healthy worker takes about one to import the
             # training stack and reach its first step, and the next attempt must not look frozen too.
             retried=("stalled",), worker_faults=(worker("hang"),), startup_minutes=2, stall_minutes=1,
+            # The training process runs in its own session, which SIGSTOP does not reach: it may finish and store
+            # its results meanwhile, which the flow then adopts.
+            may_adopt=True,
         ),
         Scenario(
             "stall-resume",
@@ -188,9 +191,10 @@ SCENARIOS: dict[str, Scenario] = {
             worker_faults=(training_fault("oom", at_step=1, times=2),),
         ),
         Scenario(
-            "oom-no-bigger", "out of memory on the largest GPU of the list: fails, saying what to change",
-            expect_state="FAILED", gpus=("A100 SXM",),
-            worker_faults=(training_fault("oom", at_step=1),),
+            "oom-no-bigger", "out of memory on the largest GPU of the list, again after the ladder's first rung "
+            "(checkpointing on, half the micro-batch): fails, saying what to change",
+            expect_state="FAILED", gpus=("A100 SXM",), retried=("out_of_memory",),
+            worker_faults=(training_fault("oom", at_step=1, times=2),),
             failure_text=("out_of_memory", "no GPU with more memory"),
         ),
         Scenario(

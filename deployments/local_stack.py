@@ -44,6 +44,9 @@ PREFECT_SERVER_ENV = {
     # Queued runs ask for a slot again after at most 5 s, not Prefect's 30 s: bench/quota.py measured a freed
     # slot idle 2.3 s instead of 11.2 s (median) and a 12-run batch done in 0.47 × the time (bench/README.md).
     "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "5",
+    # The volumes flow's and the secrets' retention read use events; Prefect forgets events after 7 days by
+    # default, which would keep every volume unused for longer than that out of the 14-day retention's reach.
+    "PREFECT_SERVER_EVENTS_RETENTION_PERIOD": "P30D",
 }
 SERVER_START_TIMEOUT_S = 240  # ~20 s on a fresh database; over 120 s seen on a loaded 2-core machine
 

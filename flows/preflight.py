@@ -46,7 +46,7 @@ from tasks.preflight import (
     table_rows,
 )
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
-from tasks.settings import Settings
+from tasks.settings import HubTokenError, Settings
 
 
 def _flow_run_name() -> str:
@@ -75,8 +75,14 @@ def preflight(
             the balance). RunPod's API does not expose it: without it, the quota line is a warn.
     """
     logger = get_run_logger()
-    settings = Settings().with_hub_token()
     checks: list[Check] = []
+    try:
+        settings = Settings().with_hub_token(spec.hub_token_secret)
+    except HubTokenError as e:
+        # The run would be refused before renting; the other checks go on with the flow's own token.
+        checks.append(Check(name="hub token: hub_token_secret", status="FAIL", found=str(e),
+                            fix="create the Secret block, or unset hub_token_secret to use HF_TOKEN"))
+        settings = Settings().with_hub_token()
     with ExitStack() as stack:
         client, no_key = open_runpod(settings)
         if client is not None:

@@ -9,7 +9,9 @@ crash and cancellation hooks. Run it by hand, looking first:
 
 It judges only endpoints tagged with this control plane's namespace (`LORAFLOW_NAMESPACE`, or the
 Prefect Variable `loraflow-namespace`); other control planes' endpoints on the same RunPod account
-are listed in its report and never deleted.
+are listed in its report and never deleted. A `silent_after_minutes` below 3 × the heartbeat intervals
+in force where it runs (LORAFLOW_HEARTBEAT_SECONDS, PREFECT_FLOWS_HEARTBEAT_FREQUENCY) is refused: the
+flow fails before it reads or deletes anything.
 """
 
 # No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
@@ -21,8 +23,19 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from flows.spec import ReconcilePolicy
-from tasks.reconcile import Finding, decide, read_live_runs, read_loraflow_endpoints
+from tasks.liveness import intervals_in_force
+from tasks.pending_billing import settle_billed_costs
+from tasks.reconcile import (
+    Finding,
+    check_silence_threshold,
+    decide,
+    lookback_s,
+    read_live_runs,
+    read_loraflow_endpoints,
+)
+from tasks.runpod.endpoints import parse_endpoint_name
 from tasks.runpod.steps import delete_endpoint_by_id, make_client
+from tasks.secret_retention import prune_secrets
 from tasks.settings import Settings
 from tasks.teardown import settle_undeleted_endpoint, undeleted_endpoints
 
@@ -31,22 +44,32 @@ from tasks.teardown import settle_undeleted_endpoint, undeleted_endpoints
 def reconcile(policy: ReconcilePolicy = ReconcilePolicy()) -> list[Finding]:
     """Delete our endpoints whose run is final, missing or silent, and endpoints idle past a grace.
 
+    0. Refuse a silence threshold below 3 × the heartbeat intervals in force here, before anything else.
     1. Find this control plane's namespace: the tag in the names of the endpoints it may delete.
     2. List loraflow's endpoints (name prefix) and read the job counts of ours; a `/health` that fails
        is recorded in that endpoint's finding and the sweep goes on.
-    3. Read every live flow run (all pages) and the newest heartbeat events of runs and endpoints.
-    4. Decide per endpoint; delete (confirmed) unless `dry_run`. Untagged endpoints and other control
-       planes' are kept and reported.
+    3. Read every live flow run (all pages), the recently Crashed ones, and the newest heartbeat events of
+       runs and endpoints.
+    4. Decide per endpoint, each run judged by its own heartbeat interval; delete (confirmed) unless
+       `dry_run`. Untagged endpoints and other control planes' are kept and reported.
     5. Retry the deletes runs could not confirm (each record holds a slot until its endpoint is proved gone).
-    6. Report what was found and done as a table artifact.
+    6. Fill in the billed cost of runs RunPod had not billed when they ended (`tasks/pending_billing.py`).
+    7. Delete this control plane's account secrets unused for `secret_retain_days` and referred to by no
+       endpoint (`tasks/secret_retention.py`).
+    8. Report what was found and done as a table artifact.
     """
     logger = get_run_logger()
+    intervals = intervals_in_force()
+    check_silence_threshold(policy.silent_after_minutes, intervals)
     namespace = Settings().control_plane_namespace()
     seen = read_loraflow_endpoints(namespace)
     silent_after_s = policy.silent_after_minutes * 60
-    runs = read_live_runs(lookback_s=2 * silent_after_s)
+    ours = [e.id for e in seen.endpoints
+            if (parsed := parse_endpoint_name(e.name)) is not None and parsed.namespace == namespace]
+    runs = read_live_runs(lookback_s=lookback_s(silent_after_s), endpoint_ids=ours, doubtful_after_s=silent_after_s)
     findings = decide(seen, runs, namespace, datetime.now(timezone.utc), silent_after_s=silent_after_s,
-                      idle_grace_s=policy.idle_grace_minutes * 60, min_age_s=policy.min_age_minutes * 60)
+                      idle_grace_s=policy.idle_grace_minutes * 60, min_age_s=policy.min_age_minutes * 60,
+                      intervals=intervals)
     for finding in findings:
         if finding.action == "keep":
             finding.result = "kept"
@@ -67,11 +90,25 @@ def reconcile(policy: ReconcilePolicy = ReconcilePolicy()) -> list[Finding]:
             confirmed = settle_undeleted_endpoint(client, record)
         logger.info("%s %s (run %s)", "deleted, its slot freed:" if confirmed else "delete still not confirmed, slot kept:",
                     record.endpoint_name, record.run_id)
+    # A run's billed figure is a report, not cleanup: a failure here is logged, and the next sweep tries again.
+    settled, filled = settle_billed_costs(policy.dry_run, return_state=True), []
+    if settled.is_completed():
+        filled = [s for s in settled.result() if s.result == "filled in"]
+    else:
+        logger.warning("billed costs not settled this sweep: %s", settled.message)
+    billing = f", billed cost filled in for {len(filled)} runs" if filled else ""
+    # Secrets cost nothing while kept: a failure to prune is logged, and the next sweep tries again.
+    pruned = prune_secrets(policy.secret_retain_days, policy.dry_run, return_state=True)
+    if pruned.is_completed():
+        gone = [v for v in pruned.result() if v.action in ("deleted", "would delete")]
+        billing += f", {len(gone)} unused account secrets {'would be ' if policy.dry_run else ''}deleted" if gone else ""
+    else:
+        logger.warning("unused account secrets not pruned this sweep: %s", pruned.message)
     create_table_artifact(
         key="reconcile-report",
         table=[f.model_dump() for f in findings] or [{"result": "no loraflow endpoints found"}],
         description=f"Reconcile of control plane `{namespace}` at {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{len(runs.runs)} live runs" + (" (dry run)" if policy.dry_run else ""),
+        f"{sum(not r.crashed for r in runs.runs)} live runs{billing}" + (" (dry run)" if policy.dry_run else ""),
     )
     return findings
 

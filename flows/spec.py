@@ -17,6 +17,9 @@ from typing import Annotated, Literal
 
 from loraflow_worker.contract import (
     MAX_EXTRA_PACKAGES,
+    MAX_WORKER_ENV,
+    EvaluationSettings,
+    FastPathSettings,
     GrpoSettings,
     JobInput,
     LoraSettings,
@@ -24,12 +27,16 @@ from loraflow_worker.contract import (
     TrainingSettings,
     grpo_setting_problems,
     plain_requirements,
+    worker_env_name,
+    worker_env_overlap,
 )
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tasks.plan import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S, job_limits_s, max_deadline_minutes
 from tasks.runpod.catalog import resolve_gpu
 
+BLOCK_NAME_PATTERN = r"^[a-z0-9-]+$"
+"""Prefect's rule for a block's name: lowercase letters, digits and dashes (`prefect/types/names.py`)."""
 ARTIFACT_STORE_PATTERN = r"^(file:///.+|hf://datasets/[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$"
 
 
@@ -58,6 +65,39 @@ class DatasetSpec(_Section):
     def _one_source(self) -> DatasetSpec:
         if (self.hub_id is None) == (self.local_file is None):
             raise ValueError("set exactly one of `hub_id` (a Hub dataset) or `local_file` (a JSONL file)")
+        return self
+
+
+class EvaluationSpec(_Section):
+    """Held-out evaluation while training, as hosted fine-tuning reports validation loss: before the first step,
+    every `every_steps` steps and after the last. SFT: the loss on the held-out examples (`eval_loss`). GRPO: the
+    mean total reward (rewards summed with their weights) of ONE completion per held-out prompt, sampled as training
+    samples (`grpo.temperature`, up to `grpo.max_completion_length` tokens; not greedy), so a noisy estimate that a
+    larger `max_samples` steadies (`eval_reward`). Stored in the run's `metrics.json`, shown in the progress line,
+    the summary and its curve. Evaluation time is inside the run's deadline, so inside its cost ceiling."""
+
+    fraction: float | None = Field(
+        default=None, gt=0.0, lt=0.5,
+        description="Hold this share of the dataset out for evaluation (e.g. 0.1), picked at random with "
+        "`training.seed`, so every attempt holds out the same rows; the rest is trained on. Set `fraction` or "
+        "`local_file`, not both.",
+    )
+    local_file: str | None = Field(
+        default=None, max_length=4096,
+        description="A JSONL file of evaluation examples on the machine that runs the flow, in the formats "
+        "`dataset.local_file` takes (checked the same way before anything is rented, and published to the run's "
+        "artifact store with the dataset); the whole dataset is trained on. Relative paths are resolved from the "
+        "working directory.",
+    )
+    # The job's own fields: the same defaults, bounds and descriptions.
+    every_steps: int = EvaluationSettings.model_fields["every_steps"]
+    max_samples: int = EvaluationSettings.model_fields["max_samples"]
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvaluationSpec:
+        if (self.fraction is None) == (self.local_file is None):
+            raise ValueError("set exactly one of `fraction` (a held-out share of the dataset, e.g. 0.1) or "
+                             "`local_file` (a JSONL file of evaluation examples)")
         return self
 
 
@@ -114,6 +154,75 @@ class AttemptsSpec(_Section):
     )
 
 
+HUB_MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$"
+"""A Hub repo id, `<namespace>/<name>`: each part starts with a letter or digit, then letters, digits, `.`, `_`,
+`-`, at most 96 characters (the Hub's rule; it also refuses `--` and `..` and a trailing `-` or `.`)."""
+
+
+class PublishSpec(_Section):
+    """Publish the adapter as a Hub model repo once the run has completed: the adapter files and a model card
+    (base model, training settings, final metrics, curve, how to load and serve it) in one commit, so that
+    `PeftModel.from_pretrained(base, "<org>/<name>")` and vLLM's `--lora-modules` load it by name. Needs a token
+    that can write to `<org>` (checked before renting: present). An existing repo gets a new commit; a failed
+    publish leaves the run completed and the summary says why."""
+
+    hub_model_id: str = Field(
+        max_length=193, pattern=HUB_MODEL_ID_PATTERN,
+        description="The Hub model repo to publish to, `<org>/<name>` (e.g. `acme/qwen3-capybara-lora`): created when "
+        "missing, given a new commit when it exists. The run's token (`hub_token_secret`, else HF_TOKEN) must be "
+        "able to write to it.",
+    )
+    private: bool = Field(
+        default=True,
+        description="Create the repo private (only its owners see it). An existing repo keeps its visibility.",
+    )
+
+    @field_validator("hub_model_id")
+    @classmethod
+    def _hub_naming_rules(cls, repo_id: str) -> str:
+        for part in repo_id.split("/"):
+            if "--" in part or ".." in part or part.endswith(("-", ".")):
+                raise ValueError(f"publish.hub_model_id {repo_id!r}: the Hub refuses names with `--` or `..` or "
+                                 "ending in `-` or `.`; rename it")
+        return repo_id
+
+
+class WorkerSpec(_Section):
+    """The run's own variables in its worker's environment, e.g. the URL and the key of an LLM judge that a reward
+    calls: the training process, and so every reward, reads each as `os.environ["NAME"]`. Names that loraflow or
+    RunPod set, or that would change how the worker itself runs (`HF_TOKEN`, `HF_ENDPOINT`, `HF_HUB_*`, `RUNPOD_*`,
+    `LORAFLOW_*`, `CUDA_VISIBLE_DEVICES`, `NVIDIA_*`, `PYTORCH_CUDA_ALLOC_CONF`, `PYTHON*`, `PATH`, `LD_*`, `PIP_*`,
+    ...), are refused before anything is rented."""
+
+    env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=dict, max_length=MAX_WORKER_ENV,
+        description="Plain variables, `NAME = \"value\"`. Visible to anyone who can read the run's parameters or the "
+        "account's endpoints: never a credential (put those in `secrets`).",
+    )
+    secrets: dict[str, Annotated[str, Field(max_length=100, pattern=BLOCK_NAME_PATTERN)]] = Field(
+        default_factory=dict, max_length=MAX_WORKER_ENV,
+        description="Secret variables, `NAME = \"<Prefect Secret block name>\"` (the block's name, not the value). "
+        "The flow reads each block where it runs and hands the value to the workers through a RunPod account secret: "
+        "it is never in the run's parameters, logs or artifacts, the endpoint's env or the stored files, and the worker "
+        "redacts it from its console and errors. A block that cannot be read, or holds fewer than 8 characters, is "
+        "refused before anything is rented.",
+    )
+
+    @field_validator("env", "secrets")
+    @classmethod
+    def _names_a_run_may_set(cls, variables: dict[str, str]) -> dict[str, str]:
+        for name in variables:
+            worker_env_name(name)
+        return variables
+
+    @model_validator(mode="after")
+    def _plain_or_secret_not_both(self) -> WorkerSpec:
+        problem = worker_env_overlap(self.env, self.secrets)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
 class RunSpec(_Section):
     """One LoRA fine-tuning run."""
 
@@ -136,14 +245,40 @@ class RunSpec(_Section):
         description="GRPO settings (group size, lengths, temperature, KL coefficient, rewards): required when the "
         "algorithm is `grpo`, refused otherwise.",
     )
+    evaluation: EvaluationSpec | None = Field(
+        default=None,
+        description="Held-out evaluation: the eval loss (SFT) or mean eval reward (GRPO) at the start, every N steps "
+        "and at the end, on a seeded share of the dataset or a file of its own. Empty: no evaluation.",
+    )
     extra_packages: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_PACKAGES,
                                       description=JobInput.model_fields["extra_packages"].description)
+    worker: WorkerSpec = Field(
+        default_factory=WorkerSpec,
+        description="The run's own worker environment: plain variables (`env`) and secrets from Prefect Secret blocks "
+        "(`secrets`) that the training process and its rewards read.",
+    )
+    fast_paths: FastPathSettings = Field(
+        default_factory=FastPathSettings,
+        description="GPU kernels and memory savers switched off (false) or forced on (true) for this run; each left "
+        "empty is automatic.",
+    )
     compute: ComputeSpec = Field(default_factory=ComputeSpec, description="GPUs to rent.")
     attempts: AttemptsSpec = Field(default_factory=AttemptsSpec, description="Retries of failed attempts.")
     artifact_store: str = Field(
         max_length=1024, pattern=ARTIFACT_STORE_PATTERN,
         description="Where the adapter, metrics and checkpoints go: `hf://datasets/<org>/<repo>` (a private "
         "Hub dataset repo, made private if it exists) or `file:///abs/path` (local mode).",
+    )
+    hub_token_secret: str | None = Field(
+        default=None, max_length=100, pattern=BLOCK_NAME_PATTERN,
+        description="Name of a Prefect Secret block holding this run's Hugging Face token (on a shared server, "
+        "your own): the workers and the model checks before renting use it. Checked before anything is rented. "
+        "Unset: the HF_TOKEN of the process running the flow (else its `hf-token` Secret block).",
+    )
+    publish: PublishSpec | None = Field(
+        default=None,
+        description="Publish the adapter as a Hub model repo once the run has completed (`hub_model_id`, "
+        "`private`). Empty: the adapter stays in the artifact store only.",
     )
     deadline_minutes: int = Field(
         default=120, ge=5, json_schema_extra={"maximum": max_deadline_minutes()},
@@ -232,12 +367,17 @@ class RunOverrides(_Section):
     )
     max_steps: int | None = Field(default=None, description="Replaces `training.max_steps` (optimizer steps).")
     learning_rate: float | None = Field(default=None, description="Replaces `training.learning_rate`.")
+    hub_token_secret: str | None = Field(
+        default=None, description="Replaces `hub_token_secret`: the Prefect Secret block holding your Hugging Face "
+        "token, for this run.",
+    )
 
 
 # Where each override goes in the spec.
 OVERRIDE_PATHS: dict[str, tuple[str, ...]] = {
     "name": ("name",), "model": ("model",), "dataset": ("dataset",), "gpu": ("compute", "gpu"),
     "max_steps": ("training", "max_steps"), "learning_rate": ("training", "learning_rate"),
+    "hub_token_secret": ("hub_token_secret",),
 }
 _LOCAL_FILE = re.compile(r"^(/|\./|\.\./|~)|\.jsonl?$")
 
@@ -316,10 +456,11 @@ class ReconcilePolicy(_Section):
     dry_run: bool = Field(default=False, description="Report what would be deleted, delete nothing.")
     silent_after_minutes: float = Field(
         default=10, ge=0.1, le=7 * 24 * 60,
-        description="Delete the endpoints of a run that has sent no heartbeat event for this long: its process is "
-        "gone. A live run sends Prefect's flow-run heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY (default 180 s) "
-        "and, while it watches its job, loraflow's endpoint heartbeat every LORAFLOW_HEARTBEAT_SECONDS (default 60 s); "
-        "logging settings change neither. Keep this well above both.",
+        description="Delete the endpoints of a run that has sent no heartbeat event for this long, or for 3 × its "
+        "own heartbeat interval if longer: its process is gone. A live run sends Prefect's flow-run heartbeat every "
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY (default 180 s) and, while it watches its job, loraflow's endpoint "
+        "heartbeat every LORAFLOW_HEARTBEAT_SECONDS (default 60 s); logging settings change neither. A value below "
+        "3 × the longer of the two where the reconcile runs (9 min with the defaults) is refused.",
     )
     idle_grace_minutes: int = Field(
         default=45, ge=5, le=7 * 24 * 60,
@@ -328,4 +469,10 @@ class ReconcilePolicy(_Section):
     min_age_minutes: float = Field(
         default=2, ge=0, le=24 * 60,
         description="Never delete an endpoint younger than this: its run may not have sent a heartbeat for it yet.",
+    )
+    secret_retain_days: float = Field(
+        default=14, ge=7, le=3650,
+        description="Delete this control plane's account secrets (one per distinct Hub token or run secret) that "
+        "no endpoint refers to and no run used for this long; at least 7 days, a run's longest life. Another "
+        "control plane's secrets are never touched.",
     )

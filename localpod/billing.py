@@ -90,7 +90,7 @@ def billing_window(
             if start_text is not None or end_text is not None:
                 raise ProblemError(400, "lastN is mutually exclusive with startTime/endTime")
             current = floor_bucket(now, size)
-            return step_bucket(current, size, 1 - _positive_int(last_n_text, "lastN")), step_bucket(current, size)
+            return step_bucket(current, size, 1 - positive_int(last_n_text, "lastN")), step_bucket(current, size)
         start = floor_bucket(_timestamp(start_text, "startTime") if start_text else now - BILLING_WINDOW_DEFAULT, size)
         end = _timestamp(end_text, "endTime") if end_text else now
         floor = floor_bucket(end, size)
@@ -152,7 +152,8 @@ def _timestamp(text: str, name: str) -> datetime:
     return value.astimezone(UTC)
 
 
-def _positive_int(raw: str, name: str) -> int:
+def positive_int(raw: str, name: str) -> int:
+    """A query parameter that must be a whole number of at least 1; 400 naming it otherwise."""
     try:
         value = int(raw)
     except ValueError:

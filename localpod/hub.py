@@ -8,11 +8,17 @@ the client's cache needs. The wire facts come from ../shared/hf-hub-api/README.m
     python -m localpod.hub --host 127.0.0.1 --port 8765 --data-dir /tmp/hub
     python -m localpod.hub --port 0 --data-dir /tmp/hub --require-token secret --commits-per-hour 3
     python -m localpod.hub --port 0 --data-dir /tmp/hub --commits-per-hour 1 --commit-window-s 2
+    python -m localpod.hub --port 0 --data-dir /tmp/hub --read-only-token hf_reader
 
 Auth: any bearer token is accepted (unless --require-token). Without a token, public repos can be
 read; private repos and every write answer 401 RepoNotFound, as the Hub does for anonymous callers.
+A token given with --read-only-token is a Hub "read" token: it reads what any token reads, and every
+write (repo create, settings, preupload, commit) answers 403 without an X-Error-Code, which the client
+raises as a plain `HfHubHTTPError` (§8) — as the Hub refuses a read token's writes.
 A commit past the per-repo limit (`--commits-per-hour` in a rolling `--commit-window-s`) answers 429 with
 the Hub's text and a `Retry-After` (§9); a refused commit changes nothing.
+A commit that adds a `README.md` is preceded by the client's check of the card's metadata
+(`POST /api/validate-yaml`, localpod/hub_cards.py).
 Test hooks (not Hub API): `GET /_hub/commits/{repo_type}/{ns}/{name}` (commit count and list, from
 disk), `GET /_hub/downloads/{repo_type}/{ns}/{name}` (file GETs served since start, in memory) and
 `POST|GET|DELETE /_hub/commit-faults/{repo_type}/{ns}/{name}` (arm the next commits to answer 429, 5xx
@@ -25,6 +31,7 @@ import argparse
 import base64
 import json
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -33,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from localpod.hub_cards import validate_yaml_router
 from localpod.hub_limits import CommitFaults, commit_faults_router
 from localpod.hub_repos import (
     DEFAULT_BRANCH,
@@ -48,6 +56,10 @@ from localpod.hub_repos import (
 
 TREE_PAGE_SIZE = 1000
 """Entries per tree page; the Hub pages at 1000 (with `expand=false`) and links the next page (§4)."""
+# The Hub's answers to a read token's writes (seen in users' reports): a create in a namespace the token
+# cannot write, and an upload (preupload, commit) with a token that is not a write token.
+READ_ONLY_CREATE_MESSAGE = "You don't have the rights to create a {kind} under the namespace \"{namespace}\""
+READ_ONLY_WRITE_MESSAGE = "Forbidden: you must use a write token to upload to a repository."
 
 
 class CreateRepoRequest(BaseModel):
@@ -80,15 +92,19 @@ class PreuploadRequest(BaseModel):
 
 
 def create_hub_app(
-    data_dir: Path, *, require_token: str | None = None, commits_per_hour: int = 128, commit_window_s: float = 3600.0
+    data_dir: Path, *, require_token: str | None = None, commits_per_hour: int = 128, commit_window_s: float = 3600.0,
+    read_only_tokens: Collection[str] = (),
 ) -> FastAPI:
-    """The stand-in as an ASGI app; all state lives under `data_dir`."""
+    """The stand-in as an ASGI app; all state lives under `data_dir`. `read_only_tokens`: tokens that may read but
+    not write (the Hub's "read" tokens)."""
+    read_only = frozenset(read_only_tokens)
     repos = HubRepos(Path(data_dir), commits_per_hour=commits_per_hour, commit_window_s=commit_window_s)
     app = FastAPI(title="loraflow local Hub stand-in", docs_url=None, redoc_url=None)
     app.state.repos = repos
     downloads: Counter[str] = Counter()  # file GETs per repo since start (test hook; not persisted)
     commit_faults = CommitFaults(commits_per_hour)
     app.include_router(commit_faults_router(commit_faults, repos))
+    app.include_router(validate_yaml_router())  # a commit adding README.md is checked there first
 
     @app.exception_handler(HubError)
     async def _hub_error(request: Request, err: HubError) -> JSONResponse:
@@ -111,9 +127,12 @@ def create_hub_app(
             raise HubError(401, "Repository not found", "RepoNotFound")
 
     def writable(request: Request, ref: RepoRef) -> None:
-        if caller_token(request) is None:
+        token = caller_token(request)
+        if token is None:
             raise HubError(401, "Repository not found", "RepoNotFound")
         repos.state(ref)
+        if token in read_only:
+            raise HubError(403, READ_ONLY_WRITE_MESSAGE)
 
     def base_url(request: Request) -> str:
         return str(request.base_url).rstrip("/")
@@ -125,11 +144,15 @@ def create_hub_app(
 
     @app.post("/api/repos/create")
     async def create_repo(request: Request, body: CreateRepoRequest) -> JSONResponse:
-        if caller_token(request) is None:
+        token = caller_token(request)
+        if token is None:
             raise HubError(401, "You must be authenticated to create a repo: send a bearer token.")
         if body.organization is None:
             raise HubError(400, "The stand-in has no user accounts: give the repo id as `namespace/name`.")
         ref = RepoRef(f"{body.type}s", body.organization, body.name)
+        if token in read_only:
+            # Refused whether or not the repo exists; `exist_ok=True` then falls back to reading it (§3).
+            raise HubError(403, READ_ONLY_CREATE_MESSAGE.format(kind=REPO_TYPES[ref.plural], namespace=ref.namespace))
         private = body.visibility == "private" if body.visibility is not None else bool(body.private)
         url = f"{base_url(request)}/{ref.url_prefix}"
         if not repos.create(ref, private=private):
@@ -323,10 +346,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="Commits per repo per sliding hour before 429 (the Hub's default quota is 128).")
     parser.add_argument("--commit-window-s", type=float, default=3600.0,
                         help="Length of that sliding window in seconds (the Hub's is an hour; tests shorten it).")
+    parser.add_argument("--read-only-token", action="append", default=[], metavar="TOKEN",
+                        help="A token that may read but not write (repeatable): its writes answer 403, as the Hub "
+                        "answers a read token's.")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level.")
     args = parser.parse_args(argv)
     app = create_hub_app(args.data_dir, require_token=args.require_token, commits_per_hour=args.commits_per_hour,
-                         commit_window_s=args.commit_window_s)
+                         commit_window_s=args.commit_window_s, read_only_tokens=args.read_only_token)
     _AnnouncingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
 
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from localpod import catalog
 from localpod.auth import require_api_key
+from localpod.billing import positive_int
 from localpod.problems import ProblemError
 from localpod.routes_faults import route_fault
 from localpod.state import LocalpodState, get_state
@@ -148,7 +149,7 @@ def _availability_query(state: LocalpodState, request: Request) -> catalog.Avail
     if floor is not None and not _CUDA_FLOOR.match(floor):
         raise ProblemError(422, f"minCudaVersion {floor!r} is not a major or major.minor version")
     return catalog.AvailabilityQuery(
-        count=_positive_int(params.get("count", "1"), "count"),
+        count=positive_int(params.get("count", "1"), "count"),
         country_codes=frozenset(countries) if countries is not None else None,
         cuda=catalog.CudaNeed(floor=floor, allowed=frozenset(versions) if versions is not None else None),
     )
@@ -171,7 +172,7 @@ def _cpu_availability_query(state: LocalpodState, request: Request) -> tuple[boo
         raise ProblemError(400, "include=AVAILABILITY requires product (POD, SERVERLESS)")
     if "vcpuCount" not in params:
         return True, None
-    vcpu_count = _positive_int(params["vcpuCount"], "vcpuCount")
+    vcpu_count = positive_int(params["vcpuCount"], "vcpuCount")
     if vcpu_count < 2 or vcpu_count & (vcpu_count - 1):
         raise ProblemError(400, f"vcpuCount must be a power of two of at least 2, not {vcpu_count}")
     return True, vcpu_count
@@ -202,16 +203,6 @@ def _pattern_list(raw: str | None, name: str, pattern: re.Pattern[str]) -> list[
     if bad:  # RunPod: "a malformed entry is a 422"
         raise ProblemError(422, f"{name}: malformed entries {bad}")
     return items
-
-
-def _positive_int(raw: str, name: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ProblemError(400, f"{name} must be an integer of at least 1, not {raw!r}")
-    return value
 
 
 def _boolean(request: Request, name: str) -> bool | None:

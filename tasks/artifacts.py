@@ -38,20 +38,20 @@ the completion of a prompt/completion line, into the column `answer` (TRL would 
 _MESSAGE_COLUMNS = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "prompt-only": ("prompt",)}
 
 
-def check_dataset_jsonl(path: Path, algorithm: str) -> int:
+def check_dataset_jsonl(path: Path, algorithm: str, field: str = "dataset.local_file") -> int:
     """Count the examples of a JSONL dataset file for `algorithm` (`sft` or `grpo`); ValueError naming
-    `dataset.local_file`, the first bad line and the line shapes `algorithm` accepts. Every line must have
-    the format and the columns of the first: the worker reads the file as one table."""
+    `field` (the spec field that gave the file), the first bad line and the line shapes `algorithm` accepts. Every
+    line must have the format and the columns of the first: the worker reads the file as one table."""
     accepted = ALGORITHM_FORMATS[algorithm]
     expected = " or ".join(DATASET_FORMATS[f] for f in accepted)
     if not path.is_file():
-        raise ValueError(f"dataset.local_file {path} does not exist or is not a file")
+        raise ValueError(f"{field} {path} does not exist or is not a file")
     count, first = 0, None
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
-            where = f"dataset.local_file {path}, line {number}"
+            where = f"{field} {path}, line {number}"
             try:
                 row = json.loads(line)
             except ValueError as e:
@@ -73,18 +73,25 @@ def check_dataset_jsonl(path: Path, algorithm: str) -> int:
                 )
             count += 1
     if count == 0:
-        raise ValueError(f"dataset.local_file {path} has no examples")
+        raise ValueError(f"{field} {path} has no examples")
     return count
 
 
+def eval_store_path(run_id: str) -> str:
+    """Where `publish_run_inputs` puts a run's evaluation file in the store."""
+    return f"{run_prefix(run_id)}/dataset/eval.jsonl"
+
+
 def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, rewards: Sequence[RewardSpec],
-                       base_dir: Path, token: str | None = None) -> tuple[str | None, list[RewardSpec]]:
+                       base_dir: Path, token: str | None = None,
+                       eval_file: Path | None = None) -> tuple[str | None, list[RewardSpec]]:
     """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
     hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
     train.jsonl`, and each reward file (`path/to/file.py:function`, relative paths from `base_dir`) under
     `runs/<run_id>/rewards/`. Returns the dataset's store path (None without a file) and `rewards` with each
     reward file's `store_path` set, for the job. A reward file that is missing or lacks its function is refused
-    (ValueError naming `grpo.rewards[i].name`) before anything is written. `token`: the Hub token."""
+    (ValueError naming `grpo.rewards[i].name`) before anything is written. `token`: the Hub token. `eval_file`: the
+    run's evaluation examples (checked by the caller), stored in the same commit at `eval_store_path(run_id)`."""
     reward_files = check_reward_files(rewards, base_dir)
     store_paths = reward_store_paths(reward_files, run_id)
     files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
@@ -92,8 +99,11 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
     if dataset_file is not None:
         dataset_path = f"{run_prefix(run_id)}/dataset/train.jsonl"
         files[dataset_path] = dataset_file
+    if eval_file is not None:
+        files[eval_store_path(run_id)] = eval_file
     if files:
-        what = " and ".join(filter(None, ["dataset" if dataset_file else "", "reward files" if store_paths else ""]))
+        what = " and ".join(filter(None, ["dataset" if dataset_file else "", "evaluation file" if eval_file else "",
+                                          "reward files" if store_paths else ""]))
         open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
     published = [
         RewardSpec.model_validate({**spec.model_dump(exclude_none=True), "store_path": store_paths[reward_files[i]]})
@@ -157,16 +167,20 @@ def _read_text(store: Any, path: str) -> str | None:
 
 @task(name="publish-run-inputs", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | None, rewards: list[RewardSpec],
-                            base_dir: str) -> tuple[str | None, list[RewardSpec]]:
+                            base_dir: str, eval_file: str | None = None,
+                            hub_token_secret: str | None = None) -> tuple[str | None, list[RewardSpec]]:
     return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
-                              Path(base_dir), _hub_token(store_url))
+                              Path(base_dir), hub_token(store_url, hub_token_secret),
+                              eval_file=Path(eval_file) if eval_file else None)
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
-def collect(store_url: str, run_id: str) -> RunResults:
-    return read_run_results(store_url, run_id, _hub_token(store_url))
+def collect(store_url: str, run_id: str, hub_token_secret: str | None = None) -> RunResults:
+    return read_run_results(store_url, run_id, hub_token(store_url, hub_token_secret))
 
 
-def _hub_token(store_url: str) -> str | None:
-    """The Hub token for an hf:// store (from the environment or the Prefect Secret block)."""
-    return Settings().hub_token() if store_url.startswith("hf://") else None
+def hub_token(store_url: str, hub_token_secret: str | None = None) -> str | None:
+    """The Hub token for an hf:// store: the run's own (its `hub_token_secret` block), else the flow's
+    (`HF_TOKEN` or the `hf-token` block). On a team server the store may be the starter's private repo, which
+    only their token can write."""
+    return Settings().hub_token(hub_token_secret) if store_url.startswith("hf://") else None

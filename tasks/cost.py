@@ -6,10 +6,12 @@ Prices come from RunPod's live catalog when it answers, else from loraflow's sta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Protocol
 
+from loraflow_worker.contract import TrainingSettings
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
@@ -64,6 +66,54 @@ def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceS
             f"the run may cost up to ${cost_usd:.2f} (GPU price × GPUs × deadline{source}), above budget_usd "
             f"${budget_usd:.2f}: lower deadline_minutes, pick a cheaper GPU, or raise budget_usd"
         )
+
+
+EVAL_COST_PER_EXAMPLE = {"sft": 1 / 3, "grpo": 1 / 2}
+"""What evaluating one example costs next to training on one, roughly. SFT evaluates with a forward pass, about a
+third of a training step's forward and backward. GRPO evaluates by generating one completion per prompt and trains on
+none of them; generation is most of a GRPO step, and training generates and trains on each completion."""
+EVAL_SHARE_WARNING = 0.25
+"""An evaluation taking more than this share of the training's compute is probably a mistake: the flow warns."""
+
+
+class EvaluationCost(BaseModel):
+    """What a run's held-out evaluation adds to its work, estimated before renting. Evaluation runs inside the
+    run's deadline, so the cost ceiling (GPU price × deadline) already bounds it: the estimate says how much of the
+    deadline's training it takes."""
+
+    evaluations: int = Field(description="Evaluations: before the first step, every N steps and after the last.")
+    examples: int = Field(description="Examples evaluated each time (at most `max_samples`).")
+    share: float = Field(description="Evaluation's compute as a share of the training's (0.1: 10% more work).")
+
+    def describe(self) -> str:
+        return (f"{self.evaluations} evaluations of {self.examples} examples, about {self.share:.0%} on top of the "
+                "training's compute (inside the deadline, so inside the cost ceiling)")
+
+
+def evaluation_cost(algorithm: str, training: TrainingSettings, *, every_steps: int, max_samples: int,
+                    fraction: float | None, dataset_examples: int | None,
+                    eval_file_examples: int | None) -> EvaluationCost | None:
+    """A proportional estimate of a run's evaluation work (`EVAL_COST_PER_EXAMPLE` per example evaluated against one
+    per example trained on). `dataset_examples` / `eval_file_examples`: the lines of a local dataset / evaluation
+    file (None: a Hub dataset, or no evaluation file). None when the run's steps are not known before it runs
+    (`training.epochs` over a Hub dataset)."""
+    held_out = eval_file_examples  # held out of the dataset: none, with an evaluation file
+    trained = dataset_examples
+    if fraction is not None:
+        # datasets' `train_test_split` rounds the held-out count up.
+        held_out = math.ceil(dataset_examples * fraction) if dataset_examples is not None else None
+        trained = dataset_examples - held_out if dataset_examples is not None else None
+    examples = max_samples if held_out is None else min(max_samples, held_out)
+    batch = training.batch_size * training.gradient_accumulation_steps
+    steps = training.max_steps
+    if steps is None and trained is not None:
+        steps = max(1, math.ceil(training.epochs * trained / batch))
+    if steps is None:
+        return None
+    # Before the first step, at every multiple of every_steps, and after the last unless that was a multiple.
+    evaluations = 1 + steps // every_steps + (1 if steps % every_steps else 0)
+    share = evaluations * examples * EVAL_COST_PER_EXAMPLE[algorithm] / (steps * batch)
+    return EvaluationCost(evaluations=evaluations, examples=examples, share=round(share, 4))
 
 
 @task(name="read-gpu-prices", cache_policy=NO_CACHE)

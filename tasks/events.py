@@ -6,6 +6,8 @@
 | `loraflow.endpoint.deleted` | `loraflow.endpoint.<endpoint id>` | its deletion is confirmed |
 | `loraflow.attempt.given-up` | `loraflow.run.<flow run id>` | an attempt ended without stored results |
 | `loraflow.run.finished` | `loraflow.run.<flow run id>` | the run ended: completed, failed or cancelled |
+| `loraflow.volume.used` | `loraflow.volume.<volume id>` | a run attached a warm volume, or a preload sweep used one |
+| `loraflow.run.placed` | `loraflow.data-center.<datacenter id>` | a training run's worker started its job there |
 
 Every resource carries `prefect.resource.name` and `loraflow.*` labels that an automation's `match` can
 test (labels, unlike payloads, are what Prefect's triggers match on): `loraflow.run-name`, and
@@ -15,7 +17,9 @@ test (labels, unlike payloads, are what Prefect's triggers match on): `loraflow.
 inside it, so every event also shows on the flow run's page.
 
 Sending never raises and returns quickly: Prefect's events worker sends in the background, and a lost
-event is a missed notification, not a failed run. (`tasks/liveness.py` sends the endpoint heartbeat.)
+event is a missed notification, not a failed run. (`tasks/liveness.py` sends the endpoint heartbeat;
+`tasks/volume_inventory.py` reads the volume uses back for retention; `tasks/placement_history.py` reads the
+placements back, for the preload sweep's default datacenters.)
 """
 
 from __future__ import annotations
@@ -23,14 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from loraflow_worker.contract import TrainMetrics
 from prefect.events import Event, emit_event
 
 ENDPOINT_CREATED = "loraflow.endpoint.created"
 ENDPOINT_DELETED = "loraflow.endpoint.deleted"
 ATTEMPT_GIVEN_UP = "loraflow.attempt.given-up"
 RUN_FINISHED = "loraflow.run.finished"
+VOLUME_USED = "loraflow.volume.used"
+RUN_PLACED = "loraflow.run.placed"
 ENDPOINT_RESOURCE = "loraflow.endpoint."
 RUN_RESOURCE = "loraflow.run."
+VOLUME_RESOURCE = "loraflow.volume."
+DATA_CENTER_RESOURCE = "loraflow.data-center."
 
 RunStatus = Literal["completed", "failed", "cancelled"]
 
@@ -69,15 +78,59 @@ def attempt_given_up(run_id: str, run_name: str, *, attempt: int, outcome: str, 
 
 def run_finished(run_id: str, run_name: str, *, status: RunStatus, attempts: int, cost_usd: float | None,
                  cost_ceiling_usd: float | None = None, message: str = "",
-                 adapter_url: str | None = None) -> Event | None:
+                 adapter_url: str | None = None, published_model: str | None = None,
+                 publish_error: str | None = None, metrics: TrainMetrics | None = None) -> Event | None:
     """Send `loraflow.run.finished`. `cost_usd`: the estimate from the seconds the run's workers ran
-    (None: unknown); `attempts`: the attempts started (0: refused before renting)."""
+    (None: unknown); `attempts`: the attempts started (0: refused before renting). `published_model`: the Hub
+    model repo the adapter was published to (`[publish]`), with `publish_error` when that failed. `metrics`: a
+    completed run's, whose last values the payload carries as `final_metrics`."""
     payload: dict[str, Any] = {"status": status, "attempts": attempts, "cost_usd": cost_usd,
                                "cost_ceiling_usd": cost_ceiling_usd, "message": message[:_MAX_TEXT]}
     if adapter_url:
         payload["adapter_url"] = adapter_url
+    if metrics is not None:
+        payload["final_metrics"] = final_metrics(metrics)
+    if published_model:
+        payload["published_model"] = published_model
+    if publish_error:
+        payload["publish_error"] = publish_error[:_MAX_TEXT]
     return emit_event(event=RUN_FINISHED, resource=_run(run_id, None, run_name) | {"loraflow.status": status},
                       payload=payload)
+
+
+def volume_used(volume_id: str, volume_name: str, data_center: str, *, by: str,
+                run_id: str | None) -> Event | None:
+    """Send `loraflow.volume.used`: `by` (`train`, `preload`) used the network volume now. The volumes flow
+    reads the newest per volume (`tasks/volume_inventory.py`, `newest_volume_uses`) to delete volumes no run
+    or sweep used within the retention: an event, not a Variable, so that concurrent users never
+    read-modify-write one shared record. `run_id`: the flow run that used it (None: unknown)."""
+    resource = {"prefect.resource.id": f"{VOLUME_RESOURCE}{volume_id}", "prefect.resource.name": volume_name,
+                "loraflow.data-center": data_center, "loraflow.used-by": by}
+    return emit_event(event=VOLUME_USED, resource=resource,
+                      related=[_run(run_id, "run")] if run_id else None,
+                      payload={"data_center": data_center, "by": by})
+
+
+def run_placed(run_id: str | None, data_center: str, *, endpoint_id: str, endpoint_name: str,
+               gpu_type: str | None = None) -> Event | None:
+    """Send `loraflow.run.placed`: a training run's worker runs its job in `data_center` (RunPod's
+    `/v2/serverless/{id}/workers` said so). The resource is the datacenter, so that where this control
+    plane's training ran is read back per datacenter in one request (`tasks/placement_history.py`)."""
+    resource = {"prefect.resource.id": f"{DATA_CENTER_RESOURCE}{data_center}", "prefect.resource.name": data_center}
+    related = [_endpoint(endpoint_id, endpoint_name) | {"prefect.resource.role": "endpoint"}]
+    if run_id:
+        related.append(_run(run_id, "run"))
+    return emit_event(event=RUN_PLACED, resource=resource, related=related,
+                      payload={"data_center": data_center, "gpu_type": gpu_type})
+
+
+def final_metrics(metrics: TrainMetrics) -> dict[str, float | int]:
+    """A completed run's last values, for automations to test: `steps`, and those the run logged of `loss`, `reward`
+    (GRPO), `eval_loss` (SFT with evaluation) and `eval_reward` (GRPO with evaluation)."""
+    last = {"loss": metrics.final_loss, "reward": metrics.rewards[-1][1] if metrics.rewards else None,
+            "eval_loss": metrics.eval_loss[-1][1] if metrics.eval_loss else None,
+            "eval_reward": metrics.eval_reward[-1][1] if metrics.eval_reward else None}
+    return {"steps": metrics.steps} | {name: value for name, value in last.items() if value is not None}
 
 
 @dataclass
@@ -90,13 +143,15 @@ class RunSpend:
     sent: bool = False
 
     def finish(self, run_id: str, run_name: str, status: RunStatus, value: _T, *, message: str = "",
-               adapter_url: str | None = None) -> _T:
+               adapter_url: str | None = None, published_model: str | None = None,
+               publish_error: str | None = None, metrics: TrainMetrics | None = None) -> _T:
         """Send `loraflow.run.finished` (once: a later call sends nothing) and return `value`, so that a
         flow can `return spent.finish(..., its_result)`."""
         if not self.sent:
             self.sent = True
             run_finished(run_id, run_name, status=status, attempts=self.attempts, cost_usd=round(self.usd, 4),
-                         cost_ceiling_usd=self.ceiling_usd, message=message, adapter_url=adapter_url)
+                         cost_ceiling_usd=self.ceiling_usd, message=message, adapter_url=adapter_url,
+                         published_model=published_model, publish_error=publish_error, metrics=metrics)
         return value
 
 

@@ -118,11 +118,12 @@ def read_model_config(model: ModelSource, settings: Settings | None = None) -> d
 
 
 @task(name="read-model-shape", cache_policy=NO_CACHE)
-def read_model_shape_task(model: ModelSource) -> ModelShape | None:
+def read_model_shape_task(model: ModelSource, hub_token_secret: str | None = None) -> ModelShape | None:
     """The model's shape for the memory plan, from its `config.json` alone (a Hub model's weights are not
-    downloaded here); None, said in the log, when it cannot be read: the worker plans from the model it loads."""
+    downloaded here); None, said in the log, when it cannot be read: the worker plans from the model it loads.
+    `hub_token_secret`: the run's token block (`Settings.hub_token`)."""
     try:
-        return shape_from_config(read_model_config(model, Settings().with_hub_token()))
+        return shape_from_config(read_model_config(model, Settings().with_hub_token(hub_token_secret)))
     except (OSError, ValueError, HfHubHTTPError) as e:
         get_run_logger().warning("%s's config.json could not be read (%s: %s): the GPUs are not checked against the "
                                  "memory plan before renting", model.id, type(e).__name__, str(e)[:300])
@@ -131,8 +132,10 @@ def read_model_shape_task(model: ModelSource) -> ModelShape | None:
 
 @task(name="resolve-model", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],
       retry_condition_fn=lambda task, run, state: not isinstance(state.data, ValueError))
-def resolve_model_task(model: ModelSource, disk_gb: int | None = None) -> ModelSource:
-    return resolve_model(model, Settings().with_hub_token(), disk_gb=disk_gb)
+def resolve_model_task(model: ModelSource, disk_gb: int | None = None,
+                       hub_token_secret: str | None = None) -> ModelSource:
+    """`resolve_model` with the run's Hub token (`hub_token_secret`: its Secret block, `Settings.hub_token`)."""
+    return resolve_model(model, Settings().with_hub_token(hub_token_secret), disk_gb=disk_gb)
 
 
 class AttemptPlan(BaseModel):

@@ -1,8 +1,11 @@
-"""One datacenter's preload: its volume ensured, an endpoint pinned there with the volume attached, a
-`preload` job run on it, the endpoint deleted whatever happened — inside one slot of `runpod-endpoints`.
+"""One datacenter's preload: its volume right-sized (used, grown, or replaced by a new STANDARD one), an
+endpoint pinned there with the volume attached — on the cheapest CPU flavor in stock there, a GPU when no
+CPU flavor is — a `preload` job run on it, and the endpoint deleted as a training attempt's is: confirmed,
+retried, its slot and a record kept for the reconciler while unconfirmed.
 
-Plain functions over `RunpodClient`, and one thin Prefect task (`preload_data_center`) that the
-`preload` flow submits once per datacenter, so the datacenters run concurrently.
+Plain functions over `RunpodClient` (the choices are pure: `choose_compute`, `plan_volume`), and thin Prefect
+tasks: `preload_data_center`, which the `preload` flow submits once per datacenter so the datacenters run
+concurrently, and `retire_volumes`, which deletes the volumes a sweep replaced once nothing attaches them.
 """
 
 from __future__ import annotations
@@ -11,28 +14,36 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from loraflow_worker.contract import CONTRACT_VERSION, ModelSource, PreloadResult
+from loraflow_worker.contract import CONTRACT_VERSION, ModelSource, PreloadInput, PreloadResult
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
+from tasks import events
 from tasks.liveness import beat
 from tasks.quota import endpoint_slot, wait_for_runpod_quota
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.endpoints import build_create_request, endpoint_name, ensure_endpoint
+from tasks.runpod.endpoints import build_cpu_create_request, build_create_request, endpoint_name, ensure_endpoint
+from tasks.runpod.errors import RunpodError
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
-from tasks.runpod.live_catalog import GpuOffer
-from tasks.runpod.models import Endpoint, JobPolicy, RunRequest
-from tasks.runpod.steps import make_client, run_cancel_requested
-from tasks.runpod.volumes import ensure_volume, volume_name
+from tasks.runpod.live_catalog import CatalogCpuType, CatalogDataCenter, GpuOffer
+from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume, Endpoint, JobPolicy, NetworkVolume, RunRequest
+from tasks.runpod.steps import delete_endpoint, make_client, run_cancel_requested
+from tasks.runpod.volumes import SIZE_STEP_GB, delete_volume, volume_name
 from tasks.settings import Settings
-from tasks.teardown import delete_attempt_endpoints
+from tasks.storage_prices import documented_usd_per_month
+from tasks.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
 
 PRELOAD_DISK_GB = 20
 """Container disk of a preload worker: the weights go to the volume, not to this disk."""
+PRELOAD_MIN_RAM_GB = 4
+"""RAM a CPU preload worker gets at least: the Hub client streams files to disk, so a few GB do."""
+STORAGE_TYPE = "STANDARD"
+"""The storage tier of every volume a sweep creates: high-performance storage costs more, and a download
+and a model load once per run gain little from it."""
 
-DataCenterStatus = Literal["ok", "partial", "error", "no_capacity"]
+DataCenterStatus = Literal["ok", "partial", "error", "no_capacity", "skipped"]
 
 
 class ModelOutcome(BaseModel):
@@ -45,22 +56,67 @@ class ModelOutcome(BaseModel):
     error: str | None = None
 
 
+class Compute(BaseModel):
+    """What a datacenter's preload worker runs on."""
+
+    kind: Literal["cpu", "gpu"]
+    name: str = Field(description="The CPU flavor id (e.g. cpu3c), or loraflow's GPU class name (e.g. 4090).")
+    vcpu_count: int | None = Field(default=None, description="vCPUs of a CPU worker; None for a GPU.")
+    usd_per_hour: float = Field(description="The worker's serverless price per hour, USD.")
+
+    def describe(self) -> str:
+        return f"CPU {self.name} × {self.vcpu_count} vCPU" if self.kind == "cpu" else f"GPU {self.name}"
+
+
+class VolumePlan(BaseModel):
+    """What a sweep does with a datacenter's volume."""
+
+    action: Literal["use", "grow", "create"] = Field(description="use: an existing volume fits; grow: the "
+                                                     "existing one is too small; create: none fits (none yet, or "
+                                                     "larger than needed by more than a step, or high-performance).")
+    volume: NetworkVolume | None = Field(default=None, description="The volume used or grown; None to create.")
+    size_gb: int = Field(description="Its size after the sweep.")
+    retire: list[NetworkVolume] = Field(default_factory=list, description="This control plane's other volumes in "
+                                        "the datacenter: deleted once the new one holds the record and nothing "
+                                        "attaches them.")
+
+    @property
+    def volume_type(self) -> str:
+        return (self.volume.type or STORAGE_TYPE) if self.volume is not None else STORAGE_TYPE
+
+
 class DataCenterOutcome(BaseModel):
     """What one datacenter's preload did."""
 
     data_center: str
     status: DataCenterStatus = Field(description="ok: every model is warm; partial: some failed; error: the "
-                                     "preload could not run; no_capacity: no worker started there.")
-    gpu: str | None = Field(default=None, description="The GPU class of its preload worker.")
+                                     "preload could not run; no_capacity: no worker started there; skipped: left "
+                                     "out by the sweep's policy (budget, storage tier), nothing rented.")
+    compute: str | None = Field(default=None, description="What its preload worker ran on (`Compute.describe`).")
     volume_id: str | None = None
     volume_gb: int | None = None
+    volume_type: str | None = None
     models: list[ModelOutcome] = Field(default_factory=list)
     seconds: float = 0.0
+    teardown: str = Field(default="", description="What became of the endpoint: deleted, not confirmed deleted "
+                          "(slot and record kept for the reconciler), or empty when none was made.")
     error: str | None = None
+    notes: list[str] = Field(default_factory=list, description="What else the sweep did here (volumes replaced, "
+                             "retired, deleted).")
 
     @property
     def bytes_downloaded(self) -> int:
         return sum(m.bytes_downloaded for m in self.models)
+
+    @property
+    def usd_per_month(self) -> float | None:
+        """The documented monthly price of its volume; None when it has none."""
+        if self.volume_gb is None or self.volume_id is None:
+            return None
+        return documented_usd_per_month(self.volume_gb, self.volume_type)
+
+
+# --- choices (pure) ------------------------------------------------------------------------------
 
 
 def choose_gpu(data_center: str, offers: list[GpuOffer]) -> GpuClass | None:
@@ -71,10 +127,67 @@ def choose_gpu(data_center: str, offers: list[GpuOffer]) -> GpuClass | None:
     return GPU_CLASSES[min(in_stock, key=lambda o: (o.usd_per_hour, o.gpu)).gpu]
 
 
-def outcome_of(data_center: str, gpu: GpuClass, volume_id: str, volume_gb: int, job: JobOutcome,
+def cpu_worker_vcpus(flavor: CatalogCpuType) -> int | None:
+    """The fewest vCPUs a worker of the flavor may have with `PRELOAD_MIN_RAM_GB` of RAM: a power of two
+    (RunPod's rule for `vcpuCount`), at least 2, within the flavor's range; None when none is."""
+    count = 2
+    while count < flavor.vcpu.min or count * flavor.ram_gb_per_vcpu < PRELOAD_MIN_RAM_GB:
+        count *= 2
+    return count if count <= flavor.vcpu.max else None
+
+
+def choose_cpu(data_center: CatalogDataCenter, cpu_types: list[CatalogCpuType]) -> Compute | None:
+    """The cheapest worker of a CPU flavor with stock in the datacenter, or None when it offers none."""
+    by_id = {c.id: c for c in cpu_types}
+    choices = []
+    for offered in data_center.cpu_availability:
+        flavor = by_id.get(offered.id)
+        vcpus = cpu_worker_vcpus(flavor) if flavor is not None and offered.availability != "NONE" else None
+        if flavor is not None and vcpus is not None:
+            choices.append(Compute(kind="cpu", name=flavor.id, vcpu_count=vcpus,
+                                   usd_per_hour=round(flavor.price.serverless_per_vcpu * vcpus, 4)))
+    return min(choices, key=lambda c: (c.usd_per_hour, c.name)) if choices else None
+
+
+def choose_compute(data_center: CatalogDataCenter, cpu_types: list[CatalogCpuType], offers: list[GpuOffer], *,
+                   cpu: bool = True) -> Compute | None:
+    """A download needs no GPU: the cheapest CPU worker in stock there (`cpu`), else the cheapest GPU in stock
+    there; None when neither is."""
+    chosen = choose_cpu(data_center, cpu_types) if cpu else None
+    if chosen is not None:
+        return chosen
+    gpu = choose_gpu(data_center.id, offers)
+    if gpu is None:
+        return None
+    price = next(o.usd_per_hour for o in offers if o.gpu == gpu.name)
+    return Compute(kind="gpu", name=gpu.name, usd_per_hour=price)
+
+
+def plan_volume(existing: list[NetworkVolume], needed_gb: int, recorded_id: str | None) -> VolumePlan:
+    """What to do with this control plane's volumes in one datacenter (`existing`) for models that need
+    `needed_gb`: use one that fits (at least `needed_gb`, at most a size step more, not high-performance),
+    the recorded one first; else grow one too small; else create a new one. Every other volume is retired:
+    RunPod cannot shrink a volume, so a smaller need is a new volume and the old one deleted."""
+    def rank(v: NetworkVolume) -> tuple[bool, str]:
+        return (v.id != recorded_id, v.id)
+
+    standard = [v for v in existing if v.type != "HIGH_PERFORMANCE"]
+    fits = sorted((v for v in standard if needed_gb <= v.size <= needed_gb + SIZE_STEP_GB), key=rank)
+    small = sorted((v for v in standard if v.size < needed_gb), key=rank)
+    if fits:
+        return VolumePlan(action="use", volume=fits[0], size_gb=fits[0].size,
+                          retire=[v for v in existing if v.id != fits[0].id])
+    if small:
+        return VolumePlan(action="grow", volume=small[0], size_gb=needed_gb,
+                          retire=[v for v in existing if v.id != small[0].id])
+    return VolumePlan(action="create", size_gb=needed_gb, retire=list(existing))
+
+
+def outcome_of(data_center: str, compute: Compute, volume: NetworkVolume, job: JobOutcome,
                seconds: float) -> DataCenterOutcome:
     """A datacenter's outcome from its preload job's."""
-    common = dict(data_center=data_center, gpu=gpu.name, volume_id=volume_id, volume_gb=volume_gb, seconds=seconds)
+    common = dict(data_center=data_center, compute=compute.describe(), volume_id=volume.id, volume_gb=volume.size,
+                  volume_type=volume.type or STORAGE_TYPE, seconds=seconds)
     if job.kind == "no_capacity":
         return DataCenterOutcome(status="no_capacity", error=job.error, **common)
     if job.kind != "completed":
@@ -91,75 +204,177 @@ def outcome_of(data_center: str, gpu: GpuClass, volume_id: str, volume_gb: int, 
                              error=f"not warm: {', '.join(failed)}" if failed else None, **common)
 
 
+# --- doing ---------------------------------------------------------------------------------------
+
+
+def realize_volume(client: RunpodClient, plan: VolumePlan, name: str, data_center: str) -> NetworkVolume:
+    """The volume the plan names, grown, or created (STANDARD storage)."""
+    if plan.action == "use" and plan.volume is not None:
+        return plan.volume
+    if plan.action == "grow" and plan.volume is not None:
+        return client.grow_network_volume(plan.volume.id, plan.size_gb)
+    return client.create_network_volume(CreateNetworkVolume(name=name, size=plan.size_gb, data_center=data_center,
+                                                            type=STORAGE_TYPE))
+
+
+def preload_request(*, name: str, compute: Compute, image: str, env: dict[str, str], execution_timeout_s: int,
+                    data_center: str, volume_id: str) -> CreateEndpoint:
+    """The preload endpoint: one worker of `compute`, pinned to the datacenter with the volume attached."""
+    common = dict(name=name, image=image, disk_gb=PRELOAD_DISK_GB, env=env, execution_timeout_s=execution_timeout_s,
+                  data_center_ids=[data_center], network_volume_id=volume_id)
+    if compute.kind == "cpu":
+        assert compute.vcpu_count is not None
+        return build_cpu_create_request(cpu_flavor=compute.name, vcpu_count=compute.vcpu_count, **common)
+    # A download needs no CUDA: any host of the GPU will do, whatever its driver.
+    return build_create_request(gpu=GPU_CLASSES[compute.name], gpu_count=1, cuda_floor=None, **common)
+
+
 def preload_one(
     client: RunpodClient,
     *,
     run_id: str,
-    namespace: str,
+    endpoint_name: str,
     data_center: str,
-    gpu: GpuClass,
+    compute: Compute,
+    volume: NetworkVolume,
     models: list[ModelSource],
-    volume_gb: int,
     image: str,
     env: dict[str, str],
     deadline_epoch_s: float,
     queue_s: float,
+    created: list[Endpoint],
     cancel_requested: Callable[[], bool] = lambda: False,
 ) -> DataCenterOutcome:
-    """Ensure the datacenter's volume, run a preload job on an endpoint pinned there with the volume
-    attached, and delete the endpoint (confirmed) whatever happened."""
+    """Run a preload job on an endpoint pinned to the datacenter with `volume` attached. The endpoint made
+    is appended to `created`; the caller deletes it, whatever happened."""
     started = time.time()
-    volume = ensure_volume(client, volume_name(data_center, namespace), data_center, volume_gb)
     remaining = max(int(deadline_epoch_s - started), 60)
-    name = endpoint_name(run_id, 1, f"preload-{data_center}", namespace)
-    request = build_create_request(
-        name=name, gpu=gpu, gpu_count=1, image=image, disk_gb=PRELOAD_DISK_GB,
-        env=env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
-        # A download needs no CUDA: any host of the GPU will do, whatever its driver.
-        execution_timeout_s=remaining + 300, cuda_floor=None,
-        data_center_ids=[data_center], network_volume_id=volume.id,
-    )
-    endpoint: Endpoint | None = None
-    try:
-        endpoint = wait_for_runpod_quota(lambda: ensure_endpoint(client, request), give_up_at=deadline_epoch_s - 60,
-                                         cancel_requested=cancel_requested)
-        if endpoint is None:
-            return DataCenterOutcome(data_center=data_center, status="error", gpu=gpu.name, volume_id=volume.id,
-                                     volume_gb=volume.size, error="cancelled, or no room in RunPod's worker quota "
-                                     "before the time budget ran out", seconds=time.time() - started)
-        job_input = {"contract_version": CONTRACT_VERSION, "mode": "preload", "run_id": run_id,
-                     "models": [m.model_dump(mode="json") for m in models], "deadline_epoch_s": deadline_epoch_s}
-        job = client.run(endpoint.id, RunRequest(input=job_input, policy=JobPolicy(
-            execution_timeout=(remaining + 300) * 1000, ttl=(remaining + 600) * 1000)))
-        watched = endpoint
-        # A preload reports no training steps: only the queue allowance and the time budget apply.
-        limits = WatchLimits(deadline_epoch_s=deadline_epoch_s, queue_s=queue_s, startup_s=remaining, stall_s=remaining)
-        outcome = watch_job(client, endpoint.id, job.id, limits, on_status=lambda s: beat(watched, s.status),
-                            cancel_requested=cancel_requested)
-    finally:
-        delete_attempt_endpoints(client, name, endpoint.id if endpoint is not None else None)
-    return outcome_of(data_center, gpu, volume.id, volume.size, outcome, time.time() - started)
+    request = preload_request(name=endpoint_name, compute=compute, image=image, execution_timeout_s=remaining + 300,
+                              env=env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
+                              data_center=data_center, volume_id=volume.id)
+    endpoint = wait_for_runpod_quota(lambda: ensure_endpoint(client, request), give_up_at=deadline_epoch_s - 60,
+                                     cancel_requested=cancel_requested)
+    if endpoint is None:
+        return DataCenterOutcome(data_center=data_center, status="error", compute=compute.describe(),
+                                 volume_id=volume.id, volume_gb=volume.size, volume_type=volume.type or STORAGE_TYPE,
+                                 error="cancelled, or no room in RunPod's worker quota before the time budget ran out",
+                                 seconds=time.time() - started)
+    created.append(endpoint)
+    # The sweep's list is all the volume should keep: models no longer swept are removed from it.
+    job_input = PreloadInput(contract_version=CONTRACT_VERSION, mode="preload", run_id=run_id, models=models,
+                             deadline_epoch_s=deadline_epoch_s, remove_others=True)
+    job = client.run(endpoint.id, RunRequest(input=job_input.model_dump(mode="json"), policy=JobPolicy(
+        execution_timeout=(remaining + 300) * 1000, ttl=(remaining + 600) * 1000)))
+    # A preload reports no training steps: only the queue allowance and the time budget apply.
+    limits = WatchLimits(deadline_epoch_s=deadline_epoch_s, queue_s=queue_s, startup_s=remaining, stall_s=remaining)
+    outcome = watch_job(client, endpoint.id, job.id, limits, on_status=lambda s: beat(endpoint, s.status),
+                        cancel_requested=cancel_requested)
+    return outcome_of(data_center, compute, volume, outcome, time.time() - started)
 
 
-@task(name="preload-datacenter", cache_policy=NO_CACHE, task_run_name="preload-{data_center}")
-def preload_data_center(data_center: str, gpu_name: str, models: list[ModelSource], volume_gb: int, run_id: str,
-                        namespace: str, env: dict[str, str], deadline_epoch_s: float,
-                        queue_s: float) -> DataCenterOutcome:
-    """One datacenter, holding one slot of the endpoint limit for as long as its endpoint may exist. Never
-    raises for the datacenter's own trouble: the sweep reports every datacenter, then decides."""
+class SweepTarget(BaseModel):
+    """One datacenter the sweep warms: on what, and into which volume."""
+
+    data_center: str
+    compute: Compute
+    volume: VolumePlan
+    usd_per_month: float = Field(description="The documented monthly price of its volume after the sweep.")
+
+
+@task(name="preload-datacenter", cache_policy=NO_CACHE, task_run_name="preload-{target.data_center}")
+def preload_data_center(target: SweepTarget, models: list[ModelSource], run_id: str, namespace: str,
+                        env: dict[str, str], deadline_epoch_s: float, queue_s: float) -> DataCenterOutcome:
+    """One datacenter, holding one slot of the endpoint limit for as long as its endpoint may exist. The
+    endpoint is deleted as a training attempt's is (`delete-endpoint`, confirmed and retried); when the delete
+    stays unconfirmed, a slot lease of its own and a record (`UndeletedEndpoint`) outlive the task, for the
+    reconciler. Never raises for the datacenter's own trouble: the sweep reports every datacenter, then decides."""
     logger = get_run_logger()
     settings = Settings()
-    gpu = GPU_CLASSES[gpu_name]
+    data_center, compute = target.data_center, target.compute
+    name = endpoint_name(run_id, 1, f"preload-{data_center}", namespace)
+    created: list[Endpoint] = []
+    undeleted: UndeletedEndpoint | None = None
+    volume: NetworkVolume | None = None
+    teardown = ""
     try:
         with endpoint_slot(settings.loraflow_slot_lease_seconds, give_up_at=deadline_epoch_s, logger=logger), \
                 make_client(settings) as client:
-            outcome = preload_one(client, run_id=run_id, namespace=namespace, data_center=data_center, gpu=gpu,
-                                  models=models, volume_gb=volume_gb, image=settings.worker_image(), env=env,
-                                  deadline_epoch_s=deadline_epoch_s,
-                                  queue_s=queue_s, cancel_requested=run_cancel_requested)
+            volume = realize_volume(client, target.volume, volume_name(data_center, namespace), data_center)
+            events.volume_used(volume.id, volume.name, data_center, by="preload", run_id=run_id)
+            try:
+                outcome = preload_one(client, run_id=run_id, endpoint_name=name, data_center=data_center,
+                                      compute=compute, volume=volume, models=models, image=settings.worker_image(),
+                                      env=env, deadline_epoch_s=deadline_epoch_s, queue_s=queue_s, created=created,
+                                      cancel_requested=run_cancel_requested)
+            finally:
+                endpoint_id = created[0].id if created else None
+                deleted = delete_endpoint(name, endpoint_id, return_state=True)
+                if deleted.is_completed():
+                    teardown = "deleted" if created else ""
+                else:
+                    # Taken while this task still holds its slot, when the limit has room: the endpoint is never
+                    # without one.
+                    undeleted = UndeletedEndpoint(endpoint_name=name, endpoint_id=endpoint_id, run_id=run_id,
+                                                  lease_id=take_slot_for_undeleted(0.0),
+                                                  error=str(deleted.result(raise_on_failure=False))[:500])
+                    teardown = "not confirmed deleted: its slot and record are kept for the reconciler"
     except Exception as e:  # noqa: BLE001 - one datacenter's failure is reported in the sweep's table
         logger.exception("Preload in %s failed", data_center)
-        return DataCenterOutcome(data_center=data_center, status="error", gpu=gpu_name, error=f"{type(e).__name__}: {e}")
-    logger.info("Preload in %s: %s (%d bytes downloaded)%s", data_center, outcome.status, outcome.bytes_downloaded,
-                f": {outcome.error}" if outcome.error else "")
+        outcome = DataCenterOutcome(data_center=data_center, status="error", compute=compute.describe(),
+                                    error=f"{type(e).__name__}: {e}")
+        if volume is not None:
+            outcome = outcome.model_copy(update={"volume_id": volume.id, "volume_gb": volume.size,
+                                                 "volume_type": volume.type or STORAGE_TYPE})
+    finally:
+        if undeleted is not None:
+            keep_undeleted_endpoint(undeleted, logger)
+    outcome = outcome.model_copy(update={"teardown": teardown})
+    if outcome.status in ("error", "no_capacity") and volume is not None and target.volume.action == "create" \
+            and undeleted is None:
+        outcome = _drop_unused_new_volume(outcome, volume, logger)
+    logger.info("Preload in %s on %s: %s (%d bytes downloaded)%s", data_center, compute.describe(), outcome.status,
+                outcome.bytes_downloaded, f": {outcome.error}" if outcome.error else "")
     return outcome
+
+
+def _drop_unused_new_volume(outcome: DataCenterOutcome, volume: NetworkVolume, logger) -> DataCenterOutcome:
+    """A volume this sweep created where nothing could be preloaded bills for nothing: deleted again (its
+    endpoint is proved gone, so nothing attaches it)."""
+    try:
+        with make_client() as client:
+            delete_volume(client, volume.id)
+    except RunpodError as e:
+        logger.warning("The new volume %s in %s holds nothing and could not be deleted (%s); the volumes flow's "
+                       "retention will", volume.id, outcome.data_center, e)
+        return outcome.model_copy(update={"notes": [*outcome.notes, f"new volume {volume.id} holds nothing; its "
+                                                    f"delete failed ({type(e).__name__}), left to the volumes flow"]})
+    return outcome.model_copy(update={"volume_id": None, "volume_gb": None, "volume_type": None,
+                                      "notes": [*outcome.notes, f"new volume {volume.id} held nothing: deleted"]})
+
+
+@task(name="retire-volumes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20])
+def retire_volumes(volumes: list[NetworkVolume]) -> dict[str, str]:
+    """Delete volumes a sweep replaced (the record now names the new one); volume id → what became of it. A
+    volume an endpoint still attaches is left to the volumes flow's retention (RunPod refuses its delete)."""
+    if not volumes:
+        return {}
+    results: dict[str, str] = {}
+    with make_client() as client:
+        attached: dict[str, list[str]] = {}
+        for endpoint in client.list_endpoints():
+            for volume_id in endpoint.network_volumes:
+                attached.setdefault(volume_id, []).append(endpoint.name)
+        for volume in volumes:
+            label = f"old volume {volume.id} ({volume.size} GB)"
+            if volume.id in attached:
+                results[volume.id] = (f"{label} is attached to {', '.join(attached[volume.id])}: left to the volumes "
+                                      "flow's retention")
+                continue
+            try:
+                delete_volume(client, volume.id)
+                results[volume.id] = f"{label} replaced: deleted"
+            except RunpodError as e:
+                results[volume.id] = f"{label} replaced, its delete failed ({type(e).__name__}: {str(e)[:200]}): " \
+                                     "left to the volumes flow's retention"
+    get_run_logger().info("Retired volumes: %s", "; ".join(results.values()))
+    return results

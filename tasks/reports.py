@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import re
+from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
@@ -19,9 +20,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, ValidationError
 
-from tasks.curve_png import line_chart_png
+from tasks.artifacts import hub_token
 from tasks.runpod.live_catalog import PriceSource
-from tasks.settings import Settings
 
 CURVE_FILE = "curve.png"
 
@@ -48,6 +48,9 @@ class RunReport(BaseModel):
     billed_usd: float | None = Field(
         default=None, description="What RunPod billed the run's endpoints (/v2/billing/serverless); None: not read."
     )
+    billing_pending: bool = Field(
+        default=False, description="RunPod had billed nothing yet, or its billing could not be read, when the "
+        "endpoints were deleted: the summary says so, and the reconciler fills the figure in later.")
     algorithm: Literal["sft", "grpo"] = Field(
         default="sft", description="`sft` (the curve is the loss) or `grpo` (the mean reward)."
     )
@@ -56,6 +59,15 @@ class RunReport(BaseModel):
     quantization: Literal["none", "4bit"] = Field(default="none", description="`4bit`: QLoRA (the base in 4 bits).")
     forced_memory: list[str] = Field(
         default_factory=list, description="Memory settings the last attempt forced after running out of memory.")
+    warm_volume: str | None = Field(default=None, description="The network volume the last attempt read the "
+                                    "weights from (`<id> in <datacenter>`); None: a cold start.")
+    storage_usd_per_month: float | None = Field(
+        default=None, description="What that volume costs by the month, whether used or not; None: not known.")
+    storage_cost_source: str | None = Field(default=None, description="`billed` or `documented price`.")
+    published_model: str | None = Field(
+        default=None, description="The Hub model repo the run's `[publish]` names; None: not published by name.")
+    published_model_url: str | None = Field(default=None, description="Its page; None when publishing failed.")
+    publish_error: str | None = Field(default=None, description="Why publishing failed; None when it did not fail.")
 
 
 def run_title(name: str, model_id: str, algorithm: str, gpu: str) -> str:
@@ -72,13 +84,17 @@ def run_tags(model_id: str, algorithm: str, gpus: list[str]) -> list[str]:
 
 def progress_description(progress: dict[str, Any]) -> str:
     """One line from a worker progress update (`loraflow_worker.contract.Progress`): stage, step, loss,
-    reward (GRPO), tokens/s, ETA, message; what is not known yet is left out."""
+    reward (GRPO), the latest eval loss or reward, tokens/s, ETA, message; what is not known yet is left out."""
     step, total = progress.get("step", 0), progress.get("total_steps")
     parts = [f"{progress.get('stage', '?')}: step {step}/{total or '?'}"]
     if isinstance(progress.get("loss"), (int, float)):
         parts.append(f"loss {progress['loss']:.4f}")
     if isinstance(progress.get("reward"), (int, float)):
         parts.append(f"reward {progress['reward']:.3f}")
+    if isinstance(progress.get("eval_loss"), (int, float)):
+        parts.append(f"eval loss {progress['eval_loss']:.4f}")
+    if isinstance(progress.get("eval_reward"), (int, float)):
+        parts.append(f"eval reward {progress['eval_reward']:.3f}")
     if isinstance(progress.get("tokens_per_second"), (int, float)):
         parts.append(f"{progress['tokens_per_second']:,.0f} tokens/s")
     if isinstance(progress.get("eta_seconds"), (int, float)):
@@ -97,19 +113,10 @@ def finished_description(job_output: Any) -> str:
     return progress_description({
         "stage": "completed", "step": metrics.steps, "total_steps": metrics.steps, "loss": metrics.final_loss,
         "reward": metrics.rewards[-1][1] if metrics.rewards else None,
+        "eval_loss": metrics.eval_loss[-1][1] if metrics.eval_loss else None,
+        "eval_reward": metrics.eval_reward[-1][1] if metrics.eval_reward else None,
         "tokens_per_second": metrics.tokens / metrics.wall_seconds if metrics.wall_seconds > 0 else None,
         "eta_seconds": 0})
-
-
-def curve_points(metrics: TrainMetrics, algorithm: str) -> list[tuple[int, float]]:
-    """What the summary plots: GRPO's mean reward per step, else the training loss per step."""
-    return list(metrics.rewards) if algorithm == "grpo" else list(metrics.losses)
-
-
-def curve_png(metrics: TrainMetrics, algorithm: str) -> bytes | None:
-    """The training curve as a PNG; None when fewer than two steps were logged (nothing to draw)."""
-    points = curve_points(metrics, algorithm)
-    return line_chart_png([(float(x), float(y)) for x, y in points]) if len(points) >= 2 else None
 
 
 def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
@@ -118,6 +125,9 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
     m = report.metrics
     loss = (f"{m.first_loss:.4f} → {m.final_loss:.4f}" if m.first_loss is not None and m.final_loss is not None else "n/a")
     rewards = f"{m.rewards[0][1]:.4f} → {m.rewards[-1][1]:.4f}" if m.rewards else None
+    evaluated = [(label, _start_to_final(series)) for label, series in
+                 (("Eval loss, held-out (start → final)", m.eval_loss),
+                  ("Eval mean reward, held-out (start → final)", m.eval_reward)) if series]
     rows = [
         ("Model", f"`{report.model}`" + (f" @ `{report.model_revision}`" if report.model_revision else "")),
         ("GPU", f"{report.gpu_count} × {report.gpu}"),
@@ -129,21 +139,26 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
         ("Steps", str(m.steps)),
         ("Loss (first → final)", loss),
         *([("Mean reward (first → final)", rewards)] if rewards else []),
+        *evaluated,
         ("Tokens", f"{m.tokens:,}"),
         ("Training wall time", f"{m.wall_seconds:.1f} s"),
         ("Cost before (worst case)", f"${report.cost_ceiling_usd:.2f}: GPU price × GPUs × deadline"),
         ("Estimated cost", _estimate(report)),
-        *([("Billed by RunPod", f"${report.billed_usd:.4f}")] if report.billed_usd is not None else []),
+        *([(BILLED_ROW, _billed(report))] if report.billed_usd is not None or report.billing_pending else []),
         ("Adapter", _link(report.adapter_url)),
+        *([("Published model", _published(report))] if report.published_model else []),
         ("Artifact store", _link(report.store_url)),
         *([("This run's files", _link(report.run_url))] if report.run_url else []),
         ("Endpoint", f"`{report.endpoint_name}` (deleted)"),
         ("Attempts", str(report.attempts)),
+        ("Weights", _weights(report)),
     ]
     lines = [f"# Run `{report.run_name}` completed", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if curve is not None:
         what = "Mean reward" if report.algorithm == "grpo" else "Training loss"
+        if evaluated:
+            what = f"Training and eval {'mean reward' if report.algorithm == 'grpo' else 'loss'}"
         lines += ["", f"## {what} by step", "", f"![{what.lower()} by step](data:image/png;base64,"
                   f"{base64.b64encode(curve).decode()})"]
         if report.curve_url:
@@ -154,6 +169,49 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
             info = info if isinstance(info, dict) else {"engaged": info}
             lines.append(f"| {name} | {'yes' if info.get('engaged') else 'no'} | {info.get('reason', '')} |")
     return "\n".join(lines)
+
+
+BILLED_ROW = "Billed by RunPod"
+BILLING_PENDING_NOTE = "the reconciler fills this in"
+"""Ends the billed row of a summary whose figure RunPod had not settled when the run ended."""
+
+
+def billed_later(markdown: str, usd: float, at: datetime) -> str | None:
+    """The summary `markdown` with its pending billed row (`BILLING_PENDING_NOTE`) replaced by `usd`, as the
+    reconciler read it from RunPod at `at`; None when the summary has no pending billed row."""
+    pattern = re.compile(rf"^\| {BILLED_ROW} \| [^\n]*{re.escape(BILLING_PENDING_NOTE)} \|$", re.MULTILINE)
+    row = f"| {BILLED_ROW} | ${usd:.4f} (billed after the run ended; read by the reconciler {at:%Y-%m-%d %H:%M} UTC) |"
+    filled, count = pattern.subn(row, markdown, count=1)
+    return filled if count else None
+
+
+def _billed(report: RunReport) -> str:
+    if not report.billing_pending:
+        return f"${report.billed_usd:.4f}"
+    # RunPod's billing lags behind its workers: nothing billed right after the delete means "not yet".
+    if report.billed_usd is None:
+        return f"not read yet (RunPod's billing could not be read); {BILLING_PENDING_NOTE}"
+    return f"not billed yet; {BILLING_PENDING_NOTE}"
+
+
+def _published(report: RunReport) -> str:
+    if report.publish_error is not None:
+        # A table cell is one line: the reason, newlines folded, pipes escaped.
+        reason = " ".join(report.publish_error.split()).replace("|", "\\|")
+        return f"`{report.published_model}`: **not published** ({reason}); the run completed anyway"
+    if report.published_model_url:
+        return _link(report.published_model_url, report.published_model)
+    return f"`{report.published_model}`"
+
+
+def _weights(report: RunReport) -> str:
+    if report.warm_volume is None:
+        return "downloaded (cold start)"
+    text = f"warm, from network volume {report.warm_volume}"
+    if report.storage_usd_per_month is not None:
+        text += (f"; its storage costs ${report.storage_usd_per_month:.2f}/month whether used or not "
+                 f"({report.storage_cost_source})")
+    return text
 
 
 def _estimate(report: RunReport) -> str:
@@ -178,7 +236,23 @@ def _slug(text: str) -> str:
 
 
 def metrics_rows(metrics: TrainMetrics) -> list[dict[str, Any]]:
-    return [{"step": step, "loss": round(loss, 6)} for step, loss in metrics.losses]
+    """One row per step with a training loss, and per step with an evaluation (`eval_loss` / `eval_reward`
+    columns, empty where the step was not evaluated)."""
+    losses = dict(metrics.losses)
+    evaluations = {name: dict(series) for name, series in (("eval_loss", metrics.eval_loss),
+                                                           ("eval_reward", metrics.eval_reward)) if series}
+    steps = sorted(set(losses).union(*evaluations.values()))
+    return [{"step": step, "loss": _rounded(losses.get(step)),
+             **{name: _rounded(series.get(step)) for name, series in evaluations.items()}} for step in steps]
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def _start_to_final(series: list[tuple[int, float]]) -> str:
+    (first_step, first), (last_step, last) = series[0], series[-1]
+    return f"{first:.4f} (step {first_step}) → {last:.4f} (step {last_step})"
 
 
 @task(name="tag-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[2, 10])
@@ -195,17 +269,22 @@ class StoredCurve(BaseModel):
 
 
 @task(name="store-curve", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30])
-def store_curve(store_url: str, run_id: str, png: bytes) -> StoredCurve:
+def store_curve(store_url: str, run_id: str, png: bytes, hub_token_secret: str | None = None) -> StoredCurve:
     """Store the curve as `runs/<run_id>/curve.png`, in one commit (the Hub counts commits)."""
     path = f"{run_prefix(run_id)}/{CURVE_FILE}"
-    store = open_store(store_url, Settings().hub_token() if store_url.startswith("hf://") else None)
+    store = open_store(store_url, hub_token(store_url, hub_token_secret))
     store.put({path: png}, message=f"training curve of run {run_id}")
     return StoredCurve(curve_url=store.display_url(path), run_url=store.display_url(run_prefix(run_id)))
 
 
+def summary_key(key_prefix: str) -> str:
+    """The key of a run's summary artifact (`publish_report`)."""
+    return f"{key_prefix}-summary"
+
+
 @task(name="publish-report", cache_policy=NO_CACHE)
 def publish_report(report: RunReport, key_prefix: str, curve: bytes | None = None) -> None:
-    create_markdown_artifact(markdown=summary_markdown(report, curve), key=f"{key_prefix}-summary",
+    create_markdown_artifact(markdown=summary_markdown(report, curve), key=summary_key(key_prefix),
                              description=f"Run {report.run_name} summary")
     create_table_artifact(table=metrics_rows(report.metrics), key=f"{key_prefix}-metrics",
                           description=f"Run {report.run_name} training loss by step")

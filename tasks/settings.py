@@ -20,6 +20,10 @@ NAMESPACE_VARIABLE = "loraflow-namespace"
 """The Prefect Variable that holds a control plane's endpoint-name tag when LORAFLOW_NAMESPACE is unset."""
 
 
+class HubTokenError(ValueError):
+    """The Prefect Secret block a run names for its Hugging Face token cannot be read."""
+
+
 class Settings(BaseSettings):
     """Read from environment variables (names in capitals, e.g. `RUNPOD_API_KEY`)."""
 
@@ -34,15 +38,10 @@ class Settings(BaseSettings):
     hf_token: SecretStr | None = Field(
         default=None,
         description="Hugging Face token for private models and the hf:// artifact store. When unset, the Prefect "
-        "Secret block `hf_token_block` is read if it exists. Workers get it through a RunPod account secret.",
+        "Secret block `hf_token_block` is read if it exists. A run whose `hub_token_secret` names a Secret block "
+        "uses that block's token instead. Workers get it through a RunPod account secret.",
     )
     hf_token_block: str = Field(default="hf-token", description="Name of a Prefect Secret block holding the Hugging Face token.")
-    loraflow_hf_token_secret: str | None = Field(
-        default=None, pattern=r"^[a-zA-Z_][a-zA-Z0-9_.\-/]{0,190}$",
-        description="The RunPod account secret that gives workers the Hugging Face token (`HF_TOKEN` in their env "
-        "refers to it; the value never appears in an endpoint). Unset: `loraflow-hf-token-<namespace>`, created "
-        "and kept current from the token here. With no token here, an existing secret of this name is used.",
-    )
     hf_endpoint: str | None = Field(default=None, description="Hugging Face Hub URL; unset means huggingface.co.")
     loraflow_worker_image: str | None = Field(
         default=None,
@@ -130,25 +129,38 @@ class Settings(BaseSettings):
             )
         return value
 
-    def hub_token(self) -> str | None:
-        """The Hugging Face token from the environment, else from the Prefect Secret block, else None."""
-        if self.hf_token is not None:
-            return self.hf_token.get_secret_value()
+    def hub_token(self, run_block: str | None = None) -> str | None:
+        """The Hugging Face token: from the Prefect Secret block a run names (`run_block`, the run field
+        `hub_token_secret`) when it names one, else from the environment, else from the Secret block
+        `hf_token_block`, else None. A named block that cannot be read raises `HubTokenError`, naming the
+        field and the block: a run must not fall back to another person's token."""
         from prefect.blocks.system import Secret
 
+        if run_block is not None:
+            try:
+                token = str(Secret.load(run_block).get())
+            except Exception as e:  # missing (ValueError), not a Secret block, or the Prefect API unreachable
+                raise HubTokenError(
+                    f"hub_token_secret: the Prefect Secret block {run_block!r} cannot be read ({type(e).__name__}: "
+                    f"{str(e)[:300]}): create it (Prefect UI: Blocks → Secret, or `Secret(value=...).save("
+                    f"{run_block!r})` from `prefect.blocks.system`) on the Prefect server this run uses, or unset "
+                    "hub_token_secret to use the HF_TOKEN of the process running the flow"
+                ) from e
+            if not token:
+                raise HubTokenError(f"hub_token_secret: the Prefect Secret block {run_block!r} holds an empty value: "
+                                    "store the Hugging Face token in it")
+            return token
+        if self.hf_token is not None:
+            return self.hf_token.get_secret_value()
         try:
             return str(Secret.load(self.hf_token_block).get())
         except ValueError:  # no such block: public models and file:// stores need no token
             return None
 
-    def with_hub_token(self) -> Settings:
-        """These settings with `hf_token` filled in from the Prefect Secret block when the environment has none."""
-        token = self.hub_token()
+    def with_hub_token(self, run_block: str | None = None) -> Settings:
+        """These settings with `hf_token` set to `hub_token(run_block)` when there is one."""
+        token = self.hub_token(run_block)
         return self if token is None else self.model_copy(update={"hf_token": SecretStr(token)})
-
-    def hub_token_secret_name(self) -> str:
-        """The RunPod account secret workers read the Hub token from."""
-        return self.loraflow_hf_token_secret or f"loraflow-hf-token-{self.control_plane_namespace()}"
 
     def worker_env(self) -> dict[str, str]:
         """The worker's plain environment: what it needs to reach the Hub, secrets excepted (the token goes

@@ -28,6 +28,7 @@ READY_LINE = "hub stand-in listening on "
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 TEST_TOKEN = "hf_test_token_for_the_stand_in"
+READ_ONLY_TEST_TOKEN = "hf_read_only_token_for_the_stand_in"
 
 
 @dataclass
@@ -38,6 +39,8 @@ class HubStandIn:
     token: str
     """A token the stand-in accepts (it accepts any token unless started with require_token)."""
     process: subprocess.Popen
+    read_only_token: str | None = None
+    """A token that reads but cannot write (the Hub's "read" token): its writes answer 403."""
 
     def commits(self, repo_type: str, repo_id: str) -> list[dict]:
         """Commits on main, newest first, from the stand-in's test hook (initial commit included)."""
@@ -75,9 +78,11 @@ class HubStandIn:
 
 @contextmanager
 def running_hub(data_dir: Path, *, require_token: str | None = None, commits_per_hour: int = 128,
-                commit_window_s: float = 3600.0, python: str | Path = sys.executable) -> Iterator[HubStandIn]:
+                commit_window_s: float = 3600.0, python: str | Path = sys.executable,
+                read_only_token: str | None = READ_ONLY_TEST_TOKEN) -> Iterator[HubStandIn]:
     """Start `python -m localpod.hub --port 0` on `data_dir`, wait until it listens, stop it on exit.
-    `python`: an interpreter with localpod's dependencies (the worker's tests pass the control plane's)."""
+    `python`: an interpreter with localpod's dependencies (the worker's tests pass the control plane's).
+    `read_only_token`: a token the stand-in lets read but not write (None: none)."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir.parent / f"{data_dir.name}.log"
@@ -86,13 +91,16 @@ def running_hub(data_dir: Path, *, require_token: str | None = None, commits_per
                "--commit-window-s", str(commit_window_s)]
     if require_token is not None:
         command += ["--require-token", require_token]
+    if read_only_token is not None:
+        command += ["--read-only-token", read_only_token]
     # Output goes to a file, not a pipe: a pipe nobody drains would block the server once full.
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONPATH": _pythonpath()})
     try:
         url = _wait_until_listening(process, log_path)
-        yield HubStandIn(url=url, data_dir=data_dir, token=require_token or TEST_TOKEN, process=process)
+        yield HubStandIn(url=url, data_dir=data_dir, token=require_token or TEST_TOKEN, process=process,
+                         read_only_token=read_only_token)
     finally:
         process.terminate()
         try:

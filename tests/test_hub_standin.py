@@ -260,3 +260,43 @@ def test_repos_and_files_survive_a_restart_on_the_same_data_dir(tmp_path: Path) 
         assert (info.sha, info.private) == (sha, True)
         local = api.hf_hub_download("org/durable", "k.txt", repo_type="dataset", cache_dir=tmp_path / "cache")
         assert Path(local).read_bytes() == b"kept"
+
+
+def test_a_read_only_token_reads_a_private_repo_but_its_commit_is_refused_with_403(api: HfApi, hub: HubStandIn,
+                                                                                    dataset: str) -> None:
+    api.upload_file(path_or_fileobj=b"x", path_in_repo="x.txt", repo_id=dataset, repo_type="dataset")
+    reader = HfApi(endpoint=hub.url, token=hub.read_only_token)
+    assert reader.repo_info(dataset, repo_type="dataset").private is True
+    before = len(hub.commits("dataset", dataset))
+    with pytest.raises(HfHubHTTPError, match="you must use a write token") as excinfo:
+        reader.upload_file(path_or_fileobj=b"y", path_in_repo="y.txt", repo_id=dataset, repo_type="dataset")
+    assert excinfo.value.response.status_code == 403
+    assert len(hub.commits("dataset", dataset)) == before
+
+
+def test_a_read_only_token_cannot_create_a_repo(hub: HubStandIn) -> None:
+    reader = HfApi(endpoint=hub.url, token=hub.read_only_token)
+    with pytest.raises(HfHubHTTPError, match="rights to create a model under the namespace") as excinfo:
+        reader.create_repo(_repo_name("not-mine"), exist_ok=True)
+    assert excinfo.value.response.status_code == 403
+
+
+def test_list_repo_commits_lists_a_model_repos_commits_newest_first(api: HfApi) -> None:
+    repo_id = _repo_name("adapter")
+    api.create_repo(repo_id, private=True)
+    api.upload_file(path_or_fileobj=b"1", path_in_repo="a.txt", repo_id=repo_id, commit_message="first",
+                    commit_description="run 1")
+    api.upload_file(path_or_fileobj=b"2", path_in_repo="a.txt", repo_id=repo_id, commit_message="second")
+    commits = api.list_repo_commits(repo_id)
+    assert [(c.title, c.message) for c in commits] == [("second", ""), ("first", "run 1"), ("initial commit", "")]
+
+
+def test_a_commit_adding_a_readme_is_refused_when_its_card_metadata_is_invalid(api: HfApi, hub: HubStandIn) -> None:
+    repo_id = _repo_name("carded")
+    api.create_repo(repo_id)
+    good = "---\nbase_model: org/base\nlibrary_name: peft\ntags:\n- lora\n---\n# card\n"
+    api.upload_file(path_or_fileobj=good.encode(), path_in_repo="README.md", repo_id=repo_id)
+    bad = "---\nbase_model: /a/local/path\n---\n# card\n"
+    with pytest.raises(ValueError, match='Invalid metadata in README.md.\n- "base_model" must be a Hub repo id'):
+        api.upload_file(path_or_fileobj=bad.encode(), path_in_repo="README.md", repo_id=repo_id)
+    assert len(hub.commits("model", repo_id)) == 2

@@ -253,6 +253,7 @@ def test_each_failing_check_names_its_fix_and_the_run_exits_1(local_stack, tmp_p
     run_file = write_run_file(tmp_path / "run.toml", model="preflight-org/no-such-model",
                               dataset='hub_id = "preflight-org/no-such-dataset"', store="hf://datasets/preflight-org/runs",
                               budget_usd=0.1)
+    run_file.write_text(f'hub_token_secret = "preflight-no-such-block"\n{run_file.read_text()}')
     try:
         httpx.post(f"{localpod}/_localpod/cuda", json={"pool": "ADA_24", "versions": ["12.4", "12.8"]},
                    timeout=10).raise_for_status()
@@ -274,6 +275,7 @@ def test_each_failing_check_names_its_fix_and_the_run_exits_1(local_stack, tmp_p
         "hub: model": ("FAIL", "preflight-org/no-such-model", "model.id"),
         "hub: dataset": ("FAIL", "no such dataset", "dataset.hub_id"),
         "artifact store": ("FAIL", "no Hub token", "write access to preflight-org"),
+        "hub token: hub_token_secret": ("FAIL", "preflight-no-such-block", "create the Secret block"),
     }
     for name, (status, found, fix) in expected.items():
         assert name in run.lines, run.output

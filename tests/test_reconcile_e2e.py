@@ -1,6 +1,7 @@
 """The reconciler on a shared RunPod account and a busy Prefect server, against the real local stack:
-it judges only its own control plane's endpoints, tells a live run from a dead one by heartbeat events
-(not log lines), reads every live run however many pages they fill, and survives a failing `/health`."""
+it judges only its own control plane's endpoints, refuses a silence threshold below the heartbeats, tells a
+live run from a dead one by heartbeat events (not log lines), reads every live run however many pages they
+fill, survives a failing `/health`, and fills in the billed cost RunPod had not given when a run ended."""
 
 from __future__ import annotations
 
@@ -17,11 +18,19 @@ import pytest
 
 from bench.chaos_scenarios import FAULT_INJECTION_DIR, STEP_SECONDS
 from tasks.liveness import ENDPOINT_HEARTBEAT, ENDPOINT_RESOURCE, FLOW_RUN_RESOURCE, newest_heartbeats
+from tasks.pending_billing import pending_billings
 from tasks.reconcile import live_flow_runs
 from tasks.runpod.endpoints import endpoint_name, parse_endpoint_name, run_hash
 from tasks.settings import NAMESPACE_VARIABLE, Settings
 from tests.conftest import REPO
-from tests.test_crash_recovery_e2e import flow_env, live_endpoints, run_reconcile, running_job, wait_for
+from tests.test_crash_recovery_e2e import (
+    flow_env,
+    live_endpoints,
+    reconcile_process,
+    run_reconcile,
+    running_job,
+    wait_for,
+)
 from tests.test_train_e2e import write_run_file
 
 pytestmark = pytest.mark.timeout(900)
@@ -114,6 +123,16 @@ def test_reconcile_judges_only_its_own_control_planes_endpoints(local_stack):
             return any(e["id"] == ids[key] for e in live_endpoints(local_stack, ""))
 
         try:
+            # Below 3 × the heartbeat intervals in force (Prefect's default flow-run heartbeat, 180 s): refused,
+            # the flow Failed before it read or deleted anything.
+            refused = reconcile_process(local_stack, '{"silent_after_minutes": 0.25, "min_age_minutes": 0}')
+            output = refused.stdout + refused.stderr
+            assert refused.returncode != 0, output
+            assert ("silent_after_minutes=0.25 (15 s) is below 3 × the heartbeat interval in force (3 × 180 s = "
+                    "540 s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY; LORAFLOW_HEARTBEAT_SECONDS is 60 s)") in output, output
+            assert "Finished in state Failed" in output and "set it to at least 9 min" in output, output
+            assert all(alive(key) for key in names)
+
             output = run_reconcile(local_stack, '{"dry_run": true, "min_age_minutes": 0}')
             assert f"would delete (dry run) {names['orphan']}" in output
             assert f"kept {names['other']}: another control plane's (tag {other}; ours is {ours})" in output
@@ -175,7 +194,8 @@ def test_heartbeats_come_back_per_run_and_per_endpoint_with_logging_off(local_st
                                      limit=50).events
     # Prefect ties it to the run that sent it: it shows on the run's page.
     assert f"{FLOW_RUN_RESOURCE}{flow_run_id}" in {r.id for r in event.related}
-    assert event.payload == {"job_status": "IN_PROGRESS"}
+    # It says how often it comes, and how often its run's flow-run heartbeat does (Prefect's default here).
+    assert event.payload == {"job_status": "IN_PROGRESS", "interval_s": 60, "flow_run_interval_s": 180}
 
 
 @pytest.fixture(scope="module")
@@ -243,18 +263,22 @@ def test_runs_ending_between_pages_hide_no_live_run(local_stack, many_live_runs)
     assert ours - set(ending.ended) <= found
 
 
-WARNING_ONLY_STEPS = 120
+WARNING_ONLY_STEPS = 180
 WARNING_ONLY_STEP_S = 1.0
-"""The quiet run's steps last at least this long (the fault module's slow-step switch): at least 2 min of training
-whatever the machine's speed, and the sweep comes ~45 s after the run starts (2,500 plain steps once ended in 38 s
+"""The quiet run's steps last at least this long (the fault module's slow-step switch): at least 3 min of training
+whatever the machine's speed, and the sweep comes ~105 s after the run starts (2,500 plain steps once ended in 38 s
 on a quiet machine)."""
+QUIET_HEARTBEATS = {"LORAFLOW_HEARTBEAT_SECONDS": 2, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": 30}
+"""The reconciler's heartbeat settings in the quiet-run test: its threshold may go down to 3 × 30 s."""
 
 
 def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_stack, tiny_model, tmp_path, figures):
-    # Reconcile with a 30 s silence threshold once the run has been Running for longer than that without a
-    # single INFO log line reaching Prefect: judged by its log, it would look dead. Prefect's own flow-run
-    # heartbeat is slowed to 10 min here, so what keeps the endpoint is the job watch's endpoint heartbeat.
-    silent_after_s = 30
+    # Reconcile with a 90 s silence threshold (the least its heartbeat settings allow) once the run has been Running
+    # for longer than that without a single INFO log line reaching Prefect: judged by its log, it would look dead.
+    # Prefect's own flow-run heartbeat is slowed to 10 min in the run, so what keeps the endpoint is the job watch's
+    # endpoint heartbeat. Then RunPod's billing fails as the run reads it: the summary says the cost is pending,
+    # and the next sweep fills it in.
+    silent_after_s = 3 * QUIET_HEARTBEATS["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]
     run_file = write_run_file(tmp_path / "run.toml", name="e2e-quiet", model=tiny_model, store=tmp_path / "store",
                               max_steps=WARNING_ONLY_STEPS)
     env = flow_env(local_stack, PREFECT_LOGGING_LEVEL="WARNING", PREFECT_FLOWS_HEARTBEAT_FREQUENCY=600,
@@ -263,6 +287,7 @@ def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_st
     slow = httpx.post(f"{local_stack.localpod_url}/_localpod/worker-faults", timeout=10, json={
         "action": "env", "endpoint_name_prefix": "loraflow-e2e-quiet-",
         "env": {"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: str(WARNING_ONLY_STEP_S)}}).raise_for_status()
+    billing_fault = None
     flow = subprocess.Popen([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env,
                             stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -282,23 +307,55 @@ def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_st
         assert all(log.level >= 30 for log in logs), [log.message for log in logs if log.level < 30]
         assert all(datetime.now(timezone.utc) - log.timestamp > timedelta(seconds=silent_after_s) for log in logs)
 
-        output = run_reconcile(local_stack, f'{{"silent_after_minutes": {silent_after_s / 60}, "min_age_minutes": 0}}')
+        policy = f'{{"silent_after_minutes": {silent_after_s / 60}, "min_age_minutes": 0}}'
+        output = run_reconcile(local_stack, policy, **QUIET_HEARTBEATS)
         swept_after_s = (datetime.now(timezone.utc) - running_since).total_seconds()
         assert running_job(local_stack, {endpoint["id"]}), (
-            f"the job ended before the sweep ({swept_after_s:.0f} s after Running): raise WARNING_ONLY_STEP_S")
+            f"the job ended before the sweep ({swept_after_s:.0f} s after Running): raise WARNING_ONLY_STEPS")
         assert f"kept {endpoint['name']}: its run is Running" in output, output
         assert live_endpoints(local_stack, "loraflow-e2e-quiet-")
 
+        # The run's one read of RunPod's billing, right after its endpoint is deleted, fails.
+        billing_fault = httpx.post(f"{local_stack.localpod_url}/_localpod/faults", timeout=10, json={
+            "route": "serverless_billing", "action": "status_500", "times": 1}).raise_for_status().json()["id"]
         assert flow.wait(600) == 0, log_path.read_text()
     finally:
         if flow.poll() is None:
             os.killpg(flow.pid, signal.SIGKILL)
         httpx.delete(f"{local_stack.localpod_url}/_localpod/worker-faults/{slow.json()['id']}", timeout=10)
+        if billing_fault is not None:
+            httpx.delete(f"{local_stack.localpod_url}/_localpod/faults/{billing_fault}", timeout=10)
     with prefect_client(local_stack) as client:
         assert client.read_flow_run(run.id).state.type.value == "COMPLETED"
+        assert "fills this in" in _summary_of(client, run.id)
+        wait_for(lambda: _billing_pending(client, run.id), 60, "the run's billing-pending event")
     assert not live_endpoints(local_stack, "loraflow-e2e-quiet-")
+
+    # The next sweep reads what RunPod billed and writes it into this run's summary, once.
+    output = run_reconcile(local_stack, "{}")
+    assert f"billed cost of run e2e-quiet ({run.id}): filled in, $" in output, output
+    with prefect_client(local_stack) as client:
+        summary = _summary_of(client, run.id)
+        assert "| Billed by RunPod | $" in summary and "billed after the run ended" in summary, summary
+        assert "fills this in" not in summary
+        wait_for(lambda: not _billing_pending(client, run.id), 60, "the run's billing-settled event")
     figures(f"Warnings-only run: kept by a reconcile sweep {swept_after_s:.0f} s after it started running "
-            f"(silence threshold {silent_after_s} s), then completed")
+            f"(silence threshold {silent_after_s} s), then completed; its billed cost filled in by the next sweep")
+
+
+def _summary_of(client, flow_run_id) -> str:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    [summary] = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+        key=ArtifactFilterKey(any_=["train-e2e-quiet-summary"])))
+    return summary.data
+
+
+def _billing_pending(client, flow_run_id) -> bool:
+    now = datetime.now(timezone.utc)
+    return any(p.run_id == str(flow_run_id)
+               for p in pending_billings(client, now - timedelta(hours=1), now + timedelta(minutes=1)))
 
 
 def _logs_of(flow_run_id):

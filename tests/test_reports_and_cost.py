@@ -4,7 +4,9 @@ import pytest
 from loraflow_worker.contract import TrainMetrics
 
 from tasks.cost import check_budget, worst_case_cost_usd
-from tasks.reports import RunReport, metrics_rows, summary_markdown
+from datetime import UTC, datetime
+
+from tasks.reports import RunReport, billed_later, metrics_rows, summary_markdown
 from tasks.runpod.catalog import resolve_gpu
 
 METRICS = TrainMetrics(steps=3, losses=[(1, 6.4), (2, 3.0), (3, 1.25)], first_loss=6.4, final_loss=1.25, tokens=1234,
@@ -47,3 +49,30 @@ def test_summary_says_qlora_and_the_memory_settings_an_out_of_memory_attempt_for
 
 def test_metrics_table_has_one_row_per_logged_step():
     assert metrics_rows(METRICS) == [{"step": 1, "loss": 6.4}, {"step": 2, "loss": 3.0}, {"step": 3, "loss": 1.25}]
+
+
+def report(**fields):
+    return RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                     endpoint_name="loraflow-demo-abc-a1", metrics=METRICS, cost_ceiling_usd=0.35,
+                     estimated_cost_usd=0.0005, adapter_url="file:///a/adapter", store_url="file:///a", **fields)
+
+
+def test_a_run_runpod_has_not_billed_yet_says_so_and_who_fills_it_in():
+    text = summary_markdown(report(billed_usd=0.0, billing_pending=True))
+    assert "| Billed by RunPod | not billed yet; the reconciler fills this in |" in text
+    unread = summary_markdown(report(billed_usd=None, billing_pending=True))
+    assert "| Billed by RunPod | not read yet (RunPod's billing could not be read); the reconciler fills this in |" \
+        in unread
+
+
+def test_the_reconciler_fills_the_billed_figure_into_the_pending_row_only():
+    pending = summary_markdown(report(billed_usd=0.0, billing_pending=True))
+    filled = billed_later(pending, 0.0123, datetime(2026, 12, 1, 9, 30, tzinfo=UTC))
+    assert "| Billed by RunPod | $0.0123 (billed after the run ended; read by the reconciler 2026-12-01 09:30 UTC) |" \
+        in filled
+    assert "fills this in" not in filled
+    assert filled.replace(filled.split("| Billed by RunPod |")[1].split("\n")[0], "") == \
+        pending.replace(pending.split("| Billed by RunPod |")[1].split("\n")[0], "")  # nothing else changed
+    # Settled already, or billed when the run ended: nothing to fill in.
+    assert billed_later(filled, 0.02, datetime.now(UTC)) is None
+    assert billed_later(summary_markdown(report(billed_usd=0.0007)), 0.02, datetime.now(UTC)) is None

@@ -1,10 +1,13 @@
-"""The Hub token reaches workers through a RunPod account secret: localpod's `/v2/account/secrets`
-(modelled on RunPod's API v2 reference), its resolution when a worker boots, and loraflow's side."""
+"""Values reach workers through RunPod account secrets, one per distinct value: localpod's
+`/v2/account/secrets` (modelled on RunPod's API v2 reference), its resolution when a worker boots, and
+loraflow's side (`tasks/runpod/secrets.py`): per-value secrets that are never rotated, and the pruning of
+a namespace's unused ones."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -15,10 +18,20 @@ from localpod import LocalpodConfig, create_app
 from localpod.routes_secrets import resolve_secret_references
 from localpod.workers import WorkerSupervisor
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.secrets import ensure_secret, find_secret, hub_token_env, secret_reference
+from tasks.runpod.secrets import (
+    LONGEST_RUN,
+    MAX_SECRET_NAME,
+    parse_secret_name,
+    prune_unused_secrets,
+    referenced_secrets,
+    secret_reference,
+    value_secret_env,
+    value_secret_name,
+)
 from tests.test_localpod import API_KEY, AUTH, create_endpoint
 
 TOKEN = "hf_secretvalue123"
+ALICE, BOB = "hf_alice_token_000111", "hf_bob_token_222333"
 
 
 @pytest.fixture
@@ -96,34 +109,148 @@ def test_a_booting_worker_gets_the_value_the_endpoint_only_refers_to(localpod):
     assert env["HF_TOKEN"] == TOKEN
 
 
-def test_ensure_secret_creates_it_once_and_leaves_an_unchanged_token_alone(runpod):
-    first = ensure_secret(runpod, "loraflow-hf-token-ns1", TOKEN)
-    again = ensure_secret(runpod, "loraflow-hf-token-ns1", TOKEN)
-    assert again.id == first.id and again.description == first.description
-    assert TOKEN not in (first.description or "")
-
-
-def test_ensure_secret_rotates_the_value_when_the_token_changed(runpod, localpod):
-    first = ensure_secret(runpod, "loraflow-hf-token-ns1", TOKEN)
-    rotated = ensure_secret(runpod, "loraflow-hf-token-ns1", "hf_newtoken456")
-    assert rotated.id == first.id and rotated.description != first.description
-    assert localpod.app.state.localpod.secrets[first.id].value == "hf_newtoken456"
-
-
-def test_without_a_token_here_an_existing_secret_is_used_and_none_is_made(runpod):
-    assert hub_token_env(runpod, "made-in-console", None) == {}
-    assert find_secret(runpod, "made-in-console") is None
-    ensure_secret(runpod, "made-in-console", TOKEN)
-    assert hub_token_env(runpod, "made-in-console", None) == {"HF_TOKEN": "{{ RUNPOD_SECRET_made-in-console }}"}
-
-
-def test_the_worker_env_refers_to_the_token_and_never_holds_it(runpod, localpod):
-    env = hub_token_env(runpod, "loraflow-hf-token-ns1", TOKEN)
-    assert env == {"HF_TOKEN": "{{ RUNPOD_SECRET_loraflow-hf-token-ns1 }}"}
-    endpoint = create_endpoint(localpod, env=env)
-    assert TOKEN not in localpod.get("/v2/serverless", headers=AUTH).text
+def booted_env(localpod: TestClient, endpoint: dict) -> dict[str, str]:
+    """The env a worker of `endpoint` boots with, secrets filled in as RunPod fills them."""
     state = localpod.app.state.localpod
-    assert WorkerSupervisor(state).runpod_env(state.endpoints[endpoint["id"]], "w", "k")["HF_TOKEN"] == TOKEN
+    return WorkerSupervisor(state).runpod_env(state.endpoints[endpoint["id"]], "w", "k")
+
+
+def hub_env(runpod: RunpodClient, token: str, namespace: str = "ns1") -> dict[str, str]:
+    return value_secret_env(runpod, "HF_TOKEN", token, purpose="hf-token", namespace=namespace)
+
+
+def stored_values(localpod: TestClient) -> dict[str, str]:
+    return {s.name: s.value for s in localpod.app.state.localpod.secrets.values()}
+
+
+def test_two_values_are_two_secrets_and_neither_is_rotated(runpod, localpod):
+    alice, bob = hub_env(runpod, ALICE), hub_env(runpod, BOB)
+    assert alice != bob
+    # Alice's endpoint booting after Bob stored his token still gets hers.
+    alice_endpoint = create_endpoint(localpod, name="loraflow-alice", env=alice)
+    hub_env(runpod, BOB)
+    assert booted_env(localpod, alice_endpoint)["HF_TOKEN"] == ALICE
+    assert booted_env(localpod, create_endpoint(localpod, name="loraflow-bob", env=bob))["HF_TOKEN"] == BOB
+    assert sorted(stored_values(localpod).values()) == [ALICE, BOB]
+    assert all(s.value_updated_at == s.created_at for s in localpod.app.state.localpod.secrets.values())
+
+
+def test_the_same_value_reuses_its_secret(runpod, localpod):
+    first, again = hub_env(runpod, TOKEN), hub_env(runpod, TOKEN)
+    assert first == again and list(stored_values(localpod).values()) == [TOKEN]
+
+
+def test_a_secret_created_meanwhile_by_another_run_is_reused(runpod, localpod):
+    name = value_secret_name("hf-token", "ns1", TOKEN)
+    create(localpod, name=name, value=TOKEN)  # another process won the race
+    assert hub_env(runpod, TOKEN) == {"HF_TOKEN": secret_reference(name)}
+    assert list(stored_values(localpod)) == [name]
+
+
+def test_the_env_refers_to_the_value_and_never_holds_it(runpod, localpod):
+    env = hub_env(runpod, TOKEN)
+    create_endpoint(localpod, name="loraflow-t", env=env)
+    assert TOKEN not in localpod.get("/v2/serverless", headers=AUTH).text
+    assert TOKEN not in localpod.get("/v2/account/secrets", headers=AUTH).text
+
+
+@pytest.mark.parametrize("purpose", ["hf-token", "env-judge-key", "x"])
+def test_secret_names_are_ones_runpod_accepts_and_say_whose_they_are(localpod, purpose):
+    name = value_secret_name(purpose, "ab12cd34", "some value")
+    assert create(localpod, name=name, value="some value").status_code == 201
+    parsed = parse_secret_name(name)
+    assert parsed is not None and (parsed.purpose, parsed.namespace) == (purpose, "ab12cd34")
+    assert parsed.fingerprint is not None and parsed.fingerprint in name and "some value" not in name
+
+
+@pytest.mark.parametrize(("purpose", "namespace"), [("HF_TOKEN", "ns1"), ("a" * MAX_SECRET_NAME, "ns1"),
+                                                    ("hf-token", "NS1")])
+def test_a_name_runpod_would_refuse_is_never_asked_for(purpose, namespace):
+    with pytest.raises(ValueError, match="purpose|namespace"):
+        value_secret_name(purpose, namespace, TOKEN)
+
+
+def test_names_loraflow_did_not_make_are_not_its_secrets():
+    assert parse_secret_name("hf-token") is None
+    assert parse_secret_name("loraflow-hf-token-ns1-notafingerprint") is None
+    # The single rotated secret of before is still recognised, so that pruning can remove it.
+    assert parse_secret_name("loraflow-hf-token-ns1") == ("hf-token", "ns1", None)
+
+
+def test_the_secrets_an_env_refers_to_are_read_back():
+    assert referenced_secrets({"A": "{{ RUNPOD_SECRET_x-1 }}", "B": "{{RUNPOD_SECRET_y}}:{{ RUNPOD_SECRET_z }}",
+                               "C": "plain"}) == {"x-1", "y", "z"}
+
+
+# Pruning. `now` is set past a secret's creation instead of ageing the secret.
+
+def later(days: float) -> datetime:
+    return datetime.now(UTC) + timedelta(days=days)
+
+
+def prune(runpod: RunpodClient, *, now: datetime, retain_days: float = 14, last_used=None, **kwargs):
+    verdicts = prune_unused_secrets(runpod, "ns1", retain_days=retain_days, now=now, last_used=last_used or {},
+                                    **kwargs)
+    return {v.name: v.action for v in verdicts}
+
+
+def test_an_unused_secret_older_than_the_retention_is_deleted(runpod, localpod):
+    name = referenced_secrets(hub_env(runpod, TOKEN)).pop()
+    assert prune(runpod, now=later(15)) == {name: "deleted"}
+    assert stored_values(localpod) == {}
+
+
+def test_a_secret_used_within_the_retention_is_kept(runpod):
+    name = referenced_secrets(hub_env(runpod, TOKEN)).pop()
+    assert prune(runpod, now=later(30), last_used={name: later(20)}) == {name: "kept"}
+    assert prune(runpod, now=later(10)) == {name: "kept"}
+
+
+def test_a_secret_an_endpoint_refers_to_is_never_pruned(runpod, localpod):
+    env = hub_env(runpod, TOKEN)
+    create_endpoint(localpod, name="someone-elses-endpoint", env={"OTHER": "x", **env})
+    assert prune(runpod, now=later(365), retain_days=0) == {referenced_secrets(env).pop(): "kept"}
+    assert list(stored_values(localpod).values()) == [TOKEN]
+
+
+def test_another_namespaces_secrets_and_other_names_are_never_pruned(runpod, localpod):
+    hub_env(runpod, TOKEN, namespace="other")
+    create(localpod, name="made-in-console", value="x")
+    assert prune(runpod, now=later(365), retain_days=0) == {}
+    assert len(stored_values(localpod)) == 2
+
+
+def test_a_retention_shorter_than_a_run_still_keeps_a_secret_a_live_run_may_refer_to_again(runpod):
+    name = referenced_secrets(hub_env(runpod, TOKEN)).pop()
+    assert LONGEST_RUN >= timedelta(days=7)
+    assert prune(runpod, now=later(3), retain_days=0) == {name: "kept"}
+    assert prune(runpod, now=later(8), retain_days=0) == {name: "deleted"}
+
+
+def test_a_dry_run_deletes_nothing(runpod, localpod):
+    name = referenced_secrets(hub_env(runpod, TOKEN)).pop()
+    assert prune(runpod, now=later(15), dry_run=True) == {name: "would delete"}
+    assert name in stored_values(localpod)
+
+
+def test_the_rotated_secret_of_before_is_pruned_once_unused(runpod, localpod):
+    create(localpod, name="loraflow-hf-token-ns1", value=TOKEN)
+    assert prune(runpod, now=later(15)) == {"loraflow-hf-token-ns1": "deleted"}
+
+
+def test_a_run_named_token_block_wins_and_a_missing_one_is_refused_naming_the_field(local_stack, monkeypatch):
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.settings import HubTokenError, Settings
+
+    monkeypatch.setenv("HF_TOKEN", BOB)
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        Secret(value=ALICE).save("test-alice-hub-token", overwrite=True)
+        assert Settings().hub_token("test-alice-hub-token") == ALICE
+        assert Settings().hub_token() == BOB
+        with pytest.raises(HubTokenError, match=r"hub_token_secret: the Prefect Secret block 'test-nobody' cannot be read"):
+            Settings().hub_token("test-nobody")
 
 
 def test_the_hub_token_can_come_from_a_prefect_secret_block(local_stack, monkeypatch):

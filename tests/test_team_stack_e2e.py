@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 
 from bench.scale_lib import process_usage
-from deployments.team_stack import SLOT_LEASE_S, TeamStack, children, descendants
+from deployments.team_stack import (
+    HEARTBEAT_S,
+    LONGEST_RESTART_S,
+    SLOT_LEASE_S,
+    ZOMBIE_WITHIN_S,
+    TeamStack,
+    children,
+    descendants,
+)
 from tasks.runpod.endpoints import parse_endpoint_name, run_hash
 from tests.conftest import localpod_account, prefect_api
 from tests.test_crash_recovery_e2e import wait_for
@@ -39,8 +47,9 @@ LEASE_S = 60
 """The slot lease of the first two tests' runs: the shortest Prefect's server accepts, so that a dead worker's
 slots come back within the test (the restart test uses the team setup's own, SLOT_LEASE_S)."""
 RECONCILE_S = 30
-SILENT_AFTER_MIN = 1.0
-"""The reconcile deployment's silence threshold: above the runs' heartbeats (30 s flow, 10 s endpoint)."""
+SILENT_AFTER_MIN = 3 * HEARTBEAT_S / 60
+"""The reconcile deployment's silence threshold: the least its heartbeats allow, 3 × the longer of them (30 s flow,
+10 s endpoint); a shorter one is refused."""
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -57,6 +66,12 @@ def team(tmp_path_factory, tiny_model):
                {"policy": {"silent_after_minutes": SILENT_AFTER_MIN, "min_age_minutes": 0}},
                "--interval", str(RECONCILE_S), "--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW")
         yield team
+
+
+def test_the_zombie_threshold_spans_three_heartbeats_and_outlasts_the_longest_restart():
+    # A restart silences a run for its length plus up to one interval (the beat sent just before it went down).
+    assert ZOMBIE_WITHIN_S >= 3 * HEARTBEAT_S
+    assert ZOMBIE_WITHIN_S >= LONGEST_RESTART_S + HEARTBEAT_S + 30
 
 
 def start_runs(team: TeamStack, count: int, env: dict[str, str] | None = None, **params) -> list[str]:
@@ -230,7 +245,8 @@ def test_a_sigkilled_worker_leaves_no_endpoint_or_slot_and_other_workers_runs_tr
     live_jobs = {j["endpointId"] for j in localpod_account(team.local)["jobs"] if j["status"] == "IN_PROGRESS"}
     assert all(e["id"] in live_jobs for r in survivors for e in endpoint_of[r])
     # + 60 s: a reconcile run's own start (a fresh Python process importing Prefect) on a loaded 2-core machine.
-    assert times["endpoints"] <= LEASE_S + RECONCILE_S + 60 and times["slots"] <= LEASE_S + RECONCILE_S + 60
+    assert times["endpoints"] <= SILENT_AFTER_MIN * 60 + RECONCILE_S + 60
+    assert times["slots"] <= LEASE_S + RECONCILE_S + 60
 
     # Stop the survivors the way a user would: cancelled runs delete their endpoints and give their slots back.
     for run_id in survivors:
@@ -271,6 +287,7 @@ def test_runs_complete_across_a_server_restart_and_the_quota_holds_through_it(te
             f"{list(final.values()).count('COMPLETED')}/{len(ids)} runs completed, peak endpoints {peak_alive(ours)} "
             f"(limit {LIMIT}), slots in use after {slots_in_use(team)} (lease {SLOT_LEASE_S} s)")
     assert down_s < SLOT_LEASE_S / 4, "the restart took longer than the lease can ride out"
+    assert down_s + HEARTBEAT_S < ZOMBIE_WITHIN_S, "the restart took longer than the zombie threshold rides out"
     assert list(final.values()) == ["COMPLETED"] * len(ids), final
     assert len(ours) == len(ids) and all(e["deletedAt"] for e in ours) and peak_alive(ours) <= LIMIT
     assert slots_in_use(team) == 0

@@ -16,7 +16,9 @@ from tests.conftest import DATASET, localpod_account, prefect_api, run_train_flo
 pytestmark = pytest.mark.timeout(900)
 
 
-def write_run_file(path: Path, *, name: str, model: Path, store: Path, max_steps: int = 40, dataset: Path = DATASET) -> Path:
+def write_run_file(path: Path, *, name: str, model: Path, store: Path, max_steps: int = 40, dataset: Path = DATASET,
+                   extra: str = "") -> Path:
+    """A run file of an SFT run of the tiny model; `extra`: more TOML sections, appended."""
     path.write_text(f'''
 name = "{name}"
 artifact_store = "file://{store}"
@@ -34,7 +36,7 @@ max_steps = {max_steps}
 batch_size = 8
 max_seq_length = 128
 seed = 7
-''')
+''' + extra)
     return path
 
 
@@ -52,7 +54,9 @@ def run_endpoints(stack, name: str) -> list[dict]:
 
 def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model, tmp_path):
     store = tmp_path / "store"
-    run = run_train_flow(local_stack, write_run_file(tmp_path / "run.toml", name="e2e-sft", model=tiny_model, store=store))
+    evaluation = "[evaluation]\nfraction = 0.2\nevery_steps = 20\n"
+    run_file = write_run_file(tmp_path / "run.toml", name="e2e-sft", model=tiny_model, store=store, extra=evaluation)
+    run = run_train_flow(local_stack, run_file)
     assert run.returncode == 0, run.output
     assert flow_run_state(local_stack, run.flow_run_id)["type"] == "COMPLETED"
 
@@ -60,6 +64,9 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["steps"] == 40
     assert metrics["final_loss"] < 0.5 * metrics["first_loss"], metrics["losses"]
+    # The held-out fifth of the dataset, evaluated before the first step, at step 20 and after the last: it falls.
+    assert [step for step, _ in metrics["eval_loss"]] == [0, 20, 40], metrics["eval_loss"]
+    assert metrics["eval_loss"][-1][1] < 0.75 * metrics["eval_loss"][0][1], metrics["eval_loss"]
     assert (run_dir / "DONE").exists()
 
     # The adapter loads with PEFT (in the worker's environment) and changes the model's output.
@@ -78,6 +85,7 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     # Priced from RunPod's live catalog (localpod serves one), with what RunPod billed the endpoint.
     summary = artifacts["train-e2e-sft-summary"]["data"]
     assert "price source: catalog" in summary and "Billed by RunPod" in summary, summary
+    assert "| Eval loss, held-out (start → final) |" in summary and "## Training and eval loss by step" in summary
 
 
 def test_failing_job_fails_the_flow_with_the_workers_error_and_still_deletes_the_endpoint(local_stack, tmp_path):

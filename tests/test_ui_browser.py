@@ -24,7 +24,7 @@ import pytest
 
 from deployments.team_stack import children
 from flows.spec import RunOverrides, RunSpec
-from tasks.curve_png import BACKGROUND, LINE
+from tasks.curve import BACKGROUND, TRAIN_COLOR
 from tests.conftest import REPO, prefect_api, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, wait_for
 from tests.test_train_e2e import write_run_file
@@ -45,8 +45,9 @@ DEPLOYMENT = "e2e-ui"
 STEPS = 20
 SERVE = ("import json, sys; from flows.train import train; "
          "train.serve(name=sys.argv[1], parameters={'spec': json.loads(sys.argv[2])})")
-# The GRPO section is empty (None) in an SFT deployment's form, so the form shows its description, not its fields.
-SECTIONS_NOT_SHOWN = {"grpo"}
+# The GRPO, evaluation and publish sections are empty (None) in this deployment's form, so the form shows their
+# descriptions, not their fields.
+SECTIONS_NOT_SHOWN = {"grpo", "evaluation", "publish"}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,7 @@ def test_the_summary_renders_the_training_curve_image(local_stack, pages, finish
     # The screenshot shows it: the chart's white background and its line colour, which the dark UI never
     # uses otherwise (a broken image would show neither).
     width, height, _ = decode_png(base64.b64decode(embedded.split(",", 1)[1]))
-    background, line = count_pixels(summary.screenshot, [BACKGROUND, LINE], tolerance=8)
+    background, line = count_pixels(summary.screenshot, [BACKGROUND, TRAIN_COLOR], tolerance=8)
     assert background > 0.6 * width * height and line > 100, (background, line, summary.screenshot)
 
 

@@ -47,7 +47,7 @@ contract_version() {
 
 step_tag() {
     # loraflow-worker:<worker version>-contract<N>-cu130-sm<arch>[-<arch>...], e.g.
-    # loraflow-worker:0.1.0-contract3-cu130-sm90. The control plane reads `contract<N>` from the tag and refuses a
+    # loraflow-worker:0.1.0-contract4-cu130-sm90. The control plane reads `contract<N>` from the tag and refuses a
     # run whose image speaks another job contract before renting a GPU for it.
     local archs
     archs="$(echo "$TORCH_CUDA_ARCH_LIST" | tr ';, ' '\n' | sed -e 's/+PTX//' -e 's/\.//' | grep -v '^$' | paste -sd- -)"

@@ -21,14 +21,16 @@ from tasks.runpod.models import (
     CreateSecret,
     Endpoint,
     EndpointList,
+    EndpointWorker,
+    EndpointWorkerList,
     Health,
     JobStatus,
     NetworkVolume,
+    NetworkVolumeBilling,
     NetworkVolumeList,
     RunRequest,
     Secret,
     UpdateNetworkVolume,
-    UpdateSecret,
 )
 
 API_URL = "https://api.runpod.io/v2"
@@ -166,6 +168,11 @@ class RunpodClient:
     def delete_endpoint(self, endpoint_id: str) -> None:
         self._request("DELETE", f"{self._api_url}/serverless/{endpoint_id}")
 
+    def list_endpoint_workers(self, endpoint_id: str) -> list[EndpointWorker]:
+        """The endpoint's active workers, with where each was placed (`GET /v2/serverless/{id}/workers`)."""
+        response = self._request("GET", f"{self._api_url}/serverless/{endpoint_id}/workers")
+        return EndpointWorkerList.model_validate(response.json()).workers
+
     def list_network_volumes(self) -> list[NetworkVolume]:
         response = self._request("GET", f"{self._api_url}/network-volumes")
         return NetworkVolumeList.model_validate(response.json()).network_volumes
@@ -180,11 +187,30 @@ class RunpodClient:
                                  json=UpdateNetworkVolume(size=size_gb).to_wire())
         return NetworkVolume.model_validate(response.json())
 
+    def rename_network_volume(self, volume_id: str, name: str) -> NetworkVolume:
+        response = self._request("PATCH", f"{self._api_url}/network-volumes/{volume_id}",
+                                 json=UpdateNetworkVolume(name=name).to_wire())
+        return NetworkVolume.model_validate(response.json())
+
+    def delete_network_volume(self, volume_id: str) -> None:
+        """Gone at once, with its files. `NotFoundError` when absent; RunPod refuses (4xx) while an endpoint
+        attaches it."""
+        self._request("DELETE", f"{self._api_url}/network-volumes/{volume_id}")
+
+    def network_volume_billing(self, params: dict[str, Any]) -> NetworkVolumeBilling:
+        """`GET /v2/billing/network-volumes` (`startTime`/`endTime` or `lastN`, `bucketSize`, `networkVolumeId`):
+        one record per volume per bucket."""
+        response = self._request("GET", f"{self._api_url}/billing/network-volumes", params=params)
+        return NetworkVolumeBilling.model_validate(response.json())
+
     # The catalog and billing answer JSON documents: `live_catalog` parses them, since a document of an
     # unexpected shape is one of the failures it falls back from.
 
     def catalog_gpus(self, params: dict[str, Any]) -> Any:
         return self._request("GET", f"{self._api_url}/catalog/gpus", params=params).json()
+
+    def catalog_cpus(self, params: dict[str, Any]) -> Any:
+        return self._request("GET", f"{self._api_url}/catalog/cpus", params=params).json()
 
     def catalog_data_centers(self, params: dict[str, Any]) -> Any:
         return self._request("GET", f"{self._api_url}/catalog/datacenters", params=params).json()
@@ -204,9 +230,9 @@ class RunpodClient:
         response = self._request("POST", f"{self._api_url}/account/secrets", json=body.to_wire())
         return Secret.model_validate(response.json())
 
-    def update_secret(self, secret_id: str, body: UpdateSecret) -> Secret:
-        response = self._request("PATCH", f"{self._api_url}/account/secrets/{secret_id}", json=body.to_wire())
-        return Secret.model_validate(response.json())
+    def delete_secret(self, secret_id: str) -> None:
+        """`NotFoundError` when absent."""
+        self._request("DELETE", f"{self._api_url}/account/secrets/{secret_id}")
 
     # Job API (per endpoint)
 

@@ -13,7 +13,7 @@ from typing import NamedTuple
 from tasks.runpod import errors
 from tasks.runpod.catalog import GpuClass
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.models import CreateEndpoint, Endpoint, GpuRequest, Workers
+from tasks.runpod.models import CpuRequest, CreateEndpoint, Endpoint, GpuRequest, Workers
 
 ENDPOINT_PREFIX = "loraflow-"
 """Every endpoint loraflow creates starts with this; reconcile never touches any other, nor one tagged
@@ -102,6 +102,34 @@ def build_create_request(
             count=gpu_count,
             min_cuda_version=cuda_floor,
         ),
+        workers=Workers(min=0, max=1, idle_timeout=5),
+        timeout=execution_timeout_s * 1000,
+        data_center_ids=data_center_ids or None,
+        network_volumes=[network_volume_id] if network_volume_id else None,
+    )
+
+
+def build_cpu_create_request(
+    *,
+    name: str,
+    cpu_flavor: str,
+    vcpu_count: int,
+    image: str,
+    env: dict[str, str],
+    disk_gb: int,
+    execution_timeout_s: int,
+    data_center_ids: list[str] | None = None,
+    network_volume_id: str | None = None,
+) -> CreateEndpoint:
+    """`build_create_request` for CPU workers (RunPod's CPU serverless: `cpu` in place of `gpu`), for jobs that
+    need no GPU, such as a preload: one flavor at one vCPU count, one worker, one quota slot. A network volume
+    attaches to a CPU endpoint as to a GPU one (`networkVolumes` does not depend on the compute family)."""
+    return CreateEndpoint(
+        name=name,
+        image=image,
+        env=env,
+        disk=disk_gb,
+        cpu=[CpuRequest(id=cpu_flavor, vcpu_count=vcpu_count)],
         workers=Workers(min=0, max=1, idle_timeout=5),
         timeout=execution_timeout_s * 1000,
         data_center_ids=data_center_ids or None,

@@ -1,6 +1,7 @@
 """RunPod's live catalog as the control plane reads it: the serverless price, CUDA versions and
 per-datacenter stock of each of loraflow's GPU classes (`GET /v2/catalog/gpus`), the datacenters
-(`GET /v2/catalog/datacenters`), and what RunPod billed an endpoint (`GET /v2/billing/serverless`).
+(`GET /v2/catalog/datacenters`), the CPU flavors (`GET /v2/catalog/cpus`), and what RunPod billed an
+endpoint (`GET /v2/billing/serverless`).
 
 The GPU catalog is read at most once per `CATALOG_MAX_AGE_S` per process and API URL. When it cannot be
 read (a transient error, a 404 from an API without it, an answer of an unexpected shape), each figure
@@ -109,6 +110,10 @@ class CatalogDataCenter(_Response):
     gpu_availability: list[CatalogResourceAvailability] = Field(
         default_factory=list, description="Each GPU type it offers and its stock; empty when it offers none."
     )
+    cpu_availability: list[CatalogResourceAvailability] = Field(
+        default_factory=list, description="Each CPU flavor it offers and its stock (read with `cpus=True`); empty "
+        "when it offers none, or when not asked for."
+    )
 
     @property
     def supports_network_volumes(self) -> bool:
@@ -117,6 +122,29 @@ class CatalogDataCenter(_Response):
 
 class _DataCenterList(_Response):
     data_centers: list[CatalogDataCenter]
+
+
+class CpuVcpuRange(_Response):
+    min: int = Field(description="Fewest vCPUs a worker of the flavor may have.")
+    max: int = Field(description="Most vCPUs a worker of the flavor may have.")
+
+
+class CpuPrice(_Response):
+    serverless_per_vcpu: float = Field(description="Serverless price per vCPU-hour, USD.")
+
+
+class CatalogCpuType(_Response):
+    """One `CpuType` of `GET /v2/catalog/cpus`: a CPU flavor, priced per vCPU."""
+
+    id: str = Field(description="Flavor id, e.g. `cpu5c` (what a CPU endpoint's `cpu[].id` names).")
+    name: str = Field(description="Display name.")
+    vcpu: CpuVcpuRange
+    ram_gb_per_vcpu: float = Field(description="GB of RAM per vCPU.")
+    price: CpuPrice
+
+
+class _CpuTypeList(_Response):
+    cpus: list[CatalogCpuType]
 
 
 class ServerlessBillingRecord(_Response):
@@ -218,10 +246,16 @@ def read_gpu_types(client: RunpodClient, min_cuda: str | None = None) -> list[Ca
     return _GpuTypeList.model_validate(body).gpus
 
 
-def read_data_centers(client: RunpodClient) -> list[CatalogDataCenter]:
-    """Every datacenter with its network-volume tiers and GPU stock. Raises as `read_gpu_types`."""
-    body = client.catalog_data_centers({"include": "GPU_AVAILABILITY"})
+def read_data_centers(client: RunpodClient, *, cpus: bool = False) -> list[CatalogDataCenter]:
+    """Every datacenter with its network-volume tiers and GPU stock (and, with `cpus`, its CPU flavors' stock).
+    Raises as `read_gpu_types`."""
+    body = client.catalog_data_centers({"include": "GPU_AVAILABILITY,CPU_AVAILABILITY" if cpus else "GPU_AVAILABILITY"})
     return _DataCenterList.model_validate(body).data_centers
+
+
+def read_cpu_types(client: RunpodClient) -> list[CatalogCpuType]:
+    """Every CPU flavor with its vCPU range and serverless price per vCPU. Raises as `read_gpu_types`."""
+    return _CpuTypeList.model_validate(client.catalog_cpus({})).cpus
 
 
 _cache: dict[tuple[str, str | None], LiveCatalog] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
+from pydantic import AliasGenerator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 _wire = AliasGenerator(serialization_alias=to_camel, validation_alias=to_camel)
@@ -33,6 +33,13 @@ class GpuRequest(_Request):
     min_cuda_version: str | None = Field(default=None, description="Lowest acceptable CUDA version, `major.minor`.")
 
 
+class CpuRequest(_Request):
+    """One eligible CPU configuration of a CPU endpoint's workers (`CreateCpuConfig`)."""
+
+    id: str = Field(min_length=1, description="CPU flavor id, as `GET /v2/catalog/cpus` lists it (e.g. `cpu5c`).")
+    vcpu_count: int = Field(ge=2, description="vCPUs per worker: a power of two within the flavor's range.")
+
+
 class Workers(_Request):
     min: int = Field(default=0, ge=0, description="Workers kept warm (billed while idle).")
     max: int = Field(default=1, ge=0, description="Worker cap; counts against the account quota even at zero load.")
@@ -53,12 +60,21 @@ class CreateEndpoint(_Request):
     image: str = Field(min_length=1, description="Worker image reference.")
     env: dict[str, str] = Field(default_factory=dict)
     disk: int | None = Field(default=None, ge=1, description="Container disk in GB.")
-    gpu: GpuRequest
+    gpu: GpuRequest | None = Field(default=None, description="GPU workers; exactly one of `gpu` and `cpu`.")
+    cpu: list[CpuRequest] | None = Field(default=None, min_length=1, description="CPU workers (RunPod's CPU "
+                                         "serverless): eligible flavors and vCPU counts; exactly one of `gpu` and `cpu`.")
     workers: Workers = Field(default_factory=Workers)
     timeout: int = Field(description="Per-request execution timeout in milliseconds.")
     flashboot: Literal["OFF", "FLASHBOOT", "PRIORITY_FLASHBOOT"] = "FLASHBOOT"
     data_center_ids: list[str] | None = None
     network_volumes: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_compute_family(self) -> CreateEndpoint:
+        # RunPod refuses a create with both or neither (CreateEndpointRequest: `gpu` or `cpu`).
+        if (self.gpu is None) == (self.cpu is None):
+            raise ValueError("an endpoint takes exactly one of `gpu` (GPU workers) or `cpu` (CPU workers)")
+        return self
 
 
 class EndpointWorkers(_Response):
@@ -76,6 +92,10 @@ class Endpoint(_Response):
     created_at: str = Field(description="ISO 8601 creation time.")
     image: str | None = None
     timeout: int | None = None
+    network_volumes: list[str] = Field(default_factory=list, description="Ids of the network volumes it attaches "
+                                       "(RunPod refuses to delete a volume while an endpoint attaches it).")
+    env: dict[str, str] = Field(default_factory=dict, description="Its workers' environment: plain values and "
+                                "`{{ RUNPOD_SECRET_<name> }}` references to account secrets.")
 
 
 class EndpointList(_Response):
@@ -138,6 +158,19 @@ class HealthWorkers(_Response):
     unhealthy: int = 0
 
 
+class EndpointWorker(_Response):
+    """One worker of `GET /v2/serverless/{id}/workers` (`Worker`): where RunPod placed it."""
+
+    id: str
+    status: str = Field(description="RUNNING, IDLE, INITIALIZING, THROTTLED or UNHEALTHY (`WorkerStatus`).")
+    data_center_id: str | None = Field(default=None, description="Its datacenter; None until it is placed.")
+    gpu_type_id: str | None = Field(default=None, description="Its GPU type; None until placed, or on a CPU worker.")
+
+
+class EndpointWorkerList(_Response):
+    workers: list[EndpointWorker]
+
+
 class Health(_Response):
     """`GET /v2/{endpoint_id}/health`."""
 
@@ -154,19 +187,13 @@ class CreateSecret(_Request):
     description: str | None = Field(default=None, max_length=65535)
 
 
-class UpdateSecret(_Request):
-    """Body of `PATCH /v2/account/secrets/{id}`: a new value takes effect when a worker next boots."""
-
-    value: str | None = Field(default=None, min_length=1)
-    description: str | None = Field(default=None, max_length=65535)
-
-
 class Secret(_Response):
     """An account secret's metadata; its value is never returned."""
 
     id: str
     name: str
     description: str | None = None
+    created_at: str | None = Field(default=None, description="ISO 8601 creation time.")
 
 
 class CreateNetworkVolume(_Request):
@@ -175,12 +202,16 @@ class CreateNetworkVolume(_Request):
     name: str = Field(min_length=1, description="Not unique at RunPod: loraflow finds its volumes by name and datacenter.")
     size: int = Field(ge=10, le=4096, description="GB; a volume can grow, never shrink.")
     data_center: str = Field(min_length=1, description="Immutable: workers that mount the volume run only there.")
+    type: Literal["STANDARD", "HIGH_PERFORMANCE"] | None = Field(
+        default=None, description="Storage tier, immutable; None: the datacenter's default (RunPod's schema). "
+        "loraflow asks for STANDARD: high-performance storage costs more.")
 
 
 class UpdateNetworkVolume(_Request):
-    """Body of `PATCH /v2/network-volumes/{id}`: only growing is allowed."""
+    """Body of `PATCH /v2/network-volumes/{id}`: a new name, or a larger size (never smaller); at least one."""
 
-    size: int = Field(ge=10, le=4096)
+    size: int | None = Field(default=None, ge=10, le=4096)
+    name: str | None = Field(default=None, min_length=1)
 
 
 class NetworkVolume(_Response):
@@ -188,7 +219,23 @@ class NetworkVolume(_Response):
     name: str
     size: int = Field(description="GB allocated.")
     data_center: str
+    type: str | None = Field(default=None, description="Storage tier, `STANDARD` or `HIGH_PERFORMANCE`; immutable.")
 
 
 class NetworkVolumeList(_Response):
     network_volumes: list[NetworkVolume]
+
+
+class NetworkVolumeBillingRecord(_Response):
+    """One volume's charge over one time bucket (`GET /v2/billing/network-volumes`)."""
+
+    network_volume_id: str
+    start_time: str = Field(description="Start of the bucket, RFC 3339, inclusive.")
+    end_time: str = Field(description="End of the bucket, RFC 3339, exclusive.")
+    total_amount: float = Field(description="USD for the bucket, standard and high-performance storage together.")
+    standard_amount: float = 0.0
+    high_performance_amount: float = 0.0
+
+
+class NetworkVolumeBilling(_Response):
+    records: list[NetworkVolumeBillingRecord]

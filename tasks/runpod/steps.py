@@ -27,15 +27,18 @@ from prefect.tasks import exponential_backoff
 
 from tasks import events
 from tasks.liveness import beat
+from tasks.placement_history import record_placement
 from tasks.reports import finished_description, progress_description
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import delete_endpoint_confirmed, ensure_endpoint
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, JobStatus, RunRequest
-from tasks.runpod.secrets import hub_token_env
+from tasks.runpod.secrets import HUB_TOKEN_PURPOSE, referenced_secrets, value_secret_env
+from tasks.secret_retention import secret_used
 from tasks.settings import Settings
 from tasks.teardown import delete_attempt_endpoints
+from tasks.worker_env import run_secret_env
 
 log = logging.getLogger("loraflow.steps")
 
@@ -65,15 +68,38 @@ def make_client(settings: Settings | None = None) -> RunpodClient:
 
 
 @task(name="prepare-worker-env", **_RETRIES)
-def prepare_worker_env() -> dict[str, str]:
-    """The env every endpoint of the run gets: the Hub's URL, and `HF_TOKEN` as a reference to the RunPod
-    account secret that holds the token (stored or rotated here first), never the token itself."""
+def prepare_worker_env(hub_token_secret: str | None = None, env: dict[str, str] | None = None,
+                       secrets: dict[str, str] | None = None) -> dict[str, str]:
+    """The env every endpoint of the run gets: the Hub's URL; `HF_TOKEN` as a reference to the RunPod
+    account secret that holds the run's token (one secret per token, created here when missing, never
+    changed), never the token itself; and the run's own variables (`worker.env`, as they are) and secrets
+    (`worker.secrets`: ENV_NAME → Prefect Secret block, each value read here and referenced the same way,
+    `tasks/worker_env.py`). The token is the one in the Prefect Secret block `hub_token_secret` names, else
+    the flow's own (`Settings.hub_token`); with none, the workers get no `HF_TOKEN`."""
     settings = Settings()
+    logger = get_run_logger()
+    token = settings.hub_token(hub_token_secret)
+    references: dict[str, str] = {}
+    if secrets:
+        with make_client(settings) as client:
+            references = run_secret_env(client, secrets, settings.control_plane_namespace())
+        for env_name, reference in references.items():
+            for name in referenced_secrets({env_name: reference}):
+                secret_used(name, env_name=env_name)  # before any endpoint refers to it: pruning keeps it
+                logger.info("Workers read %s (the Secret block %r) from the RunPod account secret %s", env_name,
+                            secrets[env_name], name)
+    run_env = settings.worker_env() | (env or {}) | references
+    if token is None:
+        logger.info("No Hugging Face token: workers reach public models and file:// stores only")
+        return run_env
     with make_client(settings) as client:
-        token_env = hub_token_env(client, settings.hub_token_secret_name(), settings.hub_token())
-    if token_env:
-        get_run_logger().info("Workers read HF_TOKEN from the RunPod account secret %s", settings.hub_token_secret_name())
-    return settings.worker_env() | token_env
+        token_env = value_secret_env(client, "HF_TOKEN", token, purpose=HUB_TOKEN_PURPOSE,
+                                     namespace=settings.control_plane_namespace())
+    for name in referenced_secrets(token_env):
+        secret_used(name, env_name="HF_TOKEN")  # before any endpoint refers to it: pruning keeps it
+        logger.info("Workers read HF_TOKEN (the token of %s) from the RunPod account secret %s",
+                    f"the Secret block {hub_token_secret!r}" if hub_token_secret else "this flow's process", name)
+    return run_env | token_env
 
 
 @task(name="create-endpoint", **_RETRIES)
@@ -82,7 +108,7 @@ def create_endpoint(request: CreateEndpoint) -> Endpoint:
     with make_client() as client:
         endpoint = ensure_endpoint(client, request)
     get_run_logger().info("Endpoint %s (%s) is up", endpoint.name, endpoint.id)
-    events.endpoint_created(endpoint.id, endpoint.name, flow_run.id, pools=request.gpu.pools)
+    events.endpoint_created(endpoint.id, endpoint.name, flow_run.id, pools=request.gpu.pools if request.gpu else [])
     return endpoint
 
 
@@ -108,10 +134,16 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
     heartbeat_s = Settings().loraflow_heartbeat_seconds
     artifact_id = create_progress_artifact(progress=0.0, key=progress_key, description="Training progress")
     last: dict[str, Any] = {"status": None, "progress": None, "logged": time.monotonic(), "error_logged": None,
-                            "percent": 0.0, "shown": {}}
+                            "percent": 0.0, "shown": {}, "placement_reads": 0}
 
     def on_status(status: JobStatus) -> None:
         beat(endpoint, status.status)
+        # Where the job runs, once it runs (a few reads: the worker list can lag the job's status), for the
+        # preload sweep's default datacenters (`tasks/placement_history.py`). `client`: the watch's, bound below.
+        if status.status == "IN_PROGRESS" and 0 <= last["placement_reads"] < 3:
+            last["placement_reads"] += 1
+            if record_placement(client, endpoint, status.worker_id, flow_run.id) is not None:
+                last["placement_reads"] = -1
         now = time.monotonic()
         last["error_logged"] = None
         progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None

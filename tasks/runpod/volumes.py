@@ -9,8 +9,12 @@ like endpoint names, so two Prefect servers sharing an account never fill or gro
 from __future__ import annotations
 
 import math
+import re
+from typing import NamedTuple
 
 from tasks.runpod.client import RunpodClient
+from tasks.runpod.endpoints import NAMESPACE_PATTERN
+from tasks.runpod.errors import NotFoundError
 from tasks.runpod.models import CreateNetworkVolume, NetworkVolume
 
 VOLUME_PREFIX = "loraflow-cache-"
@@ -25,6 +29,22 @@ HEADROOM = 1.1
 def volume_name(data_center: str, namespace: str) -> str:
     """`loraflow-cache-<tag>-<datacenter>`: one per datacenter and control plane."""
     return f"{VOLUME_PREFIX}{namespace}-{data_center.lower()}"
+
+
+class VolumeName(NamedTuple):
+    namespace: str
+    data_center: str
+    """As the name carries it: lowercase."""
+
+
+_NAME = re.compile(rf"^{VOLUME_PREFIX}(?P<namespace>{NAMESPACE_PATTERN})-(?P<data_center>[a-z0-9-]+)$")
+
+
+def parse_volume_name(name: str) -> VolumeName | None:
+    """The control plane's tag and the datacenter in a name `volume_name` made; None for any other name
+    (a tag has no dash, so the first dash after it starts the datacenter)."""
+    match = _NAME.match(name)
+    return VolumeName(match["namespace"], match["data_center"]) if match else None
 
 
 def volume_size_gb(model_bytes: list[int]) -> int:
@@ -57,3 +77,16 @@ def ensure_volume(client: RunpodClient, name: str, data_center: str, size_gb: in
     if volume.size < size_gb:
         return client.grow_network_volume(volume.id, size_gb)
     return volume
+
+
+def volume_exists(client: RunpodClient, volume_id: str) -> bool:
+    return any(v.id == volume_id for v in client.list_network_volumes())
+
+
+def delete_volume(client: RunpodClient, volume_id: str) -> None:
+    """Delete the volume and its files; one already gone counts as deleted. RunPod refuses (4xx) while an
+    endpoint attaches it: that error is raised."""
+    try:
+        client.delete_network_volume(volume_id)
+    except NotFoundError:
+        pass

@@ -10,6 +10,7 @@ This module must stay light (pydantic only): the control plane imports it withou
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import re
@@ -18,9 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from loraflow_worker.reward_names import BUILTIN_REWARD_PARAMS, REWARD_STORE_PATH_PATTERN, reward_kind
 
-CONTRACT_VERSION = 3
+CONTRACT_VERSION = 4
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
-and `memory` (forced memory settings)."""
+and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
+`worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
+with `eval_loss` / `eval_reward` in the metrics and the progress."""
 
 MAX_EXTRA_PACKAGES = 20
 MAX_PRELOAD_MODELS = 100
@@ -269,6 +272,47 @@ def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: T
     return []
 
 
+class EvaluationSettings(_Strict):
+    """Held-out evaluation while training: before the first step, every `every_steps` optimizer steps and after
+    the last (the Trainer's `eval_on_start` and step strategy), on at most `max_samples` examples that are not
+    trained on. SFT records the loss on them (`eval_loss`). GRPO records the mean total reward (the rewards summed
+    with their weights, as in training) of ONE completion per evaluation prompt, sampled the way training samples
+    (temperature `grpo.temperature`, at most `grpo.max_completion_length` tokens; not greedy): a noisy estimate,
+    which a larger `max_samples` steadies (`eval_reward`)."""
+
+    fraction: float | None = Field(
+        default=None,
+        gt=0.0,
+        lt=0.5,
+        description="Hold this share of the training dataset out for evaluation, picked at random with "
+        "`training.seed` (the same seed holds the same rows out on every attempt); the rest is trained on. "
+        "Give `fraction` or `store_path`, not both.",
+    )
+    store_path: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Path of a JSONL file of evaluation examples inside the artifact store, in the training "
+        "dataset's formats (set by the control plane when it publishes `evaluation.local_file`).",
+    )
+    every_steps: int = Field(
+        default=50, ge=1, le=10_000_000,
+        description="Evaluate every this many optimizer steps, besides once before the first step and once after "
+        "the last.",
+    )
+    max_samples: int = Field(
+        default=200, ge=1, le=100_000,
+        description="Evaluate on at most this many examples (a seeded sample of the held-out ones), so that "
+        "evaluation stays a small share of the run's time and cost.",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> EvaluationSettings:
+        if (self.fraction is None) == (self.store_path is None):
+            raise ValueError("give exactly one of `fraction` (a held-out share of the dataset) or `store_path` "
+                             "(an evaluation file in the store)")
+        return self
+
+
 class MemorySettings(_Strict):
     """Memory settings forced on an attempt instead of the worker's memory plan (each None: the plan decides). The
     control plane sets them after an out-of-memory attempt; the run manifest records which were forced."""
@@ -334,6 +378,120 @@ def memory_setting_problems(algorithm: str, lora: LoraSettings, training: Traini
     return problems
 
 
+FORCIBLE_FAST_PATHS = ("gradient_checkpointing", "paged_adamw_8bit")
+"""The fast paths a run may force on (`true`): the memory trade-offs. Kernels are on wherever they can be."""
+
+
+class FastPathSettings(_Strict):
+    """GPU fast paths (kernels and memory savers) switched on or off for this run. Each left empty is automatic: the
+    worker uses what the GPU, the installed kernels and its memory plan allow. False switches one off (an A/B
+    measurement, a kernel bug in the field); true forces a memory saver on. The run manifest records, for every fast
+    path, whether it engaged and why. On a CPU (local mode) none engages."""
+
+    bf16: bool | None = Field(
+        default=None, description="bf16 mixed precision, on GPUs that have bf16 tensor cores (Ampere, sm_80, and newer). "
+        "False trains in fp32: more memory, slower.")
+    liger_kernel: bool | None = Field(
+        default=None, description="Liger's Triton kernels for the model's layers (RMSNorm, SwiGLU, RoPE), where Liger "
+        "supports the model type. False: transformers' own layers.")
+    flash_linear_attention: bool | None = Field(
+        default=None, description="flash-linear-attention kernels for Gated-DeltaNet layers (Qwen3.5, Qwen3-Next). False: "
+        "transformers' torch loop, several times slower.")
+    causal_conv1d: bool | None = Field(
+        default=None, description="causal-conv1d's kernel for the short convolution of Gated-DeltaNet layers. False: "
+        "transformers' torch conv1d (a small share of the step).")
+    gradient_checkpointing: bool | None = Field(
+        default=None, description="Recompute activations in the backward pass: less memory, about 30% slower. Empty: the "
+        "memory plan decides; true forces it on, false off. After an out-of-memory attempt the control plane's memory "
+        "settings take precedence.")
+    fused_adamw: bool | None = Field(
+        default=None, description="torch's AdamW with its fused CUDA kernel. False: torch's plain AdamW.")
+    paged_adamw_8bit: bool | None = Field(
+        default=None, description="bitsandbytes' 8-bit paged AdamW: less optimizer memory. Empty: used when the memory plan "
+        "finds memory short; true forces it (the image must have bitsandbytes), false never.")
+    expandable_segments: bool | None = Field(
+        default=None, description="The CUDA allocator's expandable segments (`PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:True`, set before CUDA starts): less fragmentation. False: the allocator's defaults.")
+    vllm_colocate: bool | None = Field(
+        default=None, description="GRPO: completions generated by a vLLM engine colocated on the training GPU, asleep "
+        "while training steps (far faster than transformers' generate). Empty: where the memory plan says it fits. "
+        "False: transformers' generate.")
+
+    @field_validator("bf16", "liger_kernel", "flash_linear_attention", "causal_conv1d", "fused_adamw",
+                     "expandable_segments", "vllm_colocate")
+    @classmethod
+    def _only_memory_savers_can_be_forced(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value is True:
+            raise ValueError(
+                f"`{info.field_name}` cannot be forced on: it is used wherever the GPU and the image allow it; leave it "
+                f"empty (automatic) or set false to switch it off. Only {' and '.join(FORCIBLE_FAST_PATHS)} can be true"
+            )
+        return value
+
+    def switched_off(self) -> frozenset[str]:
+        """The fast paths this run switches off."""
+        return frozenset(name for name, value in self if value is False)
+
+    def switched_on(self) -> frozenset[str]:
+        """The memory savers this run forces on."""
+        return frozenset(name for name, value in self if value is True)
+
+
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+"""An environment variable's name as a shell accepts it: letters, digits and `_`, not starting with a digit."""
+MAX_WORKER_ENV = 64
+"""Variables a run may add to its worker's environment, plain and secret each."""
+# The one list of the names a run cannot set in its worker's environment (`[worker] env` and `secrets`), with why:
+# the control plane sets them, or they would change how the worker itself runs (which interpreter and libraries,
+# which GPU, where its files go, where pip installs from). The run spec refuses them before anything is rented;
+# the worker refuses a job that lists them. Compared without regard to case.
+RESERVED_ENV_NAMES: dict[str, str] = {
+    "HF_TOKEN": "loraflow gives the worker the run's Hugging Face token, from `hub_token_secret`",
+    "HUGGING_FACE_HUB_TOKEN": "loraflow gives the worker the run's Hugging Face token, from `hub_token_secret`",
+    "HF_TOKEN_PATH": "loraflow gives the worker the run's Hugging Face token, from `hub_token_secret`",
+    "HF_ENDPOINT": "loraflow points the worker at the Hub its control plane uses",
+    "HF_HOME": "the worker keeps Hub files where it reads them (the network volume's cache or its own disk)",
+    "CUDA_VISIBLE_DEVICES": "the worker trains on the GPU RunPod gives it",
+    "CUDA_DEVICE_ORDER": "the worker trains on the GPU RunPod gives it",
+    "PYTORCH_CUDA_ALLOC_CONF": "the worker sets the CUDA allocator before CUDA starts, as "
+                               "`fast_paths.expandable_segments` says",
+    "PATH": "the worker runs the image's programs",
+    "HOME": "the worker's files live where the image puts them",
+    "TMPDIR": "the worker's scratch files live on its container disk",
+}
+RESERVED_ENV_PREFIXES: dict[str, str] = {
+    "HF_HUB_": "the Hub client's settings (offline mode, cache, transfers) are the worker's",
+    "RUNPOD_": "RunPod sets them (the worker's own API key among them)",
+    "LORAFLOW_": "loraflow's own settings, set by the control plane or the image",
+    "NVIDIA_": "the container runtime's GPU settings are RunPod's",
+    "LD_": "the dynamic linker's settings would change which libraries the worker loads",
+    "PYTHON": "the interpreter's settings are the image's",
+    "PIP_": "`extra_packages` install from the image's package index settings only",
+}
+
+
+def worker_env_name(name: str) -> str:
+    """`name` as one of a run's own worker variables (`[worker] env` or `secrets`); ValueError naming it and why not."""
+    if not re.match(ENV_NAME_PATTERN, name):
+        raise ValueError(f"`{name}` is not an environment variable name: use letters, digits and `_`, not starting "
+                         "with a digit (at most 128 characters)")
+    upper = name.upper()
+    reason = RESERVED_ENV_NAMES.get(upper) or next(
+        (why for prefix, why in RESERVED_ENV_PREFIXES.items() if upper.startswith(prefix)), None)
+    if reason is not None:
+        raise ValueError(f"`{name}` cannot be set by a run ({reason}): remove it")
+    return name
+
+
+def worker_env_overlap(env_names: Iterable[str], secret_names: Iterable[str]) -> str | None:
+    """Why the same name cannot be both a plain variable and a secret, or None when no name is both."""
+    both = sorted(set(env_names) & set(secret_names))
+    if not both:
+        return None
+    return (f"{', '.join(f'`{name}`' for name in both)} {'is' if len(both) == 1 else 'are'} in both `env` and `secrets`: "
+            "keep each name in one (`secrets` for a credential)")
+
+
 def plain_requirements(packages: list[str]) -> list[str]:
     """`extra_packages` as the worker installs them; ValueError for anything but a plain pip requirement."""
     for package in packages:
@@ -363,6 +521,9 @@ class JobInput(_Strict):
     grpo: GrpoSettings | None = Field(
         default=None, validate_default=True, description="GRPO settings: required when `algorithm` is `grpo`, refused otherwise."
     )
+    evaluation: EvaluationSettings | None = Field(
+        default=None, description="Held-out evaluation while training; None: no evaluation."
+    )
     artifact_store: str = Field(
         min_length=1,
         max_length=1024,
@@ -387,6 +548,23 @@ class JobInput(_Strict):
         "stack (torch, transformers, ...) is held at its installed versions.",
     )
 
+    worker_env_names: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_WORKER_ENV,
+        description="Names of the run's own plain variables in the endpoint's env (`[worker] env`): the worker hands "
+        "exactly these, whatever their names look like, to the training process beside what it always hands on.",
+    )
+    worker_secret_names: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_WORKER_ENV,
+        description="Names, never values, of the run's secrets (`[worker] secrets`), which RunPod puts in the worker's "
+        "env from account secrets: the worker hands them to the training process and removes their values from "
+        "everything it stores or returns (console, errors).",
+    )
+    fast_paths: FastPathSettings = Field(
+        default_factory=FastPathSettings, description="Fast paths switched on or off for this run (empty: automatic)."
+    )
+
     _plain_requirements = field_validator("extra_packages")(plain_requirements)
 
     @field_validator("grpo")
@@ -398,6 +576,19 @@ class JobInput(_Strict):
             if problems:
                 raise ValueError("; ".join(problems))
         return grpo
+
+    @field_validator("worker_env_names", "worker_secret_names")
+    @classmethod
+    def _names_a_run_may_set(cls, names: list[str]) -> list[str]:
+        return [worker_env_name(name) for name in names]
+
+    @field_validator("worker_secret_names")
+    @classmethod
+    def _plain_or_secret_not_both(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        problem = worker_env_overlap(info.data.get("worker_env_names", []), names)
+        if problem:
+            raise ValueError(problem)
+        return names
 
     @field_validator("memory")
     @classmethod
@@ -429,6 +620,11 @@ class PreloadInput(_Strict):
         default=None,
         description="Unix time by which the worker must have answered; None means no deadline. Models not cached "
         "by then are reported `failed` with `deadline reached`.",
+    )
+    remove_others: bool = Field(
+        default=False,
+        description="Delete every model the volume's Hub cache holds that `models` does not list, before downloading "
+        "(a sweep's list is the whole of what the volume should keep: models no longer swept stop filling it).",
     )
 
     @field_validator("models")
@@ -475,6 +671,16 @@ class TrainMetrics(_Strict):
     rewards: list[tuple[int, float]] = Field(
         default_factory=list, description="GRPO: (step, mean total reward of the step's completions) pairs; empty for SFT."
     )
+    eval_loss: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="SFT with `evaluation`: (step, loss on the held-out examples) pairs in step order, from step 0 "
+        "(before training) to the last step; empty otherwise.",
+    )
+    eval_reward: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="GRPO with `evaluation`: (step, mean total reward of one sampled completion per held-out prompt) "
+        "pairs in step order, from step 0 to the last step; empty otherwise.",
+    )
     first_loss: float | None = Field(description="Loss at the first logged step.")
     final_loss: float | None = Field(description="Loss at the last logged step.")
     tokens: int = Field(description="Training tokens processed (non-padding).")
@@ -518,6 +724,10 @@ class Progress(_Strict):
     total_steps: int | None = Field(default=None, description="Optimizer steps planned, when known.")
     loss: float | None = Field(default=None, description="Latest training loss.")
     reward: float | None = Field(default=None, description="Latest mean total reward (GRPO).")
+    eval_loss: float | None = Field(
+        default=None, description="Latest loss on the held-out examples (SFT with evaluation).")
+    eval_reward: float | None = Field(
+        default=None, description="Latest mean reward on the held-out prompts (GRPO with evaluation).")
     tokens_per_second: float | None = Field(default=None, description="Training tokens per second in this attempt so far.")
     eta_seconds: float | None = Field(default=None, description="Estimated seconds until training ends.")
     message: str = Field(default="", max_length=2000, description="Free text for the log.")

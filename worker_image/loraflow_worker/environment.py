@@ -1,11 +1,12 @@
 """The training process's environment: which of the worker's variables it gets, and which it never does.
 
-The worker's environment is the endpoint's (set by the control plane, possibly with a run's own
-additions) plus RunPod's runtime variables. The training process gets it with three changes:
+The worker's environment is the endpoint's (set by the control plane, with the run's own `[worker] env` and
+`secrets`) plus RunPod's runtime variables. The training process gets it with three changes:
 
 - Credentials: of the secret-looking variables (names with TOKEN, SECRET, KEY, PASSWORD, CREDENTIAL)
-  only `FORWARDED_CREDENTIALS` pass. RunPod's own (`RUNPOD_*`, among them the worker's API key) never
-  do: the supervisor, not the training process, talks to RunPod.
+  only `FORWARDED_CREDENTIALS` and the run's own variables the job lists by name (`worker_env_names`,
+  `worker_secret_names`: e.g. a judge's API key for a reward) pass. RunPod's own (`RUNPOD_*`, among them the
+  worker's API key) never do: the supervisor, not the training process, talks to RunPod.
 - Control-plane-owned keys (`CONTROL_PLANE_KEYS`: run id, attempt, artifact store) are set from the
   validated job input, whatever the environment said: a run's env cannot redirect its artifacts.
 - Settings that point into the network volume (HF_HOME, TRITON_CACHE_DIR, PIP_CACHE_DIR, ...) are
@@ -41,12 +42,14 @@ CONTROL_PLANE_KEYS = ("LORAFLOW_RUN_ID", "LORAFLOW_ATTEMPT", "LORAFLOW_ARTIFACT_
 
 def child_env(job: JobInput, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of `job`'s training process, built from `env` (default: this process's)."""
+    # The contract refuses a run's names among RunPod's, loraflow's and the Hub's, so listing cannot let them in.
+    listed = {*FORWARDED_CREDENTIALS, *job.worker_env_names, *job.worker_secret_names}
     result = {
         name: value
         for name, value in off_the_volume(os.environ if env is None else env).items()
         if not name.startswith(_RUNTIME_PREFIX)
         and name not in CONTROL_PLANE_KEYS
-        and (name in FORWARDED_CREDENTIALS or not is_secret_name(name))
+        and (name in listed or not is_secret_name(name))
     }
     result.update(zip(CONTROL_PLANE_KEYS, (job.run_id, str(job.attempt), job.artifact_store)))
     # The supervisor reads the console line by line as it is written.

@@ -4,7 +4,7 @@ Kernels fail silently (a Qwen3.5 model without flash-linear-attention trains thr
 times slower, with one log warning), so every speed-up is recorded as a `FastPath(engaged, reason)` in the
 run manifest, and the kernel ones are confirmed on the built model, not assumed from the plan:
 
-    facts = gather_facts(model_dir, "sft", job_workload(job), job.memory)  # exports the allocator setting, probes CUDA
+    facts = gather_facts(model_dir, "sft", job_workload(job), job.memory, job.fast_paths)  # exports the allocator setting, probes CUDA
     plan = plan_fast_paths(facts)                              # pure: the decisions, testable on CPU
     trainer = SFTTrainer(..., args=sft_config(job, plan, work_dir))
     fast_paths = engage_fast_paths(plan, trainer.model)        # applies Liger, confirms the kernels; for the manifest
@@ -12,7 +12,8 @@ run manifest, and the kernel ones are confirmed on the built model, not assumed 
 The memory decisions (gradient checkpointing, the optimizer, vLLM's share of the GPU) come from the memory plan
 (`memory_plan.plan_memory`, the same planner the control plane sizes GPUs with) against the GPU's memory, overridden
 by what the job's `memory` settings force; their reasons quote the plan's numbers, and the plan goes into the
-manifest whole.
+manifest whole. The run switches fast paths off, or memory savers on, with its `fast_paths` settings (the job input's,
+from the run form), never with the worker's environment.
 
 TRL 1.16 deprecates `use_liger_kernel` in favour of Hub kernels, which need Hub access at run time, so
 Liger is applied here through its own instance-patching API.
@@ -29,23 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraflow_worker.contract import MemorySettings
+from loraflow_worker.contract import FastPathSettings, MemorySettings
 from loraflow_worker.manifest import FastPath
 from loraflow_worker.memory_plan import MemoryPlan, ModelShape, plan_memory, read_model_shape
 
 NO_CUDA = "no CUDA device"
-FAST_PATHS = (
-    "bf16",
-    "liger_kernel",
-    "flash_linear_attention",
-    "causal_conv1d",
-    "gradient_checkpointing",
-    "fused_adamw",
-    "paged_adamw_8bit",
-    "expandable_segments",
-    "vllm_colocate",
-)
-"""Every speed-up (or memory saver) the manifest reports on, engaged or not."""
+FAST_PATHS = tuple(FastPathSettings.model_fields)
+"""Every speed-up (or memory saver) the manifest reports on, engaged or not: each a field of the job's `fast_paths`."""
 KERNEL_PACKAGES = ("liger-kernel", "flash-linear-attention", "causal-conv1d", "bitsandbytes", "vllm", "triton")
 """Distributions whose presence decides a fast path."""
 GATED_DELTANET_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
@@ -54,13 +45,6 @@ BF16_MIN_CAPABILITY = (8, 0)
 """bf16 tensor cores start with Ampere (sm_80)."""
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
-DISABLE_ENV = "LORAFLOW_DISABLE_FAST_PATHS"
-"""Comma-separated fast paths to switch off in this worker (A/B measurements, or a kernel bug in the field)."""
-FORCE_ENV = "LORAFLOW_FORCE_FAST_PATHS"
-"""Comma-separated memory savers to switch on whatever the memory estimate says (A/B measurements, or an
-estimate that proved too low in the field)."""
-FORCIBLE = ("gradient_checkpointing", "paged_adamw_8bit")
-"""The fast paths `LORAFLOW_FORCE_FAST_PATHS` may name: the memory trade-offs (kernels are on when they can be)."""
 
 VLLM_TEXT_ONLY = {"limit_mm_per_prompt": {"image": 0, "video": 0}}
 """What the colocated vLLM engine is built with for a text run: no image or video inputs, so vLLM 0.33 neither loads
@@ -110,9 +94,9 @@ class Facts:
     allocator_settings: str | None = None
     """What the CUDA caching allocator holds once CUDA initialised (`cuda_allocator_settings`); None without CUDA."""
     disabled: frozenset[str] = frozenset()
-    """Fast paths switched off on purpose (`LORAFLOW_DISABLE_FAST_PATHS`)."""
+    """Fast paths the job switches off (`fast_paths`: false)."""
     forced: frozenset[str] = frozenset()
-    """Memory savers switched on whatever the estimate says (`LORAFLOW_FORCE_FAST_PATHS`)."""
+    """Memory savers the job switches on whatever the estimate says (`fast_paths`: true)."""
     memory: MemorySettings | None = None
     """The job's forced memory settings (`JobInput.memory`), which override the memory plan's choices."""
 
@@ -184,7 +168,7 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
             settle(name, True, "planned; confirmed once the model is built")
 
     # Memory: the plan decides checkpointing, the optimizer and vLLM's share; the job's memory settings and
-    # LORAFLOW_FORCE_FAST_PATHS force what they name.
+    # fast_paths force what they name (memory first: the control plane sets it after an out-of-memory attempt).
     forced = facts.memory or MemorySettings()
     if facts.algorithm != "grpo":
         vllm_off = f"{facts.algorithm} generates no completions"
@@ -273,10 +257,11 @@ def allocator_conf(disabled: frozenset[str]) -> str | None:
     return EXPANDABLE_SEGMENTS
 
 
-def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: MemorySettings | None = None) -> Facts:
-    """Probe this process: CUDA, the GPU's memory, the installed kernel packages, the model's type and size, and
-    the fast paths `LORAFLOW_DISABLE_FAST_PATHS` switches off (whose kernel modules it blocks from import) or
-    `LORAFLOW_FORCE_FAST_PATHS` switches on; `memory` (the job's forced memory settings) joins the facts as given.
+def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: MemorySettings | None = None,
+                 fast_paths: FastPathSettings | None = None) -> Facts:
+    """Probe this process: CUDA, the GPU's memory, the installed kernel packages, the model's type and size; `memory`
+    (the job's forced memory settings) and `fast_paths` (the job's switches: the kernel modules of those it switches
+    off are blocked from import) join the facts as given.
 
     The CUDA allocator reads `PYTORCH_CUDA_ALLOC_CONF` once, when CUDA initialises, and probing the GPU
     initialises it: so unless the environment already set it, the variable is set first (`allocator_conf`),
@@ -284,8 +269,8 @@ def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: Me
     import torch
     from transformers import AutoConfig
 
-    disabled = _named_fast_paths(DISABLE_ENV, FAST_PATHS)
-    forced = _named_fast_paths(FORCE_ENV, FORCIBLE)
+    fast_paths = fast_paths or FastPathSettings()
+    disabled, forced = fast_paths.switched_off(), fast_paths.switched_on()
     for name in disabled & set(_KERNEL_MODULES):
         sys.modules.setdefault(_KERNEL_MODULES[name], None)  # `import fla` now raises ImportError
     packages = {}
@@ -368,15 +353,6 @@ def kernel_hooks(model: Any) -> dict[str, tuple[str, bool]]:
             if "package" in captured and "is_new_implementation" in captured:
                 hooks[name] = (captured["package"], bool(captured["is_new_implementation"]))
     return hooks
-
-
-def _named_fast_paths(variable: str, valid: tuple[str, ...]) -> frozenset[str]:
-    """The fast paths the environment variable `variable` names; an unknown name is an error listing the valid ones."""
-    names = frozenset(n.strip() for n in os.environ.get(variable, "").split(",") if n.strip())
-    unknown = sorted(names - set(valid))
-    if unknown:
-        raise ValueError(f"{variable} names unknown fast paths {', '.join(unknown)}: use any of {', '.join(valid)}")
-    return names
 
 
 def _holds_expandable_segments(allocator_settings: str | None) -> bool:

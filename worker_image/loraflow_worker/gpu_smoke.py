@@ -14,9 +14,8 @@ vLLM. Each run is a child process with its own share of the time left, so one th
 its share and cannot eat the others'.
 
 Each run is its own process also because transformers binds flash-linear-attention when the modeling module is
-imported: a variant switches fast paths off with `LORAFLOW_DISABLE_FAST_PATHS`, or a memory saver on with
-`LORAFLOW_FORCE_FAST_PATHS`, or loads the base in 4 bits (`lora.quantization`), and differs from `all` in that
-alone. Throughput counts only the steps after the warm-up (Triton's kernel compilation, vLLM's start), with CUDA
+imported: a variant switches fast paths off, or a memory saver on, in its job's `fast_paths`, or loads the base in
+4 bits (`lora.quantization`), and differs from `all` in that alone. Throughput counts only the steps after the warm-up (Triton's kernel compilation, vLLM's start), with CUDA
 synchronised at the end of every step so that the clock sees the GPU's work rather than its queue. Memory: torch's
 `max_memory_reserved` (what its caching allocator took from the device) and the device's peak as NVML saw it,
 sampled in a thread (that also counts the CUDA context, cuBLAS workspaces and vLLM's own pool, which torch never
@@ -46,7 +45,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from loraflow_worker.fast_paths import ALLOC_CONF_ENV, DISABLE_ENV, FORCE_ENV
+from loraflow_worker.fast_paths import ALLOC_CONF_ENV
 
 RESULT_MARKER = "GPU_SMOKE_RESULT "
 RESULTS_FILE = "results.json"
@@ -476,8 +475,7 @@ def _run_child(out: Path, run: Run, cpu: bool, warmup: int, steps: int, timeout:
     variant, algorithm = run.variant, run.algorithm
     command = [sys.executable, "-m", "loraflow_worker.gpu_smoke", "--out", str(out), "--warmup", str(warmup),
                "--steps", str(steps), "--child", variant.name, algorithm] + (["--cpu"] if cpu else [])
-    env = {**os.environ, DISABLE_ENV: ",".join(sorted(variant.disabled)), FORCE_ENV: ",".join(sorted(variant.forced)),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     returncode, stdout, stderr = run_in_session(command, env, timeout)
     if returncode is None:
         return {"variant": variant.name, "algorithm": algorithm,
@@ -565,6 +563,7 @@ def _child(out: Path, size: Size, variant_name: str, algorithm: str, warmup: int
         "dataset": {"store_path": f"data/{algorithm}.jsonl"},
         "training": {"max_steps": warmup + steps, "batch_size": size.batch, "learning_rate": 1e-4, "logging_steps": 1},
         "artifact_store": (out / "store").as_uri(),
+        "fast_paths": {**dict.fromkeys(variant.disabled, False), **dict.fromkeys(variant.forced, True)},
     }
     if variant.quantization:
         job_input["lora"] = {"quantization": variant.quantization}

@@ -1,7 +1,8 @@
 """LoRA GRPO: job input in, trained adapter folder + metrics + manifest out (the GRPO twin of `sft.py`).
 
-Straight-line, like `trl/scripts/grpo.py`: load data → prompts → rewards by name → `GRPOTrainer` with a
-PEFT `LoraConfig` → train → save the adapter. On a GPU with vLLM installed the completions come from a
+Straight-line, like `trl/scripts/grpo.py`: load data (holding evaluation prompts out, when asked) → prompts →
+rewards by name → `GRPOTrainer` with a PEFT `LoraConfig` → train, evaluating the mean reward on the held-out
+prompts → save the adapter. On a GPU with vLLM installed the completions come from a
 vLLM engine colocated with training; elsewhere from transformers' `generate`. The manifest records which
 fast paths were in effect. A job selects this with `algorithm: grpo` and a `grpo` section, e.g.
 
@@ -36,6 +37,7 @@ from loraflow_worker.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training_run import (
     TrainOutcome,
+    evaluation_split,
     job_workload,
     load_job_dataset,
     load_model,
@@ -73,7 +75,7 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     settings: GrpoSettings = job.grpo  # JobInput guarantees it for algorithm `grpo`
     cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
-    rows = load_job_dataset(job.dataset, store, work_dir)
+    rows, held_out = evaluation_split(load_job_dataset(job.dataset, store, work_dir), job, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
 
@@ -81,11 +83,16 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
     dataset = prompt_dataset(rows, tokenizer, settings.max_prompt_length)
     check_reward_columns(settings.rewards, dataset.column_names)
+    eval_dataset = None
+    if held_out is not None:
+        eval_dataset = prompt_dataset(held_out, tokenizer, settings.max_prompt_length)
+        check_reward_columns(settings.rewards, eval_dataset.column_names)
     reward_funcs, _ = resolve_rewards(settings.rewards, store, work_dir / "reward-files")
-    plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job), job.memory))
+    plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job), job.memory, job.fast_paths))
 
     args = grpo_config(job, plan, work_dir)
-    monitor = TrainingMonitor(report, job.deadline_epoch_s)
+    monitor = TrainingMonitor(report, job.deadline_epoch_s,
+                              eval_key="eval_reward" if eval_dataset is not None else None)
     reward_log = RewardLog()
     with text_only_vllm() if args.use_vllm else contextlib.nullcontext():  # GRPOTrainer builds the vLLM engine
         trainer = GRPOTrainer(
@@ -93,6 +100,7 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
             reward_funcs=reward_funcs,
             args=args,
             train_dataset=dataset,
+            eval_dataset=eval_dataset,
             processing_class=tokenizer,
             peft_config=lora_config(job),
             callbacks=[monitor, reward_log, *callbacks],
@@ -119,6 +127,8 @@ def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig
         temperature=settings.temperature,
         beta=settings.beta,
         reward_weights=[spec.weight for spec in settings.rewards],
+        # Evaluation: one completion per held-out prompt, sampled as in training (`EvaluationSettings`).
+        num_generations_eval=1,
         **extra,
         **plan.trainer_kwargs,
     )

@@ -8,7 +8,7 @@ On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 Locally, one job through runpod's test mode (no server involved):
 
     python -m loraflow_worker.tiny_model --out /tmp/tiny-qwen3
-    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 3, "run_id": "demo",
+    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 4, "run_id": "demo",
         "model": {"id": "/tmp/tiny-qwen3"}, "dataset": {"store_path": "runs/demo/dataset/train.jsonl"},
         "training": {"max_steps": 50}, "artifact_store": "file:///tmp/loraflow-store"}}'
 
@@ -63,12 +63,13 @@ class JobRefused(ValueError):
 def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> dict[str, Any]:
     """Run one RunPod job (`{"id": ..., "input": <JobInput or PreloadInput as JSON>}`) and return its
     `JobResult` or `PreloadResult`.
-    Errors propagate (the runpod runtime reports them as the job's `error`), with secrets removed."""
+    Errors propagate (the runpod runtime reports them as the job's `error`), with secrets removed: the
+    environment's and the job's own (`worker_secret_names`)."""
     try:
         return _run(job, lifetime)
     except Exception as exc:
         message = str(exc)
-        redacted = redact_secrets(message)
+        redacted = redact_secrets(message, secret_names=_secret_names(job))
         if redacted == message:
             raise
         # The original exception (and its traceback) would carry the secret into the job's error.
@@ -137,6 +138,13 @@ def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]
     except ArtifactStoreError as e:  # the training's failure is the news; the store's is a footnote
         message += f" (its console could not be stored: {e})"
     raise JobFailed(message)
+
+
+def _secret_names(job: dict[str, Any]) -> list[str]:
+    """The job's own secret names, from its raw input: an error can come before (or from) its validation."""
+    raw = job.get("input")
+    names = raw.get("worker_secret_names") if isinstance(raw, dict) else None
+    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
 
 
 def _stored_result(store: ArtifactStore, prefix: str) -> dict[str, Any]:

@@ -735,8 +735,9 @@ def plan_memory(
 
 def plan_job(job: JobInput, shape: ModelShape, gpu_memory_bytes: int) -> MemoryPlan:
     """`plan_memory` for a job, on a GPU of `gpu_memory_bytes`, as the worker will see it on the GPU (TRL's fused LM
-    head, vLLM colocated for GRPO unless the job turns it off, the job's forced settings): how the control plane
-    judges a GPU before renting it. Liger's smaller activations are not counted, so the estimate errs high."""
+    head, vLLM colocated for GRPO unless the job turns it off, the job's forced memory settings, then its
+    `fast_paths`, as `fast_paths.plan_fast_paths` ranks them): how the control plane judges a GPU before renting it.
+    Liger's smaller activations are not counted, so the estimate errs high."""
     t, forced = job.training, job.memory
     micro = forced.micro_batch_size if forced is not None and forced.micro_batch_size else t.batch_size
     if job.algorithm == "grpo":
@@ -745,13 +746,18 @@ def plan_job(job: JobInput, shape: ModelShape, gpu_memory_bytes: int) -> MemoryP
         generations = t.batch_size * t.gradient_accumulation_steps  # TRL's generation batch, which micro-batches keep
     else:
         seq_len, generations = t.max_seq_length, 0
+    switches = job.fast_paths
+    checkpointing = forced.gradient_checkpointing if forced is not None else None
     return plan_memory(
         shape, algorithm=job.algorithm, batch_size=micro, seq_len=seq_len, lora_rank=job.lora.rank,
         lora_dropout=job.lora.dropout, gpu_memory_bytes=gpu_memory_bytes, quantization=job.lora.quantization,
         num_generations=generations,
-        vllm_colocate=job.algorithm == "grpo" and not (forced is not None and forced.vllm_colocate is False),
-        gradient_checkpointing=forced.gradient_checkpointing if forced is not None else None,
+        vllm_colocate=job.algorithm == "grpo" and not (forced is not None and forced.vllm_colocate is False)
+        and switches.vllm_colocate is not False,
+        gradient_checkpointing=switches.gradient_checkpointing if checkpointing is None else checkpointing,
+        paged_adamw_8bit=switches.paged_adamw_8bit,
         vllm_gpu_memory_utilization=forced.vllm_gpu_memory_utilization if forced is not None else None,
+        bf16=switches.bf16 is not False,
     )
 
 

@@ -2,9 +2,12 @@
 
 The control plane starts an endpoint with a datacenter's volume attached and sends it
 
-    {"contract_version": 3, "mode": "preload", "run_id": "warm-2025-06-01",
-     "models": [{"id": "Qwen/Qwen3-0.6B"}, {"id": "meta-llama/Llama-3.1-8B", "revision": "main"}]}
+    {"contract_version": 4, "mode": "preload", "run_id": "warm-2025-06-01",
+     "models": [{"id": "Qwen/Qwen3-0.6B"}, {"id": "meta-llama/Llama-3.1-8B", "revision": "main"}],
+     "remove_others": true}
 
+With `remove_others`, every model the volume's cache holds that the list does not name is deleted first, so
+the volume keeps only what the sweep keeps warm (and a volume sized for those models has room for them).
 Each model's revision is resolved to a commit; when the volume already holds every file of that commit
 (after `model_cache.download_ignore_patterns`) the model is `cached`, else the missing files are
 downloaded. One model that fails (missing, gated, no space left) is reported and the rest go on. The job
@@ -16,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +63,8 @@ def preload_models(job: PreloadInput, report: Callable[[Progress], None]) -> Pre
             f"there (or named by {VOLUME_PATH_ENV}); attach the datacenter's volume to the endpoint"
         )
     cache = hub_cache_dir(volume)
+    if job.remove_others:
+        remove_other_models(cache, [m.id for m in job.models])
     api = HfApi(library_name="loraflow")
     results = []
     for number, source in enumerate(job.models, 1):
@@ -68,6 +74,19 @@ def preload_models(job: PreloadInput, report: Callable[[Progress], None]) -> Pre
         report(Progress(stage="loading", message=f"preload {number}/{len(job.models)}: {_summary(results[-1])}"))
     return PreloadResult(run_id=job.run_id, data_center=os.environ.get(DATA_CENTER_ENV), volume_path=str(volume),
                          models=results)
+
+
+def remove_other_models(cache: Path, keep: list[str]) -> list[str]:
+    """Delete from the Hub cache every model repo not in `keep` (its folder and its download locks); returns
+    the model folders deleted. Datasets and anything not a model repo are left alone."""
+    kept = {repo_folder_name(repo_id=model_id, repo_type="model") for model_id in keep}
+    others = sorted(p.name for p in cache.glob("models--*") if p.is_dir() and p.name not in kept) \
+        if cache.is_dir() else []
+    for name in others:
+        shutil.rmtree(cache / name)
+        shutil.rmtree(cache / ".locks" / name, ignore_errors=True)
+        log.info("preload: removed %s from the volume (no longer in the sweep's list)", name)
+    return others
 
 
 def _preload_one(api: HfApi, source: ModelSource, cache: Path) -> PreloadModelResult:

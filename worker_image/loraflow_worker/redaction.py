@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from loraflow_worker.environment import is_secret_name
 
@@ -17,12 +17,16 @@ _MIN_SECRET_LENGTH = 8
 _TOKEN_SHAPES = re.compile(r"\bhf_[A-Za-z0-9]{30,}|\brpa_[A-Za-z0-9]{20,}|(?<=://)[^/\s:@]+:[^/\s@]+(?=@)")
 
 
-def redact_secrets(text: str, env: Mapping[str, str] | None = None) -> str:
+def redact_secrets(text: str, env: Mapping[str, str] | None = None, secret_names: Iterable[str] = ()) -> str:
     """`text` with every secret replaced by `***`: the values of the secret-looking variables of `env`
     (default: this process's environment; the forwarded credentials HF_TOKEN and WANDB_API_KEY are among
-    them), and known token shapes."""
+    them), the values of the variables `secret_names` names whatever their names look like (a job's
+    `worker_secret_names`: the run's own secrets), and known token shapes."""
     env = os.environ if env is None else env
-    secrets = {value for name, value in env.items() if is_secret_name(name) and len(value) >= _MIN_SECRET_LENGTH}
+    named = set(secret_names)
+    # A run's own secret is redacted whatever its length: it was declared a secret (the control plane refuses short ones).
+    secrets = {value for name, value in env.items()
+               if (name in named and value) or (is_secret_name(name) and len(value) >= _MIN_SECRET_LENGTH)}
     # Longest first, so a secret that contains another is removed whole.
     for value in sorted(secrets, key=len, reverse=True):
         text = text.replace(value, REDACTED)

@@ -1,7 +1,8 @@
 """LoRA supervised fine-tuning: job input in, trained adapter folder + metrics + manifest out.
 
-Straight-line, like `trl/scripts/sft.py`: load data → load model → `SFTTrainer` with a PEFT
-`LoraConfig` → train → save the adapter. The same code runs on CUDA (bf16) and on CPU (tests, local
+Straight-line, like `trl/scripts/sft.py`: load data (holding evaluation examples out, when asked) → load
+model → `SFTTrainer` with a PEFT `LoraConfig` → train, evaluating the loss on the held-out examples → save the
+adapter. The same code runs on CUDA (bf16) and on CPU (tests, local
 demo) with the GPU-only paths switched off; the manifest records which were in effect.
 Publishing to the artifact store is the handler's job.
 """
@@ -20,6 +21,7 @@ from loraflow_worker.fast_paths import FastPathPlan, engage_fast_paths, gather_f
 from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training_run import (
     TrainOutcome,
+    evaluation_split,
     job_workload,
     load_job_dataset,
     load_model,
@@ -40,18 +42,19 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     that passes during training stops it with the adapter trained so far (`TrainOutcome.deadline_checkpoint`)."""
     cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
-    dataset = load_job_dataset(job.dataset, store, work_dir)
+    dataset, eval_dataset = evaluation_split(load_job_dataset(job.dataset, store, work_dir), job, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
-    plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory))
+    plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
 
     args = sft_config(job, plan, work_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    monitor = TrainingMonitor(report, job.deadline_epoch_s)
+    monitor = TrainingMonitor(report, job.deadline_epoch_s, eval_key="eval_loss" if eval_dataset is not None else None)
     trainer = SFTTrainer(
         model=load_model(model_path, job, plan),
         args=args,
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=lora_config(job),
         callbacks=[monitor, *callbacks],

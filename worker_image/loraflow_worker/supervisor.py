@@ -4,7 +4,8 @@ The training runs as `python -m loraflow_worker.train_job <work_dir>/job.json` i
 so a crash (a CUDA fault, a segfault at exit, the kernel's OOM killer) cannot take the worker with it and
 a deadline can stop it with everything it started. The supervisor reads its merged stdout/stderr line by
 line: marker lines (`LORAFLOW_PROGRESS {json}`) become progress updates; every other line is echoed
-(secrets redacted) and the last `CONSOLE_TAIL_BYTES` are kept for the failure report.
+(secrets redacted: the environment's and the run's own, `JobInput.worker_secret_names`) and the last
+`CONSOLE_TAIL_BYTES` are kept for the failure report.
 
 Whether the job succeeded is decided by the store (`DONE`), not by the exit code; this module only says
 what happened to the process and builds the error message when it failed. An out-of-memory failure's message
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -75,6 +76,8 @@ class ChildExit:
     """The container's cgroup OOM-kill counter just before the process started (None: unreadable)."""
     oom_kills_after: OomKills | None = None
     """The same counter once the process had ended."""
+    secret_names: tuple[str, ...] = ()
+    """The job's own secrets (`JobInput.worker_secret_names`), whose values the failure message never holds."""
 
     def failure_message(self) -> str:
         """What went wrong, for the job's error. An out-of-memory failure starts with the marker of its kind
@@ -103,7 +106,7 @@ class ChildExit:
                 message += "; its last console lines:\n" + "\n".join(last)
         # The failure's own text before the whole console, which may hold earlier lines of another kind.
         kind = kind or memory_kind(message) or memory_kind(self.console_tail)
-        return redact_secrets(MARKERS[kind] + message if kind else message)
+        return redact_secrets(MARKERS[kind] + message if kind else message, secret_names=self.secret_names)
 
     def _oom_killed(self) -> str | None:
         """When the kernel's OOM killer ended the process (a SIGKILL the supervisor did not send while the
@@ -138,7 +141,8 @@ def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress]
     )
     log.info("training process %d started for run %s attempt %d", process.pid, job.run_id, job.attempt)
     tail = ConsoleTail(CONSOLE_TAIL_BYTES)
-    reader = threading.Thread(target=_read_console, args=(process.stdout, tail, on_progress), daemon=True)
+    reader = threading.Thread(target=_read_console, args=(process.stdout, tail, on_progress, job.worker_secret_names),
+                              daemon=True)
     reader.start()
     deadline_killed = False
     try:
@@ -160,7 +164,7 @@ def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress]
     log.info("training process %d exited with %s", process.pid, returncode)
     return ChildExit(returncode=returncode, console_tail=tail.text(), error=_read_error(work_dir / ERROR_FILE),
                      deadline_killed=deadline_killed, oom_kills_before=oom_kills_before,
-                     oom_kills_after=read_oom_kills())
+                     oom_kills_after=read_oom_kills(), secret_names=tuple(job.worker_secret_names))
 
 
 class ConsoleTail:
@@ -182,10 +186,11 @@ class ConsoleTail:
         return text.encode()[-self.limit:].decode(errors="ignore")
 
 
-def _read_console(stream: IO[bytes], tail: ConsoleTail, on_progress: Callable[[Progress], None]) -> None:
+def _read_console(stream: IO[bytes], tail: ConsoleTail, on_progress: Callable[[Progress], None],
+                  secret_names: Sequence[str] = ()) -> None:
     # Each line is redacted on arrival, so no secret reaches the echo, the tail or a progress message.
     for raw in iter(stream.readline, b""):
-        line = redact_secrets(raw.decode(errors="replace"))
+        line = redact_secrets(raw.decode(errors="replace"), secret_names=secret_names)
         if line.startswith(PROGRESS_MARKER):
             try:
                 progress = Progress.model_validate_json(line[len(PROGRESS_MARKER):])

@@ -1,9 +1,10 @@
-"""Watching a training run from inside the trainer: losses, progress updates, the job's deadline."""
+"""Watching a training run from inside the trainer: losses, evaluations, progress updates, the job's deadline."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from transformers import TrainerCallback
 
@@ -26,25 +27,37 @@ def check_deadline(deadline_epoch_s: float | None) -> None:
 
 
 class TrainingMonitor(TrainerCallback):
-    """Collects (step, loss) pairs and the latest mean reward (GRPO logs one), sends progress at most every `PROGRESS_INTERVAL_S` (plus the first
-    logged loss and the end), and stops training once the deadline passes (`deadline_hit` tells), having the
-    Trainer checkpoint that last step first so that the run can resume there.
+    """Collects (step, loss) pairs, the latest mean reward (GRPO logs one) and, given `eval_key`, the (step, value)
+    pairs of that evaluation metric (`eval_loss` for SFT, `eval_reward` for GRPO); sends progress at most every
+    `PROGRESS_INTERVAL_S` (plus the first logged loss, each evaluation and the end), and stops training once the
+    deadline passes (`deadline_hit` tells), having the Trainer checkpoint that last step first, and not evaluate
+    it, so that the run can resume there within the supervisor's grace.
 
-    A run resumed from a checkpoint keeps the losses logged before it: the Trainer restores its log
+    A run resumed from a checkpoint keeps the losses and evaluations logged before it: the Trainer restores its log
     history from the checkpoint's `trainer_state.json` before training begins."""
 
-    def __init__(self, report: Callable[[Progress], None], deadline_epoch_s: float | None):
+    def __init__(self, report: Callable[[Progress], None], deadline_epoch_s: float | None,
+                 eval_key: Literal["eval_loss", "eval_reward"] | None = None):
         self.report = report
         self.deadline_epoch_s = deadline_epoch_s
+        self.eval_key = eval_key
         self.losses: list[tuple[int, float]] = []
+        self._evaluations: dict[int, float] = {}  # by step: a resumed run evaluates its first step again
         self.reward: float | None = None
         self.deadline_hit = False
         self._last_sent = 0.0
         self._logged = False
         self._started: tuple[float, int, int] | None = None  # (time, step, tokens) when this attempt began
 
+    @property
+    def evaluations(self) -> list[tuple[int, float]]:
+        """(step, value) of `eval_key`, in step order, one per step."""
+        return sorted(self._evaluations.items())
+
     def on_train_begin(self, args, state, control, **kwargs):
         self.losses = [(entry["step"], float(entry["loss"])) for entry in state.log_history if "loss" in entry]
+        self._evaluations = {entry["step"]: float(entry[self.eval_key]) for entry in state.log_history
+                             if self.eval_key in entry and entry[self.eval_key] is not None}
         self._started = (time.monotonic(), state.global_step, state.num_input_tokens_seen)
         # The first update goes out with the first logged loss (on_log), not before it.
         self._last_sent = time.monotonic()
@@ -57,9 +70,16 @@ class TrainingMonitor(TrainerCallback):
             if not self._logged:  # the first loss of this attempt goes out at once
                 self._logged = True
                 self._send(state)
+        # TRL logs None for a metric no batch had a value for (a reward that returned None for every prompt).
+        if logs and self.eval_key is not None and logs.get(self.eval_key) is not None:
+            self._evaluations[state.global_step] = float(logs[self.eval_key])
+            self._send(state)  # an evaluation is rare news: out at once
 
     def on_step_end(self, args, state, control, **kwargs):
         passed = self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s
+        if passed:
+            # An evaluation now would eat into the grace in which the results or the checkpoint must be stored.
+            control.should_evaluate = False
         # At the last step training stops anyway (DefaultFlowCallback, which runs first, said so): its results are
         # complete and get published, deadline or not.
         if passed and not control.should_training_stop:
@@ -76,6 +96,7 @@ class TrainingMonitor(TrainerCallback):
     def _send(self, state) -> None:
         self._last_sent = time.monotonic()
         loss = self.losses[-1][1] if self.losses else None
+        latest = {self.eval_key: self.evaluations[-1][1]} if self.eval_key and self._evaluations else {}
         started_at, first_step, first_tokens = self._started
         elapsed, steps_done = self._last_sent - started_at, state.global_step - first_step
         tokens_per_second = eta_seconds = None
@@ -83,4 +104,5 @@ class TrainingMonitor(TrainerCallback):
             tokens_per_second = round((state.num_input_tokens_seen - first_tokens) / elapsed, 1)
             eta_seconds = round(max(state.max_steps - state.global_step, 0) * elapsed / steps_done, 1)
         self.report(Progress(stage="training", step=state.global_step, total_steps=state.max_steps, loss=loss,
-                             reward=self.reward, tokens_per_second=tokens_per_second, eta_seconds=eta_seconds))
+                             reward=self.reward, tokens_per_second=tokens_per_second, eta_seconds=eta_seconds,
+                             **latest))

@@ -52,11 +52,36 @@ def use_device() -> bool:
 def load_job_dataset(source: DatasetSource, store: ArtifactStore, work_dir: Path) -> Dataset:
     if source.hub_id is not None:
         return load_dataset(source.hub_id, split=source.split)
-    local_file = work_dir / "data" / "train.jsonl"
+    return _load_store_jsonl(store, source.store_path, work_dir / "data" / "train.jsonl")
+
+
+def evaluation_split(rows: Dataset, job: JobInput, store: ArtifactStore,
+                     work_dir: Path) -> tuple[Dataset, Dataset | None]:
+    """(the rows to train on, the held-out rows to evaluate on) under the job's `evaluation`: a share of `rows` held
+    out at random with the job's seed (the same rows on every attempt), or the evaluation file from the store; at
+    most `max_samples` of them, a seeded sample. Without `evaluation`: (`rows`, None)."""
+    settings, seed = job.evaluation, job.training.seed
+    if settings is None:
+        return rows, None
+    if settings.fraction is not None:
+        if len(rows) < 2:
+            raise ValueError(f"`evaluation.fraction` needs at least 2 examples to hold some out; the dataset has "
+                             f"{len(rows)}: add examples or give an evaluation file (`evaluation.local_file`)")
+        split = rows.train_test_split(test_size=settings.fraction, seed=seed)
+        rows, held_out = split["train"], split["test"]
+    else:
+        held_out = _load_store_jsonl(store, settings.store_path, work_dir / "data" / "eval.jsonl")
+    if len(held_out) > settings.max_samples:
+        held_out = held_out.shuffle(seed=seed).select(range(settings.max_samples))
+    return rows, held_out
+
+
+def _load_store_jsonl(store: ArtifactStore, store_path: str, local_file: Path) -> Dataset:
     local_file.parent.mkdir(parents=True, exist_ok=True)
-    local_file.write_bytes(store.read_bytes(source.store_path))
+    local_file.write_bytes(store.read_bytes(store_path))
     # A single JSONL file is one split, which the `json` builder names "train".
-    return load_dataset("json", data_files=str(local_file), split="train", cache_dir=str(work_dir / "datasets-cache"))
+    return load_dataset("json", data_files=str(local_file), split="train",
+                        cache_dir=str(local_file.parent.parent / "datasets-cache"))
 
 
 def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
@@ -112,9 +137,16 @@ def micro_batching(job: JobInput) -> tuple[int, int]:
 
 
 def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
-    """The TrainingArguments every algorithm takes from the job's training settings."""
+    """The TrainingArguments every algorithm takes from the job's training and evaluation settings."""
     t = job.training
     micro, accumulation = micro_batching(job)
+    evaluation = {} if job.evaluation is None else dict(
+        # Before the first step, every `every_steps` and after the last (transformers adds that one itself).
+        eval_strategy="steps", eval_steps=job.evaluation.every_steps, eval_on_start=True,
+        # An evaluation batch is no larger than a training micro-batch, which the memory plan fits; and only the
+        # loss is kept, not every batch's logits (a vocabulary's width per token).
+        per_device_eval_batch_size=micro, prediction_loss_only=True,
+    )
     return dict(
         output_dir=str(work_dir / "trainer"),
         per_device_train_batch_size=micro,
@@ -127,6 +159,7 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
         **save_settings(t),
         report_to="none",
         disable_tqdm=True,
+        **evaluation,
     )
 
 
@@ -174,10 +207,12 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
     """The metrics and the reproducibility record (manifest) of a run that ended, and where its deadline
     checkpoint is when the deadline ended it."""
     device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
+    evaluations = {monitor.eval_key: monitor.evaluations} if monitor.eval_key else {}
     metrics = TrainMetrics(
         steps=trainer.state.global_step,
         losses=monitor.losses,
         rewards=rewards or [],
+        **evaluations,
         first_loss=monitor.losses[0][1] if monitor.losses else None,
         final_loss=monitor.losses[-1][1] if monitor.losses else None,
         tokens=int(trainer.state.num_input_tokens_seen),

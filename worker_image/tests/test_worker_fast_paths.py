@@ -17,13 +17,11 @@ from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextCo
 from transformers.integrations import use_kernel_func_from_hub_with_fallback
 
 from loraflow_worker.artifacts import open_store
-from loraflow_worker.contract import JobInput, MemorySettings
+from loraflow_worker.contract import FastPathSettings, JobInput, MemorySettings
 from loraflow_worker.fast_paths import (
     ALLOC_CONF_ENV,
-    DISABLE_ENV,
     EXPANDABLE_SEGMENTS as EXPANDABLE,
     FAST_PATHS,
-    FORCE_ENV,
     Facts,
     Workload,
     allocator_conf,
@@ -34,7 +32,8 @@ from loraflow_worker.fast_paths import (
     plan_fast_paths,
 )
 from loraflow_worker.manifest import rows_sha256, training_config_sha256
-from loraflow_worker.memory_plan import CUDA_OVERHEAD_BYTES, MEMORY_HEADROOM, plan_memory, read_model_shape, shape_from_config
+from loraflow_worker.memory_plan import (CUDA_OVERHEAD_BYTES, MEMORY_HEADROOM, plan_job, plan_memory, read_model_shape,
+                                         shape_from_config)
 from loraflow_worker.sft import train_sft
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 
@@ -285,29 +284,45 @@ def test_disabled_fast_paths_are_off_with_their_settings_dropped():
     assert plan.trainer_kwargs["optim"] == "adamw_torch" and plan.trainer_kwargs["use_vllm"] is False
 
 
-def test_the_disable_setting_blocks_kernel_imports_and_rejects_unknown_names(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv(DISABLE_ENV, "flash_linear_attention, liger_kernel")
+def test_the_jobs_switched_off_fast_paths_are_facts_and_their_kernels_are_blocked(tiny_model_dir):
     assert "fla" not in sys.modules
     try:
-        facts = gather_facts(tiny_model_dir, "sft", SFT)
-        assert facts.disabled == {"flash_linear_attention", "liger_kernel"}
+        facts = gather_facts(tiny_model_dir, "sft", SFT, None,
+                             FastPathSettings(flash_linear_attention=False, liger_kernel=False))
+        assert facts.disabled == {"flash_linear_attention", "liger_kernel"} and facts.forced == set()
         with pytest.raises(ImportError):
             import fla  # noqa: F401
         assert sys.modules.get("liger_kernel", "absent") is not None  # not blocked: Liger is simply not applied
     finally:
         sys.modules.pop("fla", None)
-    monkeypatch.setenv(DISABLE_ENV, "liger,bf16")
-    with pytest.raises(ValueError, match=r"unknown fast paths liger: use any of bf16, liger_kernel, "):
-        gather_facts(tiny_model_dir, "sft", SFT)
 
 
-def test_the_force_setting_names_only_memory_savers(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv(FORCE_ENV, "gradient_checkpointing")
-    assert gather_facts(tiny_model_dir, "sft", SFT).forced == {"gradient_checkpointing"}
-    monkeypatch.setenv(FORCE_ENV, "liger_kernel")
-    with pytest.raises(ValueError, match=r"LORAFLOW_FORCE_FAST_PATHS names unknown fast paths liger_kernel: use any of "
-                                         r"gradient_checkpointing, paged_adamw_8bit"):
-        gather_facts(tiny_model_dir, "sft", SFT)
+def test_the_job_forces_memory_savers_only(tiny_model_dir):
+    facts = gather_facts(tiny_model_dir, "sft", SFT, None, FastPathSettings(gradient_checkpointing=True, bf16=False))
+    assert (facts.forced, facts.disabled) == ({"gradient_checkpointing"}, {"bf16"})
+    with pytest.raises(ValueError, match=r"`liger_kernel` cannot be forced on: .* Only gradient_checkpointing and "
+                                         r"paged_adamw_8bit can be true"):
+        FastPathSettings(liger_kernel=True)
+
+
+def test_the_control_planes_plan_of_a_job_follows_its_fast_paths():
+    job = JobInput(run_id="r", algorithm="grpo", model={"id": "m"}, dataset={"hub_id": "d"}, artifact_store="file:///s",
+                   training={"batch_size": 16}, grpo={"rewards": [{"name": "digit_fraction"}]})
+    automatic = plan_job(job, QWEN3_1_7B, H100_BYTES)
+    assert (automatic.vllm_colocate, automatic.gradient_checkpointing, automatic.paged_adamw_8bit) == (True, True, False)
+    switched = job.model_copy(update={"fast_paths": FastPathSettings(vllm_colocate=False, gradient_checkpointing=False,
+                                                                     paged_adamw_8bit=True)})
+    plan = plan_job(switched, QWEN3_1_7B, H100_BYTES)
+    assert (plan.vllm_colocate, plan.gradient_checkpointing, plan.paged_adamw_8bit) == (False, False, True)
+
+
+def test_the_worker_environment_switches_no_fast_path(tiny_model_dir, monkeypatch):
+    # The switches of before: a run's `fast_paths` is the only way now.
+    monkeypatch.setenv("LORAFLOW_DISABLE_FAST_PATHS", "liger_kernel")
+    monkeypatch.setenv("LORAFLOW_FORCE_FAST_PATHS", "gradient_checkpointing")
+    facts = gather_facts(tiny_model_dir, "sft", SFT)
+    assert (facts.disabled, facts.forced) == (set(), set())
+
 
 
 def test_gathered_facts_on_this_machine_describe_a_cpu(tiny_model_dir):
@@ -325,10 +340,10 @@ def test_the_allocator_setting_is_exported_before_cuda_initialises(tiny_model_di
         return SimpleNamespace(major=9, minor=0, total_memory=H100_BYTES)
 
     monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
-    monkeypatch.setenv(DISABLE_ENV, "liger_kernel")  # Liger's import needs a real driver
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", device_properties)
-    facts = gather_facts(tiny_model_dir, "sft", SFT)
+    # Liger off: its import needs a real driver.
+    facts = gather_facts(tiny_model_dir, "sft", SFT, None, FastPathSettings(liger_kernel=False))
     assert seen_at_init == [EXPANDABLE]
     assert (facts.alloc_conf, facts.compute_capability, facts.gpu_memory_bytes) == (None, (9, 0), H100_BYTES)
     assert facts.allocator_settings == cuda_allocator_settings()

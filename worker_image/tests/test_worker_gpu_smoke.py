@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from loraflow_worker.fast_paths import FAST_PATHS, FORCIBLE
+from loraflow_worker.contract import FORCIBLE_FAST_PATHS
+from loraflow_worker.fast_paths import FAST_PATHS
 from loraflow_worker.gpu_smoke import (
     SLOT_DEADLINE_S,
     SLOT_RUNS,
@@ -122,7 +123,7 @@ def test_each_variant_names_only_real_fast_paths_and_forces_only_memory_savers()
     assert len({v.name for v in VARIANTS}) == len(VARIANTS)
     for variant in VARIANTS[1:]:
         assert variant.disabled or variant.forced or variant.quantization, variant.name
-        assert variant.disabled <= set(FAST_PATHS) and variant.forced <= set(FORCIBLE), variant.name
+        assert variant.disabled <= set(FAST_PATHS) and variant.forced <= set(FORCIBLE_FAST_PATHS), variant.name
 
 
 def test_a_slot_runs_sft_with_and_without_liger_and_fla_qlora_and_grpo_without_vllm_in_420_s():

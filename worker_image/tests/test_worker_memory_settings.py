@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from loraflow_worker.artifacts import open_store
-from loraflow_worker.contract import JobInput, MemorySettings
+from loraflow_worker.contract import CONTRACT_VERSION, JobInput, MemorySettings
 from loraflow_worker.fast_paths import Workload, gather_facts
 from loraflow_worker.handler import JobRefused, handler
 from loraflow_worker.manifest import training_config_sha256
@@ -72,7 +72,7 @@ def test_4bit_grpo_with_vllm_colocation_off_is_accepted():
 
 
 def test_the_handler_refuses_a_bad_memory_setting_before_anything_else(tmp_path):
-    job = {"id": "j", "input": {"contract_version": 3, "run_id": "r", "model": {"id": "/nonexistent"},
+    job = {"id": "j", "input": {"contract_version": CONTRACT_VERSION, "run_id": "r", "model": {"id": "/nonexistent"},
                                 "dataset": {"store_path": "x.jsonl"}, "artifact_store": tmp_path.as_uri(),
                                 "memory": {"micro_batch_size": 3}}}
     with pytest.raises(JobRefused, match=r"invalid job input: `memory`: Value error, `memory.micro_batch_size` \(3\)"):

@@ -154,6 +154,25 @@ def test_models_the_deadline_leaves_no_time_for_fail_with_deadline_reached(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+def test_remove_others_deletes_the_cached_models_the_job_does_not_list_and_nothing_else(tmp_path, monkeypatch):
+    cache = tmp_path / "huggingface" / "hub"
+    for folder in ("models--loraflow-test--tiny-chat", "models--old--model", "datasets--some--data", ".locks/models--old--model"):
+        (cache / folder / "blobs").mkdir(parents=True)
+    monkeypatch.setenv(VOLUME_PATH_ENV, str(tmp_path))
+    # A deadline already past: nothing is downloaded, so only the removal can have changed the cache.
+    handler(_preload_job([{"id": MODEL}], deadline_epoch_s=time.time() - 1, remove_others=True))
+    assert sorted(p.name for p in cache.iterdir()) == [".locks", "datasets--some--data", "models--loraflow-test--tiny-chat"]
+    assert list((cache / ".locks").iterdir()) == []
+
+
+def test_without_remove_others_a_preload_keeps_every_cached_model(tmp_path, monkeypatch):
+    other = tmp_path / "huggingface" / "hub" / "models--old--model"
+    other.mkdir(parents=True)
+    monkeypatch.setenv(VOLUME_PATH_ENV, str(tmp_path))
+    handler(_preload_job([{"id": MODEL}], deadline_epoch_s=time.time() - 1))
+    assert other.is_dir()
+
+
 def test_a_local_path_cannot_be_preloaded():
     with pytest.raises(JobRefused, match="`models`: Value error, '/models/tiny' is not a Hub model id"):
         handler(_preload_job([{"id": "/models/tiny"}]))

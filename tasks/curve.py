@@ -1,0 +1,68 @@
+"""A run's training curve, drawn with matplotlib: the training series (SFT's loss, GRPO's mean reward) and, when
+the run evaluated, the held-out series (`eval_loss`, `eval_reward`), with labelled axes and a legend.
+
+    .venv/bin/python -c "from tasks.curve import curve_png; from loraflow_worker.contract import TrainMetrics; \
+open('/tmp/c.png', 'wb').write(curve_png(TrainMetrics(steps=2, losses=[(1, 2.0), (2, 1.0)], \
+eval_loss=[(0, 2.2), (2, 1.3)], first_loss=2.0, final_loss=1.0, tokens=0, wall_seconds=1, device='cpu'), 'sft'))"
+
+Drawn on a bare `Figure` with the Agg canvas, not through pyplot: no global figure state and no GUI backend in
+a flow's process, which may run many flows at once.
+"""
+
+from __future__ import annotations
+
+import io
+
+from loraflow_worker.contract import TrainMetrics
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+SIZE_INCHES = (6.4, 3.2)
+DPI = 100
+"""640 × 320 pixels: wide enough to read in the summary's column."""
+BACKGROUND = (255, 255, 255)
+TRAIN_COLOR = (31, 119, 180)
+"""The training series' colour (matplotlib's `tab:blue`), as RGB so that a screenshot can be searched for it."""
+EVAL_COLOR = (255, 127, 14)
+"""The held-out series' colour (matplotlib's `tab:orange`)."""
+
+
+def curve_figure(metrics: TrainMetrics, algorithm: str) -> Figure | None:
+    """The run's curve: x is the optimizer step; y the training loss (SFT) or mean reward (GRPO), beside the same
+    measure on the held-out examples when the run evaluated. None when neither series has two points."""
+    grpo = algorithm == "grpo"
+    train = metrics.rewards if grpo else metrics.losses
+    held_out = metrics.eval_reward if grpo else metrics.eval_loss
+    if len(train) < 2 and len(held_out) < 2:
+        return None
+    measure = "mean reward" if grpo else "loss"
+    figure = Figure(figsize=SIZE_INCHES, dpi=DPI, layout="constrained", facecolor=_rgb(BACKGROUND))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    if train:
+        axes.plot(*zip(*train), color=_rgb(TRAIN_COLOR), linewidth=2, label=f"training {measure}")
+    if held_out:
+        # Few points (the start, every N steps, the end): markers show where evaluation happened.
+        axes.plot(*zip(*held_out), color=_rgb(EVAL_COLOR), linewidth=2, marker="o", markersize=4,
+                  label=f"eval {measure} (held-out)")
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    axes.set_ylabel(measure)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
+
+
+def curve_png(metrics: TrainMetrics, algorithm: str) -> bytes | None:
+    """`curve_figure` as PNG bytes; None when there is nothing to draw."""
+    figure = curve_figure(metrics, algorithm)
+    if figure is None:
+        return None
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _rgb(color: tuple[int, int, int]) -> tuple[float, float, float]:
+    return tuple(channel / 255 for channel in color)
