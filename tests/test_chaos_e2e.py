@@ -38,7 +38,8 @@ def chaos(chaos_stack, tmp_path_factory, tiny_model, figures) -> Batch:
 
 def test_nothing_is_left_billing_held_or_lost(chaos):
     assert chaos.figures.leaks_and_losses() == {
-        "endpoints_leaked": 0, "slots_leaked": 0, "workers_leaked": 0, "training_processes_leaked": 0, "results_lost": 0,
+        "endpoints_leaked": 0, "slots_leaked": 0, "secrets_leaked": 0, "volumes_unaccounted": 0, "workers_leaked": 0,
+        "training_processes_leaked": 0, "results_lost": 0,
     }
 
 
