@@ -110,9 +110,9 @@ def test_an_unreadable_or_short_secret_block_is_refused_naming_the_field_and_the
         with pytest.raises(RunSecretError, match=r"^worker.secrets.JUDGE_KEY: the Prefect Secret block 'test-nobody' "
                                                  r"cannot be read"):
             read_run_secrets({"JUDGE_KEY": "test-nobody"})
-        Secret(value="short").save("test-short-judge-key", overwrite=True)
+        Secret(value="abc").save("test-short-judge-key", overwrite=True)
         with pytest.raises(RunSecretError) as short:
             read_run_secrets({"JUDGE_KEY": "test-short-judge-key"})
     assert str(short.value).startswith("worker.secrets.JUDGE_KEY: the Prefect Secret block 'test-short-judge-key' "
-                                       "holds 5 characters, fewer than 8")
-    assert "short" not in str(short.value).replace("test-short-judge-key", "")
+                                       "holds 3 characters, fewer than 4")
+    assert "abc" not in str(short.value).replace("test-short-judge-key", "")
