@@ -549,15 +549,8 @@ class FaultBook:
         return self.stock()
 
     def stock(self) -> Stock:
-        by_pool: dict[str, set[str]] = {}
-        for pool, dc in self.out_of_stock:
-            by_pool.setdefault(pool, set()).add(dc)
-        everywhere = sorted(pool for pool, dcs in by_pool.items() if len(dcs) == len(catalog.DATA_CENTER_IDS))
-        by_dc: dict[str, list[str]] = {}
-        for pool, dc in sorted(self.out_of_stock):
-            if pool not in everywhere:
-                by_dc.setdefault(dc, []).append(pool)
-        return Stock(out_of_stock=everywhere, out_of_stock_by_data_center=dict(sorted(by_dc.items())))
+        everywhere, by_dc = _stock_view(self.out_of_stock)
+        return Stock(out_of_stock=everywhere, out_of_stock_by_data_center=by_dc)
 
     def in_stock(self, pool: str, data_center_id: str) -> bool:
         return (pool, data_center_id) not in self.out_of_stock
@@ -575,13 +568,8 @@ class FaultBook:
         return self.cpu_stock()
 
     def cpu_stock(self) -> CpuStock:
-        everywhere = sorted(f for f in catalog.CPU_FLAVOR_IDS
-                            if all((f, dc) in self.cpu_out_of_stock for dc in catalog.DATA_CENTER_IDS))
-        by_dc: dict[str, list[str]] = {}
-        for flavor, dc in sorted(self.cpu_out_of_stock):
-            if flavor not in everywhere:
-                by_dc.setdefault(dc, []).append(flavor)
-        return CpuStock(out_of_stock=everywhere, out_of_stock_by_data_center=dict(sorted(by_dc.items())))
+        everywhere, by_dc = _stock_view(self.cpu_out_of_stock)
+        return CpuStock(out_of_stock=everywhere, out_of_stock_by_data_center=by_dc)
 
     def cpu_in_stock(self, flavor_id: str, data_center_id: str) -> bool:
         return (flavor_id, data_center_id) not in self.cpu_out_of_stock
@@ -675,6 +663,18 @@ _ROUTES_WITHOUT_ENDPOINT = frozenset(
 
 
 _CUDA_VERSION = re.compile(r"^\d+\.\d+$")
+
+
+def _stock_view(out_of_stock: set[tuple[str, str]]) -> tuple[list[str], dict[str, list[str]]]:
+    """(what is out of stock in every datacenter, datacenter → what else is out there) of (pool or flavor,
+    datacenter) pairs."""
+    everywhere = sorted({item for item, _ in out_of_stock
+                         if all((item, dc) in out_of_stock for dc in catalog.DATA_CENTER_IDS)})
+    by_dc: dict[str, list[str]] = {}
+    for item, dc in sorted(out_of_stock):
+        if item not in everywhere:
+            by_dc.setdefault(dc, []).append(item)
+    return everywhere, dict(sorted(by_dc.items()))
 
 
 def _prefix_matches(prefix: str | None, name: str | None) -> bool:

@@ -79,27 +79,25 @@ def prepare_worker_env(hub_token_secret: str | None = None, env: dict[str, str] 
     settings = Settings()
     logger = get_run_logger()
     token = settings.hub_token(hub_token_secret)
+    sources = {env_name: f"the Secret block {block!r}" for env_name, block in (secrets or {}).items()}
     references: dict[str, str] = {}
-    if secrets:
+    if secrets or token is not None:
+        namespace = settings.control_plane_namespace()
         with make_client(settings) as client:
-            references = run_secret_env(client, secrets, settings.control_plane_namespace())
-        for env_name, reference in references.items():
-            for name in referenced_secrets({env_name: reference}):
-                secret_used(name, env_name=env_name)  # before any endpoint refers to it: pruning keeps it
-                logger.info("Workers read %s (the Secret block %r) from the RunPod account secret %s", env_name,
-                            secrets[env_name], name)
-    run_env = settings.worker_env() | (env or {}) | references
+            if secrets:
+                references |= run_secret_env(client, secrets, namespace)
+            if token is not None:
+                references |= value_secret_env(client, "HF_TOKEN", token, purpose=HUB_TOKEN_PURPOSE,
+                                               namespace=namespace)
+                sources["HF_TOKEN"] = (f"the token in the Secret block {hub_token_secret!r}" if hub_token_secret
+                                       else "the token of this flow's process")
     if token is None:
         logger.info("No Hugging Face token: workers reach public models and file:// stores only")
-        return run_env
-    with make_client(settings) as client:
-        token_env = value_secret_env(client, "HF_TOKEN", token, purpose=HUB_TOKEN_PURPOSE,
-                                     namespace=settings.control_plane_namespace())
-    for name in referenced_secrets(token_env):
-        secret_used(name, env_name="HF_TOKEN")  # before any endpoint refers to it: pruning keeps it
-        logger.info("Workers read HF_TOKEN (the token of %s) from the RunPod account secret %s",
-                    f"the Secret block {hub_token_secret!r}" if hub_token_secret else "this flow's process", name)
-    return run_env | token_env
+    for env_name, reference in references.items():
+        for name in referenced_secrets({env_name: reference}):
+            secret_used(name, env_name=env_name)  # before any endpoint refers to it: pruning keeps it
+            logger.info("Workers read %s (%s) from the RunPod account secret %s", env_name, sources[env_name], name)
+    return settings.worker_env() | (env or {}) | references
 
 
 @task(name="create-endpoint", **_RETRIES)
