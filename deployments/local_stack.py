@@ -189,6 +189,10 @@ class LocalStack:
             "PREFECT_API_URL": self.prefect_api_url,
             "PREFECT_HOME": str(self.home / "prefect-client"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            # A local server keeps its database in SQLite, which answers "database is locked" (a 503) while another
+            # writer holds it: with many runs starting at once, Prefect's 5 retries (about a minute) ran out
+            # before a run was even created. 7 back off for about four minutes.
+            "PREFECT_CLIENT_MAX_RETRIES": "7",
             "RUNPOD_API_KEY": LOCALPOD_API_KEY,
             "RUNPOD_API_URL": f"{self.localpod_url}/v2",
             "RUNPOD_JOB_URL": f"{self.localpod_url}/v2",
