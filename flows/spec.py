@@ -223,6 +223,25 @@ class WorkerSpec(_Section):
         return self
 
 
+TRACKER_CREDENTIALS = ("WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD")
+"""The trackers' credentials (`training.report_to`): only ever `worker.secrets`."""
+MLFLOW_SERVER_URI = re.compile(r"^(https?://[^\s]+|databricks(://[^\s]*)?)$")
+"""What the worker's MLflow (the client alone, mlflow-skinny) can record to: a tracking server or Databricks."""
+
+
+def tracking_problems(report_to: list[str], worker: WorkerSpec) -> list[str]:
+    """Why the run's trackers could not record what `worker` gives them; empty when they can."""
+    problems = [f"`worker.env.{name}` is a credential: name a Prefect Secret block for it in `worker.secrets` "
+                "instead (a plain variable shows in the run's parameters and on the endpoint)"
+                for name in worker.env if name.upper() in TRACKER_CREDENTIALS]
+    uri = worker.env.get("MLFLOW_TRACKING_URI")
+    if "mlflow" in report_to and uri is not None and not MLFLOW_SERVER_URI.match(uri):
+        problems.append(f"`worker.env.MLFLOW_TRACKING_URI` ({uri!r}) is not an MLflow tracking server: the worker records "
+                        "to `http(s)://` servers or Databricks only (a path or database on the worker is gone when it "
+                        "stops); give the server's URL, or leave it out to store a file store with the run")
+    return problems
+
+
 class RunSpec(_Section):
     """One LoRA fine-tuning run."""
 
@@ -307,6 +326,16 @@ class RunSpec(_Section):
                     f"{max_deadline_minutes()}"
                 )
         return minutes
+
+    @field_validator("worker")
+    @classmethod
+    def _trackers_get_what_they_need(cls, worker: WorkerSpec, info: ValidationInfo) -> WorkerSpec:
+        # A field validator (training validates first) so that the error carries the field `worker`.
+        training = info.data.get("training")
+        problems = tracking_problems(training.report_to if training else [], worker)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return worker
 
     @field_validator("grpo")
     @classmethod

@@ -330,6 +330,7 @@ def train(
             run_url=curve_links.run_url if curve_links else None,
             curve_url=curve_links.curve_url if curve_links else None, quantization=spec.lora.quantization,
             forced_memory=(results.manifest or {}).get("forced_memory_settings") or [],
+            trackers=results.result.trackers, tracker_files_urls=results.tracker_files_urls,
             published_model=published.hub_model_id if published else None,
             published_model_url=published.url if published else None,
             publish_error=published.error if published else None,

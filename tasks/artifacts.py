@@ -16,7 +16,7 @@ from loraflow_worker.artifacts import ArtifactNotFound, open_store
 from loraflow_worker.contract import JobResult, RewardSpec, run_prefix
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from tasks.rewards import check_reward_files, reward_store_paths
 from tasks.settings import Settings
@@ -121,6 +121,8 @@ class RunResults(BaseModel):
     manifest: dict[str, Any] | None = None
     console_tail: str | None = None
     adapter_url: str | None = None
+    tracker_files_urls: dict[str, str] = Field(
+        default_factory=dict, description="Tracker (`wandb`, `mlflow`) → link to its files stored with the run.")
 
 
 def read_run_results(store_url: str, run_id: str, token: str | None = None) -> RunResults:
@@ -135,7 +137,9 @@ def read_run_results(store_url: str, run_id: str, token: str | None = None) -> R
         manifest = store.read_json(f"{prefix}/manifest.json")
     except ArtifactNotFound:
         manifest = None
-    return RunResults(done=True, result=result, manifest=manifest, adapter_url=store.display_url(result.adapter_path))
+    return RunResults(done=True, result=result, manifest=manifest, adapter_url=store.display_url(result.adapter_path),
+                      tracker_files_urls={t.tracker: store.display_url(t.store_path) for t in result.trackers
+                                          if t.store_path})
 
 
 def _dataset_format(row: Any) -> str | None:

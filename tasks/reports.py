@@ -14,7 +14,7 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from loraflow_worker.artifacts import open_store
-from loraflow_worker.contract import JobResult, TrainMetrics, run_prefix
+from loraflow_worker.contract import JobResult, TrackerRun, TrainMetrics, run_prefix
 from prefect import get_client, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -57,6 +57,10 @@ class RunReport(BaseModel):
     run_url: str | None = Field(default=None, description="Link to the run's folder in the artifact store.")
     curve_url: str | None = Field(default=None, description="Link to the stored curve PNG; None: not stored.")
     quantization: Literal["none", "4bit"] = Field(default="none", description="`4bit`: QLoRA (the base in 4 bits).")
+    trackers: list[TrackerRun] = Field(default_factory=list, description="Where `training.report_to`'s trackers "
+                                       "recorded the run's last attempt.")
+    tracker_files_urls: dict[str, str] = Field(
+        default_factory=dict, description="Tracker → link to its files stored with the run.")
     forced_memory: list[str] = Field(
         default_factory=list, description="Memory settings the last attempt forced after running out of memory.")
     warm_volume: str | None = Field(default=None, description="The network volume the last attempt read the "
@@ -147,6 +151,7 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
         *([(BILLED_ROW, _billed(report))] if report.billed_usd is not None or report.billing_pending else []),
         ("Adapter", _link(report.adapter_url)),
         *([("Published model", _published(report))] if report.published_model else []),
+        *[(TRACKER_LABELS[t.tracker], _tracker(t, report.tracker_files_urls.get(t.tracker))) for t in report.trackers],
         ("Artifact store", _link(report.store_url)),
         *([("This run's files", _link(report.run_url))] if report.run_url else []),
         ("Endpoint", f"`{report.endpoint_name}` (deleted)"),
@@ -202,6 +207,18 @@ def _published(report: RunReport) -> str:
     if report.published_model_url:
         return _link(report.published_model_url, report.published_model)
     return f"`{report.published_model}`"
+
+
+TRACKER_LABELS = {"wandb": "W&B run", "mlflow": "MLflow run"}
+
+
+def _tracker(run: TrackerRun, files_url: str | None) -> str:
+    if run.url:
+        return _link(run.url, run.run_name)
+    text = f"`{run.run_name}` (id `{run.run_id}`), recorded locally"
+    if files_url:
+        text += f": {_link(files_url, 'its files')}"
+    return f"{text}; {run.note}".replace("|", "\\|") if run.note else text
 
 
 def _weights(report: RunReport) -> str:

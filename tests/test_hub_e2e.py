@@ -47,6 +47,8 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
     run_file = write_run_file(tmp_path / "run.toml", name="e2e-hub", model=tiny_model, store=tmp_path / "unused")
     text = run_file.read_text().replace(f'id = "{tiny_model}"', 'id = "acme/tiny-qwen3"')
     text = text.replace(f'artifact_store = "file://{tmp_path / "unused"}"', 'artifact_store = "hf://datasets/acme/runs"')
+    # Both trackers, without their credentials: W&B offline and an MLflow file store, stored with the run.
+    text = text.replace("[training]\n", '[training]\nreport_to = ["wandb", "mlflow"]\n')
     run_file.write_text(text + '[publish]\nhub_model_id = "acme/tiny-qwen3-lora"\n')
     run = run_train_flow(local_stack, run_file)
     assert run.returncode == 0, run.output[-5000:]
@@ -62,7 +64,9 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
     assert {f"{prefix}/DONE", f"{prefix}/metrics.json", f"{prefix}/manifest.json", f"{prefix}/adapter/adapter_config.json"} <= files
     commits = httpx.get(f"{local_stack.hub_url}/_hub/commits/datasets/acme/runs").json()["commits"]
     run_commits = [c for c in commits if run.flow_run_id in c.get("title", "") + c.get("message", "")]
-    # The dataset, the results, DONE: a handful of commits per run, not one per file.
+    assert f"{prefix}/tracking/a1/mlruns.tar.gz" in files
+    assert any(f.startswith(f"{prefix}/tracking/a1/wandb/offline-run-") and f.endswith(".wandb") for f in files), files
+    # The dataset, the results (the trackers' files among them), DONE: a handful of commits per run, not one per file.
     assert 2 <= len(run_commits) <= 6, [c.get("title") for c in run_commits]
 
     manifest = api.hf_hub_download("acme/runs", f"{prefix}/manifest.json", repo_type="dataset", cache_dir=tmp_path / "cache")
@@ -90,6 +94,9 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
         "flow_run_id": {"any_": [run.flow_run_id]}, "key": {"any_": ["train-e2e-hub-summary"]}}}).json()
     published_row = f"| Published model | [acme/tiny-qwen3-lora]({local_stack.hub_url}/acme/tiny-qwen3-lora) |"
     assert published_row in summary["data"]
+    tracked = [line for line in summary["data"].splitlines() if line.startswith(("| W&B run |", "| MLflow run |"))]
+    assert len(tracked) == 2 and all(f"`{run.flow_run_id}-a1`" in line and "recorded locally" in line
+                                     for line in tracked), tracked
 
 
 ALICE_TOKEN, BOB_TOKEN = "hf_alice_e2e_0000000001", "hf_bob_e2e_0000000002"

@@ -100,3 +100,20 @@ def test_the_metrics_table_gives_the_eval_loss_at_the_evaluated_steps():
         {"step": 0, "loss": None, "eval_loss": 6.9}, {"step": 1, "loss": 6.4, "eval_loss": None},
         {"step": 2, "loss": 3.0, "eval_loss": 3.4}, {"step": 3, "loss": 2.0, "eval_loss": None},
         {"step": 4, "loss": 1.25, "eval_loss": 2.05}]
+
+
+def test_the_summary_links_each_trackers_run_or_its_stored_files():
+    from loraflow_worker.contract import TrackerRun
+
+    report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                       endpoint_name="loraflow-demo-abc-a1", metrics=METRICS, cost_ceiling_usd=0.35,
+                       estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter", store_url="file:///s",
+                       trackers=[TrackerRun(tracker="wandb", run_id="w1", run_name="r1-a1",
+                                            url="https://wandb.ai/acme/loraflow/runs/w1"),
+                                 TrackerRun(tracker="mlflow", run_id="m1", run_name="r1-a1",
+                                            store_path="runs/r1/tracking/a1/mlruns.tar.gz", note="extract it")],
+                       tracker_files_urls={"mlflow": "file:///s/runs/r1/tracking/a1/mlruns.tar.gz"})
+    text = summary_markdown(report)
+    assert "| W&B run | [r1-a1](https://wandb.ai/acme/loraflow/runs/w1) |" in text
+    assert ("| MLflow run | `r1-a1` (id `m1`), recorded locally: "
+            "[its files](file:///s/runs/r1/tracking/a1/mlruns.tar.gz); extract it |") in text

@@ -116,3 +116,27 @@ def test_an_unreadable_or_short_secret_block_is_refused_naming_the_field_and_the
     assert str(short.value).startswith("worker.secrets.JUDGE_KEY: the Prefect Secret block 'test-short-judge-key' "
                                        "holds 3 characters, fewer than 4")
     assert "abc" not in str(short.value).replace("test-short-judge-key", "")
+
+
+@pytest.mark.parametrize("name", ["WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD"])
+def test_a_trackers_credential_as_a_plain_variable_is_refused_pointing_at_secrets(name):
+    where, message = refusal(env={name: "a-credential-value"})
+    assert where == "worker" and f"`worker.env.{name}` is a credential: name a Prefect Secret block for it in " \
+                                 "`worker.secrets`" in message
+
+
+def test_an_mlflow_tracking_uri_that_is_no_server_is_refused_before_renting():
+    spec = minimal(training={"report_to": ["mlflow"]}, worker={"env": {"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}})
+    with pytest.raises(ValidationError) as refused:
+        RunSpec.model_validate(spec)
+    [error] = refused.value.errors()
+    assert error["loc"] == ("worker",) and "`worker.env.MLFLOW_TRACKING_URI` ('sqlite:///mlflow.db') is not an MLflow " \
+                                          "tracking server" in error["msg"]
+
+
+def test_trackers_take_a_server_uri_and_their_credentials_as_secrets():
+    spec = RunSpec.model_validate(minimal(
+        training={"report_to": ["wandb", "mlflow"]},
+        worker={"env": {"MLFLOW_TRACKING_URI": "https://mlflow.example.com", "WANDB_PROJECT": "mine"},
+                "secrets": {"WANDB_API_KEY": "wandb-key", "MLFLOW_TRACKING_TOKEN": "mlflow-token"}}))
+    assert spec.training.report_to == ["wandb", "mlflow"]

@@ -47,7 +47,7 @@ contract_version() {
 
 step_tag() {
     # loraflow-worker:<worker version>-contract<N>-cu130-sm<arch>[-<arch>...], e.g.
-    # loraflow-worker:0.1.0-contract4-cu130-sm90. The control plane reads `contract<N>` from the tag and refuses a
+    # loraflow-worker:0.1.0-contract5-cu130-sm90. The control plane reads `contract<N>` from the tag and refuses a
     # run whose image speaks another job contract before renting a GPU for it.
     local archs
     archs="$(echo "$TORCH_CUDA_ARCH_LIST" | tr ';, ' '\n' | sed -e 's/+PTX//' -e 's/\.//' | grep -v '^$' | paste -sd- -)"
@@ -97,11 +97,11 @@ step_verify() {
     "$LORAFLOW_VENV/bin/python" -m pip check
     "$LORAFLOW_VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-import torch, transformers, trl, peft  # noqa: F401  the training stack imports without a GPU
+import torch, transformers, trl, peft, wandb, mlflow  # noqa: F401  the training stack and trackers import without a GPU
 import loraflow_worker.handler, loraflow_worker.grpo, loraflow_worker.gpu_smoke  # noqa: F401
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
       "trl", trl.__version__, "peft", peft.__version__, "runpod", md.version("runpod"),
-      "loraflow-worker", md.version("loraflow-worker"))
+      "wandb", wandb.__version__, "mlflow", mlflow.__version__, "loraflow-worker", md.version("loraflow-worker"))
 PY
 }
 

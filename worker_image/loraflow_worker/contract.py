@@ -19,11 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from loraflow_worker.reward_names import BUILTIN_REWARD_PARAMS, REWARD_STORE_PATH_PATTERN, reward_kind
 
-CONTRACT_VERSION = 4
+CONTRACT_VERSION = 5
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
 and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
 `worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
-with `eval_loss` / `eval_reward` in the metrics and the progress."""
+with `eval_loss` / `eval_reward` in the metrics and the progress. 5: `training.report_to` (W&B and MLflow tracking)
+and `JobResult.trackers`."""
 
 MAX_EXTRA_PACKAGES = 20
 MAX_PRELOAD_MODELS = 100
@@ -139,6 +140,24 @@ class TrainingSettings(_Strict):
         default=1, ge=1, le=100,
         description="Checkpoints kept in the artifact store; older ones are deleted in the commit that adds a new one.",
     )
+    report_to: list[Literal["wandb", "mlflow"]] = Field(
+        default_factory=list,
+        max_length=2,
+        description="Trackers that record the training (and evaluation) metrics, through TRL's own integrations. "
+        "`wandb`: online when the run's `[worker] secrets` give `WANDB_API_KEY`, else offline; the project is "
+        "`WANDB_PROJECT` from `[worker] env` (default `loraflow`). `mlflow`: to the tracking server at "
+        "`MLFLOW_TRACKING_URI` from `[worker] env` (its credentials, e.g. `MLFLOW_TRACKING_TOKEN`, in `[worker] "
+        "secrets`), else to a file store; the experiment is `MLFLOW_EXPERIMENT_NAME` (default `loraflow`). Each "
+        "attempt is one tracker run named `<run id>-a<attempt>`. Either way the tracker's local files are stored "
+        "with the run under `tracking/a<attempt>/`, and the summary links the tracker's run. Empty: no tracker.",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, trackers: list[str]) -> list[str]:
+        if len(set(trackers)) != len(trackers):
+            raise ValueError("name each tracker once")
+        return trackers
 
 
 _REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")
@@ -688,6 +707,21 @@ class TrainMetrics(_Strict):
     device: str = Field(description="Device trained on, e.g. `cpu` or `cuda:0 (NVIDIA H100 80GB HBM3)`.")
 
 
+class TrackerRun(_Strict):
+    """Where one tracker recorded an attempt (`training.report_to`)."""
+
+    tracker: Literal["wandb", "mlflow"] = Field(description="The tracker.")
+    run_id: str = Field(description="The tracker's own id of the run.")
+    run_name: str = Field(description="The run's name in the tracker: `<run id>-a<attempt>`.")
+    url: str | None = Field(
+        default=None, description="The run's page in the tracker (W&B online, an MLflow tracking server); None when "
+        "the run was recorded locally only (W&B offline, an MLflow file store).")
+    store_path: str | None = Field(
+        default=None, description="Folder of the tracker's local files inside the artifact store (the offline W&B "
+        "run or the MLflow file store); None when none were stored.")
+    note: str = Field(default="", description="How to open what was stored, or why something was not.")
+
+
 class JobResult(_Strict):
     """What the worker returns as the job's `output` when training completed."""
 
@@ -698,6 +732,8 @@ class JobResult(_Strict):
     run_prefix: str = Field(description="Path of this run's folder inside the artifact store, e.g. `runs/<run_id>`.")
     adapter_path: str = Field(description="Path of the adapter folder inside the artifact store.")
     metrics: TrainMetrics
+    trackers: list[TrackerRun] = Field(
+        default_factory=list, description="Where the trackers of `training.report_to` recorded this attempt.")
 
 
 class PartialResult(_Strict):

@@ -22,12 +22,17 @@ def redact_secrets(text: str, env: Mapping[str, str] | None = None, secret_names
     (default: this process's environment; the forwarded credentials HF_TOKEN and WANDB_API_KEY are among
     them), the values of the variables `secret_names` names whatever their names look like (a job's
     `worker_secret_names`: the run's own secrets), and known token shapes."""
+    for value in secret_values(env, secret_names):
+        text = text.replace(value, REDACTED)
+    return _TOKEN_SHAPES.sub(REDACTED, text)
+
+
+def secret_values(env: Mapping[str, str] | None = None, secret_names: Iterable[str] = ()) -> list[str]:
+    """The values `redact_secrets` removes from text (token shapes aside), longest first: a secret that contains
+    another is then removed whole."""
     env = os.environ if env is None else env
     named = set(secret_names)
     # A run's own secret is redacted whatever its length: it was declared a secret (the control plane refuses short ones).
     secrets = {value for name, value in env.items()
                if (name in named and value) or (is_secret_name(name) and len(value) >= _MIN_SECRET_LENGTH)}
-    # Longest first, so a secret that contains another is removed whole.
-    for value in sorted(secrets, key=len, reverse=True):
-        text = text.replace(value, REDACTED)
-    return _TOKEN_SHAPES.sub(REDACTED, text)
+    return sorted(secrets, key=len, reverse=True)

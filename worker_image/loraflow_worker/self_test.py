@@ -1,5 +1,6 @@
 """Check that this environment (an image, a GPU box) can train: every fast-path package imports, and a short
-SFT job and a short GRPO job run through the real handler on a tiny model built offline.
+SFT job (recorded by W&B offline and an MLflow file store) and a short GRPO job run through the real handler on a
+tiny model built offline.
 
     python -m loraflow_worker.self_test                 # inside the image: `docker run --rm IMAGE python -m ...`
     python -m loraflow_worker.self_test --steps 8
@@ -61,7 +62,9 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
     store = root / "store"
     os.environ[WORK_DIR_ENV] = str(root / "work")
     jobs = {
-        "sft": {"training": {"max_steps": steps, "learning_rate": 1e-2, "batch_size": 8}},
+        # Both trackers, with no credentials and no network: W&B offline and an MLflow file store.
+        "sft": {"training": {"max_steps": steps, "learning_rate": 1e-2, "batch_size": 8,
+                             "report_to": ["wandb", "mlflow"]}},
         "grpo": {"algorithm": "grpo",
                  "training": {"max_steps": steps, "learning_rate": 3e-2, "batch_size": 8, "seed": 42},
                  "grpo": {"num_generations": 4, "max_completion_length": 12, "rewards": [{"name": "digit_fraction"}]}},
@@ -81,6 +84,13 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
         engaged = sorted(name for name, path in manifest.get("fast_paths", {}).items() if path.get("engaged"))
         print(f"{algorithm} job completed in {time.monotonic() - started:.0f} s: {metrics['steps']} steps, "
               f"{_trend(metrics)}, device {metrics.get('device')}, engaged: {', '.join(engaged) or 'none'}", flush=True)
+        asked = settings["training"].get("report_to", [])
+        recorded = {t["tracker"]: t for t in results[algorithm]["trackers"] if t.get("store_path")}
+        if sorted(recorded) != sorted(asked):
+            raise RuntimeError(f"the {algorithm} job asked trackers {asked} and recorded to {sorted(recorded)}")
+        for tracker in recorded.values():
+            print(f"{algorithm} job tracked by {tracker['tracker']}: run {tracker['run_id']}, stored at "
+                  f"{tracker['store_path']}", flush=True)
     return results
 
 

@@ -24,6 +24,7 @@ from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_st
 from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
 from loraflow_worker.memory_failures import exception_memory_kind
 from loraflow_worker.supervisor import ERROR_FILE, PROGRESS_MARKER
+from loraflow_worker.tracking import finish_tracking, start_tracking
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -75,7 +76,9 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     callbacks: list[TrainerCallback] = [CheckpointUploader(store, prefix, job.training.keep_checkpoints)]
     if job.training.checkpoint_every_minutes is not None:
         callbacks.append(CheckpointTimer(job.training.checkpoint_every_minutes * 60.0))
+    start_tracking(job, work_dir)
     outcome = train(job, store, work_dir, report_progress, callbacks=callbacks, resume_from=resume_from)
+    trackers, tracker_files = finish_tracking(job, work_dir, prefix)
     if outcome.deadline_checkpoint is not None:
         step, total = outcome.metrics.steps, outcome.total_steps
         stopped = (f"deadline reached at step {step} of {total}: the job's deadline_epoch_s ({job.deadline_epoch_s}) "
@@ -83,7 +86,7 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
         report_progress(Progress(stage="saving", step=step, total_steps=total,
                                  message=f"{stopped}; saving the adapter so far to {store.display_url(prefix)}"))
         try:
-            partial = _publish_partial(store, prefix, job, outcome, stopped)
+            partial = _publish_partial(store, prefix, job, outcome, stopped, tracker_files)
         except ArtifactStoreError as e:
             raise DeadlineReached(f"{stopped}; storing the adapter trained so far and a checkpoint failed: {e}") from e
         raise DeadlineReached(
@@ -98,8 +101,8 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
                              reward=metrics.rewards[-1][1] if metrics.rewards else None,
                              message=f"saving adapter to {store.display_url(prefix)}"))
     result = JobResult(run_id=job.run_id, attempt=job.attempt, run_prefix=prefix, adapter_path=f"{prefix}/adapter",
-                       metrics=outcome.metrics)
-    _publish(store, prefix, outcome, result)
+                       metrics=outcome.metrics, trackers=trackers)
+    _publish(store, prefix, outcome, result, tracker_files)
     return result
 
 
@@ -108,11 +111,12 @@ def report_progress(progress: Progress) -> None:
     print(PROGRESS_MARKER + progress.model_dump_json(), flush=True)
 
 
-def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: JobResult) -> None:
-    """Adapter, metrics, manifest, result and `DONE` in ONE commit (the Hub allows about 128 commits per hour
+def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: JobResult,
+             tracker_files: dict[str, bytes | Path]) -> None:
+    """Adapter, the trackers' files, metrics, manifest, result and `DONE` in ONE commit (the Hub allows about 128 commits per hour
     per repo), `DONE` last: a reader that sees `DONE` sees the rest. A Hub commit is all or nothing; FileStore
     writes the files one by one in the order given (`FileStore.put`), so there too `DONE` comes after the rest."""
-    files = _adapter_files(outcome.adapter_dir, f"{prefix}/adapter")
+    files = _adapter_files(outcome.adapter_dir, f"{prefix}/adapter") | tracker_files
     files[f"{prefix}/metrics.json"] = outcome.metrics.model_dump_json(indent=2).encode()
     files[f"{prefix}/manifest.json"] = outcome.manifest.model_dump_json(indent=2).encode()
     files[f"{prefix}/result.json"] = result.model_dump_json(indent=2).encode()
@@ -126,10 +130,10 @@ def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: J
 
 
 def _publish_partial(store: ArtifactStore, prefix: str, job: JobInput, outcome: TrainOutcome,
-                     stopped: str) -> PartialResult:
+                     stopped: str, tracker_files: dict[str, bytes | Path]) -> PartialResult:
     """The deadline's save, in ONE commit and without `DONE` (the run is not complete): the checkpoint of the
-    last step, where the next attempt resumes, and the adapter trained so far under `<prefix>/partial/`, with
-    `partial/result.json` last (written last by FileStore too, as in `_publish`)."""
+    last step, where the next attempt resumes, the adapter trained so far under `<prefix>/partial/` and the
+    trackers' files of the attempt, with `partial/result.json` last (written last by FileStore too, as in `_publish`)."""
     from loraflow_worker.checkpoints import checkpoint_commit, checkpoints_prefix
 
     step = outcome.metrics.steps
@@ -139,6 +143,7 @@ def _publish_partial(store: ArtifactStore, prefix: str, job: JobInput, outcome: 
                             checkpoint_path=f"{checkpoints_prefix(prefix)}/step-{step}")
     files, stale = checkpoint_commit(store, prefix, outcome.deadline_checkpoint, step, job.training.keep_checkpoints)
     files.update(_adapter_files(outcome.adapter_dir, partial.adapter_path))
+    files.update(tracker_files)
     files[f"{prefix}/partial/result.json"] = partial.model_dump_json(indent=2).encode()
     store.put(files, message=f"run {job.run_id} attempt {job.attempt}: deadline at step {step}, checkpoint and adapter so far",
               delete_prefixes=[*stale, f"{prefix}/partial"], retry_budget_s=DEADLINE_SAVE_RETRY_BUDGET_S)

@@ -24,6 +24,7 @@ from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, 
 from loraflow_worker.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
 from loraflow_worker.model_cache import fetch_model, training_cache_dir
 from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
+from loraflow_worker.tracking import tracker_run_name
 from loraflow_worker.training_monitor import TrainingMonitor
 
 
@@ -157,7 +158,9 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
         seed=t.seed,
         logging_steps=t.logging_steps,
         **save_settings(t),
-        report_to="none",
+        # TRL's own W&B and MLflow callbacks; tracking.py set their environment before training.
+        report_to=list(t.report_to) or "none",
+        run_name=tracker_run_name(job),
         disable_tqdm=True,
         **evaluation,
     )
