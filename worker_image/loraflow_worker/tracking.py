@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from loraflow_worker.contract import JobInput, TrackerRun
-from loraflow_worker.redaction import REDACTED, secret_values
+from loraflow_worker.redaction import REDACTED, redact_secrets, secret_values
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,11 @@ def _finish_mlflow(job: JobInput, folder: str) -> list[TrackerRun]:
     run = mlflow.last_active_run()
     if run is None:
         return []
-    uri = mlflow.get_tracking_uri()
-    if uri.startswith(_SERVER_SCHEMES):
-        url = f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    # A server's URI may carry a password (`https://user:pass@host`): redacted wherever it is shown.
+    uri = redact_secrets(mlflow.get_tracking_uri(), secret_names=job.worker_secret_names)
+    if not uri.startswith("file:"):
+        url = (f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+               if uri.startswith(_SERVER_SCHEMES) else None)
         return [TrackerRun(tracker="mlflow", run_id=run.info.run_id, run_name=tracker_run_name(job), url=url,
                            note=f"recorded on the tracking server {uri}")]
     store_path = f"{folder}/{MLFLOW_STORE}.tar.gz"
