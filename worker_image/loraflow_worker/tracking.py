@@ -61,6 +61,9 @@ def tracking_env(job: JobInput, work_dir: Path, env: Mapping[str, str]) -> dict[
         settings |= {
             "MLFLOW_EXPERIMENT_NAME": env.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT,
             "MLFLOW_TAGS": json.dumps({"loraflow.run_id": job.run_id, "loraflow.attempt": str(job.attempt)}),
+            # The image has no `git`: GitPython's import then fails, and MLflow logs three warnings per run for the
+            # commit it cannot read. "quiet" lets the import succeed; the commit is then simply not found.
+            "GIT_PYTHON_REFRESH": "quiet",
         }
         if not env.get("MLFLOW_TRACKING_URI"):
             # MLflow 3 refuses a file store (in maintenance mode, still supported) unless this is set.
