@@ -201,9 +201,8 @@ def _billed(report: RunReport) -> str:
 
 def _published(report: RunReport) -> str:
     if report.publish_error is not None:
-        # A table cell is one line: the reason, newlines folded, pipes escaped.
-        reason = " ".join(report.publish_error.split()).replace("|", "\\|")
-        return f"`{report.published_model}`: **not published** ({reason}); the run completed anyway"
+        return (f"`{report.published_model}`: **not published** ({_cell(report.publish_error)}); "
+                "the run completed anyway")
     if report.published_model_url:
         return _link(report.published_model_url, report.published_model)
     return f"`{report.published_model}`"
@@ -218,7 +217,12 @@ def _tracker(run: TrackerRun, files_url: str | None) -> str:
     text = f"`{run.run_name}` (id `{run.run_id}`), recorded locally"
     if files_url:
         text += f": {_link(files_url, 'its files')}"
-    return f"{text}; {run.note}".replace("|", "\\|") if run.note else text
+    return f"{text}; {_cell(run.note)}" if run.note else text
+
+
+def _cell(text: str) -> str:
+    """`text` as part of a table cell, which is one line: newlines folded, pipes escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def _weights(report: RunReport) -> str:

@@ -207,7 +207,7 @@ def test_a_preload_whose_endpoint_cannot_be_deleted_keeps_its_slot_and_record_un
     from flows.spec import ReconcilePolicy
     from tasks.teardown import undeleted_endpoints
     from tests.test_crash_recovery_e2e import live_endpoints, slots_in_use
-    from tests.test_run_watch_e2e import localpod
+    from tests.test_run_watch_e2e import leave_nothing_behind, localpod
 
     prefix = "loraflow-preload-eu-ro-1-"
     monkeypatch.setattr(preload_tasks, "delete_endpoint",
@@ -235,14 +235,7 @@ def test_a_preload_whose_endpoint_cannot_be_deleted_keeps_its_slot_and_record_un
             assert not live_endpoints(local_stack, prefix) and slots_in_use(local_stack) == 0
             assert [r for r in undeleted_endpoints() if r.endpoint_name.startswith(prefix)] == []
         finally:  # whatever failed above, leave no fault, endpoint, slot or record to the tests that follow
-            pod.delete(f"/_localpod/faults/{rule['id']}")
-            for endpoint in live_endpoints(local_stack, prefix):
-                pod.delete(f"/v2/serverless/{endpoint['id']}")
-            for record in records:
-                if record.lease_id is not None:
-                    prefect_api(local_stack, "POST", "/v2/concurrency_limits/decrement-with-lease",
-                                json={"lease_id": record.lease_id})
-                httpx.delete(f"{local_stack.prefect_api_url}/variables/name/{record.variable_name}", timeout=30)
+            leave_nothing_behind(local_stack, pod, prefix, rule["id"], records)
 
 
 def weight_cache_record(stack, data_center: str) -> dict:

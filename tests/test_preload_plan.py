@@ -7,15 +7,10 @@ so the documents are the ones RunPod's schema describes."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from fastapi.testclient import TestClient
 
 from flows.preload import PreloadSpec, SweepPlan, plan_sweep, sweep_table
-from localpod import LocalpodConfig, create_app
 from tasks.placement_history import placed_worker
 from tasks.preload import Compute, choose_compute, cpu_worker_vcpus, plan_volume, preload_request
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
@@ -31,19 +26,11 @@ from tasks.runpod.live_catalog import (
     read_data_centers,
 )
 from tasks.runpod.models import CreateNetworkVolume, NetworkVolume
-from tests.test_live_catalog import client_for
-from tests.test_localpod import API_KEY, AUTH, wait_for
+from tests.test_live_catalog import client_for, localpod  # noqa: F401  (a fixture)
+from tests.test_localpod import AUTH, wait_for
 
 MODEL = [{"id": "acme/tiny"}]
 GB = 20  # the volume the models need: $1.40 a month at RunPod's standard $0.07/GB-month
-
-
-@pytest.fixture
-def localpod(tmp_path: Path) -> Iterator[TestClient]:
-    config = LocalpodConfig(api_key=API_KEY, worker_quota=10, log_dir=tmp_path / "logs", long_poll_s=0.2,
-                            kill_grace_s=1, worker_command=[sys.executable, "-c", "import time; time.sleep(300)"])
-    with TestClient(create_app(config)) as c:
-        yield c
 
 
 @pytest.fixture

@@ -49,6 +49,18 @@ def localpod(stack) -> httpx.Client:
                         headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"})
 
 
+def leave_nothing_behind(stack, pod: httpx.Client, prefix: str, fault_id: str, records: list) -> None:
+    """A delete-fault test's cleanup: its fault, its endpoints (`prefix`), and its undeleted records' slots and
+    variables, so that none is left to the tests that follow."""
+    pod.delete(f"/_localpod/faults/{fault_id}")
+    for endpoint in live_endpoints(stack, prefix):
+        pod.delete(f"/v2/serverless/{endpoint['id']}")
+    for record in records:
+        if record.lease_id is not None:
+            prefect_api(stack, "POST", "/v2/concurrency_limits/decrement-with-lease", json={"lease_id": record.lease_id})
+        httpx.delete(f"{stack.prefect_api_url}/variables/name/{record.variable_name}", timeout=30)
+
+
 def flow_run_of(stack, endpoint_name: str) -> str:
     """The flow run whose run hash the endpoint's name carries (among the latest started)."""
     runs = prefect_api(stack, "POST", "/flow_runs/filter", json={"sort": "START_TIME_DESC", "limit": 50}).json()
@@ -249,11 +261,4 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
             assert not live_endpoints(local_stack, prefix) and slots_in_use(local_stack) == 0
             assert [r for r in undeleted_endpoints() if r.endpoint_name.startswith(prefix)] == []
         finally:  # whatever failed above, leave no fault, endpoint, slot or record to the tests that follow
-            pod.delete(f"/_localpod/faults/{rule['id']}")
-            for endpoint in live_endpoints(local_stack, prefix):
-                pod.delete(f"/v2/serverless/{endpoint['id']}")
-            for record in records:
-                if record.lease_id is not None:
-                    prefect_api(local_stack, "POST", "/v2/concurrency_limits/decrement-with-lease",
-                                json={"lease_id": record.lease_id})
-                httpx.delete(f"{local_stack.prefect_api_url}/variables/name/{record.variable_name}", timeout=30)
+            leave_nothing_behind(local_stack, pod, prefix, rule["id"], records)

@@ -147,7 +147,7 @@ def tracker_files(local: Path, folder: str, secrets: Iterable[str]) -> tuple[dic
     requires of a run."""
     secrets = [value.encode() for value in secrets]
     files: dict[str, bytes | Path] = {}
-    archived: dict[str, bytes | Path] = {}
+    archived: dict[str, bytes] = {}
     left_out: list[str] = []
     if not local.is_dir():
         return files, left_out
@@ -162,22 +162,22 @@ def tracker_files(local: Path, folder: str, secrets: Iterable[str]) -> tuple[dic
             continue
         for value in found:
             data = data.replace(value, REDACTED.encode())
-        (archived if relative.parts[0] == MLFLOW_STORE else files)[
-            relative.as_posix() if relative.parts[0] == MLFLOW_STORE else f"{folder}/{relative.as_posix()}"
-        ] = data if found else path
+        if relative.parts[0] == MLFLOW_STORE:
+            archived[relative.as_posix()] = data
+        else:
+            files[f"{folder}/{relative.as_posix()}"] = data if found else path
     if (local / MLFLOW_STORE).is_dir():
         files[f"{folder}/{MLFLOW_STORE}.tar.gz"] = _tar_gz(local, MLFLOW_STORE, archived)
     return files, left_out
 
 
-def _tar_gz(root: Path, top: str, members: dict[str, bytes | Path]) -> bytes:
+def _tar_gz(root: Path, top: str, members: dict[str, bytes]) -> bytes:
     """`root/top` as a gzipped tar of its folders (empty ones too) and of `members` (path under `root`: content)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
         for folder in [root / top, *sorted(p for p in (root / top).rglob("*") if p.is_dir() and not p.is_symlink())]:
             archive.addfile(_tar_info(folder.relative_to(root).as_posix(), tarfile.DIRTYPE))
-        for name, content in members.items():
-            data = content.read_bytes() if isinstance(content, Path) else content
+        for name, data in members.items():
             archive.addfile(_tar_info(name, tarfile.REGTYPE, len(data)), io.BytesIO(data))
     return buffer.getvalue()
 
