@@ -11,7 +11,7 @@
 #   worker_image/build.sh check [--target DIR]    # no GPU, offline: the lock parses and pins everything the
 #                                                 #   .in asks for; the worker installs --no-deps into DIR
 #   worker_image/build.sh tag                     # the image tag these settings build (see README.md)
-#   worker_image/build.sh contract-version [--expect N]  # the job contract the worker speaks (contract.py's
+#   worker_image/build.sh contract-version [--expect N]  # the job contract the worker speaks (contract/version.py's
 #                                                 #   CONTRACT_VERSION); with --expect, fail unless it is N
 #
 # Settings (environment): LORAFLOW_VENV (default /opt/venv), PYTHON (the interpreter that creates the venv
@@ -40,8 +40,8 @@ worker_version() {
 contract_version() {
     # Read, not imported: the tag is computed where the worker's dependencies may not be installed.
     local version
-    version="$(sed -n 's/^CONTRACT_VERSION = \([0-9][0-9]*\)\([^0-9].*\)\{0,1\}$/\1/p' "$HERE/loraflow_worker/contract.py")"
-    [[ "$version" =~ ^[0-9]+$ ]] || die "no 'CONTRACT_VERSION = <N>' line in $HERE/loraflow_worker/contract.py"
+    version="$(sed -n 's/^CONTRACT_VERSION = \([0-9][0-9]*\)\([^0-9].*\)\{0,1\}$/\1/p' "$HERE/loraflow_worker/contract/version.py")"
+    [[ "$version" =~ ^[0-9]+$ ]] || die "no 'CONTRACT_VERSION = <N>' line in $HERE/loraflow_worker/contract/version.py"
     echo "$version"
 }
 

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraflow_worker.contract import BUILTIN_REWARD_PARAMS, RewardSpec
-from loraflow_worker.reward_names import reward_kind, split_file_reward
+from loraflow_worker.contract import RewardSpec
+from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS, reward_kind, split_file_reward
 
 if TYPE_CHECKING:
     from loraflow_worker.artifacts import ArtifactStore

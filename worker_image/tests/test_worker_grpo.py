@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraflow_worker.artifacts import open_store
-from loraflow_worker.contract import BUILTIN_REWARD_PARAMS, JobInput, RewardSpec
+from loraflow_worker.contract import JobInput, RewardSpec
+from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS
 from loraflow_worker.grpo import prompt_dataset, text_only_vllm, train_grpo
 from loraflow_worker.manifest import rows_sha256
 from loraflow_worker.rewards import (

@@ -1,0 +1,69 @@
+"""The job contract between the control plane and the worker.
+
+The control plane builds a `JobInput`, sends it as the RunPod job's `input`, and reads a
+`JobResult` back from the job's `output`; or, to warm a datacenter's network volume, a `PreloadInput`
+(`"mode": "preload"`) and a `PreloadResult`. Both sides validate with these models, so a typo is caught
+before a GPU is billed, and a worker refuses a job whose `contract_version` it does not understand.
+
+It owns the version (`version`), what a run trains on (`sources`), the job's sections (`training_settings`,
+one `<method>_settings` per method with settings of its own, `memory_settings`, `fast_path_settings`), the names
+a run may put in its worker's environment (`env_names`), the job itself (`job`), what comes back (`results`),
+preload jobs (`preload`) and how a reward is named (`reward_names`). The models are re-exported here:
+`from loraflow_worker.contract import JobInput`.
+
+It must stay light (pydantic and the standard library only) and import nothing else of the worker: the
+control plane imports it without the training stack.
+"""
+
+from loraflow_worker.contract.env_names import (
+    ENV_NAME_PATTERN,
+    MAX_WORKER_ENV,
+    RESERVED_ENV_NAMES,
+    RESERVED_ENV_PREFIXES,
+    worker_env_name,
+    worker_env_overlap,
+)
+from loraflow_worker.contract.fast_path_settings import FORCIBLE_FAST_PATHS, FastPathSettings
+from loraflow_worker.contract.grpo_settings import GrpoSettings, RewardSpec, grpo_setting_problems
+from loraflow_worker.contract.job import MAX_EXTRA_PACKAGES, JobInput, plain_requirements
+from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
+from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
+from loraflow_worker.contract.results import JobResult, PartialResult, Progress, TrackerRun, TrainMetrics, run_prefix
+from loraflow_worker.contract.sources import DatasetSource, ModelSource
+from loraflow_worker.contract.training_settings import EvaluationSettings, LoraSettings, TrainingSettings
+from loraflow_worker.contract.version import CONTRACT_VERSION
+
+__all__ = [
+    "CONTRACT_VERSION",
+    "ENV_NAME_PATTERN",
+    "FORCIBLE_FAST_PATHS",
+    "MAX_EXTRA_PACKAGES",
+    "MAX_PRELOAD_MODELS",
+    "MAX_WORKER_ENV",
+    "RESERVED_ENV_NAMES",
+    "RESERVED_ENV_PREFIXES",
+    "DatasetSource",
+    "EvaluationSettings",
+    "FastPathSettings",
+    "GrpoSettings",
+    "JobInput",
+    "JobResult",
+    "LoraSettings",
+    "MemorySettings",
+    "ModelSource",
+    "PartialResult",
+    "PreloadInput",
+    "PreloadModelResult",
+    "PreloadResult",
+    "Progress",
+    "RewardSpec",
+    "TrackerRun",
+    "TrainMetrics",
+    "TrainingSettings",
+    "grpo_setting_problems",
+    "memory_setting_problems",
+    "plain_requirements",
+    "run_prefix",
+    "worker_env_name",
+    "worker_env_overlap",
+]

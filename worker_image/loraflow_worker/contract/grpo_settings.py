@@ -1,0 +1,143 @@
+"""GRPO's section of a job: the group of completions and the rewards that score them. Each training method
+that has settings of its own has its module here (`grpo_settings.py`; DPO's next), as the run form has a section."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, model_validator
+
+from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS, REWARD_STORE_PATH_PATTERN, reward_kind
+from loraflow_worker.contract.training_settings import TrainingSettings
+from loraflow_worker.contract.version import _Strict
+
+
+_REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")
+
+
+class RewardSpec(_Strict):
+    """One reward function of a GRPO run and its weight in the total reward."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        description="A built-in reward (`exact_match`, `normalized_match`, `numeric_match`, `format`, "
+        "`length_penalty`, `digit_fraction`); a user reward `package.module:function` importable on the "
+        "worker (e.g. installed with `extra_packages`); or your own reward file `path/to/file.py:function` "
+        "(`.py` required; a relative path starts at the flow's working directory), which the run uploads to its "
+        "artifact store and the worker imports from there. A user reward is called as TRL calls reward functions, "
+        "with `prompts`, `completions`, `completion_ids` and every dataset column as keyword arguments.",
+    )
+    weight: float = Field(default=1.0, ge=-1000.0, le=1000.0, description="Factor of this reward in the summed reward.")
+    column: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="Match rewards: the dataset column holding the reference answer. The last assistant turn of a "
+        "chat `messages` dataset, and the completion of a prompt/completion dataset, is the column `answer`.",
+    )
+    pattern: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1000,
+        description="A Python regular expression. `format`: the reward is 1 when it is found in the completion "
+        "(anchor it with `^...$` to require the whole text). Match rewards: extracts the final answer from the "
+        "completion (its first group, or the whole match); the last match counts. Unset: the whole completion "
+        "(`numeric_match`: its last number).",
+    )
+    target_length: int | None = Field(
+        default=None,
+        ge=1,
+        le=262_144,
+        description="`length_penalty`: completions up to this many tokens get 0; longer ones get minus the "
+        "excess as a fraction of this length, down to -1.",
+    )
+    tolerance: float | None = Field(
+        default=None, ge=0.0, description="`numeric_match`: largest absolute difference that still counts as equal (default 1e-6)."
+    )
+    store_path: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=REWARD_STORE_PATH_PATTERN,
+        description="Reward files only: where the file is in the artifact store. The run sets it when it uploads "
+        "the file; leave it empty.",
+    )
+
+    @model_validator(mode="after")
+    def _known_reward_and_its_parameters(self) -> RewardSpec:
+        given = [p for p in _REWARD_PARAMS if getattr(self, p) is not None]
+        kind = reward_kind(self.name)
+        if kind == "builtin":
+            required, optional = BUILTIN_REWARD_PARAMS[self.name]
+            for param in required:
+                if getattr(self, param) is None:
+                    raise ValueError(f"reward `{self.name}` needs `{param}`: set it in this reward's entry")
+            for param in given:
+                if param not in required + optional:
+                    takes = ", ".join(f"`{p}`" for p in required + optional) or "no parameters"
+                    raise ValueError(f"reward `{self.name}` takes {takes}, not `{param}`: remove `{param}`")
+        elif kind in ("module", "file"):
+            if given:
+                raise ValueError(
+                    f"user reward `{self.name}` takes no `{given[0]}`: user rewards receive every dataset column "
+                    "as a keyword argument; remove it"
+                )
+        else:
+            valid = ", ".join(sorted(BUILTIN_REWARD_PARAMS))
+            raise ValueError(f"unknown reward `{self.name}`: use one of {valid}, `package.module:function` for a user "
+                             "reward, or `path/to/file.py:function` for a reward file")
+        if self.store_path is not None and kind != "file":
+            raise ValueError(f"reward `{self.name}`: `store_path` is for reward files (`path/to/file.py:function`) "
+                             "only: remove it")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"reward `{self.name}`: `pattern` {self.pattern!r} is not a valid regular expression: {e}") from e
+        return self
+
+
+class GrpoSettings(_Strict):
+    """GRPO (group relative policy optimisation, TRL `GRPOTrainer`): for each prompt the model writes
+    `num_generations` completions, the rewards score them, and the adapter learns from each completion's
+    reward relative to its group. Learning rate, steps, batch size and seed come from the training settings;
+    `batch_size` counts completions, so `batch_size × gradient_accumulation_steps` must be a multiple of
+    `num_generations`."""
+
+    num_generations: int = Field(default=8, ge=2, le=256, description="Completions per prompt (the group size). At least 2.")
+    max_prompt_length: int = Field(
+        default=512,
+        ge=8,
+        le=262_144,
+        description="Prompt tokens (chat template applied). Longer prompts are left out of training, with a warning.",
+    )
+    max_completion_length: int = Field(default=512, ge=1, le=262_144, description="Tokens generated per completion at most.")
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0, description="Sampling temperature of the completions.")
+    beta: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=100.0,
+        description="KL coefficient: how strongly the adapter is held near the base model. 0 (TRL's default) "
+        "skips the reference model entirely.",
+    )
+    rewards: list[RewardSpec] = Field(min_length=1, max_length=32, description="The reward functions, summed with their weights.")
+
+
+def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: TrainingSettings) -> list[str]:
+    """What is wrong with a job's GRPO settings for `algorithm` (empty when nothing). Shared by the worker's
+    `JobInput` and the control plane's run spec, so both refuse the same jobs with the same words."""
+    if algorithm != "grpo":
+        return [] if grpo is None else [
+            f"`grpo` is set but algorithm is '{algorithm}': remove the `grpo` section or set algorithm to 'grpo'"
+        ]
+    if grpo is None:
+        return ["algorithm is 'grpo' but `grpo` is not set: add a `grpo` section with at least one reward"]
+    completions = training.batch_size * training.gradient_accumulation_steps
+    if completions % grpo.num_generations:
+        return [
+            f"`training.batch_size` × `training.gradient_accumulation_steps` ({training.batch_size} × "
+            f"{training.gradient_accumulation_steps} = {completions} completions per step) must be a multiple of "
+            f"`grpo.num_generations` ({grpo.num_generations}): every prompt's group must fit in one step; "
+            f"e.g. set batch_size to {grpo.num_generations * max(1, round(training.batch_size / grpo.num_generations))}"
+        ]
+    return []

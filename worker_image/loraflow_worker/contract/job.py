@@ -1,0 +1,135 @@
+"""A training job: what the control plane asks the worker to do, as the RunPod job's `input`."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from loraflow_worker.contract.env_names import MAX_WORKER_ENV, worker_env_name, worker_env_overlap
+from loraflow_worker.contract.fast_path_settings import FastPathSettings
+from loraflow_worker.contract.grpo_settings import GrpoSettings, grpo_setting_problems
+from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
+from loraflow_worker.contract.sources import DatasetSource, ModelSource
+from loraflow_worker.contract.training_settings import EvaluationSettings, LoraSettings, TrainingSettings
+from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
+
+
+MAX_EXTRA_PACKAGES = 20
+_REQUIREMENT = re.compile(
+    r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"  # project name (PEP 508)
+    r"(?:\[[A-Za-z0-9._-]+(?:,[A-Za-z0-9._-]+)*\])?"  # extras
+    r"(?:(?:==|!=|<=|>=|~=|<|>)[A-Za-z0-9.*+!]+(?:,(?:==|!=|<=|>=|~=|<|>)[A-Za-z0-9.*+!]+)*)?$"  # versions
+)
+"""A plain requirement: name, extras, version specifiers. No URLs, paths, markers or pip options, so a job
+cannot point pip at another index or pass it flags."""
+
+
+def plain_requirements(packages: list[str]) -> list[str]:
+    """`extra_packages` as the worker installs them; ValueError for anything but a plain pip requirement."""
+    for package in packages:
+        if len(package) > 200 or not _REQUIREMENT.match(package.replace(" ", "")):
+            raise ValueError(
+                f"{package!r} is not a plain pip requirement: use `name`, `name==1.2.3` or "
+                "`name[extra]>=1,<2` (no URLs, paths, markers or options)"
+            )
+    return [package.replace(" ", "") for package in packages]
+
+
+class JobInput(_Strict):
+    """What the control plane asks the worker to do: the RunPod job's `input`."""
+
+    contract_version: int = Field(default=CONTRACT_VERSION, description="Version of this contract.")
+    mode: Literal["train"] = Field(
+        default="train", description="What the worker should do: `train` (the default when left out). Preload jobs "
+        "send a `PreloadInput` instead."
+    )
+    run_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="The Prefect flow run id.")
+    attempt: int = Field(default=1, ge=1, le=100, description="Attempt number of this run (1 for the first try).")
+    algorithm: Literal["sft", "grpo"] = Field(default="sft", description="Training algorithm: `sft` or `grpo`.")
+    model: ModelSource
+    dataset: DatasetSource
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    grpo: GrpoSettings | None = Field(
+        default=None, validate_default=True, description="GRPO settings: required when `algorithm` is `grpo`, refused otherwise."
+    )
+    evaluation: EvaluationSettings | None = Field(
+        default=None, description="Held-out evaluation while training; None: no evaluation."
+    )
+    artifact_store: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Artifact store URL: `file:///abs/path` or `hf://datasets/<org>/<repo>`.",
+    )
+    deadline_epoch_s: float | None = Field(
+        default=None,
+        description="Unix time by which the worker must have stopped; None means no deadline. Training that "
+        "reaches it stores the adapter trained so far and a checkpoint to resume from, then fails the job.",
+    )
+    memory: MemorySettings | None = Field(
+        default=None,
+        validate_default=True,
+        description="Memory settings the control plane forces after an out-of-memory attempt (None: the worker's memory "
+        "plan decides everything).",
+    )
+    extra_packages: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_EXTRA_PACKAGES,
+        description="pip requirements installed on the worker before training, e.g. `[\"sympy==1.13.3\"]`: "
+        "name, optional extras and version specifiers only (no URLs or pip options). The image's training "
+        "stack (torch, transformers, ...) is held at its installed versions.",
+    )
+
+    worker_env_names: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_WORKER_ENV,
+        description="Names of the run's own plain variables in the endpoint's env (`[worker] env`): the worker hands "
+        "exactly these, whatever their names look like, to the training process beside what it always hands on.",
+    )
+    worker_secret_names: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_WORKER_ENV,
+        description="Names, never values, of the run's secrets (`[worker] secrets`), which RunPod puts in the worker's "
+        "env from account secrets: the worker hands them to the training process and removes their values from "
+        "everything it stores or returns (console, errors).",
+    )
+    fast_paths: FastPathSettings = Field(
+        default_factory=FastPathSettings, description="Fast paths switched on or off for this run (empty: automatic)."
+    )
+
+    _plain_requirements = field_validator("extra_packages")(plain_requirements)
+
+    @field_validator("grpo")
+    @classmethod
+    def _grpo_settings_match_the_algorithm(cls, grpo: GrpoSettings | None, info: ValidationInfo) -> GrpoSettings | None:
+        # A field validator (fields validate in order: algorithm and training first) so errors carry `grpo`.
+        if "algorithm" in info.data and "training" in info.data:
+            problems = grpo_setting_problems(info.data["algorithm"], grpo, info.data["training"])
+            if problems:
+                raise ValueError("; ".join(problems))
+        return grpo
+
+    @field_validator("worker_env_names", "worker_secret_names")
+    @classmethod
+    def _names_a_run_may_set(cls, names: list[str]) -> list[str]:
+        return [worker_env_name(name) for name in names]
+
+    @field_validator("worker_secret_names")
+    @classmethod
+    def _plain_or_secret_not_both(cls, names: list[str], info: ValidationInfo) -> list[str]:
+        problem = worker_env_overlap(info.data.get("worker_env_names", []), names)
+        if problem:
+            raise ValueError(problem)
+        return names
+
+    @field_validator("memory")
+    @classmethod
+    def _memory_settings_fit_the_job(cls, memory: MemorySettings | None, info: ValidationInfo) -> MemorySettings | None:
+        # Validated for an unset `memory` too (`validate_default`): the 4-bit GRPO refusal needs no memory settings.
+        if all(name in info.data for name in ("algorithm", "lora", "training")):
+            problems = memory_setting_problems(info.data["algorithm"], info.data["lora"], info.data["training"], memory)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return memory

@@ -1,0 +1,102 @@
+"""What the worker sends back: progress while it trains, the result of a finished run with its metrics and
+trackers, and what a run stopped by its deadline stored; and where a run's folder lies in the artifact store."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
+
+
+class TrainMetrics(_Strict):
+    """Summary of a finished training run, as stored in `metrics.json`."""
+
+    steps: int = Field(description="Optimizer steps taken.")
+    losses: list[tuple[int, float]] = Field(description="(step, training loss) pairs, in step order.")
+    rewards: list[tuple[int, float]] = Field(
+        default_factory=list, description="GRPO: (step, mean total reward of the step's completions) pairs; empty for SFT."
+    )
+    eval_loss: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="SFT with `evaluation`: (step, loss on the held-out examples) pairs in step order, from step 0 "
+        "(before training) to the last step; empty otherwise.",
+    )
+    eval_reward: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="GRPO with `evaluation`: (step, mean total reward of one sampled completion per held-out prompt) "
+        "pairs in step order, from step 0 to the last step; empty otherwise.",
+    )
+    first_loss: float | None = Field(description="Loss at the first logged step.")
+    final_loss: float | None = Field(description="Loss at the last logged step.")
+    tokens: int = Field(description="Training tokens processed (non-padding).")
+    wall_seconds: float = Field(description="Seconds spent in training.")
+    device: str = Field(description="Device trained on, e.g. `cpu` or `cuda:0 (NVIDIA H100 80GB HBM3)`.")
+
+
+class TrackerRun(_Strict):
+    """Where one tracker recorded an attempt (`training.report_to`)."""
+
+    tracker: Literal["wandb", "mlflow"] = Field(description="The tracker.")
+    run_id: str = Field(description="The tracker's own id of the run.")
+    run_name: str = Field(description="The run's name in the tracker: `<run id>-a<attempt>`.")
+    url: str | None = Field(
+        default=None, description="The run's page in the tracker (W&B online, an MLflow tracking server); None when "
+        "the run was recorded locally only (W&B offline, an MLflow file store).")
+    store_path: str | None = Field(
+        default=None, description="Folder of the tracker's local files inside the artifact store (the offline W&B "
+        "run or the MLflow file store); None when none were stored.")
+    note: str = Field(default="", description="How to open what was stored, or why something was not.")
+
+
+class JobResult(_Strict):
+    """What the worker returns as the job's `output` when training completed."""
+
+    contract_version: int = Field(default=CONTRACT_VERSION)
+    run_id: str
+    attempt: int
+    status: Literal["completed"] = "completed"
+    run_prefix: str = Field(description="Path of this run's folder inside the artifact store, e.g. `runs/<run_id>`.")
+    adapter_path: str = Field(description="Path of the adapter folder inside the artifact store.")
+    metrics: TrainMetrics
+    trackers: list[TrackerRun] = Field(
+        default_factory=list, description="Where the trackers of `training.report_to` recorded this attempt.")
+
+
+class PartialResult(_Strict):
+    """What a run stopped by its job's deadline stored, as `<run_prefix>/partial/result.json`. The run is not
+    complete (there is no `DONE`): a new attempt resumes from `checkpoint_path`."""
+
+    contract_version: int = Field(default=CONTRACT_VERSION)
+    run_id: str = Field(description="The Prefect flow run id.")
+    attempt: int = Field(description="The attempt that stored this.")
+    step: int = Field(description="Optimizer steps taken when training stopped.")
+    total_steps: int = Field(description="Optimizer steps the run was to take.")
+    loss: float | None = Field(description="The last logged training loss; None when none was logged.")
+    stopped_because: str = Field(description="Why training stopped before its last step.")
+    adapter_path: str = Field(description="Folder of the adapter trained so far, inside the artifact store.")
+    checkpoint_path: str = Field(description="Folder of the checkpoint of `step` inside the artifact store.")
+
+
+class Progress(_Strict):
+    """A progress update the worker sends while training (`runpod.serverless.progress_update`)."""
+
+    kind: Literal["progress"] = "progress"
+    stage: Literal["loading", "training", "saving"] = Field(description="What the worker is doing.")
+    step: int = Field(default=0, description="Optimizer steps done.")
+    total_steps: int | None = Field(default=None, description="Optimizer steps planned, when known.")
+    loss: float | None = Field(default=None, description="Latest training loss.")
+    reward: float | None = Field(default=None, description="Latest mean total reward (GRPO).")
+    eval_loss: float | None = Field(
+        default=None, description="Latest loss on the held-out examples (SFT with evaluation).")
+    eval_reward: float | None = Field(
+        default=None, description="Latest mean reward on the held-out prompts (GRPO with evaluation).")
+    tokens_per_second: float | None = Field(default=None, description="Training tokens per second in this attempt so far.")
+    eta_seconds: float | None = Field(default=None, description="Estimated seconds until training ends.")
+    message: str = Field(default="", max_length=2000, description="Free text for the log.")
+
+
+def run_prefix(run_id: str) -> str:
+    """The folder of a run inside the artifact store. Both sides derive it the same way."""
+    return f"runs/{run_id}"

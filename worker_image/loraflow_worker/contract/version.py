@@ -1,0 +1,18 @@
+"""The contract's version, and the base every contract model shares: a worker refuses a job of a version it does
+not understand, and a field it does not know is an error, never silently ignored."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+CONTRACT_VERSION = 5
+"""Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
+and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
+`worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
+with `eval_loss` / `eval_reward` in the metrics and the progress. 5: `training.report_to` (W&B and MLflow tracking)
+and `JobResult.trackers`."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
