@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from bench.chaos_batch import plan, run_batch  # noqa: E402
-from deployments.local_stack import build_tiny_model  # noqa: E402
 from bench.chaos_scenarios import SCENARIOS  # noqa: E402
+from deployments.local_stack import build_tiny_model  # noqa: E402
 
 DEFAULT_MIX = {kind: 1 for kind in SCENARIOS} | {"api-faults": 2, "worker-crash": 2, "preempt": 2}
 MAX_CONCURRENCY = 28  # the `runpod-endpoints` limit the flows create: more would only queue for slots

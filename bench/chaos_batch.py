@@ -27,8 +27,8 @@ from bench.chaos_lib import (
     live_training_processes,
     own_token,
     read_back,
-    runpod_api,
     run_scenario,
+    runpod_api,
     wait_for,
 )
 from bench.chaos_scenarios import SCENARIOS, Scenario, route

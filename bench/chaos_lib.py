@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,9 @@ import httpx
 
 from bench.chaos_scenarios import Scenario, scoped
 from deployments.local_stack import check_adapter
-from tasks.runpod.endpoints import run_hash
-from tasks.weight_cache import VARIABLE_PREFIX, DataCenterCache, WarmModel, variable_name
 from localpod.models import Account
+from tasks.runpod.endpoints import run_hash
+from tasks.storage.weight_cache import VARIABLE_PREFIX, DataCenterCache, WarmModel, variable_name
 
 REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "deployments" / "data" / "tiny-chat.jsonl"

@@ -30,9 +30,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 from bench.chaos_lib import Localpod, run_scenario  # noqa: E402
-from deployments.local_stack import build_tiny_model  # noqa: E402
 from bench.chaos_scenarios import SCENARIOS  # noqa: E402
-from deployments.local_stack import LOCALPOD_API_KEY, LocalStack  # noqa: E402
+from deployments.local_stack import (  # noqa: E402
+    LOCALPOD_API_KEY,
+    LocalStack,
+    build_tiny_model,  # noqa: E402
+)
 
 
 def delete_cycle_seconds(localpod_url: str, samples: int = 5) -> float:

@@ -58,7 +58,7 @@ ZOMBIE_WITHIN_S = 6 * HEARTBEAT_S
 (at least 3 heartbeat intervals: one late or lost beat is not death), and it outlasts the longest restart
 measured with a minute to spare: a restart silences every run for its own length plus up to one interval
 (the beat just before it went down), 91 + 30 = 121 s < 180 s. A run marked Crashed anyway keeps its endpoint
-while its heartbeats go on (`tasks/reconcile.py`)."""
+while its heartbeats go on (`tasks/lifecycle/reconcile.py`)."""
 
 # Prefect's documented zombie-run automation (docs: v3/advanced/detect-zombie-flows): a killed worker host
 # leaves its runs Running for ever otherwise, since no process is left to report the crash.

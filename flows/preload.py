@@ -12,7 +12,7 @@ is), the models no longer swept are removed from the volume, and the endpoint is
 attempt's is. A datacenter whose volume would take this control plane's storage over
 `max_storage_usd_per_month`, or that offers only high-performance storage, is skipped with a line in the
 sweep's table. The sweep ends Failed if any datacenter it ran is not ok, after all of them have finished;
-the record of what is warm where (`tasks/weight_cache.py`) is written either way.
+the record of what is warm where (`tasks/storage/weight_cache.py`) is written either way.
 
     .venv/bin/python -m flows.preload '{"models": [{"id": "Qwen/Qwen3-4B"}], "data_centers": ["EU-RO-1"]}'
     prefect deployment run preload/nightly
@@ -35,18 +35,11 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks.image_contract import check_image_contract
-from tasks.placement_history import recent_training_data_centers
-from tasks.preload import (
-    STORAGE_TYPE,
-    DataCenterOutcome,
-    SweepTarget,
-    choose_compute,
-    plan_volume,
-    preload_data_center,
-    retire_volumes,
-)
-from tasks.quota import ensure_endpoint_limit
+from tasks.lifecycle.quota import ensure_endpoint_limit
+from tasks.lifecycle.steps import prepare_worker_env
+from tasks.lifecycle.teardown import delete_run_endpoints_hook
+from tasks.placement.history import recent_training_data_centers
+from tasks.placement.image_contract import check_image_contract
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
 from tasks.runpod.errors import RunpodError
 from tasks.runpod.live_catalog import (
@@ -58,12 +51,19 @@ from tasks.runpod.live_catalog import (
     read_data_centers,
 )
 from tasks.runpod.models import NetworkVolume
-from tasks.runpod.steps import make_client, prepare_worker_env
 from tasks.runpod.volumes import volume_name, volume_size_gb
-from tasks.settings import Settings
-from tasks.storage_prices import documented_usd_per_month
-from tasks.teardown import delete_run_endpoints_hook
-from tasks.weight_cache import read_cache, record_preload, write_cache
+from tasks.settings import Settings, make_client
+from tasks.storage.preload import (
+    STORAGE_TYPE,
+    DataCenterOutcome,
+    SweepTarget,
+    choose_compute,
+    plan_volume,
+    preload_data_center,
+    retire_volumes,
+)
+from tasks.storage.prices import documented_usd_per_month
+from tasks.storage.weight_cache import read_cache, record_preload, write_cache
 
 HISTORY_DAYS = 14.0
 """How far back training placements count, by default: the volumes flow's `retain_days` default, so that a

@@ -23,9 +23,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from flows.spec import ReconcilePolicy
-from tasks.liveness import intervals_in_force
-from tasks.pending_billing import settle_billed_costs
-from tasks.reconcile import (
+from tasks.lifecycle.liveness import intervals_in_force
+from tasks.lifecycle.pending_billing import settle_billed_costs
+from tasks.lifecycle.reconcile import (
     Finding,
     check_silence_threshold,
     decide,
@@ -33,11 +33,11 @@ from tasks.reconcile import (
     read_live_runs,
     read_loraflow_endpoints,
 )
+from tasks.lifecycle.secret_retention import prune_secrets
+from tasks.lifecycle.steps import delete_endpoint_by_id
+from tasks.lifecycle.teardown import settle_undeleted_endpoint, undeleted_endpoints
 from tasks.runpod.endpoints import parse_endpoint_name
-from tasks.runpod.steps import delete_endpoint_by_id, make_client
-from tasks.secret_retention import prune_secrets
-from tasks.settings import Settings
-from tasks.teardown import settle_undeleted_endpoint, undeleted_endpoints
+from tasks.settings import Settings, make_client
 
 
 @flow(name="reconcile", log_prints=True)
@@ -53,9 +53,9 @@ def reconcile(policy: ReconcilePolicy = ReconcilePolicy()) -> list[Finding]:
     4. Decide per endpoint, each run judged by its own heartbeat interval; delete (confirmed) unless
        `dry_run`. Untagged endpoints and other control planes' are kept and reported.
     5. Retry the deletes runs could not confirm (each record holds a slot until its endpoint is proved gone).
-    6. Fill in the billed cost of runs RunPod had not billed when they ended (`tasks/pending_billing.py`).
+    6. Fill in the billed cost of runs RunPod had not billed when they ended (`tasks/lifecycle/pending_billing.py`).
     7. Delete this control plane's account secrets unused for `secret_retain_days` and referred to by no
-       endpoint (`tasks/secret_retention.py`).
+       endpoint (`tasks/lifecycle/secret_retention.py`).
     8. Report what was found and done as a table artifact.
     """
     logger = get_run_logger()

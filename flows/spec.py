@@ -30,10 +30,20 @@ from loraflow_worker.contract import (
     worker_env_name,
     worker_env_overlap,
 )
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from tasks.plan import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S, job_limits_s, max_deadline_minutes
+from tasks.placement.plan import job_limits_s, max_deadline_minutes
 from tasks.runpod.catalog import resolve_gpu
+from tasks.runpod.models import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S
 
 BLOCK_NAME_PATTERN = r"^[a-z0-9-]+$"
 """Prefect's rule for a block's name: lowercase letters, digits and dashes (`prefect/types/names.py`)."""

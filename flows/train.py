@@ -28,10 +28,25 @@ from prefect.states import Cancelled, State
 from pydantic import ValidationError
 
 from flows.spec import RunOverrides, RunSpec, SpecError, apply_overrides, load_run_file
-from tasks import events
-from tasks.artifacts import RunResults, check_dataset_jsonl, collect, eval_store_path, publish_run_inputs_task
-from tasks.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
-from tasks.cost import (
+from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S, decide_next_attempt
+from tasks.lifecycle.pending_billing import mark_billing_pending
+from tasks.lifecycle.quota import endpoint_slot, ensure_endpoint_limit, wait_for_runpod_quota
+from tasks.lifecycle.steps import (
+    create_endpoint,
+    delete_endpoint,
+    prepare_worker_env,
+    run_cancel_requested,
+    submit_job,
+    wait_for_job,
+)
+from tasks.lifecycle.teardown import (
+    UndeletedEndpoint,
+    delete_run_endpoints_hook,
+    keep_undeleted_endpoint,
+    take_slot_for_undeleted,
+)
+from tasks.lifecycle.worker_env import read_run_secrets
+from tasks.placement.cost import (
     EVAL_SHARE_WARNING,
     check_budget,
     cost_ceiling,
@@ -39,15 +54,13 @@ from tasks.cost import (
     read_billed_cost,
     read_gpu_prices,
 )
-from tasks.curve import curve_png
-from tasks.image_contract import check_image_contract
-from tasks.memory_ladder import MemoryContext
-from tasks.placement import GIB, catalog_fits, gpus_that_fit, placeable_gpus
-from tasks.plan import AttemptPlan, plan_attempt, read_model_shape_task, resolve_model_task
-from tasks.quota import endpoint_slot, ensure_endpoint_limit, wait_for_runpod_quota
-from tasks.pending_billing import mark_billing_pending
-from tasks.publish import check_publish_token, publish_run_adapter
-from tasks.reports import (
+from tasks.placement.gpu_fit import GIB, catalog_fits, gpus_that_fit, placeable_gpus
+from tasks.placement.image_contract import check_image_contract
+from tasks.placement.memory_ladder import MemoryContext
+from tasks.placement.plan import AttemptPlan, plan_attempt, read_model_shape_task, resolve_model_task
+from tasks.reports.curve import curve_png
+from tasks.reports import events
+from tasks.reports.summary import (
     RunReport,
     publish_report,
     run_tags,
@@ -56,7 +69,6 @@ from tasks.reports import (
     summary_key,
     tag_run,
 )
-from tasks.rewards import check_reward_files
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.runpod.errors import (
     BadRequestError,
@@ -67,26 +79,13 @@ from tasks.runpod.errors import (
 )
 from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.models import Endpoint
-from tasks.runpod.steps import (
-    create_endpoint,
-    delete_endpoint,
-    make_client,
-    prepare_worker_env,
-    run_cancel_requested,
-    submit_job,
-    wait_for_job,
-)
-from tasks.settings import Settings
-from tasks.teardown import (
-    UndeletedEndpoint,
-    delete_run_endpoints_hook,
-    keep_undeleted_endpoint,
-    take_slot_for_undeleted,
-)
 from tasks.runpod.volumes import volume_name
-from tasks.volume_inventory import volume_monthly_cost
-from tasks.weight_cache import DataCenterCache, WarmVolumeGone, forget, gone_volume, warm_cache_for
-from tasks.worker_env import read_run_secrets
+from tasks.settings import Settings, make_client
+from tasks.storage.artifacts import RunResults, check_dataset_jsonl, collect, eval_store_path, publish_run_inputs_task
+from tasks.storage.publish import check_publish_token, publish_run_adapter
+from tasks.storage.rewards import check_reward_files
+from tasks.storage.volume_inventory import volume_monthly_cost
+from tasks.storage.weight_cache import DataCenterCache, WarmVolumeGone, forget, gone_volume, warm_cache_for
 
 
 def _flow_run_name() -> str:
@@ -337,7 +336,7 @@ def train(
             **_storage_fields(cache),
         )
         publish_report(report, key_prefix=f"train-{spec.name}", curve=curve)
-        if report.billing_pending:  # the reconciler fills the billed figure in (tasks/pending_billing.py)
+        if report.billing_pending:  # the reconciler fills the billed figure in (tasks/lifecycle/pending_billing.py)
             mark_billing_pending(run_id, spec.name, endpoint_ids, run_began_s, summary_key(f"train-{spec.name}"))
         logger.info("Adapter: %s", results.adapter_url)
         return spent.finish(run_id, spec.name, "completed", results, adapter_url=results.adapter_url,

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
 from tasks.settings import Settings
-from tasks.volume_inventory import RetentionRequest, VolumeRow, apply_retention, decide, read_volumes, totals
+from tasks.storage.volume_inventory import RetentionRequest, VolumeRow, apply_retention, decide, read_volumes, totals
 
 DEFAULT_RETAIN_DAYS = 14.0
 """Two weeks: a model trained on weekly keeps its volume; one nobody trains stops costing within a fortnight."""

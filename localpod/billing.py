@@ -5,7 +5,7 @@ Network volumes bill by size and time, whether used or not, at RunPod's document
 $0.07 per GB-month for the first TB and $0.05 per GB-month above it; a month here is 30 days. RunPod bills
 volumes hourly at that monthly rate; localpod bills to the second, so a test sees a cost after seconds.
 
-Nothing here touches HTTP; `routes_billing.py` answers `/v2/billing/serverless` and
+Nothing here touches HTTP; `localpod/routes/billing.py` answers `/v2/billing/serverless` and
 `/v2/billing/network-volumes` with it.
 """
 

@@ -24,7 +24,7 @@ what `/_localpod/stock` and `/_localpod/cpu-stock` took out, what `/_localpod/cu
 `/_localpod/volume-types` changed, and the functions below take them as `in_stock(pool, data_center_id)`,
 `in_stock(cpu_flavor_id, data_center_id)` and `host_cuda(gpu_type_id, data_center_id)` callables.
 
-Nothing here touches HTTP; `routes_catalog.py` turns these documents into answers.
+Nothing here touches HTTP; `localpod/routes/catalog.py` turns these documents into answers.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from localpod.models import WorkerPlacement
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
 
 AvailabilityLevel = Literal["NONE", "LOW", "MEDIUM", "HIGH"]
 InStock = Callable[[str, str], bool]
@@ -55,6 +56,25 @@ POOL_SERVERLESS_USD_PER_HOUR: dict[str, float] = {
     "BLACKWELL_180": 8.64,
 }
 
+
+class WorkerPlacement(BaseModel):
+    """Where localpod placed a worker: a datacenter of its catalog with stock of one of the endpoint's pools (a GPU
+    endpoint) or of one of its CPU flavors (a CPU endpoint)."""
+
+    # Answered on the wire in camelCase, as the other account models (`localpod.models`).
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    data_center_id: str = Field(description="The datacenter (the worker's RUNPOD_DC_ID), e.g. EU-RO-1.")
+    pool: str | None = Field(default=None, description="The GPU pool it runs on; None for a CPU endpoint.")
+    gpu_type_id: str | None = Field(
+        default=None, description="The GPU type it runs on; None for a CPU endpoint or a pool the catalog lacks."
+    )
+    cpu_flavor_id: str | None = Field(
+        default=None, description="The CPU flavor it runs on (e.g. cpu3c), for a CPU endpoint; None on a GPU."
+    )
+    vcpu_count: int | None = Field(
+        default=None, description="Its vCPUs (the endpoint's `cpu[].vcpuCount` for that flavor); None on a GPU."
+    )
 
 
 @dataclass(frozen=True)
@@ -230,7 +250,7 @@ class CudaNeed:
 
     @classmethod
     def of(cls, gpu: dict[str, Any]) -> CudaNeed:
-        # RunPod refuses both at once (routes_endpoints checks it); an empty allowed list states no constraint.
+        # RunPod refuses both at once (`routes.endpoints` checks it); an empty allowed list states no constraint.
         allowed = gpu.get("allowedCudaVersions") or None
         return cls(floor=gpu.get("minCudaVersion") or None, allowed=frozenset(allowed) if allowed else None)
 

@@ -5,7 +5,7 @@ the hosts' CUDA versions and the endpoint's network volume, where a worker may s
 over the catalog of `catalog.py`).
 
 Nothing here touches HTTP or processes. Routes ask `FaultBook.match_route` whether to misbehave
-(`routes_faults.route_fault` acts on the answer); the state arms a worker fault on a job when a
+(`routes.faults.route_fault` acts on the answer); the state arms a worker fault on a job when a
 worker takes it, and the supervisor (`workers.py`) fires it by signalling the worker's process group.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from localpod import catalog
-from localpod.models import WorkerPlacement
+from localpod.catalog import WorkerPlacement
 
 RouteName = Literal[
     "create_endpoint",

@@ -8,20 +8,10 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from localpod import (
-    request_counts,
-    routes_account,
-    routes_billing,
-    routes_catalog,
-    routes_endpoints,
-    routes_faults,
-    routes_jobs,
-    routes_secrets,
-    routes_volumes,
-    routes_worker,
-)
+from localpod import request_counts
 from localpod.models import LocalpodConfig
 from localpod.problems import install_problem_handlers
+from localpod.routes import account, billing, catalog, endpoints, faults, jobs, secrets, volumes, worker
 from localpod.schema import OpenApiSchemas
 from localpod.state import LocalpodState
 from localpod.workers import WorkerSupervisor
@@ -47,18 +37,18 @@ def create_app(config: LocalpodConfig) -> FastAPI:
     app = FastAPI(title="localpod", lifespan=lifespan)
     app.state.localpod = state
     install_problem_handlers(app)
-    routes_faults.install_fault_answers(app)
+    faults.install_fault_answers(app)
     # Order matters: `/v2/serverless/...`, `/v2/network-volumes/...`, `/v2/account/...`, `/v2/catalog/...` and
     # `/v2/billing/...` must win over `/v2/{endpoint_id}/...`.
-    app.include_router(routes_endpoints.router)
-    app.include_router(routes_volumes.router)
-    app.include_router(routes_secrets.router)
-    app.include_router(routes_catalog.router)
-    app.include_router(routes_billing.router)
-    app.include_router(routes_worker.router)
-    app.include_router(routes_jobs.router)
-    app.include_router(routes_account.router)
-    app.include_router(routes_faults.router)
+    app.include_router(endpoints.router)
+    app.include_router(volumes.router)
+    app.include_router(secrets.router)
+    app.include_router(catalog.router)
+    app.include_router(billing.router)
+    app.include_router(worker.router)
+    app.include_router(jobs.router)
+    app.include_router(account.router)
+    app.include_router(faults.router)
     app.include_router(request_counts.router)
     app.state.request_counts = request_counts.RequestCounts()
     app.add_middleware(request_counts.CountRequests, counts=app.state.request_counts)

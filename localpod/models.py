@@ -16,6 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from localpod import catalog
+from localpod.catalog import WorkerPlacement
+
 DEFAULT_OPENAPI_PATH = Path(__file__).resolve().parent / "runpod-api-v2-openapi.json"
 """RunPod's official API v2 schema: an unedited copy of `runpod-api/api-v2-openapi.json` from the
 project's shared folder, shipped so a fresh clone runs localpod (a test checks the copy is identical)."""
@@ -114,8 +117,6 @@ class LocalpodConfig(BaseModel):
     @field_validator("volume_create_fails_in")
     @classmethod
     def _volume_data_centers(cls, names: list[str]) -> list[str]:
-        from localpod import catalog  # here, not at the top: the catalog imports this module
-
         capable = [dc.id for dc in catalog.DATA_CENTERS if dc.network_volume_types]
         unknown = [name for name in names if name not in capable]
         if unknown:
@@ -282,23 +283,6 @@ class AccountJob(_Wire):
     finished_at: datetime | None = Field(default=None, description="When it reached a final status.")
     worker_id: str | None = Field(default=None, description="The worker that took it.")
     expired: bool = Field(description="Deleted after its TTL: `/status` answers 404 for it.")
-
-
-class WorkerPlacement(_Wire):
-    """Where localpod placed a worker: a datacenter of its catalog with stock of one of the endpoint's pools (a GPU
-    endpoint) or of one of its CPU flavors (a CPU endpoint)."""
-
-    data_center_id: str = Field(description="The datacenter (the worker's RUNPOD_DC_ID), e.g. EU-RO-1.")
-    pool: str | None = Field(default=None, description="The GPU pool it runs on; None for a CPU endpoint.")
-    gpu_type_id: str | None = Field(
-        default=None, description="The GPU type it runs on; None for a CPU endpoint or a pool the catalog lacks."
-    )
-    cpu_flavor_id: str | None = Field(
-        default=None, description="The CPU flavor it runs on (e.g. cpu3c), for a CPU endpoint; None on a GPU."
-    )
-    vcpu_count: int | None = Field(
-        default=None, description="Its vCPUs (the endpoint's `cpu[].vcpuCount` for that flavor); None on a GPU."
-    )
 
 
 class AccountWorker(_Wire):

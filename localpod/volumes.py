@@ -14,7 +14,7 @@ volume is gone, on the storage clock (`billing.StorageClock`), which tests move 
 `FaultBook.volume_types` (the catalog's, unless `/_localpod/volume-types` changed them); the first is its
 primary tier, the one a volume created without `type` gets.
 
-Nothing here touches HTTP; `routes_volumes.py` answers `/v2/network-volumes`, `routes_billing.py`
+Nothing here touches HTTP; `localpod/routes/volumes.py` answers `/v2/network-volumes`, `localpod/routes/billing.py`
 `/v2/billing/network-volumes`.
 """
 
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localpod import catalog
 from localpod.billing import StorageClock
 from localpod.faults import FaultBook
 from localpod.models import AccountVolume, LocalpodConfig

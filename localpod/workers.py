@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from localpod.models import LocalpodConfig
-from localpod.routes_secrets import resolve_secret_references
+from localpod.routes.secrets import resolve_secret_references
 from localpod.state import EndpointRecord, JobRecord, LocalpodState, WorkerRecord, new_id
 from localpod.volumes import docker_volume_args, volume_env
 

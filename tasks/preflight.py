@@ -23,20 +23,20 @@ from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel, Field
 
-from tasks.artifacts import check_dataset_jsonl
-from tasks.cost import check_budget, cost_ceiling
-from tasks.image_contract import ImageContractError, check_image_contract
-from tasks.placement import CudaFit, cuda_fits
-from tasks.plan import resolve_model
-from tasks.quota import DEFAULT_ENDPOINT_SLOTS, ENDPOINT_LIMIT
+from tasks.lifecycle.quota import DEFAULT_ENDPOINT_SLOTS, ENDPOINT_LIMIT
+from tasks.placement.cost import check_budget, cost_ceiling
+from tasks.placement.gpu_fit import CudaFit, cuda_fits
+from tasks.placement.image_contract import ImageContractError, check_image_contract
+from tasks.placement.plan import resolve_model
 from tasks.runpod import errors
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass, cuda_floor
 from tasks.runpod.client import API_URL, RunpodClient
 from tasks.runpod.endpoints import parse_endpoint_name
 from tasks.runpod.live_catalog import CatalogDataCenter, GpuOffer, gpu_offers, read_data_centers, static_offer
 from tasks.runpod.models import Endpoint, NetworkVolume
-from tasks.settings import NAMESPACE_VARIABLE, Settings
 from tasks.runpod.volumes import VOLUME_PREFIX, volume_name
+from tasks.settings import NAMESPACE_VARIABLE, Settings
+from tasks.storage.artifacts import check_dataset_jsonl
 
 Status = Literal["ok", "warn", "FAIL"]
 
@@ -164,7 +164,7 @@ def check_key_can_list(permission: Permission, list_them: Callable[[], Sequence[
 
 
 def read_endpoint_limit(name: str = ENDPOINT_LIMIT) -> int | None:
-    """The limit's slots, or None when it does not exist yet. Reads only (`tasks.quota.ensure_endpoint_limit`
+    """The limit's slots, or None when it does not exist yet. Reads only (`tasks.lifecycle.quota.ensure_endpoint_limit`
     creates it, at a run's start)."""
     with get_client(sync_client=True) as client:
         try:

@@ -12,8 +12,8 @@ import string
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tasks.quota import SLOT_LEASE_SECONDS
-from tasks.runpod.client import API_URL, JOB_URL
+from tasks.lifecycle.quota import SLOT_LEASE_SECONDS
+from tasks.runpod.client import API_URL, JOB_URL, RunpodClient
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
 
 NAMESPACE_VARIABLE = "loraflow-namespace"
@@ -166,3 +166,9 @@ class Settings(BaseSettings):
         """The worker's plain environment: what it needs to reach the Hub, secrets excepted (the token goes
         through a RunPod account secret, `tasks/runpod/secrets.py`)."""
         return {"HF_ENDPOINT": self.hf_endpoint} if self.hf_endpoint else {}
+
+
+def make_client(settings: Settings | None = None) -> RunpodClient:
+    """A RunPod client with the key and URLs of `settings` (this process's environment by default)."""
+    settings = settings or Settings()
+    return RunpodClient(settings.api_key(), api_url=settings.runpod_api_url, job_url=settings.runpod_job_url)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tasks.attempts import decide_next_attempt
+from tasks.lifecycle.attempts import decide_next_attempt
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.jobs import JobOutcome
 

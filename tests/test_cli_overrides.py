@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from flows.spec import RunOverrides
-from tasks.reports import run_title
+from tasks.reports.summary import run_title
 from tests.conftest import DATASET, REPO, prefect_api, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, wait_for
 from tests.test_train_e2e import run_endpoints, write_run_file

@@ -1,4 +1,4 @@
-"""The summary's training curve (`tasks/curve.py`): what is handed to matplotlib (series, axis labels, legend) and
+"""The summary's training curve (`tasks/reports/curve.py`): what is handed to matplotlib (series, axis labels, legend) and
 that the PNG it writes decodes to an image of the figure's size."""
 
 import io
@@ -7,7 +7,7 @@ from loraflow_worker.contract import TrainMetrics
 from matplotlib.colors import to_rgb
 from PIL import Image
 
-from tasks.curve import DPI, EVAL_COLOR, SIZE_INCHES, TRAIN_COLOR, curve_figure, curve_png
+from tasks.reports.curve import DPI, EVAL_COLOR, SIZE_INCHES, TRAIN_COLOR, curve_figure, curve_png
 
 SFT = TrainMetrics(steps=4, losses=[(1, 6.4), (2, 3.0), (3, 2.0), (4, 1.25)],
                    eval_loss=[(0, 6.9), (2, 3.4), (4, 2.05)], first_loss=6.4, final_loss=1.25, tokens=1234,

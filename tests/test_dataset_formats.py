@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.artifacts import DATASET_FORMATS, check_dataset_jsonl
+from tasks.storage.artifacts import DATASET_FORMATS, check_dataset_jsonl
 
 USER = [{"role": "user", "content": "What is 2 + 2?"}]
 ASSISTANT = [{"role": "assistant", "content": "4"}]

@@ -37,7 +37,7 @@ def test_the_grpo_deployments_reward_patterns_find_a_boxed_answer():
 
 
 def test_the_reward_files_deployments_name_exist_and_define_their_functions():
-    from tasks.rewards import check_reward_files
+    from tasks.storage.rewards import check_reward_files
 
     for path in (REPO / "deployments").glob("*.toml"):
         spec = RunSpec.model_validate(tomllib.loads(path.read_text()))

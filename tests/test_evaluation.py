@@ -12,9 +12,9 @@ from loraflow_worker.contract import TrainingSettings, TrainMetrics
 from pydantic import ValidationError
 
 from flows.spec import RunSpec, SpecError, load_run_file
-from tasks.artifacts import check_dataset_jsonl, eval_store_path, publish_run_inputs
-from tasks.cost import evaluation_cost
-from tasks.events import final_metrics
+from tasks.placement.cost import evaluation_cost
+from tasks.reports.events import final_metrics
+from tasks.storage.artifacts import check_dataset_jsonl, eval_store_path, publish_run_inputs
 
 MESSAGES = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 
@@ -88,7 +88,7 @@ def test_the_evaluation_file_is_stored_with_the_dataset_in_one_commit(tmp_path):
 
     store = Recording(tmp_path / "store")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tasks.artifacts.open_store", lambda url, token=None: store)
+        patch.setattr("tasks.storage.artifacts.open_store", lambda url, token=None: store)
         dataset_path, _ = publish_run_inputs("file:///unused", "r1", dataset, [], tmp_path, eval_file=eval_file)
     assert commits == [sorted([dataset_path, eval_store_path("r1")])]
     assert (tmp_path / "store" / eval_store_path("r1")).read_bytes() == eval_file.read_bytes()

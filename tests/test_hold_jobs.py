@@ -10,7 +10,7 @@ import pytest
 
 from deployments.local_stack import WORKER_PYTHON, free_port, start_service
 from localpod.__main__ import _parser, config_from_args
-from tasks.artifacts import read_run_results
+from tasks.storage.artifacts import read_run_results
 
 HOLD_S = 3.0
 KEY = "hold-test-key"

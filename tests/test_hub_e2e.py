@@ -17,8 +17,8 @@ import pytest
 from huggingface_hub import HfApi, snapshot_download
 
 from deployments.local_stack import WORKER_PYTHON, check_adapter
+from tasks.lifecycle.secret_retention import newest_secret_uses
 from tasks.runpod.secrets import fingerprint
-from tasks.secret_retention import newest_secret_uses
 from tests.conftest import REPO, localpod_account, prefect_api, run_train_flow
 from tests.test_crash_recovery_e2e import flow_env, wait_for
 from tests.test_train_e2e import run_endpoints, write_run_file

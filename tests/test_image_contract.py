@@ -3,7 +3,7 @@
 import pytest
 from loraflow_worker.contract import CONTRACT_VERSION
 
-from tasks.image_contract import ImageContractError, check_image_contract, image_contract_version, image_tag
+from tasks.placement.image_contract import ImageContractError, check_image_contract, image_contract_version, image_tag
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from loraflow_worker.contract import TrainMetrics
 from localpod import LocalpodConfig, create_app
 from localpod.catalog import POOL_SERVERLESS_USD_PER_HOUR
 from localpod.models import Account
-from tasks.cost import check_budget, cost_ceiling
-from tasks.reports import RunReport, summary_markdown
+from tasks.placement.cost import check_budget, cost_ceiling
+from tasks.reports.summary import RunReport, summary_markdown
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.live_catalog import (

@@ -2,8 +2,8 @@
 
 from loraflow_worker.contract import MemorySettings
 
-from tasks.attempts import decide_next_attempt
-from tasks.memory_ladder import MemoryContext, next_rung
+from tasks.lifecycle.attempts import decide_next_attempt
+from tasks.placement.memory_ladder import MemoryContext, next_rung
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.jobs import JobOutcome
 

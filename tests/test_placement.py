@@ -2,7 +2,7 @@
 
 import pytest
 
-from tasks.placement import NoGpuFits, NoHostForImage, cuda_fits, gpus_that_fit, placeable_gpus
+from tasks.placement.gpu_fit import NoGpuFits, NoHostForImage, cuda_fits, gpus_that_fit, placeable_gpus
 from tasks.runpod.catalog import cuda_floor, meets_cuda_floor, resolve_gpu
 from tasks.runpod.live_catalog import GpuOffer, static_offer
 

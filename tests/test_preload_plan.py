@@ -11,8 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from flows.preload import PreloadSpec, SweepPlan, plan_sweep, sweep_table
-from tasks.placement_history import placed_worker
-from tasks.preload import Compute, choose_compute, cpu_worker_vcpus, plan_volume, preload_request
+from tasks.placement.history import placed_worker
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import build_create_request
@@ -26,6 +25,7 @@ from tasks.runpod.live_catalog import (
     read_data_centers,
 )
 from tasks.runpod.models import CreateNetworkVolume, NetworkVolume
+from tasks.storage.preload import Compute, choose_compute, cpu_worker_vcpus, plan_volume, preload_request
 from tests.test_live_catalog import client_for, localpod  # noqa: F401  (a fixture)
 from tests.test_localpod import AUTH, wait_for
 

@@ -19,18 +19,18 @@ from loraflow_worker.contract import TrainMetrics
 from prefect.states import Completed, Failed
 
 from flows.spec import PublishSpec
-from tasks.publish import (
+from tasks.reports.summary import RunReport, summary_markdown
+from tasks.storage.publish import (
     PUBLISH_TITLE,
     CardFacts,
-    PublishError,
     PublishedModel,
+    PublishError,
     check_publish_token,
     model_card,
     publish_adapter,
     publish_adapter_task,
     published_or_failed,
 )
-from tasks.reports import RunReport, summary_markdown
 from tests.hub_fixture import HubStandIn
 
 _runs = itertools.count()

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tasks.quota import QUOTA_WAITS_S, wait_for_runpod_quota
+from tasks.lifecycle.quota import QUOTA_WAITS_S, wait_for_runpod_quota
 from tasks.runpod import errors
 
 QUOTA_TEXT = ("RunPod answered 400 to POST /v2/serverless: Max workers across all endpoints must not exceed your "

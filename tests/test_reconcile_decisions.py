@@ -5,8 +5,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from tasks.liveness import EndpointBeat, HeartbeatIntervals
-from tasks.reconcile import EndpointsSeen, LiveRun, RunsSeen, check_silence_threshold, decide
+from tasks.lifecycle.liveness import EndpointBeat, HeartbeatIntervals
+from tasks.lifecycle.reconcile import EndpointsSeen, LiveRun, RunsSeen, check_silence_threshold, decide
 from tasks.runpod.endpoints import endpoint_name, run_hash
 from tasks.runpod.models import Endpoint, Health
 
@@ -202,7 +202,7 @@ def test_a_silence_threshold_of_three_heartbeats_or_more_passes():
 def test_the_reconcilers_own_settings_are_the_intervals_in_force(monkeypatch):
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    from tasks.liveness import intervals_in_force
+    from tasks.lifecycle.liveness import intervals_in_force
 
     monkeypatch.setenv("LORAFLOW_HEARTBEAT_SECONDS", "7")
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 45}):

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from bench.chaos_scenarios import FAULT_INJECTION_DIR, STEP_SECONDS
-from tasks.liveness import ENDPOINT_HEARTBEAT, ENDPOINT_RESOURCE, FLOW_RUN_RESOURCE, newest_heartbeats
-from tasks.pending_billing import pending_billings
-from tasks.reconcile import live_flow_runs
+from tasks.lifecycle.liveness import ENDPOINT_HEARTBEAT, ENDPOINT_RESOURCE, FLOW_RUN_RESOURCE, newest_heartbeats
+from tasks.lifecycle.pending_billing import pending_billings
+from tasks.lifecycle.reconcile import live_flow_runs
 from tasks.runpod.endpoints import endpoint_name, parse_endpoint_name, run_hash
 from tasks.settings import NAMESPACE_VARIABLE, Settings
 from tests.conftest import REPO
@@ -153,7 +153,7 @@ BEATING_FLOW = '''
 import sys, time
 from prefect import flow
 from prefect.runtime import flow_run
-from tasks.liveness import beat
+from tasks.lifecycle.liveness import beat
 from tasks.runpod.models import Endpoint
 
 @flow

@@ -14,7 +14,7 @@ from huggingface_hub.utils import hf_raise_for_status
 from loraflow_worker.contract import ModelSource
 from pydantic import SecretStr
 
-from tasks.plan import DISK_MARGIN_GB, resolve_model
+from tasks.placement.plan import DISK_MARGIN_GB, resolve_model
 from tasks.settings import Settings
 from tests.hub_fixture import HubStandIn, hub  # noqa: F401
 

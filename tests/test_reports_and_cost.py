@@ -1,12 +1,12 @@
 """Run reports are pure functions; the budget is checked before anything is rented."""
 
+from datetime import UTC, datetime
+
 import pytest
 from loraflow_worker.contract import TrainMetrics
 
-from tasks.cost import check_budget, worst_case_cost_usd
-from datetime import UTC, datetime
-
-from tasks.reports import RunReport, billed_later, metrics_rows, summary_markdown
+from tasks.placement.cost import check_budget, worst_case_cost_usd
+from tasks.reports.summary import RunReport, billed_later, metrics_rows, summary_markdown
 from tasks.runpod.catalog import resolve_gpu
 
 METRICS = TrainMetrics(steps=3, losses=[(1, 6.4), (2, 3.0), (3, 1.25)], first_loss=6.4, final_loss=1.25, tokens=1234,

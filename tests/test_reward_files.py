@@ -12,8 +12,8 @@ from loraflow_worker.artifacts import FileStore
 from loraflow_worker.contract import RewardSpec
 from pydantic import ValidationError
 
-from tasks.artifacts import publish_run_inputs
-from tasks.rewards import check_reward_files
+from tasks.storage.artifacts import publish_run_inputs
+from tasks.storage.rewards import check_reward_files
 
 REWARD_SOURCE = '''
 import math
@@ -51,7 +51,7 @@ def run_dir(tmp_path: Path) -> Path:
 def test_a_reward_file_is_published_with_the_dataset_in_one_commit_and_rewritten(run_dir, tmp_path, monkeypatch):
     store_root = tmp_path / "store"
     store = CountingStore(store_root)
-    monkeypatch.setattr("tasks.artifacts.open_store", lambda url, token=None: store)
+    monkeypatch.setattr("tasks.storage.artifacts.open_store", lambda url, token=None: store)
     rewards = [RewardSpec(name="rewards/math_rewards.py:boxed", weight=2.0), RewardSpec(name="digit_fraction")]
 
     dataset_path, published = publish_run_inputs(store_root.as_uri(), "run-1", run_dir / "data.jsonl", rewards, run_dir)

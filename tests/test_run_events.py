@@ -1,4 +1,4 @@
-"""A run on the local stack leaves the Prefect events automations match on (`tasks/events.py`), read
+"""A run on the local stack leaves the Prefect events automations match on (`tasks/reports/events.py`), read
 back through the events API (`POST /events/filter`), and README.md's example automation is accepted
 by the server and fires for a run that gave up."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tasks.events import ATTEMPT_GIVEN_UP, ENDPOINT_CREATED, ENDPOINT_DELETED, RUN_FINISHED
+from tasks.reports.events import ATTEMPT_GIVEN_UP, ENDPOINT_CREATED, ENDPOINT_DELETED, RUN_FINISHED
 from tests.conftest import REPO, prefect_api, run_train_flow
 from tests.test_crash_recovery_e2e import flow_env, wait_for
 from tests.test_train_e2e import run_endpoints, write_run_file

@@ -6,8 +6,8 @@ import re
 
 from loraflow_worker.contract import TrainMetrics
 
-from tasks.curve import curve_png
-from tasks.reports import (
+from tasks.reports.curve import curve_png
+from tasks.reports.summary import (
     RunReport,
     finished_description,
     metrics_rows,

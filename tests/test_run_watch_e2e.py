@@ -168,9 +168,14 @@ def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_mod
 def test_a_slot_kept_for_an_undeleted_endpoint_lasts_until_the_endpoint_is_proved_gone(local_stack):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.quota import ensure_endpoint_limit, take_slot_lease
+    from tasks.lifecycle.quota import ensure_endpoint_limit, take_slot_lease
+    from tasks.lifecycle.teardown import (
+        UndeletedEndpoint,
+        keep_undeleted_record,
+        settle_undeleted_endpoint,
+        undeleted_endpoints,
+    )
     from tasks.runpod.client import RunpodClient
-    from tasks.teardown import UndeletedEndpoint, keep_undeleted_record, settle_undeleted_endpoint, undeleted_endpoints
 
     name = f"loraflow-e2e-undeleted-{uuid.uuid4().hex[:12]}-a1"
     pod = localpod(local_stack)
@@ -222,11 +227,10 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     import flows.train as train_module
-    from flows.spec import load_run_file
-    from tasks.runpod.client import RunpodClient
     from flows.reconcile import reconcile
-    from flows.spec import ReconcilePolicy
-    from tasks.teardown import undeleted_endpoints
+    from flows.spec import ReconcilePolicy, load_run_file
+    from tasks.lifecycle.teardown import undeleted_endpoints
+    from tasks.runpod.client import RunpodClient
 
     prefix = "loraflow-e2e-nodelete-"
     monkeypatch.setattr(train_module, "delete_endpoint",

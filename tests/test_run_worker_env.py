@@ -9,10 +9,10 @@ from loraflow_worker.contract import FastPathSettings
 from pydantic import ValidationError
 
 from flows.spec import RunSpec, SpecError, load_run_file
+from tasks.lifecycle.worker_env import RunSecretError, read_run_secrets, run_secret_env
 from tasks.runpod.secrets import referenced_secrets
-from tasks.worker_env import RunSecretError, read_run_secrets, run_secret_env
-from tests.test_runpod_secrets import booted_env, localpod, runpod, stored_values  # noqa: F401  (fixtures)
 from tests.test_localpod import create_endpoint
+from tests.test_runpod_secrets import booted_env, localpod, runpod, stored_values  # noqa: F401  (fixtures)
 from tests.test_spec import minimal
 
 JUDGE_KEY = "judge-key-value-0001"

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from localpod import LocalpodConfig, create_app
-from localpod.routes_secrets import resolve_secret_references
+from localpod.routes.secrets import resolve_secret_references
 from localpod.workers import WorkerSupervisor
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.secrets import (

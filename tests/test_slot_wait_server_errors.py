@@ -1,4 +1,4 @@
-"""A run waiting for an endpoint slot outlasts the Prefect server failing its requests (`tasks/quota.py`,
+"""A run waiting for an endpoint slot outlasts the Prefect server failing its requests (`tasks/lifecycle/quota.py`,
 `endpoint_slot`): 60 runs queued on one SQLite server made it answer 503 past the client's own retries,
 and the waiting runs failed, though they had rented nothing.
 
@@ -33,7 +33,7 @@ SLOT_REQUEST = "/api/v2/concurrency_limits/increment-with-lease"
 
 WAITER = """
 import json, sys, time
-from tasks.quota import endpoint_slot
+from tasks.lifecycle.quota import endpoint_slot
 import httpx
 
 name, api, give_up_in = sys.argv[1], sys.argv[2], float(sys.argv[3])

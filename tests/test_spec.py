@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.spec import RunOverrides, RunSpec, SpecError, apply_overrides, load_run_file
-from tasks.plan import job_limits_s, max_deadline_minutes
+from tasks.placement.plan import job_limits_s, max_deadline_minutes
 
 REPO = Path(__file__).resolve().parent.parent
 

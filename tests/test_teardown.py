@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tasks.lifecycle.teardown import delete_attempt_endpoints
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
-from tasks.teardown import delete_attempt_endpoints
 
 NAME = "loraflow-t-0123456789ab-abc123-a1"
 

@@ -10,7 +10,7 @@ import pytest
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel, ValidationError
 
-from tasks import teardown
+from tasks.lifecycle import teardown
 from tasks.runpod.errors import RunpodError
 
 FLOW_RUN = SimpleNamespace(id=uuid.UUID("00000000-0000-0000-0000-0000000000aa"))

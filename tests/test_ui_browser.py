@@ -24,7 +24,7 @@ import pytest
 
 from deployments.team_stack import children
 from flows.spec import RunOverrides, RunSpec
-from tasks.curve import BACKGROUND, TRAIN_COLOR
+from tasks.reports.curve import BACKGROUND, TRAIN_COLOR
 from tests.conftest import REPO, prefect_api, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, wait_for
 from tests.test_train_e2e import write_run_file

@@ -18,9 +18,9 @@ from tasks.runpod.volumes import (
     volume_name,
     volume_size_gb,
 )
-from tasks.storage_prices import documented_usd_per_month
-from tasks.volume_inventory import RetentionRequest, VolumeRow, apply, decide, inventory, totals
-from tasks.weight_cache import DataCenterCache, WarmModel, WarmVolumeGone, gone_volume
+from tasks.storage.prices import documented_usd_per_month
+from tasks.storage.volume_inventory import RetentionRequest, VolumeRow, apply, decide, inventory, totals
+from tasks.storage.weight_cache import DataCenterCache, WarmModel, WarmVolumeGone, gone_volume
 from tests.test_localpod import create_endpoint, endpoint_body
 from tests.test_runpod_secrets import localpod, runpod  # noqa: F401
 
@@ -62,7 +62,7 @@ def test_of_two_volumes_of_one_name_every_reader_picks_the_larger(runpod):  # no
     assert find_volume(runpod, "cache", VOLUME_DC).id == large.id != small.id
 
 
-# --- inventory, cost and retention (tasks/volume_inventory.py), against localpod in-process ---------------
+# --- inventory, cost and retention (tasks/storage/volume_inventory.py), against localpod in-process ---------------
 
 NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
 OURS, THEIRS = "ours1", "them2"
@@ -195,7 +195,7 @@ def test_the_total_line_says_what_the_deletions_save():
     assert "deleted 1, saving $1.40/month; left $0.00/month" in totals([row])
 
 
-# --- a stale warm record never fails a run (tasks/weight_cache.py) --------------------------------------------
+# --- a stale warm record never fails a run (tasks/storage/weight_cache.py) --------------------------------------------
 
 
 def test_an_endpoint_refused_for_a_deleted_warm_volume_reads_as_the_volume_gone(runpod, localpod):  # noqa: F811
@@ -215,7 +215,7 @@ def test_a_refusal_while_the_volume_exists_stands_as_the_error(runpod):  # noqa:
 
 
 def test_a_runs_summary_shows_what_its_warm_volume_costs_by_the_month():
-    from tasks.reports import summary_markdown
+    from tasks.reports.summary import summary_markdown
     from tests.test_reports_and_cost import report
 
     warm = summary_markdown(report(warm_volume="v1 in EU-RO-1", storage_usd_per_month=1.4,
@@ -226,7 +226,7 @@ def test_a_runs_summary_shows_what_its_warm_volume_costs_by_the_month():
 
 
 def test_one_volumes_monthly_cost_is_the_documented_price_without_billing_figures(runpod):  # noqa: F811
-    from tasks.volume_inventory import volume_monthly_cost
+    from tasks.storage.volume_inventory import volume_monthly_cost
 
     volume = ours(runpod, size=30)
     assert volume_monthly_cost(runpod, volume.id, NOW) == (2.1, "documented price")
@@ -234,7 +234,7 @@ def test_one_volumes_monthly_cost_is_the_documented_price_without_billing_figure
 
 
 def test_billed_figures_come_from_localpods_volume_billing_once_days_have_passed(runpod, localpod):  # noqa: F811
-    from tasks.volume_inventory import billed_figures
+    from tasks.storage.volume_inventory import billed_figures
     from tests.test_localpod import AUTH
 
     volume = ours(runpod, size=100)

@@ -14,7 +14,7 @@ from typing import Literal
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from localpod.hub_repos import RATE_LIMIT_MESSAGE, HubError, HubRepos, RepoRef
+from localpod.hub.repos import RATE_LIMIT_MESSAGE, HubError, HubRepos, RepoRef
 
 CommitFaultStatus = Literal[403, 429, 500, 502, 503, 504]
 

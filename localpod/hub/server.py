@@ -18,11 +18,11 @@ raises as a plain `HfHubHTTPError` (§8) — as the Hub refuses a read token's w
 A commit past the per-repo limit (`--commits-per-hour` in a rolling `--commit-window-s`) answers 429 with
 the Hub's text and a `Retry-After` (§9); a refused commit changes nothing.
 A commit that adds a `README.md` is preceded by the client's check of the card's metadata
-(`POST /api/validate-yaml`, localpod/hub_cards.py).
+(`POST /api/validate-yaml`, localpod/hub/cards.py).
 Test hooks (not Hub API): `GET /_hub/commits/{repo_type}/{ns}/{name}` (commit count and list, from
 disk), `GET /_hub/downloads/{repo_type}/{ns}/{name}` (file GETs served since start, in memory) and
 `POST|GET|DELETE /_hub/commit-faults/{repo_type}/{ns}/{name}` (arm the next commits to answer 429, 5xx
-or 403; localpod/hub_limits.py).
+or 403; localpod/hub/limits.py).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from localpod.hub_cards import validate_yaml_router
-from localpod.hub_limits import CommitFaults, commit_faults_router
-from localpod.hub_repos import (
+from localpod.hub.cards import validate_yaml_router
+from localpod.hub.limits import CommitFaults, commit_faults_router
+from localpod.hub.repos import (
     DEFAULT_BRANCH,
     REPO_TYPES,
     CommitOps,
@@ -355,6 +355,3 @@ def main(argv: list[str] | None = None) -> None:
                          commit_window_s=args.commit_window_s, read_only_tokens=args.read_only_token)
     _AnnouncingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
 
-
-if __name__ == "__main__":
-    main()

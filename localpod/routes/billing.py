@@ -25,7 +25,7 @@ from localpod import catalog
 from localpod.auth import require_api_key
 from localpod.billing import SECONDS_PER_MONTH, billing_window, rfc3339, spread, step_bucket, volume_usd_per_month
 from localpod.problems import ProblemError
-from localpod.routes_faults import route_fault
+from localpod.routes.faults import route_fault
 from localpod.state import LocalpodState, get_state
 
 router = APIRouter(prefix="/v2/billing", tags=["billing"], dependencies=[Depends(require_api_key)])

@@ -4,7 +4,7 @@
 The catalog comes from localpod's table (`catalog.py`); its GPU availability follows the stock set through
 `/_localpod/stock`, per datacenter, and its CUDA versions the hosts' versions set through `/_localpod/cuda`;
 its CPU availability follows `/_localpod/cpu-stock`, and each datacenter's network volume tiers
-`/_localpod/volume-types`. Billing is `routes_billing.py`'s.
+`/_localpod/volume-types`. Billing is `localpod/routes/billing.py`'s.
 Query parameters are checked as RunPod's schema states them (enums against the OpenAPI document's own
 component schemas), and every answer is checked against its response schema before it leaves.
 """
@@ -21,7 +21,7 @@ from localpod import catalog
 from localpod.auth import require_api_key
 from localpod.billing import positive_int
 from localpod.problems import ProblemError
-from localpod.routes_faults import route_fault
+from localpod.routes.faults import route_fault
 from localpod.state import LocalpodState, get_state
 
 router = APIRouter(prefix="/v2", tags=["catalog", "billing"], dependencies=[Depends(require_api_key)])

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from localpod import catalog
 from localpod.auth import require_api_key
 from localpod.problems import ProblemError
-from localpod.routes_faults import route_fault
+from localpod.routes.faults import route_fault
 from localpod.state import EndpointRecord, LocalpodState, WorkerRecord, get_state, iso
 
 router = APIRouter(prefix="/v2/serverless", tags=["endpoints"], dependencies=[Depends(require_api_key)])

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from localpod.auth import require_api_key
 from localpod.models import Health, JobRef, JobStatus, JobStream, PurgeQueueResult, RunRequest, StreamChunk
 from localpod.problems import ProblemError
-from localpod.routes_faults import route_fault
+from localpod.routes.faults import route_fault
 from localpod.state import EndpointRecord, JobRecord, LocalpodState, get_state
 
 router = APIRouter(prefix="/v2/{endpoint_id}", tags=["jobs"], dependencies=[Depends(require_api_key)])

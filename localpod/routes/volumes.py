@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from localpod.auth import require_api_key
 from localpod.problems import ProblemError
-from localpod.routes_faults import route_fault
+from localpod.routes.faults import route_fault
 from localpod.state import LocalpodState, get_state
 
 router = APIRouter(prefix="/v2/network-volumes", tags=["network volumes"], dependencies=[Depends(require_api_key)])

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from loraflow_worker.contract import MemorySettings
 from pydantic import BaseModel
 
+from tasks.placement.memory_ladder import MemoryContext, next_rung
 from tasks.runpod.catalog import GpuClass
-from tasks.memory_ladder import MemoryContext, next_rung
 from tasks.runpod.jobs import JobOutcome
 
 MIN_TIME_FOR_ATTEMPT_S = 5 * 60

@@ -30,11 +30,11 @@ from prefect.events import Event, emit_event
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from pydantic import BaseModel, Field, ValidationError
 
-from tasks.events import RUN_RESOURCE
-from tasks.reports import billed_later
+from tasks.reports.events import RUN_RESOURCE
+from tasks.reports.summary import billed_later
 from tasks.runpod import errors
 from tasks.runpod.live_catalog import billed_usd
-from tasks.runpod.steps import make_client
+from tasks.settings import make_client
 
 BILLING_PENDING = "loraflow.run.billing-pending"
 BILLING_SETTLED = "loraflow.run.billing-settled"

@@ -7,7 +7,7 @@ confirmed keeps the account under its quota across every Prefect worker that sha
 
 Three things keep that true when something goes wrong:
 - an endpoint whose delete is never confirmed keeps a slot under a long lease of its own
-  (`take_slot_lease`), released once the endpoint is proved gone (`tasks/teardown.py`);
+  (`take_slot_lease`), released once the endpoint is proved gone (`tasks/lifecycle/teardown.py`);
 - RunPod's own quota error (the limit set above the account's quota, or endpoints made outside
   loraflow) makes the run wait and try again (`wait_for_runpod_quota`), not fail;
 - a Prefect server that fails a run's slot request for a while (a busy database, a restart) is asked

@@ -6,7 +6,7 @@ this control plane's tag (`endpoints.parse_endpoint_name`) are ever judged; anot
 (a teammate's server, staging, a script's ephemeral server on the same RunPod account) are reported
 and left alone, since the runs that own them live in a Prefect database this reconciler cannot see.
 
-A run is alive while it sends heartbeat events (`tasks/liveness.py`), whatever its logging settings, each
+A run is alive while it sends heartbeat events (`tasks/lifecycle/liveness.py`), whatever its logging settings, each
 judged by its sender's own interval: silent means no heartbeat for max(the policy's threshold, 3 × that
 interval). A threshold below 3 × the intervals in force where the reconciler runs is refused before anything
 is read (`check_silence_threshold`). A Crashed run is not taken for dead while its heartbeats go on: Prefect's
@@ -35,7 +35,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
 from pydantic import BaseModel, Field
 
-from tasks.liveness import (
+from tasks.lifecycle.liveness import (
     SILENT_AFTER_BEATS,
     EndpointBeat,
     HeartbeatIntervals,
@@ -44,6 +44,7 @@ from tasks.liveness import (
 )
 from tasks.runpod.endpoints import ENDPOINT_PREFIX, parse_endpoint_name, run_hash
 from tasks.runpod.models import Endpoint, Health
+from tasks.settings import make_client
 
 EXECUTING_STATES = [StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
 """States of a run whose process may hold an endpoint. A SCHEDULED-type run (Scheduled, Late,
@@ -268,7 +269,6 @@ def read_loraflow_endpoints(namespace: str) -> EndpointsSeen:
     `/health` that fails is recorded for its endpoint and the others are still read; one answering 404
     was deleted meanwhile and is left out."""
     from tasks.runpod.errors import NotFoundError, RunpodError
-    from tasks.runpod.steps import make_client
 
     with make_client() as client:
         seen = EndpointsSeen(endpoints=[e for e in client.list_endpoints() if e.name.startswith(ENDPOINT_PREFIX)])

@@ -2,7 +2,7 @@
 
 A run sends `loraflow.secret.used` for each secret its workers will read, before any endpoint refers to
 it (`secret_used`). Pruning reads the newest per secret in one request (`newest_secret_uses`, the way
-`tasks/liveness.py` reads heartbeats): events, not a shared Variable, so that concurrent runs never
+`tasks/lifecycle/liveness.py` reads heartbeats): events, not a shared Variable, so that concurrent runs never
 read-modify-write one record. Where no use is recorded (Prefect keeps events for
 `PREFECT_EVENTS_RETENTION_PERIOD`, 7 days by default) a secret's creation time counts; a secret deleted
 while a later run still wanted it is created again by that run.
@@ -19,7 +19,7 @@ from prefect.events import Event, emit_event
 from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
 from tasks.runpod.secrets import LONGEST_RUN, SecretVerdict, prune_unused_secrets
-from tasks.settings import Settings
+from tasks.settings import Settings, make_client
 
 SECRET_USED = "loraflow.secret.used"
 SECRET_RESOURCE = "loraflow.secret."
@@ -55,8 +55,6 @@ def prune_secrets(retain_days: float, dry_run: bool = False) -> list[SecretVerdi
     """Delete this control plane's account secrets that no endpoint refers to and no run used (nor were
     created) within `retain_days` (at least a run's longest life); log one line per secret deleted or
     failed. Another namespace's secrets are never touched."""
-    from tasks.runpod.steps import make_client  # here, not at the top: steps imports this module
-
     settings = Settings()
     now = datetime.now(UTC)
     window = max(timedelta(days=retain_days), LONGEST_RUN)

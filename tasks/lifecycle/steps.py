@@ -1,5 +1,5 @@
 """The RunPod steps of a run, as Prefect tasks: create the endpoint, submit the job, wait for it,
-delete the endpoint. Each wraps a plain function from `endpoints.py` / `jobs.py` / `tasks/teardown.py`.
+delete the endpoint. Each wraps a plain function from `endpoints.py` / `jobs.py` / `tasks/lifecycle/teardown.py`.
 
 Retries of RunPod calls live here and only here: exponential backoff with jitter, and only for
 transient failures (429, 5xx, transport errors, timeouts). `submit_job` is never retried: `/run` is not
@@ -25,20 +25,19 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from tasks import events
-from tasks.liveness import beat
-from tasks.placement_history import record_placement
-from tasks.reports import finished_description, progress_description
+from tasks.lifecycle.liveness import beat
+from tasks.lifecycle.secret_retention import secret_used
+from tasks.lifecycle.teardown import delete_attempt_endpoints
+from tasks.lifecycle.worker_env import run_secret_env
+from tasks.placement.history import record_placement
+from tasks.reports import events
+from tasks.reports.summary import finished_description, progress_description
 from tasks.runpod import errors
-from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import delete_endpoint_confirmed, ensure_endpoint
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, JobStatus, RunRequest
 from tasks.runpod.secrets import HUB_TOKEN_PURPOSE, referenced_secrets, value_secret_env
-from tasks.secret_retention import secret_used
-from tasks.settings import Settings
-from tasks.teardown import delete_attempt_endpoints
-from tasks.worker_env import run_secret_env
+from tasks.settings import Settings, make_client
 
 log = logging.getLogger("loraflow.steps")
 
@@ -62,11 +61,6 @@ _RETRIES = dict(
 )
 
 
-def make_client(settings: Settings | None = None) -> RunpodClient:
-    settings = settings or Settings()
-    return RunpodClient(settings.api_key(), api_url=settings.runpod_api_url, job_url=settings.runpod_job_url)
-
-
 @task(name="prepare-worker-env", **_RETRIES)
 def prepare_worker_env(hub_token_secret: str | None = None, env: dict[str, str] | None = None,
                        secrets: dict[str, str] | None = None) -> dict[str, str]:
@@ -74,7 +68,7 @@ def prepare_worker_env(hub_token_secret: str | None = None, env: dict[str, str] 
     account secret that holds the run's token (one secret per token, created here when missing, never
     changed), never the token itself; and the run's own variables (`worker.env`, as they are) and secrets
     (`worker.secrets`: ENV_NAME → Prefect Secret block, each value read here and referenced the same way,
-    `tasks/worker_env.py`). The token is the one in the Prefect Secret block `hub_token_secret` names, else
+    `tasks/lifecycle/worker_env.py`). The token is the one in the Prefect Secret block `hub_token_secret` names, else
     the flow's own (`Settings.hub_token`); with none, the workers get no `HF_TOKEN`."""
     settings = Settings()
     logger = get_run_logger()
@@ -123,7 +117,7 @@ def submit_job(endpoint: Endpoint, job_input: dict[str, Any], policy: JobPolicy)
 def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_interval_s: float = 2.0,
                  progress_key: str | None = None) -> JobOutcome:
     """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log,
-    and sending the endpoint's heartbeat event (`tasks/liveness.py`) the reconciler reads.
+    and sending the endpoint's heartbeat event (`tasks/lifecycle/liveness.py`) the reconciler reads.
 
     Reads this flow run's state from the Prefect API as it goes: a cancel (UI, CLI or API) cancels the
     job here, whether a worker, `serve` or a plain `python -m flows.train` runs the flow.
@@ -137,7 +131,7 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
     def on_status(status: JobStatus) -> None:
         beat(endpoint, status.status)
         # Where the job runs, once it runs (a few reads: the worker list can lag the job's status), for the
-        # preload sweep's default datacenters (`tasks/placement_history.py`). `client`: the watch's, bound below.
+        # preload sweep's default datacenters (`tasks/placement/history.py`). `client`: the watch's, bound below.
         if status.status == "IN_PROGRESS" and 0 <= last["placement_reads"] < 3:
             last["placement_reads"] += 1
             if record_placement(client, endpoint, status.worker_id, flow_run.id) is not None:

@@ -25,10 +25,11 @@ from prefect.client.schemas.actions import VariableCreate, VariableUpdate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from pydantic import BaseModel, Field
 
-from tasks.quota import UNDELETED_LEASE_SECONDS, release_slot_lease, renew_slot_lease, take_slot_lease
+from tasks.lifecycle.quota import UNDELETED_LEASE_SECONDS, release_slot_lease, renew_slot_lease, take_slot_lease
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import delete_endpoint_confirmed, delete_endpoints_named, run_endpoints
 from tasks.runpod.errors import RunpodError
+from tasks.settings import make_client
 
 log = logging.getLogger("loraflow.teardown")
 
@@ -150,8 +151,6 @@ def settle_undeleted_endpoint(client: RunpodClient, record: UndeletedEndpoint) -
 
 def delete_run_endpoints(run_id: str) -> list[str]:
     """Delete (confirmed) every endpoint of every attempt of the run; returns the ids deleted."""
-    from tasks.runpod.steps import make_client  # steps imports this module
-
 
     with make_client() as client:
         endpoints = run_endpoints(client, run_id)

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from tasks.runpod import errors
 from tasks.runpod.catalog import GpuClass
 from tasks.runpod.live_catalog import BilledAmount, GpuOffer, PriceSource, billed_usd, gpu_offers, static_offer
-from tasks.runpod.steps import make_client
+from tasks.settings import make_client
 
 
 class Priced(Protocol):

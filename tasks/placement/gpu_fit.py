@@ -15,10 +15,9 @@ from collections.abc import Callable, Sequence
 from loraflow_worker.memory_plan import MemoryPlan
 from pydantic import BaseModel, Field
 
-from tasks.cost import read_gpu_prices
+from tasks.placement.cost import read_gpu_prices
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass, cuda_floor, meets_cuda_floor
 from tasks.runpod.live_catalog import GpuOffer
-
 
 GIB = 2**30
 """RunPod's catalog gives GPU memory in GB that are GiB (an RTX 4090's 24 GB are 24 GiB)."""

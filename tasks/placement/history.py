@@ -4,7 +4,7 @@ When a training job is first IN_PROGRESS, the run asks RunPod where its worker w
 (`GET /v2/serverless/{id}/workers`) and sends `loraflow.run.placed` with the datacenter as the event's
 resource (`record_placement`). Events live in this control plane's Prefect database, so the history is this
 control plane's own. The preload sweep, when no datacenters are named, warms the datacenters where training
-ran lately (`recent_training_data_centers`): read back the way heartbeats are (`tasks/liveness.py`), in one
+ran lately (`recent_training_data_centers`): read back the way heartbeats are (`tasks/lifecycle/liveness.py`), in one
 count-by-resource request, whatever the number of runs.
 """
 
@@ -14,7 +14,7 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from tasks import events
+from tasks.reports import events
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.errors import RunpodError
 from tasks.runpod.models import Endpoint, EndpointWorker

@@ -18,9 +18,9 @@ from pydantic import BaseModel, Field
 from tasks.runpod.catalog import GpuClass, cuda_floor
 from tasks.runpod.endpoints import build_create_request, endpoint_name
 from tasks.runpod.jobs import WatchLimits
-from tasks.runpod.models import CreateEndpoint, JobPolicy
+from tasks.runpod.models import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S, CreateEndpoint, JobPolicy
 from tasks.settings import Settings
-from tasks.weight_cache import DataCenterCache
+from tasks.storage.weight_cache import DataCenterCache
 
 REQUIRE_CUDA_ENV = "LORAFLOW_REQUIRE_CUDA"
 """In a training endpoint's env: the worker fails the job within seconds when CUDA cannot start, instead of
@@ -30,10 +30,6 @@ TEARDOWN_MARGIN_S = 5 * 60
 """RunPod's execution timeout and job TTL sit this far past the run's deadline, so the worker's own
 deadline fires first and can save its results."""
 
-RUNPOD_MAX_EXECUTION_TIMEOUT_S = 7 * 24 * 3600
-"""RunPod's longest execution timeout (endpoint `timeout`, job `policy.executionTimeout`): 7 days."""
-RUNPOD_MAX_JOB_TTL_S = 7 * 24 * 3600
-"""RunPod's longest job TTL (`policy.ttl`): 7 days, counted from submission."""
 
 
 def job_limits_s(remaining_s: int) -> tuple[int, int]:
@@ -172,7 +168,7 @@ def plan_attempt(
     settings = settings or Settings()
     remaining = max(int(deadline_epoch_s - now), 1)
     execution_timeout_s, ttl_s = job_limits_s(remaining)
-    name = endpoint_name(job_input.run_id, job_input.attempt, run_label)
+    name = endpoint_name(job_input.run_id, job_input.attempt, run_label, settings.control_plane_namespace())
     request = build_create_request(
         name=name,
         gpu=gpu,

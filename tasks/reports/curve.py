@@ -1,7 +1,7 @@
 """A run's training curve, drawn with matplotlib: the training series (SFT's loss, GRPO's mean reward) and, when
 the run evaluated, the held-out series (`eval_loss`, `eval_reward`), with labelled axes and a legend.
 
-    .venv/bin/python -c "from tasks.curve import curve_png; from loraflow_worker.contract import TrainMetrics; \
+    .venv/bin/python -c "from tasks.reports.curve import curve_png; from loraflow_worker.contract import TrainMetrics; \
 open('/tmp/c.png', 'wb').write(curve_png(TrainMetrics(steps=2, losses=[(1, 2.0), (2, 1.0)], \
 eval_loss=[(0, 2.2), (2, 1.3)], first_loss=2.0, final_loss=1.0, tokens=0, wall_seconds=1, device='cpu'), 'sft'))"
 

@@ -17,8 +17,8 @@ test (labels, unlike payloads, are what Prefect's triggers match on): `loraflow.
 inside it, so every event also shows on the flow run's page.
 
 Sending never raises and returns quickly: Prefect's events worker sends in the background, and a lost
-event is a missed notification, not a failed run. (`tasks/liveness.py` sends the endpoint heartbeat;
-`tasks/volume_inventory.py` reads the volume uses back for retention; `tasks/placement_history.py` reads the
+event is a missed notification, not a failed run. (`tasks/lifecycle/liveness.py` sends the endpoint heartbeat;
+`tasks/storage/volume_inventory.py` reads the volume uses back for retention; `tasks/placement/history.py` reads the
 placements back, for the preload sweep's default datacenters.)
 """
 
@@ -101,7 +101,7 @@ def run_finished(run_id: str, run_name: str, *, status: RunStatus, attempts: int
 def volume_used(volume_id: str, volume_name: str, data_center: str, *, by: str,
                 run_id: str | None) -> Event | None:
     """Send `loraflow.volume.used`: `by` (`train`, `preload`) used the network volume now. The volumes flow
-    reads the newest per volume (`tasks/volume_inventory.py`, `newest_volume_uses`) to delete volumes no run
+    reads the newest per volume (`tasks/storage/volume_inventory.py`, `newest_volume_uses`) to delete volumes no run
     or sweep used within the retention: an event, not a Variable, so that concurrent users never
     read-modify-write one shared record. `run_id`: the flow run that used it (None: unknown)."""
     resource = {"prefect.resource.id": f"{VOLUME_RESOURCE}{volume_id}", "prefect.resource.name": volume_name,
@@ -115,7 +115,7 @@ def run_placed(run_id: str | None, data_center: str, *, endpoint_id: str, endpoi
                gpu_type: str | None = None) -> Event | None:
     """Send `loraflow.run.placed`: a training run's worker runs its job in `data_center` (RunPod's
     `/v2/serverless/{id}/workers` said so). The resource is the datacenter, so that where this control
-    plane's training ran is read back per datacenter in one request (`tasks/placement_history.py`)."""
+    plane's training ran is read back per datacenter in one request (`tasks/placement/history.py`)."""
     resource = {"prefect.resource.id": f"{DATA_CENTER_RESOURCE}{data_center}", "prefect.resource.name": data_center}
     related = [_endpoint(endpoint_id, endpoint_name) | {"prefect.resource.role": "endpoint"}]
     if run_id:

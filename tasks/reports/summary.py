@@ -20,8 +20,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, ValidationError
 
-from tasks.artifacts import hub_token
 from tasks.runpod.live_catalog import PriceSource
+from tasks.storage.artifacts import hub_token
 
 CURVE_FILE = "curve.png"
 

@@ -1,6 +1,6 @@
 """A small typed client for RunPod's control-plane API v2 and its per-endpoint job API.
 
-HTTP only: no retries here (Prefect tasks own retries, see `tasks/runpod/steps.py`), no lifecycle
+HTTP only: no retries here (Prefect tasks own retries, see `tasks/lifecycle/steps.py`), no lifecycle
 decisions (see `tasks/runpod/endpoints.py`). Every response goes through `raise_for_status`, the one
 place that turns RunPod answers into `tasks.runpod.errors` exceptions.
 

@@ -1,6 +1,6 @@
 """The endpoint lifecycle: names derived from the run, idempotent create, confirmed delete.
 
-Plain functions over `RunpodClient`; the Prefect tasks in `tasks/runpod/steps.py` wrap them. Every
+Plain functions over `RunpodClient`; the Prefect tasks in `tasks/lifecycle/steps.py` wrap them. Every
 function here is safe to call again after a crash: state lives at RunPod, found by name.
 """
 
@@ -43,19 +43,13 @@ def run_hash(run_id: str) -> str:
     return hashlib.sha256(run_id.encode()).hexdigest()[:12]
 
 
-def endpoint_name(run_id: str, attempt: int, label: str = "", namespace: str | None = None) -> str:
+def endpoint_name(run_id: str, attempt: int, label: str, namespace: str) -> str:
     """`loraflow-<label>-<hash of run id>-<namespace>-a<attempt>`: unique per run and per attempt,
-    recognisable, tagged with the control plane whose reconciler may delete it, and derivable again from
-    the run id alone (crash hooks and the reconciler hold no memory).
-
-    `namespace` defaults to this control plane's (`Settings.control_plane_namespace`, which asks the
-    Prefect API unless `LORAFLOW_NAMESPACE` is set). The label comes first so that a run's endpoints
-    share the prefix `loraflow-<label>-`.
+    recognisable, tagged with the control plane whose reconciler may delete it (`namespace`, this control
+    plane's: `Settings.control_plane_namespace`), and derivable again from the run id alone (crash hooks and
+    the reconciler hold no memory). The label comes first so that a run's endpoints share the prefix
+    `loraflow-<label>-`.
     """
-    if namespace is None:
-        from tasks.settings import Settings
-
-        namespace = Settings().control_plane_namespace()
     if not re.fullmatch(NAMESPACE_PATTERN, namespace):
         raise ValueError(f"namespace {namespace!r} must match {NAMESPACE_PATTERN}")
     clean = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", label.lower())).strip("-")

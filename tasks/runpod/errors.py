@@ -58,7 +58,7 @@ class RunpodTimeoutError(RunpodConnectionError):
 class QuotaExceededError(BadRequestError):
     """The account's worker quota (sum of `workers.max` over all endpoints) would be exceeded. Not
     transient in the retry sense (an immediate retry fails the same way), but it passes once other
-    endpoints go: runs wait for it (`tasks.quota.wait_for_runpod_quota`) rather than fail."""
+    endpoints go: runs wait for it (`tasks.lifecycle.quota.wait_for_runpod_quota`) rather than fail."""
 
     @property
     def quota(self) -> int | None:

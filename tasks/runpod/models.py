@@ -107,6 +107,12 @@ KNOWN_JOB_STATUSES: frozenset[str] = frozenset(get_args(JobStatusName))
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"})
 
 
+RUNPOD_MAX_EXECUTION_TIMEOUT_S = 7 * 24 * 3600
+"""RunPod's longest execution timeout (endpoint `timeout`, job `policy.executionTimeout`): 7 days."""
+RUNPOD_MAX_JOB_TTL_S = 7 * 24 * 3600
+"""RunPod's longest job TTL (`policy.ttl`): 7 days, counted from submission."""
+
+
 class JobPolicy(_Request):
     execution_timeout: int = Field(ge=5_000, description="Milliseconds the job may run.")
     ttl: int = Field(ge=10_000, description="Milliseconds from submission before RunPod deletes the job, even while running.")

@@ -23,11 +23,10 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
-from tasks.plan import RUNPOD_MAX_JOB_TTL_S
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
-from tasks.runpod.models import CreateSecret, Secret
+from tasks.runpod.models import RUNPOD_MAX_JOB_TTL_S, CreateSecret, Secret
 
 SECRET_PREFIX = "loraflow-"
 """Every account secret loraflow creates starts with this; pruning never touches any other."""
@@ -145,7 +144,7 @@ class SecretVerdict(BaseModel):
 def prune_unused_secrets(client: RunpodClient, namespace: str, *, retain_days: float, now: datetime,
                          last_used: Mapping[str, datetime], dry_run: bool = False) -> list[SecretVerdict]:
     """Delete the secrets of `namespace` that no endpoint of the account refers to and that were neither
-    used (`last_used`: name → newest use, e.g. `tasks.secret_retention.newest_secret_uses`) nor created
+    used (`last_used`: name → newest use, e.g. `tasks.lifecycle.secret_retention.newest_secret_uses`) nor created
     within `retain_days` (at least `LONGEST_RUN`). Another namespace's secrets and names loraflow did not
     make are never touched. A 404 on delete counts as deleted. One verdict per secret of the namespace.
 

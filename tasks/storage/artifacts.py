@@ -18,8 +18,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
-from tasks.rewards import check_reward_files, reward_store_paths
 from tasks.settings import Settings
+from tasks.storage.rewards import check_reward_files, reward_store_paths
 
 CONSOLE_TAIL_BYTES = 4000
 

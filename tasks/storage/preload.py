@@ -19,9 +19,11 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
-from tasks import events
-from tasks.liveness import beat
-from tasks.quota import endpoint_slot, wait_for_runpod_quota
+from tasks.lifecycle.liveness import beat
+from tasks.lifecycle.quota import endpoint_slot, wait_for_runpod_quota
+from tasks.lifecycle.steps import delete_endpoint, run_cancel_requested
+from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
+from tasks.reports import events
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import build_cpu_create_request, build_create_request, endpoint_name, ensure_endpoint
@@ -29,11 +31,9 @@ from tasks.runpod.errors import RunpodError
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.live_catalog import CatalogCpuType, CatalogDataCenter, GpuOffer
 from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume, Endpoint, JobPolicy, NetworkVolume, RunRequest
-from tasks.runpod.steps import delete_endpoint, make_client, run_cancel_requested
 from tasks.runpod.volumes import SIZE_STEP_GB, delete_volume, volume_name
-from tasks.settings import Settings
-from tasks.storage_prices import documented_usd_per_month
-from tasks.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
+from tasks.settings import Settings, make_client
+from tasks.storage.prices import documented_usd_per_month
 
 PRELOAD_DISK_GB = 20
 """Container disk of a preload worker: the weights go to the volume, not to this disk."""

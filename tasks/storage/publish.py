@@ -35,7 +35,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
-from tasks.reports import CURVE_FILE
+from tasks.reports.summary import CURVE_FILE
 from tasks.settings import Settings
 
 PUBLISH_TITLE = "loraflow run {run_id}: adapter and model card"
@@ -86,7 +86,7 @@ class CardFacts(BaseModel):
 
     @property
     def base_is_hub_id(self) -> bool:
-        # A local base model is resolved to an absolute path before the run (tasks/plan.py).
+        # A local base model is resolved to an absolute path before the run (tasks/placement/plan.py).
         return not self.base_model.startswith("/")
 
 

@@ -4,14 +4,14 @@ RunPod bills a network volume by the GB-month whether anything uses it or not, s
 (`flows/volumes.py`) lists them all — this control plane's and other control planes' (another tag in the
 name) — and deletes this control plane's volumes that no run or sweep used within the retention.
 
-- **Last use**: the newest `loraflow.volume.used` event (`tasks/events.py`), read like the heartbeats, one
+- **Last use**: the newest `loraflow.volume.used` event (`tasks/reports/events.py`), read like the heartbeats, one
   request for all volumes (no shared Variable is read-modify-written by the runs); else the newest
   `warmed_at` of the datacenter's weight-cache record.
 - **Evidence of no use**: a Prefect server keeps events for `PREFECT_SERVER_EVENTS_RETENTION_PERIOD` (7 days
   by default). A volume without a use in the retention window is deleted only when the server's oldest
   event is older than that window (else a use before it cannot be seen, and the volume is kept, saying so).
 - **Cost**: `GET /v2/billing/network-volumes` (the larger of the last two full days × 30) where it has
-  figures for the volume, else RunPod's documented price (`tasks/storage_prices.py`); the row says which.
+  figures for the volume, else RunPod's documented price (`tasks/storage/prices.py`); the row says which.
 - **Never**: a volume an endpoint attaches (RunPod refuses that delete anyway), or another control plane's
   volume unless the request names its tag (`delete_namespaces`, `adopt_namespaces`) and confirms.
 
@@ -36,14 +36,15 @@ from prefect.events.filters import (
 )
 from pydantic import BaseModel, Field
 
-from tasks.events import VOLUME_RESOURCE, VOLUME_USED
+from tasks.lifecycle.steps import retry_transient
+from tasks.reports.events import VOLUME_RESOURCE, VOLUME_USED
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.errors import RunpodError, is_transient
 from tasks.runpod.models import Endpoint, NetworkVolume, NetworkVolumeBillingRecord
-from tasks.runpod.steps import make_client, retry_transient
 from tasks.runpod.volumes import VOLUME_PREFIX, delete_volume, parse_volume_name, volume_name
-from tasks.storage_prices import DAYS_PER_MONTH, documented_usd_per_month
-from tasks.weight_cache import DataCenterCache, clear_cache, read_all_caches
+from tasks.settings import make_client
+from tasks.storage.prices import DAYS_PER_MONTH, documented_usd_per_month
+from tasks.storage.weight_cache import DataCenterCache, clear_cache, read_all_caches
 
 log = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def test_image_tag_names_version_contract_cuda_and_sm_architectures():
 
 
 def test_the_control_plane_reads_the_contract_version_from_the_tag():
-    # The control plane's pattern (tasks/image_contract.py), on the tag part of the reference.
+    # The control plane's pattern (tasks/placement/image_contract.py), on the tag part of the reference.
     tag = _run(BUILD, "tag", IMAGE_REPO="registry.example:5000/lf").stdout.strip().rsplit(":", 1)[1]
     assert re.search(r"(?:^|[-_.:])contract(\d+)(?=$|[-_.])", tag).group(1) == str(CONTRACT_VERSION)
 

@@ -1,0 +1,3 @@
+from localpod.hub.server import main
+
+main()

@@ -1,0 +1,10 @@
+"""A run's life at RunPod, and its recovery when something fails.
+
+- `steps`: the Prefect tasks of an attempt: create the endpoint, submit the job, watch it, delete the endpoint.
+- `quota`: the endpoint-slot quota, a Prefect global concurrency limit; RunPod's own quota error waits.
+- `attempts`: whether a run gets another attempt, and on which GPU.
+- `teardown`: deleting a run's endpoints (the flow's `finally`, its hooks) and what is kept when a delete
+  cannot be confirmed; `reconcile`: the reconciler's decisions; `liveness`: the sign of life it reads.
+- `worker_env`: a run's own worker secrets; `secret_retention`: when account secrets were last used.
+- `pending_billing`: billed cost that RunPod settles after the run ended.
+"""

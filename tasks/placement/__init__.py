@@ -1,0 +1,9 @@
+"""Where a run may go and what it may cost, all decided before anything is rented.
+
+- `plan`: the model pinned, the attempt's endpoint request, job input and time limits.
+- `gpu_fit`: the GPU classes whose hosts run the image's CUDA and whose memory fits the run's plan.
+- `cost`: prices (live catalog, else the static table), the cost ceiling against the budget, billed cost.
+- `memory_ladder`: what the next attempt changes after one ran out of memory.
+- `image_contract`: the job contract a worker image speaks, read from its tag.
+- `history`: where this control plane's training ran (read by the preload sweep).
+"""

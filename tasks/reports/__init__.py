@@ -1,0 +1,6 @@
+"""What a run shows in Prefect and sends to automations.
+
+- `summary`: the run's name and tags, its progress line, its markdown summary and metrics table.
+- `curve`: the training curve, drawn with matplotlib.
+- `events`: the Prefect events a run sends (endpoints' lives, given-up attempts, its end, its spend).
+"""
