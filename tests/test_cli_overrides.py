@@ -2,7 +2,7 @@
 the Prefect way (`train.serve`, the runner a Prefect worker uses) on the local stack: each flat parameter
 changes one field of the deployment's spec, an invalid one fails the run before anything is rented,
 naming the parameter, and the run is readable at a glance (name, tags, progress, summary with its curve).
-The forms used here are the ones README.md shows."""
+The forms used here are the ones docs/running-on-runpod.md shows."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def artifacts(stack, flow_run_id: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def five_steps(local_stack, served):
-    """The README's first form: `--param max_steps=5`."""
+    """The docs' first form: `--param max_steps=5`."""
     return deployment_run(local_stack, "max_steps=5")
 
 

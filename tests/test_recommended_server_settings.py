@@ -1,4 +1,4 @@
-"""The Prefect server settings the README recommends, with bench/quota.py's evidence, are the ones the
+"""The Prefect server settings docs/running-on-runpod.md recommends, with bench/quota.py's evidence, are the ones the
 local stack runs."""
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from bench.quota import RECOMMENDED_WAIT_S
 from bench.scale_lib import WAIT_SETTING
 from deployments.local_stack import PREFECT_SERVER_ENV
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "running-on-runpod.md"
 
 
 def test_the_local_stack_runs_the_slot_wait_the_quota_bench_recommends():

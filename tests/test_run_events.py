@@ -1,5 +1,5 @@
 """A run on the local stack leaves the Prefect events automations match on (`tasks/reports/events.py`), read
-back through the events API (`POST /events/filter`), and README.md's example automation is accepted
+back through the events API (`POST /events/filter`), and docs/what-a-run-shows.md's example automation is accepted
 by the server and fires for a run that gave up."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def related_ids(event: dict) -> set[str]:
 
 
 def readme_automation() -> dict:
-    blocks = re.findall(r"```json\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    blocks = re.findall(r"```json\n(.*?)```", (REPO / "docs" / "what-a-run-shows.md").read_text(), flags=re.S)
     [automation] = [json.loads(b) for b in blocks if '"trigger"' in b]
     return automation
 
