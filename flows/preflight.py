@@ -25,26 +25,20 @@ from prefect.states import Failed, State
 from pydantic import Field
 
 from flows.spec import RunSpec, SpecError, load_run_file
-from tasks.preflight import (
+from tasks.preflight.account import (
     PERMISSIONS,
-    Check,
     catalog_alternatives,
     check_data_centers,
-    check_dataset,
     check_key_can_list,
-    check_model,
-    check_store,
     check_worker_image,
     check_worker_quota,
-    failed,
-    guarded,
     judge_cost,
     judge_gpus,
     open_runpod,
     read_offers,
-    summary,
-    table_rows,
 )
+from tasks.preflight.hub import check_dataset, check_model, check_store
+from tasks.preflight.report import Check, failed, guarded, summary, table_rows
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.settings import HubTokenError, Settings
 

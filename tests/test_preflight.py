@@ -21,7 +21,9 @@ import pytest
 import yaml
 from huggingface_hub import HfApi
 
-from tasks.preflight import check_store, guarded, judge_gpus, judge_hub_write, judge_worker_quota
+from tasks.preflight.account import judge_gpus, judge_worker_quota
+from tasks.preflight.hub import check_store, judge_hub_write
+from tasks.preflight.report import guarded
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.client import API_URL
 from tasks.runpod.live_catalog import GpuOffer
