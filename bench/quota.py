@@ -55,7 +55,7 @@ from bench.scale_lib import (  # noqa: E402
     write_json,
 )
 
-RECOMMENDED_WAIT_S = 5.0  # what deployments/local_stack.py and the README use; the evidence is this bench
+RECOMMENDED_WAIT_S = 5.0  # the local stack's and docs/running-on-runpod.md's setting; this bench is the evidence
 _GATE_LEASE_S = 3600
 
 

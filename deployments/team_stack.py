@@ -9,7 +9,7 @@ in Redis through `prefect-redis` (Debian's `redis-server`, likewise), the automa
 Crashed when its heartbeats stop, a process work pool and N `prefect worker start --pool ...` processes
 (each as a separate host would run it, with its own PREFECT_HOME), all drawing on the one global
 concurrency limit `runpod-endpoints`; localpod stands in for RunPod. It prints the settings each part
-was given (README.md, "For a team", says what each is for) and runs until Ctrl-C (or, with `--runs`, runs
+was given (docs/team.md says what each is for) and runs until Ctrl-C (or, with `--runs`, runs
 the demo and stops). The end-to-end tests
 of this setup are `tests/test_team_stack_e2e.py`.
 """
@@ -41,7 +41,7 @@ PG_USER = "loraflow"
 PG_DATABASE = "prefect"
 WORKER_LIMIT = 10
 """Flow runs one worker process holds at once (`--limit`): three such workers cover the 28-slot quota. A run
-costs its worker ~100 MB and ~8 CPU s, mostly at its start (README.md, "For a team": the measured figures)."""
+costs its worker ~100 MB and ~8 CPU s, mostly at its start (docs/team.md: the measured figures)."""
 SLOT_LEASE_S = 600
 """LORAFLOW_SLOT_LEASE_SECONDS the workers give their runs. Prefect renews a lease once 3/4 of it has passed,
 so a lease rides out a server outage of a quarter of its length at worst (the default 120 s: 30 s); a
@@ -263,7 +263,7 @@ class TeamStack:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
 
     def deploy(self, entrypoint: str, name: str, parameters: dict, *args: str) -> str:
-        """`prefect deploy ENTRYPOINT` on the team's pool, as README.md's team setup does (prefect.yaml's pull
+        """`prefect deploy ENTRYPOINT` on the team's pool, as docs/team.md's team setup does (prefect.yaml's pull
         step); `args`: more of its options (a schedule). Returns the deployment's id."""
         self._prefect("deploy", entrypoint, "--name", name, "--pool", self.pool, "--params", json.dumps(parameters),
                       *args)

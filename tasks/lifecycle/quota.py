@@ -34,7 +34,7 @@ from tasks.runpod import errors
 ENDPOINT_LIMIT = "runpod-endpoints"
 DEFAULT_ENDPOINT_SLOTS = 28
 """Two under the 30-worker quota of a $300 balance, leaving room for a hand-made endpoint. A new
-account's quota is 5: lower the limit to match (README, "Running on RunPod")."""
+account's quota is 5: lower the limit to match (docs/running-on-runpod.md, "The endpoint quota")."""
 SLOT_LEASE_SECONDS = 120
 """A crashed holder's slot frees after this (+ ≤15 s) once the server's repossessor sees the lease
 expire; the holder renews it in the background while alive."""
