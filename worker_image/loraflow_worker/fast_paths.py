@@ -10,7 +10,7 @@ run manifest, and the kernel ones are confirmed on the built model, not assumed 
     fast_paths = engage_fast_paths(plan, trainer.model)        # applies Liger, confirms the kernels; for the manifest
 
 The memory decisions (gradient checkpointing, the optimizer, vLLM's share of the GPU) come from the memory plan
-(`memory_plan.plan_memory`, the same planner the control plane sizes GPUs with) against the GPU's memory, overridden
+(`memory.plan.plan_memory`, the same planner the control plane sizes GPUs with) against the GPU's memory, overridden
 by what the job's `memory` settings force; their reasons quote the plan's numbers, and the plan goes into the
 manifest whole. The run switches fast paths off, or memory savers on, with its `fast_paths` settings (the job input's,
 from the run form), never with the worker's environment.
@@ -32,7 +32,8 @@ from typing import Any
 
 from loraflow_worker.contract import FastPathSettings, MemorySettings
 from loraflow_worker.manifest import FastPath
-from loraflow_worker.memory_plan import MemoryPlan, ModelShape, plan_memory, read_model_shape
+from loraflow_worker.memory.model_shape import ModelShape, read_model_shape
+from loraflow_worker.memory.plan import MemoryPlan, plan_memory
 
 NO_CUDA = "no CUDA device"
 FAST_PATHS = tuple(FastPathSettings.model_fields)

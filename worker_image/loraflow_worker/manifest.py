@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from loraflow_worker.contract import JobInput
-from loraflow_worker.memory_plan import MemoryPlan
+from loraflow_worker.memory.plan import MemoryPlan
 
 RECORDED_LIBRARIES = (
     "torch", "transformers", "trl", "peft", "accelerate", "datasets",

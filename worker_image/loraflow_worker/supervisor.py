@@ -9,7 +9,7 @@ line: marker lines (`LORAFLOW_PROGRESS {json}`) become progress updates; every o
 
 Whether the job succeeded is decided by the store (`DONE`), not by the exit code; this module only says
 what happened to the process and builds the error message when it failed. An out-of-memory failure's message
-starts with its kind's marker (`memory_failures.MARKERS`): from the exception or the console, or, for a
+starts with its kind's marker (`memory.out_of_memory.MARKERS`): from the exception or the console, or, for a
 SIGKILL, from the container's cgroup counting an OOM kill while the process ran.
 """
 
@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from loraflow_worker.contract import JobInput, Progress
 from loraflow_worker.environment import child_env
-from loraflow_worker.memory_failures import MARKERS, MemoryKind, OomKills, memory_kind, read_oom_kills
+from loraflow_worker.memory.out_of_memory import MARKERS, MemoryKind, OomKills, memory_kind, read_oom_kills
 from loraflow_worker.redaction import redact_secrets
 
 PROGRESS_MARKER = "LORAFLOW_PROGRESS "
@@ -44,7 +44,7 @@ SPEC_FILE = "job.json"
 """The validated job input, in the work dir: the training process's only instructions."""
 ERROR_FILE = "error.json"
 """Written by a training process that failed with an exception: `{type, message, memory_kind}` (memory_kind:
-a `memory_failures.MemoryKind`, or null)."""
+a `memory.out_of_memory.MemoryKind`, or null)."""
 CONSOLE_TAIL_BYTES = 64 * 1024
 DEADLINE_KILL_GRACE_S = 60.0
 """The training process stops itself at the deadline at the end of a step; this is how long past the
@@ -81,7 +81,7 @@ class ChildExit:
 
     def failure_message(self) -> str:
         """What went wrong, for the job's error. An out-of-memory failure starts with the marker of its kind
-        (`memory_failures.MARKERS`), so the control plane can tell which memory to add."""
+        (`memory.out_of_memory.MARKERS`), so the control plane can tell which memory to add."""
         if self.deadline_killed:
             return (f"deadline reached: the training process was still running {DEADLINE_KILL_GRACE_S:.0f} s after "
                     "the job's deadline and was killed")

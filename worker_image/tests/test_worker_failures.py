@@ -1,4 +1,4 @@
-"""Training processes that fail: what the job's error says (out of memory by kind: `memory_failures.MARKERS`),
+"""Training processes that fail: what the job's error says (out of memory by kind: `out_of_memory.MARKERS`),
 what the store keeps, what never leaks.
 
 The failures are planted from outside the worker package, by the test-only fault module
@@ -22,9 +22,10 @@ from fault_injection.sitecustomize import KINDS, fake_cgroup_root
 from worker_test_support import (CRASH_AT_STEP_ENV, CRASH_KIND_ENV, FAULT_INJECTION_DIR, PLANTED_SECRET, plant_fault,
                                  stored_files_containing)
 
-from loraflow_worker import memory_failures, supervisor
+from loraflow_worker import supervisor
+from loraflow_worker.memory import out_of_memory
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
-from loraflow_worker.memory_failures import OomKills
+from loraflow_worker.memory.out_of_memory import OomKills
 from loraflow_worker.supervisor import CONSOLE_TAIL_BYTES, ChildExit, ConsoleTail
 
 
@@ -129,7 +130,7 @@ def test_killed_training_process_is_reported_with_its_signal(tiny_model_dir, mak
 def test_a_sigkill_without_an_oom_kill_counted_is_not_out_of_memory(tiny_model_dir, make_job, tmp_path, monkeypatch):
     # The fake cgroup of `oom-killer`, read by the worker, while the training process is killed by something else.
     monkeypatch.setenv(WORK_DIR_ENV, str(tmp_path / "work"))
-    monkeypatch.setattr(memory_failures, "CGROUP_ROOT", fake_cgroup_root(os.getpid()))
+    monkeypatch.setattr(out_of_memory, "CGROUP_ROOT", fake_cgroup_root(os.getpid()))
     error = _run_failing(make_job("run-k", tiny_model_dir, tmp_path / "store"), tmp_path / "work", monkeypatch, 0, "kill")
     assert str(error).startswith("the training process was killed by signal 9 (SIGKILL) (when nothing else stopped it")
     assert "out of memory (" not in str(error)

@@ -38,7 +38,8 @@ from loraflow_worker.fast_paths import (
     engage_fast_paths,
     plan_fast_paths,
 )
-from loraflow_worker.memory_plan import ModelShape, read_model_shape, shape_from_config, usable_memory
+from loraflow_worker.memory.model_shape import ModelShape, read_model_shape, shape_from_config
+from loraflow_worker.memory.plan import usable_memory
 from loraflow_worker.grpo import grpo_config
 from loraflow_worker.sft import sft_config
 from loraflow_worker.training_run import job_workload, lora_config

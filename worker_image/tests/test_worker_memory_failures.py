@@ -1,4 +1,4 @@
-"""Which memory a failure says ran out (`memory_failures`): the libraries' texts, exceptions by class, and the
+"""Which memory a failure says ran out (`memory.out_of_memory`): the libraries' texts, exceptions by class, and the
 cgroup's OOM-kill counter. The end-to-end failures through the handler are in test_worker_failures.py."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from loraflow_worker import memory_failures
-from loraflow_worker.memory_failures import MARKERS, OomKills, exception_memory_kind, memory_kind, read_oom_kills
+from loraflow_worker.memory import out_of_memory
+from loraflow_worker.memory.out_of_memory import MARKERS, OomKills, exception_memory_kind, memory_kind, read_oom_kills
 
 VLLM_NO_KV_CACHE = ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
                     "when initializing the engine")
@@ -55,7 +55,7 @@ def test_numpys_memory_error_is_host_ram_by_its_class():
 def test_cgroup_v2_oom_kills_and_limit_are_read_from_memory_events(tmp_path, monkeypatch):
     (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 3\noom_kill 2\noom_group_kill 0\n")
     (tmp_path / "memory.max").write_text("4294967296\n")
-    monkeypatch.setattr(memory_failures, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(out_of_memory, "CGROUP_ROOT", tmp_path)
     assert read_oom_kills() == OomKills(2, f"{tmp_path / 'memory.events'} oom_kill", 4 * 2**30)
 
 
@@ -63,10 +63,10 @@ def test_cgroup_v1_oom_kills_are_read_from_oom_control_and_no_limit_is_none(tmp_
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    monkeypatch.setattr(memory_failures, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(out_of_memory, "CGROUP_ROOT", tmp_path)
     assert read_oom_kills() == OomKills(5, f"{tmp_path / 'memory' / 'memory.oom_control'} oom_kill", None)
 
 
 def test_no_readable_cgroup_counter_is_none(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory_failures, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(out_of_memory, "CGROUP_ROOT", tmp_path)
     assert read_oom_kills() is None

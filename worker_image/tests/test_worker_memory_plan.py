@@ -1,4 +1,4 @@
-"""The memory plan (`memory_plan.py`): the model's size from its config.json alone, the bytes it assumes for named
+"""The memory plan (`memory/`: model_shape.py, estimates.py, plan.py): the model's size from its config.json alone, the bytes it assumes for named
 shapes (Qwen3-0.6B, Qwen3-4B, Llama-3.1-8B at 2k and 4k tokens), the decisions it takes, and its CLI.
 
 The shapes are the models' public config.json files (`model_configs/`). Every byte figure below is written out, with
@@ -17,17 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3MoeConfig
 
-from loraflow_worker.memory_plan import (
-    GIB,
-    NF4_BYTES_PER_PARAMETER,
-    LinearAttentionShape,
-    activations_bytes,
-    plan_memory,
-    read_model_shape,
-    shape_from_config,
-    usable_memory,
-    vllm_memory,
-)
+from loraflow_worker.memory.estimates import GIB, NF4_BYTES_PER_PARAMETER, activations_bytes, vllm_memory
+from loraflow_worker.memory.model_shape import LinearAttentionShape, read_model_shape, shape_from_config
+from loraflow_worker.memory.plan import plan_memory, usable_memory
 
 CONFIGS = Path(__file__).parent / "model_configs"
 
@@ -81,7 +73,7 @@ def _plan(named: Named, seq_len: int, **more):
 
 
 def _cli(folder: Path, *args: str) -> dict:
-    done = subprocess.run([sys.executable, "-m", "loraflow_worker.memory_plan", str(folder), *args],
+    done = subprocess.run([sys.executable, "-m", "loraflow_worker.memory.plan", str(folder), *args],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
@@ -315,7 +307,7 @@ def test_a_forced_vllm_share_replaces_the_planned_one():
 
 def test_the_planner_imports_without_the_training_stack():
     # The control plane imports it from an environment without torch or transformers.
-    probe = "import sys, loraflow_worker.memory_plan; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    probe = "import sys, loraflow_worker.memory.plan; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
 
@@ -342,6 +334,6 @@ def test_the_cli_gives_vllms_share_for_grpo():
 
 
 def test_the_cli_refuses_a_folder_without_config_json(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "loraflow_worker.memory_plan", str(tmp_path), "--batch-size", "1",
+    done = subprocess.run([sys.executable, "-m", "loraflow_worker.memory.plan", str(tmp_path), "--batch-size", "1",
                            "--seq-len", "8", "--gpu-memory-gib", "24"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "has no config.json" in done.stderr

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from fault_injection.sitecustomize import CRASH_AT_STEP_ENV, CRASH_KIND_ENV, fake_cgroup_root
 
-from loraflow_worker import memory_failures, train_job
+from loraflow_worker import train_job
+from loraflow_worker.memory import out_of_memory
 from loraflow_worker.artifacts import FileStore
 from loraflow_worker.contract import JobInput, JobResult, Progress
 
@@ -36,7 +37,7 @@ def plant_fault(env: pytest.MonkeyPatch, kind: str, *, at_step: int | None = Non
     env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAULT_INJECTION_DIR), os.environ.get("PYTHONPATH")])))
     env.setenv(CRASH_KIND_ENV, kind)
     if kind == "oom-killer":
-        env.setattr(memory_failures, "CGROUP_ROOT", fake_cgroup_root(os.getpid()))
+        env.setattr(out_of_memory, "CGROUP_ROOT", fake_cgroup_root(os.getpid()))
     if at_step is None:
         env.delenv(CRASH_AT_STEP_ENV, raising=False)
     else:

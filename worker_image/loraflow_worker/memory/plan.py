@@ -1,35 +1,20 @@
 """How much GPU memory a LoRA run needs, and the memory decisions that follow from it: gradient checkpointing, the
-optimizer and vLLM's share of the GPU. One planner for the worker (`fast_paths.plan_fast_paths` decides from it) and
-for the control plane (which drops the GPUs a run cannot fit before renting one).
+optimizer and vLLM's share of the GPU. One planner for the worker (`training.fast_paths.plan_fast_paths` decides from
+it) and for the control plane (which drops the GPUs a run cannot fit before renting one).
 
-Pure Python (pydantic only): the control plane imports it without the training stack, and a model is sized from its
-`config.json` alone (`shape_from_config`), refined by its safetensors headers when its folder has them
-(`read_model_shape`). From the command line, with a folder that may hold only a `config.json`:
+Pure Python (pydantic only): the control plane imports it without the training stack. The model is sized by
+`model_shape`, each part of the run by `estimates`; this module takes CUDA's own memory and a headroom off the GPU's
+(`usable_memory`) and decides. From the command line, with a folder that may hold only a `config.json`:
 
-    python -m loraflow_worker.memory_plan MODEL_DIR --algorithm sft --batch-size 8 --seq-len 2048 \\
+    python -m loraflow_worker.memory.plan MODEL_DIR --algorithm sft --batch-size 8 --seq-len 2048 \\
         --lora-rank 16 --lora-dropout 0.05 --gpu-memory-gib 24
-    python -m loraflow_worker.memory_plan MODEL_DIR --algorithm sft --batch-size 1 --seq-len 2048 \\
+    python -m loraflow_worker.memory.plan MODEL_DIR --algorithm sft --batch-size 1 --seq-len 2048 \\
         --lora-rank 16 --gpu-memory-gib 80 --quantization 4bit
-    python -m loraflow_worker.memory_plan MODEL_DIR --algorithm grpo --batch-size 8 --seq-len 1536 \\
+    python -m loraflow_worker.memory.plan MODEL_DIR --algorithm grpo --batch-size 8 --seq-len 1536 \\
         --num-generations 16 --gpu-memory-gib 80
 
 prints the plan as one JSON object (`gradient_checkpointing`, `fits`, `estimate_gib`, `usable_gib`, `vllm_gib`, the
 breakdown in bytes, the reasons).
-
-What is counted, per micro-batch of `batch_size` sequences of `seq_len` tokens (the bytes of each term are stated
-where it is computed; every figure is an estimate until a GPU measures it):
-- the frozen base weights: 2 bytes a parameter in bf16; with `quantization="4bit"` (QLoRA) the blocks' linear weights
-  in nf4 with double quantization (`NF4_BYTES_PER_PARAMETER`) and everything else in fp32, as
-  `peft.prepare_model_for_kbit_training` leaves it;
-- the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`) with its gradient
-  and optimizer state;
-- the activations saved for backward, with and without gradient checkpointing, including the input copy each adapted
-  layer keeps for `lora_A(dropout(x))` and the dropout mask;
-- the LM head as TRL 1.16 computes it: its fused, chunked log-probability head (both trainers add it with
-  `add_fused_lm_head` and never build the `(batch, seq, vocab)` logits), or the full logits when not fused;
-- for GRPO with vLLM colocated, vLLM's share: its weights, the KV cache (and Gated-DeltaNet state) of a whole
-  generation round, its runtime; for GRPO without vLLM, the training model's own generation cache;
-- CUDA's own memory and a headroom, taken off the GPU's memory before anything is planned (`usable_memory`).
 """
 
 from __future__ import annotations
@@ -37,20 +22,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import struct
 import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, Field, computed_field
 
 from loraflow_worker.contract import JobInput
-
-GIB = 2**30
+from loraflow_worker.memory.estimates import (
+    GIB,
+    MemoryBreakdown,
+    VllmBreakdown,
+    activations_bytes,
+    adapter_bytes,
+    generation_bytes,
+    logits_bytes,
+    lora_parameters,
+    vllm_memory,
+    weights_bytes,
+)
+from loraflow_worker.memory.model_shape import ModelShape, read_model_shape
 
 # ---- The GPU -------------------------------------------------------------------------------------------------------
 CUDA_OVERHEAD_BYTES = GIB
-"""GPU memory torch's caching allocator never sees, so no estimate below counts it: the CUDA context with lazy module
+"""GPU memory torch's caching allocator never sees, so no estimate counts it: the CUDA context with lazy module
 loading (torch's default since CUDA 11.7; about 0.5 GiB on Ampere and Hopper), the kernel images torch, Triton,
 Liger and bitsandbytes load on first use, and the cuBLAS/cuBLASLt handles. An allowance, not a measurement: the GPU
 smoke's device-level peak less `max_memory_reserved` is the figure to check it against."""
@@ -59,171 +54,6 @@ MEMORY_HEADROOM = 0.10
 CHECKPOINTING_MARGIN = 0.60
 """Gradient checkpointing goes off only when training without it is estimated at most this share of the memory
 available to it: the estimate is not measured, and an out-of-memory failure costs a whole attempt."""
-
-# ---- Weights -------------------------------------------------------------------------------------------------------
-NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
-"""A 4-bit linear weight in bitsandbytes' nf4 with double quantization (`Params4bit`, blocksize 64): half a byte for
-the value, one 8-bit absmax per block of 64 values, and one fp32 absmax of those per 256 blocks (≈ 0.5159 bytes)."""
-KBIT_OTHER_BYTES = 4
-"""What `peft.prepare_model_for_kbit_training` makes of every weight it does not quantize (embeddings, LM head, norms,
-biases): fp32, for stable training of a 4-bit base (PEFT 0.21, `utils/other.py`)."""
-
-# ---- The adapter and its optimizer ---------------------------------------------------------------------------------
-ADAMW_BYTES = 16
-"""Per LoRA parameter with torch AdamW: fp32 weight (PEFT's `autocast_adapter_dtype` upcasts the adapter of a bf16
-model), gradient, exp_avg and exp_avg_sq."""
-ADAMW_8BIT_BYTES = 10
-"""The same with bitsandbytes' 8-bit paged AdamW: fp32 weight and gradient, 8-bit exp_avg and exp_avg_sq."""
-QLORA_ADAMW_BYTES = 8
-"""Per LoRA parameter of a 4-bit base with torch AdamW: TRL 1.16 casts the adapter of a quantized model to bf16
-(`SFTTrainer.__init__`, after the QLoRA paper), so weight, gradient and both states are bf16."""
-QLORA_ADAMW_8BIT_BYTES = 6
-"""The same with 8-bit paged AdamW: bf16 weight and gradient, 8-bit states."""
-
-# ---- The LM head -----------------------------------------------------------------------------------------------------
-FUSED_HEAD_TOKEN_CHUNK = 4096
-"""Tokens per tile of TRL's fused log-probability head (`trl/kernels/chunked_logprob.py`, `TOKEN_CHUNK_SIZE`)."""
-FUSED_HEAD_VOCAB_CHUNK = 32768
-"""Vocabulary entries per tile (`trl/trainer/utils.py`, `_CHUNKED_LOGPROB_CHUNK_SIZE`)."""
-FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN = 6
-"""Per token and hidden unit in the fused head: the bf16 hidden state it saves for backward (2) and the fp32 gradient
-of it that backward accumulates (4)."""
-FUSED_HEAD_BYTES_PER_TOKEN = 32
-"""Per token: the fused head's fp32 running statistics and outputs (max, sums, target logit, log-probability, ...)."""
-UNFUSED_LOGIT_BYTES = 10
-"""Per logit when the head is not fused: the bf16 logits (2), transformers' fp32 copy for the loss (4), and the fp32
-log-softmax that cross-entropy saves for backward (4)."""
-
-# ---- vLLM ------------------------------------------------------------------------------------------------------------
-VLLM_MAX_BATCHED_TOKENS = 4096
-"""Tokens of vLLM's largest step and of its start-up profiling run: TRL 1.16 builds the colocated engine with
-`max_num_batched_tokens=4096` (`trl/generation/vllm_generation.py`)."""
-VLLM_CUDA_GRAPH_BYTES = GIB
-"""vLLM's CUDA graphs, which vLLM 0.33 profiles and takes out of its share before sizing the KV cache
-(`vllm/v1/worker/gpu_worker.py`, `determine_available_memory`): an allowance, not a measurement."""
-VLLM_MIN_RUNTIME_BYTES = 2 * GIB
-"""The floor under vLLM's runtime (activations of its profiling step, sampler, CUDA graphs): vLLM refuses to start
-when what it profiles beside its weights leaves no room for a KV cache, so a small model's computed runtime is not
-trusted below this."""
-VLLM_BLOCK_TOKENS = 16
-"""Tokens per KV-cache block (vLLM's default block size, and the alignment its FlashAttention backend asks for)."""
-KV_BYTES = 2
-"""Bytes per cached key or value: bf16, vLLM's and transformers' cache dtype for a bf16 model."""
-
-
-class LinearAttentionShape(BaseModel):
-    """The Gated-DeltaNet (linear attention) mixer of Qwen3.5 / Qwen3-Next layers."""
-
-    model_config = ConfigDict(frozen=True)
-
-    key_heads: int = Field(description="`linear_num_key_heads`.")
-    value_heads: int = Field(description="`linear_num_value_heads`.")
-    key_head_dim: int = Field(description="`linear_key_head_dim`.")
-    value_head_dim: int = Field(description="`linear_value_head_dim`.")
-    conv_kernel: int = Field(description="`linear_conv_kernel_dim`: width of the short convolution over q, k and v.")
-    recurrent_state_bytes: int = Field(
-        description="Bytes per value of the recurrent state in vLLM: 4 when the config's `mamba_ssm_dtype` is float32 "
-        "(vLLM 0.33 follows it for Qwen3.5), else 2 (the model's dtype)."
-    )
-
-    @property
-    def key_dim(self) -> int:
-        return self.key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.value_heads * self.value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
-
-    def state_bytes(self) -> int:
-        """One sequence's state in one layer, as vLLM 0.33 holds it (`MambaStateShapeCalculator.
-        gated_delta_net_state_shape`): the convolution's last `conv_kernel - 1` inputs in bf16, and the recurrent
-        state of `value_heads × value_head_dim × key_head_dim` values."""
-        conv = (self.conv_kernel - 1) * self.conv_dim * KV_BYTES
-        return conv + self.value_heads * self.value_head_dim * self.key_head_dim * self.recurrent_state_bytes
-
-
-class ModelShape(BaseModel):
-    """The base model's size and the dimensions the memory formulas need, from its `config.json` (`shape_from_config`)
-    and, for a model folder, its safetensors headers (`read_model_shape`). No weight is read."""
-
-    model_config = ConfigDict(frozen=True)
-
-    model_type: str = Field(description="`model_type` of the (text) config, e.g. `qwen3`, `llama`.")
-    parameters: int = Field(description="Parameters the model holds in memory (tied embeddings counted once).")
-    quantizable_parameters: int = Field(
-        description="Weights of the blocks' linear layers: what 4-bit loading quantizes (embeddings, the LM head, norms "
-        "and biases are not)."
-    )
-    hidden_size: int
-    intermediate_size: int = Field(description="MLP width a token goes through (for MoE: experts per token × expert width).")
-    vocab_size: int
-    layers: int
-    attention_layers: int = Field(description="Layers with softmax attention and so a KV cache (not Gated-DeltaNet ones).")
-    attention_heads: int
-    kv_heads: int
-    head_dim: int
-    qk_norm: bool = Field(default=False, description="RMSNorm on each head's queries and keys (Qwen3 and later).")
-    attention_output_gate: bool = Field(
-        default=False, description="A sigmoid gate on the attention output (Qwen3.5 / Qwen3-Next: `q_proj` is twice as wide)."
-    )
-    tied_embeddings: bool = Field(description="The LM head shares the input embeddings' weight.")
-    linear_attention: LinearAttentionShape | None = Field(
-        default=None, description="The Gated-DeltaNet mixer, for models with linear-attention layers."
-    )
-    lora_in_features: int = Field(description="Sum of the input widths of every linear layer in the blocks (all layers).")
-    lora_out_features: int = Field(description="Sum of their output widths.")
-    lora_modules: int = Field(description="Linear layers in the blocks: those `all-linear` LoRA adapts.")
-
-    @property
-    def linear_attention_layers(self) -> int:
-        return self.layers - self.attention_layers
-
-    @property
-    def q_dim(self) -> int:
-        return self.attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-
-class MemoryBreakdown(BaseModel):
-    """Estimated GPU bytes by what holds them, for one configuration (checkpointing on or off, an optimizer)."""
-
-    weights_bytes: int = Field(description="The frozen base weights (bf16, or 4-bit with fp32 for the rest).")
-    adapter_bytes: int = Field(description="LoRA weights, their gradients and the optimizer's state.")
-    lora_parameters: int = Field(description="Trainable LoRA parameters (rank r on every linear layer of the blocks).")
-    activations_bytes: int = Field(
-        description="Activations saved for backward of one micro-batch, PEFT's input copies and dropout masks included, "
-        "with the gradients of the layer being back-propagated."
-    )
-    logits_bytes: int = Field(description="The LM head's working memory (TRL's fused head, or the full logits).")
-    generation_bytes: int = Field(
-        default=0,
-        description="GRPO without vLLM: the training model's KV cache and logits while it generates a round (held at a "
-        "different time than the activations: the larger of the two counts).",
-    )
-    vllm_bytes: int = Field(default=0, description="vLLM's share of the GPU, when colocated.")
-
-    @computed_field
-    @property
-    def total_bytes(self) -> int:
-        return (self.weights_bytes + self.adapter_bytes + max(self.activations_bytes + self.logits_bytes, self.generation_bytes)
-                + self.vllm_bytes)
-
-
-class VllmBreakdown(BaseModel):
-    """vLLM's share of the GPU, by what holds it."""
-
-    weights_bytes: int = Field(description="vLLM's own bf16 copy of the weights.")
-    kv_cache_bytes: int = Field(description="KV cache of a whole generation round, in whole blocks.")
-    linear_attention_state_bytes: int = Field(description="Gated-DeltaNet state of the round's sequences, in KV-cache pages.")
-    runtime_bytes: int = Field(description="Activations of its profiling step, the sampler and CUDA graphs (floored).")
-    block_tokens: int = Field(description="Tokens per KV-cache block (raised for hybrid models to fit a layer's state in a page).")
 
 
 class MemoryPlan(BaseModel):
@@ -282,303 +112,6 @@ def usable_memory(gpu_memory_bytes: int) -> int:
 
 def gib(size: float) -> str:
     return f"{size / GIB:.1f} GiB"
-
-
-# ---- The model's shape ---------------------------------------------------------------------------------------------
-
-GATED_ATTENTION_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
-"""Model types whose full-attention layers gate their output (`q_proj` twice as wide) and whose other layers are
-Gated-DeltaNet (transformers 5.20, `modeling_qwen3_5.py`)."""
-_QWEN2_STYLE_QKV_BIAS = frozenset({"qwen2", "qwen2_moe"})
-"""Model types with biases on q, k and v (and not on o) without saying so in an `attention_bias` key."""
-
-
-def shape_from_config(config: dict) -> ModelShape:
-    """The shape of the model a `config.json` describes, parameters counted from its dimensions: embeddings (the LM
-    head once more unless tied), attention with grouped KV heads (biases, Qwen3's q/k norms, Qwen3.5's output gate),
-    Gated-DeltaNet layers where `layer_types` (or `full_attention_interval`) has them, the MLP (SwiGLU; a
-    mixture of experts when the config has experts) and the norms. A multimodal config's `text_config` is the model
-    trained; its vision tower is not counted (a model folder's safetensors headers count it, `read_model_shape`)."""
-    text = config.get("text_config") or config
-    model_type = text.get("model_type") or config.get("model_type") or "unknown"
-    try:
-        h = text["hidden_size"]
-        layers = text["num_hidden_layers"]
-        heads = text["num_attention_heads"]
-        vocab = text["vocab_size"]
-    except KeyError as e:
-        raise ValueError(f"config.json of model type `{model_type}` has no `{e.args[0]}`: cannot size the model") from e
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or h // heads
-    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
-    gated = model_type in GATED_ATTENTION_MODEL_TYPES
-    qk_norm = model_type.startswith("qwen3")
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-
-    layer_types = text.get("layer_types")
-    if not layer_types and text.get("full_attention_interval"):
-        interval = text["full_attention_interval"]
-        # As transformers builds them (Qwen3_5TextConfig.__post_init__): every `interval`-th layer has full attention.
-        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    linear_layers = sum(kind == "linear_attention" for kind in layer_types or [])
-    linear = None
-    if linear_layers:
-        # transformers' Qwen3_5TextConfig defaults, for keys a config leaves out.
-        linear = LinearAttentionShape(
-            key_heads=text.get("linear_num_key_heads", 16),
-            value_heads=text.get("linear_num_value_heads", 32),
-            key_head_dim=text.get("linear_key_head_dim", 128),
-            value_head_dim=text.get("linear_value_head_dim", 128),
-            conv_kernel=text.get("linear_conv_kernel_dim", 4),
-            recurrent_state_bytes=4 if text.get("mamba_ssm_dtype") == "float32" else 2,
-        )
-    attention_layers = layers - linear_layers
-
-    # Attention: (in, out) of each linear layer, and its biases.
-    attention_linears = [(h, q_dim * (2 if gated else 1)), (h, kv_dim), (h, kv_dim), (q_dim, h)]
-    if text.get("attention_bias") or model_type in _QWEN2_STYLE_QKV_BIAS:
-        attention_biases = q_dim * (2 if gated else 1) + 2 * kv_dim + (h if text.get("attention_bias") else 0)
-    else:
-        attention_biases = 0
-    attention_norms = 2 * head_dim if qk_norm else 0
-    # Gated-DeltaNet (transformers' Qwen3_5GatedDeltaNet): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj; a
-    # depthwise convolution, dt_bias, A_log and a gated norm over the value head dim.
-    if linear:
-        linear_linears = [(h, linear.conv_dim), (h, linear.value_dim), (h, linear.value_heads), (h, linear.value_heads),
-                          (linear.value_dim, h)]
-        linear_other = linear.conv_dim * linear.conv_kernel + 2 * linear.value_heads + linear.value_head_dim
-    else:
-        linear_linears, linear_other = [], 0
-
-    experts = text.get("num_experts") or text.get("num_local_experts") or 0
-    if experts:
-        # A mixture of experts in every layer (an approximation: `decoder_sparse_step` and `mlp_only_layers` are not
-        # read): a router and `experts` SwiGLU experts, plus a shared expert and its gate when the config has one; a
-        # token goes through `num_experts_per_tok` of them. In transformers 5 the router and the experts are plain
-        # parameters (`Qwen3MoeTopKRouter`, `Qwen3MoeExperts`: 3-D tensors), not linear layers, so neither `all-linear`
-        # LoRA nor bitsandbytes' 4-bit loading touches them; the shared expert is linear layers.
-        expert_width = text.get("moe_intermediate_size") or text["intermediate_size"]
-        shared_width = text.get("shared_expert_intermediate_size") or 0
-        mlp_linears = [(h, shared_width), (h, shared_width), (shared_width, h), (h, 1)] if shared_width else []
-        mlp_other = experts * h + experts * 3 * h * expert_width
-        intermediate = (text.get("num_experts_per_tok") or 1) * expert_width + shared_width
-    else:
-        intermediate = text["intermediate_size"]
-        mlp_linears = [(h, intermediate), (h, intermediate), (intermediate, h)]
-        mlp_other = 3 * intermediate if text.get("mlp_bias") else 0
-
-    def weights(linears: list[tuple[int, int]]) -> int:
-        return sum(i * o for i, o in linears)
-
-    per_layer_norms = 2 * h
-    quantizable = (attention_layers * weights(attention_linears) + linear_layers * weights(linear_linears)
-                   + layers * weights(mlp_linears))
-    other = (attention_layers * (attention_biases + attention_norms) + linear_layers * linear_other
-             + layers * (per_layer_norms + mlp_other) + h + vocab * h * (1 if tied else 2))
-    adapted = attention_layers * attention_linears + linear_layers * linear_linears + layers * mlp_linears
-    return ModelShape(
-        model_type=model_type,
-        parameters=quantizable + other,
-        quantizable_parameters=quantizable,
-        hidden_size=h,
-        intermediate_size=intermediate,
-        vocab_size=vocab,
-        layers=layers,
-        attention_layers=attention_layers,
-        attention_heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        qk_norm=qk_norm,
-        attention_output_gate=gated,
-        tied_embeddings=tied,
-        linear_attention=linear,
-        lora_in_features=sum(i for i, _ in adapted),
-        lora_out_features=sum(o for _, o in adapted),
-        lora_modules=len(adapted),
-    )
-
-
-_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
-
-
-def read_model_shape(model_dir: Path) -> ModelShape:
-    """The shape of the model in `model_dir`: from its `config.json`, with the parameter count taken from its
-    safetensors headers when it has unquantized ones (they count what the config does not say, e.g. a vision tower).
-    Reads the headers only (the first bytes of each file), no weight."""
-    model_dir = Path(model_dir)
-    shape = shape_from_config(json.loads((model_dir / "config.json").read_text()))
-    stored = 0
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with file.open("rb") as f:
-            # The safetensors format: an 8-byte little-endian header length, then a JSON header naming each tensor's
-            # dtype and shape.
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, tensor in header.items():
-            if name == "__metadata__":
-                continue
-            if tensor["dtype"] not in _FLOAT_DTYPES:
-                return shape  # a pre-quantized checkpoint: its packed tensors do not count parameters
-            if shape.tied_embeddings and name.endswith("lm_head.weight"):
-                continue  # stored, but tied to the embeddings once loaded
-            stored += math.prod(tensor["shape"])
-    if not stored:
-        return shape
-    return shape.model_copy(update={"parameters": stored,
-                                    "quantizable_parameters": shape.quantizable_parameters + max(0, stored - shape.parameters)})
-
-
-# ---- The estimates ---------------------------------------------------------------------------------------------------
-
-
-def lora_parameters(shape: ModelShape, rank: int) -> int:
-    """Trainable parameters of a rank-`rank` LoRA on every linear layer of the blocks (`all-linear`; fewer target
-    modules need less): A is rank × in, B is out × rank."""
-    return rank * (shape.lora_in_features + shape.lora_out_features)
-
-
-def weights_bytes(shape: ModelShape, *, quantization: str, bf16: bool = True) -> int:
-    """The frozen base weights: 2 bytes a parameter in bf16 (4 in fp32); with 4-bit, the quantizable weights in nf4
-    with double quantization and the rest in fp32 (`prepare_model_for_kbit_training`)."""
-    if quantization == "4bit":
-        rest = shape.parameters - shape.quantizable_parameters
-        return math.ceil(shape.quantizable_parameters * NF4_BYTES_PER_PARAMETER) + rest * KBIT_OTHER_BYTES
-    return shape.parameters * (2 if bf16 else 4)
-
-
-def adapter_bytes(shape: ModelShape, rank: int, *, quantization: str, paged_adamw_8bit: bool) -> int:
-    """LoRA weights, gradients and optimizer state."""
-    if quantization == "4bit":
-        per_parameter = QLORA_ADAMW_8BIT_BYTES if paged_adamw_8bit else QLORA_ADAMW_BYTES
-    else:
-        per_parameter = ADAMW_8BIT_BYTES if paged_adamw_8bit else ADAMW_BYTES
-    return lora_parameters(shape, rank) * per_parameter
-
-
-def attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False) -> int:
-    """Bytes one token leaves saved for backward in one full-attention layer of a frozen bf16 base, LoRA aside:
-    - the input and post-attention RMSNorms: transformers' saves an fp32 copy of its input (4 bytes × hidden),
-      Liger's its bf16 input (2);
-    - Qwen3's q and k norms, likewise over the query and key widths;
-    - attention: q, k and v with k and v repeated to every query head (transformers repeats them for SDPA whenever a
-      padding mask is passed, `integrations/sdpa_attention.py`), and the output, in bf16; the fp32 log-sum-exp per head;
-    - Qwen3.5's output gate: the sigmoid's output and the attention output it multiplies (bf16);
-    - the SwiGLU MLP: the gate and up projections' outputs and, without Liger (which recomputes it), the SiLU's output.
-    The frozen linear layers keep nothing: backward through them needs only their weights."""
-    norm = 2 if liger_kernels else 4
-    total = 2 * norm * shape.hidden_size
-    if shape.qk_norm:
-        total += norm * (shape.q_dim + shape.kv_dim)
-    total += 2 * 4 * shape.q_dim + 4 * shape.attention_heads
-    if shape.attention_output_gate:
-        total += 2 * 2 * shape.q_dim
-    return total + _mlp_bytes(shape, liger_kernels)
-
-
-def linear_attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False) -> int:
-    """The same for a Gated-DeltaNet layer, LoRA aside (an approximation, not checked against flash-linear-attention's
-    kernels): the two norms; the short convolution's input and output and the normalised q, k and v (6 bytes × the
-    convolution's width); the chunked delta rule's gates (fp32 per value head); the gated norm's fp32 input, its gate
-    and its output (8 bytes × the value width); the MLP."""
-    linear = shape.linear_attention
-    norm = 2 if liger_kernels else 4
-    mixer = 6 * linear.conv_dim + 8 * linear.value_dim + 8 * linear.value_heads
-    return 2 * norm * shape.hidden_size + mixer + _mlp_bytes(shape, liger_kernels)
-
-
-def _mlp_bytes(shape: ModelShape, liger_kernels: bool) -> int:
-    return (2 if liger_kernels else 3) * 2 * shape.intermediate_size
-
-
-def lora_activation_bytes(shape: ModelShape, rank: int, dropout: float) -> int:
-    """Bytes one token leaves saved for backward by every adapted layer together (all layers): PEFT computes
-    `lora_B(lora_A(dropout(x)))` on its own copy of the layer's input (cast to the adapter's dtype, then by autocast
-    to bf16: 2 bytes per input value, even without dropout), the bool dropout mask when dropout > 0 (1 byte), and
-    lora_A's rank-wide output, which lora_B keeps (bf16)."""
-    mask = shape.lora_in_features if dropout > 0 else 0
-    return 2 * shape.lora_in_features + mask + 2 * rank * shape.lora_modules
-
-
-def activations_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, lora_rank: int, lora_dropout: float,
-                      checkpointing: bool, liger_kernels: bool = False, bf16: bool = True) -> int:
-    """Activations of one micro-batch at the start of backward, when they are all held. Without checkpointing: every
-    layer's saved activations (`attention_layer_bytes`, `linear_attention_layer_bytes`) and the adapted layers' copies
-    (`lora_activation_bytes`), plus one layer more for the gradients of the layer being back-propagated. With it:
-    each layer's bf16 input (2 bytes × hidden), plus one layer recomputed with its gradients. Also the final norm and
-    transformers' bool attention mask (batch × seq², shared by the layers). In fp32 (no bf16) twice as much."""
-    tokens = batch_size * seq_len
-    attention = attention_layer_bytes(shape, liger_kernels=liger_kernels)
-    linear = linear_attention_layer_bytes(shape, liger_kernels=liger_kernels) if shape.linear_attention else 0
-    lora_per_layer = lora_activation_bytes(shape, lora_rank, lora_dropout) // shape.layers
-    largest = max(attention, linear) + lora_per_layer
-    if checkpointing:
-        per_token = shape.layers * 2 * shape.hidden_size + 2 * largest
-    else:
-        per_token = (shape.attention_layers * attention + shape.linear_attention_layers * linear
-                     + lora_activation_bytes(shape, lora_rank, lora_dropout) + largest)
-    per_token += (2 if liger_kernels else 4) * shape.hidden_size  # the final norm
-    total = tokens * per_token + batch_size * seq_len * seq_len
-    return total if bf16 else 2 * total
-
-
-def logits_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, fused_lm_head: bool, quantization: str) -> int:
-    """The LM head's memory at its peak (its backward, at the start of the model's). TRL's fused head: per token the
-    saved hidden state and the fp32 gradient of it (`FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN`) and its fp32 statistics,
-    plus one bf16 tile of 4096 tokens × 32768 vocabulary entries, plus a bf16 copy of a vocabulary chunk of the head's
-    weight when it is not bf16 (fp32 on a 4-bit base). Not fused: the whole (tokens × vocab) logits,
-    `UNFUSED_LOGIT_BYTES` each."""
-    tokens = batch_size * seq_len
-    if not fused_lm_head:
-        return tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES
-    vocab_chunk = min(shape.vocab_size, FUSED_HEAD_VOCAB_CHUNK)
-    total = (tokens * (FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN * shape.hidden_size + FUSED_HEAD_BYTES_PER_TOKEN)
-             + min(tokens, FUSED_HEAD_TOKEN_CHUNK) * vocab_chunk * 2)
-    if quantization == "4bit":
-        total += vocab_chunk * shape.hidden_size * 2
-    return total
-
-
-def kv_bytes_per_token(shape: ModelShape) -> int:
-    """Keys and values of one token in every full-attention layer (bf16)."""
-    return 2 * shape.attention_layers * shape.kv_dim * KV_BYTES
-
-
-def generation_bytes(shape: ModelShape, *, num_generations: int, seq_len: int) -> int:
-    """GRPO without vLLM: transformers' `generate` on the training model for a round of `num_generations`
-    completions: the KV cache of every sequence at full length (bf16), the Gated-DeltaNet state of each sequence,
-    and the fp32 logits and probabilities of one decoding step."""
-    state = shape.linear_attention_layers * shape.linear_attention.state_bytes() if shape.linear_attention else 0
-    return num_generations * (seq_len * kv_bytes_per_token(shape) + state + 2 * 4 * shape.vocab_size)
-
-
-def vllm_memory(shape: ModelShape, *, num_generations: int, seq_len: int) -> VllmBreakdown:
-    """What a colocated vLLM 0.33 engine needs to generate a round of `num_generations` completions of up to
-    `seq_len` tokens each at once:
-    - its own bf16 copy of the weights;
-    - the KV cache of every sequence, in whole blocks per full-attention layer. For a hybrid (Gated-DeltaNet) model,
-      vLLM raises the block size until one layer's attention page holds a layer's recurrent state, and gives each
-      sequence one such page per linear-attention layer (`Platform._align_hybrid_block_size`,
-      `vllm/platforms/interface.py`);
-    - its runtime: the activations of its profiling step (`VLLM_MAX_BATCHED_TOKENS` tokens through one layer's
-      residual, projections, attention output and MLP), the sampler's fp32 logits and log-probabilities for every
-      sequence, CUDA graphs (`VLLM_CUDA_GRAPH_BYTES`); at least `VLLM_MIN_RUNTIME_BYTES`."""
-    sequences = max(num_generations, 1)
-    per_token_layer = 2 * shape.kv_dim * KV_BYTES
-    block = VLLM_BLOCK_TOKENS
-    state_pages = 0
-    if shape.linear_attention:
-        state = shape.linear_attention.state_bytes()
-        if state > block * per_token_layer:
-            block = math.ceil(state / (per_token_layer * VLLM_BLOCK_TOKENS)) * VLLM_BLOCK_TOKENS
-        state_pages = sequences * shape.linear_attention_layers * block * per_token_layer
-    blocks_per_sequence = math.ceil(seq_len / block)
-    kv = sequences * shape.attention_layers * blocks_per_sequence * block * per_token_layer
-    step = VLLM_MAX_BATCHED_TOKENS * (4 * shape.hidden_size + 2 * (2 * shape.q_dim + 2 * shape.kv_dim)
-                                      + 6 * shape.intermediate_size)
-    sampler = sequences * shape.vocab_size * 4 * 2
-    runtime = max(step + sampler + VLLM_CUDA_GRAPH_BYTES, VLLM_MIN_RUNTIME_BYTES)
-    return VllmBreakdown(weights_bytes=shape.parameters * 2, kv_cache_bytes=kv, linear_attention_state_bytes=state_pages,
-                         runtime_bytes=runtime, block_tokens=block)
 
 
 def plan_memory(
@@ -763,7 +296,7 @@ def plan_job(job: JobInput, shape: ModelShape, gpu_memory_bytes: int) -> MemoryP
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loraflow_worker.memory_plan",
+        prog="python -m loraflow_worker.memory.plan",
         description="Print the memory plan of a LoRA run as one JSON object (GiB = 2^30 bytes).",
     )
     parser.add_argument("model_dir", type=Path, help="A model folder, or a folder holding only its config.json.")

@@ -131,7 +131,7 @@ def crash(kind: str) -> None:
 
 def fake_cgroup_root(handler_pid: int) -> Path:
     """A cgroup v2 folder (`memory.events`, `memory.max`: 8 GiB) for the worker of process `handler_pid` to read
-    in place of its own cgroup (`loraflow_worker.memory_failures.CGROUP_ROOT`), made with no OOM kill counted
+    in place of its own cgroup (`loraflow_worker.memory.out_of_memory.CGROUP_ROOT`), made with no OOM kill counted
     if missing. Both processes find it: it lies under the handler's work folder, which the training process
     inherits."""
     root = Path(os.environ.get(WORK_DIR_ENV) or tempfile.gettempdir()) / f"loraflow-test-cgroup-{handler_pid}"
@@ -242,8 +242,8 @@ def _handler_process() -> bool:
     return any(argv[at] == "-m" and argv[at + 1] == HANDLER_MODULE for at in range(len(argv) - 1))
 
 
-def _read_fake_cgroup(memory_failures: ModuleType) -> None:
-    memory_failures.CGROUP_ROOT = fake_cgroup_root(os.getpid())
+def _read_fake_cgroup(out_of_memory: ModuleType) -> None:
+    out_of_memory.CGROUP_ROOT = fake_cgroup_root(os.getpid())
 
 
 def _plant(job_file: Path) -> None:
@@ -266,4 +266,4 @@ if STEP_SECONDS_ENV in os.environ and _job_file() is not None:
 if (CRASH_AT_STEP_ENV in os.environ or CRASH_KIND_ENV in os.environ) and (_job := _job_file()) is not None:
     _plant(_job)
 elif os.environ.get(CRASH_KIND_ENV) == "oom-killer" and _handler_process():
-    sys.meta_path.insert(0, _OnFirstImport("loraflow_worker.memory_failures", after=_read_fake_cgroup))
+    sys.meta_path.insert(0, _OnFirstImport("loraflow_worker.memory.out_of_memory", after=_read_fake_cgroup))

@@ -1,0 +1,262 @@
+"""GPU bytes of each part of a LoRA run, estimated from the model's shape: the terms `plan.plan_memory` adds up.
+
+What is counted, per micro-batch of `batch_size` sequences of `seq_len` tokens (the bytes of each term are stated
+where it is computed; every figure is an estimate until a GPU measures it):
+- the frozen base weights: 2 bytes a parameter in bf16; with `quantization="4bit"` (QLoRA) the blocks' linear weights
+  in nf4 with double quantization (`NF4_BYTES_PER_PARAMETER`) and everything else in fp32, as
+  `peft.prepare_model_for_kbit_training` leaves it;
+- the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`) with its gradient
+  and optimizer state;
+- the activations saved for backward, with and without gradient checkpointing, including the input copy each adapted
+  layer keeps for `lora_A(dropout(x))` and the dropout mask;
+- the LM head as TRL 1.16 computes it: its fused, chunked log-probability head (both trainers add it with
+  `add_fused_lm_head` and never build the `(batch, seq, vocab)` logits), or the full logits when not fused;
+- for GRPO with vLLM colocated, vLLM's share: its weights, the KV cache (and Gated-DeltaNet state) of a whole
+  generation round, its runtime; for GRPO without vLLM, the training model's own generation cache.
+CUDA's own memory and a headroom are taken off the GPU's memory by the plan (`plan.usable_memory`), not here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, Field, computed_field
+
+from loraflow_worker.memory.model_shape import KV_BYTES, ModelShape
+
+
+GIB = 2**30
+
+
+# ---- Weights -------------------------------------------------------------------------------------------------------
+NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""A 4-bit linear weight in bitsandbytes' nf4 with double quantization (`Params4bit`, blocksize 64): half a byte for
+the value, one 8-bit absmax per block of 64 values, and one fp32 absmax of those per 256 blocks (≈ 0.5159 bytes)."""
+KBIT_OTHER_BYTES = 4
+"""What `peft.prepare_model_for_kbit_training` makes of every weight it does not quantize (embeddings, LM head, norms,
+biases): fp32, for stable training of a 4-bit base (PEFT 0.21, `utils/other.py`)."""
+
+# ---- The adapter and its optimizer ---------------------------------------------------------------------------------
+ADAMW_BYTES = 16
+"""Per LoRA parameter with torch AdamW: fp32 weight (PEFT's `autocast_adapter_dtype` upcasts the adapter of a bf16
+model), gradient, exp_avg and exp_avg_sq."""
+ADAMW_8BIT_BYTES = 10
+"""The same with bitsandbytes' 8-bit paged AdamW: fp32 weight and gradient, 8-bit exp_avg and exp_avg_sq."""
+QLORA_ADAMW_BYTES = 8
+"""Per LoRA parameter of a 4-bit base with torch AdamW: TRL 1.16 casts the adapter of a quantized model to bf16
+(`SFTTrainer.__init__`, after the QLoRA paper), so weight, gradient and both states are bf16."""
+QLORA_ADAMW_8BIT_BYTES = 6
+"""The same with 8-bit paged AdamW: bf16 weight and gradient, 8-bit states."""
+
+# ---- The LM head -----------------------------------------------------------------------------------------------------
+FUSED_HEAD_TOKEN_CHUNK = 4096
+"""Tokens per tile of TRL's fused log-probability head (`trl/kernels/chunked_logprob.py`, `TOKEN_CHUNK_SIZE`)."""
+FUSED_HEAD_VOCAB_CHUNK = 32768
+"""Vocabulary entries per tile (`trl/trainer/utils.py`, `_CHUNKED_LOGPROB_CHUNK_SIZE`)."""
+FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN = 6
+"""Per token and hidden unit in the fused head: the bf16 hidden state it saves for backward (2) and the fp32 gradient
+of it that backward accumulates (4)."""
+FUSED_HEAD_BYTES_PER_TOKEN = 32
+"""Per token: the fused head's fp32 running statistics and outputs (max, sums, target logit, log-probability, ...)."""
+UNFUSED_LOGIT_BYTES = 10
+"""Per logit when the head is not fused: the bf16 logits (2), transformers' fp32 copy for the loss (4), and the fp32
+log-softmax that cross-entropy saves for backward (4)."""
+
+# ---- vLLM ------------------------------------------------------------------------------------------------------------
+VLLM_MAX_BATCHED_TOKENS = 4096
+"""Tokens of vLLM's largest step and of its start-up profiling run: TRL 1.16 builds the colocated engine with
+`max_num_batched_tokens=4096` (`trl/generation/vllm_generation.py`)."""
+VLLM_CUDA_GRAPH_BYTES = GIB
+"""vLLM's CUDA graphs, which vLLM 0.33 profiles and takes out of its share before sizing the KV cache
+(`vllm/v1/worker/gpu_worker.py`, `determine_available_memory`): an allowance, not a measurement."""
+VLLM_MIN_RUNTIME_BYTES = 2 * GIB
+"""The floor under vLLM's runtime (activations of its profiling step, sampler, CUDA graphs): vLLM refuses to start
+when what it profiles beside its weights leaves no room for a KV cache, so a small model's computed runtime is not
+trusted below this."""
+VLLM_BLOCK_TOKENS = 16
+"""Tokens per KV-cache block (vLLM's default block size, and the alignment its FlashAttention backend asks for)."""
+
+
+class MemoryBreakdown(BaseModel):
+    """Estimated GPU bytes by what holds them, for one configuration (checkpointing on or off, an optimizer)."""
+
+    weights_bytes: int = Field(description="The frozen base weights (bf16, or 4-bit with fp32 for the rest).")
+    adapter_bytes: int = Field(description="LoRA weights, their gradients and the optimizer's state.")
+    lora_parameters: int = Field(description="Trainable LoRA parameters (rank r on every linear layer of the blocks).")
+    activations_bytes: int = Field(
+        description="Activations saved for backward of one micro-batch, PEFT's input copies and dropout masks included, "
+        "with the gradients of the layer being back-propagated."
+    )
+    logits_bytes: int = Field(description="The LM head's working memory (TRL's fused head, or the full logits).")
+    generation_bytes: int = Field(
+        default=0,
+        description="GRPO without vLLM: the training model's KV cache and logits while it generates a round (held at a "
+        "different time than the activations: the larger of the two counts).",
+    )
+    vllm_bytes: int = Field(default=0, description="vLLM's share of the GPU, when colocated.")
+
+    @computed_field
+    @property
+    def total_bytes(self) -> int:
+        return (self.weights_bytes + self.adapter_bytes + max(self.activations_bytes + self.logits_bytes, self.generation_bytes)
+                + self.vllm_bytes)
+
+
+class VllmBreakdown(BaseModel):
+    """vLLM's share of the GPU, by what holds it."""
+
+    weights_bytes: int = Field(description="vLLM's own bf16 copy of the weights.")
+    kv_cache_bytes: int = Field(description="KV cache of a whole generation round, in whole blocks.")
+    linear_attention_state_bytes: int = Field(description="Gated-DeltaNet state of the round's sequences, in KV-cache pages.")
+    runtime_bytes: int = Field(description="Activations of its profiling step, the sampler and CUDA graphs (floored).")
+    block_tokens: int = Field(description="Tokens per KV-cache block (raised for hybrid models to fit a layer's state in a page).")
+
+
+def lora_parameters(shape: ModelShape, rank: int) -> int:
+    """Trainable parameters of a rank-`rank` LoRA on every linear layer of the blocks (`all-linear`; fewer target
+    modules need less): A is rank × in, B is out × rank."""
+    return rank * (shape.lora_in_features + shape.lora_out_features)
+
+
+def weights_bytes(shape: ModelShape, *, quantization: str, bf16: bool = True) -> int:
+    """The frozen base weights: 2 bytes a parameter in bf16 (4 in fp32); with 4-bit, the quantizable weights in nf4
+    with double quantization and the rest in fp32 (`prepare_model_for_kbit_training`)."""
+    if quantization == "4bit":
+        rest = shape.parameters - shape.quantizable_parameters
+        return math.ceil(shape.quantizable_parameters * NF4_BYTES_PER_PARAMETER) + rest * KBIT_OTHER_BYTES
+    return shape.parameters * (2 if bf16 else 4)
+
+
+def adapter_bytes(shape: ModelShape, rank: int, *, quantization: str, paged_adamw_8bit: bool) -> int:
+    """LoRA weights, gradients and optimizer state."""
+    if quantization == "4bit":
+        per_parameter = QLORA_ADAMW_8BIT_BYTES if paged_adamw_8bit else QLORA_ADAMW_BYTES
+    else:
+        per_parameter = ADAMW_8BIT_BYTES if paged_adamw_8bit else ADAMW_BYTES
+    return lora_parameters(shape, rank) * per_parameter
+
+
+def attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False) -> int:
+    """Bytes one token leaves saved for backward in one full-attention layer of a frozen bf16 base, LoRA aside:
+    - the input and post-attention RMSNorms: transformers' saves an fp32 copy of its input (4 bytes × hidden),
+      Liger's its bf16 input (2);
+    - Qwen3's q and k norms, likewise over the query and key widths;
+    - attention: q, k and v with k and v repeated to every query head (transformers repeats them for SDPA whenever a
+      padding mask is passed, `integrations/sdpa_attention.py`), and the output, in bf16; the fp32 log-sum-exp per head;
+    - Qwen3.5's output gate: the sigmoid's output and the attention output it multiplies (bf16);
+    - the SwiGLU MLP: the gate and up projections' outputs and, without Liger (which recomputes it), the SiLU's output.
+    The frozen linear layers keep nothing: backward through them needs only their weights."""
+    norm = 2 if liger_kernels else 4
+    total = 2 * norm * shape.hidden_size
+    if shape.qk_norm:
+        total += norm * (shape.q_dim + shape.kv_dim)
+    total += 2 * 4 * shape.q_dim + 4 * shape.attention_heads
+    if shape.attention_output_gate:
+        total += 2 * 2 * shape.q_dim
+    return total + _mlp_bytes(shape, liger_kernels)
+
+
+def linear_attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False) -> int:
+    """The same for a Gated-DeltaNet layer, LoRA aside (an approximation, not checked against flash-linear-attention's
+    kernels): the two norms; the short convolution's input and output and the normalised q, k and v (6 bytes × the
+    convolution's width); the chunked delta rule's gates (fp32 per value head); the gated norm's fp32 input, its gate
+    and its output (8 bytes × the value width); the MLP."""
+    linear = shape.linear_attention
+    norm = 2 if liger_kernels else 4
+    mixer = 6 * linear.conv_dim + 8 * linear.value_dim + 8 * linear.value_heads
+    return 2 * norm * shape.hidden_size + mixer + _mlp_bytes(shape, liger_kernels)
+
+
+def _mlp_bytes(shape: ModelShape, liger_kernels: bool) -> int:
+    return (2 if liger_kernels else 3) * 2 * shape.intermediate_size
+
+
+def lora_activation_bytes(shape: ModelShape, rank: int, dropout: float) -> int:
+    """Bytes one token leaves saved for backward by every adapted layer together (all layers): PEFT computes
+    `lora_B(lora_A(dropout(x)))` on its own copy of the layer's input (cast to the adapter's dtype, then by autocast
+    to bf16: 2 bytes per input value, even without dropout), the bool dropout mask when dropout > 0 (1 byte), and
+    lora_A's rank-wide output, which lora_B keeps (bf16)."""
+    mask = shape.lora_in_features if dropout > 0 else 0
+    return 2 * shape.lora_in_features + mask + 2 * rank * shape.lora_modules
+
+
+def activations_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, lora_rank: int, lora_dropout: float,
+                      checkpointing: bool, liger_kernels: bool = False, bf16: bool = True) -> int:
+    """Activations of one micro-batch at the start of backward, when they are all held. Without checkpointing: every
+    layer's saved activations (`attention_layer_bytes`, `linear_attention_layer_bytes`) and the adapted layers' copies
+    (`lora_activation_bytes`), plus one layer more for the gradients of the layer being back-propagated. With it:
+    each layer's bf16 input (2 bytes × hidden), plus one layer recomputed with its gradients. Also the final norm and
+    transformers' bool attention mask (batch × seq², shared by the layers). In fp32 (no bf16) twice as much."""
+    tokens = batch_size * seq_len
+    attention = attention_layer_bytes(shape, liger_kernels=liger_kernels)
+    linear = linear_attention_layer_bytes(shape, liger_kernels=liger_kernels) if shape.linear_attention else 0
+    lora_per_layer = lora_activation_bytes(shape, lora_rank, lora_dropout) // shape.layers
+    largest = max(attention, linear) + lora_per_layer
+    if checkpointing:
+        per_token = shape.layers * 2 * shape.hidden_size + 2 * largest
+    else:
+        per_token = (shape.attention_layers * attention + shape.linear_attention_layers * linear
+                     + lora_activation_bytes(shape, lora_rank, lora_dropout) + largest)
+    per_token += (2 if liger_kernels else 4) * shape.hidden_size  # the final norm
+    total = tokens * per_token + batch_size * seq_len * seq_len
+    return total if bf16 else 2 * total
+
+
+def logits_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, fused_lm_head: bool, quantization: str) -> int:
+    """The LM head's memory at its peak (its backward, at the start of the model's). TRL's fused head: per token the
+    saved hidden state and the fp32 gradient of it (`FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN`) and its fp32 statistics,
+    plus one bf16 tile of 4096 tokens × 32768 vocabulary entries, plus a bf16 copy of a vocabulary chunk of the head's
+    weight when it is not bf16 (fp32 on a 4-bit base). Not fused: the whole (tokens × vocab) logits,
+    `UNFUSED_LOGIT_BYTES` each."""
+    tokens = batch_size * seq_len
+    if not fused_lm_head:
+        return tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES
+    vocab_chunk = min(shape.vocab_size, FUSED_HEAD_VOCAB_CHUNK)
+    total = (tokens * (FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN * shape.hidden_size + FUSED_HEAD_BYTES_PER_TOKEN)
+             + min(tokens, FUSED_HEAD_TOKEN_CHUNK) * vocab_chunk * 2)
+    if quantization == "4bit":
+        total += vocab_chunk * shape.hidden_size * 2
+    return total
+
+
+def kv_bytes_per_token(shape: ModelShape) -> int:
+    """Keys and values of one token in every full-attention layer (bf16)."""
+    return 2 * shape.attention_layers * shape.kv_dim * KV_BYTES
+
+
+def generation_bytes(shape: ModelShape, *, num_generations: int, seq_len: int) -> int:
+    """GRPO without vLLM: transformers' `generate` on the training model for a round of `num_generations`
+    completions: the KV cache of every sequence at full length (bf16), the Gated-DeltaNet state of each sequence,
+    and the fp32 logits and probabilities of one decoding step."""
+    state = shape.linear_attention_layers * shape.linear_attention.state_bytes() if shape.linear_attention else 0
+    return num_generations * (seq_len * kv_bytes_per_token(shape) + state + 2 * 4 * shape.vocab_size)
+
+
+def vllm_memory(shape: ModelShape, *, num_generations: int, seq_len: int) -> VllmBreakdown:
+    """What a colocated vLLM 0.33 engine needs to generate a round of `num_generations` completions of up to
+    `seq_len` tokens each at once:
+    - its own bf16 copy of the weights;
+    - the KV cache of every sequence, in whole blocks per full-attention layer. For a hybrid (Gated-DeltaNet) model,
+      vLLM raises the block size until one layer's attention page holds a layer's recurrent state, and gives each
+      sequence one such page per linear-attention layer (`Platform._align_hybrid_block_size`,
+      `vllm/platforms/interface.py`);
+    - its runtime: the activations of its profiling step (`VLLM_MAX_BATCHED_TOKENS` tokens through one layer's
+      residual, projections, attention output and MLP), the sampler's fp32 logits and log-probabilities for every
+      sequence, CUDA graphs (`VLLM_CUDA_GRAPH_BYTES`); at least `VLLM_MIN_RUNTIME_BYTES`."""
+    sequences = max(num_generations, 1)
+    per_token_layer = 2 * shape.kv_dim * KV_BYTES
+    block = VLLM_BLOCK_TOKENS
+    state_pages = 0
+    if shape.linear_attention:
+        state = shape.linear_attention.state_bytes()
+        if state > block * per_token_layer:
+            block = math.ceil(state / (per_token_layer * VLLM_BLOCK_TOKENS)) * VLLM_BLOCK_TOKENS
+        state_pages = sequences * shape.linear_attention_layers * block * per_token_layer
+    blocks_per_sequence = math.ceil(seq_len / block)
+    kv = sequences * shape.attention_layers * blocks_per_sequence * block * per_token_layer
+    step = VLLM_MAX_BATCHED_TOKENS * (4 * shape.hidden_size + 2 * (2 * shape.q_dim + 2 * shape.kv_dim)
+                                      + 6 * shape.intermediate_size)
+    sampler = sequences * shape.vocab_size * 4 * 2
+    runtime = max(step + sampler + VLLM_CUDA_GRAPH_BYTES, VLLM_MIN_RUNTIME_BYTES)
+    return VllmBreakdown(weights_bytes=shape.parameters * 2, kv_cache_bytes=kv, linear_attention_state_bytes=state_pages,
+                         runtime_bytes=runtime, block_tokens=block)
