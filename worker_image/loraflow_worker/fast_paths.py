@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow_worker.contract import FastPathSettings, MemorySettings
-from loraflow_worker.manifest import FastPath
+from loraflow_worker.artifacts.manifest import FastPath
 from loraflow_worker.memory.model_shape import ModelShape, read_model_shape
 from loraflow_worker.memory.plan import MemoryPlan, plan_memory
 

@@ -23,7 +23,13 @@ from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
 from loraflow_worker.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
 from loraflow_worker.model_cache import fetch_model, training_cache_dir
-from loraflow_worker.manifest import FastPath, RunManifest, library_versions, rows_sha256, training_config_sha256
+from loraflow_worker.artifacts.manifest import (
+    FastPath,
+    RunManifest,
+    library_versions,
+    rows_sha256,
+    training_config_sha256,
+)
 from loraflow_worker.tracking import tracker_run_name
 from loraflow_worker.training_monitor import TrainingMonitor
 

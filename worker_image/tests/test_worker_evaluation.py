@@ -22,7 +22,7 @@ from worker_test_support import train_in_process
 from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.contract import EvaluationSettings, JobInput, JobResult, Progress, TrainMetrics
 from loraflow_worker.grpo import train_grpo
-from loraflow_worker.manifest import rows_sha256
+from loraflow_worker.artifacts.manifest import rows_sha256
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training_monitor import TrainingMonitor
 from loraflow_worker.training_run import TrainOutcome, evaluation_split, load_job_dataset

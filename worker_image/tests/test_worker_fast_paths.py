@@ -31,7 +31,7 @@ from loraflow_worker.fast_paths import (
     kernel_hooks,
     plan_fast_paths,
 )
-from loraflow_worker.manifest import rows_sha256, training_config_sha256
+from loraflow_worker.artifacts.manifest import rows_sha256, training_config_sha256
 from loraflow_worker.memory.model_shape import read_model_shape, shape_from_config
 from loraflow_worker.memory.plan import CUDA_OVERHEAD_BYTES, MEMORY_HEADROOM, plan_job, plan_memory
 from loraflow_worker.sft import train_sft

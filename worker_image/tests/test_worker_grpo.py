@@ -22,7 +22,7 @@ from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput, RewardSpec
 from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS
 from loraflow_worker.grpo import prompt_dataset, text_only_vllm, train_grpo
-from loraflow_worker.manifest import rows_sha256
+from loraflow_worker.artifacts.manifest import rows_sha256
 from loraflow_worker.rewards import (
     BUILTIN_REWARDS,
     RewardError,

@@ -13,7 +13,7 @@ from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, MemorySettings
 from loraflow_worker.fast_paths import Workload, gather_facts
 from loraflow_worker.handler import JobRefused, handler
-from loraflow_worker.manifest import training_config_sha256
+from loraflow_worker.artifacts.manifest import training_config_sha256
 from loraflow_worker.sft import train_sft
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training_run import job_workload, shared_trainer_args

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loraflow_worker.contract import CONTRACT_VERSION, JobResult, TrainMetrics
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
-from loraflow_worker.manifest import RunManifest
+from loraflow_worker.artifacts.manifest import RunManifest
 from loraflow_worker.training_monitor import PROGRESS_INTERVAL_S
 
 

@@ -1,6 +1,6 @@
 """Check the promise of a run: its adapter loads with PEFT on its base model and changes the model's output.
 
-    python -m loraflow_worker.adapter_check BASE_MODEL_DIR ADAPTER_DIR
+    python -m loraflow_worker.artifacts.adapter_check BASE_MODEL_DIR ADAPTER_DIR
 
 Prints one JSON line, `{"loads": true, "changes_output": true, "max_abs_logit_change": 0.81, "vocab_size": 512}`,
 and exits 0; when the adapter does not load it prints the error and exits 1. It runs in the worker's
