@@ -37,13 +37,13 @@ from pydantic import ValidationError
 
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, JobResult, PreloadInput, Progress, run_prefix
-from loraflow_worker.cuda_check import check_cuda
-from loraflow_worker.environment import child_env
-from loraflow_worker.lifetime import WorkerLifetime
-from loraflow_worker.packages import install_extra_packages
-from loraflow_worker.preload import preload_models
-from loraflow_worker.redaction import redact_secrets
-from loraflow_worker.supervisor import JobFailed, run_training
+from loraflow_worker.runtime.cuda_check import check_cuda
+from loraflow_worker.runtime.environment import child_env
+from loraflow_worker.runtime.lifetime import WorkerLifetime
+from loraflow_worker.runtime.packages import install_extra_packages
+from loraflow_worker.runtime.preload import preload_models
+from loraflow_worker.runtime.redaction import redact_secrets
+from loraflow_worker.runtime.supervisor import JobFailed, run_training
 
 CONSOLE_RETRY_BUDGET_S = 60.0
 """How long a failed job's console upload retries a rate-limited or failing Hub before the failure is reported without it."""

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loraflow_worker.cuda_check import REQUIRE_CUDA_ENV, CudaUnavailable, check_cuda, describe_available
+from loraflow_worker.runtime.cuda_check import REQUIRE_CUDA_ENV, CudaUnavailable, check_cuda, describe_available
 
 FAST_PATH_PACKAGES = {"vllm": "vllm", "liger_kernel": "liger-kernel", "fla": "flash-linear-attention",
                       "bitsandbytes": "bitsandbytes"}

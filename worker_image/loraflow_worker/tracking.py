@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from loraflow_worker.contract import JobInput, TrackerRun
-from loraflow_worker.redaction import REDACTED, redact_secrets, secret_values
+from loraflow_worker.runtime.redaction import REDACTED, redact_secrets, secret_values
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
 from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
 from loraflow_worker.memory.out_of_memory import exception_memory_kind
-from loraflow_worker.supervisor import ERROR_FILE, PROGRESS_MARKER
+from loraflow_worker.runtime.supervisor import ERROR_FILE, PROGRESS_MARKER
 from loraflow_worker.tracking import finish_tracking, start_tracking
 
 if TYPE_CHECKING:

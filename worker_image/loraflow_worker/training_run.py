@@ -22,7 +22,7 @@ from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.checkpoints import save_settings
 from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
 from loraflow_worker.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
-from loraflow_worker.model_cache import fetch_model, training_cache_dir
+from loraflow_worker.runtime.model_cache import fetch_model, training_cache_dir
 from loraflow_worker.artifacts.manifest import (
     FastPath,
     RunManifest,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from loraflow_worker import cuda_check
+from loraflow_worker.runtime import cuda_check
 from loraflow_worker.contract import CONTRACT_VERSION
-from loraflow_worker.cuda_check import MARKER, REQUIRE_CUDA_ENV, CudaProbe, CudaUnavailable, check_cuda
+from loraflow_worker.runtime.cuda_check import MARKER, REQUIRE_CUDA_ENV, CudaProbe, CudaUnavailable, check_cuda
 from loraflow_worker.handler import WORK_DIR_ENV, handler
-from loraflow_worker.model_cache import VOLUME_PATH_ENV
-from loraflow_worker.preload import NoVolume
+from loraflow_worker.runtime.model_cache import VOLUME_PATH_ENV
+from loraflow_worker.runtime.preload import NoVolume
 
 
 @dataclass
@@ -108,7 +108,7 @@ def test_a_probe_that_does_not_answer_in_time_counts_as_cuda_unavailable(monkeyp
     monkeypatch.setattr(cuda_check, "PROBE_TIMEOUT_S", 0.01)
     probe = cuda_check.run_probe(os.environ)
     assert not probe.started
-    assert probe.failures == ["the CUDA probe (`python -m loraflow_worker.cuda_check`) did not answer within 0 s: "
+    assert probe.failures == ["the CUDA probe (`python -m loraflow_worker.runtime.cuda_check`) did not answer within 0 s: "
                               "the driver hangs while initialising"]
 
 

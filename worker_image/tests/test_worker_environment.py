@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from loraflow_worker.contract import JobInput
-from loraflow_worker.environment import CONTROL_PLANE_KEYS, FORWARDED_CREDENTIALS, child_env
-from loraflow_worker.redaction import redact_secrets
+from loraflow_worker.runtime.environment import CONTROL_PLANE_KEYS, FORWARDED_CREDENTIALS, child_env
+from loraflow_worker.runtime.redaction import redact_secrets
 
 JOB = JobInput(run_id="run-1", attempt=3, model={"id": "m"}, dataset={"hub_id": "d"},
                artifact_store="hf://datasets/org/artifacts")

@@ -22,11 +22,11 @@ from fault_injection.sitecustomize import KINDS, fake_cgroup_root
 from worker_test_support import (CRASH_AT_STEP_ENV, CRASH_KIND_ENV, FAULT_INJECTION_DIR, PLANTED_SECRET, plant_fault,
                                  stored_files_containing)
 
-from loraflow_worker import supervisor
+from loraflow_worker.runtime import supervisor
 from loraflow_worker.memory import out_of_memory
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
 from loraflow_worker.memory.out_of_memory import OomKills
-from loraflow_worker.supervisor import CONSOLE_TAIL_BYTES, ChildExit, ConsoleTail
+from loraflow_worker.runtime.supervisor import CONSOLE_TAIL_BYTES, ChildExit, ConsoleTail
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loraflow_worker.lifetime import DEADLINE_ENV, WorkerLifetime
+from loraflow_worker.runtime.lifetime import DEADLINE_ENV, WorkerLifetime
 
 
 @pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from loraflow_worker.handler import WORK_DIR_ENV, JobRefused, handler
-from loraflow_worker.packages import ATTEMPTS, PIP_ARGS_ENV, PackageInstallError, install_extra_packages
+from loraflow_worker.runtime.packages import ATTEMPTS, PIP_ARGS_ENV, PackageInstallError, install_extra_packages
 
 
 def test_unresolvable_package_fails_at_once_with_pips_message(tiny_model_dir, make_job, tmp_path, monkeypatch):

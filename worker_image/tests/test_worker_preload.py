@@ -26,8 +26,8 @@ from huggingface_hub.utils import filter_repo_objects
 
 from loraflow_worker.contract import CONTRACT_VERSION
 from loraflow_worker.handler import JobRefused, WORK_DIR_ENV, handler
-from loraflow_worker.model_cache import VOLUME_PATH_ENV, download_ignore_patterns
-from loraflow_worker.preload import NoVolume
+from loraflow_worker.runtime.model_cache import VOLUME_PATH_ENV, download_ignore_patterns
+from loraflow_worker.runtime.preload import NoVolume
 
 from tests.hub_fixture import running_hub
 

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from worker_test_support import stored_files_containing
 
 from loraflow_worker.contract import JobInput
-from loraflow_worker.environment import child_env
+from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
-from loraflow_worker.redaction import redact_secrets
+from loraflow_worker.runtime.redaction import redact_secrets
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 
 JUDGE_KEY, JUDGE_AUTH, JUDGE_URL = "judge-key-value-0001", "judge-auth-value-0002", "http://judge.example/score"

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from worker_test_support import stored_files_containing
 
 from loraflow_worker.contract import JobInput, JobResult, TrainingSettings
-from loraflow_worker.environment import child_env
+from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.tracking import tracker_files, tracking_env
 

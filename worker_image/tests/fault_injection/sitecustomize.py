@@ -222,7 +222,7 @@ def _add_step_end_callback(on_step_end: Callable[[object], None]) -> Callable[[M
 
 def _crash_if_published(job_file: Path) -> None:
     """At interpreter exit: SIGSEGV, unless the job failed (its error report lies beside the job file)."""
-    from loraflow_worker.supervisor import ERROR_FILE
+    from loraflow_worker.runtime.supervisor import ERROR_FILE
 
     if not (job_file.parent / ERROR_FILE).exists():
         crash("exit-after-done")

@@ -34,9 +34,9 @@ from typing import IO, Any
 from pydantic import ValidationError
 
 from loraflow_worker.contract import JobInput, Progress
-from loraflow_worker.environment import child_env
+from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.memory.out_of_memory import MARKERS, MemoryKind, OomKills, memory_kind, read_oom_kills
-from loraflow_worker.redaction import redact_secrets
+from loraflow_worker.runtime.redaction import redact_secrets
 
 PROGRESS_MARKER = "LORAFLOW_PROGRESS "
 """Prefix of the console lines that carry a `Progress` as JSON."""

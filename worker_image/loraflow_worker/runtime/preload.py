@@ -30,7 +30,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import filter_repo_objects
 
 from loraflow_worker.contract import ModelSource, PreloadInput, PreloadModelResult, PreloadResult, Progress
-from loraflow_worker.model_cache import (
+from loraflow_worker.runtime.model_cache import (
     VOLUME_PATH_ENV,
     attached_volume,
     download_ignore_patterns,
@@ -38,7 +38,7 @@ from loraflow_worker.model_cache import (
     hub_cache_dir,
     volume_path,
 )
-from loraflow_worker.redaction import redact_secrets
+from loraflow_worker.runtime.redaction import redact_secrets
 
 DATA_CENTER_ENV = "RUNPOD_DC_ID"
 """RunPod sets the worker's datacenter id here (e.g. `EU-RO-1`)."""

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from loraflow_worker.environment import is_secret_name, off_the_volume
+from loraflow_worker.runtime.environment import is_secret_name, off_the_volume
 
 PIP_ARGS_ENV = "LORAFLOW_PIP_ARGS"
 """Extra pip options (shell syntax) for every install, e.g. `--no-index --find-links /wheels`."""

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 
 from loraflow_worker.contract import JobInput
-from loraflow_worker.model_cache import VOLUME_PATH_ENV, volume_path
+from loraflow_worker.runtime.model_cache import VOLUME_PATH_ENV, volume_path
 
 FORWARDED_CREDENTIALS = ("HF_TOKEN", "HF_ENDPOINT", "WANDB_API_KEY")
 """The only credentials (and credential-like settings) the training process receives."""

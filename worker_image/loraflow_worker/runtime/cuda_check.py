@@ -10,7 +10,7 @@ log that they did). Any other value is refused. Preload jobs train nothing and n
 
 The probe runs in a short process of its own, with the training process's environment:
 
-    python -m loraflow_worker.cuda_check      # prints the probe as JSON; exit status 0 when CUDA started
+    python -m loraflow_worker.runtime.cuda_check      # prints the probe as JSON; exit status 0 when CUDA started
 
 so that the handler neither imports torch nor holds a CUDA context beside the training process, CUDA first
 starts in the training process once the allocator's settings are in place (`fast_paths.gather_facts`), and a
@@ -98,20 +98,20 @@ def check_cuda(env: Mapping[str, str]) -> CudaProbe | None:
 
 def run_probe(env: Mapping[str, str]) -> CudaProbe:
     """`probe()` in a process of its own with environment `env`; a probe that hangs or dies is a failed one."""
-    command = [sys.executable, "-m", "loraflow_worker.cuda_check"]
+    command = [sys.executable, "-m", "loraflow_worker.runtime.cuda_check"]
     try:
         done = subprocess.run(command, env=dict(env), stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return CudaProbe(started=False, visible_devices=_visible_devices(env), failures=[
-            f"the CUDA probe (`python -m loraflow_worker.cuda_check`) did not answer within {PROBE_TIMEOUT_S:.0f} s: "
+            f"the CUDA probe (`python -m loraflow_worker.runtime.cuda_check`) did not answer within {PROBE_TIMEOUT_S:.0f} s: "
             "the driver hangs while initialising"])
     try:
         return CudaProbe(**json.loads(done.stdout.strip().splitlines()[-1]))
     except (IndexError, ValueError, TypeError):
         said = " / ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
         return CudaProbe(started=False, visible_devices=_visible_devices(env), failures=[
-            f"the CUDA probe (`python -m loraflow_worker.cuda_check`) exited with {done.returncode} without a "
+            f"the CUDA probe (`python -m loraflow_worker.runtime.cuda_check`) exited with {done.returncode} without a "
             f"report{': ' + said if said else ''}"])
 
 

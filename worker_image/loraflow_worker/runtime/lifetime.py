@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from loraflow_worker.supervisor import DEADLINE_KILL_GRACE_S, TERM_GRACE_S
+from loraflow_worker.runtime.supervisor import DEADLINE_KILL_GRACE_S, TERM_GRACE_S
 
 DEADLINE_ENV = "LORAFLOW_RUN_DEADLINE_EPOCH_S"
 """Unix time at which the worker exits; set in the endpoint's environment by the control plane."""

@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
-from loraflow_worker.environment import is_secret_name
+from loraflow_worker.runtime.environment import is_secret_name
 
 REDACTED = "***"
 
