@@ -3,61 +3,114 @@
 #   make test   install what the tests need, then run them
 #
 # Two environments, as in production, where the worker runs in its image and the flows elsewhere:
-#   .venv         the control plane, localpod and the control-plane tests (Prefect; no training stack)
+#   .venv         the control plane, localpod and the control-plane tests (Prefect; no training stack):
+#                 exactly the versions of requirements.lock (`make lock` writes it from the two pyproject.toml)
 #   .venv-worker  the worker: the image's locked versions (worker_image/cpu-constraints.txt, generated
 #                 from worker_image/requirements-gpu.lock) with the CPU torch; localpod's workers and the
 #                 worker's tests run with its interpreter
+# Both are installed by uv, at once: pip took ~4 minutes for the two on 2 cores, one package at a time.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 WORKER_VENV := .venv-worker
 WORKER_PY := $(WORKER_VENV)/bin/python
-# Every pip call takes constraints: a loose torch requirement otherwise pulls a multi-GB CUDA build.
-PIP := $(PY) -m pip install --quiet -c constraints-cpu.txt
-WORKER_PIP := $(WORKER_PY) -m pip install --quiet -c worker_image/cpu-constraints.txt
 DOCKER ?= docker
 
-.PHONY: demo test install system-packages image image-test control-plane-image
+# uv, pinned, in a folder of its own (pip puts it there once); UV=uv uses one already on PATH.
+UV_VERSION := 0.13.9
+TOOLS := .tools
+UV_DEFAULT := $(TOOLS)/uv-$(UV_VERSION)/bin/uv
+UV ?= $(UV_DEFAULT)
+UV_BOOTSTRAP := $(filter $(UV_DEFAULT),$(UV))
+# uv reads no pip configuration: where pip finds wheels beside the index (here the CPU torch) must reach it.
+UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
+ifneq ($(strip $(UV_FIND_LINKS)),)
+export UV_FIND_LINKS
+endif
+# Behind a TLS-intercepting proxy its CA is in the system store (or SSL_CERT_FILE, which uv reads too), not in
+# the roots uv carries.
+export UV_SYSTEM_CERTS ?= 1
+# The environments are made with $(PYTHON), never with an interpreter uv would download.
+export UV_PYTHON_DOWNLOADS := never
+UV_PIP := $(UV) pip install --quiet
+# The interpreter $(PYTHON) names, resolved (a pyenv shim or a bare `python3` becomes the real one).
+PYTHON_EXE = $$($(PYTHON) -c 'import sys; print(sys.executable)')
 
-demo: $(VENV)/.installed $(WORKER_VENV)/.installed
-	$(PY) deployments/local.py $(ARGS)
+.PHONY: demo test install lock system-packages image image-test control-plane-image
 
-test: system-packages $(VENV)/.installed $(WORKER_VENV)/.installed
+# When make started: the demo's installing is the time from here to its run.
+STARTED := $(shell date +%s.%N)
+demo: install
+	@installed=$$(date +%s.%N); \
+	awk "BEGIN { printf \"make demo: installing took %.0f s\n\", $$installed - $(STARTED) }"; \
+	$(PY) deployments/local.py $(ARGS); rc=$$?; \
+	ended=$$(date +%s.%N); \
+	awk "BEGIN { printf \"make demo: installing took %.0f s, the run %.0f s (%.0f s in all)\n\", \
+		$$installed - $(STARTED), $$ended - $$installed, $$ended - $(STARTED) }"; \
+	exit $$rc
+
+test: system-packages install
 	$(WORKER_PY) -m pytest worker_image/tests $(ARGS)
 	$(PY) -m pytest tests $(ARGS)
 
-install: $(VENV)/.installed $(WORKER_VENV)/.installed
+# The two environments share nothing but uv's cache: they install side by side.
+install:
+	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(WORKER_VENV)/.installed
 
 # Debian's packages the tests start: headless Chromium (the UI tests), PostgreSQL and Redis (the team
 # setup's tests). Installed when missing (as root, or through sudo).
 SYSTEM_PACKAGES := chromium postgresql redis-server
 system-packages:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	missing=$$(echo $$missing); \
 	if [ -n "$$missing" ]; then \
-		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		command -v apt-get >/dev/null || { echo "make: needs Debian's $$missing (no apt-get here: install them with this system's package manager)" >&2; exit 1; }; \
+		if [ "$$(id -u)" = 0 ]; then sudo=; elif command -v sudo >/dev/null; then sudo=sudo; \
+		else echo "make: installing Debian's $$missing needs root: run 'apt-get install $$missing' as root" >&2; exit 1; fi; \
 		echo "installing Debian packages: $$missing"; \
 		$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(VENV)/.installed: pyproject.toml worker_image/pyproject.toml constraints-cpu.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) -e ./worker_image -e '.[local,test]'
-	touch $@
+$(UV_DEFAULT):
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
+		--target $(TOOLS)/uv-$(UV_VERSION) uv==$(UV_VERSION)
 
-$(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constraints.txt
+# The control plane's lock, for .venv and the control-plane image (deployments/docker/Dockerfile): every package
+# of pyproject.toml's closure (extras local and test) with worker_image's core, for any platform with Python
+# 3.11+. Run after changing a dependency in either pyproject.toml; versions already locked stay where they can
+# (tests/test_control_plane_lock.py fails while the lock and the requirements disagree).
+lock: | $(UV_BOOTSTRAP)
+	printf -- '-e .[local,test]\n-e ./worker_image\n' | $(UV) pip compile --quiet --universal --python-version 3.11 \
+		--no-emit-package loraflow --no-emit-package loraflow-worker --custom-compile-command 'make lock' \
+		-o requirements.lock -
+
+$(VENV)/.installed: pyproject.toml worker_image/pyproject.toml requirements.lock | $(UV_BOOTSTRAP)
+	@echo "installing $(VENV): the control plane, as requirements.lock pins it"
+	@test -x $(PY) || $(UV) venv --quiet --python "$(PYTHON_EXE)" $(VENV)
+	@$(UV_PIP) --python $(PY) -c requirements.lock -e ./worker_image -e '.[local,test]' \
+		|| { echo "make: $(VENV) did not install; after a change of pyproject.toml's dependencies, run 'make lock'" >&2; exit 1; }
+	@touch $@
+
+# torch is the CPU wheel (cpu-constraints.txt pins its +cpu build: PyPI's torch of the same version is a CUDA
+# build of several GB). pip: the worker installs a run's extra packages with it; hatchling: the wheel test
+# builds the worker without an index.
+$(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constraints.txt | $(UV_BOOTSTRAP)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "the worker environment needs Python 3.11, the image'"'"'s (the lock is compiled for it): make PYTHON=python3.11")'
-	$(PYTHON) worker_image/cpu_constraints.py --check
-	test -x $(WORKER_PY) || $(PYTHON) -m venv $(WORKER_VENV)
-	$(WORKER_PIP) torch hatchling
-	$(WORKER_PIP) -e './worker_image[train,test]' liger-kernel triton
-	touch $@
+	@$(PYTHON) worker_image/cpu_constraints.py --check
+	@echo "installing $(WORKER_VENV): the worker image's locked stack with the CPU torch"
+	@test -x $(WORKER_PY) || $(UV) venv --quiet --python "$(PYTHON_EXE)" $(WORKER_VENV)
+	@$(UV_PIP) --python $(WORKER_PY) -c worker_image/cpu-constraints.txt \
+		pip hatchling torch -e './worker_image[train,test]' liger-kernel triton \
+		|| { echo "make: $(WORKER_VENV) did not install; if uv found no $$(grep '^torch==' worker_image/cpu-constraints.txt): name a folder or page holding that wheel in PIP_FIND_LINKS or UV_FIND_LINKS" >&2; exit 1; }
+	@$(WORKER_PY) -c 'import sys, torch; sys.exit(torch.version.cuda and f"$(WORKER_VENV) got a CUDA build of torch ({torch.__version__})")'
+	@touch $@
 
 # The worker image (the real lock, GPU packages included), built from Debian's packages when no
 # registry serves the base image; then its own checks and a short SFT and GRPO job inside it, on the CPU.
 image:
 	bash worker_image/image.sh build
 
-image-test: system-packages $(VENV)/.installed $(WORKER_VENV)/.installed
+image-test: system-packages install
 	bash worker_image/image.sh test
 
 # The control-plane image of the Docker work pool, as `prefect deploy --prefect-file deployments/docker/prefect.yaml`

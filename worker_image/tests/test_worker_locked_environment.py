@@ -62,3 +62,10 @@ def test_every_installed_package_the_lock_pins_has_the_locked_version_except_tor
 
 def test_no_gpu_only_package_is_installed():
     assert not [name for name in _installed() if cpu_constraints.is_gpu_only(name)]
+
+
+def test_torch_is_the_cpu_build_the_constraints_pin():
+    import torch
+
+    assert _installed()["torch"] == cpu_constraints.CPU_TORCH_BUILD
+    assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build"
