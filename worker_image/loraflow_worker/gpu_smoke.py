@@ -45,7 +45,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from loraflow_worker.fast_paths import ALLOC_CONF_ENV
+from loraflow_worker.training.fast_paths import ALLOC_CONF_ENV
 
 RESULT_MARKER = "GPU_SMOKE_RESULT "
 RESULTS_FILE = "results.json"
@@ -577,9 +577,9 @@ def _child(out: Path, size: Size, variant_name: str, algorithm: str, warmup: int
     work_dir = out / "work" / run_id
     work_dir.mkdir(parents=True, exist_ok=True)
     if algorithm == "sft":
-        from loraflow_worker.sft import train_sft as train
+        from loraflow_worker.training.sft import train_sft as train
     else:
-        from loraflow_worker.grpo import train_grpo as train
+        from loraflow_worker.training.grpo import train_grpo as train
     # Only a GRPO run that may colocate vLLM counts its completions: the counter imports TRL's vLLM module, which
     # imports vLLM wherever it is installed, and an SFT run must not pay for (or be changed by) that import.
     may_use_vllm = algorithm == "grpo" and "vllm" in installed_versions() and "vllm_colocate" not in variant.disabled

@@ -13,7 +13,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from worker_test_support import Clock, CountingStore
 
-from loraflow_worker.checkpoints import (
+from loraflow_worker.training.checkpoints import (
     COMPLETE,
     CheckpointTimer,
     CheckpointUploader,

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import pytest
 from worker_test_support import CountingStore, train_in_process
 
-from loraflow_worker.checkpoints import CheckpointTimer, CheckpointUploader, save_settings, stored_checkpoints
+from loraflow_worker.training.checkpoints import CheckpointTimer, CheckpointUploader, save_settings, stored_checkpoints
 from loraflow_worker.contract import JobInput
-from loraflow_worker.sft import train_sft
+from loraflow_worker.training.sft import train_sft
 
 
 @dataclass

@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 
 from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.contract import JobInput, RewardSpec
-from loraflow_worker.grpo import prompt_dataset
+from loraflow_worker.training.grpo import prompt_dataset
 from loraflow_worker.handler import WORK_DIR_ENV, handler
-from loraflow_worker.rewards import RewardError, resolve_rewards
-from loraflow_worker.sft import train_sft
+from loraflow_worker.training.rewards import RewardError, resolve_rewards
+from loraflow_worker.training.sft import train_sft
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 
 CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]

@@ -15,7 +15,7 @@ from transformers import TrainerControl, TrainerState
 from worker_test_support import BASE_TRAINING, CountingStore, train_in_process
 
 from loraflow_worker.contract import PartialResult, Progress
-from loraflow_worker.training_monitor import DeadlineReached, TrainingMonitor
+from loraflow_worker.training.monitor import DeadlineReached, TrainingMonitor
 
 TRAINING_S = 5.0
 """Deadline of each attempt, from its start: loading takes about a second in a process that has imported the

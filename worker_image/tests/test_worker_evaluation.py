@@ -21,11 +21,11 @@ from worker_test_support import train_in_process
 
 from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.contract import EvaluationSettings, JobInput, JobResult, Progress, TrainMetrics
-from loraflow_worker.grpo import train_grpo
+from loraflow_worker.training.grpo import train_grpo
 from loraflow_worker.artifacts.manifest import rows_sha256
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
-from loraflow_worker.training_monitor import TrainingMonitor
-from loraflow_worker.training_run import TrainOutcome, evaluation_split, load_job_dataset
+from loraflow_worker.training.monitor import TrainingMonitor
+from loraflow_worker.training.run import TrainOutcome, evaluation_split, load_job_dataset
 
 SFT_STEPS, SFT_EVERY = 20, 10
 GRPO_STEPS, GRPO_EVERY, GRPO_SAMPLES = 3, 2, 6

@@ -18,7 +18,7 @@ from transformers.integrations import use_kernel_func_from_hub_with_fallback
 
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import FastPathSettings, JobInput, MemorySettings
-from loraflow_worker.fast_paths import (
+from loraflow_worker.training.fast_paths import (
     ALLOC_CONF_ENV,
     EXPANDABLE_SEGMENTS as EXPANDABLE,
     FAST_PATHS,
@@ -34,7 +34,7 @@ from loraflow_worker.fast_paths import (
 from loraflow_worker.artifacts.manifest import rows_sha256, training_config_sha256
 from loraflow_worker.memory.model_shape import read_model_shape, shape_from_config
 from loraflow_worker.memory.plan import CUDA_OVERHEAD_BYTES, MEMORY_HEADROOM, plan_job, plan_memory
-from loraflow_worker.sft import train_sft
+from loraflow_worker.training.sft import train_sft
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 
 EVERYTHING = {
@@ -353,7 +353,7 @@ def test_the_allocator_keeps_the_setting_it_read_first():
     # What the manifest records: the allocator's own settings, which a later change of the variable does not move.
     script = (
         "import os\n"
-        "from loraflow_worker.fast_paths import cuda_allocator_settings\n"
+        "from loraflow_worker.training.fast_paths import cuda_allocator_settings\n"
         "print(cuda_allocator_settings())\n"
         "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'max_split_size_mb:64'\n"
         "print(cuda_allocator_settings())\n"

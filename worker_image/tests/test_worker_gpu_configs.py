@@ -30,7 +30,7 @@ from trl import GRPOConfig, SFTConfig
 from trl.trainer.utils import create_model_from_path
 
 from loraflow_worker.contract import JobInput
-from loraflow_worker.fast_paths import (
+from loraflow_worker.training.fast_paths import (
     KERNEL_PACKAGES,
     Facts,
     FastPathPlan,
@@ -40,9 +40,9 @@ from loraflow_worker.fast_paths import (
 )
 from loraflow_worker.memory.model_shape import ModelShape, read_model_shape, shape_from_config
 from loraflow_worker.memory.plan import usable_memory
-from loraflow_worker.grpo import grpo_config
-from loraflow_worker.sft import sft_config
-from loraflow_worker.training_run import job_workload, lora_config
+from loraflow_worker.training.grpo import grpo_config
+from loraflow_worker.training.sft import sft_config
+from loraflow_worker.training.run import job_workload, lora_config
 
 LOCK = Path(__file__).resolve().parents[1] / "requirements-gpu.lock"
 LOCKED = dict(re.findall(r"^([a-z0-9][a-z0-9._-]*)==(\S+)", LOCK.read_text(), re.MULTILINE))

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from loraflow_worker.contract import FORCIBLE_FAST_PATHS
-from loraflow_worker.fast_paths import FAST_PATHS
+from loraflow_worker.training.fast_paths import FAST_PATHS
 from loraflow_worker.gpu_smoke import (
     SLOT_DEADLINE_S,
     SLOT_RUNS,

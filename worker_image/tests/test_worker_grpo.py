@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput, RewardSpec
 from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS
-from loraflow_worker.grpo import prompt_dataset, text_only_vllm, train_grpo
+from loraflow_worker.training.grpo import prompt_dataset, text_only_vllm, train_grpo
 from loraflow_worker.artifacts.manifest import rows_sha256
-from loraflow_worker.rewards import (
+from loraflow_worker.training.rewards import (
     BUILTIN_REWARDS,
     RewardError,
     check_reward_columns,
@@ -35,7 +35,7 @@ from loraflow_worker.rewards import (
     numeric_match,
     resolve_rewards,
 )
-from loraflow_worker.training_run import TrainOutcome
+from loraflow_worker.training.run import TrainOutcome
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
 
 STEPS = 20
@@ -189,7 +189,7 @@ def test_format_length_and_digit_rewards():
 def test_rewards_resolve_through_the_built_ins_or_an_importable_function():
     specs = [
         RewardSpec(name="exact_match", column="answer", weight=2.0),
-        RewardSpec(name="loraflow_worker.rewards:digit_fraction", weight=0.5),
+        RewardSpec(name="loraflow_worker.training.rewards:digit_fraction", weight=0.5),
     ]
     functions, weights = resolve_rewards(specs)
     assert weights == [2.0, 0.5]
@@ -200,8 +200,8 @@ def test_rewards_resolve_through_the_built_ins_or_an_importable_function():
 def test_a_user_reward_that_cannot_be_imported_names_the_fix():
     with pytest.raises(RewardError, match=r"module `no_such_pkg.scoring` cannot be imported on the worker .*extra_packages"):
         resolve_rewards([RewardSpec(name="no_such_pkg.scoring:score")])
-    with pytest.raises(RewardError, match=r"`nothing_here` does not exist in module `loraflow_worker.rewards`"):
-        resolve_rewards([RewardSpec(name="loraflow_worker.rewards:nothing_here")])
+    with pytest.raises(RewardError, match=r"`nothing_here` does not exist in module `loraflow_worker.training.rewards`"):
+        resolve_rewards([RewardSpec(name="loraflow_worker.training.rewards:nothing_here")])
 
 
 def test_a_reward_reading_a_missing_column_fails_before_training():

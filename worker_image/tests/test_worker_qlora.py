@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput
-from loraflow_worker.fast_paths import FastPathPlan
-from loraflow_worker.grpo import train_grpo
-from loraflow_worker.sft import train_sft
+from loraflow_worker.training.fast_paths import FastPathPlan
+from loraflow_worker.training.grpo import train_grpo
+from loraflow_worker.training.sft import train_sft
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
-from loraflow_worker.training_run import load_model, lora_config, quantization_config
+from loraflow_worker.training.run import load_model, lora_config, quantization_config
 
 
 def _job(model_dir="org/model", quantization="4bit", **fields) -> JobInput:

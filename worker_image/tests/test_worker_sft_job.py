@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loraflow_worker.contract import CONTRACT_VERSION, JobResult, TrainMetrics
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
 from loraflow_worker.artifacts.manifest import RunManifest
-from loraflow_worker.training_monitor import PROGRESS_INTERVAL_S
+from loraflow_worker.training.monitor import PROGRESS_INTERVAL_S
 
 
 def test_result_is_a_completed_job_result(finished_job):

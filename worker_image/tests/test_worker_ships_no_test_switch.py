@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "loraflow_worker"
 
 def test_the_shipped_package_mentions_no_test_switch():
     files = [path for path in PACKAGE.rglob("*") if path.is_file() and "__pycache__" not in path.parts]
-    assert PACKAGE / "train_job.py" in files and PACKAGE / "supervisor.py" in files
+    assert PACKAGE / "training" / "train_job.py" in files and PACKAGE / "runtime" / "supervisor.py" in files
     assert CRASH_AT_STEP_ENV.startswith("LORAFLOW_TEST_") and CRASH_KIND_ENV.startswith("LORAFLOW_TEST_")
     assert [path.relative_to(PACKAGE) for path in files if b"LORAFLOW_TEST" in path.read_bytes()] == []
 

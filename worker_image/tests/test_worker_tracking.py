@@ -2,7 +2,7 @@
 eval loss, the trackers' files are stored with the run, the result names each tracker's run, and the run's secrets
 stay out of what is stored.
 
-One short SFT job (module fixture) runs as the real training process (`python -m loraflow_worker.train_job`) with
+One short SFT job (module fixture) runs as the real training process (`python -m loraflow_worker.training.train_job`) with
 both trackers and no tracker credentials, as a user with neither a W&B key nor an MLflow server gets it.
 """
 
@@ -26,7 +26,7 @@ from worker_test_support import stored_files_containing
 from loraflow_worker.contract import JobInput, JobResult, TrainingSettings
 from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.tiny_model import DEFAULT_CORPUS
-from loraflow_worker.tracking import tracker_files, tracking_env
+from loraflow_worker.training.tracking import tracker_files, tracking_env
 
 STEPS, EVERY = 6, 3
 RUN_ID = "tracked-run"
@@ -60,7 +60,7 @@ def tracked(tiny_model_dir, tmp_path_factory) -> TrackedRun:
     outside = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
     # The training process's environment as the supervisor builds it; W&B's settings and cache in a home of its own.
     env = child_env(job, outside | {"JUDGE_KEY": JUDGE_KEY, "HOME": str(home)})
-    proc = subprocess.run([sys.executable, "-m", "loraflow_worker.train_job", str(work_dir / "job.json")],
+    proc = subprocess.run([sys.executable, "-m", "loraflow_worker.training.train_job", str(work_dir / "job.json")],
                           cwd=work_dir, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fault_injection.sitecustomize import CRASH_AT_STEP_ENV, CRASH_KIND_ENV, fake_cgroup_root
 
-from loraflow_worker import train_job
+from loraflow_worker.training import train_job
 from loraflow_worker.memory import out_of_memory
 from loraflow_worker.artifacts import FileStore
 from loraflow_worker.contract import JobInput, JobResult, Progress

@@ -24,7 +24,7 @@ BUILTIN_REWARD_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "length_penalty": (("target_length",), ()),
     "digit_fraction": ((), ()),
 }
-"""The worker's built-in rewards (`loraflow_worker.rewards`): name -> (required, optional) parameters."""
+"""The worker's built-in rewards (`loraflow_worker.training.rewards`): name -> (required, optional) parameters."""
 
 REWARD_STORE_PATH_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*\.py$"
 """A reward file's path inside the artifact store: relative, plain characters, no `..` (no segment starts

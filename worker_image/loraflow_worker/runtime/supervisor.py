@@ -1,6 +1,6 @@
 """Running one job's training in a child process, watching its console, and saying how it ended.
 
-The training runs as `python -m loraflow_worker.train_job <work_dir>/job.json` in its own process group,
+The training runs as `python -m loraflow_worker.training.train_job <work_dir>/job.json` in its own process group,
 so a crash (a CUDA fault, a segfault at exit, the kernel's OOM killer) cannot take the worker with it and
 a deadline can stop it with everything it started. The supervisor reads its merged stdout/stderr line by
 line: marker lines (`LORAFLOW_PROGRESS {json}`) become progress updates; every other line is echoed
@@ -130,7 +130,7 @@ def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress]
     spec.write_text(job.model_dump_json(indent=2))
     oom_kills_before = read_oom_kills()
     process = subprocess.Popen(
-        [sys.executable, "-m", "loraflow_worker.train_job", str(spec)],
+        [sys.executable, "-m", "loraflow_worker.training.train_job", str(spec)],
         cwd=work_dir,
         env=child_env(job),
         stdin=subprocess.DEVNULL,

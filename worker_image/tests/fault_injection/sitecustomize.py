@@ -9,7 +9,7 @@ setting that is not a secret. In a handler process (`python -m loraflow_worker.h
 `oom-killer`, it points the worker's cgroup reader at a fake cgroup (`fake_cgroup_root`); in any other
 process (pytest, localpod, a handler with another kind) this module only defines names.
 
-In a training process (`python -m loraflow_worker.train_job JOB_FILE`):
+In a training process (`python -m loraflow_worker.training.train_job JOB_FILE`):
 
     LORAFLOW_TEST_CRASH_AT_STEP=N  fail at the end of optimizer step N; 0: at the first import of
                                    transformers, before any training (the job file is already read)
@@ -64,7 +64,7 @@ CRASH_KIND_ENV = "LORAFLOW_TEST_CRASH_KIND"
 STEP_SECONDS_ENV = "LORAFLOW_TEST_STEP_SECONDS"
 KINDS = ("kill", "oom", "error", "hang", "exit-after-done", "cuda-error-oom", "cublas-alloc", "vllm-kv-cache",
          "oom-killer")
-TRAINING_MODULE = "loraflow_worker.train_job"
+TRAINING_MODULE = "loraflow_worker.training.train_job"
 """The training process runs as `python -m TRAINING_MODULE JOB_FILE` (the worker's supervisor starts it)."""
 HANDLER_MODULE = "loraflow_worker.handler"
 """The worker runs as `python -m HANDLER_MODULE` (the image's command; localpod's workers)."""

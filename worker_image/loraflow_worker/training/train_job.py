@@ -3,7 +3,7 @@
 
 The handler's supervisor starts it in the job's (empty) work dir:
 
-    python -m loraflow_worker.train_job <work_dir>/job.json
+    python -m loraflow_worker.training.train_job <work_dir>/job.json
 
 `job.json` is the validated job input, the process's only instructions (the run id and the artifact
 store come from it, never from the environment). Progress goes to stdout as `LORAFLOW_PROGRESS {json}`
@@ -24,12 +24,12 @@ from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_st
 from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
 from loraflow_worker.memory.out_of_memory import exception_memory_kind
 from loraflow_worker.runtime.supervisor import ERROR_FILE, PROGRESS_MARKER
-from loraflow_worker.tracking import finish_tracking, start_tracking
+from loraflow_worker.training.tracking import finish_tracking, start_tracking
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
 
-    from loraflow_worker.training_run import TrainOutcome
+    from loraflow_worker.training.run import TrainOutcome
 
 DEADLINE_SAVE_RETRY_BUDGET_S = 30.0
 """The deadline save retries a rate-limited or failing Hub this long: it must end before the supervisor kills
@@ -39,7 +39,7 @@ the training process (`supervisor.DEADLINE_KILL_GRACE_S` past the deadline)."""
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m loraflow_worker.train_job WORK_DIR/job.json", file=sys.stderr)
+        print("usage: python -m loraflow_worker.training.train_job WORK_DIR/job.json", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = Path(args[0])
@@ -60,13 +60,13 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     first, store the adapter trained so far and a checkpoint of its last step instead (one commit, no `DONE`)
     and raise `DeadlineReached`."""
     # The training stack takes seconds to import: after the job file is read, not before.
-    from loraflow_worker.checkpoints import CheckpointTimer, CheckpointUploader, download_latest_checkpoint
-    from loraflow_worker.training_monitor import DeadlineReached
+    from loraflow_worker.training.checkpoints import CheckpointTimer, CheckpointUploader, download_latest_checkpoint
+    from loraflow_worker.training.monitor import DeadlineReached
 
     if job.algorithm == "grpo":
-        from loraflow_worker.grpo import train_grpo as train
+        from loraflow_worker.training.grpo import train_grpo as train
     else:
-        from loraflow_worker.sft import train_sft as train
+        from loraflow_worker.training.sft import train_sft as train
 
     store = open_store(job.artifact_store)
     prefix = run_prefix(job.run_id)
@@ -134,7 +134,7 @@ def _publish_partial(store: ArtifactStore, prefix: str, job: JobInput, outcome: 
     """The deadline's save, in ONE commit and without `DONE` (the run is not complete): the checkpoint of the
     last step, where the next attempt resumes, the adapter trained so far under `<prefix>/partial/` and the
     trackers' files of the attempt, with `partial/result.json` last (written last by FileStore too, as in `_publish`)."""
-    from loraflow_worker.checkpoints import checkpoint_commit, checkpoints_prefix
+    from loraflow_worker.training.checkpoints import checkpoint_commit, checkpoints_prefix
 
     step = outcome.metrics.steps
     partial = PartialResult(run_id=job.run_id, attempt=job.attempt, step=step, total_steps=outcome.total_steps,

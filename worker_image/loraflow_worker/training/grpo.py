@@ -32,10 +32,16 @@ from trl import GRPOConfig, GRPOTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
-from loraflow_worker.fast_paths import VLLM_TEXT_ONLY, FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
-from loraflow_worker.rewards import check_reward_columns, resolve_rewards
-from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
-from loraflow_worker.training_run import (
+from loraflow_worker.training.fast_paths import (
+    VLLM_TEXT_ONLY,
+    FastPathPlan,
+    engage_fast_paths,
+    gather_facts,
+    plan_fast_paths,
+)
+from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
+from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
+from loraflow_worker.training.run import (
     TrainOutcome,
     evaluation_split,
     job_workload,

@@ -17,9 +17,9 @@ from trl import SFTConfig, SFTTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress
-from loraflow_worker.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
-from loraflow_worker.training_monitor import TrainingMonitor, check_deadline
-from loraflow_worker.training_run import (
+from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
+from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
+from loraflow_worker.training.run import (
     TrainOutcome,
     evaluation_split,
     job_workload,
