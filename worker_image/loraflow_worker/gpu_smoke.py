@@ -356,7 +356,7 @@ def build_smoke_model(out_dir: Path, size: Size) -> Path:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from loraflow_worker.tiny_model import DEFAULT_CORPUS, IM_END, corpus_from_jsonl, train_tokenizer
+    from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, IM_END, corpus_from_jsonl, train_tokenizer
 
     tokenizer = train_tokenizer(corpus_from_jsonl([DEFAULT_CORPUS]), vocab_size=size.vocab)
     head_dim = size.hidden // size.heads
@@ -390,7 +390,7 @@ def build_smoke_model(out_dir: Path, size: Size) -> Path:
 def write_datasets(out: Path, size: Size, total_steps: int) -> None:
     """The artifact store the children train from: long chats for SFT (each fills the sequence length), the
     shipped chats' questions for GRPO."""
-    from loraflow_worker.tiny_model import BUILTIN_TEXT, DEFAULT_CORPUS
+    from loraflow_worker.self_test.tiny_model import BUILTIN_TEXT, DEFAULT_CORPUS
 
     words = BUILTIN_TEXT.split()
     rng = random.Random(0)

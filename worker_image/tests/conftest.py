@@ -16,7 +16,7 @@ import pytest
 
 from loraflow_worker.contract import CONTRACT_VERSION
 from loraflow_worker.handler import WORK_DIR_ENV, handler
-from loraflow_worker.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
 from worker_test_support import BASE_TRAINING, PLANTED_SECRET
 
 TINY_CHAT = DEFAULT_CORPUS

@@ -17,7 +17,7 @@ from loraflow_worker.training.grpo import prompt_dataset
 from loraflow_worker.handler import WORK_DIR_ENV, handler
 from loraflow_worker.training.rewards import RewardError, resolve_rewards
 from loraflow_worker.training.sft import train_sft
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 
 CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]
 REWARD_FILE = "runs/{run_id}/rewards/answer_rewards.py"

@@ -23,7 +23,7 @@ from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.contract import EvaluationSettings, JobInput, JobResult, Progress, TrainMetrics
 from loraflow_worker.training.grpo import train_grpo
 from loraflow_worker.artifacts.manifest import rows_sha256
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.monitor import TrainingMonitor
 from loraflow_worker.training.run import TrainOutcome, evaluation_split, load_job_dataset
 

@@ -35,7 +35,7 @@ from loraflow_worker.artifacts.manifest import rows_sha256, training_config_sha2
 from loraflow_worker.memory.model_shape import read_model_shape, shape_from_config
 from loraflow_worker.memory.plan import CUDA_OVERHEAD_BYTES, MEMORY_HEADROOM, plan_job, plan_memory
 from loraflow_worker.training.sft import train_sft
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 
 EVERYTHING = {
     "liger-kernel": "0.8.5",

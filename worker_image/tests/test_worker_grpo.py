@@ -36,7 +36,7 @@ from loraflow_worker.training.rewards import (
     resolve_rewards,
 )
 from loraflow_worker.training.run import TrainOutcome
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 
 STEPS = 20
 

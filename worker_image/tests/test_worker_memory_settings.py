@@ -15,7 +15,7 @@ from loraflow_worker.training.fast_paths import Workload, gather_facts
 from loraflow_worker.handler import JobRefused, handler
 from loraflow_worker.artifacts.manifest import training_config_sha256
 from loraflow_worker.training.sft import train_sft
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.run import job_workload, shared_trainer_args
 
 GRPO = {"num_generations": 4, "rewards": [{"name": "format", "pattern": "x"}]}

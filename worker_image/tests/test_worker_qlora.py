@@ -18,7 +18,7 @@ from loraflow_worker.contract import JobInput
 from loraflow_worker.training.fast_paths import FastPathPlan
 from loraflow_worker.training.grpo import train_grpo
 from loraflow_worker.training.sft import train_sft
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.run import load_model, lora_config, quantization_config
 
 

@@ -14,7 +14,7 @@ from loraflow_worker.contract import JobInput
 from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
 from loraflow_worker.runtime.redaction import redact_secrets
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 
 JUDGE_KEY, JUDGE_AUTH, JUDGE_URL = "judge-key-value-0001", "judge-auth-value-0002", "http://judge.example/score"
 JOB = dict(run_id="run-1", model={"id": "m"}, dataset={"hub_id": "d"}, artifact_store="hf://datasets/org/artifacts")

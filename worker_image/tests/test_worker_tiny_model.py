@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import loraflow_worker
-from loraflow_worker.tiny_model import DEFAULT_CORPUS as TINY_CHAT
-from loraflow_worker.tiny_model import VOCAB_SIZE, corpus_from_jsonl, main, train_tokenizer
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS as TINY_CHAT
+from loraflow_worker.self_test.tiny_model import VOCAB_SIZE, corpus_from_jsonl, main, train_tokenizer
 
 WORKER_IMAGE = Path(__file__).resolve().parents[1]
 REPOSITORY_DATASET = WORKER_IMAGE.parent / "deployments" / "data" / "tiny-chat.jsonl"

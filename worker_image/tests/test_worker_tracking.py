@@ -25,7 +25,7 @@ from worker_test_support import stored_files_containing
 
 from loraflow_worker.contract import JobInput, JobResult, TrainingSettings
 from loraflow_worker.runtime.environment import child_env
-from loraflow_worker.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.tracking import tracker_files, tracking_env
 
 STEPS, EVERY = 6, 3

@@ -4,8 +4,8 @@ Local mode, the tests and the demo train this model instead of a real one, so no
 from the Hub. It is small enough to train 50 LoRA steps in a few seconds on one CPU core, and large
 enough to memorise the shipped chat dataset.
 
-    python -m loraflow_worker.tiny_model --out /tmp/tiny-qwen3
-    python -m loraflow_worker.tiny_model --out /tmp/tiny-qwen3 --corpus my-chat.jsonl other.jsonl
+    python -m loraflow_worker.self_test.tiny_model --out /tmp/tiny-qwen3
+    python -m loraflow_worker.self_test.tiny_model --out /tmp/tiny-qwen3 --corpus my-chat.jsonl other.jsonl
 
 The result is an ordinary `save_pretrained` folder: pass its path as the job's `model.id`.
 """
@@ -21,9 +21,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny-chat.jsonl"
-"""The shipped chat dataset (package data, so installed workers and the image have it; the repository's
-`deployments/data/tiny-chat.jsonl` is a link to it): its texts train the default tokenizer."""
+DEFAULT_CORPUS = Path(__file__).resolve().parents[1] / "data" / "tiny-chat.jsonl"
+"""The shipped chat dataset (package data in `loraflow_worker/data/`, so installed workers and the image have it; the
+repository's `deployments/data/tiny-chat.jsonl` is a link to it): its texts train the default tokenizer."""
 
 VOCAB_SIZE = 512
 SEED = 0

@@ -56,7 +56,7 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
     """One SFT and one GRPO job through `handler` on a tiny model; algorithm -> the job's result."""
     from loraflow_worker.contract import CONTRACT_VERSION
     from loraflow_worker.handler import WORK_DIR_ENV, handler
-    from loraflow_worker.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
+    from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
 
     model = build_tiny_model(root / "tiny-model", corpus_from_jsonl([DEFAULT_CORPUS]))
     store = root / "store"
