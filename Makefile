@@ -36,7 +36,7 @@ UV_PIP := $(UV) pip install --quiet
 # The interpreter $(PYTHON) names, resolved (a pyenv shim or a bare `python3` becomes the real one).
 PYTHON_EXE = $$($(PYTHON) -c 'import sys; print(sys.executable)')
 
-.PHONY: demo test install lock system-packages image image-test control-plane-image
+.PHONY: demo test install lock system-packages team-demo image image-test control-plane-image
 
 # When make started: the demo's installing is the time from here to its run.
 STARTED := $(shell date +%s.%N)
@@ -58,7 +58,7 @@ install:
 	@$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(WORKER_VENV)/.installed
 
 # Debian's packages the tests start: headless Chromium (the UI tests), PostgreSQL and Redis (the team
-# setup's tests). Installed when missing (as root, or through sudo).
+# setup's tests). Installed when missing (as root, or through sudo). A target may need fewer (team-demo).
 SYSTEM_PACKAGES := chromium postgresql redis-server
 system-packages:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -105,6 +105,14 @@ $(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constrai
 	@$(WORKER_PY) -c 'import sys, torch; sys.exit(torch.version.cuda and f"$(WORKER_VENV) got a CUDA build of torch ({torch.__version__})")'
 	@touch $@
 
+# The team setup on this machine (README, "For a team"): PostgreSQL, Redis, a Prefect server, localpod and 3
+# Prefect workers, then 6 tiny-model runs on 2 slots. ARGS replaces the demo's options (ARGS="--workers 3"
+# keeps the stack up until Ctrl-C).
+TEAM_DEMO_ARGS := --runs 6 --quota 2
+team-demo: SYSTEM_PACKAGES := postgresql redis-server
+team-demo: system-packages install
+	$(PY) -m deployments.team_stack $(if $(ARGS),$(ARGS),$(TEAM_DEMO_ARGS))
+
 # The worker image (the real lock, GPU packages included), built from Debian's packages when no
 # registry serves the base image; then its own checks and a short SFT and GRPO job inside it, on the CPU.
 image:
@@ -117,6 +125,7 @@ image-test: system-packages install
 # builds it (offline: CONTROL_PLANE_BASE=loraflow-base:bookworm, made by worker_image/base_image.sh).
 CONTROL_PLANE_BASE ?= python:3.11-slim-bookworm
 control-plane-image:
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make: no Docker engine answers '$(DOCKER) info': start dockerd (apt-get install docker.io), or set DOCKER" >&2; exit 1; }
 	bash deployments/docker/build_ca.sh copy
 	$(DOCKER) build --network host --build-arg BASE_IMAGE=$(CONTROL_PLANE_BASE) -f deployments/docker/Dockerfile \
 		-t loraflow-control-plane . ; rc=$$?; bash deployments/docker/build_ca.sh remove; exit $$rc

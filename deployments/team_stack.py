@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from deployments.local_stack import REPO, LocalStack, Service, build_tiny_model, free_port, start_service
+from deployments.local_stack import REPO, WORKER_PYTHON, LocalStack, Service, build_tiny_model, free_port, start_service
 
 POOL = "loraflow"
 """The pool prefect.yaml's deployments name, so `prefect deploy --all` targets these workers."""
@@ -83,12 +83,46 @@ CRASH_SILENT_RUNS = {
 }
 
 
+POSTGRES_BINS = "/usr/lib/postgresql/*/bin"
+"""Where Debian's `postgresql` puts each major version's server programs (not on PATH)."""
+POSTGRES_PROGRAMS = ("initdb", "postgres", "pg_isready", "createdb")
+INSTALL_FIX = "`make team-demo` installs what the team setup needs (as `make test` does) and runs its demo"
+
+
 def postgres_bin(name: str) -> Path:
     """A PostgreSQL server binary from Debian's `postgresql` (the newest installed major version)."""
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=lambda p: int(p.split("/")[4]))
+    found = sorted(glob.glob(f"{POSTGRES_BINS}/{name}"), key=lambda p: int(Path(p).parents[1].name))
     if not found:
-        raise RuntimeError(f"no PostgreSQL server ({name}): `make system-packages` installs Debian's postgresql")
+        raise RuntimeError(f"no PostgreSQL server ({name}): {INSTALL_FIX}")
     return Path(found[-1])
+
+
+def redis_server() -> str:
+    found = shutil.which("redis-server")
+    if not found:
+        raise RuntimeError(f"no redis-server on PATH: {INSTALL_FIX}")
+    return found
+
+
+def missing_system_packages() -> list[str]:
+    """The Debian packages whose programs the stack starts and this machine lacks."""
+    missing = []
+    if not all(glob.glob(f"{POSTGRES_BINS}/{name}") for name in POSTGRES_PROGRAMS):
+        missing.append("postgresql")
+    if not shutil.which("redis-server"):
+        missing.append("redis-server")
+    return missing
+
+
+def setup_problem(worker_python: Path = WORKER_PYTHON) -> str | None:
+    """What this machine lacks for the stack, in one line that names the command that fixes it; None if nothing."""
+    missing = missing_system_packages()
+    if missing:
+        return f"Debian's {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: {INSTALL_FIX}"
+    if not os.access(worker_python, os.X_OK):
+        return (f"no worker environment at {worker_python}: {INSTALL_FIX} (`make install` makes the environments alone), "
+                "or point LORAFLOW_WORKER_PYTHON at a worker interpreter")
+    return None
 
 
 def team_server_env(database_url: str, redis_url: str) -> dict[str, str]:
@@ -256,7 +290,7 @@ class TeamStack:
         (self.home / "redis").mkdir(exist_ok=True)
         # The append-only file keeps leases across a Redis restart too, as a production Redis would.
         self.services["redis"] = start_service(
-            "redis", [shutil.which("redis-server") or "/usr/bin/redis-server", "--bind", "127.0.0.1", "--port",
+            "redis", [redis_server(), "--bind", "127.0.0.1", "--port",
                       str(port), "--dir", str(self.home / "redis"), "--appendonly", "yes", "--save", ""],
             {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, f"redis://127.0.0.1:{port}/0", "",
             self.home / "logs" / "redis.log", ready=lambda: _redis_ready(port))
@@ -338,6 +372,10 @@ def main() -> int:
                              "runs, wait for them, print what happened and stop. 0: keep the stack up until Ctrl-C.")
     parser.add_argument("--quota", type=int, default=3, help="With --runs: slots of runpod-endpoints (when missing).")
     args = parser.parse_args()
+    # Before anything starts: a missing program is a set-up step to name, not a traceback from deep inside.
+    if problem := setup_problem():
+        print(f"team_stack: {problem}", file=sys.stderr)
+        return 2
     with TeamStack(Path(args.home), workers=args.workers, worker_limit=args.limit) as team:
         server = team_server_env(team.database_url, team.redis_url)
         print(f"Prefect UI: {team.local.prefect_ui_url}   pool: {team.pool}, {args.workers} workers\n"
