@@ -98,7 +98,7 @@ step_verify() {
     "$LORAFLOW_VENV/bin/python" - <<'PY'
 import importlib.metadata as md
 import torch, transformers, trl, peft, wandb, mlflow  # noqa: F401  the training stack and trackers import without a GPU
-import loraflow_worker.handler, loraflow_worker.grpo, loraflow_worker.gpu_smoke  # noqa: F401
+import loraflow_worker.handler, loraflow_worker.training.grpo, loraflow_worker.gpu_smoke.runner  # noqa: F401
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
       "trl", trl.__version__, "peft", peft.__version__, "runpod", md.version("runpod"),
       "wandb", wandb.__version__, "mlflow", mlflow.__version__, "loraflow-worker", md.version("loraflow-worker"))
@@ -158,10 +158,10 @@ import loraflow_worker.contract  # noqa: F401  light: pydantic only
 installed = Path(loraflow_worker.__file__).resolve().parent
 if Path(sys.argv[1]).resolve() not in installed.parents:
     sys.exit(f"loraflow_worker imported from {installed}, not from the install target {sys.argv[1]}")
-modules = sorted(p.stem for p in installed.glob("*.py"))
-for needed in ("handler", "sft", "grpo", "rewards", "fast_paths", "gpu_smoke"):
+modules = sorted(".".join(p.relative_to(installed).with_suffix("").parts) for p in installed.rglob("*.py"))
+for needed in ("handler", "training.sft", "training.grpo", "training.rewards", "training.fast_paths", "gpu_smoke.runner"):
     if needed not in modules:
-        sys.exit(f"the installed worker lacks {needed}.py")
+        sys.exit(f"the installed worker lacks {needed.replace('.', '/')}.py")
 print(f"worker ok: {len(modules)} modules installed --no-deps into {sys.argv[1]}")
 PY
     fi

@@ -11,8 +11,8 @@
 #   worker_image/gpu_smoke.sh --variants all,no-liger,no-vllm --deadline 900   # other runs, 15 minutes at most
 #   PYTHON=.venv-worker/bin/python worker_image/gpu_smoke.sh --cpu --steps 2 --warmup 1 --variants all   # the CPU check the tests run
 #
-# Other options go to gpu_smoke.py: --variants A,B,..., --steps N (timed), --warmup N, --deadline S, --out DIR,
-# --variant-timeout S, --allow-busy-gpu.
+# Other options go to python -m loraflow_worker.gpu_smoke: --variants A,B,..., --steps N (timed), --warmup N,
+# --deadline S, --out DIR, --variant-timeout S, --allow-busy-gpu.
 # Settings (environment): PYTHON (default python3), SMOKE_VENV (default /tmp/loraflow-smoke-venv, for --wheels),
 # SMOKE_SITE (default /tmp/loraflow-smoke-site, for --carried), PACK_PYTHON_VERSION (default 3.12, for --pack: a
 # lent machine's Python).

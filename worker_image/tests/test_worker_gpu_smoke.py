@@ -18,23 +18,10 @@ import pytest
 
 from loraflow_worker.contract import FORCIBLE_FAST_PATHS
 from loraflow_worker.training.fast_paths import FAST_PATHS
-from loraflow_worker.gpu_smoke import (
-    SLOT_DEADLINE_S,
-    SLOT_RUNS,
-    VARIANTS,
-    DeviceMemory,
-    Run,
-    Variant,
-    _checked,
-    gpu_refusal,
-    kernel_problems,
-    main,
-    read_gpu,
-    report,
-    run_in_session,
-    run_variants,
-    skip_reason,
-)
+from loraflow_worker.gpu_smoke.machine import DeviceMemory, gpu_refusal, kernel_problems, read_gpu
+from loraflow_worker.gpu_smoke.report import report
+from loraflow_worker.gpu_smoke.runner import SLOT_DEADLINE_S, _checked, main, run_in_session, run_variants
+from loraflow_worker.gpu_smoke.variants import SLOT_RUNS, VARIANTS, Run, Variant, skip_reason
 
 WORKER_IMAGE = Path(__file__).resolve().parents[1]
 GPU_SMOKE = WORKER_IMAGE / "gpu_smoke.sh"

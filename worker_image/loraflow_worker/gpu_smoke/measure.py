@@ -1,0 +1,148 @@
+"""One GPU smoke run, in a process of its own: a variant trains through the worker's own SFT or GRPO body, and the
+process prints its figures (tokens/s after the warm-up, torch's and the device's memory peaks, what engaged, the
+completions vLLM generated) as one `RESULT_MARKER` line for the runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from packaging.version import Version
+
+from loraflow_worker.gpu_smoke.machine import GIB, DeviceMemory, installed_versions
+from loraflow_worker.gpu_smoke.variants import Size, by_name
+from loraflow_worker.training.fast_paths import ALLOC_CONF_ENV
+
+RESULT_MARKER = "GPU_SMOKE_RESULT "
+
+
+# The worker reads what the CUDA allocator holds through torch._C._accelerator_getAllocatorSettings, which the
+# torch 2.12.0 and 2.13.0 wheels have and the 2.11.0 wheel (a lent machine's own torch) lacks.
+ALLOCATOR_GETTER_SINCE = Version("2.12")
+
+
+def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: int, steps: int) -> int:
+    """Train `variant_name` for `algorithm` (`warmup` untimed steps, then `steps` timed ones) on the model and data
+    in `out`, print the figures as one `RESULT_MARKER` line; 0."""
+    import torch
+    from transformers import TrainerCallback
+
+    from loraflow_worker.artifacts import open_store
+    from loraflow_worker.contract import JobInput
+
+    cuda = torch.cuda.is_available()
+    variant = by_name([variant_name])[0]
+    allocator_probe = None
+    if cuda and Version(torch.__version__).release < ALLOCATOR_GETTER_SINCE.release:
+        # Set before CUDA initialises (fast_paths.gather_facts does so), the variable is what the allocator holds.
+        torch._C._accelerator_getAllocatorSettings = lambda: os.environ.get(ALLOC_CONF_ENV, "")
+        allocator_probe = (f"read from {ALLOC_CONF_ENV}: torch {torch.__version__} has no "
+                           f"torch._C._accelerator_getAllocatorSettings (torch >= {ALLOCATOR_GETTER_SINCE} has)")
+    device_memory = DeviceMemory.open() if cuda else None
+
+    class Throughput(TrainerCallback):
+        """(time, tokens seen) at the end of every optimizer step, once the GPU has finished the step's work."""
+
+        def __init__(self) -> None:
+            self.marks: list[tuple[float, int]] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()  # the kernels are queued asynchronously: wait for them before reading the clock
+            self.marks.append((time.perf_counter(), int(state.num_input_tokens_seen)))
+
+    run_id = f"{variant.name}-{algorithm}"
+    job_input = {
+        "run_id": run_id,
+        "algorithm": algorithm,
+        "model": {"id": str(out / "model")},
+        "dataset": {"store_path": f"data/{algorithm}.jsonl"},
+        "training": {"max_steps": warmup + steps, "batch_size": size.batch, "learning_rate": 1e-4, "logging_steps": 1},
+        "artifact_store": (out / "store").as_uri(),
+        "fast_paths": {**dict.fromkeys(variant.disabled, False), **dict.fromkeys(variant.forced, True)},
+    }
+    if variant.quantization:
+        job_input["lora"] = {"quantization": variant.quantization}
+    if algorithm == "sft":
+        job_input["training"]["max_seq_length"] = size.seq_len
+    else:
+        job_input["training"]["batch_size"] = size.batch * size.generations // 2
+        job_input["grpo"] = {"num_generations": size.generations, "max_completion_length": size.completion_len,
+                             "rewards": [{"name": "digit_fraction"}]}
+    job = JobInput.model_validate(job_input)
+    work_dir = out / "work" / run_id
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if algorithm == "sft":
+        from loraflow_worker.training.sft import train_sft as train
+    else:
+        from loraflow_worker.training.grpo import train_grpo as train
+    # Only a GRPO run that may colocate vLLM counts its completions: the counter imports TRL's vLLM module, which
+    # imports vLLM wherever it is installed, and an SFT run must not pay for (or be changed by) that import.
+    may_use_vllm = algorithm == "grpo" and "vllm" in installed_versions() and "vllm_colocate" not in variant.disabled
+    vllm = _count_vllm_completions() if may_use_vllm else {"completions": 0}
+    throughput = Throughput()
+    if device_memory:
+        device_memory.start()
+    try:
+        outcome = train(job, open_store(job.artifact_store), work_dir, lambda progress: None, callbacks=[throughput])
+    finally:
+        device = device_memory.stop() if device_memory else None
+    (t0, n0), (t1, n1) = throughput.marks[warmup - 1], throughput.marks[-1]
+    result = {
+        "variant": variant.name,
+        "algorithm": algorithm,
+        "quantization": variant.quantization,
+        "timed_steps": len(throughput.marks) - warmup,
+        "tokens_per_second": (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0,
+        "device": outcome.metrics.device,
+        "max_memory_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 2) if cuda else None,
+        "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 2) if cuda else None,
+        "device_peak_gib": device["peak_gib"] if device else None,
+        "device_baseline_gib": device["baseline_gib"] if device else None,
+        "vllm_completions": vllm["completions"],
+        "vllm_imported": "vllm" in sys.modules,
+        "fla_backends": _fla_backends(),
+        "allocator_probe": allocator_probe,
+        "fast_paths": {name: [p.engaged, p.reason] for name, p in outcome.manifest.fast_paths.items()},
+        "error": None,
+    }
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return 0
+
+
+def _fla_backends() -> dict[str, str] | None:
+    """The backend fla chose for each operation it dispatched in this process ('triton' where no other backend is
+    enabled and available), or None when fla was never imported. TODO: read it from a public API once fla has one
+    (fla-core 0.6.0 keeps the registries in `fla.backends._operation_registries`)."""
+    if "fla" not in sys.modules:
+        return None
+    try:
+        from fla.backends import _operation_registries
+    except ImportError:  # before 0.6, fla kept them in fla.ops.backends (0.5.2): the run's figures stand without them
+        return {"all": "unknown (no fla.backends in this fla)"}
+
+    chosen = {}
+    for operation, registry in _operation_registries.items():
+        active = registry.get_active()
+        chosen[operation] = active.backend_type if active else "triton"
+    return chosen
+
+
+def _count_vllm_completions() -> dict[str, int]:
+    """Counts the completions vLLM returns to TRL, where TRL's `VLLMGeneration.generate` hands them to the trainer
+    (its second result: one token list per completion). Wraps that method in this child process only."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    counts = {"completions": 0}
+    generate = VLLMGeneration.generate
+
+    def counting_generate(self, *args, **kwargs):
+        result = generate(self, *args, **kwargs)
+        counts["completions"] += len(result[1])
+        return result
+
+    VLLMGeneration.generate = counting_generate
+    return counts

@@ -1,0 +1,67 @@
+"""What every GPU smoke run trains on: a random-init Qwen3.5 model with a real model's vocabulary, and the
+datasets of the artifact store the runs read."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from loraflow_worker.gpu_smoke.variants import Size
+
+
+def build_smoke_model(out_dir: Path, size: Size) -> Path:
+    """A random-init Qwen3.5 text model (Gated-DeltaNet layers, one full-attention layer in four) of `size`, with
+    a tokenizer trained on the shipped chat corpus and padded to the vocabulary, saved into `out_dir` in bf16."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, IM_END, corpus_from_jsonl, train_tokenizer
+
+    tokenizer = train_tokenizer(corpus_from_jsonl([DEFAULT_CORPUS]), vocab_size=size.vocab)
+    head_dim = size.hidden // size.heads
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=size.hidden,
+        intermediate_size=3 * size.hidden,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=max(1, size.heads // 4),
+        head_dim=head_dim,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+        linear_num_key_heads=size.heads,
+        linear_num_value_heads=2 * size.heads,
+        full_attention_interval=4,
+        max_position_embeddings=4 * size.seq_len,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_datasets(out: Path, size: Size, total_steps: int) -> None:
+    """The artifact store the children train from: long chats for SFT (each fills the sequence length), the
+    shipped chats' questions for GRPO."""
+    from loraflow_worker.self_test.tiny_model import BUILTIN_TEXT, DEFAULT_CORPUS
+
+    words = BUILTIN_TEXT.split()
+    rng = random.Random(0)
+    chats = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]
+    data = out / "store" / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    with (data / "sft.jsonl").open("w") as f:
+        for i in range(size.batch * total_steps):
+            # Each word is at least one token, so this fills max_seq_length (the rest is truncated).
+            answer = " ".join(rng.choice(words) for _ in range(size.seq_len))
+            f.write(json.dumps({"messages": [chats[i % len(chats)][0], {"role": "assistant", "content": answer}]}) + "\n")
+    with (data / "grpo.jsonl").open("w") as f:
+        for chat in chats:
+            f.write(json.dumps({"messages": chat}) + "\n")

@@ -1,0 +1,107 @@
+"""What the GPU smoke runs: the worker's configurations (variants of its fast paths), the model and batch sizes on
+a GPU and on a CPU, the runs a lent machine's slot holds, and each run's share of the time."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of the worker: `all` less the `disabled` fast paths, plus the `forced` memory savers, with
+    the base model loaded in `quantization` bits when set. `needs` is (distribution, why): without it the variant
+    is skipped, not run."""
+
+    name: str
+    algorithms: tuple[str, ...]
+    disabled: frozenset[str] = frozenset()
+    forced: frozenset[str] = frozenset()
+    quantization: str | None = None
+    needs: tuple[str, str] | None = None
+
+
+KERNELS = frozenset({"liger_kernel", "flash_linear_attention", "causal_conv1d", "fused_adamw", "expandable_segments"})
+"""The speed-ups `no-kernels` removes together. Precision (bf16) and the memory trade-offs (gradient checkpointing,
+8-bit AdamW, which the memory estimate decides) are measured by variants of their own."""
+VARIANTS = (
+    Variant("all", ("sft", "grpo")),
+    Variant("no-liger", ("sft",), disabled=frozenset({"liger_kernel"}),
+            needs=("liger-kernel", "without it `all` already ran without Liger")),
+    Variant("no-fla", ("sft",), disabled=frozenset({"flash_linear_attention", "causal_conv1d"}),
+            needs=("flash-linear-attention", "without it `all` already ran transformers' torch loop")),
+    Variant("qlora", ("sft",), quantization="4bit",
+            needs=("bitsandbytes", "QLoRA loads the base model in 4 bits through it")),
+    Variant("no-fused-adamw", ("sft",), disabled=frozenset({"fused_adamw"})),
+    Variant("no-expandable-segments", ("sft",), disabled=frozenset({"expandable_segments"})),
+    Variant("no-kernels", ("sft",), disabled=KERNELS),
+    Variant("checkpointing", ("sft",), forced=frozenset({"gradient_checkpointing"})),
+    Variant("no-checkpointing", ("sft",), disabled=frozenset({"gradient_checkpointing"})),
+    Variant("paged-adamw-8bit", ("sft",), forced=frozenset({"paged_adamw_8bit"}),
+            needs=("bitsandbytes", "8-bit paged AdamW is its optimizer")),
+    Variant("no-vllm", ("grpo",), disabled=frozenset({"vllm_colocate"})),
+)
+SLOT_RUNS = (("all", "sft"), ("no-liger", "sft"), ("no-fla", "sft"), ("qlora", "sft"), ("no-vllm", "grpo"))
+"""What a GPU run does unless `--variants` says otherwise: what fits a lent machine's slot. GRPO goes without vLLM
+(`use_vllm=False`): a lent machine has none, and vLLM's start alone would take a large part of the budget."""
+CPU_VARIANTS = ("all", "no-kernels")
+"""What `--cpu` runs unless `--variants` says otherwise (on CPU every fast path is off anyway)."""
+ALGORITHM_WEIGHT = {"sft": 1.0, "grpo": 2.0}
+"""A run's share of the time left, relative to the other runs still to come. A GRPO step also generates its
+completions token by token (transformers' `generate` without vLLM), so it gets twice an SFT run's share: an
+estimate, not a measurement (no GPU run has been timed yet)."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """Model and batch shape of a smoke run."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    seq_len: int
+    batch: int
+    generations: int
+    completion_len: int
+
+
+GPU_SIZE = Size(vocab=151_936, hidden=2048, layers=8, heads=16, seq_len=2048, batch=8, generations=8, completion_len=256)
+"""Qwen3's vocabulary and a 2B-class width (Qwen3.5-2B: hidden 2048), fewer layers to keep each run short."""
+CPU_SIZE = Size(vocab=1024, hidden=64, layers=4, heads=4, seq_len=64, batch=4, generations=2, completion_len=8)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (variant, algorithm) of a smoke run; `skipped` says why it will not run, when it will not."""
+
+    variant: Variant
+    algorithm: str
+    skipped: str | None = None
+
+    @property
+    def weight(self) -> float:
+        return ALGORITHM_WEIGHT[self.algorithm]
+
+
+def skip_reason(variant: Variant, packages: Mapping[str, str]) -> str | None:
+    """Why `variant` cannot run with the installed `packages` (distribution -> version), or None."""
+    if variant.needs is None or variant.needs[0] in packages:
+        return None
+    distribution, why = variant.needs
+    return f"{distribution} is not installed ({why})"
+
+
+def parse_variant_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in {v.name for v in VARIANTS}]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}: "
+                                         f"use any of {', '.join(v.name for v in VARIANTS)}")
+    return names
+
+
+def by_name(names: Sequence[str]) -> list[Variant]:
+    known = {v.name: v for v in VARIANTS}
+    return [known[name] for name in names]
