@@ -60,7 +60,7 @@ step_contract_version() {
     version="$(contract_version)"
     if [[ "${1:-}" == "--expect" ]]; then
         # The Dockerfile's label comes from a build arg: an image must not carry a label its code contradicts.
-        [[ "${2:-}" == "$version" ]] || die "the build says contract version '${2:-}' and contract.py says $version: \
+        [[ "${2:-}" == "$version" ]] || die "the build says contract version '${2:-}' and contract/version.py says $version: \
 build with --build-arg CONTRACT_VERSION=\$(worker_image/build.sh contract-version) (image.sh build does)"
     fi
     echo "$version"

@@ -1,5 +1,5 @@
 """The RunPod serverless handler: one job = one LoRA training run, published to the artifact store, or
-one preload of Hub models onto the endpoint's network volume (`"mode": "preload"`, preload.py).
+one preload of Hub models onto the endpoint's network volume (`"mode": "preload"`, runtime/preload.py).
 
 On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 
@@ -15,11 +15,11 @@ Locally, one job through runpod's test mode (no server involved):
 (the dataset must already be in the store at `store_path`). The job's artifacts land under
 `runs/<run_id>/` in the store, `DONE` last; a redelivered job whose `DONE` exists returns the stored
 result without training again. With `LORAFLOW_REQUIRE_CUDA=1` (the control plane's training endpoints) a
-train job first checks that CUDA starts and fails at once when it does not (cuda_check.py; set 0 to train
-on the CPU, as localpod's workers do). The training itself runs in a child process (supervisor.py); the job
+train job first checks that CUDA starts and fails at once when it does not (runtime/cuda_check.py; set 0 to train
+on the CPU, as localpod's workers do). The training itself runs in a child process (runtime/supervisor.py); the job
 succeeded when `DONE` is in the store, whatever that process's exit code. A failed job leaves its
 console tail in `runs/<run_id>/console.txt`. The worker exits by itself at the run's deadline
-(lifetime.py).
+(runtime/lifetime.py).
 """
 
 from __future__ import annotations

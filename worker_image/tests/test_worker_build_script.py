@@ -75,12 +75,12 @@ def test_the_control_plane_reads_the_contract_version_from_the_tag():
     assert re.search(r"(?:^|[-_.:])contract(\d+)(?=$|[-_.])", tag).group(1) == str(CONTRACT_VERSION)
 
 
-def test_contract_version_is_read_from_contract_py_and_checked():
+def test_contract_version_is_read_from_the_contract_and_checked():
     assert _run(BUILD, "contract-version").stdout.strip() == str(CONTRACT_VERSION)
     assert _run(BUILD, "contract-version", "--expect", str(CONTRACT_VERSION)).returncode == 0
     wrong = _run(BUILD, "contract-version", "--expect", str(CONTRACT_VERSION + 1))
     assert wrong.returncode != 0
-    assert f"the build says contract version '{CONTRACT_VERSION + 1}' and contract.py says {CONTRACT_VERSION}" in wrong.stderr
+    assert f"the build says contract version '{CONTRACT_VERSION + 1}' and contract/version.py says {CONTRACT_VERSION}" in wrong.stderr
 
 
 def test_the_image_carries_its_contract_version_as_a_label_checked_against_its_code():

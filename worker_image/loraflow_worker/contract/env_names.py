@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 """An environment variable's name as a shell accepts it: letters, digits and `_`, not starting with a digit."""
 MAX_WORKER_ENV = 64

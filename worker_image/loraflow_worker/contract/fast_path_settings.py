@@ -6,7 +6,6 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from loraflow_worker.contract.version import _Strict
 
-
 FORCIBLE_FAST_PATHS = ("gradient_checkpointing", "paged_adamw_8bit")
 """The fast paths a run may force on (`true`): the memory trade-offs. Kernels are on wherever they can be."""
 

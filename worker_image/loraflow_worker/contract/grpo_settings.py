@@ -11,7 +11,6 @@ from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS, REWARD_
 from loraflow_worker.contract.training_settings import TrainingSettings
 from loraflow_worker.contract.version import _Strict
 
-
 _REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")
 
 

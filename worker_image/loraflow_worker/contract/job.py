@@ -15,7 +15,6 @@ from loraflow_worker.contract.sources import DatasetSource, ModelSource
 from loraflow_worker.contract.training_settings import EvaluationSettings, LoraSettings, TrainingSettings
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
-
 MAX_EXTRA_PACKAGES = 20
 _REQUIREMENT = re.compile(
     r"^[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"  # project name (PEP 508)

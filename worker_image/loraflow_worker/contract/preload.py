@@ -11,7 +11,6 @@ from pydantic import Field, field_validator
 from loraflow_worker.contract.sources import ModelSource
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
-
 MAX_PRELOAD_MODELS = 100
 _HUB_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 """`name` or `namespace/name`: what a Hub model id can be, and no local path (`/x`, `./x`, `a/b/c`) is."""

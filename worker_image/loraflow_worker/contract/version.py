@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-
 CONTRACT_VERSION = 5
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
 and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,

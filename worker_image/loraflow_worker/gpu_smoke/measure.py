@@ -37,7 +37,8 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
     variant = by_name([variant_name])[0]
     allocator_probe = None
     if cuda and Version(torch.__version__).release < ALLOCATOR_GETTER_SINCE.release:
-        # Set before CUDA initialises (fast_paths.gather_facts does so), the variable is what the allocator holds.
+        # Set before CUDA initialises (training.fast_paths.gather_facts does so), the variable is what the allocator
+        # holds.
         torch._C._accelerator_getAllocatorSettings = lambda: os.environ.get(ALLOC_CONF_ENV, "")
         allocator_probe = (f"read from {ALLOC_CONF_ENV}: torch {torch.__version__} has no "
                            f"torch._C._accelerator_getAllocatorSettings (torch >= {ALLOCATOR_GETTER_SINCE} has)")

@@ -62,8 +62,9 @@ SLOT_DEADLINE_S = 420.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loraflow_worker.gpu_smoke",
-                                     description="Train a Qwen3.5-shaped model through the worker, with and without fast paths.")
+    parser = argparse.ArgumentParser(
+        prog="python -m loraflow_worker.gpu_smoke",
+        description="Train a Qwen3.5-shaped model through the worker, with and without fast paths.")
     parser.add_argument("--cpu", action="store_true", help="Run on CPU (checks the machinery; nothing engages).")
     parser.add_argument("--variants", type=parse_variant_names, default=None,
                         help=f"Comma-separated variants to run, in this order, each for every algorithm it has (default "

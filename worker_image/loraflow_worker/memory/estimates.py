@@ -24,7 +24,6 @@ from pydantic import BaseModel, Field, computed_field
 
 from loraflow_worker.memory.model_shape import KV_BYTES, ModelShape
 
-
 GIB = 2**30
 
 

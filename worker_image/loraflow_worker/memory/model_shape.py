@@ -11,7 +11,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 KV_BYTES = 2
 """Bytes per cached key or value: bf16, vLLM's and transformers' cache dtype for a bf16 model."""
 

@@ -4,7 +4,7 @@ container's cgroup, and the marker that starts the job's error for each.
 The control plane searches a failed job's error for these markers (anywhere in it: RunPod's runtime adds
 its own prefixes) and reacts by kind: a bigger GPU for `gpu`, vLLM's share for `vllm_kv_cache`, a host with
 more RAM for `host_ram`. The supervisor puts exactly one of them at the start of the message
-(`supervisor.ChildExit.failure_message`); everything that decides which is in this module.
+(`runtime.supervisor.ChildExit.failure_message`); everything that decides which is in this module.
 """
 
 from __future__ import annotations

@@ -269,8 +269,8 @@ def plan_memory(
 def plan_job(job: JobInput, shape: ModelShape, gpu_memory_bytes: int) -> MemoryPlan:
     """`plan_memory` for a job, on a GPU of `gpu_memory_bytes`, as the worker will see it on the GPU (TRL's fused LM
     head, vLLM colocated for GRPO unless the job turns it off, the job's forced memory settings, then its
-    `fast_paths`, as `fast_paths.plan_fast_paths` ranks them): how the control plane judges a GPU before renting it.
-    Liger's smaller activations are not counted, so the estimate errs high."""
+    `fast_paths`, as `training.fast_paths.plan_fast_paths` ranks them): how the control plane judges a GPU before
+    renting it. Liger's smaller activations are not counted, so the estimate errs high."""
     t, forced = job.training, job.memory
     micro = forced.micro_batch_size if forced is not None and forced.micro_batch_size else t.batch_size
     if job.algorithm == "grpo":

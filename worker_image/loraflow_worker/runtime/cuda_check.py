@@ -13,7 +13,7 @@ The probe runs in a short process of its own, with the training process's enviro
     python -m loraflow_worker.runtime.cuda_check      # prints the probe as JSON; exit status 0 when CUDA started
 
 so that the handler neither imports torch nor holds a CUDA context beside the training process, CUDA first
-starts in the training process once the allocator's settings are in place (`fast_paths.gather_facts`), and a
+starts in the training process once the allocator's settings are in place (`training.fast_paths.gather_facts`), and a
 driver that hangs while initialising costs `PROBE_TIMEOUT_S`, not the worker.
 """
 
@@ -104,8 +104,8 @@ def run_probe(env: Mapping[str, str]) -> CudaProbe:
                               timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return CudaProbe(started=False, visible_devices=_visible_devices(env), failures=[
-            f"the CUDA probe (`python -m loraflow_worker.runtime.cuda_check`) did not answer within {PROBE_TIMEOUT_S:.0f} s: "
-            "the driver hangs while initialising"])
+            f"the CUDA probe (`python -m loraflow_worker.runtime.cuda_check`) did not answer within "
+            f"{PROBE_TIMEOUT_S:.0f} s: the driver hangs while initialising"])
     try:
         return CudaProbe(**json.loads(done.stdout.strip().splitlines()[-1]))
     except (IndexError, ValueError, TypeError):

@@ -34,8 +34,8 @@ from typing import IO, Any
 from pydantic import ValidationError
 
 from loraflow_worker.contract import JobInput, Progress
-from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.memory.out_of_memory import MARKERS, MemoryKind, OomKills, memory_kind, read_oom_kills
+from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.runtime.redaction import redact_secrets
 
 PROGRESS_MARKER = "LORAFLOW_PROGRESS "

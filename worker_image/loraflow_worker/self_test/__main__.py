@@ -9,7 +9,7 @@ tiny model built offline.
 
 Needs no network and no GPU (without CUDA the jobs take the CPU branch, under this environment's own library
 versions) unless `LORAFLOW_REQUIRE_CUDA=1` says CUDA is required: then, when CUDA cannot start, it runs no job
-and says why (cuda_check.py). Prints one line per fast-path package (version, or why it does not import), one
+and says why (runtime/cuda_check.py). Prints one line per fast-path package (version, or why it does not import), one
 on CUDA, and one per job (steps, first and final loss or reward, device, what engaged); exits non-zero when
 anything failed.
 """

@@ -36,7 +36,7 @@ from loraflow_worker.contract import TrainingSettings
 COMPLETE = "COMPLETE"
 CHECKPOINT_RETRY_BUDGET_S = 60.0
 """How long training waits for a rate-limited or failing Hub to take a checkpoint before going on without it
-(the next checkpoint tries again; the final save has a budget of its own, `artifacts.HUB_RETRY_BUDGET_S`)."""
+(the next checkpoint tries again; the final save has a budget of its own, `artifacts.store.HUB_RETRY_BUDGET_S`)."""
 MIN_COMMIT_INTERVAL_S = 60.0
 """Least time between two checkpoint commits; a save that comes sooner stays on the local disk only."""
 

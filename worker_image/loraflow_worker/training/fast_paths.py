@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraflow_worker.contract import FastPathSettings, MemorySettings
 from loraflow_worker.artifacts.manifest import FastPath
+from loraflow_worker.contract import FastPathSettings, MemorySettings
 from loraflow_worker.memory.model_shape import ModelShape, read_model_shape
 from loraflow_worker.memory.plan import MemoryPlan, plan_memory
 
@@ -59,7 +59,7 @@ imports the modeling module, so blocking the import is the only switch (Liger is
 
 @dataclass(frozen=True)
 class Workload:
-    """What one training micro-batch asks of memory (`training_run.job_workload` reads it from the job)."""
+    """What one training micro-batch asks of memory (`run.job_workload` reads it from the job)."""
 
     batch_size: int
     """Sequences per micro-batch (`per_device_train_batch_size`: the job's forced micro-batch, or its batch size;
@@ -237,7 +237,7 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
         "optim": optim,
     }
     if not four_bit:
-        kwargs["model_init_kwargs"] = model_init_kwargs  # a 4-bit base is loaded by the worker (`training_run.load_model`)
+        kwargs["model_init_kwargs"] = model_init_kwargs  # a 4-bit base is loaded by the worker (`run.load_model`)
     if facts.algorithm == "grpo":
         kwargs["use_vllm"] = decided["vllm_colocate"].engaged
         if kwargs["use_vllm"]:

@@ -39,8 +39,8 @@ from loraflow_worker.training.fast_paths import (
     gather_facts,
     plan_fast_paths,
 )
-from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
+from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training.run import (
     TrainOutcome,
     evaluation_split,

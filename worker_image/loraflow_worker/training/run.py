@@ -19,10 +19,6 @@ from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenize
 from trl.trainer.utils import create_model_from_path
 
 from loraflow_worker.artifacts import ArtifactStore
-from loraflow_worker.training.checkpoints import save_settings
-from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
-from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
-from loraflow_worker.runtime.model_cache import fetch_model, training_cache_dir
 from loraflow_worker.artifacts.manifest import (
     FastPath,
     RunManifest,
@@ -30,8 +26,12 @@ from loraflow_worker.artifacts.manifest import (
     rows_sha256,
     training_config_sha256,
 )
-from loraflow_worker.training.tracking import tracker_run_name
+from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
+from loraflow_worker.runtime.model_cache import fetch_model, training_cache_dir
+from loraflow_worker.training.checkpoints import save_settings
+from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
 from loraflow_worker.training.monitor import TrainingMonitor
+from loraflow_worker.training.tracking import tracker_run_name
 
 
 @dataclass

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 DEADLINE_SAVE_RETRY_BUDGET_S = 30.0
 """The deadline save retries a rate-limited or failing Hub this long: it must end before the supervisor kills
-the training process (`supervisor.DEADLINE_KILL_GRACE_S` past the deadline)."""
+the training process (`runtime.supervisor.DEADLINE_KILL_GRACE_S` past the deadline)."""
 
 
 def main(argv: list[str] | None = None) -> int:
