@@ -227,14 +227,15 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     import flows.train as train_module
+    import tasks.lifecycle.attempt as attempt_module
     from flows.reconcile import reconcile
     from flows.spec import ReconcilePolicy, load_run_file
     from tasks.lifecycle.teardown import undeleted_endpoints
     from tasks.runpod.client import RunpodClient
 
     prefix = "loraflow-e2e-nodelete-"
-    monkeypatch.setattr(train_module, "delete_endpoint",
-                        train_module.delete_endpoint.with_options(retries=1, retry_delay_seconds=[0]))
+    monkeypatch.setattr(attempt_module, "delete_endpoint",
+                        attempt_module.delete_endpoint.with_options(retries=1, retry_delay_seconds=[0]))
     for key, value in local_stack.client_env.items():
         if not key.startswith("PREFECT_"):
             monkeypatch.setenv(key, value)

@@ -1,0 +1,102 @@
+"""One attempt's endpoint, from rent to teardown, inside one slot of the endpoint quota: create the endpoint
+(RunPod's own quota error waits), submit the job once, watch it to its end, and delete the endpoint whatever
+happened. The slot is the endpoint: it is held until the delete is confirmed, and a delete that stays
+unconfirmed keeps a slot lease and a record of its own for the reconciler.
+"""
+
+from __future__ import annotations
+
+from prefect import get_run_logger
+
+from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S
+from tasks.lifecycle.quota import endpoint_slot, wait_for_runpod_quota
+from tasks.lifecycle.steps import create_endpoint, delete_endpoint, run_cancel_requested, submit_job, wait_for_job
+from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
+from tasks.placement.plan import AttemptPlan
+from tasks.runpod.errors import BadRequestError, NotFoundError, RunpodError, is_transient
+from tasks.runpod.jobs import JobOutcome
+from tasks.runpod.models import Endpoint
+from tasks.settings import Settings, make_client
+from tasks.storage.weight_cache import gone_volume
+
+
+def run_attempt(plan: AttemptPlan, progress_key: str,
+                endpoint_ids: list[str] | None = None) -> tuple[JobOutcome, UndeletedEndpoint | None]:
+    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always). The id of the
+    endpoint it created is appended to `endpoint_ids`.
+
+    When the delete stays unconfirmed after its retries, a slot lease of its own and a record
+    (`UndeletedEndpoint`, returned) outlive the attempt, for the reconciler; the attempt's outcome, or the
+    error it raised, is kept as it was. Raises `WarmVolumeGone` when RunPod refused the endpoint because its
+    warm volume no longer exists (nothing was created: the caller runs the attempt again, cold).
+    """
+    created: list[Endpoint] = []
+    undeleted: UndeletedEndpoint | None = None
+    try:
+        with endpoint_slot(Settings().loraflow_slot_lease_seconds, logger=get_run_logger(),
+                           give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S):
+            try:
+                outcome = _create_submit_wait(plan, progress_key, created)
+            finally:
+                endpoint_id = created[0].id if created else None
+                if endpoint_id is not None and endpoint_ids is not None:
+                    endpoint_ids.append(endpoint_id)
+                deleted = delete_endpoint(plan.endpoint_name, endpoint_id, return_state=True)
+                if not deleted.is_completed():
+                    # Taken while this attempt still holds its slot, when the limit has room: the endpoint
+                    # is never without one.
+                    undeleted = UndeletedEndpoint(endpoint_name=plan.endpoint_name, endpoint_id=endpoint_id,
+                                                  run_id=plan.run_id, lease_id=take_slot_for_undeleted(0.0),
+                                                  error=str(deleted.result(raise_on_failure=False))[:500])
+    finally:
+        if undeleted is not None:
+            keep_undeleted_endpoint(undeleted, get_run_logger())
+    return outcome, undeleted
+
+
+def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endpoint]) -> JobOutcome:
+    if run_cancel_requested():  # cancelled while it waited for the slot: create nothing
+        return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
+                          error="the run was cancelled while it waited for an endpoint slot")
+    try:
+        endpoint = wait_for_runpod_quota(lambda: create_endpoint(plan.create_request),
+                                         give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S,
+                                         cancel_requested=run_cancel_requested, logger=get_run_logger())
+    except (BadRequestError, NotFoundError) as refused:
+        # RunPod refuses (4xx) an endpoint whose network volume is gone: a stale warm record, not a failed run.
+        gone = gone_volume(refused, plan.create_request.network_volumes, _volume_exists)
+        if gone is None:
+            raise
+        raise gone from refused
+    if endpoint is None:
+        return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
+                          error="the run was cancelled while it waited for room in RunPod's worker quota")
+    created.append(endpoint)
+    submitted = submit_job(endpoint, plan.job_input.model_dump(mode="json"), plan.policy, return_state=True)
+    if not submitted.is_completed():
+        # `/run` is not idempotent: rather than POST again (maybe starting a second job), give this
+        # endpoint up (deleted by the caller, with any job it got) and let a new attempt start clean.
+        error = submitted.result(raise_on_failure=False)
+        if isinstance(error, NotFoundError):  # the endpoint vanished between its create and the submit
+            return JobOutcome(kind="lost", job_id="", status="UNKNOWN",
+                              error=f"the endpoint vanished before its job was submitted ({error})")
+        if not is_transient(error):
+            raise error
+        return JobOutcome(kind="submit_failed", job_id="", status="UNKNOWN", error=str(error))
+    return wait_for_job(endpoint, submitted.result(), plan.limits, progress_key=progress_key)
+
+
+def existing_volume_ids() -> set[str] | None:
+    """The ids of the account's network volumes now; None (trust the records) when they cannot be listed."""
+    try:
+        with make_client() as client:
+            return {v.id for v in client.list_network_volumes()}
+    except RunpodError as e:
+        get_run_logger().warning("The network volumes could not be listed (%s): warm records are not checked", e)
+        return None
+
+
+def _volume_exists(volume_id: str) -> bool:
+    """Whether the volume exists; True when that cannot be told (the refusal then stands as the error)."""
+    existing = existing_volume_ids()
+    return existing is None or volume_id in existing
