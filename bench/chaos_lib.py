@@ -592,6 +592,6 @@ def live_training_processes(root: Path) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"loraflow_worker.train_job" in argv and any(a.startswith(str(root).encode()) for a in argv):
+        if b"loraflow_worker.training.train_job" in argv and any(a.startswith(str(root).encode()) for a in argv):
             pids.append(int(proc.name))
     return pids

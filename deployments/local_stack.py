@@ -112,15 +112,15 @@ def require_worker_python(python: Path = WORKER_PYTHON) -> Path:
 
 def build_tiny_model(out_dir: Path, python: Path = WORKER_PYTHON) -> Path:
     """Build the tiny Qwen3-architecture model offline into `out_dir` (in the worker's environment)."""
-    subprocess.run([str(require_worker_python(python)), "-m", "loraflow_worker.tiny_model", "--out", str(out_dir)],
+    subprocess.run([str(require_worker_python(python)), "-m", "loraflow_worker.self_test.tiny_model", "--out", str(out_dir)],
                    check=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     return out_dir
 
 
 def check_adapter(base_model: Path, adapter_dir: Path, python: Path = WORKER_PYTHON) -> dict:
     """Load `adapter_dir` with PEFT onto `base_model` in the worker's environment; the report of
-    `loraflow_worker.adapter_check` (`loads`, `changes_output`, ...), or an error naming what failed."""
-    proc = subprocess.run([str(require_worker_python(python)), "-m", "loraflow_worker.adapter_check", str(base_model),
+    `loraflow_worker.artifacts.adapter_check` (`loads`, `changes_output`, ...), or an error naming what failed."""
+    proc = subprocess.run([str(require_worker_python(python)), "-m", "loraflow_worker.artifacts.adapter_check", str(base_model),
                            str(adapter_dir)], capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
     lines = proc.stdout.strip().splitlines()
     if not lines:

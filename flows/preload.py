@@ -27,7 +27,7 @@ import time
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 from loraflow_worker.contract import ModelSource
-from loraflow_worker.model_cache import download_ignore_patterns
+from loraflow_worker.runtime.model_cache import download_ignore_patterns
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE

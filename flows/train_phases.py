@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
-from loraflow_worker.memory_plan import MemoryPlan, ModelShape, plan_job
+from loraflow_worker.memory.model_shape import ModelShape
+from loraflow_worker.memory.plan import MemoryPlan, plan_job
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait

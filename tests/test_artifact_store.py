@@ -17,13 +17,8 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import HfApi
-from loraflow_worker.artifacts import (
-    HUB_RETRY_BUDGET_S,
-    ArtifactNotFound,
-    ArtifactStore,
-    ArtifactStoreError,
-    open_store,
-)
+from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStore, ArtifactStoreError, open_store
+from loraflow_worker.artifacts.store import HUB_RETRY_BUDGET_S
 
 from tests.hub_fixture import HubStandIn, running_hub
 

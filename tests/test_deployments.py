@@ -27,7 +27,7 @@ def test_prefect_yaml_grpo_qwen_parameters_match_the_grpo_qwen_run_file():
 
 
 def test_the_grpo_deployments_reward_patterns_find_a_boxed_answer():
-    from loraflow_worker.rewards import format_reward, normalized_match
+    from loraflow_worker.training.rewards import format_reward, normalized_match
 
     spec = RunSpec.model_validate(tomllib.loads((REPO / "deployments" / "grpo-qwen.toml").read_text()))
     match, boxed, _ = spec.grpo.rewards

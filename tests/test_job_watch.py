@@ -93,7 +93,7 @@ def test_handler_exception_is_a_code_failure_with_message_and_traceback():
 
 def handler_failure(message, error_type="JobFailed"):
     """A FAILED job's error as runpod 1.12's runtime sends a handler exception."""
-    return job("FAILED", error=json.dumps({"error_type": f"<class 'loraflow_worker.supervisor.{error_type}'>",
+    return job("FAILED", error=json.dumps({"error_type": f"<class 'loraflow_worker.runtime.supervisor.{error_type}'>",
                                            "error_message": message}))
 
 

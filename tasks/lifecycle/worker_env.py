@@ -15,7 +15,7 @@ RUN_SECRET_PURPOSE = "run-secret"
 """What the account secrets of runs' own secrets are for, in their names: `loraflow-run-secret-<namespace>-<fp>`."""
 MIN_SECRET_CHARS = 4
 """The shortest value a run's secret may have: the worker redacts the run's secrets by value from its console and
-errors (`loraflow_worker.redaction`), and a value of a few letters would blank out ordinary words there."""
+errors (`loraflow_worker.runtime.redaction`), and a value of a few letters would blank out ordinary words there."""
 
 
 class RunSecretError(ValueError):

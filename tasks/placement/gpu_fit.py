@@ -1,6 +1,6 @@
 """Renting only where the run can work: each GPU class's hosts' CUDA versions, from RunPod's live catalog,
 against the CUDA floor of the image and the card; and each class's memory against the run's memory plan
-(`loraflow_worker.memory_plan`, the worker's own planner); both before anything is rented.
+(`loraflow_worker.memory.plan`, the worker's own planner); both before anything is rented.
 
 An endpoint whose `minCudaVersion` no host of its GPU offers is never served: its job sits IN_QUEUE until
 the attempt gives the GPU up as "no capacity", and the run walks its list to the same end. The catalog's
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from loraflow_worker.memory_plan import MemoryPlan
+from loraflow_worker.memory.plan import MemoryPlan
 from pydantic import BaseModel, Field
 
 from tasks.placement.cost import read_gpu_prices
@@ -95,7 +95,7 @@ class NoGpuFits(ValueError):
 
 
 class MemoryFit(BaseModel):
-    """One GPU class against the run's memory plan (`loraflow_worker.memory_plan`), gradient checkpointing on."""
+    """One GPU class against the run's memory plan (`loraflow_worker.memory.plan`), gradient checkpointing on."""
 
     gpu: str = Field(description="loraflow's name for the GPU class.")
     memory_gib: float = Field(description="The GPU's memory, GiB.")

@@ -10,7 +10,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 from loraflow_worker.contract import JobInput, ModelSource
-from loraflow_worker.memory_plan import ModelShape, shape_from_config
+from loraflow_worker.memory.model_shape import ModelShape, shape_from_config
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field

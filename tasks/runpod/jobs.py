@@ -47,7 +47,7 @@ MIN_READ_ERROR_BUDGET_S = 60.0
 DEADLINE_SAVE_GRACE_S = 90.0
 """How long past the run's deadline a started job is left to end by itself: its training stops at the
 deadline and saves what it has, and the worker's supervisor kills it 70 s past the deadline at the latest
-(`loraflow_worker.supervisor.DEADLINE_KILL_GRACE_S` + `TERM_GRACE_S`)."""
+(`loraflow_worker.runtime.supervisor.DEADLINE_KILL_GRACE_S` + `TERM_GRACE_S`)."""
 CANCEL_CHECK_S = 5.0
 """How often the run's own Prefect state is read: a cancel reaches the job within about this long."""
 FAST_POLL_S = 0.25
@@ -59,7 +59,7 @@ loop serves, and 2.5 × fewer polls than the 2 s base on a long run."""
 HEALTH_CHECK_S = 30.0
 """How often `/health` is read while the job is queued and no worker has taken it."""
 # How a FAILED job's error says what failed, searched anywhere in it (RunPod's runtime and the handler add
-# their own prefixes, e.g. `JobFailed: `). First the worker's own markers (loraflow_worker.supervisor), then
+# their own prefixes, e.g. `JobFailed: `). First the worker's own markers (loraflow_worker.runtime.supervisor), then
 # the libraries' texts, for an error that did not pass through the worker's supervisor.
 _FAILURE_KINDS: tuple[tuple[OutcomeKind, MemoryKind | None, re.Pattern[str]], ...] = (
     ("cuda_unavailable", None, re.compile(r"CUDA unavailable:")),

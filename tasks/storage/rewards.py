@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loraflow_worker.contract import RewardSpec, run_prefix
-from loraflow_worker.reward_names import reward_kind, split_file_reward
+from loraflow_worker.contract.reward_names import reward_kind, split_file_reward
 
 
 def check_reward_files(rewards: Sequence[RewardSpec], base_dir: Path) -> dict[int, Path]:
