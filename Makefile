@@ -105,7 +105,7 @@ $(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constrai
 	@$(WORKER_PY) -c 'import sys, torch; sys.exit(torch.version.cuda and f"$(WORKER_VENV) got a CUDA build of torch ({torch.__version__})")'
 	@touch $@
 
-# The team setup on this machine (README, "For a team"): PostgreSQL, Redis, a Prefect server, localpod and 3
+# The team setup on this machine (docs/team.md): PostgreSQL, Redis, a Prefect server, localpod and 3
 # Prefect workers, then 6 tiny-model runs on 2 slots. ARGS replaces the demo's options (ARGS="--workers 3"
 # keeps the stack up until Ctrl-C).
 TEAM_DEMO_ARGS := --runs 6 --quota 2
