@@ -214,7 +214,7 @@ class WorkerSpec(_Section):
         description="Secret variables, `NAME = \"<Prefect Secret block name>\"` (the block's name, not the value). "
         "The flow reads each block where it runs and hands the value to the workers through a RunPod account secret: "
         "it is never in the run's parameters, logs or artifacts, the endpoint's env or the stored files, and the worker "
-        "redacts it from its console and errors. A block that cannot be read, or holds fewer than 8 characters, is "
+        "redacts it from its console and errors. A block that cannot be read, or holds fewer than 4 characters, is "
         "refused before anything is rented.",
     )
 

@@ -51,7 +51,7 @@ from tasks.placement.image_contract import check_image_contract
 from tasks.placement.memory_ladder import MemoryContext
 from tasks.placement.plan import AttemptPlan, plan_attempt, read_model_shape_task, resolve_model_task
 from tasks.reports import events
-from tasks.reports.curve import curve_png
+from tasks.reports.curve import curve_png, load_in_background
 from tasks.reports.summary import RunReport, publish_report, store_curve, summary_key
 from tasks.runpod.catalog import GpuClass, cuda_floor, resolve_gpu
 from tasks.runpod.errors import JobFailedError, RunpodError
@@ -277,6 +277,7 @@ def rent_train_and_tear_down(
     RunPod refused it because its warm volume is gone, nothing was created and the same attempt runs cold.
     Returns the plan and warm volume the attempt ran with."""
     progress_key = f"train-{run.spec.name}-progress"
+    load_in_background()  # what drawing the curve needs, imported while the job runs
     try:
         outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids)
     except WarmVolumeGone as gone:

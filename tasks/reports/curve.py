@@ -6,17 +6,26 @@ open('/tmp/c.png', 'wb').write(curve_png(TrainMetrics(steps=2, losses=[(1, 2.0),
 eval_loss=[(0, 2.2), (2, 1.3)], first_loss=2.0, final_loss=1.0, tokens=0, wall_seconds=1, device='cpu'), 'sft'))"
 
 Drawn on a bare `Figure` with the Agg canvas, not through pyplot: no global figure state and no GUI backend in
-a flow's process, which may run many flows at once.
+a flow's process, which may run many flows at once. matplotlib is imported when the first curve is drawn, not when
+a flow starts (it is about half a second of a run's start otherwise); `load_in_background` imports it while a run
+waits for its job.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
+import threading
+from typing import TYPE_CHECKING
 
 from loraflow_worker.contract import TrainMetrics
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+_MATPLOTLIB = ("matplotlib.backends.backend_agg", "matplotlib.figure", "matplotlib.ticker")
+_loading: threading.Thread | None = None
+_loading_lock = threading.Lock()
 
 SIZE_INCHES = (6.4, 3.2)
 DPI = 100
@@ -36,6 +45,10 @@ def curve_figure(metrics: TrainMetrics, algorithm: str) -> Figure | None:
     held_out = metrics.eval_reward if grpo else metrics.eval_loss
     if len(train) < 2 and len(held_out) < 2:
         return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     measure = "mean reward" if grpo else "loss"
     figure = Figure(figsize=SIZE_INCHES, dpi=DPI, layout="constrained", facecolor=_rgb(BACKGROUND))
     FigureCanvasAgg(figure)
@@ -66,3 +79,14 @@ def curve_png(metrics: TrainMetrics, algorithm: str) -> bytes | None:
 
 def _rgb(color: tuple[int, int, int]) -> tuple[float, float, float]:
     return tuple(channel / 255 for channel in color)
+
+
+def load_in_background() -> None:
+    """Import matplotlib in a daemon thread (once per process), so that the curve drawn after the job costs only
+    its drawing. Imports take Python's import lock, so drawing meanwhile just waits for it."""
+    global _loading
+    with _loading_lock:
+        if _loading is None:
+            _loading = threading.Thread(target=lambda: [importlib.import_module(name) for name in _MATPLOTLIB],
+                                        name="loraflow-curve-imports", daemon=True)
+            _loading.start()
