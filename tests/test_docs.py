@@ -23,7 +23,7 @@ README_MAX_LINES = 200
 REPO_PATH = re.compile(r"(?<![\w./<>~-])((?:flows|tasks|deployments|worker_image|localpod|bench|tests|docs)/[\w./*-]*)")
 # A file at the root, named alone: `prefect.yaml`, `requirements.lock`.
 ROOT_FILE = re.compile(r"`([\w-]+\.(?:lock|txt|toml|yaml))`")
-# `python -m flows.train`, and module names written in backticks (`loraflow_worker.memory_plan`).
+# `python -m flows.train`, and module names written in backticks (`loraflow_worker.memory.plan`).
 MODULE_ROOTS = {"flows": REPO / "flows", "tasks": REPO / "tasks", "deployments": REPO / "deployments",
                 "localpod": REPO / "localpod", "bench": REPO / "bench",
                 "loraflow_worker": REPO / "worker_image" / "loraflow_worker"}
