@@ -32,7 +32,7 @@ from typing import Any
 
 from loraflow_worker.artifacts.manifest import FastPath
 from loraflow_worker.contract import FastPathSettings, MemorySettings
-from loraflow_worker.memory.model_shape import ModelShape, read_model_shape
+from loraflow_worker.memory.model_shape import GATED_ATTENTION_MODEL_TYPES, ModelShape, read_model_shape
 from loraflow_worker.memory.plan import MemoryPlan, plan_memory
 
 NO_CUDA = "no CUDA device"
@@ -40,8 +40,6 @@ FAST_PATHS = tuple(FastPathSettings.model_fields)
 """Every speed-up (or memory saver) the manifest reports on, engaged or not: each a field of the job's `fast_paths`."""
 KERNEL_PACKAGES = ("liger-kernel", "flash-linear-attention", "causal-conv1d", "bitsandbytes", "vllm", "triton")
 """Distributions whose presence decides a fast path."""
-GATED_DELTANET_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
-"""Model types with Gated-DeltaNet (linear attention) layers, whose fast path is flash-linear-attention."""
 BF16_MIN_CAPABILITY = (8, 0)
 """bf16 tensor cores start with Ampere (sm_80)."""
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -156,7 +154,7 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
     else:
         settle("liger_kernel", True, "planned; confirmed once the model is built")
 
-    gated_deltanet = facts.model_type in GATED_DELTANET_MODEL_TYPES
+    gated_deltanet = facts.model_type in GATED_ATTENTION_MODEL_TYPES  # their linear attention: flash-linear-attention
     for name, distribution, fallback in (
         ("flash_linear_attention", "flash-linear-attention", "its torch loop, several times slower"),
         ("causal_conv1d", "causal-conv1d", "its torch conv1d (a small share of the step)"),
