@@ -52,7 +52,7 @@ from tasks.runpod.live_catalog import (
 )
 from tasks.runpod.models import NetworkVolume
 from tasks.runpod.volumes import volume_name, volume_size_gb
-from tasks.settings import Settings, make_client
+from tasks.settings import Settings, make_client, startup_problem
 from tasks.storage.preload import (
     STORAGE_TYPE,
     DataCenterOutcome,
@@ -334,6 +334,8 @@ if __name__ == "__main__":
         preload_spec = PreloadSpec.model_validate(json.loads(sys.argv[1]))
     except (ValueError, ValidationError) as e:
         sys.exit(f"bad preload spec: {e}")
+    if problem := startup_problem(worker_image=True):
+        sys.exit(problem)
     final = preload(preload_spec, return_state=True)
     print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
     sys.exit(0 if final.is_completed() else 1)

@@ -37,7 +37,7 @@ from tasks.lifecycle.secret_retention import prune_secrets
 from tasks.lifecycle.steps import delete_endpoint_by_id
 from tasks.lifecycle.teardown import settle_undeleted_endpoint, undeleted_endpoints
 from tasks.runpod.endpoints import parse_endpoint_name
-from tasks.settings import Settings, make_client
+from tasks.settings import Settings, make_client, startup_problem
 
 
 @flow(name="reconcile", log_prints=True)
@@ -114,4 +114,14 @@ def reconcile(policy: ReconcilePolicy = ReconcilePolicy()) -> list[Finding]:
 
 
 if __name__ == "__main__":
-    reconcile(ReconcilePolicy.model_validate_json(sys.argv[1] if len(sys.argv) > 1 else "{}"))
+    if len(sys.argv) > 2:
+        sys.exit("usage: python -m flows.reconcile ['{\"dry_run\": true}']")
+    try:
+        reconcile_policy = ReconcilePolicy.model_validate_json(sys.argv[1] if len(sys.argv) == 2 else "{}")
+    except ValueError as e:  # pydantic's ValidationError is one
+        sys.exit(f"bad reconcile policy: {e}")
+    if problem := startup_problem():
+        sys.exit(problem)
+    final = reconcile(reconcile_policy, return_state=True)
+    print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
+    sys.exit(0 if final.is_completed() else 1)

@@ -37,6 +37,7 @@ from tasks.lifecycle.steps import run_cancel_requested
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
 from tasks.reports import events
 from tasks.reports.summary import run_tags, run_title, tag_run
+from tasks.settings import startup_problem
 from tasks.storage.artifacts import RunResults, collect
 
 
@@ -135,6 +136,8 @@ if __name__ == "__main__":
         run_spec = load_run_file(sys.argv[1])
     except SpecError as e:
         sys.exit(str(e))
+    if problem := startup_problem(worker_image=True):
+        sys.exit(problem)
     final = train(run_spec, return_state=True)
     print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
     sys.exit(0 if final.is_completed() else 1)

@@ -23,7 +23,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
-from tasks.settings import Settings
+from tasks.settings import Settings, startup_problem
 from tasks.storage.volume_inventory import RetentionRequest, VolumeRow, apply_retention, decide, read_volumes, totals
 
 DEFAULT_RETAIN_DAYS = 14.0
@@ -95,6 +95,8 @@ if __name__ == "__main__":
         volumes_policy = VolumesPolicy.model_validate(json.loads(sys.argv[1]) if len(sys.argv) == 2 else {})
     except (ValueError, ValidationError) as e:
         sys.exit(f"bad volumes policy: {e}")
+    if problem := startup_problem():
+        sys.exit(problem)
     final = volumes(volumes_policy, return_state=True)
     print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
     sys.exit(0 if final.is_completed() else 1)

@@ -172,3 +172,17 @@ def make_client(settings: Settings | None = None) -> RunpodClient:
     """A RunPod client with the key and URLs of `settings` (this process's environment by default)."""
     settings = settings or Settings()
     return RunpodClient(settings.api_key(), api_url=settings.runpod_api_url, job_url=settings.runpod_job_url)
+
+
+def startup_problem(*, worker_image: bool = False) -> str | None:
+    """What a flow started from the command line lacks (the RunPod key; with `worker_image`, the image), in one
+    line that names the fix; None when nothing. Checked before the flow starts, so the answer is that line, not a
+    failed run with a traceback in its log. (A run started from a deployment reports the same from inside.)"""
+    settings = Settings()
+    try:
+        settings.api_key()
+        if worker_image:
+            settings.worker_image()
+    except RuntimeError as e:  # also Prefect's, when its temporary server does not come up
+        return str(e)
+    return None
