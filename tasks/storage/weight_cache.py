@@ -139,10 +139,18 @@ def clear_cache(data_center: str, volume_id: str | None = None) -> bool:
     return Variable.unset(variable_name(data_center))
 
 
-def warm_data_centers(model_id: str, revision: str | None, data_centers: list[str]) -> list[DataCenterCache]:
-    """The records of those datacenters whose volume holds the model at this revision, in the given order."""
-    caches = (read_cache(dc) for dc in data_centers)
-    return [cache for cache in caches if cache is not None and cache.holds(model_id, revision)]
+def warm_data_centers(model_id: str, revision: str | None, data_centers: list[str],
+                      logger: logging.Logger | logging.LoggerAdapter = log) -> list[DataCenterCache]:
+    """The records of those datacenters whose volume holds the model at this revision, in the given order: read
+    in one request (a GPU in stock in many datacenters would cost one each). Never raises: records that cannot be
+    read are a warning and none (a run goes cold rather than failing over a hint)."""
+    try:
+        caches = read_all_caches(logger)
+    except Exception as e:  # noqa: BLE001 - any failure to read a hint means "not warm"
+        logger.warning("The weight-cache records could not be read (%s: %s): treating every datacenter as cold",
+                       type(e).__name__, str(e)[:200])
+        return []
+    return [caches[dc] for dc in data_centers if dc in caches and caches[dc].holds(model_id, revision)]
 
 
 def warm_cache_for(model_id: str, revision: str | None, in_stock: list[str],
@@ -154,7 +162,7 @@ def warm_cache_for(model_id: str, revision: str | None, in_stock: list[str],
     `existing_volumes`: called once, only when a record is found, for the ids of the volumes that exist now
     (None: unknown, trust the records). A record whose volume is gone (deleted by hand, or by the volumes
     flow) is cleared and skipped, with a warning: a record is a hint, never a requirement."""
-    warm = warm_data_centers(model_id, revision, in_stock)
+    warm = warm_data_centers(model_id, revision, in_stock, logger)
     if not warm or existing_volumes is None:
         return warm[0] if warm else None
     existing = existing_volumes()
