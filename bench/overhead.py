@@ -4,10 +4,13 @@ measured in the same run.
     .venv/bin/python bench/overhead.py --runs 3
 
 Starts its own local stack (a real `prefect server start` + localpod running the real worker on the
-CPU), runs `--runs` clean `train` flows one after another on the tiny model, and prints per run and as
-medians:
-- overhead: the flow's wall time over its job's time at localpod (submitted → finished), the part of a
-  run that is the training itself plus the worker's start;
+CPU), runs `--runs` clean `train` flows one after another on the tiny model (`python -m flows.train RUN_FILE`,
+as a Prefect process worker would), and prints per run and as medians:
+- overhead: what a run adds to its job's time at localpod (submitted → finished, the training itself plus the
+  worker's start): the flow run's own (its start → end in Prefect, the run's duration in the UI) and the
+  process's (its start → exit), split into where it goes: the process's start (Python, imports, the flow run's
+  creation), the flow before its job is submitted (the checks, placement, the endpoint's create), after the
+  job finished (teardown, collect, report) and the process's exit (Prefect flushing its logs and events);
 - teardown: seconds from the job finishing to its endpoint being deleted, over a bare DELETE + 404 GET
   cycle timed against the same localpod (the baseline);
 - billed waste: the worker's billed lifetime over the job's time (1.0 = no idle worker billed), and its
@@ -19,23 +22,84 @@ The same figures with hold jobs (no training) and beside a bare script's: `bench
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import astuple, dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from bench.chaos_lib import Localpod, run_scenario  # noqa: E402
+from bench.chaos_lib import Localpod, write_run_file  # noqa: E402
 from bench.chaos_scenarios import SCENARIOS  # noqa: E402
-from deployments.local_stack import (  # noqa: E402
-    LOCALPOD_API_KEY,
-    LocalStack,
-    build_tiny_model,  # noqa: E402
-)
+from deployments.local_stack import LOCALPOD_API_KEY, LocalStack, build_tiny_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Row:
+    """One run's figures, in seconds (a median row: each column's median)."""
+
+    process_s: float
+    flow_s: float
+    job_s: float
+    start_s: float
+    before_job_s: float
+    after_job_s: float
+    exit_s: float
+    teardown_s: float
+    billed_s: float
+    idle_before_s: float
+    idle_after_s: float
+
+    def describe(self, delete_cycle_s: float) -> str:
+        return (f"flow run {self.flow_s:5.1f} s, job {self.job_s:5.1f} s: flow overhead "
+                f"{self.flow_s - self.job_s:4.2f} s (before the job {self.before_job_s:4.2f} s, after it "
+                f"{self.after_job_s:4.2f} s); process {self.process_s:5.1f} s: overhead "
+                f"{self.process_s - self.job_s:4.2f} s (+ start {self.start_s:4.2f} s, exit {self.exit_s:4.2f} s); "
+                f"teardown {self.teardown_s:4.2f} s "
+                f"(x{self.teardown_s / delete_cycle_s:.0f} the bare delete cycle of {delete_cycle_s * 1000:.0f} ms); "
+                f"billed x{self.billed_s / self.job_s:4.2f} the job (idle {self.idle_before_s:4.2f} s before submit, "
+                f"{self.idle_after_s:4.2f} s after completion)")
+
+
+@dataclass
+class TimedRun:
+    endpoint_prefix: str
+    process_start: float
+    process_end: float
+    flow_start: float
+    flow_end: float
+
+
+def run_clean(stack: LocalStack, workdir: Path, name: str, model: Path, max_steps: int) -> TimedRun | None:
+    """One clean run as a Prefect process worker starts it; its process's and its flow run's start and end (Unix
+    time); None (after printing its output) when it did not complete."""
+    here = workdir / name
+    here.mkdir(parents=True)
+    run_file = write_run_file(here / "run.toml", SCENARIOS["clean"], name=name, model=model, store=here / "store",
+                              max_steps=max_steps)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    ended = time.time()
+    match = re.search(r"flow run ([0-9a-f-]{36}):", proc.stdout)
+    if proc.returncode != 0 or match is None:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        return None
+    flow_run = httpx.get(f"{stack.prefect_api_url}/flow_runs/{match.group(1)}", timeout=30).raise_for_status().json()
+    return TimedRun(endpoint_prefix=f"loraflow-{name}-", process_start=started, process_end=ended,
+                    flow_start=datetime.fromisoformat(flow_run["start_time"]).timestamp(),
+                    flow_end=datetime.fromisoformat(flow_run["end_time"]).timestamp())
 
 
 def delete_cycle_seconds(localpod_url: str, samples: int = 5) -> float:
@@ -67,31 +131,28 @@ def main() -> int:
             baseline_s = delete_cycle_seconds(stack.localpod_url)
             rows = []
             for i in range(args.runs):
-                record = run_scenario(stack, pod, SCENARIOS["clean"], name=f"ovh{i:02d}-clean", workdir=root / "runs",
-                                      model=model, max_steps=args.max_steps)
-                if record.returncode != 0:
-                    print(record.output[-3000:], file=sys.stderr)
+                run = run_clean(stack, root / "runs", f"ovh{i:02d}-clean", model, args.max_steps)
+                if run is None:
                     return 1
                 account = pod.account()
-                [endpoint] = [e for e in account.endpoints if e.name.startswith(record.endpoint_prefix)]
+                [endpoint] = [e for e in account.endpoints if e.name.startswith(run.endpoint_prefix)]
                 [job] = [j for j in account.jobs if j.endpoint_id == endpoint.id]
                 workers = [w for w in account.workers if w.endpoint_id == endpoint.id]
-                job_s = (job.finished_at - job.created_at).total_seconds()
+                submitted, finished = job.created_at.timestamp(), job.finished_at.timestamp()
+                job_s = finished - submitted
                 billed_s = sum(((w.ended_at or job.finished_at) - w.started_at).total_seconds() for w in workers)
-                teardown_s = (endpoint.deleted_at - job.finished_at).total_seconds()
-                before_s = sum(max(0.0, (job.created_at - w.started_at).total_seconds()) for w in workers)
-                after_s = sum(max(0.0, ((w.ended_at or endpoint.deleted_at) - job.finished_at).total_seconds())
-                              for w in workers)
-                rows.append((record.wall_s, job_s, teardown_s, billed_s, before_s, after_s))
-                print(f"run {i}: flow {record.wall_s:6.1f} s  job {job_s:6.1f} s  overhead x{record.wall_s / job_s:5.2f}  "
-                      f"teardown {teardown_s:5.2f} s (x{teardown_s / baseline_s:6.1f} baseline)  "
-                      f"billed x{billed_s / job_s:4.2f} of the job (idle {before_s:.2f} s before submit, "
-                      f"{after_s:.2f} s after completion)", flush=True)
-    wall, job, teardown, billed, before, after = (statistics.median(column) for column in zip(*rows))
-    print(f"\nmedians over {len(rows)} runs: overhead x{wall / job:.2f} (flow {wall:.1f} s / job {job:.1f} s); "
-          f"teardown {teardown:.2f} s = x{teardown / baseline_s:.1f} the bare delete cycle ({baseline_s * 1000:.0f} ms); "
-          f"billed worker time x{billed / job:.2f} the job's time (idle {before:.2f} s before submit, {after:.2f} s "
-          "after completion)")
+                teardown_s = endpoint.deleted_at.timestamp() - finished
+                before_s = sum(max(0.0, submitted - w.started_at.timestamp()) for w in workers)
+                after_s = sum(max(0.0, (w.ended_at or endpoint.deleted_at).timestamp() - finished) for w in workers)
+                row = Row(process_s=run.process_end - run.process_start, flow_s=run.flow_end - run.flow_start,
+                          job_s=job_s, start_s=run.flow_start - run.process_start,
+                          before_job_s=submitted - run.flow_start,
+                          after_job_s=run.flow_end - finished, exit_s=run.process_end - run.flow_end,
+                          teardown_s=teardown_s, billed_s=billed_s, idle_before_s=before_s, idle_after_s=after_s)
+                rows.append(row)
+                print(f"run {i}: {row.describe(baseline_s)}", flush=True)
+    median = Row(*(statistics.median(column) for column in zip(*(astuple(row) for row in rows))))
+    print(f"\nmedians over {len(rows)} runs: {median.describe(baseline_s)}")
     return 0
 
 
