@@ -19,7 +19,7 @@ A CPU endpoint (`cpu: [{id, vcpuCount}]`) has no GPU and no CUDA need: its worke
 datacenter it allows that offers one of its flavors with stock. EU-CZ-1 offers no CPU flavor, so an
 endpoint pinned there by its network volume must run on a GPU.
 
-Neither stock nor the hosts' versions nor the volume tiers in force are here: `FaultBook` (faults.py) keeps
+Neither stock nor the hosts' versions nor the volume tiers in force are here: `FaultBook` (`faults/book.py`) keeps
 what `/_localpod/stock` and `/_localpod/cpu-stock` took out, what `/_localpod/cuda` set and what
 `/_localpod/volume-types` changed, and the functions below take them as `in_stock(pool, data_center_id)`,
 `in_stock(cpu_flavor_id, data_center_id)` and `host_cuda(gpu_type_id, data_center_id)` callables.

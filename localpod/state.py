@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Request
 
 from localpod.billing import StorageClock
-from localpod.faults import ArmedFault, FaultBook
+from localpod.faults.book import ArmedFault, FaultBook
 from localpod.models import (
     Account,
     AccountEndpoint,

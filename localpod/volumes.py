@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from localpod.billing import StorageClock
-from localpod.faults import FaultBook
+from localpod.faults.book import FaultBook
 from localpod.models import AccountVolume, LocalpodConfig
 from localpod.problems import ProblemError
 

@@ -198,7 +198,7 @@ def test_endpoint_args_replace_the_images_command(docker_state: LocalpodState) -
 
 
 def test_an_env_fault_reaches_a_docker_worker(docker_state: LocalpodState) -> None:
-    from localpod.faults import WorkerFaultRule
+    from localpod.faults.rules import WorkerFaultRule
 
     docker_state.faults.add_worker_fault(WorkerFaultRule(action="env", env={"LORAFLOW_TEST_FAULT": "oom"}))
     command, env, _ = worker_command(docker_state, docker_endpoint_spec())

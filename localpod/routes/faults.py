@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from localpod.billing import ClockAdvance, ClockReading
-from localpod.faults import (
+from localpod.faults.rules import (
     CpuStock,
     CpuStockChange,
     CudaChange,
