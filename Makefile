@@ -33,6 +33,16 @@ export UV_SYSTEM_CERTS ?= 1
 # The environments are made with $(PYTHON), never with an interpreter uv would download.
 export UV_PYTHON_DOWNLOADS := never
 UV_PIP := $(UV) pip install --quiet
+# uv writes no bytecode, and where PYTHONDONTWRITEBYTECODE is set (the machines that run the tests set it) Python
+# writes none either: every process would compile the modules it imports again (torch, transformers and TRL: 8 s
+# of CPU in each training process). pip compiled all 24k modules (a minute of CPU); importing what the processes
+# import, with bytecode written, compiles only those, once. A module left off these lists is only slower to import.
+WORKER_WARM := import torch, transformers, trl, peft, accelerate, datasets, runpod; \
+	from transformers import AutoModelForCausalLM, AutoTokenizer; from transformers.models.qwen3 import modeling_qwen3; \
+	from trl import SFTConfig, SFTTrainer, GRPOConfig, GRPOTrainer
+CONTROL_PLANE_WARM := import prefect, prefect.cli, prefect.server.api.server, prefect_redis, prefect_docker, \
+	httpx, fastapi, uvicorn, jsonschema, huggingface_hub, matplotlib.pyplot, pytest
+WITH_BYTECODE := env -u PYTHONDONTWRITEBYTECODE
 # The interpreter $(PYTHON) names, resolved (a pyenv shim or a bare `python3` becomes the real one).
 PYTHON_EXE = $$($(PYTHON) -c 'import sys; print(sys.executable)')
 
@@ -89,6 +99,7 @@ $(VENV)/.installed: pyproject.toml worker_image/pyproject.toml requirements.lock
 	@test -x $(PY) || $(UV) venv --quiet --python "$(PYTHON_EXE)" $(VENV)
 	@$(UV_PIP) --python $(PY) -c requirements.lock -e ./worker_image -e '.[local,test]' \
 		|| { echo "make: $(VENV) did not install; after a change of pyproject.toml's dependencies, run 'make lock'" >&2; exit 1; }
+	@$(WITH_BYTECODE) $(PY) -c '$(CONTROL_PLANE_WARM)'
 	@touch $@
 
 # torch is the CPU wheel (cpu-constraints.txt pins its +cpu build: PyPI's torch of the same version is a CUDA
@@ -102,7 +113,8 @@ $(WORKER_VENV)/.installed: worker_image/pyproject.toml worker_image/cpu-constrai
 	@$(UV_PIP) --python $(WORKER_PY) -c worker_image/cpu-constraints.txt \
 		pip hatchling torch -e './worker_image[train,test]' liger-kernel triton \
 		|| { echo "make: $(WORKER_VENV) did not install; if uv found no $$(grep '^torch==' worker_image/cpu-constraints.txt): name a folder or page holding that wheel in PIP_FIND_LINKS or UV_FIND_LINKS" >&2; exit 1; }
-	@$(WORKER_PY) -c 'import sys, torch; sys.exit(torch.version.cuda and f"$(WORKER_VENV) got a CUDA build of torch ({torch.__version__})")'
+	@$(WITH_BYTECODE) $(WORKER_PY) -c '$(WORKER_WARM); import sys; \
+		sys.exit(torch.version.cuda and f"$(WORKER_VENV) got a CUDA build of torch ({torch.__version__})")'
 	@touch $@
 
 # The team setup on this machine (docs/team.md): PostgreSQL, Redis, a Prefect server, localpod and 3
