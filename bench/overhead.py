@@ -10,7 +10,9 @@ as a Prefect process worker would), and prints per run and as medians:
   worker's start): the flow run's own (its start → end in Prefect, the run's duration in the UI) and the
   process's (its start → exit), split into where it goes: the process's start (Python, imports, the flow run's
   creation), the flow before its job is submitted (the checks, placement, the endpoint's create), after the
-  job finished (teardown, collect, report) and the process's exit (Prefect flushing its logs and events);
+  job finished (teardown, collect, report) and the process's exit (Prefect joining its heartbeat thread, which
+  sleeps in 1 s steps, and flushing its logs and events); beside a flow that does nothing but one task, timed
+  the same way against the same server (the baseline: what any Prefect flow process costs here);
 - teardown: seconds from the job finishing to its endpoint being deleted, over a bare DELETE + 404 GET
   cycle timed against the same localpod (the baseline);
 - billed waste: the worker's billed lifetime over the job's time (1.0 = no idle worker billed), and its
@@ -80,6 +82,29 @@ class TimedRun:
     flow_end: float
 
 
+BARE_FLOW = """
+import sys
+from prefect import flow, task
+
+@task
+def one_task():
+    return 1
+
+@flow(name="bare")
+def bare():
+    return one_task()
+
+state = bare(return_state=True)
+print(f"flow run {state.state_details.flow_run_id}: {state.name}")
+sys.exit(0 if state.is_completed() else 1)
+"""
+
+
+def run_bare(stack: LocalStack) -> TimedRun | None:
+    """A Prefect flow that does nothing but one task, as a process worker starts it."""
+    return _timed(stack, [sys.executable, "-c", BARE_FLOW], endpoint_prefix="")
+
+
 def run_clean(stack: LocalStack, workdir: Path, name: str, model: Path, max_steps: int) -> TimedRun | None:
     """One clean run as a Prefect process worker starts it; its process's and its flow run's start and end (Unix
     time); None (after printing its output) when it did not complete."""
@@ -87,17 +112,20 @@ def run_clean(stack: LocalStack, workdir: Path, name: str, model: Path, max_step
     here.mkdir(parents=True)
     run_file = write_run_file(here / "run.toml", SCENARIOS["clean"], name=name, model=model, store=here / "store",
                               max_steps=max_steps)
+    return _timed(stack, [sys.executable, "-m", "flows.train", str(run_file)], endpoint_prefix=f"loraflow-{name}-")
+
+
+def _timed(stack: LocalStack, command: list[str], endpoint_prefix: str) -> TimedRun | None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     ended = time.time()
     match = re.search(r"flow run ([0-9a-f-]{36}):", proc.stdout)
     if proc.returncode != 0 or match is None:
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
         return None
     flow_run = httpx.get(f"{stack.prefect_api_url}/flow_runs/{match.group(1)}", timeout=30).raise_for_status().json()
-    return TimedRun(endpoint_prefix=f"loraflow-{name}-", process_start=started, process_end=ended,
+    return TimedRun(endpoint_prefix=endpoint_prefix, process_start=started, process_end=ended,
                     flow_start=datetime.fromisoformat(flow_run["start_time"]).timestamp(),
                     flow_end=datetime.fromisoformat(flow_run["end_time"]).timestamp())
 
@@ -129,6 +157,9 @@ def main() -> int:
         with LocalStack(root / "stack") as stack:
             pod = Localpod(stack.localpod_url)
             baseline_s = delete_cycle_seconds(stack.localpod_url)
+            bare_runs = [run_bare(stack) for _ in range(args.runs)]
+            if None in bare_runs:
+                return 1
             rows = []
             for i in range(args.runs):
                 run = run_clean(stack, root / "runs", f"ovh{i:02d}-clean", model, args.max_steps)
@@ -153,6 +184,12 @@ def main() -> int:
                 print(f"run {i}: {row.describe(baseline_s)}", flush=True)
     median = Row(*(statistics.median(column) for column in zip(*(astuple(row) for row in rows))))
     print(f"\nmedians over {len(rows)} runs: {median.describe(baseline_s)}")
+    bare_process = statistics.median(r.process_end - r.process_start for r in bare_runs)
+    bare_flow = statistics.median(r.flow_end - r.flow_start for r in bare_runs)
+    print(f"a flow that does nothing but one task (median of {len(bare_runs)}): flow run {bare_flow:4.2f} s, process "
+          f"{bare_process:4.2f} s; a train run's process overhead beyond it: "
+          f"{median.process_s - median.job_s - bare_process:4.2f} s "
+          f"(x{(median.process_s - median.job_s) / bare_process:.2f} the bare flow's process)")
     return 0
 
 
