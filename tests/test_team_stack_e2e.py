@@ -2,11 +2,19 @@
 Redis, three `prefect worker start` processes on one process pool, deployment runs of the train flow, and
 the reconcile deployment on a short interval, all against one `runpod-endpoints` limit of 3.
 
-- 12 runs through 3 workers: never more than 3 endpoints alive, all complete.
-- A worker SIGKILLed mid-run with its runs (its host dies): its runs end Crashed, their endpoints are deleted
-  and their slots freed within the lease + one reconcile interval, the other workers' runs train on.
-- The server restarted mid-run, a fourth run waiting for a slot: never more than 3 endpoints (no lease lapsed),
-  the runs complete, no slot leaks.
+One stack, one timeline of three scenarios, each read by the tests that follow it:
+
+1. A worker SIGKILLed mid-run with its runs (its host dies): its runs' endpoints are deleted by the reconcile
+   deployment and their slots freed within the lease + one reconcile interval, while the other workers' runs
+   train on; cancelled, those delete their endpoints and give their slots back; the dead worker's runs end
+   Crashed (Prefect's zombie automation, after 3 minutes without a heartbeat). That last wait is the
+   scenario's longest and needs nothing else of the stack, so it is watched in the background while
+   scenario 2 runs, and checked after it.
+2. 12 runs through 3 workers: never more than 3 endpoints alive, all complete.
+3. The server restarted mid-run, a fourth run waiting for a slot: never more than 3 endpoints (no lease lapsed),
+   the runs complete, no slot leaks.
+
+(They used to be three tests run one after another, the kill test waiting out the zombie threshold alone.)
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import subprocess
 import threading
 import time
 import tomllib
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -161,6 +170,136 @@ class RunSampler(threading.Thread):
         self.join(10)
 
 
+KILL_CLEANUP_WITHIN_S = LEASE_S + RECONCILE_S + 240
+"""How long, from the kill, the dead worker's runs get to lose their endpoints and slots and to be marked Crashed."""
+
+
+@dataclass
+class Killed:
+    """What scenario 1 saw: the worker SIGKILLed, its runs and the others', and when each clean-up step happened
+    (seconds after the kill)."""
+
+    victim: str
+    killed_runs: list[str]
+    survivors: list[str]
+    killed_at: float
+    times: dict[str, float] = field(default_factory=dict)
+    survivor_states: dict[str, str] = field(default_factory=dict)
+    survivors_training: bool = False
+    survivors_cleaned_up: str = ""
+    """Empty once the cancelled survivors' runs ended Cancelled with no endpoint or slot left; else what was not."""
+    crash_watch: threading.Thread | None = None
+
+    def watch_crash(self, team: TeamStack) -> None:
+        """Until the deadline, note when every killed run has been marked Crashed (from a thread of its own)."""
+        def watch() -> None:
+            while time.monotonic() < self.killed_at + KILL_CLEANUP_WITHIN_S:
+                if {states(team, self.killed_runs).get(r) for r in self.killed_runs} == {"CRASHED"}:
+                    self.times["crashed"] = time.monotonic() - self.killed_at
+                    return
+                time.sleep(1)
+
+        self.crash_watch = threading.Thread(target=watch, daemon=True)
+        self.crash_watch.start()
+
+
+@pytest.fixture(scope="module")
+def killed(team) -> Killed:
+    """Scenario 1: 3 long runs training, spread over at least 2 workers; the worker holding the most is SIGKILLed
+    with its runs; once their endpoints and slots are gone, the other runs are cancelled as a user would and the
+    dead worker's host comes back. Whether the dead runs end Crashed is watched in the background."""
+    ids = start_runs(team, LIMIT, name="team-kill", max_steps=100_000)
+
+    def all_training():
+        seen = runs(team, ids)
+        live = {e["id"] for e in endpoints(team, "team-kill") if not e["deletedAt"]}
+        training = {j["endpointId"] for j in localpod_account(team.local)["jobs"]
+                    if j["endpointId"] in live and j["status"] == "IN_PROGRESS"}
+        return len(training) == LIMIT and all(worker_of(team, r) for r in seen.values()) and seen
+
+    seen = wait_for(all_training, 600, "3 runs training", interval_s=2)
+    by_worker: dict[str, list[str]] = {}
+    for run_id, run in seen.items():
+        by_worker.setdefault(worker_of(team, run), []).append(run_id)
+    assert len(by_worker) >= 2, by_worker
+    victim, killed_runs = max(by_worker.items(), key=lambda item: len(item[1]))
+    survivors = [i for i in ids if i not in killed_runs]
+    endpoint_of = {run_id: [e for e in endpoints(team, "team-kill")
+                            if parse_endpoint_name(e["name"]).run_hash == run_hash(run_id)] for run_id in ids}
+
+    outcome = Killed(victim, killed_runs, survivors, time.monotonic())
+    team.kill_worker(victim)
+    outcome.watch_crash(team)
+
+    def cleaned_up():
+        now = time.monotonic() - outcome.killed_at
+        live = {e["id"] for e in localpod_account(team.local)["liveEndpoints"]}
+        if "endpoints" not in outcome.times and not any(e["id"] in live for r in killed_runs for e in endpoint_of[r]):
+            outcome.times["endpoints"] = now
+        if "slots" not in outcome.times and slots_in_use(team) == len(survivors):
+            outcome.times["slots"] = now
+        return "endpoints" in outcome.times and "slots" in outcome.times
+
+    until(cleaned_up, KILL_CLEANUP_WITHIN_S, interval_s=1)
+    # The other workers' runs, as the dead worker's were cleaned up: still running, their endpoints training.
+    outcome.survivor_states = states(team, survivors)
+    live_jobs = {j["endpointId"] for j in localpod_account(team.local)["jobs"] if j["status"] == "IN_PROGRESS"}
+    outcome.survivors_training = all(e["id"] in live_jobs for r in survivors for e in endpoint_of[r])
+
+    # Stop the survivors the way a user would: cancelled runs delete their endpoints and give their slots back.
+    for run_id in survivors:
+        prefect_api(team.local, "POST", f"/flow_runs/{run_id}/set_state",
+                    json={"state": {"type": "CANCELLING"}, "force": True})
+    if not until(lambda: set(states(team, survivors).values()) == {"CANCELLED"}, 300):
+        outcome.survivors_cleaned_up = f"the survivors did not end Cancelled: {states(team, survivors)}"
+    elif not until(lambda: slots_in_use(team) == 0 and not localpod_account(team.local)["liveEndpoints"], 120):
+        outcome.survivors_cleaned_up = (f"slots in use {slots_in_use(team)}, live endpoints "
+                                        f"{[e['name'] for e in localpod_account(team.local)['liveEndpoints']]}")
+    restarted_at = datetime.now(timezone.utc)
+    team.start_worker(victim)  # the host comes back
+    team.wait_for_workers(WORKERS)
+    wait_for(lambda: polled_since(team, victim, restarted_at), 180, f"{victim} to poll again")
+    return outcome
+
+
+def until(condition, timeout_s: float, interval_s: float = 1.0) -> bool:
+    """Whether `condition()` became true within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+
+
+def polled_since(team: TeamStack, name: str, since: datetime) -> bool:
+    """Whether the worker `name` has sent a heartbeat since `since` (a killed worker's record stays ONLINE a while)."""
+    found = prefect_api(team.local, "POST", f"/work_pools/{team.pool}/workers/filter", json={}).json()
+    beats = [w["last_heartbeat_time"] for w in found if w["name"] == name and w.get("last_heartbeat_time")]
+    return any(datetime.fromisoformat(b.replace("Z", "+00:00")) > since for b in beats)
+
+
+def test_a_sigkilled_workers_endpoints_are_deleted_by_the_reconcile_deployment_in_time(killed):
+    assert "endpoints" in killed.times, f"still live {KILL_CLEANUP_WITHIN_S} s after the kill"
+    # + 60 s: a reconcile run's own start (a fresh Python process importing Prefect) on a loaded 2-core machine.
+    assert killed.times["endpoints"] <= SILENT_AFTER_MIN * 60 + RECONCILE_S + 60
+
+
+def test_a_sigkilled_workers_slots_come_back_within_the_lease(killed):
+    assert "slots" in killed.times, f"still held {KILL_CLEANUP_WITHIN_S} s after the kill"
+    assert killed.times["slots"] <= LEASE_S + RECONCILE_S + 60
+
+
+def test_the_other_workers_runs_train_on_untouched(killed):
+    assert set(killed.survivor_states.values()) == {"RUNNING"}, killed.survivor_states
+    assert killed.survivors_training
+
+
+def test_the_other_workers_runs_cancelled_delete_their_endpoints_and_free_their_slots(killed):
+    assert killed.survivors_cleaned_up == ""
+
+
 def test_twelve_runs_through_three_workers_never_exceed_the_limit_and_all_complete(team, figures):
     sampler = RunSampler(team)
     sampler.start()
@@ -201,62 +340,15 @@ def test_twelve_runs_through_three_workers_never_exceed_the_limit_and_all_comple
             f"{int(0.8 * available_mib / run_mib)} runs by memory, ~{int(0.8 * os.cpu_count() * life_s / cpu_s)} by CPU")
 
 
-def test_a_sigkilled_worker_leaves_no_endpoint_or_slot_and_other_workers_runs_train_on(team, figures):
-    ids = start_runs(team, LIMIT, name="team-kill", max_steps=100_000)
-
-    def all_training():
-        seen = runs(team, ids)
-        live = {e["id"] for e in endpoints(team, "team-kill") if not e["deletedAt"]}
-        training = {j["endpointId"] for j in localpod_account(team.local)["jobs"]
-                    if j["endpointId"] in live and j["status"] == "IN_PROGRESS"}
-        return len(training) == LIMIT and all(worker_of(team, r) for r in seen.values()) and seen
-
-    seen = wait_for(all_training, 600, "3 runs training", interval_s=2)
-    by_worker: dict[str, list[str]] = {}
-    for run_id, run in seen.items():
-        by_worker.setdefault(worker_of(team, run), []).append(run_id)
-    assert len(by_worker) >= 2, by_worker
-    victim, killed_runs = max(by_worker.items(), key=lambda item: len(item[1]))
-    survivors = [i for i in ids if i not in killed_runs]
-    endpoint_of = {run_id: [e for e in endpoints(team, "team-kill")
-                            if parse_endpoint_name(e["name"]).run_hash == run_hash(run_id)] for run_id in ids}
-
-    killed_at = time.monotonic()
-    team.kill_worker(victim)
-    times: dict[str, float] = {}
-
-    def cleaned_up():
-        now = time.monotonic() - killed_at
-        live = {e["id"] for e in localpod_account(team.local)["liveEndpoints"]}
-        if "endpoints" not in times and not any(e["id"] in live for r in killed_runs for e in endpoint_of[r]):
-            times["endpoints"] = now
-        if "slots" not in times and slots_in_use(team) == len(survivors):
-            times["slots"] = now
-        if "crashed" not in times and {states(team, killed_runs)[r] for r in killed_runs} == {"CRASHED"}:
-            times["crashed"] = now
-        return len(times) == 3
-
-    wait_for(cleaned_up, LEASE_S + RECONCILE_S + 240, "the killed worker's runs to be cleaned up", interval_s=1)
-    figures(f"team stack: worker SIGKILLed with {len(killed_runs)} run(s): endpoints deleted after "
-            f"{times['endpoints']:.0f} s, slots freed after {times['slots']:.0f} s, runs Crashed after "
-            f"{times['crashed']:.0f} s (lease {LEASE_S} s, reconcile every {RECONCILE_S} s)")
-    # The other workers' runs were never touched: still running, their endpoints training.
-    assert set(states(team, survivors).values()) == {"RUNNING"}
-    live_jobs = {j["endpointId"] for j in localpod_account(team.local)["jobs"] if j["status"] == "IN_PROGRESS"}
-    assert all(e["id"] in live_jobs for r in survivors for e in endpoint_of[r])
-    # + 60 s: a reconcile run's own start (a fresh Python process importing Prefect) on a loaded 2-core machine.
-    assert times["endpoints"] <= SILENT_AFTER_MIN * 60 + RECONCILE_S + 60
-    assert times["slots"] <= LEASE_S + RECONCILE_S + 60
-
-    # Stop the survivors the way a user would: cancelled runs delete their endpoints and give their slots back.
-    for run_id in survivors:
-        prefect_api(team.local, "POST", f"/flow_runs/{run_id}/set_state",
-                    json={"state": {"type": "CANCELLING"}, "force": True})
-    wait_for(lambda: set(states(team, survivors).values()) == {"CANCELLED"}, 300, "the survivors to cancel")
-    wait_for(lambda: slots_in_use(team) == 0 and not localpod_account(team.local)["liveEndpoints"], 120,
-             "the survivors' endpoints and slots")
-    team.start_worker(victim)  # the host comes back
-    team.wait_for_workers(WORKERS)
+def test_a_sigkilled_workers_runs_end_crashed(team, killed, figures):
+    """Scenario 1's last step, awaited while scenario 2 ran: the zombie automation marks the dead runs Crashed."""
+    killed.crash_watch.join(max(0.0, killed.killed_at + KILL_CLEANUP_WITHIN_S + 10 - time.monotonic()))
+    figures(f"team stack: worker SIGKILLed with {len(killed.killed_runs)} run(s): endpoints deleted after "
+            f"{killed.times.get('endpoints', float('nan')):.0f} s, slots freed after "
+            f"{killed.times.get('slots', float('nan')):.0f} s, runs Crashed after "
+            f"{killed.times.get('crashed', float('nan')):.0f} s (lease {LEASE_S} s, reconcile every {RECONCILE_S} s)")
+    assert "crashed" in killed.times, (f"not all Crashed {KILL_CLEANUP_WITHIN_S} s after the kill: "
+                                       f"{states(team, killed.killed_runs)}")
 
 
 def test_runs_complete_across_a_server_restart_and_the_quota_holds_through_it(team, figures):
