@@ -99,8 +99,9 @@ class Attempts:
 
 @task(name="check", cache_policy=NO_CACHE)
 def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
-    """Nothing is rented until this has passed. `spent` (passed quoted, so it is this run's own) learns the cost
-    ceiling as soon as it is known, for the run's end event even when the budget refuses the run."""
+    """Nothing is rented until this has passed. `spent` learns the cost ceiling as soon as it is known, for the run's
+    end event even when the budget refuses the run (the flow passes it quoted: Prefect hands the object itself over,
+    without looking into it)."""
     logger = get_run_logger()
     deadline = time.time() + spec.deadline_minutes * 60
     settings = Settings()
