@@ -36,11 +36,60 @@ def figures():
     return _FIGURES.append
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller prints them
+        workeroutput["loraflow_figures"] = list(_FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller: the figures of a worker that finished."""
+    _FIGURES.extend(getattr(node, "workeroutput", {}).get("loraflow_figures", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     if _FIGURES:
         terminalreporter.section("loraflow figures")
         for text in _FIGURES:
             terminalreporter.write_line(text)
+
+
+ONE_AFTER_THE_OTHER = ("test_chaos_e2e.py", "test_team_stack_e2e.py")
+"""The two batches that keep both cores busy for minutes (23 chaos runs at once; the team stack's PostgreSQL,
+Redis, server and 3 Prefect workers, then 12 runs): one pytest-xdist worker runs them, one after the other."""
+THEN = (
+    "test_preload_e2e.py", "test_ui_browser.py", "test_train_e2e.py", "test_cli_overrides.py", "test_hub_e2e.py",
+    "test_grpo_files_e2e.py", "test_run_events.py", "test_placement_e2e.py", "test_localpod.py", "test_preflight.py",
+    "test_reconcile_e2e.py", "test_run_watch_e2e.py", "test_crash_recovery_e2e.py", "test_cancel_e2e.py",
+    "test_server_restart_e2e.py", "test_slot_wait_server_errors.py",
+)
+"""The other long modules (bench/README.md, "The test suite's duration"), in the order the other worker takes them:
+first those whose waits have room to spare, while the chaos batch holds the CPU, then those whose bounds are
+tighter (a lease, a reconcile interval, 40 s of errors). A module not named runs after these, in the usual order."""
+
+
+def pytest_collection_modifyitems(items):
+    """The long modules first, in the order above (a stable sort: each module keeps its own order)."""
+    order = {name: i for i, name in enumerate(ONE_AFTER_THE_OTHER + THEN)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's `--dist loadfile` (a test module is one unit of work: its module-scoped stacks and batches are
+    set up once), but with the modules of `ONE_AFTER_THE_OTHER` one unit together. Units go to the workers in the
+    collection's order as each finishes one (xdist's own reordering, by number of tests, is off: pyproject.toml): the
+    longest first, so that no worker is left running a long module alone at the end. (xdist's `loadgroup` would
+    group by mark, but its group names never reach the node ids under pytest 9.)"""
+    from xdist.scheduler import LoadFileScheduling
+
+    class Schedule(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "one-after-the-other" if Path(path).name in ONE_AFTER_THE_OTHER else path
+
+    return Schedule(config, log)
 
 
 @pytest.fixture(scope="session")
