@@ -278,15 +278,17 @@ def rent_train_and_tear_down(
     RunPod refused it because its warm volume is gone, nothing was created and the same attempt runs cold.
     Returns the plan and warm volume the attempt ran with."""
     progress_key = f"train-{run.spec.name}-progress"
-    load_in_background()  # what drawing the curve needs, imported while the job runs
     try:
-        outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids)
+        # What drawing the curve needs is imported while the job runs.
+        outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids,
+                                         on_submitted=load_in_background)
     except WarmVolumeGone as gone:
         get_run_logger().warning("Attempt %d: %s; its weight-cache record is cleared and the attempt runs cold",
                                  attempt, gone)
         forget(cache, get_run_logger())
         cache, plan = None, plan_for(run, attempt, attempts, None)
-        outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids)
+        outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids,
+                                         on_submitted=load_in_background)
     return outcome, undeleted, plan, cache
 
 

@@ -6,6 +6,8 @@ unconfirmed keeps a slot lease and a record of its own for the reconciler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prefect import get_run_logger
 
 from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S
@@ -20,10 +22,11 @@ from tasks.settings import Settings, make_client
 from tasks.storage.weight_cache import gone_volume
 
 
-def run_attempt(plan: AttemptPlan, progress_key: str,
-                endpoint_ids: list[str] | None = None) -> tuple[JobOutcome, UndeletedEndpoint | None]:
+def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | None = None,
+                on_submitted: Callable[[], None] | None = None) -> tuple[JobOutcome, UndeletedEndpoint | None]:
     """One endpoint's life, inside one quota slot: create → submit → wait → delete (always). The id of the
-    endpoint it created is appended to `endpoint_ids`.
+    endpoint it created is appended to `endpoint_ids`; `on_submitted` is called once the job is submitted (work
+    the flow can do while the job runs, off the path from the slot to the submit).
 
     When the delete stays unconfirmed after its retries, a slot lease of its own and a record
     (`UndeletedEndpoint`, returned) outlive the attempt, for the reconciler; the attempt's outcome, or the
@@ -36,7 +39,7 @@ def run_attempt(plan: AttemptPlan, progress_key: str,
         with endpoint_slot(Settings().loraflow_slot_lease_seconds, logger=get_run_logger(),
                            give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S):
             try:
-                outcome = _create_submit_wait(plan, progress_key, created)
+                outcome = _create_submit_wait(plan, progress_key, created, on_submitted)
             finally:
                 endpoint_id = created[0].id if created else None
                 if endpoint_id is not None and endpoint_ids is not None:
@@ -54,7 +57,8 @@ def run_attempt(plan: AttemptPlan, progress_key: str,
     return outcome, undeleted
 
 
-def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endpoint]) -> JobOutcome:
+def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endpoint],
+                        on_submitted: Callable[[], None] | None) -> JobOutcome:
     if run_cancel_requested():  # cancelled while it waited for the slot: create nothing
         return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
                           error="the run was cancelled while it waited for an endpoint slot")
@@ -83,6 +87,8 @@ def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endp
         if not is_transient(error):
             raise error
         return JobOutcome(kind="submit_failed", job_id="", status="UNKNOWN", error=str(error))
+    if on_submitted is not None:
+        on_submitted()
     return wait_for_job(endpoint, submitted.result(), plan.limits, progress_key=progress_key)
 
 
