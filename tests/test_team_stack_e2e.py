@@ -7,9 +7,9 @@ One stack, one timeline of three scenarios, each read by the tests that follow i
 1. A worker SIGKILLed mid-run with its runs (its host dies): its runs' endpoints are deleted by the reconcile
    deployment and their slots freed within the lease + one reconcile interval, while the other workers' runs
    train on; cancelled, those delete their endpoints and give their slots back; the dead worker's runs end
-   Crashed (Prefect's zombie automation, after 3 minutes without a heartbeat). That last wait is the
-   scenario's longest and needs nothing else of the stack, so it is watched in the background while
-   scenario 2 runs, and checked after it.
+   Crashed (Prefect's zombie automation, after 3 minutes without a heartbeat), and no live run ever does. That
+   last wait is the scenario's longest and needs nothing else of the stack, so it is watched in the background
+   while scenario 2 runs (whose 12 live runs the automation must leave alone too), and checked after it.
 2. 12 runs through 3 workers: never more than 3 endpoints alive, all complete.
 3. The server restarted mid-run, a fourth run waiting for a slot: never more than 3 endpoints (no lease lapsed),
    the runs complete, no slot leaks.
@@ -349,6 +349,22 @@ def test_a_sigkilled_workers_runs_end_crashed(team, killed, figures):
             f"{killed.times.get('crashed', float('nan')):.0f} s (lease {LEASE_S} s, reconcile every {RECONCILE_S} s)")
     assert "crashed" in killed.times, (f"not all Crashed {KILL_CLEANUP_WITHIN_S} s after the kill: "
                                        f"{states(team, killed.killed_runs)}")
+
+
+def test_the_zombie_automation_crashed_no_live_run(team, killed):
+    """While it marked the dead runs Crashed, the other runs of the train deployment (the dead worker's neighbours,
+    then the 12 runs of scenario 2) were live: none of them was ever Crashed."""
+    killed.crash_watch.join(max(0.0, killed.killed_at + KILL_CLEANUP_WITHIN_S + 10 - time.monotonic()))
+    deployment = prefect_api(team.local, "GET", "/deployments/name/train/team-e2e").json()
+    found = prefect_api(team.local, "POST", "/flow_runs/filter",
+                        json={"deployments": {"id": {"any_": [deployment["id"]]}}}).json()
+    others = [r["id"] for r in found if r["id"] not in killed.killed_runs]
+    assert set(killed.survivors) <= set(others), others
+    assert [r for r in others if "CRASHED" in state_history(team, r)] == []
+
+
+def state_history(team: TeamStack, run_id: str) -> list[str]:
+    return [s["type"] for s in prefect_api(team.local, "GET", "/flow_run_states/", params={"flow_run_id": run_id}).json()]
 
 
 def test_runs_complete_across_a_server_restart_and_the_quota_holds_through_it(team, figures):
