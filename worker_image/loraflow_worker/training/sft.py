@@ -1,7 +1,7 @@
 """LoRA supervised fine-tuning: job input in, trained adapter folder + metrics + manifest out.
 
-Straight-line, like `trl/scripts/sft.py`: load data (holding evaluation examples out, when asked) → load
-model → `SFTTrainer` with a PEFT `LoraConfig` → train, evaluating the loss on the held-out examples → save the
+Straight-line, like `trl/scripts/sft.py`: load data (holding evaluation examples out, when asked) → the loss put
+on what `training.loss_on` names (`sft_loss`) → load model → `SFTTrainer` with a PEFT `LoraConfig` → train, evaluating the loss on the held-out examples → save the
 adapter. The same code runs on CUDA (bf16) and on CPU (tests, local
 demo) with the GPU-only paths switched off; the manifest records which were in effect.
 Publishing to the artifact store is the handler's job.
@@ -19,6 +19,7 @@ from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress
 from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
+from loraflow_worker.training.sft_loss import SftLoss, loss_record, prepare_sft_loss
 from loraflow_worker.training.run import (
     TrainOutcome,
     evaluation_split,
@@ -47,31 +48,38 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     check_deadline(job.deadline_epoch_s)
     plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
 
-    args = sft_config(job, plan, work_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    loss = prepare_sft_loss(job, tokenizer, store, dataset, eval_dataset)
+    args = sft_config(job, plan, work_dir, loss)
     monitor = TrainingMonitor(report, job.deadline_epoch_s, eval_key="eval_loss" if eval_dataset is not None else None)
+    saved_template = tokenizer.chat_template
+    if loss.render_with is not None:
+        tokenizer.chat_template = loss.render_with
     trainer = SFTTrainer(
         model=load_model(model_path, job, plan),
         args=args,
-        train_dataset=dataset,
-        eval_dataset=eval_dataset,
+        train_dataset=loss.train,
+        eval_dataset=loss.evaluation,
         processing_class=tokenizer,
         peft_config=lora_config(job),
         callbacks=[monitor, *callbacks],
     )
+    tokenizer.chat_template = saved_template  # the data is tokenized: the adapter keeps the model's own template
     fast_paths = engage_fast_paths(plan, trainer.model)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
-                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset)
+                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset,
+                           loss=loss_record(job, loss, trainer.train_dataset))
 
 
-def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> SFTConfig:
-    """The `SFTConfig` of `job` under the fast-path `plan` (which carries the model-loading kwargs), writing into
-    `work_dir`: what `train_sft` trains with, in a function of its own so that a GPU's configuration can be
-    built and checked without one."""
+def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path, loss: SftLoss | None = None) -> SFTConfig:
+    """The `SFTConfig` of `job` under the fast-path `plan` (which carries the model-loading kwargs) and its `loss`
+    masking, writing into `work_dir`: what `train_sft` trains with, in a function of its own so that a GPU's
+    configuration can be built and checked without one."""
     return SFTConfig(
         **shared_trainer_args(job, work_dir),
         max_length=job.training.max_seq_length,
         include_num_input_tokens_seen="non_padding",
+        **(loss.config if loss else {}),
         **plan.trainer_kwargs,
     )
