@@ -24,6 +24,7 @@ from pathlib import Path
 from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
+from loraflow_worker.training.packing import packing_problem
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
@@ -154,6 +155,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         job_input = _job_input(spec, run_id, deadline, model_source, dataset_path, rewards,
                                chat_template_path=chat_template_store_path(run_id) if template_file else None)
         shape = shape_read.result()
+        if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
+            raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
         if shape is not None:  # the worker's own memory planner, on each GPU: those the run cannot fit are not rented
             gpus, too_small = gpus_that_fit(gpus, functools.partial(plan_job, job_input, shape),
                                             quantized_plan_for=_quantized_planner(job_input, shape))

@@ -63,7 +63,7 @@ def test_secrets_in_an_error_are_redacted(monkeypatch):
 
 def test_sft_only_loss_settings_are_refused_for_grpo_naming_them():
     grpo = {"rewards": [{"name": "exact_match", "column": "answer"}], "num_generations": 4}
-    with pytest.raises(JobRefused, match=r"`training.loss_on` and `training.chat_template` apply to sft only"):
+    with pytest.raises(JobRefused, match=r"`training.loss_on`, `training.chat_template`: sft only"):
         handler(_job(algorithm="grpo", grpo=grpo, training={"loss_on": "all", "chat_template": "qwen3_training"}))
 
 

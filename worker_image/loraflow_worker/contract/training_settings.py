@@ -49,6 +49,15 @@ class TrainingSettings(_Strict):
         "found by the chat template's `{% generation %}` markers (see `chat_template`); the share of tokens that "
         "carry the loss is in the manifest and the summary.",
     )
+    packing: bool = Field(
+        default=False,
+        description="SFT: pack the examples into rows of `max_seq_length` tokens (TRL's best-fit decreasing; an "
+        "example longer than a row is truncated, as unpacked) instead of padding each batch to its longest: no "
+        "attention across examples (each keeps its own positions, from which transformers builds the mask), the loss "
+        "on the same tokens as unpacked. Faster on data of mixed lengths (short chats waste most of a padded batch). "
+        "Refused for Gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5), whose linear-attention layers would run across "
+        "a packed row's examples. The manifest's fast paths say whether it was engaged.",
+    )
     chat_template: str | None = Field(
         default=None,
         max_length=1024,

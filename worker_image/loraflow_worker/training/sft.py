@@ -1,9 +1,10 @@
 """LoRA supervised fine-tuning: job input in, trained adapter folder + metrics + manifest out.
 
 Straight-line, like `trl/scripts/sft.py`: load data (holding evaluation examples out, when asked) → the loss put
-on what `training.loss_on` names (`sft_loss`) → load model → `SFTTrainer` with a PEFT `LoraConfig` → train, evaluating the loss on the held-out examples → save the
-adapter. The same code runs on CUDA (bf16) and on CPU (tests, local
-demo) with the GPU-only paths switched off; the manifest records which were in effect.
+on what `training.loss_on` names (`sft_loss`) → load model → `SFTTrainer` with a PEFT `LoraConfig`, packing the
+examples when asked (`packing`) → train, evaluating the loss on the held-out examples → save the adapter. The same
+code runs on CUDA (bf16) and on CPU (tests, local demo) with the GPU-only paths switched off; the manifest records
+which were in effect.
 Publishing to the artifact store is the handler's job.
 """
 
@@ -12,13 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from transformers import AutoTokenizer, TrainerCallback
+from datasets import Dataset
+from transformers import AutoConfig, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.artifacts.manifest import FastPath
 from loraflow_worker.contract import JobInput, Progress
 from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
+from loraflow_worker.training.packing import packed_rows_reason, packing_problem
 from loraflow_worker.training.sft_loss import SftLoss, loss_record, prepare_sft_loss
 from loraflow_worker.training.run import (
     TrainOutcome,
@@ -47,6 +51,10 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
     plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
+    if job.training.packing:
+        kernels = all(plan.fast_paths[name].engaged for name in ("flash_linear_attention", "causal_conv1d"))
+        if problem := packing_problem(AutoConfig.from_pretrained(model_path).model_type, kernels):
+            raise ValueError(problem)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     loss = prepare_sft_loss(job, tokenizer, store, dataset, eval_dataset)
@@ -66,6 +74,8 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     )
     tokenizer.chat_template = saved_template  # the data is tokenized: the adapter keeps the model's own template
     fast_paths = engage_fast_paths(plan, trainer.model)
+    if job.training.packing:
+        fast_paths["packing"] = _packing(trainer.train_dataset, len(loss.train), job.training.max_seq_length)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset,
@@ -80,6 +90,15 @@ def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path, loss: SftLoss 
         **shared_trainer_args(job, work_dir),
         max_length=job.training.max_seq_length,
         include_num_input_tokens_seen="non_padding",
+        # Best-fit decreasing, which turns on padding-free batches: each example keeps its positions.
+        packing=job.training.packing, packing_strategy="bfd",
         **(loss.config if loss else {}),
         **plan.trainer_kwargs,
     )
+
+
+def _packing(prepared: Dataset, examples: int, max_length: int) -> FastPath:
+    """Whether the trainer's data was packed (TRL's packing adds each row's `seq_lengths`), for the manifest."""
+    if "seq_lengths" not in prepared.column_names:
+        return FastPath(engaged=False, reason="TRL did not pack the data")
+    return FastPath(engaged=True, reason=packed_rows_reason(examples, len(prepared), max_length))
