@@ -166,6 +166,21 @@ def test_a_chat_run_whose_answers_are_beyond_max_seq_length_is_refused_before_an
     assert not (tmp_path / "store").exists()  # refused before its inputs were stored
 
 
+def test_packing_a_gated_deltanet_hybrid_is_refused_before_any_endpoint_is_created(local_stack, tmp_path):
+    from transformers import Qwen3NextConfig
+
+    hybrid = tmp_path / "qwen3-next"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text(Qwen3NextConfig(num_hidden_layers=4).to_json_string())
+    run_file = write_run_file(tmp_path / "run.toml", name="e2e-packhybrid", model=hybrid, store=tmp_path / "store")
+    run_file.write_text(run_file.read_text().replace("seed = 7", "seed = 7\npacking = true\nloss_on = \"all\""))  # no tokenizer here
+    run = run_train_flow(local_stack, run_file)
+    assert run.returncode == 1
+    message = flow_run_state(local_stack, run.flow_run_id)["message"]
+    assert "training.packing: `qwen3_next` is a Gated-DeltaNet hybrid" in message, message
+    assert run_endpoints(local_stack, "e2e-packhybrid") == []
+
+
 def endpoint_limit_missing(stack) -> bool:
     import httpx
 
