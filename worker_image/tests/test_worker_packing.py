@@ -1,6 +1,7 @@
-"""Packing (`training.packing`): a packed row gives each example the loss it has alone and unpadded (positions restart
-per example, so transformers masks attention across them); a packed run completes and its manifest says packing was
-engaged; a Gated-DeltaNet hybrid, whose linear-attention layers would run across examples, is refused."""
+"""Packing (`training.packing`): a batch of packed rows gives each example the loss it has alone and unpadded
+(positions restart per example, so transformers masks attention across them); a packed run completes and its manifest
+says packing was engaged; a Gated-DeltaNet hybrid, whose linear-attention layers would run across examples, is
+refused."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import json
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.loss_mask import ChatTemplate, mask_chat
 from loraflow_worker.training.packing import packing_problem
-from loraflow_worker.training.sft import train_sft
+from loraflow_worker.training.sft import PackedRows, train_sft
 
 CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]
 
@@ -31,13 +31,12 @@ def examples(tokenizer, count: int = 4) -> list[dict[str, list[int]]]:
     return rows
 
 
-def per_example_losses(logits: torch.Tensor, labels: torch.Tensor, starts: list[int], ends: list[int]) -> list[float]:
-    """Each example's mean next-token loss over its labelled tokens, read from one (possibly packed) row."""
+def per_example_losses(logits: torch.Tensor, labels: torch.Tensor, spans: list[tuple[int, int, int]]) -> list[float]:
+    """Each example's mean next-token loss over its labelled tokens, read from (row, start, end) of a batch."""
     losses = []
-    for start, end in zip(starts, ends):
-        target = labels[0, start + 1:end]
-        predicted = logits[0, start:end - 1]
-        losses.append(torch.nn.functional.cross_entropy(predicted, target, ignore_index=-100).item())
+    for row, start, end in spans:
+        losses.append(torch.nn.functional.cross_entropy(logits[row, start:end - 1], labels[row, start + 1:end],
+                                                        ignore_index=-100).item())
     return losses
 
 
@@ -53,40 +52,45 @@ def unpadded_losses(model, rows) -> list[float]:
     with torch.no_grad():
         for row in rows:
             ids, labels = torch.tensor([row["input_ids"]]), torch.tensor([row["labels"]])
-            losses += per_example_losses(model(ids).logits, labels, [0], [len(row["input_ids"])])
+            losses += per_example_losses(model(ids).logits, labels, [(0, 0, len(row["input_ids"]))])
     return losses
 
 
-def packed_row(rows, pad_token_id):
-    batch = DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=True)(rows)
-    ends = list(torch.cumsum(torch.tensor([len(r["input_ids"]) for r in rows]), 0).tolist())
-    starts = [0, *ends[:-1]]
-    return batch, starts, ends
+def packed_batch(rows, pad_token_id):
+    """Two packed rows of two examples each, as TRL's packing leaves them, through the worker's collator; the spans
+    (row, start, end) of the four examples."""
+    packed, spans = [], []
+    for number, pair in enumerate((rows[:2], rows[2:4])):
+        packed.append({"input_ids": pair[0]["input_ids"] + pair[1]["input_ids"],
+                       "labels": pair[0]["labels"] + pair[1]["labels"],
+                       "seq_lengths": [len(pair[0]["input_ids"]), len(pair[1]["input_ids"])]})
+        first = len(pair[0]["input_ids"])
+        spans += [(number, 0, first), (number, first, first + len(pair[1]["input_ids"]))]
+    batch = PackedRows(pad_token_id=pad_token_id, return_position_ids=True)(packed)
+    return batch, spans
 
 
-def test_a_packed_row_gives_each_example_its_unpadded_loss(model_and_rows):
+def test_a_packed_batch_gives_each_example_its_unpadded_loss(model_and_rows):
     model, rows, pad = model_and_rows
-    assert len({len(r["input_ids"]) for r in rows}) > 1  # examples of different lengths
-    batch, starts, ends = packed_row(rows, pad)
-    assert "attention_mask" not in batch and batch["position_ids"][0, starts].tolist() == [0] * len(rows)
-    # As TRL's SFTTrainer calls the model (no cache: transformers detects packed rows only without one).
-    with torch.no_grad():
-        packed = per_example_losses(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits,
-                                    batch["labels"], starts, ends)
-    assert packed == pytest.approx(unpadded_losses(model, rows), abs=1e-4)
+    assert len({len(r["input_ids"]) for r in rows}) > 1  # examples of different lengths: one row is padded
+    batch, spans = packed_batch(rows, pad)
+    assert "attention_mask" not in batch and batch["input_ids"].shape[0] == 2
+    assert [batch["position_ids"][row, start].item() for row, start, _ in spans] == [0, 0, 0, 0]
+    with torch.no_grad():  # as TRL's SFTTrainer calls the model: without a cache (transformers reads packed rows then)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    assert per_example_losses(logits, batch["labels"], spans) == pytest.approx(unpadded_losses(model, rows), abs=1e-4)
 
 
-def test_the_same_row_with_attention_across_examples_gives_other_losses(model_and_rows):
-    # What the restarting positions prevent: without them the later examples see the earlier ones.
+def test_the_same_rows_with_attention_across_examples_give_other_losses(model_and_rows):
+    # What the restarting positions prevent: without them the second example of a row sees the first.
     model, rows, pad = model_and_rows
-    batch, starts, ends = packed_row(rows, pad)
-    running = torch.arange(batch["input_ids"].shape[1])[None]
+    batch, spans = packed_batch(rows, pad)
+    running = torch.arange(batch["input_ids"].shape[1]).expand(2, -1)
     with torch.no_grad():
-        leaked = per_example_losses(model(input_ids=batch["input_ids"], position_ids=running, use_cache=False).logits,
-                                    batch["labels"], starts, ends)
-    alone = unpadded_losses(model, rows)
+        logits = model(input_ids=batch["input_ids"], position_ids=running, use_cache=False).logits
+    leaked, alone = per_example_losses(logits, batch["labels"], spans), unpadded_losses(model, rows)
     assert leaked[0] == pytest.approx(alone[0], abs=1e-4)
-    assert max(abs(a - b) for a, b in zip(leaked[1:], alone[1:])) > 1e-2
+    assert abs(leaked[1] - alone[1]) > 1e-2 and abs(leaked[3] - alone[3]) > 1e-2
 
 
 def test_a_packed_run_completes_and_its_manifest_says_packing_was_engaged(tiny_model_dir, tmp_path):
@@ -107,8 +111,8 @@ def test_a_packed_run_completes_and_its_manifest_says_packing_was_engaged(tiny_m
     assert 0 < outcome.manifest.loss.token_share < 1  # the loss stays on the answers when packed
 
 
-def test_packing_is_refused_for_a_gated_deltanet_hybrid_without_its_boundary_kernels():
-    assert packing_problem("qwen3") is None and packing_problem("qwen3_next", boundary_kernels=True) is None
+def test_packing_is_refused_for_a_gated_deltanet_hybrid():
+    assert packing_problem("qwen3") is None
     problem = packing_problem("qwen3_next")
     assert problem.startswith("training.packing: `qwen3_next` is a Gated-DeltaNet hybrid")
     assert "causal-conv1d" in problem and problem.endswith("set training.packing = false")

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from datasets import Dataset
 from transformers import AutoConfig, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.artifacts.manifest import FastPath
@@ -51,10 +53,8 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
     plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
-    if job.training.packing:
-        kernels = all(plan.fast_paths[name].engaged for name in ("flash_linear_attention", "causal_conv1d"))
-        if problem := packing_problem(AutoConfig.from_pretrained(model_path).model_type, kernels):
-            raise ValueError(problem)
+    if job.training.packing and (problem := packing_problem(AutoConfig.from_pretrained(model_path).model_type)):
+        raise ValueError(problem)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     loss = prepare_sft_loss(job, tokenizer, store, dataset, eval_dataset)
@@ -73,6 +73,9 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
         callbacks=[monitor, *callbacks],
     )
     tokenizer.chat_template = saved_template  # the data is tokenized: the adapter keeps the model's own template
+    if job.training.packing:  # TRL refuses a collator of ours with packing, so it replaces TRL's once built
+        trainer.data_collator = PackedRows(pad_token_id=tokenizer.pad_token_id, return_position_ids=True,
+                                           pad_to_multiple_of=trainer.data_collator.pad_to_multiple_of)
     fast_paths = engage_fast_paths(plan, trainer.model)
     if job.training.packing:
         fast_paths["packing"] = _packing(trainer.train_dataset, len(loss.train), job.training.max_seq_length)
@@ -90,11 +93,24 @@ def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path, loss: SftLoss 
         **shared_trainer_args(job, work_dir),
         max_length=job.training.max_seq_length,
         include_num_input_tokens_seen="non_padding",
-        # Best-fit decreasing, which turns on padding-free batches: each example keeps its positions.
+        # Best-fit decreasing: whole examples per row, their lengths kept (`seq_lengths`) for their positions.
         packing=job.training.packing, packing_strategy="bfd",
         **(loss.config if loss else {}),
         **plan.trainer_kwargs,
     )
+
+
+class PackedRows(DataCollatorForLanguageModeling):
+    """TRL's packed rows as a batch of rows. TRL's own collator for packing flattens the batch into one row (padding-
+    free, for FlashAttention's variable-length kernels, which the image lacks); under SDPA attention then spans
+    batch_size × max_seq_length tokens at once, its cost growing with that length squared. Here each row keeps its
+    examples' positions, restarting at 0, and no attention mask is passed: from the positions transformers masks
+    attention across the examples of a row (a short row's padding becomes one-token sequences without loss)."""
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = super().torch_call(examples)
+        del batch["attention_mask"]  # with one, transformers would not read the positions' boundaries
+        return batch
 
 
 def _packing(prepared: Dataset, examples: int, max_length: int) -> FastPath:
