@@ -2,8 +2,8 @@
 
 1. `check` — everything a run needs checked and decided before anything is rented, the checks that do not
    depend on each other at once: the secrets and tokens, the image's contract, the GPUs whose hosts run its
-   CUDA and the budget, the local inputs, the model pinned; then the inputs published, the GPUs the memory
-   plan fits, the quota's limit and the workers' env.
+   CUDA and the budget, the local inputs, the model pinned and the first chats masked by its tokenizer; then the
+   inputs published, the GPUs the memory plan fits, the quota's limit and the workers' env.
 2. `place` — one attempt's GPU, warm volume and endpoint request.
 3. `rent_train_and_tear_down` — the attempt's endpoint under one quota slot: created, its job submitted and
    watched, deleted whatever happened (`tasks/lifecycle/attempt.py`).
@@ -24,6 +24,7 @@ from pathlib import Path
 from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
+from loraflow_worker.training.packing import packing_problem
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
@@ -59,7 +60,15 @@ from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.volumes import volume_name
 from tasks.settings import Settings, make_client
-from tasks.storage.artifacts import RunResults, check_dataset_jsonl, eval_store_path, publish_run_inputs_task
+from tasks.preflight.chats import check_chats_task
+from tasks.storage.artifacts import (
+    RunResults,
+    chat_template_store_path,
+    check_chat_template_file,
+    check_dataset_jsonl,
+    eval_store_path,
+    publish_run_inputs_task,
+)
 from tasks.storage.publish import PublishedModel, check_publish_token, publish_run_adapter
 from tasks.storage.rewards import check_reward_files
 from tasks.storage.volume_inventory import volume_monthly_cost
@@ -108,10 +117,16 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     gpus = [resolve_gpu(gpu_name) for gpu_name in spec.compute.gpu]
     floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
     # What needs the network, at once: secret blocks (Prefect), the catalog (RunPod), the model (the Hub).
+    template_file = check_chat_template_file(spec.training.chat_template)
     secrets = check_secrets.submit(spec)
     prices = read_gpu_prices.submit(gpus, floors)
     model = resolve_model_task.submit(spec.model, disk_gb=spec.compute.disk_gb, hub_token_secret=spec.hub_token_secret)
+    eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
     running = [secrets, prices, model]
+    if spec.algorithm == "sft":  # the first chats rendered by the model's tokenizer once the model is pinned
+        chats = check_chats_task.submit(model, spec.training, spec.dataset.local_file, eval_file,
+                                        str(template_file) if template_file else None, spec.hub_token_secret)
+        running.append(chats)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
         _check_local_inputs(spec)
@@ -125,17 +140,23 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
         secrets.result()
         model_source = model.result()
-        # The dataset file, the evaluation file and the reward files, in one commit, while the model's shape is read.
-        eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
+        if spec.algorithm == "sft":
+            chats.result()  # a run whose loss would be on no answer is refused before its inputs are stored
+        # The dataset file, the evaluation file, the chat template and the reward files, in one commit, while the
+        # model's shape is read.
         rewards = spec.grpo.rewards if spec.grpo is not None else []
         inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, spec.dataset.local_file, rewards,
                                                 str(Path.cwd()), eval_file=eval_file,
-                                                hub_token_secret=spec.hub_token_secret)
+                                                hub_token_secret=spec.hub_token_secret,
+                                                chat_template_file=str(template_file) if template_file else None)
         shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
         running += [inputs, shape_read]
         dataset_path, rewards = inputs.result()  # the rewards come back pointing at their copies
-        job_input = _job_input(spec, run_id, deadline, model_source, dataset_path, rewards)
+        job_input = _job_input(spec, run_id, deadline, model_source, dataset_path, rewards,
+                               chat_template_path=chat_template_store_path(run_id) if template_file else None)
         shape = shape_read.result()
+        if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
+            raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
         if shape is not None:  # the worker's own memory planner, on each GPU: those the run cannot fit are not rented
             gpus, too_small = gpus_that_fit(gpus, functools.partial(plan_job, job_input, shape),
                                             quantized_plan_for=_quantized_planner(job_input, shape))
@@ -181,7 +202,7 @@ def _check_local_inputs(spec: RunSpec) -> None:
 
 
 def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset_path: str | None,
-               rewards: list) -> JobInput:
+               rewards: list, chat_template_path: str | None = None) -> JobInput:
     if dataset_path is not None:
         dataset = DatasetSource(store_path=dataset_path)
     else:
@@ -189,8 +210,11 @@ def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, 
     grpo = spec.grpo.model_copy(update={"rewards": rewards}) if spec.grpo is not None else None
     # QLoRA GRPO generates with the training model: TRL's merge of an adapter into a 4-bit base for vLLM misbehaves.
     qlora_grpo = spec.algorithm == "grpo" and spec.lora.quantization == "4bit"
+    # A chat template file is read from its copy in the store (`chat_template_path`), as the dataset is.
+    training = spec.training.model_copy(update={"chat_template": chat_template_path}) if chat_template_path \
+        else spec.training
     return JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset, lora=spec.lora,
-                    training=spec.training, grpo=grpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
+                    training=training, grpo=grpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
                     extra_packages=spec.extra_packages, evaluation=_job_evaluation(spec, run_id),
                     memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None,
                     worker_env_names=sorted(spec.worker.env), worker_secret_names=sorted(spec.worker.secrets),
@@ -374,7 +398,8 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
         usd_per_hour=offer.usd_per_hour, price_source=offer.source,
         billed_usd=billed.usd if billed else None, billing_pending=billed is None or billed.usd <= 0,
         adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,
-        fast_paths=(results.manifest or {}).get("fast_paths"), algorithm=spec.algorithm,
+        fast_paths=(results.manifest or {}).get("fast_paths"), loss=(results.manifest or {}).get("loss"),
+        algorithm=spec.algorithm,
         run_url=curve_links.run_url if curve_links else None,
         curve_url=curve_links.curve_url if curve_links else None, quantization=spec.lora.quantization,
         forced_memory=(results.manifest or {}).get("forced_memory_settings") or [],

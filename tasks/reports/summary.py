@@ -72,6 +72,9 @@ class RunReport(BaseModel):
         default=None, description="The Hub model repo the run's `[publish]` names; None: not published by name.")
     published_model_url: str | None = Field(default=None, description="Its page; None when publishing failed.")
     publish_error: str | None = Field(default=None, description="Why publishing failed; None when it did not fail.")
+    loss: dict[str, Any] | None = Field(
+        default=None, description="SFT: which tokens carried the loss (the manifest's `loss`: `loss_on`, `masked_by`, "
+        "`chat_template`, `token_share`); None for GRPO or a worker that did not record it.")
 
 
 def run_title(name: str, model_id: str, algorithm: str, gpu: str) -> str:
@@ -142,6 +145,7 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
         ("Device (worker)", m.device),
         ("Steps", str(m.steps)),
         ("Loss (first → final)", loss),
+        *([("Loss on", _loss_on(report.loss))] if report.loss else []),
         *([("Mean reward (first → final)", rewards)] if rewards else []),
         *evaluated,
         ("Tokens", f"{m.tokens:,}"),
@@ -223,6 +227,13 @@ def _tracker(run: TrackerRun, files_url: str | None) -> str:
 def _cell(text: str) -> str:
     """`text` as part of a table cell, which is one line: newlines folded, pipes escaped."""
     return " ".join(text.split()).replace("|", "\\|")
+
+
+def _loss_on(loss: dict[str, Any]) -> str:
+    share = f"{loss.get('token_share', 0):.0%} of the training tokens"
+    what = "the answers" if loss.get("loss_on") == "completion" else "every token"
+    how = "; ".join(str(part) for part in (f"masked by {loss.get('masked_by')}", loss.get("chat_template")) if part)
+    return f"{what}: {share} ({how})"
 
 
 def _weights(report: RunReport) -> str:

@@ -82,16 +82,36 @@ def eval_store_path(run_id: str) -> str:
     return f"{run_prefix(run_id)}/dataset/eval.jsonl"
 
 
+def chat_template_store_path(run_id: str) -> str:
+    """Where `publish_run_inputs` puts a run's chat template file (`training.chat_template`) in the store."""
+    return f"{run_prefix(run_id)}/chat_template.jinja"
+
+
+def check_chat_template_file(template: str | None) -> Path | None:
+    """The local file `training.chat_template` names (a `.jinja` path, relative to the working directory); None for a
+    TRL template's name or none. ValueError naming the field when the file cannot be read as text."""
+    if template is None or not template.endswith((".jinja", ".j2")):
+        return None
+    path = Path(template).expanduser()
+    try:
+        path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"training.chat_template {template}: {type(e).__name__}: {e}; give a .jinja file that exists "
+                         "(relative to the working directory) or the name of a TRL training template") from e
+    return path
+
+
 def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, rewards: Sequence[RewardSpec],
-                       base_dir: Path, token: str | None = None,
-                       eval_file: Path | None = None) -> tuple[str | None, list[RewardSpec]]:
+                       base_dir: Path, token: str | None = None, eval_file: Path | None = None,
+                       chat_template_file: Path | None = None) -> tuple[str | None, list[RewardSpec]]:
     """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
     hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
     train.jsonl`, and each reward file (`path/to/file.py:function`, relative paths from `base_dir`) under
     `runs/<run_id>/rewards/`. Returns the dataset's store path (None without a file) and `rewards` with each
     reward file's `store_path` set, for the job. A reward file that is missing or lacks its function is refused
     (ValueError naming `grpo.rewards[i].name`) before anything is written. `token`: the Hub token. `eval_file`: the
-    run's evaluation examples (checked by the caller), stored in the same commit at `eval_store_path(run_id)`."""
+    run's evaluation examples (checked by the caller), stored in the same commit at `eval_store_path(run_id)`;
+    `chat_template_file` (`training.chat_template`, checked by the caller) at `chat_template_store_path(run_id)`."""
     reward_files = check_reward_files(rewards, base_dir)
     store_paths = reward_store_paths(reward_files, run_id)
     files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
@@ -101,8 +121,11 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
         files[dataset_path] = dataset_file
     if eval_file is not None:
         files[eval_store_path(run_id)] = eval_file
+    if chat_template_file is not None:
+        files[chat_template_store_path(run_id)] = chat_template_file
     if files:
         what = " and ".join(filter(None, ["dataset" if dataset_file else "", "evaluation file" if eval_file else "",
+                                          "chat template" if chat_template_file else "",
                                           "reward files" if store_paths else ""]))
         open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
     published = [
@@ -171,11 +194,12 @@ def _read_text(store: Any, path: str) -> str | None:
 
 @task(name="publish-run-inputs", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | None, rewards: list[RewardSpec],
-                            base_dir: str, eval_file: str | None = None,
-                            hub_token_secret: str | None = None) -> tuple[str | None, list[RewardSpec]]:
+                            base_dir: str, eval_file: str | None = None, hub_token_secret: str | None = None,
+                            chat_template_file: str | None = None) -> tuple[str | None, list[RewardSpec]]:
     return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
                               Path(base_dir), hub_token(store_url, hub_token_secret),
-                              eval_file=Path(eval_file) if eval_file else None)
+                              eval_file=Path(eval_file) if eval_file else None,
+                              chat_template_file=Path(chat_template_file) if chat_template_file else None)
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])

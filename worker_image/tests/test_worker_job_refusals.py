@@ -59,3 +59,15 @@ def test_secrets_in_an_error_are_redacted(monkeypatch):
     assert secret not in str(failed.value)
     assert f"JobRefused: worker speaks contract version {CONTRACT_VERSION}, job has version v-***: deploy" in str(failed.value)
     assert failed.value.__cause__ is None and failed.value.__suppress_context__  # no chained original
+
+
+def test_sft_only_loss_settings_are_refused_for_grpo_naming_them():
+    grpo = {"rewards": [{"name": "exact_match", "column": "answer"}], "num_generations": 4}
+    with pytest.raises(JobRefused, match=r"`training.loss_on`, `training.chat_template`: sft only"):
+        handler(_job(algorithm="grpo", grpo=grpo, training={"loss_on": "all", "chat_template": "qwen3_training"}))
+
+
+def test_a_chat_template_that_is_neither_a_file_nor_a_trl_template_is_refused_with_the_names():
+    with pytest.raises(JobRefused, match=r"'chatml' is neither a `.jinja` file nor one of TRL's training templates: "
+                                         r"cohere2_training, .*qwen3_training"):
+        handler(_job(training={"chat_template": "chatml"}))

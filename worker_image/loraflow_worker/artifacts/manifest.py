@@ -34,6 +34,23 @@ class FastPath(BaseModel):
     reason: str = Field(description="Why it was or was not engaged, e.g. `no CUDA device`.")
 
 
+class LossRecord(BaseModel):
+    """Which tokens an SFT run's loss was on (`training.loss_on`), as training masked them."""
+
+    loss_on: str = Field(description="`completion` (the answers only) or `all` (every token).")
+    masked_by: str = Field(
+        description="How the tokens without loss were found: the chat template's assistant markers, each turn's "
+        "rendered prefix, the prompt of prompt/completion examples, or nothing (`all`, plain text)."
+    )
+    chat_template: str | None = Field(
+        default=None, description="The chat template the chats were rendered with, and where it came from; None for "
+        "data without chats.")
+    token_share: float = Field(
+        ge=0.0, le=1.0,
+        description="Share of the training tokens (after truncation to `training.max_seq_length`) that carry the loss.",
+    )
+
+
 class RunManifest(BaseModel):
     """Everything needed to know how an adapter was made, stored beside it."""
 
@@ -61,6 +78,7 @@ class RunManifest(BaseModel):
         description="The job's memory settings that were forced (`JobInput.memory`, e.g. `micro_batch_size`): they "
         "overrode the plan.",
     )
+    loss: LossRecord | None = Field(default=None, description="SFT: which tokens carried the loss; None for GRPO.")
     cuda_version: str | None = Field(default=None, description="CUDA version torch was built with; None on CPU.")
     cuda_allocator_settings: str | None = Field(
         default=None,

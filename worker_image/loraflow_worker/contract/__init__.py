@@ -8,13 +8,15 @@ before a GPU is billed, and a worker refuses a job whose `contract_version` it d
 It owns the version (`version`), what a run trains on (`sources`), the job's sections (`training_settings`,
 one `<method>_settings` per method with settings of its own, `memory_settings`, `fast_path_settings`), the names
 a run may put in its worker's environment (`env_names`), the job itself (`job`), what comes back (`results`),
-preload jobs (`preload`) and how a reward is named (`reward_names`). The models are re-exported here:
+preload jobs (`preload`), how a reward is named (`reward_names`) and the chat templates the image's TRL
+has training versions of (`chat_templates`). The models are re-exported here:
 `from loraflow_worker.contract import JobInput`.
 
 It must stay light (pydantic and the standard library only) and import nothing else of the worker: the
 control plane imports it without the training stack.
 """
 
+from loraflow_worker.contract.chat_templates import TRL_TRAINING_TEMPLATES, trl_training_template
 from loraflow_worker.contract.env_names import (
     ENV_NAME_PATTERN,
     MAX_WORKER_ENV,
@@ -42,6 +44,7 @@ __all__ = [
     "MAX_WORKER_ENV",
     "RESERVED_ENV_NAMES",
     "RESERVED_ENV_PREFIXES",
+    "TRL_TRAINING_TEMPLATES",
     "DatasetSource",
     "EvaluationSettings",
     "FastPathSettings",
@@ -64,6 +67,7 @@ __all__ = [
     "memory_setting_problems",
     "plain_requirements",
     "run_prefix",
+    "trl_training_template",
     "worker_env_name",
     "worker_env_overlap",
 ]

@@ -131,6 +131,13 @@ def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: T
         ]
     if grpo is None:
         return ["algorithm is 'grpo' but `grpo` is not set: add a `grpo` section with at least one reward"]
+    # Not `model_fields_set`: a job read back from its JSON has every field set.
+    sft_only = [f"`training.{name}`" for name, default in
+                (("loss_on", "completion"), ("chat_template", None), ("packing", False))
+                if getattr(training, name) != default]
+    if sft_only:
+        return [f"{', '.join(sft_only)}: sft only (GRPO's loss is on the completions it generates from the model's "
+                "own chat template, a group per prompt); remove them"]
     completions = training.batch_size * training.gradient_accumulation_steps
     if completions % grpo.num_generations:
         return [

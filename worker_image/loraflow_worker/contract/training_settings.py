@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from loraflow_worker.contract.chat_templates import trl_template_names
 from loraflow_worker.contract.version import _Strict
 
 
@@ -39,6 +40,35 @@ class TrainingSettings(_Strict):
     batch_size: int = Field(default=8, ge=1, le=4096, description="Examples per device per optimizer step.")
     gradient_accumulation_steps: int = Field(default=1, ge=1, le=1024, description="Micro-batches summed per optimizer step.")
     max_seq_length: int = Field(default=1024, ge=8, le=262_144, description="Tokens per example; longer examples are truncated.")
+    loss_on: Literal["completion", "all"] = Field(
+        default="completion",
+        description="SFT: which tokens the loss is on. `completion`: the answers only — the assistant turns of "
+        "`messages` chats, the `completion` of prompt/completion examples (a `text` example has no prompt: all of "
+        "it); the prompts, system and user turns are context the model is not trained to write (Axolotl's "
+        "`train_on_inputs: false`, hosted fine-tuning). `all`: every token of every example. The assistant turns are "
+        "found by the chat template's `{% generation %}` markers (see `chat_template`); the share of tokens that "
+        "carry the loss is in the manifest and the summary.",
+    )
+    packing: bool = Field(
+        default=False,
+        description="SFT: pack the examples into rows of `max_seq_length` tokens (TRL's best-fit decreasing; an "
+        "example longer than a row is truncated, as unpacked) instead of padding each batch to its longest: no "
+        "attention across examples (each keeps its own positions, from which transformers builds the mask), the loss "
+        "on the same tokens as unpacked. Faster on data of mixed lengths (short chats waste most of a padded batch). "
+        "Refused for Gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5), whose linear-attention layers would run across "
+        "a packed row's examples. The manifest's fast paths say whether it was engaged.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="SFT: the chat template the chats are rendered with, in training and in the saved adapter's "
+        "tokenizer. Empty: the model's own where it marks the assistant turns with `{% generation %}`, else TRL's "
+        "training version of it (Qwen, Llama 3, Gemma, Phi, DeepSeek, ... families), else the model's own with the "
+        "assistant turns found by rendering each turn's prefix (refused before renting where the template rewrites "
+        "earlier turns). Or the name of one of TRL's training templates (e.g. `qwen3_training`, `llama3_training`), "
+        "or a `.jinja` file on the machine that runs the flow (relative to its working directory), which the run "
+        "stores with its inputs.",
+    )
     seed: int = Field(default=42, ge=0, le=2**31 - 1, description="Random seed for data order and adapter initialisation.")
     logging_steps: int = Field(default=1, ge=1, le=100_000, description="Record loss every this many steps.")
     checkpoint_every_steps: int | None = Field(
@@ -76,6 +106,14 @@ class TrainingSettings(_Strict):
         "attempt is one tracker run named `<run id>-a<attempt>`. Either way the tracker's local files are stored "
         "with the run under `tracking/a<attempt>/`, and the summary links the tracker's run. Empty: no tracker.",
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _a_template_the_worker_has(cls, template: str | None) -> str | None:
+        if template is None or template.endswith((".jinja", ".j2")) or template in trl_template_names():
+            return template
+        raise ValueError(f"{template!r} is neither a `.jinja` file nor one of TRL's training templates: "
+                         f"{', '.join(trl_template_names())}")
 
     @field_validator("report_to")
     @classmethod

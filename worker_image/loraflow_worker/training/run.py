@@ -21,6 +21,7 @@ from trl.trainer.utils import create_model_from_path
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.artifacts.manifest import (
     FastPath,
+    LossRecord,
     RunManifest,
     library_versions,
     rows_sha256,
@@ -212,7 +213,8 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
 
 def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput, revision: str | None,
                     adapter_dir: Path, wall_seconds: float, cuda: bool, fast_paths: dict[str, FastPath],
-                    plan: FastPathPlan, rows: Dataset, rewards: list[tuple[int, float]] | None = None) -> TrainOutcome:
+                    plan: FastPathPlan, rows: Dataset, rewards: list[tuple[int, float]] | None = None,
+                    loss: LossRecord | None = None) -> TrainOutcome:
     """The metrics and the reproducibility record (manifest) of a run that ended, and where its deadline
     checkpoint is when the deadline ended it."""
     device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
@@ -239,6 +241,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         fast_paths=fast_paths,
         memory_plan=plan.memory,
         forced_memory_settings=sorted(job.memory.model_dump(exclude_none=True)) if job.memory else [],
+        loss=loss,
         cuda_version=torch.version.cuda if cuda else None,
         cuda_allocator_settings=cuda_allocator_settings() if cuda else None,
         dataset_sha256=rows_sha256(rows),

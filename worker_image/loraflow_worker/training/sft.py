@@ -1,9 +1,10 @@
 """LoRA supervised fine-tuning: job input in, trained adapter folder + metrics + manifest out.
 
-Straight-line, like `trl/scripts/sft.py`: load data (holding evaluation examples out, when asked) → load
-model → `SFTTrainer` with a PEFT `LoraConfig` → train, evaluating the loss on the held-out examples → save the
-adapter. The same code runs on CUDA (bf16) and on CPU (tests, local
-demo) with the GPU-only paths switched off; the manifest records which were in effect.
+Straight-line, like `trl/scripts/sft.py`: load data (holding evaluation examples out, when asked) → the loss put
+on what `training.loss_on` names (`sft_loss`) → load model → `SFTTrainer` with a PEFT `LoraConfig`, packing the
+examples when asked (`packing`) → train, evaluating the loss on the held-out examples → save the adapter. The same
+code runs on CUDA (bf16) and on CPU (tests, local demo) with the GPU-only paths switched off; the manifest records
+which were in effect.
 Publishing to the artifact store is the handler's job.
 """
 
@@ -11,14 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from transformers import AutoTokenizer, TrainerCallback
+from datasets import Dataset
+from transformers import AutoConfig, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.artifacts.manifest import FastPath
 from loraflow_worker.contract import JobInput, Progress
 from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
+from loraflow_worker.training.packing import packed_rows_reason, packing_problem
+from loraflow_worker.training.sft_loss import SftLoss, loss_record, prepare_sft_loss
 from loraflow_worker.training.run import (
     TrainOutcome,
     evaluation_split,
@@ -46,32 +53,68 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
     plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
+    if job.training.packing and (problem := packing_problem(AutoConfig.from_pretrained(model_path).model_type)):
+        raise ValueError(problem)
 
-    args = sft_config(job, plan, work_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    loss = prepare_sft_loss(job, tokenizer, store, dataset, eval_dataset)
+    args = sft_config(job, plan, work_dir, loss)
     monitor = TrainingMonitor(report, job.deadline_epoch_s, eval_key="eval_loss" if eval_dataset is not None else None)
+    saved_template = tokenizer.chat_template
+    if loss.render_with is not None:
+        tokenizer.chat_template = loss.render_with
     trainer = SFTTrainer(
         model=load_model(model_path, job, plan),
         args=args,
-        train_dataset=dataset,
-        eval_dataset=eval_dataset,
+        train_dataset=loss.train,
+        eval_dataset=loss.evaluation,
         processing_class=tokenizer,
         peft_config=lora_config(job),
         callbacks=[monitor, *callbacks],
     )
+    tokenizer.chat_template = saved_template  # the data is tokenized: the adapter keeps the model's own template
+    if job.training.packing:  # TRL refuses a collator of ours with packing, so it replaces TRL's once built
+        trainer.data_collator = PackedRows(pad_token_id=tokenizer.pad_token_id, return_position_ids=True,
+                                           pad_to_multiple_of=trainer.data_collator.pad_to_multiple_of)
     fast_paths = engage_fast_paths(plan, trainer.model)
+    if job.training.packing:
+        fast_paths["packing"] = _packing(trainer.train_dataset, len(loss.train), job.training.max_seq_length)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
-                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset)
+                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset,
+                           loss=loss_record(job, loss, trainer.train_dataset))
 
 
-def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> SFTConfig:
-    """The `SFTConfig` of `job` under the fast-path `plan` (which carries the model-loading kwargs), writing into
-    `work_dir`: what `train_sft` trains with, in a function of its own so that a GPU's configuration can be
-    built and checked without one."""
+def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path, loss: SftLoss | None = None) -> SFTConfig:
+    """The `SFTConfig` of `job` under the fast-path `plan` (which carries the model-loading kwargs) and its `loss`
+    masking, writing into `work_dir`: what `train_sft` trains with, in a function of its own so that a GPU's
+    configuration can be built and checked without one."""
     return SFTConfig(
         **shared_trainer_args(job, work_dir),
         max_length=job.training.max_seq_length,
         include_num_input_tokens_seen="non_padding",
+        # Best-fit decreasing: whole examples per row, their lengths kept (`seq_lengths`) for their positions.
+        packing=job.training.packing, packing_strategy="bfd",
+        **(loss.config if loss else {}),
         **plan.trainer_kwargs,
     )
+
+
+class PackedRows(DataCollatorForLanguageModeling):
+    """TRL's packed rows as a batch of rows. TRL's own collator for packing flattens the batch into one row (padding-
+    free, for FlashAttention's variable-length kernels, which the image lacks); under SDPA attention then spans
+    batch_size × max_seq_length tokens at once, its cost growing with that length squared. Here each row keeps its
+    examples' positions, restarting at 0, and no attention mask is passed: from the positions transformers masks
+    attention across the examples of a row (a short row's padding becomes one-token sequences without loss)."""
+
+    def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = super().torch_call(examples)
+        del batch["attention_mask"]  # with one, transformers would not read the positions' boundaries
+        return batch
+
+
+def _packing(prepared: Dataset, examples: int, max_length: int) -> FastPath:
+    """Whether the trainer's data was packed (TRL's packing adds each row's `seq_lengths`), for the manifest."""
+    if "seq_lengths" not in prepared.column_names:
+        return FastPath(engaged=False, reason="TRL did not pack the data")
+    return FastPath(engaged=True, reason=packed_rows_reason(examples, len(prepared), max_length))

@@ -1,0 +1,137 @@
+"""A chat SFT run's first examples, rendered and masked before renting as the worker will train them
+(`loraflow_worker.training.loss_mask`): a run whose loss would be on no token of an answer is refused here, naming
+`training.loss_on`, `training.chat_template` and the fix, instead of failing on a rented GPU.
+
+The tokenizer is the model's own (its files at the run's pinned commit), read by the image's transformers version;
+the template is the one the worker picks (`training.chat_template`, else the model's own where it marks the assistant
+turns, else TRL's training version of it, else the model's own masked by each turn's prefix). TRL's training templates
+are TRL's to keep right and are not rendered here (the control plane has no TRL): the worker checks those chats as it
+starts, before the model loads.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from huggingface_hub import HfApi, hf_hub_download
+from loraflow_worker.contract import ModelSource, TrainingSettings, trl_training_template
+from loraflow_worker.training.loss_mask import ChatTemplate, LossMaskError, check_first_chats, has_generation_markers, \
+    refusal
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.settings import Settings
+
+CHECKED_EXAMPLES = 20
+"""The worker checks as many (`sft_loss.CHECKED_EXAMPLES`)."""
+TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt", "*.model",
+                   "chat_template.json", "chat_template.jinja", "additional_chat_templates/*", "config.json"]
+"""What `AutoTokenizer.from_pretrained` reads of a model repo (never its weights)."""
+
+
+@dataclass(frozen=True)
+class ChatCheck:
+    """What the check found: the share of the first chats' tokens that carry the loss, under which template."""
+
+    examples: int
+    token_share: float | None
+    """None where the worker renders with a TRL training template, which is not rendered here."""
+    template: str
+
+    def describe(self) -> str:
+        share = f"{self.token_share:.0%} of their tokens carry the loss" if self.token_share is not None else \
+            "their loss is masked by TRL's template on the worker"
+        return f"the first {self.examples} chats: {share} (chat template: {self.template})"
+
+
+def first_chats(path: Path, count: int = CHECKED_EXAMPLES) -> list[list[dict[str, Any]]]:
+    """The `messages` of a local dataset file's first `count` chats (the file was checked: `check_dataset_jsonl`);
+    empty for a file of prompt/completion or prompt-only lines, whose loss needs no template's marks."""
+    with path.open(encoding="utf-8") as lines:
+        rows = (json.loads(line) for line in lines if line.strip())
+        return [row["messages"] for row in itertools.islice(rows, count) if "messages" in row]
+
+
+def tokenizer_folder(model: ModelSource, settings: Settings) -> Path:
+    """A folder holding the model's tokenizer files: the model's own folder in local mode, else those files of the
+    pinned commit, downloaded into the Hub cache (no weights)."""
+    if model.revision is None:
+        return Path(model.id)
+    token = settings.hf_token.get_secret_value() if settings.hf_token else None
+    api = HfApi(endpoint=settings.hf_endpoint, token=token)
+    names = [s.rfilename for s in api.model_info(model.id, revision=model.revision).siblings or []
+             if any(fnmatch.fnmatch(s.rfilename, pattern) for pattern in TOKENIZER_FILES)]
+    paths = [Path(hf_hub_download(model.id, name, revision=model.revision, endpoint=settings.hf_endpoint, token=token))
+             for name in names]
+    if not paths:
+        raise ValueError(f"model.id {model.id!r} has no tokenizer files at {model.revision[:12]}, so its chats cannot "
+                         "be rendered: a model repo needs its tokenizer beside its weights")
+    # hf_hub_download puts a commit's files in one snapshot folder, in the repo's layout.
+    return paths[0].parents[len(PurePosixPath(names[0]).parts) - 1]
+
+
+def check_chats(chats: list[list[dict[str, Any]]], tokenizer: Any, training: TrainingSettings,
+                template_file: Path | None = None) -> ChatCheck:
+    """`chats` masked as the worker will: ValueError (the whole refusal) when one would carry no loss."""
+    template = chat_template(tokenizer, training, template_file)
+    trl_name = None if template is not None else trl_training_template(_own_template(tokenizer) or "")
+    if template is None and trl_name is None:
+        raise ValueError("the model has no chat template to render the `messages` chats with: give "
+                         "training.chat_template (a TRL training template's name, e.g. `qwen3_training`, or a .jinja "
+                         "file)")
+    if trl_name is not None:
+        return ChatCheck(len(chats), None, f"TRL's `{trl_name}`, the training version of the model's template")
+    try:
+        share = check_first_chats(tokenizer, chats, template, training.max_seq_length)
+    except LossMaskError as e:
+        raise ValueError(refusal(str(e), template)) from e
+    return ChatCheck(len(chats), share, template.source)
+
+
+def chat_template(tokenizer: Any, training: TrainingSettings, template_file: Path | None) -> ChatTemplate | None:
+    """The template the worker renders with when it is one to render here; None when it is TRL's (a training template
+    named by `training.chat_template`, or TRL's training version of the model's own) or the model has none."""
+    if template_file is not None:
+        return ChatTemplate(template_file.read_text(encoding="utf-8"),
+                            f"training.chat_template ({template_file.name})")
+    if training.chat_template is not None:
+        return None
+    own = _own_template(tokenizer)
+    if own is None:
+        return None
+    if has_generation_markers(own) or trl_training_template(own) is None:
+        marks = "" if has_generation_markers(own) else " (no {% generation %} markers, no TRL training version)"
+        return ChatTemplate(own, f"the model's own chat template{marks}")
+    return None
+
+
+def _own_template(tokenizer: Any) -> str | None:
+    own = tokenizer.chat_template
+    return own.get("default") if isinstance(own, dict) else own
+
+
+@task(name="check-chats", cache_policy=NO_CACHE)
+def check_chats_task(model: ModelSource, training: TrainingSettings, dataset_file: str | None,
+                     eval_file: str | None, template_file: str | None,
+                     hub_token_secret: str | None = None) -> ChatCheck | None:
+    """The run's local chat files (dataset, evaluation) masked as training will, with the model's tokenizer; None
+    when there is nothing to check before renting (loss on every token, no local chats: a Hub dataset's are checked
+    by the worker as it starts)."""
+    if training.loss_on == "all" or training.chat_template is not None and template_file is None:
+        return None
+    files = [Path(f) for f in (dataset_file, eval_file) if f is not None]
+    chats = [chat for f in files for chat in first_chats(f)]
+    if not chats:
+        return None
+    # transformers takes a second or more to import: only a run with chats to check pays it.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(model, Settings().with_hub_token(hub_token_secret)))
+    found = check_chats(chats, tokenizer, training, Path(template_file) if template_file else None)
+    get_run_logger().info("Loss on the %s: %s", training.loss_on, found.describe())
+    return found

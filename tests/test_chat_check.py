@@ -1,0 +1,126 @@
+"""Before renting, a chat SFT run's first examples are rendered by the model's own tokenizer (read by the image's
+transformers) and masked as the worker will: a run whose loss would be on no answer is refused naming
+`training.loss_on`, `training.chat_template` and the fix; a Hub model's tokenizer comes from its pinned commit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from huggingface_hub import HfApi
+from loraflow_worker.contract import ModelSource, TrainingSettings
+from pydantic import SecretStr
+from transformers import AutoTokenizer
+
+from tasks.placement.plan import resolve_model
+from tasks.preflight.chats import check_chats, first_chats, tokenizer_folder
+from tasks.settings import Settings
+from tests.conftest import DATASET
+from tests.hub_fixture import HubStandIn, hub  # noqa: F401
+
+CHATS = first_chats(DATASET)
+REWRITING = (  # ChatML without markers whose earlier answers shrink once a later turn follows
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{{ message['content'] if loop.last or message['role'] != 'assistant' else '...' }}{{ '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+MULTI_TURN = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+              {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def with_template(tiny_model: Path, folder: Path, template: str | None) -> Path:
+    shutil.copytree(tiny_model, folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = template
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_the_shipped_chats_carry_their_loss_on_the_answers_under_the_models_own_markers(tokenizer):
+    found = check_chats(CHATS, tokenizer, TrainingSettings())
+    assert found.examples == len(CHATS) == 20
+    assert 0.1 < found.token_share < 0.9
+    assert found.template == "the model's own chat template"
+    assert "of their tokens carry the loss" in found.describe()
+
+
+def test_a_chat_whose_answer_is_beyond_max_seq_length_is_refused_with_the_fix(tokenizer):
+    long_prompt = [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(ValueError) as refused:
+        check_chats([CHATS[0], long_prompt], tokenizer, TrainingSettings(max_seq_length=64))
+    message = str(refused.value)
+    assert "example 2: no token of an assistant turn within training.max_seq_length (64)" in message
+    assert "training.loss_on \"completion\"" in message and "training.chat_template" in message
+    assert "training.loss_on = \"all\"" in message
+
+
+def test_a_template_that_rewrites_earlier_answers_is_refused_and_a_marked_template_file_fixes_it(
+        tiny_model, tmp_path, tokenizer):
+    rewriting = AutoTokenizer.from_pretrained(with_template(tiny_model, tmp_path / "m", REWRITING))
+    with pytest.raises(ValueError, match=r"example 1: the model's own chat template \(no \{% generation %\} markers, "
+                                         r"no TRL training version\) renders turn 2 \(assistant\) differently"):
+        check_chats([MULTI_TURN], rewriting, TrainingSettings())
+    marked = tmp_path / "marked.jinja"
+    marked.write_text(tokenizer.chat_template)
+    found = check_chats([MULTI_TURN], rewriting, TrainingSettings(chat_template=str(marked)), template_file=marked)
+    assert found.template == "training.chat_template (marked.jinja)" and found.token_share > 0
+
+
+def test_a_model_without_a_chat_template_is_refused_naming_chat_template(tiny_model, tmp_path):
+    bare = AutoTokenizer.from_pretrained(with_template(tiny_model, tmp_path / "bare", None))
+    with pytest.raises(ValueError, match=r"no chat template .* give training.chat_template"):
+        check_chats(CHATS, bare, TrainingSettings())
+
+
+def test_loss_on_all_and_non_chat_files_need_no_tokenizer(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": c[:-1], "completion": c[-1:]}) + "\n" for c in CHATS))
+    assert first_chats(pairs) == []
+
+
+def test_a_hub_models_tokenizer_is_read_at_its_pinned_commit(hub: HubStandIn, tiny_model):  # noqa: F811
+    settings = Settings(hf_endpoint=hub.url, hf_token=SecretStr(hub.token))
+    api = HfApi(endpoint=hub.url, token=hub.token)
+    api.create_repo("org/tiny-chat-model")
+    api.upload_folder(repo_id="org/tiny-chat-model", folder_path=str(tiny_model), commit_message="model")
+    pinned = resolve_model(ModelSource(id="org/tiny-chat-model"), settings)
+    api.upload_file(repo_id="org/tiny-chat-model", path_or_fileobj=REWRITING.encode(), path_in_repo="chat_template.jinja",
+                    commit_message="a later template")
+    folder = tokenizer_folder(pinned, settings)
+    assert not (folder / "model.safetensors").exists()  # the tokenizer, not the weights
+    found = check_chats(CHATS, AutoTokenizer.from_pretrained(folder), TrainingSettings())
+    assert found.template == "the model's own chat template"  # the pinned commit's, with its markers
+
+
+def test_a_chat_template_file_is_stored_with_the_runs_inputs_and_the_job_reads_its_copy(tmp_path):
+    from flows.spec import RunSpec
+    from flows.train_phases import _job_input
+    from tasks.storage.artifacts import chat_template_store_path, check_chat_template_file, publish_run_inputs
+
+    template = tmp_path / "chatml.jinja"
+    template.write_text(REWRITING)
+    store = tmp_path / "store"
+    spec = RunSpec.model_validate({"model": {"id": "org/m"}, "dataset": {"hub_id": "org/d"},
+                                   "artifact_store": store.as_uri(), "training": {"chat_template": str(template)}})
+    found = check_chat_template_file(spec.training.chat_template)
+    publish_run_inputs(store.as_uri(), "r1", None, [], tmp_path, chat_template_file=found)
+    assert (store / chat_template_store_path("r1")).read_text() == REWRITING
+    job = _job_input(spec, "r1", 0.0, ModelSource(id="org/m", revision="a" * 40), None, [],
+                     chat_template_path=chat_template_store_path("r1"))
+    assert job.training.chat_template == "runs/r1/chat_template.jinja"
+
+
+def test_a_chat_template_file_that_does_not_exist_is_refused_naming_the_field(tmp_path):
+    from tasks.storage.artifacts import check_chat_template_file
+
+    with pytest.raises(ValueError, match=r"training.chat_template .*missing.jinja: FileNotFoundError"):
+        check_chat_template_file(str(tmp_path / "missing.jinja"))
+    assert check_chat_template_file("qwen3_training") is None and check_chat_template_file(None) is None
