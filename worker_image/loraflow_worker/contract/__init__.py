@@ -30,7 +30,12 @@ from loraflow_worker.contract.memory_settings import MemorySettings, memory_sett
 from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
 from loraflow_worker.contract.results import JobResult, PartialResult, Progress, TrackerRun, TrainMetrics, run_prefix
 from loraflow_worker.contract.sources import DatasetSource, ModelSource
-from loraflow_worker.contract.training_settings import EvaluationSettings, LoraSettings, TrainingSettings
+from loraflow_worker.contract.training_settings import (
+    EvaluationSettings,
+    LoraSettings,
+    TrainingSettings,
+    optimisation_problems,
+)
 from loraflow_worker.contract.version import CONTRACT_VERSION
 
 __all__ = [
@@ -62,6 +67,7 @@ __all__ = [
     "TrainingSettings",
     "grpo_setting_problems",
     "memory_setting_problems",
+    "optimisation_problems",
     "plain_requirements",
     "run_prefix",
     "worker_env_name",
