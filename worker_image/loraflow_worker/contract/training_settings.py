@@ -50,7 +50,7 @@ Optimizer = Literal[
 decay: torch's and bitsandbytes' (the image's GPU stack carries bitsandbytes)."""
 BITSANDBYTES_OPTIMIZERS = frozenset(name for name in Optimizer.__args__ if name not in (
     "adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"))
-"""The optimizers bitsandbytes implements: they need it installed and a CUDA GPU."""
+"""The optimizers bitsandbytes implements: they need it installed (the image has it)."""
 _NEEDS_TARGET_MODULES = "it optimizes a full model's chosen modules (`optim_target_modules`), not a LoRA adapter"
 REFUSED_OPTIMIZERS = {
     "adamw_torch_xla": "it runs on TPUs (torch_xla), not on CUDA GPUs",
@@ -197,8 +197,8 @@ class TrainingSettings(_Strict):
         default=None,
         description="The optimizer (transformers `optim`): `adamw_torch`, `adamw_torch_fused`, `adafactor`, `sgd`, "
         "`adagrad`, `rmsprop`, or one of bitsandbytes' (`adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`, "
-        "`lion_8bit`, `lion_32bit`, `paged_lion_8bit`, `ademamix`, `ademamix_8bit`, `rmsprop_bnb_8bit`, ...: a CUDA "
-        "GPU only; the 8-bit ones keep a quarter of the optimizer state). Empty: automatic, torch's fused AdamW, or "
+        "`lion_8bit`, `lion_32bit`, `paged_lion_8bit`, `ademamix`, `ademamix_8bit`, `rmsprop_bnb_8bit`, ...: the "
+        "8-bit ones keep a quarter of a 32-bit optimizer's state). Empty: automatic, torch's fused AdamW, or "
         "bitsandbytes' 8-bit paged AdamW when the memory plan finds memory short (as `fast_paths` decide).",
     )
     epochs: float = Field(default=1.0, gt=0.0, le=1000.0, description="Passes over the dataset. Ignored when `max_steps` is set.")
