@@ -20,6 +20,7 @@ from worker_test_support import train_in_process
 from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.artifacts.manifest import RunManifest
 from loraflow_worker.contract import JobInput, TrainMetrics
+from loraflow_worker.training.grpo import train_grpo
 from loraflow_worker.training.sft import train_sft
 
 PEAK = 1e-2
@@ -122,6 +123,20 @@ def test_loraplus_gives_the_b_matrices_the_ratio_times_the_learning_rate_with_th
     assert a == [pytest.approx(1e-3)] * 14 and b == [pytest.approx(16e-3)] * 14
     # bitsandbytes' AdamW in 8 bits, as `training.optimizer` asked
     assert type(seen.optimizer).__module__.startswith("bitsandbytes") and seen.optimizer.args.optim_bits == 8
+
+
+def test_grpo_trains_with_loraplus_and_records_its_schedule(tiny_model_dir, make_job, tmp_path):
+    seen = _OptimizerAtStart()
+    job = JobInput.model_validate(make_job(
+        "run-g", tiny_model_dir, tmp_path / "store", algorithm="grpo",
+        training={"max_steps": 2, "learning_rate": 1e-3, "batch_size": 8, "lr_scheduler": "constant_with_warmup",
+                  "warmup_steps": 1},
+        grpo={"num_generations": 4, "max_completion_length": 8, "rewards": [{"name": "digit_fraction"}]},
+        lora={"loraplus_lr_ratio": 4})["input"])
+    outcome = train_grpo(job, open_store(job.artifact_store), tmp_path / "work", lambda progress: None, callbacks=[seen])
+    b = [rate for name, rate in seen.rates.items() if "lora_B" in name]
+    assert b and b == [pytest.approx(4e-3)] * len(b)
+    assert outcome.metrics.learning_rates == [(1, 0.0), (2, pytest.approx(1e-3))]
 
 
 class _LogitsAtEnd(TrainerCallback):
