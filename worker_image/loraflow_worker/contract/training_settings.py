@@ -123,7 +123,7 @@ class LoraSettings(_Strict):
         max_length=64,
         description="Modules trained in full besides the adapter and stored with it (PEFT `modules_to_save`), e.g. "
         "`[\"lm_head\"]` or `[\"embed_tokens\"]` to learn new tokens. Each is a full trainable copy, with its "
-        "gradients and optimizer state: an LM head of a 150k vocabulary is over a billion values at 4B parameters. "
+        "gradients and optimizer state: Qwen3-4B's LM head (a 151,936-token vocabulary × 2,560) is 389 million values. "
         "Empty: only the adapter trains.",
     )
 
