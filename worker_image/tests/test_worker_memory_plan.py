@@ -389,6 +389,14 @@ def test_the_cli_says_whether_a_70b_model_fits(gib, quantization, fits):
     assert plan["fits"] is fits
 
 
+def test_the_cli_counts_the_optimizer_dora_and_modules_to_save():
+    common = ("--algorithm", "sft", "--batch-size", "1", "--seq-len", "2048", "--gpu-memory-gib", "80")
+    plain = _cli(CONFIGS / "qwen3-4b", *common)
+    knobs = _cli(CONFIGS / "qwen3-4b", *common, "--optimizer", "adamw_8bit", "--use-dora", "--modules-to-save", "lm_head")
+    assert (knobs["optimizer"], knobs["use_dora"], knobs["modules_to_save"]) == ("adamw_8bit", True, ["lm_head"])
+    assert knobs["breakdown"]["modules_to_save_bytes"] > 0 and knobs["estimate_bytes"] > plain["estimate_bytes"]
+
+
 def test_the_cli_gives_vllms_share_for_grpo():
     plan = _cli(CONFIGS / "qwen3-4b", "--algorithm", "grpo", "--batch-size", "8", "--seq-len", "1536",
                 "--num-generations", "16", "--gpu-memory-gib", "80")

@@ -5,10 +5,11 @@ where it is computed; every figure is an estimate until a GPU measures it):
 - the frozen base weights: 2 bytes a parameter in bf16; with `quantization="4bit"` (QLoRA) the blocks' linear weights
   in nf4 with double quantization (`NF4_BYTES_PER_PARAMETER`) and everything else in fp32, as
   `peft.prepare_model_for_kbit_training` leaves it;
-- the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`) with its gradient
-  and optimizer state;
+- the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`; DoRA's
+  magnitudes) with its gradient and the state of the run's optimizer (`OPTIMIZER_STATES`);
+- the full trainable copies of `lora.modules_to_save` (the LM head, the input embeddings), with theirs;
 - the activations saved for backward, with and without gradient checkpointing, including the input copy each adapted
-  layer keeps for `lora_A(dropout(x))` and the dropout mask;
+  layer keeps for `lora_A(dropout(x))`, the dropout mask, and DoRA's kept outputs and weight;
 - the LM head as TRL 1.16 computes it: its fused, chunked log-probability head (both trainers add it with
   `add_fused_lm_head` and never build the `(batch, seq, vocab)` logits), or the full logits when not fused;
 - for GRPO with vLLM colocated, vLLM's share: its weights, the KV cache (and Gated-DeltaNet state) of a whole

@@ -34,6 +34,7 @@ from loraflow_worker.memory.estimates import (
     MemoryBreakdown,
     VllmBreakdown,
     EIGHT_BIT_ADAMW,
+    OPTIMIZER_STATES,
     TORCH_ADAMW,
     activations_bytes,
     adapter_bytes,
@@ -347,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-lm-head", action="store_true", help="Count the full logits (TRL 1.16 always fuses the head).")
     parser.add_argument("--liger-kernels", action="store_true", help="Count Liger's RMSNorm and SwiGLU (smaller activations).")
     parser.add_argument("--gradient-checkpointing", choices=("on", "off"), help="Force it instead of planning it.")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES),
+                        help="Count this optimizer (`training.optimizer`) instead of planning torch or 8-bit AdamW.")
+    parser.add_argument("--use-dora", action="store_true", help="A DoRA adapter (`lora.use_dora`).")
+    parser.add_argument("--modules-to-save", nargs="*", default=[], metavar="MODULE",
+                        help="Modules trained in full beside the adapter (`lora.modules_to_save`), e.g. lm_head.")
     args = parser.parse_args(argv)
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"{args.model_dir} has no config.json")
@@ -367,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             fused_lm_head=not args.no_fused_lm_head,
             liger_kernels=args.liger_kernels,
             gradient_checkpointing=None if args.gradient_checkpointing is None else args.gradient_checkpointing == "on",
+            optimizer=args.optimizer,
+            use_dora=args.use_dora,
+            modules_to_save=args.modules_to_save,
         )
     except ValueError as e:
         print(f"memory_plan: {e}", file=sys.stderr)
