@@ -139,6 +139,16 @@ def test_grpo_trains_with_loraplus_and_records_its_schedule(tiny_model_dir, make
     assert outcome.metrics.learning_rates == [(1, 0.0), (2, pytest.approx(1e-3))]
 
 
+def test_reduce_on_plateau_trains_stepping_on_the_eval_loss(tiny_model_dir, make_job, tmp_path):
+    outcome = _train(make_job, tiny_model_dir, tmp_path, "run-r", TrainerCallback(),
+                     training={"max_steps": 4, "learning_rate": 1e-2, "batch_size": 8,
+                               "lr_scheduler": "reduce_lr_on_plateau"},
+                     evaluation={"fraction": 0.2, "every_steps": 1, "max_samples": 8})
+    assert [step for step, _ in outcome.metrics.eval_loss] == [0, 1, 2, 3, 4]
+    rates = [rate for _, rate in outcome.metrics.learning_rates]
+    assert len(rates) == 4 and rates[0] == pytest.approx(1e-2) and rates == sorted(rates, reverse=True)
+
+
 class _LogitsAtEnd(TrainerCallback):
     """The trained model's logits on `PROBE` at the end of training, before the adapter is saved."""
 
