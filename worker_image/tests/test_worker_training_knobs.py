@@ -1,6 +1,7 @@
 """The knobs every trainer has, in real training of the tiny model: a cosine schedule with a warmup as `metrics.json`
 stores it, DoRA, rsLoRA and `modules_to_save` in the stored adapter (which loads with PEFT), LoRA+'s learning rates
-in the optimizer the Trainer builds, and PiSSA and OLoRA adapters stored so that they load on the unchanged base.
+in the optimizer the Trainer builds, and PiSSA, OLoRA and MiCA adapters stored so that they load on the unchanged
+base.
 
 One run (`knob_run`, 12 steps through `train_and_publish`) carries the schedule and the adapter settings; LoRA+ and
 the initialisations each train a few steps of their own."""
@@ -159,15 +160,18 @@ class _LogitsAtEnd(TrainerCallback):
             self.logits = model(PROBE).logits
 
 
-@pytest.mark.parametrize("init", ["pissa", "olora"])
-def test_a_base_rewriting_init_trains_and_is_stored_as_a_lora_of_the_unchanged_base(init, tiny_model_dir, make_job,
-                                                                                    tmp_path):
+@pytest.mark.parametrize("init, stored", [
+    ("pissa", (16, True)), ("olora", (16, True)),  # rewrite the base: PEFT's conversion, twice the rank, plain init
+    ("mica", (8, "mica")),  # leaves the base alone: stored as trained
+])
+def test_an_init_trains_and_its_stored_adapter_reproduces_the_trained_model_on_the_unchanged_base(
+        init, stored, tiny_model_dir, make_job, tmp_path):
     trained = _LogitsAtEnd()
     outcome = _train(make_job, tiny_model_dir, tmp_path, f"run-{init}", trained,
                      training={"max_steps": 6, "learning_rate": 1e-2, "batch_size": 8}, lora={"rank": 8, "init": init})
     assert outcome.metrics.final_loss < outcome.metrics.first_loss
     config = json.loads((outcome.adapter_dir / "adapter_config.json").read_text())
-    assert (config["r"], config["init_lora_weights"]) == (16, True)  # PEFT's conversion: twice the rank, plain init
+    assert (config["r"], config["init_lora_weights"]) == stored
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         loaded = PeftModel.from_pretrained(base, outcome.adapter_dir)(PROBE).logits

@@ -128,7 +128,7 @@ def test_an_orthogonal_init_of_odd_rank_is_refused_with_an_even_one():
 
 
 def test_pissa_on_a_4bit_base_is_refused_pointing_at_olora():
-    message = _lora_refusal(init="pissa", quantization="4bit")
+    message = _lora_refusal(init="pissa_niter_4", quantization="4bit")
     assert "`lora.quantization` '4bit'" in message and "use `olora`" in message
 
 

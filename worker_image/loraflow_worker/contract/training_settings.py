@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from loraflow_worker.contract.fast_path_settings import FastPathSettings
 from loraflow_worker.contract.version import _Strict
 
-LoraInit = Literal["default", "gaussian", "pissa", "olora", "orthogonal"]
+LoraInit = Literal["default", "gaussian", "pissa", "olora", "orthogonal", "mica"]
 """`lora.init` values taken as they are; `pissa_niter_<n>` (PiSSA by fast SVD) is accepted besides."""
 PISSA_NITER = re.compile(r"^pissa_niter_[0-9]+$")
 REFUSED_LORA_INITS = {
@@ -20,7 +20,6 @@ REFUSED_LORA_INITS = {
              "loraflow does not run",
     "loftq": "LoftQ needs a `loftq_config` (and quantizes the base itself), which loraflow does not take",
     "lora_ga": "LoRA-GA needs the gradients of a pass over the data before training, which loraflow does not run",
-    "mica": "MiCA freezes the B matrices and is not offered yet",
 }
 """PEFT 0.21's other `init_lora_weights` values, and why a run cannot use them."""
 BASE_REWRITING_INITS = ("pissa", "olora")
@@ -62,8 +61,8 @@ REFUSED_OPTIMIZERS = {
     "galore_adafactor": _NEEDS_TARGET_MODULES, "galore_adamw_layerwise": _NEEDS_TARGET_MODULES,
     "galore_adamw_8bit_layerwise": _NEEDS_TARGET_MODULES, "galore_adafactor_layerwise": _NEEDS_TARGET_MODULES,
     "apollo_adamw": _NEEDS_TARGET_MODULES, "apollo_adamw_layerwise": _NEEDS_TARGET_MODULES,
-    "lomo": "it needs lomo-optim, which the image does not carry", "adalomo": "it needs lomo-optim, which the image does "
-    "not carry",
+    "lomo": "it needs lomo-optim, which the image does not carry",
+    "adalomo": "it needs lomo-optim, which the image does not carry",
     "grokadamw": "it needs grokadamw, which the image does not carry",
     "schedule_free_radam": "it needs schedulefree, which the image does not carry",
     "schedule_free_adamw": "it needs schedulefree, which the image does not carry",
@@ -106,7 +105,8 @@ class LoraSettings(_Strict):
         "as a no-op). `gaussian`: A Gaussian scaled by the rank. `pissa`: A and B from the principal singular vectors "
         "of each weight (SVD), the base keeping the residual; `pissa_niter_<n>` (e.g. `pissa_niter_16`) the same by "
         "a fast randomised SVD of n iterations, for large models. `olora`: from a QR decomposition of each weight, "
-        "the base keeping the residual. `orthogonal`: A and B orthogonal, the base untouched (an even `rank`). "
+        "the base keeping the residual. `orthogonal`: A and B orthogonal, the base untouched (an even `rank`). `mica`: B "
+        "from the singular vectors of each weight's smallest singular values and frozen, A zero and trained. "
         "PiSSA and OLoRA adapters are stored converted to a plain LoRA of twice the rank, which loads on the "
         "unchanged base model.",
     )
@@ -150,10 +150,10 @@ class LoraSettings(_Strict):
         if self.init == "orthogonal" and self.rank % 2:
             raise ValueError(f"`lora.init` 'orthogonal' needs an even `lora.rank` (PEFT splits one orthogonal basis "
                              f"between A and B); got {self.rank}: use {self.rank + 1} or another init")
-        if self.init.startswith("pissa") and self.quantization == "4bit":
-            raise ValueError("`lora.init` PiSSA rewrites the base weights, which a 4-bit base (`lora.quantization` "
-                             "'4bit') cannot hold (PEFT initialises PiSSA in bf16 or fp32 only): use `olora`, "
-                             "`default`, or quantization 'none'")
+        if self.init.startswith(("pissa", "mica")) and self.quantization == "4bit":
+            raise ValueError(f"`lora.init` '{self.init}' takes an SVD of the base weights, which PEFT does only in bf16 "
+                             f"or fp32, not of a 4-bit base (`lora.quantization` '4bit'): use `olora`, `default`, or "
+                             f"quantization 'none'")
         return self
 
     @property
