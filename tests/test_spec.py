@@ -236,12 +236,12 @@ def test_the_schedule_optimizer_and_adapter_knobs_are_accepted_from_a_run_file(t
         '[dataset]\nhub_id = "trl-lib/Capybara"\n'
         '[training]\nlr_scheduler = "cosine"\nwarmup_ratio = 0.03\nweight_decay = 0.01\nmax_grad_norm = 0.5\n'
         'optimizer = "paged_adamw_8bit"\n'
-        '[lora]\nuse_dora = true\nuse_rslora = true\ninit = "pissa_niter_16"\nloraplus_lr_ratio = 16\n'
+        '[lora]\nuse_dora = true\nuse_rslora = true\ninit = "gaussian"\nloraplus_lr_ratio = 16\n'
         'modules_to_save = ["lm_head"]\n'
     )
     spec = load_run_file(run_file)
     assert (spec.training.lr_scheduler, spec.training.optimizer, spec.lora.init) == ("cosine", "paged_adamw_8bit",
-                                                                                     "pissa_niter_16")
+                                                                                     "gaussian")
 
 
 def test_a_scheduler_transformers_has_but_loraflow_cannot_use_is_refused_naming_the_field():

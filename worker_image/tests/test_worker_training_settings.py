@@ -132,6 +132,13 @@ def test_pissa_on_a_4bit_base_is_refused_pointing_at_olora():
     assert "`lora.quantization` '4bit'" in message and "use `olora`" in message
 
 
+@pytest.mark.parametrize("also, named", [({"use_dora": True}, "`lora.use_dora`"),
+                                         ({"modules_to_save": ["lm_head"]}, "`lora.modules_to_save`")])
+def test_a_base_rewriting_init_with_what_its_conversion_drops_is_refused_naming_both(also, named):
+    message = _lora_refusal(init="olora", **also)
+    assert "`lora.init` 'olora' with" in message and named in message and "keeps only the A and B matrices" in message
+
+
 def test_a_loraplus_ratio_below_one_is_refused():
     assert "loraplus_lr_ratio" in _lora_refusal(loraplus_lr_ratio=0.5)
 
@@ -160,7 +167,7 @@ def test_warmup_steps_reach_the_trainer_as_whole_steps(tmp_path):
 
 
 def test_the_adapter_settings_reach_peft():
-    config = lora_config(_job(lora={"use_dora": True, "use_rslora": True, "init": "olora",
+    config = lora_config(_job(lora={"use_dora": True, "use_rslora": True, "init": "gaussian",
                                     "modules_to_save": ["lm_head"]}))
-    assert (config.use_dora, config.use_rslora, config.init_lora_weights) == (True, True, "olora")
+    assert (config.use_dora, config.use_rslora, config.init_lora_weights) == (True, True, "gaussian")
     assert config.modules_to_save == ["lm_head"]

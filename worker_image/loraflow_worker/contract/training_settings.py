@@ -108,7 +108,7 @@ class LoraSettings(_Strict):
         "the base keeping the residual. `orthogonal`: A and B orthogonal, the base untouched (an even `rank`). `mica`: B "
         "from the singular vectors of each weight's smallest singular values and frozen, A zero and trained. "
         "PiSSA and OLoRA adapters are stored converted to a plain LoRA of twice the rank, which loads on the "
-        "unchanged base model.",
+        "unchanged base model (so not with `use_dora` or `modules_to_save`, which the conversion would drop).",
     )
     loraplus_lr_ratio: float | None = Field(
         default=None,
@@ -154,6 +154,12 @@ class LoraSettings(_Strict):
             raise ValueError(f"`lora.init` '{self.init}' takes an SVD of the base weights, which PEFT does only in bf16 "
                              f"or fp32, not of a 4-bit base (`lora.quantization` '4bit'): use `olora`, `default`, or "
                              f"quantization 'none'")
+        if self.rewrites_base and (self.use_dora or self.modules_to_save):
+            lost = "DoRA's magnitudes (`lora.use_dora`)" if self.use_dora else "the `lora.modules_to_save` weights"
+            raise ValueError(f"`lora.init` '{self.init}' with {lost}: the adapter is stored converted to a plain LoRA "
+                             f"of the unchanged base, and PEFT's conversion (`subtract_mutated_init`) keeps only the A "
+                             f"and B matrices, so {lost.split(' (')[0]} would be lost; use another init, or leave "
+                             f"{'`lora.use_dora`' if self.use_dora else '`lora.modules_to_save`'} out")
         return self
 
     @property
