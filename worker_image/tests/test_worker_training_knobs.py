@@ -150,6 +150,12 @@ def test_reduce_on_plateau_trains_stepping_on_the_eval_loss(tiny_model_dir, make
     assert len(rates) == 4 and rates[0] == pytest.approx(1e-2) and rates == sorted(rates, reverse=True)
 
 
+def test_a_module_to_save_the_model_does_not_have_fails_naming_the_field(tiny_model_dir, make_job, tmp_path):
+    with pytest.raises(ValueError, match=r"`lora.modules_to_save` names lm_haed, which the model does not have"):
+        _train(make_job, tiny_model_dir, tmp_path, "run-m", TrainerCallback(),
+               training={"max_steps": 1, "batch_size": 2}, lora={"modules_to_save": ["lm_haed"]})
+
+
 class _LogitsAtEnd(TrainerCallback):
     """The trained model's logits on `PROBE` at the end of training, before the adapter is saved."""
 

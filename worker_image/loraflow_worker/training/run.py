@@ -15,6 +15,7 @@ from datasets import Dataset, load_dataset
 from huggingface_hub import HfApi
 from peft import LoraConfig, prepare_model_for_kbit_training
 from peft.optimizers import create_loraplus_optimizer
+from peft.utils import ModulesToSaveWrapper
 from peft.utils.constants import EMBEDDING_LAYER_NAMES
 from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 from trl.trainer.utils import create_model_from_path
@@ -221,11 +222,23 @@ def job_workload(job: JobInput) -> Workload:
     return Workload(batch_size=micro, seq_len=t.max_seq_length, **lora)
 
 
+def check_modules_to_save(model: torch.nn.Module, names: list[str]) -> None:
+    """Raise `ValueError` naming `lora.modules_to_save` when one of `names` matched no module of `model` (a PEFT model):
+    PEFT 0.21 ignores such a name silently, and the run would train without it."""
+    wrapped = [name for name, module in model.named_modules() if isinstance(module, ModulesToSaveWrapper)]
+    # PEFT matches a name against the end of each module's full name (`_set_trainable`).
+    missing = [name for name in names if not any(full == name or full.endswith(f".{name}") for full in wrapped)]
+    if missing:
+        raise ValueError(f"`lora.modules_to_save` names {', '.join(missing)}, which the model does not have: name "
+                         f"modules of the base model, e.g. lm_head or embed_tokens")
+
+
 def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: JobInput, revision: str | None,
                    work_dir: Path, resume_from: Path | None) -> tuple[Path, float]:
     """Train (from `resume_from` when given) and save the adapter; returns (adapter folder, wall seconds).
     When the job's deadline stopped training first (`TrainingMonitor.deadline_hit`), the adapter saved is the
     one trained so far, and the Trainer has checkpointed the last step (see `package_outcome`)."""
+    check_modules_to_save(trainer.model, job.lora.modules_to_save)
     if job.lora.loraplus_lr_ratio is not None:
         # GRPOTrainer (TRL 1.16) takes no `optimizer_cls_and_kwargs` argument; the Trainer reads the attribute when it
         # builds the optimizer (`Trainer.create_optimizer`), for SFT and GRPO alike.
