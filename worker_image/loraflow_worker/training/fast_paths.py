@@ -215,11 +215,10 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
 
     memory = planned(eight_bit)
     eight_bit_reason = memory.reasons["paged_adamw_8bit"]
-    if chosen is not None:
-        pass  # the job's optimizer, which the plan counted as it is
-    elif "paged_adamw_8bit" in facts.forced and not has("bitsandbytes"):
+    # Where bitsandbytes is missing the plan's own choice falls back to torch AdamW; a job's optimizer stays as counted.
+    if chosen is None and "paged_adamw_8bit" in facts.forced and not has("bitsandbytes"):
         memory, eight_bit_reason = planned(False), "forced, but bitsandbytes is not installed"
-    elif memory.paged_adamw_8bit and not has("bitsandbytes"):
+    elif chosen is None and memory.paged_adamw_8bit and not has("bitsandbytes"):
         short = eight_bit_reason.removeprefix("memory is short: ")
         memory, eight_bit_reason = planned(False), f"memory is short ({short}), but bitsandbytes is not installed"
 
