@@ -30,12 +30,12 @@ from pydantic import BaseModel, Field, computed_field
 
 from loraflow_worker.contract import JobInput
 from loraflow_worker.memory.estimates import (
-    GIB,
-    MemoryBreakdown,
-    VllmBreakdown,
     EIGHT_BIT_ADAMW,
+    GIB,
     OPTIMIZER_STATES,
     TORCH_ADAMW,
+    MemoryBreakdown,
+    VllmBreakdown,
     activations_bytes,
     adapter_bytes,
     generation_bytes,
