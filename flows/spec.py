@@ -26,6 +26,7 @@ from loraflow_worker.contract import (
     ModelSource,
     TrainingSettings,
     grpo_setting_problems,
+    optimisation_problems,
     plain_requirements,
     worker_env_name,
     worker_env_overlap,
@@ -287,7 +288,7 @@ class RunSpec(_Section):
         "(`secrets`) that the training process and its rewards read.",
     )
     fast_paths: FastPathSettings = Field(
-        default_factory=FastPathSettings,
+        default_factory=FastPathSettings, validate_default=True,
         description="GPU kernels and memory savers switched off (false) or forced on (true) for this run; each left "
         "empty is automatic.",
     )
@@ -346,6 +347,17 @@ class RunSpec(_Section):
         if problems:
             raise ValueError("; ".join(problems))
         return worker
+
+    @field_validator("fast_paths")
+    @classmethod
+    def _optimisation_fits_the_run(cls, fast_paths: FastPathSettings, info: ValidationInfo) -> FastPathSettings:
+        # Fields validate in order (algorithm, training and evaluation first); validated when unset too.
+        if all(name in info.data for name in ("algorithm", "training", "evaluation")):
+            problems = optimisation_problems(info.data["algorithm"], info.data["training"], info.data["evaluation"],
+                                             fast_paths)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return fast_paths
 
     @field_validator("grpo")
     @classmethod

@@ -102,6 +102,28 @@ def test_the_card_says_how_to_load_with_peft_and_serve_with_vllm() -> None:
             "--max-lora-rank 64") in card
 
 
+def test_the_card_lists_the_schedule_optimizer_and_adapter_settings_the_run_trained_with() -> None:
+    card = model_card(facts(training={"learning_rate": 0.005, "lr_scheduler": "cosine", "warmup_ratio": 0.03,
+                                      "optimizer": "adamw_8bit", "weight_decay": 0.01, "max_grad_norm": 1.0},
+                            lora={"rank": 8, "use_rslora": True, "loraplus_lr_ratio": 16.0}))
+    for row in ("| training.lr_scheduler | `cosine` |", "| training.warmup_ratio | `0.03` |",
+                "| training.optimizer | `adamw_8bit` |", "| training.weight_decay | `0.01` |",
+                "| lora.use_rslora | `true` |", "| lora.loraplus_lr_ratio | `16.0` |"):
+        assert row in card, row
+
+
+def test_a_pissa_adapter_is_served_at_twice_its_rank_as_stored() -> None:
+    assert "--max-lora-rank 64" in model_card(facts(lora={"rank": 32, "init": "pissa_niter_16"}))
+
+
+@pytest.mark.parametrize("lora, named", [({"rank": 8, "use_dora": True}, "DoRA (`lora.use_dora`)"),
+                                         ({"rank": 8, "modules_to_save": ["lm_head"]}, "`lora.modules_to_save`")])
+def test_an_adapter_vllm_refuses_gets_the_merge_instead_of_a_serve_command(lora, named) -> None:
+    card = model_card(facts(lora=lora))
+    assert f"vLLM's LoRA loader refuses this adapter ({named})" in card and "merge_and_unload()" in card
+    assert "vllm serve" not in card
+
+
 def test_the_card_shows_eval_metrics_when_stored_and_leaves_them_out_when_not() -> None:
     with_eval = model_card(facts(metrics={"losses": [[1, 6.4], [3, 5.8]], "eval_loss": [[0, 6.6], [3, 6.0]]}))
     assert "| eval loss | 6.6000 (step 0) | 6.0000 (step 3) |" in with_eval

@@ -226,6 +226,55 @@ def test_unknown_reward_field_is_refused_with_its_path():
     assert "grpo.rewards.0.patern" in error_fields(e.value)
 
 
+# The knobs every trainer has: the contract's own checks, and those that need the run's other sections.
+
+
+def test_the_schedule_optimizer_and_adapter_knobs_are_accepted_from_a_run_file(tmp_path):
+    run_file = tmp_path / "knobs.toml"
+    run_file.write_text(
+        'artifact_store = "hf://datasets/acme/runs"\n[model]\nid = "Qwen/Qwen3-0.6B"\n'
+        '[dataset]\nhub_id = "trl-lib/Capybara"\n'
+        '[training]\nlr_scheduler = "cosine"\nwarmup_ratio = 0.03\nweight_decay = 0.01\nmax_grad_norm = 0.5\n'
+        'optimizer = "paged_adamw_8bit"\n'
+        '[lora]\nuse_dora = true\nuse_rslora = true\ninit = "gaussian"\nloraplus_lr_ratio = 16\n'
+        'modules_to_save = ["lm_head"]\n'
+    )
+    spec = load_run_file(run_file)
+    assert (spec.training.lr_scheduler, spec.training.optimizer, spec.lora.init) == ("cosine", "paged_adamw_8bit",
+                                                                                     "gaussian")
+
+
+def test_a_scheduler_transformers_has_but_loraflow_cannot_use_is_refused_naming_the_field():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(training={"lr_scheduler": "warmup_stable_decay"}))
+    assert "training.lr_scheduler" in error_fields(e.value) and "num_decay_steps" in str(e.value)
+
+
+def test_warmup_ratio_and_steps_together_are_refused_naming_both():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(training={"warmup_ratio": 0.1, "warmup_steps": 5}))
+    assert "training" in error_fields(e.value)
+    assert "`training.warmup_ratio` (0.1) or `training.warmup_steps` (5), not both" in str(e.value)
+
+
+def test_reduce_on_plateau_without_evaluation_is_refused_before_anything_is_rented():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(training={"lr_scheduler": "reduce_lr_on_plateau"}))
+    assert "an `evaluation` section" in str(e.value)
+
+
+def test_an_optimizer_and_an_8bit_fast_path_switch_together_are_refused_naming_both():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(training={"optimizer": "adamw_torch"}, fast_paths={"paged_adamw_8bit": True}))
+    assert "`training.optimizer` ('adamw_torch')" in str(e.value) and "`fast_paths.paged_adamw_8bit`" in str(e.value)
+
+
+def test_a_lora_init_that_needs_a_pass_over_the_data_is_refused_naming_the_field():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(lora={"init": "corda"}))
+    assert "lora.init" in error_fields(e.value) and "preprocessing pass over the data" in str(e.value)
+
+
 # Overrides: the `train` flow's flat parameters, applied over the spec field by field.
 
 

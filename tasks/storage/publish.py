@@ -31,6 +31,7 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStoreError, open_store
 from loraflow_worker.contract import run_prefix
+from loraflow_worker.contract.training_settings import BASE_REWRITING_INITS
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
@@ -333,6 +334,8 @@ def _card_body(facts: CardFacts) -> str:
     if facts.has_curve:
         lines += [f"![Training curve]({CURVE_FILE})", ""]
     rank = facts.lora.get("rank")
+    if isinstance(rank, int) and str(facts.lora.get("init", "default")).startswith(BASE_REWRITING_INITS):
+        rank *= 2  # the worker stores a PiSSA or OLoRA adapter converted to a plain LoRA of twice the rank
     max_rank = f" --max-lora-rank {rank}" if isinstance(rank, int) and rank > VLLM_DEFAULT_MAX_LORA_RANK else ""
     served_name = repo.split("/")[1]
     revision = f', revision="{facts.base_model_revision}"' if facts.base_model_revision else ""
@@ -348,6 +351,19 @@ def _card_body(facts: CardFacts) -> str:
         f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
         "```", "",
         "## Serve it with vLLM", "",
+    ]
+    unservable = [name for name, set_ in (("DoRA (`lora.use_dora`)", facts.lora.get("use_dora") is True),
+                                         ("`lora.modules_to_save`", bool(facts.lora.get("modules_to_save"))))
+                  if set_]
+    if unservable:
+        # vLLM's adapter loader refuses both (`PEFTHelper._validate_features`, vllm/lora/peft_helper.py).
+        lines += [
+            f"vLLM's LoRA loader refuses this adapter ({' and '.join(unservable)}). Merge it into the base "
+            "(`model.merge_and_unload()` on the model loaded above, then `save_pretrained`) and serve the merged "
+            "model instead.",
+        ]
+        return "\n".join(lines) + "\n"
+    lines += [
         "vLLM serves LoRA adapters on top of their base model (`--enable-lora`); `--lora-modules name=path` takes a "
         "Hub id as the path:", "",
         "```bash",

@@ -162,6 +162,26 @@ def test_forced_gradient_checkpointing_is_on_even_where_memory_suffices():
     assert plan.fast_paths["gradient_checkpointing"].reason.startswith("forced on for this run (~")
 
 
+def test_the_jobs_optimizer_is_the_trainers_even_where_memory_is_short():
+    facts = _cuda(model=QWEN3_8B, workload=Workload(batch_size=1, seq_len=2048, lora_rank=64, optimizer="lion_8bit"),
+                  gpu_memory_bytes=RTX_4090_BYTES)
+    plan = plan_fast_paths(facts)
+    assert plan.trainer_kwargs["optim"] == "lion_8bit" and plan.memory.optimizer == "lion_8bit"
+    assert not plan.fast_paths["paged_adamw_8bit"].engaged and not plan.fast_paths["fused_adamw"].engaged
+    assert plan.fast_paths["fused_adamw"].reason == "the job's `training.optimizer` is lion_8bit"
+
+
+def test_the_jobs_optimizer_is_the_trainers_on_cpu_too():
+    plan = plan_fast_paths(Facts(cuda=False, compute_capability=None, packages=EVERYTHING, model_type="qwen3",
+                                 algorithm="sft", model=QWEN3_1_7B, workload=Workload(8, 1024, 16, optimizer="adafactor")))
+    assert plan.trainer_kwargs["optim"] == "adafactor"
+
+
+def test_a_bitsandbytes_optimizer_without_bitsandbytes_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match=r"`training.optimizer` 'adamw_8bit' is bitsandbytes'"):
+        plan_fast_paths(_cuda(workload=Workload(8, 1024, 16, optimizer="adamw_8bit"), packages=_without("bitsandbytes")))
+
+
 def test_forced_8bit_adamw_replaces_fused_adamw():
     plan = plan_fast_paths(_cuda(forced=frozenset({"paged_adamw_8bit"})))
     assert plan.trainer_kwargs["optim"] == "paged_adamw_8bit"

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Q
 
 from loraflow_worker.memory.estimates import GIB, NF4_BYTES_PER_PARAMETER, activations_bytes, vllm_memory
 from loraflow_worker.memory.model_shape import LinearAttentionShape, read_model_shape, shape_from_config
-from loraflow_worker.memory.plan import plan_memory, usable_memory
+from loraflow_worker.contract import JobInput
+from loraflow_worker.memory.plan import plan_job, plan_memory, usable_memory
 
 CONFIGS = Path(__file__).parent / "model_configs"
 
@@ -193,6 +194,67 @@ def test_a_4bit_adapter_is_bf16_with_adamw_at_eight_bytes_a_parameter():
     assert plan.breakdown.adapter_bytes == LLAMA_3_1_8B.lora_parameters * 8
 
 
+@pytest.mark.parametrize("optimizer, per_parameter", [
+    ("adamw_torch_fused", 16),  # fp32 weight and gradient, two fp32 states
+    ("adamw_8bit", 10),  # two 8-bit states
+    ("paged_ademamix_8bit", 11),  # three 8-bit states
+    ("lion_32bit", 12),  # one fp32 momentum
+    ("sgd", 8),  # transformers builds it without momentum: no state
+])
+def test_the_adapter_counts_the_chosen_optimizers_state(optimizer, per_parameter):
+    plan = _plan(QWEN3_4B, 2048, optimizer=optimizer)
+    assert plan.breakdown.adapter_bytes == QWEN3_4B.lora_parameters * per_parameter
+    assert plan.optimizer == optimizer and "optimizer" in plan.forced
+
+
+def test_an_8bit_optimizer_makes_the_estimate_smaller_than_adamw():
+    assert _plan(QWEN3_4B, 2048, optimizer="adamw_8bit").estimate_bytes < _plan(QWEN3_4B, 2048).estimate_bytes
+
+
+def test_a_chosen_optimizer_is_counted_even_where_memory_is_short():
+    plan = _plan(LLAMA_3_1_8B, 2048, lora_rank=64, gpu_memory_bytes=22 * GIB, optimizer="adamw_torch")
+    assert plan.optimizer == "adamw_torch" and plan.paged_adamw_8bit is False
+    assert plan.reasons["paged_adamw_8bit"] == "the job's `training.optimizer` is adamw_torch"
+
+
+def test_dora_adds_a_trained_magnitude_per_output_and_keeps_more_activations():
+    plain, dora = _plan(QWEN3_4B, 2048), _plan(QWEN3_4B, 2048, use_dora=True)
+    outputs = 36 * (4096 + 2 * 1024 + 2560 + 2 * 9728 + 2560)  # Σ output widths of q, k, v, o, gate, up, down
+    assert dora.breakdown.lora_parameters == plain.breakdown.lora_parameters + outputs
+    assert dora.breakdown.adapter_bytes == plain.breakdown.adapter_bytes + outputs * 16
+    assert dora.breakdown.activations_bytes > plain.breakdown.activations_bytes
+    assert dora.estimate_bytes > plain.estimate_bytes
+
+
+def test_an_lm_head_to_save_is_a_full_trainable_copy_of_vocabulary_by_hidden():
+    plain, saved = _plan(QWEN3_4B, 2048), _plan(QWEN3_4B, 2048, modules_to_save=["lm_head"])
+    # 151,936 × 2,560 values: bf16 weight and gradient, AdamW's two bf16 states (torch keeps them in the weight's dtype)
+    assert saved.breakdown.modules_to_save_bytes == 151_936 * 2560 * 8
+    assert saved.estimate_bytes - plain.estimate_bytes == saved.breakdown.modules_to_save_bytes
+
+
+def test_an_embedding_to_save_keeps_32_bit_states_under_an_8bit_optimizer():
+    head = _plan(QWEN3_4B, 2048, modules_to_save=["lm_head"], optimizer="adamw_8bit").breakdown.modules_to_save_bytes
+    embeddings = _plan(QWEN3_4B, 2048, modules_to_save=["embed_tokens"],
+                       optimizer="adamw_8bit").breakdown.modules_to_save_bytes
+    assert head == 151_936 * 2560 * (2 + 2 + 2 * 1)
+    assert embeddings == 151_936 * 2560 * (2 + 2 + 2 * 4)
+
+
+def test_a_module_to_save_the_plan_cannot_size_is_named_in_its_reasons():
+    plan = _plan(QWEN3_4B, 2048, modules_to_save=["norm"])
+    assert plan.breakdown.modules_to_save_bytes == 0
+    assert plan.reasons["modules_to_save"].startswith("norm not counted")
+
+
+def test_a_job_plans_with_its_optimizer_dora_and_modules_to_save():
+    job = JobInput(run_id="r", model={"id": "Qwen/Qwen3-4B"}, dataset={"hub_id": "d/d"}, artifact_store="file:///s",
+                   training={"optimizer": "adamw_8bit"}, lora={"use_dora": True, "modules_to_save": ["lm_head"]})
+    plan = plan_job(job, _shape(QWEN3_4B), 80 * GIB)
+    assert (plan.optimizer, plan.use_dora, plan.modules_to_save) == ("adamw_8bit", True, ["lm_head"])
+    assert plan.breakdown.modules_to_save_bytes > 0
+
+
 def test_usable_memory_is_the_gpu_less_a_tenth_and_a_gib_of_cuda_overhead():
     assert usable_memory(24 * GIB) == int(24 * GIB * 0.9) - GIB
 
@@ -325,6 +387,14 @@ def test_the_cli_says_whether_a_70b_model_fits(gib, quantization, fits):
     plan = _cli(CONFIGS / "llama-3.1-70b", "--algorithm", "sft", "--batch-size", "1", "--seq-len", "2048",
                 "--lora-rank", "16", "--gpu-memory-gib", gib, "--quantization", quantization)
     assert plan["fits"] is fits
+
+
+def test_the_cli_counts_the_optimizer_dora_and_modules_to_save():
+    common = ("--algorithm", "sft", "--batch-size", "1", "--seq-len", "2048", "--gpu-memory-gib", "80")
+    plain = _cli(CONFIGS / "qwen3-4b", *common)
+    knobs = _cli(CONFIGS / "qwen3-4b", *common, "--optimizer", "adamw_8bit", "--use-dora", "--modules-to-save", "lm_head")
+    assert (knobs["optimizer"], knobs["use_dora"], knobs["modules_to_save"]) == ("adamw_8bit", True, ["lm_head"])
+    assert knobs["breakdown"]["modules_to_save_bytes"] > 0 and knobs["estimate_bytes"] > plain["estimate_bytes"]
 
 
 def test_the_cli_gives_vllms_share_for_grpo():

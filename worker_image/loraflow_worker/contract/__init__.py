@@ -32,7 +32,12 @@ from loraflow_worker.contract.memory_settings import MemorySettings, memory_sett
 from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
 from loraflow_worker.contract.results import JobResult, PartialResult, Progress, TrackerRun, TrainMetrics, run_prefix
 from loraflow_worker.contract.sources import DatasetSource, ModelSource
-from loraflow_worker.contract.training_settings import EvaluationSettings, LoraSettings, TrainingSettings
+from loraflow_worker.contract.training_settings import (
+    EvaluationSettings,
+    LoraSettings,
+    TrainingSettings,
+    optimisation_problems,
+)
 from loraflow_worker.contract.version import CONTRACT_VERSION
 
 __all__ = [
@@ -65,6 +70,7 @@ __all__ = [
     "TrainingSettings",
     "grpo_setting_problems",
     "memory_setting_problems",
+    "optimisation_problems",
     "plain_requirements",
     "run_prefix",
     "trl_training_template",

@@ -12,7 +12,12 @@ from loraflow_worker.contract.fast_path_settings import FastPathSettings
 from loraflow_worker.contract.grpo_settings import GrpoSettings, grpo_setting_problems
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.sources import DatasetSource, ModelSource
-from loraflow_worker.contract.training_settings import EvaluationSettings, LoraSettings, TrainingSettings
+from loraflow_worker.contract.training_settings import (
+    EvaluationSettings,
+    LoraSettings,
+    TrainingSettings,
+    optimisation_problems,
+)
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
 MAX_EXTRA_PACKAGES = 20
@@ -95,7 +100,8 @@ class JobInput(_Strict):
         "everything it stores or returns (console, errors).",
     )
     fast_paths: FastPathSettings = Field(
-        default_factory=FastPathSettings, description="Fast paths switched on or off for this run (empty: automatic)."
+        default_factory=FastPathSettings, validate_default=True,
+        description="Fast paths switched on or off for this run (empty: automatic)."
     )
 
     _plain_requirements = field_validator("extra_packages")(plain_requirements)
@@ -132,3 +138,14 @@ class JobInput(_Strict):
             if problems:
                 raise ValueError("; ".join(problems))
         return memory
+
+    @field_validator("fast_paths")
+    @classmethod
+    def _optimisation_fits_the_job(cls, fast_paths: FastPathSettings, info: ValidationInfo) -> FastPathSettings:
+        # Validated for unset `fast_paths` too (`validate_default`): the scheduler's needs are the job's other sections.
+        if all(name in info.data for name in ("algorithm", "training", "evaluation")):
+            problems = optimisation_problems(info.data["algorithm"], info.data["training"], info.data["evaluation"],
+                                             fast_paths)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return fast_paths

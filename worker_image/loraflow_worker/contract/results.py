@@ -28,6 +28,11 @@ class TrainMetrics(_Strict):
         description="GRPO with `evaluation`: (step, mean total reward of one sampled completion per held-out prompt) "
         "pairs in step order, from step 0 to the last step; empty otherwise.",
     )
+    learning_rates: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="(step, learning rate) pairs of every logged step, in step order: the schedule as the Trainer "
+        "applied it (with LoRA+, the A matrices' rate; the B matrices' is `lora.loraplus_lr_ratio` times it).",
+    )
     first_loss: float | None = Field(description="Loss at the first logged step.")
     final_loss: float | None = Field(description="Loss at the last logged step.")
     tokens: int = Field(description="Training tokens processed (non-padding).")

@@ -2,12 +2,75 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from loraflow_worker.contract.chat_templates import trl_template_names
+from loraflow_worker.contract.fast_path_settings import FastPathSettings
 from loraflow_worker.contract.version import _Strict
+
+LoraInit = Literal["default", "gaussian", "pissa", "olora", "orthogonal", "mica"]
+"""`lora.init` values taken as they are; `pissa_niter_<n>` (PiSSA by fast SVD) is accepted besides."""
+PISSA_NITER = re.compile(r"^pissa_niter_[0-9]+$")
+REFUSED_LORA_INITS = {
+    "eva": "EVA initialises from the activations of a pass over the data (`peft.initialize_lora_eva_weights`), "
+           "which loraflow does not run",
+    "corda": "CorDA needs a preprocessing pass over the data (`peft.tuners.lora.corda.preprocess_corda`), which "
+             "loraflow does not run",
+    "loftq": "LoftQ needs a `loftq_config` (and quantizes the base itself), which loraflow does not take",
+    "lora_ga": "LoRA-GA needs the gradients of a pass over the data before training, which loraflow does not run",
+}
+"""PEFT 0.21's other `init_lora_weights` values, and why a run cannot use them."""
+BASE_REWRITING_INITS = ("pissa", "olora")
+"""Inits that rewrite the base weights (base = residual): their adapter is converted to a plain LoRA when saved."""
+
+LrScheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                      "inverse_sqrt", "reduce_lr_on_plateau"]
+"""transformers 5.20's `SchedulerType` names that need nothing beyond the warmup."""
+REFUSED_LR_SCHEDULERS = {
+    "cosine_with_min_lr": "it needs a floor (`min_lr` in transformers' `lr_scheduler_kwargs`), which loraflow does "
+                          "not take: use `cosine`",
+    "cosine_warmup_with_min_lr": "it needs a floor (`min_lr` in transformers' `lr_scheduler_kwargs`), which loraflow "
+                                 "does not take: use `cosine`",
+    "warmup_stable_decay": "it needs `num_decay_steps` (transformers' `lr_scheduler_kwargs`), which loraflow does not "
+                           "take: use `cosine` or `linear`",
+    "greedy": "it steers by evaluation metrics through `lr_scheduler_kwargs`, which loraflow does not take",
+}
+"""The other `SchedulerType` names, and why a run cannot use them."""
+
+Optimizer = Literal[
+    "adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop",
+    "adamw_bnb_8bit", "adamw_8bit", "ademamix", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
+    "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit",
+    "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+]
+"""transformers 5.20's `OptimizerNames` that the image can build with nothing beyond the learning rate and weight
+decay: torch's and bitsandbytes' (the image's GPU stack carries bitsandbytes)."""
+BITSANDBYTES_OPTIMIZERS = frozenset(name for name in Optimizer.__args__ if name not in (
+    "adamw_torch", "adamw_torch_fused", "adafactor", "sgd", "adagrad", "rmsprop"))
+"""The optimizers bitsandbytes implements: they need it installed (the image has it)."""
+_NEEDS_TARGET_MODULES = "it optimizes a full model's chosen modules (`optim_target_modules`), not a LoRA adapter"
+REFUSED_OPTIMIZERS = {
+    "adamw_torch_xla": "it runs on TPUs (torch_xla), not on CUDA GPUs",
+    "adamw_torch_npu_fused": "it runs on Ascend NPUs, not on CUDA GPUs",
+    "adamw_anyprecision": "it needs torchdistx, which the image does not carry",
+    "adamw_torch_4bit": "it needs torchao, which the image does not carry",
+    "adamw_torch_8bit": "it needs torchao, which the image does not carry: `adamw_8bit` is bitsandbytes' 8-bit AdamW",
+    "galore_adamw": _NEEDS_TARGET_MODULES, "galore_adamw_8bit": _NEEDS_TARGET_MODULES,
+    "galore_adafactor": _NEEDS_TARGET_MODULES, "galore_adamw_layerwise": _NEEDS_TARGET_MODULES,
+    "galore_adamw_8bit_layerwise": _NEEDS_TARGET_MODULES, "galore_adafactor_layerwise": _NEEDS_TARGET_MODULES,
+    "apollo_adamw": _NEEDS_TARGET_MODULES, "apollo_adamw_layerwise": _NEEDS_TARGET_MODULES,
+    "lomo": "it needs lomo-optim, which the image does not carry",
+    "adalomo": "it needs lomo-optim, which the image does not carry",
+    "grokadamw": "it needs grokadamw, which the image does not carry",
+    "schedule_free_radam": "it needs schedulefree, which the image does not carry",
+    "schedule_free_adamw": "it needs schedulefree, which the image does not carry",
+    "schedule_free_sgd": "it needs schedulefree, which the image does not carry",
+    "stable_adamw": "it needs torch-optimi, which the image does not carry",
+}
+"""The other `OptimizerNames`, and why a run cannot use them."""
 
 
 class LoraSettings(_Strict):
@@ -27,12 +90,124 @@ class LoraSettings(_Strict):
         "quantization, bf16 compute) through bitsandbytes, to fit a larger model on one GPU. GRPO with `4bit` needs "
         "`memory.vllm_colocate` false.",
     )
+    use_dora: bool = Field(
+        default=False,
+        description="DoRA (PEFT `use_dora`): each adapted weight split into a magnitude and a direction, LoRA training "
+        "the direction. Often closer to full fine-tuning at low rank; slower steps and more activation memory.",
+    )
+    use_rslora: bool = Field(
+        default=False,
+        description="rsLoRA (PEFT `use_rslora`): scale the adapter by alpha / sqrt(rank) instead of alpha / rank, so "
+        "that a high rank still learns.",
+    )
+    init: str = Field(
+        default="default",
+        description="How the adapter starts (PEFT `init_lora_weights`). `default`: A random, B zero (the adapter starts "
+        "as a no-op). `gaussian`: A Gaussian scaled by the rank. `pissa`: A and B from the principal singular vectors "
+        "of each weight (SVD), the base keeping the residual; `pissa_niter_<n>` (e.g. `pissa_niter_16`) the same by "
+        "a fast randomised SVD of n iterations, for large models. `olora`: from a QR decomposition of each weight, "
+        "the base keeping the residual. `orthogonal`: A and B orthogonal, the base untouched (an even `rank`). `mica`: B "
+        "from the singular vectors of each weight's smallest singular values and frozen, A zero and trained. "
+        "PiSSA and OLoRA adapters are stored converted to a plain LoRA of twice the rank, which loads on the "
+        "unchanged base model (so not with `use_dora` or `modules_to_save`, which the conversion would drop).",
+    )
+    loraplus_lr_ratio: float | None = Field(
+        default=None,
+        ge=1.0,
+        le=1024.0,
+        description="LoRA+ (PEFT `create_loraplus_optimizer`): the B matrices learn at this multiple of "
+        "`training.learning_rate` (the paper suggests 16; lower the learning rate a little with it). Works with every "
+        "`training.optimizer`. Empty: one learning rate for all.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Modules trained in full besides the adapter and stored with it (PEFT `modules_to_save`), e.g. "
+        "`[\"lm_head\"]` or `[\"embed_tokens\"]` to learn new tokens. Each is a full trainable copy, with its "
+        "gradients and optimizer state: Qwen3-4B's LM head (a 151,936-token vocabulary × 2,560) is 389 million values. "
+        "Empty: only the adapter trains.",
+    )
+
+    @field_validator("init")
+    @classmethod
+    def _an_init_peft_can_run_here(cls, init: str) -> str:
+        if init in LoraInit.__args__ or PISSA_NITER.match(init):
+            return init
+        if init in REFUSED_LORA_INITS:
+            raise ValueError(f"`lora.init` '{init}' cannot be used: {REFUSED_LORA_INITS[init]}; use one of "
+                             f"{', '.join(LoraInit.__args__)} or pissa_niter_<n>")
+        raise ValueError(f"`lora.init` '{init}' is not an initialisation PEFT knows: use one of "
+                         f"{', '.join(LoraInit.__args__)} or pissa_niter_<n> (e.g. pissa_niter_16)")
+
+    @field_validator("modules_to_save")
+    @classmethod
+    def _each_module_once(cls, names: list[str]) -> list[str]:
+        if len(set(names)) != len(names) or any(not name.strip() for name in names):
+            raise ValueError("`lora.modules_to_save`: name each module once, by a non-empty name (e.g. `lm_head`)")
+        return names
+
+    @model_validator(mode="after")
+    def _init_fits_the_adapter(self) -> LoraSettings:
+        if self.init == "orthogonal" and self.rank % 2:
+            raise ValueError(f"`lora.init` 'orthogonal' needs an even `lora.rank` (PEFT splits one orthogonal basis "
+                             f"between A and B); got {self.rank}: use {self.rank + 1} or another init")
+        if self.init.startswith(("pissa", "mica")) and self.quantization == "4bit":
+            raise ValueError(f"`lora.init` '{self.init}' takes an SVD of the base weights, which PEFT does only in bf16 "
+                             f"or fp32, not of a 4-bit base (`lora.quantization` '4bit'): use `olora`, `default`, or "
+                             f"quantization 'none'")
+        if self.rewrites_base and (self.use_dora or self.modules_to_save):
+            lost = "DoRA's magnitudes (`lora.use_dora`)" if self.use_dora else "the `lora.modules_to_save` weights"
+            raise ValueError(f"`lora.init` '{self.init}' with {lost}: the adapter is stored converted to a plain LoRA "
+                             f"of the unchanged base, and PEFT's conversion (`subtract_mutated_init`) keeps only the A "
+                             f"and B matrices, so {lost.split(' (')[0]} would be lost; use another init, or leave "
+                             f"{'`lora.use_dora`' if self.use_dora else '`lora.modules_to_save`'} out")
+        return self
+
+    @property
+    def rewrites_base(self) -> bool:
+        """Whether the init rewrites the base weights (PiSSA, OLoRA), so that the stored adapter must be converted."""
+        return self.init.startswith(BASE_REWRITING_INITS)
 
 
 class TrainingSettings(_Strict):
     """Optimisation settings shared by every algorithm."""
 
     learning_rate: float = Field(default=2e-4, gt=0.0, le=1.0, description="Peak learning rate of the adapter weights.")
+    lr_scheduler: LrScheduler = Field(
+        default="linear",
+        description="How the learning rate moves over the run (transformers `lr_scheduler_type`): `linear` (down to "
+        "0), `cosine` (a half cosine down to 0), `cosine_with_restarts`, `polynomial`, `constant`, "
+        "`constant_with_warmup`, `inverse_sqrt`, or `reduce_lr_on_plateau` (SFT with `evaluation`: divided by 10 when "
+        "the eval loss stops falling). Each but `constant` and `reduce_lr_on_plateau` starts with the warmup.",
+    )
+    warmup_ratio: float | None = Field(
+        default=None, ge=0.0, lt=1.0,
+        description="Warm the learning rate up linearly from 0 over this share of the optimizer steps (e.g. 0.03). "
+        "Give `warmup_ratio` or `warmup_steps`, not both; neither: no warmup.",
+    )
+    warmup_steps: int | None = Field(
+        default=None, ge=0, le=10_000_000,
+        description="Warm the learning rate up linearly from 0 over this many optimizer steps. Give `warmup_ratio` or "
+        "`warmup_steps`, not both.",
+    )
+    weight_decay: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="Decoupled weight decay of the optimizer (transformers `weight_decay`), on every trained weight "
+        "but biases and norms. 0: none.",
+    )
+    max_grad_norm: float = Field(
+        default=1.0, ge=0.0, le=1_000_000.0,
+        description="Clip the gradients to this global norm before each optimizer step (transformers "
+        "`max_grad_norm`). 0: no clipping.",
+    )
+    optimizer: Optimizer | None = Field(
+        default=None,
+        description="The optimizer (transformers `optim`): `adamw_torch`, `adamw_torch_fused`, `adafactor`, `sgd`, "
+        "`adagrad`, `rmsprop`, or one of bitsandbytes' (`adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`, "
+        "`lion_8bit`, `lion_32bit`, `paged_lion_8bit`, `ademamix`, `ademamix_8bit`, `rmsprop_bnb_8bit`, ...: the "
+        "8-bit ones keep a quarter of a 32-bit optimizer's state). Empty: automatic, torch's fused AdamW, or "
+        "bitsandbytes' 8-bit paged AdamW when the memory plan finds memory short (as `fast_paths` decide).",
+    )
     epochs: float = Field(default=1.0, gt=0.0, le=1000.0, description="Passes over the dataset. Ignored when `max_steps` is set.")
     max_steps: int | None = Field(
         default=None, ge=1, le=10_000_000, description="Stop after this many optimizer steps. None trains for `epochs`."
@@ -115,6 +290,40 @@ class TrainingSettings(_Strict):
         raise ValueError(f"{template!r} is neither a `.jinja` file nor one of TRL's training templates: "
                          f"{', '.join(trl_template_names())}")
 
+    @field_validator("lr_scheduler", mode="before")
+    @classmethod
+    def _why_a_scheduler_is_refused(cls, name: object) -> object:
+        # Before the Literal's own check, so a transformers name loraflow refuses gets its reason.
+        if isinstance(name, str) and name in REFUSED_LR_SCHEDULERS:
+            raise ValueError(f"`training.lr_scheduler` '{name}' cannot be used: {REFUSED_LR_SCHEDULERS[name]}")
+        return name
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _why_an_optimizer_is_refused(cls, name: object) -> object:
+        if isinstance(name, str) and name in REFUSED_OPTIMIZERS:
+            raise ValueError(f"`training.optimizer` '{name}' cannot be used: {REFUSED_OPTIMIZERS[name]}")
+        return name
+
+    @model_validator(mode="after")
+    def _one_warmup_that_the_scheduler_uses(self) -> TrainingSettings:
+        if self.warmup_ratio is not None and self.warmup_steps is not None:
+            raise ValueError(f"give `training.warmup_ratio` ({self.warmup_ratio}) or `training.warmup_steps` "
+                             f"({self.warmup_steps}), not both: remove one")
+        if self.warmup_steps is not None and self.max_steps is not None and self.warmup_steps >= self.max_steps:
+            raise ValueError(f"`training.warmup_steps` ({self.warmup_steps}) must be fewer than `training.max_steps` "
+                             f"({self.max_steps}): the learning rate would never reach its peak")
+        if self.lr_scheduler in ("constant", "reduce_lr_on_plateau") and (self.warmup_ratio or self.warmup_steps):
+            fix = "use `constant_with_warmup`" if self.lr_scheduler == "constant" else "remove the warmup"
+            raise ValueError(f"`training.lr_scheduler` '{self.lr_scheduler}' has no warmup (transformers builds it "
+                             f"without one), yet `training.warmup_ratio` or `training.warmup_steps` is set: {fix}")
+        return self
+
+    @property
+    def warmup(self) -> int | float:
+        """transformers 5's `warmup_steps`: whole steps (from 1), or a share of the steps (below 1)."""
+        return self.warmup_steps if self.warmup_steps is not None else self.warmup_ratio or 0
+
     @field_validator("report_to")
     @classmethod
     def _each_tracker_once(cls, trackers: list[str]) -> list[str]:
@@ -162,3 +371,21 @@ class EvaluationSettings(_Strict):
             raise ValueError("give exactly one of `fraction` (a held-out share of the dataset) or `store_path` "
                              "(an evaluation file in the store)")
         return self
+
+
+def optimisation_problems(algorithm: str, training: TrainingSettings, evaluation: object | None,
+                          fast_paths: FastPathSettings) -> list[str]:
+    """What is wrong with a job's scheduler and optimizer given its other sections (empty when nothing). Shared by the
+    worker's `JobInput` and the control plane's run spec, so both refuse the same jobs with the same words."""
+    problems = []
+    if training.lr_scheduler == "reduce_lr_on_plateau" and (algorithm != "sft" or evaluation is None):
+        # transformers steps ReduceLROnPlateau on the eval loss (`metric_for_best_model` defaults to it).
+        problems.append("`training.lr_scheduler` 'reduce_lr_on_plateau' lowers the learning rate when the eval loss "
+                        "stops falling: it needs algorithm 'sft' and an `evaluation` section; add one or choose "
+                        "another scheduler")
+    if training.optimizer is not None:
+        for switch in ("paged_adamw_8bit", "fused_adamw"):
+            if getattr(fast_paths, switch) is not None:
+                problems.append(f"`training.optimizer` ('{training.optimizer}') chooses the optimizer, and so does "
+                                f"`fast_paths.{switch}`: remove one of them")
+    return problems

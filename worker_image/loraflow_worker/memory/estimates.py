@@ -5,10 +5,11 @@ where it is computed; every figure is an estimate until a GPU measures it):
 - the frozen base weights: 2 bytes a parameter in bf16; with `quantization="4bit"` (QLoRA) the blocks' linear weights
   in nf4 with double quantization (`NF4_BYTES_PER_PARAMETER`) and everything else in fp32, as
   `peft.prepare_model_for_kbit_training` leaves it;
-- the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`) with its gradient
-  and optimizer state;
+- the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`; DoRA's
+  magnitudes) with its gradient and the state of the run's optimizer (`OPTIMIZER_STATES`);
+- the full trainable copies of `lora.modules_to_save` (the LM head, the input embeddings), with theirs;
 - the activations saved for backward, with and without gradient checkpointing, including the input copy each adapted
-  layer keeps for `lora_A(dropout(x))` and the dropout mask;
+  layer keeps for `lora_A(dropout(x))`, the dropout mask, and DoRA's kept outputs and weight;
 - the LM head as TRL 1.16 computes it: its fused, chunked log-probability head (both trainers add it with
   `add_fused_lm_head` and never build the `(batch, seq, vocab)` logits), or the full logits when not fused;
 - for GRPO with vLLM colocated, vLLM's share: its weights, the KV cache (and Gated-DeltaNet state) of a whole
@@ -36,16 +37,78 @@ KBIT_OTHER_BYTES = 4
 biases): fp32, for stable training of a 4-bit base (PEFT 0.21, `utils/other.py`)."""
 
 # ---- The adapter and its optimizer ---------------------------------------------------------------------------------
-ADAMW_BYTES = 16
-"""Per LoRA parameter with torch AdamW: fp32 weight (PEFT's `autocast_adapter_dtype` upcasts the adapter of a bf16
-model), gradient, exp_avg and exp_avg_sq."""
-ADAMW_8BIT_BYTES = 10
-"""The same with bitsandbytes' 8-bit paged AdamW: fp32 weight and gradient, 8-bit exp_avg and exp_avg_sq."""
-QLORA_ADAMW_BYTES = 8
-"""Per LoRA parameter of a 4-bit base with torch AdamW: TRL 1.16 casts the adapter of a quantized model to bf16
-(`SFTTrainer.__init__`, after the QLoRA paper), so weight, gradient and both states are bf16."""
-QLORA_ADAMW_8BIT_BYTES = 6
-"""The same with 8-bit paged AdamW: bf16 weight and gradient, 8-bit states."""
+ADAPTER_BYTES = 4
+"""Bytes of a LoRA parameter, and of its gradient, on a bf16 (or fp32) base: fp32 (PEFT's `autocast_adapter_dtype`
+upcasts the adapter)."""
+QLORA_ADAPTER_BYTES = 2
+"""The same on a 4-bit base: TRL 1.16 casts the adapter of a quantized model to bf16 (`SFTTrainer.__init__`, after
+the QLoRA paper)."""
+OPTIMIZER_STATES: dict[str, tuple[int, int | None]] = {
+    "adamw_torch": (2, None), "adamw_torch_fused": (2, None),
+    "adafactor": (0, None),
+    "sgd": (0, None), "adagrad": (1, None), "rmsprop": (1, None),
+    "adamw_bnb_8bit": (2, 1), "adamw_8bit": (2, 1), "paged_adamw_8bit": (2, 1), "paged_adamw_32bit": (2, 4),
+    "ademamix": (3, 4), "paged_ademamix_32bit": (3, 4), "ademamix_8bit": (3, 1), "paged_ademamix_8bit": (3, 1),
+    "lion_32bit": (1, 4), "paged_lion_32bit": (1, 4), "lion_8bit": (1, 1), "paged_lion_8bit": (1, 1),
+    "rmsprop_bnb": (1, 4), "rmsprop_bnb_32bit": (1, 4), "rmsprop_bnb_8bit": (1, 1),
+}
+"""Per trained parameter, for each `training.optimizer`: the state values the optimizer keeps and the bytes of each
+(None: the parameter's own dtype, as torch's optimizers keep `zeros_like(param)`). AdamW keeps exp_avg and exp_avg_sq;
+AdEMAMix a second, slow exp_avg besides; Lion one momentum; Adagrad and RMSprop one sum of squares; transformers builds
+SGD and RMSprop without momentum; Adafactor a factored second moment (a row and a column per matrix: counted as none).
+bitsandbytes keeps 8-bit states in one byte a value (its per-block absmax aside) and its 32-bit ones in fp32."""
+TORCH_ADAMW = "adamw_torch_fused"
+"""The optimizer the memory plan counts when it chooses torch AdamW (fused or not, the same state)."""
+EIGHT_BIT_ADAMW = "paged_adamw_8bit"
+"""The optimizer the memory plan chooses when memory is short."""
+HEAD_MODULES = frozenset({"lm_head", "embed_out", "output"})
+EMBEDDING_MODULES = frozenset({"embed_tokens", "wte", "embed_in", "word_embeddings"})
+"""`lora.modules_to_save` names the planner can size from a config: the LM head and the input embeddings, each
+vocabulary × hidden. Others (a norm, a block's layer) are counted as nothing."""
+
+
+def trained_parameter_bytes(optimizer: str, parameter_bytes: int, *, embedding: bool = False) -> int:
+    """Bytes a trained parameter of `parameter_bytes` holds with its gradient and `optimizer`'s state. bitsandbytes'
+    8-bit optimizers keep an embedding's state in 32 bits (transformers' `Trainer.create_optimizer`, and PEFT's
+    LoRA+ optimizer, register the override)."""
+    states, state_bytes = OPTIMIZER_STATES[optimizer]
+    if state_bytes is None:
+        state_bytes = parameter_bytes
+    elif embedding and state_bytes == 1:
+        state_bytes = 4
+    return 2 * parameter_bytes + states * state_bytes
+
+
+def lora_parameters(shape: ModelShape, rank: int, *, use_dora: bool = False) -> int:
+    """Trainable parameters of a rank-`rank` LoRA on every linear layer of the blocks (`all-linear`; fewer target
+    modules need less): A is rank × in, B is out × rank; DoRA adds a magnitude per output (PEFT's
+    `lora_magnitude_vector`)."""
+    return rank * (shape.lora_in_features + shape.lora_out_features) + (shape.lora_out_features if use_dora else 0)
+
+
+def adapter_bytes(shape: ModelShape, rank: int, *, quantization: str, optimizer: str, use_dora: bool = False) -> int:
+    """LoRA weights (with DoRA's magnitudes), gradients and optimizer state."""
+    parameter_bytes = QLORA_ADAPTER_BYTES if quantization == "4bit" else ADAPTER_BYTES
+    return lora_parameters(shape, rank, use_dora=use_dora) * trained_parameter_bytes(optimizer, parameter_bytes)
+
+
+def saved_module_parameters(shape: ModelShape, name: str) -> int:
+    """Parameters of the module `lora.modules_to_save` names (matched by its last part, as PEFT matches it): the LM
+    head's or the input embeddings' vocabulary × hidden; 0 for a module the planner cannot size."""
+    last = name.rsplit(".", 1)[-1]
+    return shape.vocab_size * shape.hidden_size if last in HEAD_MODULES | EMBEDDING_MODULES else 0
+
+
+def modules_to_save_bytes(shape: ModelShape, modules: tuple[str, ...] | list[str], *, quantization: str, optimizer: str,
+                          bf16: bool = True) -> int:
+    """The full trainable copies `lora.modules_to_save` makes (PEFT's `ModulesToSaveWrapper` deep-copies the module;
+    the frozen original stays, counted with the weights): each copy's weights in the base's dtype (bf16, or fp32 on a
+    4-bit base, which `prepare_model_for_kbit_training` left in fp32, or without bf16), their gradients and the
+    optimizer's state."""
+    parameter_bytes = 4 if quantization == "4bit" or not bf16 else 2
+    return sum(saved_module_parameters(shape, name) * trained_parameter_bytes(
+        optimizer, parameter_bytes, embedding=name.rsplit(".", 1)[-1] in EMBEDDING_MODULES) for name in modules)
+
 
 # ---- The LM head -----------------------------------------------------------------------------------------------------
 FUSED_HEAD_TOKEN_CHUNK = 4096
@@ -81,7 +144,11 @@ class MemoryBreakdown(BaseModel):
 
     weights_bytes: int = Field(description="The frozen base weights (bf16, or 4-bit with fp32 for the rest).")
     adapter_bytes: int = Field(description="LoRA weights, their gradients and the optimizer's state.")
-    lora_parameters: int = Field(description="Trainable LoRA parameters (rank r on every linear layer of the blocks).")
+    lora_parameters: int = Field(description="Trainable LoRA parameters (rank r on every linear layer of the blocks), "
+                                 "DoRA's magnitudes included.")
+    modules_to_save_bytes: int = Field(
+        default=0, description="The full trainable copies of `lora.modules_to_save`: weights, gradients and the "
+        "optimizer's state.")
     activations_bytes: int = Field(
         description="Activations saved for backward of one micro-batch, PEFT's input copies and dropout masks included, "
         "with the gradients of the layer being back-propagated."
@@ -97,7 +164,7 @@ class MemoryBreakdown(BaseModel):
     @computed_field
     @property
     def total_bytes(self) -> int:
-        return (self.weights_bytes + self.adapter_bytes + max(self.activations_bytes + self.logits_bytes, self.generation_bytes)
+        return (self.weights_bytes + self.adapter_bytes + self.modules_to_save_bytes + max(self.activations_bytes + self.logits_bytes, self.generation_bytes)
                 + self.vllm_bytes)
 
 
@@ -111,12 +178,6 @@ class VllmBreakdown(BaseModel):
     block_tokens: int = Field(description="Tokens per KV-cache block (raised for hybrid models to fit a layer's state in a page).")
 
 
-def lora_parameters(shape: ModelShape, rank: int) -> int:
-    """Trainable parameters of a rank-`rank` LoRA on every linear layer of the blocks (`all-linear`; fewer target
-    modules need less): A is rank × in, B is out × rank."""
-    return rank * (shape.lora_in_features + shape.lora_out_features)
-
-
 def weights_bytes(shape: ModelShape, *, quantization: str, bf16: bool = True) -> int:
     """The frozen base weights: 2 bytes a parameter in bf16 (4 in fp32); with 4-bit, the quantizable weights in nf4
     with double quantization and the rest in fp32 (`prepare_model_for_kbit_training`)."""
@@ -124,15 +185,6 @@ def weights_bytes(shape: ModelShape, *, quantization: str, bf16: bool = True) ->
         rest = shape.parameters - shape.quantizable_parameters
         return math.ceil(shape.quantizable_parameters * NF4_BYTES_PER_PARAMETER) + rest * KBIT_OTHER_BYTES
     return shape.parameters * (2 if bf16 else 4)
-
-
-def adapter_bytes(shape: ModelShape, rank: int, *, quantization: str, paged_adamw_8bit: bool) -> int:
-    """LoRA weights, gradients and optimizer state."""
-    if quantization == "4bit":
-        per_parameter = QLORA_ADAMW_8BIT_BYTES if paged_adamw_8bit else QLORA_ADAMW_BYTES
-    else:
-        per_parameter = ADAMW_8BIT_BYTES if paged_adamw_8bit else ADAMW_BYTES
-    return lora_parameters(shape, rank) * per_parameter
 
 
 def attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False) -> int:
@@ -170,34 +222,48 @@ def _mlp_bytes(shape: ModelShape, liger_kernels: bool) -> int:
     return (2 if liger_kernels else 3) * 2 * shape.intermediate_size
 
 
-def lora_activation_bytes(shape: ModelShape, rank: int, dropout: float) -> int:
+def lora_activation_bytes(shape: ModelShape, rank: int, dropout: float, *, use_dora: bool = False) -> int:
     """Bytes one token leaves saved for backward by every adapted layer together (all layers): PEFT computes
     `lora_B(lora_A(dropout(x)))` on its own copy of the layer's input (cast to the adapter's dtype, then by autocast
     to bf16: 2 bytes per input value, even without dropout), the bool dropout mask when dropout > 0 (1 byte), and
-    lora_A's rank-wide output, which lora_B keeps (bf16)."""
+    lora_A's rank-wide output, which lora_B keeps (bf16). DoRA (PEFT's `DoraLinearLayer.forward`) scales the base
+    output and the LoRA output by the magnitude over the weight's norm, so both (bf16, the layer's output width) are
+    kept for the magnitude's gradient."""
     mask = shape.lora_in_features if dropout > 0 else 0
-    return 2 * shape.lora_in_features + mask + 2 * rank * shape.lora_modules
+    dora = 2 * 2 * shape.lora_out_features if use_dora else 0
+    return 2 * shape.lora_in_features + mask + 2 * rank * shape.lora_modules + dora
+
+
+def dora_weight_bytes(shape: ModelShape) -> int:
+    """DoRA's transient in each adapted layer's forward: the fp32 product B·A and the bf16 weight W + B·A whose column
+    norms it takes (PEFT's `get_weight_norm`), for the largest linear layer (the MLP's, or a gated `q_proj`): 6 bytes a
+    weight, freed before the next layer."""
+    q_width = shape.q_dim * (2 if shape.attention_output_gate else 1)
+    return 6 * shape.hidden_size * max(shape.intermediate_size, q_width)
 
 
 def activations_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, lora_rank: int, lora_dropout: float,
-                      checkpointing: bool, liger_kernels: bool = False, bf16: bool = True) -> int:
+                      checkpointing: bool, liger_kernels: bool = False, bf16: bool = True, use_dora: bool = False) -> int:
     """Activations of one micro-batch at the start of backward, when they are all held. Without checkpointing: every
     layer's saved activations (`attention_layer_bytes`, `linear_attention_layer_bytes`) and the adapted layers' copies
     (`lora_activation_bytes`), plus one layer more for the gradients of the layer being back-propagated. With it:
     each layer's bf16 input (2 bytes × hidden), plus one layer recomputed with its gradients. Also the final norm and
-    transformers' bool attention mask (batch × seq², shared by the layers). In fp32 (no bf16) twice as much."""
+    transformers' bool attention mask (batch × seq², shared by the layers). In fp32 (no bf16) twice as much. DoRA
+    keeps more per adapted layer (`lora_activation_bytes`) and builds one layer's weight at a time
+    (`dora_weight_bytes`)."""
     tokens = batch_size * seq_len
     attention = attention_layer_bytes(shape, liger_kernels=liger_kernels)
     linear = linear_attention_layer_bytes(shape, liger_kernels=liger_kernels) if shape.linear_attention else 0
-    lora_per_layer = lora_activation_bytes(shape, lora_rank, lora_dropout) // shape.layers
+    lora = lora_activation_bytes(shape, lora_rank, lora_dropout, use_dora=use_dora)
+    lora_per_layer = lora // shape.layers
     largest = max(attention, linear) + lora_per_layer
     if checkpointing:
         per_token = shape.layers * 2 * shape.hidden_size + 2 * largest
     else:
         per_token = (shape.attention_layers * attention + shape.linear_attention_layers * linear
-                     + lora_activation_bytes(shape, lora_rank, lora_dropout) + largest)
+                     + lora + largest)
     per_token += (2 if liger_kernels else 4) * shape.hidden_size  # the final norm
-    total = tokens * per_token + batch_size * seq_len * seq_len
+    total = tokens * per_token + batch_size * seq_len * seq_len + (dora_weight_bytes(shape) if use_dora else 0)
     return total if bf16 else 2 * total
 
 

@@ -30,7 +30,10 @@ from pydantic import BaseModel, Field, computed_field
 
 from loraflow_worker.contract import JobInput
 from loraflow_worker.memory.estimates import (
+    EIGHT_BIT_ADAMW,
     GIB,
+    OPTIMIZER_STATES,
+    TORCH_ADAMW,
     MemoryBreakdown,
     VllmBreakdown,
     activations_bytes,
@@ -38,6 +41,8 @@ from loraflow_worker.memory.estimates import (
     generation_bytes,
     logits_bytes,
     lora_parameters,
+    modules_to_save_bytes,
+    saved_module_parameters,
     vllm_memory,
     weights_bytes,
 )
@@ -70,6 +75,11 @@ class MemoryPlan(BaseModel):
     usable_bytes: int = Field(description="What a plan may count on: the GPU's memory less the headroom and CUDA's own.")
     gradient_checkpointing: bool = Field(description="Whether training recomputes activations (the plan's choice, or forced).")
     paged_adamw_8bit: bool = Field(description="Whether the optimizer is bitsandbytes' 8-bit paged AdamW (else torch AdamW).")
+    optimizer: str = Field(default=TORCH_ADAMW, description="The optimizer counted: the job's `training.optimizer`, or "
+                           "the plan's choice (torch AdamW, or 8-bit paged AdamW when memory is short).")
+    use_dora: bool = Field(default=False, description="Whether the adapter is DoRA (`lora.use_dora`).")
+    modules_to_save: list[str] = Field(default_factory=list, description="Modules trained in full beside the adapter "
+                                       "(`lora.modules_to_save`).")
     vllm_colocate: bool = Field(description="Whether vLLM generates the completions on the training GPU.")
     vllm_gpu_memory_utilization: float | None = Field(description="vLLM's share of the GPU when colocated.")
     vllm_bytes: int = Field(description="GPU bytes of vLLM's share (0 when not colocated).")
@@ -81,7 +91,8 @@ class MemoryPlan(BaseModel):
     vllm: VllmBreakdown | None = Field(default=None, description="vLLM's share, by what holds it, when colocated.")
     forced: list[str] = Field(default_factory=list, description="Decisions forced by the caller instead of planned.")
     reasons: dict[str, str] = Field(
-        description="Why each decision (`gradient_checkpointing`, `paged_adamw_8bit`, `vllm_colocate`) went as it did."
+        description="Why each decision (`gradient_checkpointing`, `paged_adamw_8bit`, `vllm_colocate`) went as it did, "
+        "and `modules_to_save` when the plan could not size one of them."
     )
 
     @computed_field
@@ -132,6 +143,9 @@ def plan_memory(
     vllm_gpu_memory_utilization: float | None = None,
     liger_kernels: bool = False,
     bf16: bool = True,
+    optimizer: str | None = None,
+    use_dora: bool = False,
+    modules_to_save: tuple[str, ...] | list[str] = (),
 ) -> MemoryPlan:
     """Plan a LoRA run's memory on a GPU of `gpu_memory_bytes`: whether to recompute activations, which optimizer,
     whether vLLM colocates and with what share, and whether the run fits at all. Pure; safe to call from anywhere.
@@ -144,7 +158,9 @@ def plan_memory(
     SwiGLU keep less (leave False when unknown: the estimate errs high).
 
     Forcing (None: the plan decides): `gradient_checkpointing`; `paged_adamw_8bit` (False also where bitsandbytes is
-    missing); `vllm_gpu_memory_utilization`, vLLM's share instead of the planned one.
+    missing); `vllm_gpu_memory_utilization`, vLLM's share instead of the planned one; `optimizer`, the job's
+    `training.optimizer` (an `estimates.OPTIMIZER_STATES` name), which the plan then counts instead of choosing.
+    `use_dora` and `modules_to_save` are the adapter's (`lora.use_dora`, `lora.modules_to_save`).
 
     The plan, in order: vLLM's share is taken off the usable memory; gradient checkpointing goes off only when training
     without it is within `CHECKPOINTING_MARGIN` of what remains; 8-bit paged AdamW replaces torch AdamW only when memory
@@ -157,14 +173,20 @@ def plan_memory(
     grpo = algorithm == "grpo"
     generations = num_generations or (batch_size if grpo else 0)
 
+    if optimizer is not None and paged_adamw_8bit is not None:
+        raise ValueError("give `optimizer` or `paged_adamw_8bit`, not both: each chooses the optimizer")
+
     def training(checkpointing: bool, eight_bit: bool, colocated: bool) -> MemoryBreakdown:
+        counted = optimizer or (EIGHT_BIT_ADAMW if eight_bit else TORCH_ADAMW)
         return MemoryBreakdown(
             weights_bytes=weights_bytes(shape, quantization=quantization, bf16=bf16),
-            adapter_bytes=adapter_bytes(shape, lora_rank, quantization=quantization, paged_adamw_8bit=eight_bit),
-            lora_parameters=lora_parameters(shape, lora_rank),
+            adapter_bytes=adapter_bytes(shape, lora_rank, quantization=quantization, optimizer=counted, use_dora=use_dora),
+            lora_parameters=lora_parameters(shape, lora_rank, use_dora=use_dora),
+            modules_to_save_bytes=modules_to_save_bytes(shape, modules_to_save, quantization=quantization,
+                                                        optimizer=counted, bf16=bf16),
             activations_bytes=activations_bytes(shape, batch_size=batch_size, seq_len=seq_len, lora_rank=lora_rank,
                                                 lora_dropout=lora_dropout, checkpointing=checkpointing,
-                                                liger_kernels=liger_kernels, bf16=bf16),
+                                                liger_kernels=liger_kernels, bf16=bf16, use_dora=use_dora),
             logits_bytes=logits_bytes(shape, batch_size=batch_size, seq_len=seq_len, fused_lm_head=fused_lm_head,
                                       quantization=quantization),
             generation_bytes=generation_bytes(shape, num_generations=generations, seq_len=seq_len) if grpo and not colocated else 0,
@@ -220,7 +242,10 @@ def plan_memory(
                                              f"~{gib(recomputed.total_bytes)}")
 
     with_adamw = training(checkpointing, False, colocate)
-    if paged_adamw_8bit is not None:
+    if optimizer is not None:
+        eight_bit = optimizer == EIGHT_BIT_ADAMW
+        reasons["paged_adamw_8bit"] = f"the job's `training.optimizer` is {optimizer}"
+    elif paged_adamw_8bit is not None:
         eight_bit = paged_adamw_8bit
         reasons["paged_adamw_8bit"] = f"forced {'on' if eight_bit else 'off'} for this run"
     elif with_adamw.total_bytes <= budget:
@@ -230,8 +255,12 @@ def plan_memory(
         eight_bit = True
         reasons["paged_adamw_8bit"] = f"memory is short: ~{gib(with_adamw.total_bytes)} estimated with torch AdamW, {gib(budget)} available"
 
+    unsized = [name for name in modules_to_save if not saved_module_parameters(shape, name)]
+    if unsized:
+        reasons["modules_to_save"] = (f"{', '.join(unsized)} not counted: the plan sizes only the LM head and the input "
+                                      "embeddings from the model's config")
     forced = [name for name, value in (("gradient_checkpointing", gradient_checkpointing),
-                                       ("paged_adamw_8bit", paged_adamw_8bit),
+                                       ("paged_adamw_8bit", paged_adamw_8bit), ("optimizer", optimizer),
                                        ("vllm_gpu_memory_utilization", vllm_gpu_memory_utilization if colocate else None))
               if value is not None]
     chosen = training(checkpointing, eight_bit, colocate).model_copy(update={"vllm_bytes": vllm_bytes})
@@ -252,6 +281,9 @@ def plan_memory(
         usable_bytes=usable,
         gradient_checkpointing=checkpointing,
         paged_adamw_8bit=eight_bit,
+        optimizer=optimizer or (EIGHT_BIT_ADAMW if eight_bit else TORCH_ADAMW),
+        use_dora=use_dora,
+        modules_to_save=list(modules_to_save),
         vllm_colocate=colocate,
         vllm_gpu_memory_utilization=share if colocate else None,
         vllm_bytes=vllm_bytes,
@@ -291,6 +323,9 @@ def plan_job(job: JobInput, shape: ModelShape, gpu_memory_bytes: int) -> MemoryP
         paged_adamw_8bit=switches.paged_adamw_8bit,
         vllm_gpu_memory_utilization=forced.vllm_gpu_memory_utilization if forced is not None else None,
         bf16=switches.bf16 is not False,
+        optimizer=t.optimizer,
+        use_dora=job.lora.use_dora,
+        modules_to_save=job.lora.modules_to_save,
     )
 
 
@@ -313,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-fused-lm-head", action="store_true", help="Count the full logits (TRL 1.16 always fuses the head).")
     parser.add_argument("--liger-kernels", action="store_true", help="Count Liger's RMSNorm and SwiGLU (smaller activations).")
     parser.add_argument("--gradient-checkpointing", choices=("on", "off"), help="Force it instead of planning it.")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES),
+                        help="Count this optimizer (`training.optimizer`) instead of planning torch or 8-bit AdamW.")
+    parser.add_argument("--use-dora", action="store_true", help="A DoRA adapter (`lora.use_dora`).")
+    parser.add_argument("--modules-to-save", nargs="*", default=[], metavar="MODULE",
+                        help="Modules trained in full beside the adapter (`lora.modules_to_save`), e.g. lm_head.")
     args = parser.parse_args(argv)
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"{args.model_dir} has no config.json")
@@ -333,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             fused_lm_head=not args.no_fused_lm_head,
             liger_kernels=args.liger_kernels,
             gradient_checkpointing=None if args.gradient_checkpointing is None else args.gradient_checkpointing == "on",
+            optimizer=args.optimizer,
+            use_dora=args.use_dora,
+            modules_to_save=args.modules_to_save,
         )
     except ValueError as e:
         print(f"memory_plan: {e}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Check that this environment (an image, a GPU box) can train: every fast-path package imports, and a short
 SFT job (recorded by W&B offline and an MLflow file store) and a short GRPO job run through the real handler on a
-tiny model built offline.
+tiny model built offline, between them with every schedule, optimizer and adapter setting that needs more of the
+image than the defaults (bitsandbytes' 8-bit AdamW, DoRA, rsLoRA, LoRA+, `modules_to_save`, PiSSA).
 
     python -m loraflow_worker.self_test                 # inside the image: `docker run --rm IMAGE python -m ...`
     python -m loraflow_worker.self_test --steps 8
@@ -61,13 +62,19 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
     model = build_tiny_model(root / "tiny-model", corpus_from_jsonl([DEFAULT_CORPUS]))
     store = root / "store"
     os.environ[WORK_DIR_ENV] = str(root / "work")
+    # Between them, the two jobs train with every schedule, optimizer and adapter setting that needs more of the image
+    # than the default (bitsandbytes' optimizers, DoRA, LoRA+, PiSSA's conversion).
     jobs = {
         # Both trackers, with no credentials and no network: W&B offline and an MLflow file store.
         "sft": {"training": {"max_steps": steps, "learning_rate": 1e-2, "batch_size": 8,
-                             "report_to": ["wandb", "mlflow"]}},
+                             "report_to": ["wandb", "mlflow"], "lr_scheduler": "cosine", "warmup_ratio": 0.25,
+                             "weight_decay": 0.01, "max_grad_norm": 0.5, "optimizer": "adamw_8bit"},
+                "lora": {"use_dora": True, "use_rslora": True, "loraplus_lr_ratio": 4, "modules_to_save": ["lm_head"]}},
         "grpo": {"algorithm": "grpo",
-                 "training": {"max_steps": steps, "learning_rate": 3e-2, "batch_size": 8, "seed": 42},
-                 "grpo": {"num_generations": 4, "max_completion_length": 12, "rewards": [{"name": "digit_fraction"}]}},
+                 "training": {"max_steps": steps, "learning_rate": 3e-2, "batch_size": 8, "seed": 42,
+                              "lr_scheduler": "constant_with_warmup", "warmup_ratio": 0.25},
+                 "grpo": {"num_generations": 4, "max_completion_length": 12, "rewards": [{"name": "digit_fraction"}]},
+                 "lora": {"init": "pissa"}},
     }
     results = {}
     for algorithm, settings in jobs.items():

@@ -32,6 +32,7 @@ from typing import Any
 
 from loraflow_worker.artifacts.manifest import FastPath
 from loraflow_worker.contract import FastPathSettings, MemorySettings
+from loraflow_worker.contract.training_settings import BITSANDBYTES_OPTIMIZERS
 from loraflow_worker.memory.model_shape import GATED_ATTENTION_MODEL_TYPES, ModelShape, read_model_shape
 from loraflow_worker.memory.plan import MemoryPlan, plan_memory
 
@@ -70,6 +71,10 @@ class Workload:
     """`lora.quantization`: `none` or `4bit` (QLoRA)."""
     generations: int = 0
     """Completions generated per round (GRPO: the generation batch); 0 for SFT."""
+    optimizer: str | None = None
+    """`training.optimizer`: the job's choice, or None for the plan's (torch AdamW, 8-bit paged AdamW when short)."""
+    use_dora: bool = False
+    modules_to_save: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,13 @@ class FastPathPlan:
 
 
 def plan_fast_paths(facts: Facts) -> FastPathPlan:
-    """Decide every fast path from `facts` alone (no probing), with the reason for each decision."""
+    """Decide every fast path from `facts` alone (no probing), with the reason for each decision. Raises `ValueError`
+    when the job's `training.optimizer` is bitsandbytes' and bitsandbytes is not installed."""
     four_bit = facts.workload.quantization == "4bit"
+    chosen = facts.workload.optimizer
+    if chosen in BITSANDBYTES_OPTIMIZERS and "bitsandbytes" not in facts.packages:
+        raise ValueError(f"`training.optimizer` '{chosen}' is bitsandbytes', which this worker does not have: choose "
+                         "adamw_torch_fused (or leave `training.optimizer` empty), or run on the image")
     if not facts.cuda:
         model_init_kwargs = {"dtype": "float32"}
         plan = FastPathPlan(
@@ -127,6 +137,8 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
             plan.trainer_kwargs["model_init_kwargs"] = model_init_kwargs
         if facts.algorithm == "grpo":
             plan.trainer_kwargs["use_vllm"] = False
+        if chosen is not None:
+            plan.trainer_kwargs["optim"] = chosen
         return plan
 
     decided: dict[str, FastPath] = {}
@@ -198,13 +210,15 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
             gradient_checkpointing=checkpointing, paged_adamw_8bit=eight_bit,
             vllm_gpu_memory_utilization=forced.vllm_gpu_memory_utilization,
             liger_kernels=decided["liger_kernel"].engaged, bf16=bf16,
+            optimizer=w.optimizer, use_dora=w.use_dora, modules_to_save=w.modules_to_save,
         )
 
     memory = planned(eight_bit)
     eight_bit_reason = memory.reasons["paged_adamw_8bit"]
-    if "paged_adamw_8bit" in facts.forced and not has("bitsandbytes"):
+    # Where bitsandbytes is missing the plan's own choice falls back to torch AdamW; a job's optimizer stays as counted.
+    if chosen is None and "paged_adamw_8bit" in facts.forced and not has("bitsandbytes"):
         memory, eight_bit_reason = planned(False), "forced, but bitsandbytes is not installed"
-    elif memory.paged_adamw_8bit and not has("bitsandbytes"):
+    elif chosen is None and memory.paged_adamw_8bit and not has("bitsandbytes"):
         short = eight_bit_reason.removeprefix("memory is short: ")
         memory, eight_bit_reason = planned(False), f"memory is short ({short}), but bitsandbytes is not installed"
 
@@ -217,15 +231,17 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
                                       f"generations: {memory.reasons['vllm_colocate']}")
     settle("gradient_checkpointing", memory.gradient_checkpointing, memory.reasons["gradient_checkpointing"])
     settle("paged_adamw_8bit", memory.paged_adamw_8bit, eight_bit_reason)
-    if decided["paged_adamw_8bit"].engaged:
+    if chosen is not None:
+        settle("fused_adamw", chosen == "adamw_torch_fused", f"the job's `training.optimizer` is {chosen}")
+    elif decided["paged_adamw_8bit"].engaged:
         settle("fused_adamw", False, "8-bit paged AdamW instead")
     else:
         settle("fused_adamw", True, "torch AdamW with its fused CUDA kernel (the LoRA optimizer state is small)")
     decided["expandable_segments"] = _allocator_decision(facts, _holds_expandable_segments(facts.allocator_settings),
                                                          decided["vllm_colocate"].engaged)
 
-    optim = "paged_adamw_8bit" if decided["paged_adamw_8bit"].engaged else (
-        "adamw_torch_fused" if decided["fused_adamw"].engaged else "adamw_torch")
+    optim = chosen or ("paged_adamw_8bit" if decided["paged_adamw_8bit"].engaged else (
+        "adamw_torch_fused" if decided["fused_adamw"].engaged else "adamw_torch"))
     # The whole model on the one GPU: TRL's default ("auto") would offload what does not fit to the CPU, silently.
     model_init_kwargs = {"dtype": "bfloat16" if bf16 else "float32", "device_map": {"": 0}}
     kwargs: dict[str, Any] = {

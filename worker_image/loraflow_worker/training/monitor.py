@@ -27,7 +27,7 @@ def check_deadline(deadline_epoch_s: float | None) -> None:
 
 
 class TrainingMonitor(TrainerCallback):
-    """Collects (step, loss) pairs, the latest mean reward (GRPO logs one) and, given `eval_key`, the (step, value)
+    """Collects (step, loss) and (step, learning rate) pairs, the latest mean reward (GRPO logs one) and, given `eval_key`, the (step, value)
     pairs of that evaluation metric (`eval_loss` for SFT, `eval_reward` for GRPO); sends progress at most every
     `PROGRESS_INTERVAL_S` (plus the first logged loss, each evaluation and the end), and stops training once the
     deadline passes (`deadline_hit` tells), having the Trainer checkpoint that last step first, and not evaluate
@@ -42,6 +42,7 @@ class TrainingMonitor(TrainerCallback):
         self.deadline_epoch_s = deadline_epoch_s
         self.eval_key = eval_key
         self.losses: list[tuple[int, float]] = []
+        self.learning_rates: list[tuple[int, float]] = []
         self._evaluations: dict[int, float] = {}  # by step: a resumed run evaluates its first step again
         self.reward: float | None = None
         self.deadline_hit = False
@@ -56,6 +57,8 @@ class TrainingMonitor(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.losses = [(entry["step"], float(entry["loss"])) for entry in state.log_history if "loss" in entry]
+        self.learning_rates = [(entry["step"], float(entry["learning_rate"])) for entry in state.log_history
+                               if "learning_rate" in entry]
         self._evaluations = {entry["step"]: float(entry[self.eval_key]) for entry in state.log_history
                              if self.eval_key in entry and entry[self.eval_key] is not None}
         self._started = (time.monotonic(), state.global_step, state.num_input_tokens_seen)
@@ -65,6 +68,8 @@ class TrainingMonitor(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
             self.reward = float(logs["reward"])
+        if logs and "learning_rate" in logs:
+            self.learning_rates.append((state.global_step, float(logs["learning_rate"])))
         if logs and "loss" in logs:
             self.losses.append((state.global_step, float(logs["loss"])))
             if not self._logged:  # the first loss of this attempt goes out at once

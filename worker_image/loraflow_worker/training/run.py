@@ -14,8 +14,10 @@ import torch
 from datasets import Dataset, load_dataset
 from huggingface_hub import HfApi
 from peft import LoraConfig, prepare_model_for_kbit_training
+from peft.optimizers import create_loraplus_optimizer
+from peft.utils import ModulesToSaveWrapper
 from peft.utils.constants import EMBEDDING_LAYER_NAMES
-from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 from trl.trainer.utils import create_model_from_path
 
 from loraflow_worker.artifacts import ArtifactStore
@@ -124,12 +126,39 @@ def load_model(model_path: Path, job: JobInput, plan: FastPathPlan) -> str | Pre
 
 
 def lora_config(job: JobInput) -> LoraConfig:
+    lora = job.lora
     return LoraConfig(
-        r=job.lora.rank,
-        lora_alpha=job.lora.alpha,
-        lora_dropout=job.lora.dropout,
-        target_modules=job.lora.target_modules,
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        # PEFT's default initialisation is `True` (A random, B zero).
+        init_lora_weights=True if lora.init == "default" else lora.init,
+        modules_to_save=list(lora.modules_to_save) or None,
         task_type="CAUSAL_LM",
+    )
+
+
+class LoraPlusOptimizer:
+    """LoRA+ as a transformers optimizer factory (`trainer_optimizer.is_optimizer_factory`: the Trainer instantiates
+    it, then calls it with the model it trains): PEFT's `create_loraplus_optimizer` over the PEFT model, with the
+    optimizer class `training.optimizer` (or the plan) chose."""
+
+    def __call__(self, model: torch.nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
+        return create_loraplus_optimizer(model, **kwargs)
+
+
+def loraplus_optimizer(args: TrainingArguments, job: JobInput) -> tuple[type, dict[str, Any]]:
+    """What the Trainer's `optimizer_cls_and_kwargs` holds for a LoRA+ job: the factory, and PEFT's arguments. The
+    optimizer class and its own arguments (betas, eps, bitsandbytes' `optim_bits`, ...) are the ones transformers
+    would build for `args.optim` (`Trainer.get_optimizer_cls_and_kwargs`)."""
+    optimizer_cls, optimizer_kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    optimizer_kwargs.pop("lr", None)
+    return LoraPlusOptimizer, dict(
+        optimizer_cls=optimizer_cls, lr=args.learning_rate, loraplus_lr_ratio=job.lora.loraplus_lr_ratio,
+        loraplus_weight_decay=args.weight_decay, **optimizer_kwargs,
     )
 
 
@@ -145,7 +174,8 @@ def micro_batching(job: JobInput) -> tuple[int, int]:
 
 
 def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
-    """The TrainingArguments every algorithm takes from the job's training and evaluation settings."""
+    """The TrainingArguments every algorithm takes from the job's training and evaluation settings. The optimizer
+    (`optim`) is the fast-path plan's, which takes the job's `training.optimizer` when it names one."""
     t = job.training
     micro, accumulation = micro_batching(job)
     evaluation = {} if job.evaluation is None else dict(
@@ -160,6 +190,10 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
         learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
         num_train_epochs=t.epochs,
         max_steps=t.max_steps or -1,
         seed=t.seed,
@@ -180,7 +214,8 @@ def job_workload(job: JobInput) -> Workload:
     keeps)."""
     t = job.training
     micro, _ = micro_batching(job)
-    lora = dict(lora_rank=job.lora.rank, lora_dropout=job.lora.dropout, quantization=job.lora.quantization)
+    lora = dict(lora_rank=job.lora.rank, lora_dropout=job.lora.dropout, quantization=job.lora.quantization,
+                optimizer=t.optimizer, use_dora=job.lora.use_dora, modules_to_save=tuple(job.lora.modules_to_save))
     if job.algorithm == "grpo":
         g = job.grpo
         return Workload(batch_size=micro, seq_len=g.max_prompt_length + g.max_completion_length,
@@ -188,11 +223,36 @@ def job_workload(job: JobInput) -> Workload:
     return Workload(batch_size=micro, seq_len=t.max_seq_length, **lora)
 
 
+def check_modules_to_save(model: torch.nn.Module, names: list[str]) -> None:
+    """Raise `ValueError` naming `lora.modules_to_save` when one of `names` matched no module of `model` (a PEFT model):
+    PEFT 0.21 ignores such a name silently, and the run would train without it."""
+    wrapped = [name for name, module in model.named_modules() if isinstance(module, ModulesToSaveWrapper)]
+    # PEFT matches a name against the end of each module's full name (`_set_trainable`).
+    missing = [name for name in names if not any(full == name or full.endswith(f".{name}") for full in wrapped)]
+    if missing:
+        raise ValueError(f"`lora.modules_to_save` names {', '.join(missing)}, which the model does not have: name "
+                         f"modules of the base model, e.g. lm_head or embed_tokens")
+
+
 def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: JobInput, revision: str | None,
                    work_dir: Path, resume_from: Path | None) -> tuple[Path, float]:
     """Train (from `resume_from` when given) and save the adapter; returns (adapter folder, wall seconds).
     When the job's deadline stopped training first (`TrainingMonitor.deadline_hit`), the adapter saved is the
     one trained so far, and the Trainer has checkpointed the last step (see `package_outcome`)."""
+    check_modules_to_save(trainer.model, job.lora.modules_to_save)
+    if job.lora.loraplus_lr_ratio is not None:
+        # GRPOTrainer (TRL 1.16) takes no `optimizer_cls_and_kwargs` argument; the Trainer reads the attribute when it
+        # builds the optimizer (`Trainer.create_optimizer`), for SFT and GRPO alike.
+        trainer.optimizer_cls_and_kwargs = loraplus_optimizer(trainer.args, job)
+    initial_adapter = None
+    if job.lora.rewrites_base:
+        # PiSSA and OLoRA move the adapter's initial value out of the base weights. The adapter as initialised (saved
+        # before any checkpoint is loaded into it) lets PEFT convert the trained one into a plain LoRA of the
+        # unchanged base (`save_pretrained(path_initial_model_for_weight_conversion=...)`).
+        initial_adapter = work_dir / "initial-adapter"
+        trainer.model.peft_config["default"].init_lora_weights = True  # PEFT's recipe: it must not re-initialise
+        trainer.model.save_pretrained(initial_adapter)
+        trainer.model.peft_config["default"].init_lora_weights = job.lora.init
     started = time.monotonic()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     wall_seconds = time.monotonic() - started
@@ -205,7 +265,8 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
     # never resizes it, so the embeddings are saved exactly when LoRA targets them, as "auto" would.
     targets = job.lora.target_modules
     trainer.model.save_pretrained(
-        adapter_dir, save_embedding_layers=targets != "all-linear" and any(n in EMBEDDING_LAYER_NAMES for n in targets)
+        adapter_dir, save_embedding_layers=targets != "all-linear" and any(n in EMBEDDING_LAYER_NAMES for n in targets),
+        path_initial_model_for_weight_conversion=str(initial_adapter) if initial_adapter else None,
     )
     tokenizer.save_pretrained(adapter_dir)
     return adapter_dir, wall_seconds
@@ -222,6 +283,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
     metrics = TrainMetrics(
         steps=trainer.state.global_step,
         losses=monitor.losses,
+        learning_rates=monitor.learning_rates,
         rewards=rewards or [],
         **evaluations,
         first_loss=monitor.losses[0][1] if monitor.losses else None,
