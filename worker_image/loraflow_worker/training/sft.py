@@ -17,13 +17,12 @@ from trl import SFTConfig, SFTTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress
+from loraflow_worker.training.data import evaluation_split, load_job_dataset
 from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training.run import (
     TrainOutcome,
-    evaluation_split,
     job_workload,
-    load_job_dataset,
     load_model,
     lora_config,
     package_outcome,
@@ -42,7 +41,8 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     that passes during training stops it with the adapter trained so far (`TrainOutcome.deadline_checkpoint`)."""
     cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
-    dataset, eval_dataset = evaluation_split(load_job_dataset(job.dataset, store, work_dir), job, store, work_dir)
+    loaded = load_job_dataset(job.dataset, store, work_dir, job.training.seed)
+    dataset, eval_dataset = evaluation_split(loaded.rows, job, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
     plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
@@ -62,7 +62,8 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     fast_paths = engage_fast_paths(plan, trainer.model)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
-                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset)
+                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset,
+                           sources=loaded.sources)
 
 
 def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> SFTConfig:
