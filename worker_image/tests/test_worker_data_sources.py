@@ -1,0 +1,152 @@
+"""Data as people have it, on the worker: Alpaca and ShareGPT files train (converted to TRL's conversational formats
+by `contract.dataset_formats`), `columns` renames a dataset's own columns, a mix of sources is drawn by its fractions
+with the job's seed and recorded, and a Hub dataset's config and revision reach `load_dataset`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loraflow_worker.artifacts import FileStore, open_store
+from loraflow_worker.contract import DatasetSource, JobInput
+from loraflow_worker.contract.dataset_formats import to_trl_row
+from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
+from loraflow_worker.training import data
+from loraflow_worker.training.data import load_job_dataset
+from loraflow_worker.training.sft import train_sft
+
+CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]
+SPEAKERS = {"user": "human", "assistant": "gpt", "system": "system"}
+ALPACA = [{"instruction": chat[-2]["content"], "input": "", "output": chat[-1]["content"]} for chat in CHATS]
+SHAREGPT = [{"conversations": [{"from": SPEAKERS[m["role"]], "value": m["content"]} for m in chat]} for chat in CHATS]
+
+
+def store_lines(store_root: Path, store_path: str, rows: list[dict]) -> str:
+    (store_root / store_path).parent.mkdir(parents=True, exist_ok=True)
+    (store_root / store_path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return store_path
+
+
+def sft_job(tmp_path: Path, model_dir: Path, dataset: dict) -> JobInput:
+    return JobInput.model_validate({
+        "run_id": "data", "model": {"id": str(model_dir)}, "artifact_store": (tmp_path / "store").as_uri(),
+        "dataset": dataset,
+        "training": {"max_steps": 30, "learning_rate": 1e-2, "batch_size": 8, "checkpoint_every_minutes": None},
+    })
+
+
+@pytest.mark.parametrize("data_format, rows", [("alpaca", ALPACA), ("sharegpt", SHAREGPT)])
+def test_an_alpaca_or_sharegpt_file_trains_to_a_falling_loss(tiny_model_dir, tmp_path, data_format, rows):
+    path = store_lines(tmp_path / "store", "runs/data/dataset/train.jsonl", rows)
+    job = sft_job(tmp_path, tiny_model_dir, {"store_path": path, "format": data_format})
+
+    outcome = train_sft(job, open_store(job.artifact_store), tmp_path / "work", lambda progress: None)
+
+    assert outcome.metrics.steps == 30
+    assert outcome.metrics.final_loss < 0.5 * outcome.metrics.first_loss, outcome.metrics.losses
+    [source] = outcome.manifest.dataset_sources
+    assert (source.format, source.rows, source.fraction) == (data_format, len(rows), None)
+
+
+def test_an_alpaca_row_becomes_a_prompt_of_the_system_and_the_instruction_with_its_input_and_a_completion():
+    row = {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour", "system": "Be terse.",
+           "source": "kept"}
+    assert to_trl_row(row, "alpaca", {}) == {
+        "prompt": [{"role": "system", "content": "Be terse."},
+                   {"role": "user", "content": "Translate to French.\n\nGood morning"}],
+        "completion": [{"role": "assistant", "content": "Bonjour"}],
+        "source": "kept",
+    }
+
+
+def test_a_sharegpt_row_becomes_messages_with_chat_roles():
+    row = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
+                             {"from": "gpt", "value": "A"}]}
+    assert to_trl_row(row, "sharegpt", {}) == {"messages": [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
+
+
+def test_columns_map_a_datasets_own_names_to_the_formats(tmp_path):
+    store_root = tmp_path / "store"
+    store_lines(store_root, "chat.jsonl", [{"conversation": chat} for chat in CHATS])
+    store_lines(store_root, "qa.jsonl", [{"question": r["instruction"], "answer": r["output"]} for r in ALPACA])
+    store_lines(store_root, "dialog.jsonl", [{"dialog": [{"speaker": t["from"], "text": t["value"]}
+                                                         for t in r["conversations"]]} for r in SHAREGPT])
+    sources = {
+        "chat.jsonl": {"columns": {"messages": "conversation"}},
+        "qa.jsonl": {"format": "alpaca", "columns": {"instruction": "question", "output": "answer"}},
+        "dialog.jsonl": {"format": "sharegpt", "columns": {"conversations": "dialog", "from": "speaker", "value": "text"}},
+    }
+    loaded = {path: load_job_dataset(DatasetSource(store_path=path, **fields), FileStore(store_root),
+                                     tmp_path / "work", seed=42).rows for path, fields in sources.items()}
+
+    assert loaded["chat.jsonl"].column_names == ["messages"] and loaded["chat.jsonl"][0]["messages"] == CHATS[0]
+    assert sorted(loaded["qa.jsonl"].column_names) == ["completion", "prompt"]
+    assert loaded["qa.jsonl"][0]["completion"] == [{"role": "assistant", "content": ALPACA[0]["output"]}]
+    assert loaded["dialog.jsonl"].column_names == ["messages"] and loaded["dialog.jsonl"][0]["messages"] == CHATS[0]
+
+
+def test_a_row_the_format_cannot_take_is_refused_naming_the_source_the_row_and_the_field(tmp_path):
+    rows = SHAREGPT[:3] + [{"conversations": [{"from": "human", "value": "Q"}, {"from": "bot", "value": "A"}]}]
+    path = store_lines(tmp_path / "store", "runs/r/dataset/train.jsonl", rows)
+    with pytest.raises(ValueError, match=r"^dataset \(file runs/r/dataset/train.jsonl\), row 4: "
+                                         r"`conversations\[1\].from`: 'bot' is not a speaker"):
+        load_job_dataset(DatasetSource(store_path=path, format="sharegpt"), FileStore(tmp_path / "store"),
+                         tmp_path / "work", seed=42)
+
+
+def mix_of_two(tmp_path: Path, seed: int):
+    store_root = tmp_path / "store"
+    alpaca = store_lines(store_root, "runs/m/dataset/mix-0.jsonl", ALPACA * 10)
+    sharegpt = store_lines(store_root, "runs/m/dataset/mix-1.jsonl", SHAREGPT * 10)
+    source = DatasetSource(mix=[{"store_path": alpaca, "format": "alpaca", "fraction": 0.25},
+                                {"store_path": sharegpt, "format": "sharegpt", "fraction": 0.75}])
+    return load_job_dataset(source, FileStore(store_root), tmp_path / f"work-{seed}", seed=seed)
+
+
+def test_a_mix_draws_its_sources_by_their_fractions_and_records_what_each_gave(tmp_path):
+    mixed = mix_of_two(tmp_path, seed=42)
+
+    alpaca, sharegpt = mixed.sources
+    assert (alpaca.source, alpaca.format, alpaca.fraction) == ("dataset.mix[0] (file runs/m/dataset/mix-0.jsonl)",
+                                                               "alpaca", 0.25)
+    # The mix stops when the first source runs out: the ShareGPT one, at three draws in four.
+    assert sharegpt.rows == len(SHAREGPT) * 10 and alpaca.rows < len(ALPACA) * 10
+    assert alpaca.rows + sharegpt.rows == len(mixed.rows)
+    assert 0.2 < alpaca.rows / len(mixed.rows) < 0.3
+    # Alpaca's prompt-completion pairs join ShareGPT's chats as `messages`.
+    assert mixed.rows.column_names == ["messages"]
+
+
+def test_a_mix_with_the_same_seed_gives_the_same_rows_and_another_seed_other_rows(tmp_path):
+    first, again, other = (mix_of_two(tmp_path, seed) for seed in (42, 42, 7))
+    assert first.rows["messages"] == again.rows["messages"] and first.sources == again.sources
+    assert first.rows["messages"] != other.rows["messages"]
+
+
+def test_a_hub_datasets_config_split_and_revision_reach_load_dataset(tmp_path, monkeypatch):
+    # A dataset folder laid out as a Hub dataset repo: two configs declared in its README's YAML.
+    folder = tmp_path / "hub-dataset"
+    store_lines(folder, "easy/train.jsonl", ALPACA[:4])
+    store_lines(folder, "hard/train.jsonl", ALPACA[4:10])
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: easy\n  data_files:\n  - split: train\n"
+                                      "    path: easy/train.jsonl\n- config_name: hard\n  data_files:\n"
+                                      "  - split: train\n    path: hard/train.jsonl\n---\n")
+    calls = []
+    real_load_dataset = data.load_dataset
+
+    def load_dataset(path, name=None, **kwargs):
+        calls.append((path, name, kwargs))
+        # A local folder has no revisions: the real loader is asked without it.
+        return real_load_dataset(path, name, **{k: v for k, v in kwargs.items() if k != "revision"})
+
+    monkeypatch.setattr(data, "load_dataset", load_dataset)
+    source = DatasetSource(hub_id=str(folder), config="hard", revision="v1", split="train", format="alpaca")
+
+    loaded = load_job_dataset(source, FileStore(tmp_path / "store"), tmp_path / "work", seed=42)
+
+    assert calls == [(str(folder), "hard", {"split": "train", "revision": "v1"})]
+    assert len(loaded.rows) == 6 and loaded.rows[0]["completion"][0]["content"] == ALPACA[4]["output"]
+    assert loaded.sources[0].source == f"dataset (hub {folder}, config hard, revision v1, split train)"
