@@ -22,6 +22,7 @@ from loraflow_worker.contract import (
     EvaluationSettings,
     MixSource,
     RowFormat,
+    SourceFields,
     FastPathSettings,
     GrpoSettings,
     JobInput,
@@ -49,6 +50,7 @@ from pydantic import (
 from tasks.placement.plan import job_limits_s, max_deadline_minutes
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.models import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S
+from tasks.storage.hub_datasets import FIRST_ROWS
 
 BLOCK_NAME_PATTERN = r"^[a-z0-9-]+$"
 """Prefect's rule for a block's name: lowercase letters, digits and dashes (`prefect/types/names.py`)."""
@@ -76,8 +78,9 @@ class _SourceSpec(_Section):
         default=None, max_length=512, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$",
         description="Hugging Face Hub dataset id, e.g. `trl-lib/Capybara`. Leave empty to use `local_file`. Checked "
         "before anything is rented: the dataset, its `revision`, `config` and `split` exist (configs and splits as "
-        "its README's `configs:` declares them, or as `datasets` finds them by file name), and the first 20 rows "
-        "convert and have the format the algorithm trains on when the split's first file is JSON Lines (other files, "
+        "its README's `configs:` declares them, or as `datasets` finds them by file name), and the first "
+        f"{FIRST_ROWS} rows convert and have the format the algorithm trains on when the split's first file is JSON "
+        "Lines (other files, "
         "e.g. Parquet, are read by the worker only); the run trains on the commit the revision names then.",
     )
     config: str | None = Field(
@@ -105,6 +108,15 @@ class _SourceSpec(_Section):
         if problem:
             raise ValueError(problem)
         return self
+
+    def row_format(self) -> RowFormat:
+        """How this source's rows are laid out, as the job says it."""
+        return RowFormat(format=self.format, columns=self.columns)
+
+    def hub_source(self) -> SourceFields:
+        """This Hub source as the job names it (a local file is named by its copy in the store instead)."""
+        return SourceFields(hub_id=self.hub_id, config=self.config, revision=self.revision, split=self.split,
+                            format=self.format, columns=self.columns)
 
     def _one_source_problem(self) -> str | None:
         if (self.hub_id is None) == (self.local_file is None):
@@ -164,7 +176,9 @@ class DatasetSpec(_SourceSpec):
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
         if self.mix:
-            beside = sorted(self.model_fields_set - {"mix"})
+            # By value, not by what was set: Prefect hands the flow its spec as JSON with every field written out.
+            beside = [name for name, field in _SourceSpec.model_fields.items()
+                      if getattr(self, name) != field.get_default(call_default_factory=True)]
             if beside:
                 raise ValueError(f"{', '.join(f'`dataset.{f}`' for f in beside)} beside `dataset.mix`: each mix entry "
                                  "is a source of its own; move them into the `[[dataset.mix]]` entries")
@@ -217,7 +231,7 @@ class EvaluationSpec(_Section):
         if (self.fraction is None) == (self.local_file is None):
             raise ValueError("set exactly one of `fraction` (a held-out share of the dataset, e.g. 0.1) or "
                              "`local_file` (a JSONL file of evaluation examples)")
-        if self.local_file is None and self.model_fields_set & {"format", "columns"}:
+        if self.local_file is None and (self.format != "auto" or self.columns):
             raise ValueError("`evaluation.format` and `evaluation.columns` describe `evaluation.local_file`: the "
                              "held-out `fraction` is in the dataset's format already; remove them")
         problem = columns_problem(self.format, self.columns)

@@ -2,8 +2,8 @@
 
 1. `check` — everything a run needs checked and decided before anything is rented, the checks that do not
    depend on each other at once: the secrets and tokens, the image's contract, the GPUs whose hosts run its
-   CUDA and the budget, the local inputs, the model pinned; then the inputs published, the GPUs the memory
-   plan fits, the quota's limit and the workers' env.
+   CUDA and the budget, the local inputs, the model and the Hub datasets pinned; then the inputs published, the
+   GPUs the memory plan fits, the quota's limit and the workers' env.
 2. `place` — one attempt's GPU, warm volume and endpoint request.
 3. `rent_train_and_tear_down` — the attempt's endpoint under one quota slot: created, its job submitted and
    watched, deleted whatever happened (`tasks/lifecycle/attempt.py`).
@@ -21,7 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
+from loraflow_worker.contract import (
+    DatasetSource,
+    EvaluationSettings,
+    JobInput,
+    MemorySettings,
+    ModelSource,
+)
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
 from prefect import get_run_logger, task
@@ -59,7 +65,14 @@ from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.volumes import volume_name
 from tasks.settings import Settings, make_client
-from tasks.storage.artifacts import RunResults, check_dataset_jsonl, eval_store_path, publish_run_inputs_task
+from tasks.storage.artifacts import (
+    RunResults,
+    check_dataset_jsonl,
+    eval_store_path,
+    mix_store_path,
+    publish_run_inputs_task,
+)
+from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.publish import PublishedModel, check_publish_token, publish_run_adapter
 from tasks.storage.rewards import check_reward_files
 from tasks.storage.volume_inventory import volume_monthly_cost
@@ -112,6 +125,10 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     prices = read_gpu_prices.submit(gpus, floors)
     model = resolve_model_task.submit(spec.model, disk_gb=spec.compute.disk_gb, hub_token_secret=spec.hub_token_secret)
     running = [secrets, prices, model]
+    hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
+    if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
+        hub_datasets = check_hub_datasets_task.submit(hub_sources, spec.algorithm, hub_token_secret=spec.hub_token_secret)
+        running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
         _check_local_inputs(spec)
@@ -125,16 +142,19 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
         secrets.result()
         model_source = model.result()
-        # The dataset file, the evaluation file and the reward files, in one commit, while the model's shape is read.
+        pinned = hub_datasets.result() if hub_sources else {}
+        # The dataset files, the evaluation file and the reward files, in one commit, while the model's shape is read.
         eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
         rewards = spec.grpo.rewards if spec.grpo is not None else []
+        mix_files = {i: entry.local_file for i, entry in enumerate(spec.dataset.mix) if entry.local_file is not None}
         inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, spec.dataset.local_file, rewards,
                                                 str(Path.cwd()), eval_file=eval_file,
-                                                hub_token_secret=spec.hub_token_secret)
+                                                hub_token_secret=spec.hub_token_secret, mix_files=mix_files or None)
         shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
         running += [inputs, shape_read]
         dataset_path, rewards = inputs.result()  # the rewards come back pointing at their copies
-        job_input = _job_input(spec, run_id, deadline, model_source, dataset_path, rewards)
+        job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
+                               rewards)
         shape = shape_read.result()
         if shape is not None:  # the worker's own memory planner, on each GPU: those the run cannot fit are not rented
             gpus, too_small = gpus_that_fit(gpus, functools.partial(plan_job, job_input, shape),
@@ -165,27 +185,47 @@ def check_secrets(spec: RunSpec) -> None:
 
 
 def _check_local_inputs(spec: RunSpec) -> None:
-    """The dataset and evaluation files (when local) and the reward files."""
+    """The dataset files and the evaluation file (those that are local: every line converted from its format and
+    checked) and the reward files."""
     logger = get_run_logger()
     examples = eval_examples = None
-    if spec.dataset.local_file is not None:
-        examples = check_dataset_jsonl(Path(spec.dataset.local_file), spec.algorithm)
-        logger.info("Dataset %s: %d examples", spec.dataset.local_file, examples)
+    for field, source in spec.dataset.sources():
+        if source.local_file is not None:
+            examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{field}.local_file",
+                                           source.format, source.columns)
+            logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, field)
+    if spec.dataset.mix:
+        examples = None  # how many a mix draws is known once it is drawn
     eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
     if eval_file is not None:
-        eval_examples = check_dataset_jsonl(Path(eval_file), spec.algorithm, "evaluation.local_file")
+        eval_examples = check_dataset_jsonl(Path(eval_file), spec.algorithm, "evaluation.local_file",
+                                            spec.evaluation.format, spec.evaluation.columns)
     if spec.evaluation is not None:
         _log_evaluation_cost(spec, examples, eval_examples)
     # Relative reward files start where a relative local_file does.
     check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], Path.cwd())
 
 
-def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset_path: str | None,
+def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
+                pinned: dict[str, HubDataset]) -> DatasetSource:
+    """The job's `dataset`: each local file replaced by its copy in the store (`dataset_path`, or the mix entry's
+    `mix_store_path`), each Hub dataset pinned to the commit its check found (`pinned`, by spec field)."""
+
+    def source(field: str, entry, store_path: str | None) -> dict:
+        fields = {"split": entry.split, "format": entry.format, "columns": entry.columns}
+        if entry.hub_id is None:
+            return {**fields, "store_path": store_path}
+        revision = pinned[field].sha if field in pinned else entry.revision
+        return {**fields, "hub_id": entry.hub_id, "config": entry.config, "revision": revision}
+
+    if spec.dataset.mix:
+        return DatasetSource(mix=[{**source(f"dataset.mix[{i}]", entry, mix_store_path(run_id, i)),
+                                   "fraction": entry.fraction} for i, entry in enumerate(spec.dataset.mix)])
+    return DatasetSource(**source("dataset", spec.dataset, dataset_path))
+
+
+def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
                rewards: list) -> JobInput:
-    if dataset_path is not None:
-        dataset = DatasetSource(store_path=dataset_path)
-    else:
-        dataset = DatasetSource(hub_id=spec.dataset.hub_id, split=spec.dataset.split)
     grpo = spec.grpo.model_copy(update={"rewards": rewards}) if spec.grpo is not None else None
     # QLoRA GRPO generates with the training model: TRL's merge of an adapter into a 4-bit base for vLLM misbehaves.
     qlora_grpo = spec.algorithm == "grpo" and spec.lora.quantization == "4bit"
@@ -201,10 +241,12 @@ def _job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
     """The job's `evaluation`: the spec's, its local file replaced by the copy `publish_run_inputs_task` stores."""
     if spec.evaluation is None:
         return None
-    return EvaluationSettings(
-        fraction=spec.evaluation.fraction, every_steps=spec.evaluation.every_steps,
-        max_samples=spec.evaluation.max_samples,
-        store_path=eval_store_path(run_id) if spec.evaluation.local_file is not None else None)
+    if spec.evaluation.local_file is None:
+        return EvaluationSettings(fraction=spec.evaluation.fraction, every_steps=spec.evaluation.every_steps,
+                                  max_samples=spec.evaluation.max_samples)
+    return EvaluationSettings(store_path=eval_store_path(run_id), format=spec.evaluation.format,
+                              columns=spec.evaluation.columns, every_steps=spec.evaluation.every_steps,
+                              max_samples=spec.evaluation.max_samples)
 
 
 def _log_evaluation_cost(spec: RunSpec, examples: int | None, eval_examples: int | None) -> None:

@@ -139,7 +139,9 @@ class DatasetSource(SourceFields):
     @model_validator(mode="after")
     def _exactly_one_source(self) -> DatasetSource:
         if self.mix:
-            beside = sorted(self.model_fields_set - {"mix"})
+            # By value, not by what was set: the job arrives as JSON with every field written out.
+            beside = [name for name, field in SourceFields.model_fields.items()
+                      if getattr(self, name) != field.get_default(call_default_factory=True)]
             if beside:
                 raise ValueError(f"{', '.join(f'`{f}`' for f in beside)} beside `mix`: each mix entry is a source of "
                                  "its own; move them into the entries")

@@ -125,7 +125,7 @@ class EvaluationSettings(RowFormat):
         if (self.fraction is None) == (self.store_path is None):
             raise ValueError("give exactly one of `fraction` (a held-out share of the dataset) or `store_path` "
                              "(an evaluation file in the store)")
-        if self.store_path is None and self.model_fields_set & {"format", "columns"}:
+        if self.store_path is None and (self.format != "auto" or self.columns):
             raise ValueError("`format` and `columns` describe an evaluation file (`store_path`): the held-out "
                              "`fraction` of the dataset is in the dataset's format already; remove them")
         return self
