@@ -14,7 +14,7 @@ from loraflow_worker.contract import DatasetSource, JobInput
 from loraflow_worker.contract.dataset_formats import to_trl_row
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training import data
-from loraflow_worker.training.data import load_job_dataset
+from loraflow_worker.training.data import evaluation_split, load_job_dataset
 from loraflow_worker.training.sft import train_sft
 
 CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]
@@ -150,3 +150,18 @@ def test_a_hub_datasets_config_split_and_revision_reach_load_dataset(tmp_path, m
     assert calls == [(str(folder), "hard", {"split": "train", "revision": "v1"})]
     assert len(loaded.rows) == 6 and loaded.rows[0]["completion"][0]["content"] == ALPACA[4]["output"]
     assert loaded.sources[0].source == f"dataset (hub {folder}, config hard, revision v1, split train)"
+
+
+def test_an_evaluation_file_is_converted_from_its_own_format(tmp_path):
+    store_root = tmp_path / "store"
+    train = store_lines(store_root, "runs/e/dataset/train.jsonl", [{"messages": chat} for chat in CHATS])
+    held_out = store_lines(store_root, "runs/e/dataset/eval.jsonl", SHAREGPT[:3])
+    job = JobInput.model_validate({
+        "run_id": "e", "model": {"id": "unused"}, "artifact_store": store_root.as_uri(),
+        "dataset": {"store_path": train},
+        "evaluation": {"store_path": held_out, "format": "sharegpt", "every_steps": 5},
+    })
+    store = FileStore(store_root)
+    rows, evaluation = evaluation_split(load_job_dataset(job.dataset, store, tmp_path / "work", seed=42).rows, job,
+                                        store, tmp_path / "work")
+    assert len(rows) == len(CHATS) and evaluation["messages"] == CHATS[:3]
