@@ -21,13 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraflow_worker.contract import (
-    DatasetSource,
-    EvaluationSettings,
-    JobInput,
-    MemorySettings,
-    ModelSource,
-)
+from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
 from prefect import get_run_logger, task
@@ -35,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.states import Cancelled
 
-from flows.spec import RunSpec
+from flows.spec import DatasetSpec, MixEntrySpec, RunSpec
 from tasks.lifecycle.attempt import existing_volume_ids, run_attempt
 from tasks.lifecycle.attempts import decide_next_attempt
 from tasks.lifecycle.pending_billing import mark_billing_pending
@@ -127,7 +121,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     running = [secrets, prices, model]
     hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
     if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
-        hub_datasets = check_hub_datasets_task.submit(hub_sources, spec.algorithm, hub_token_secret=spec.hub_token_secret)
+        hub_datasets = check_hub_datasets_task.submit(hub_sources, spec.algorithm,
+                                                      hub_token_secret=spec.hub_token_secret)
         running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
@@ -211,7 +206,7 @@ def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
     """The job's `dataset`: each local file replaced by its copy in the store (`dataset_path`, or the mix entry's
     `mix_store_path`), each Hub dataset pinned to the commit its check found (`pinned`, by spec field)."""
 
-    def source(field: str, entry, store_path: str | None) -> dict:
+    def source(field: str, entry: DatasetSpec | MixEntrySpec, store_path: str | None) -> dict:
         fields = {"split": entry.split, "format": entry.format, "columns": entry.columns}
         if entry.hub_id is None:
             return {**fields, "store_path": store_path}

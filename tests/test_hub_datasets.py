@@ -116,7 +116,8 @@ def test_columns_the_rows_do_not_have_are_refused_naming_the_datasets_own_name(r
 
 
 def test_a_revision_that_does_not_exist_is_refused_naming_the_field(repos, settings):
-    with pytest.raises(ValueError, match=r"^dataset.mix\[2\].revision 'v9' is not a branch, tag or commit of org/plain$"):
+    with pytest.raises(ValueError,
+                       match=r"^dataset.mix\[2\].revision 'v9' is not a branch, tag or commit of org/plain$"):
         check_hub_dataset(hub_source("org/plain", revision="v9"), "dataset.mix[2]", "sft", settings)
 
 

@@ -48,7 +48,8 @@ class HubDataset(BaseModel):
     def describe(self, hub_id: str) -> str:
         rows = (f"its first {self.rows_checked} rows of {self.checked_file} convert and check" if self.rows_checked
                 else "its rows are checked by the worker (the split's files are not JSON Lines)")
-        return f"{self.field}: {hub_id} at commit {self.sha[:12]}{f', config {self.config}' if self.config else ''}; {rows}"
+        config = f", config {self.config}" if self.config else ""
+        return f"{self.field}: {hub_id} at commit {self.sha[:12]}{config}; {rows}"
 
 
 def check_hub_dataset(source: SourceFields, field: str, algorithm: str, settings: Settings,

@@ -160,8 +160,8 @@ def read_card_facts(store: Any, run_id: str, run_name: str, hub_model_id: str) -
         base_model_revision=manifest.get("base_model_revision") or model.get("revision"),
         algorithm=str(job.get("algorithm") or "sft"),
         dataset_hub_id=dataset.get("hub_id") or None,
-        dataset_mix=[(entry.get("hub_id") or None, float(entry.get("fraction") or 0)) for entry in dataset.get("mix") or []
-                     if isinstance(entry, dict)],
+        dataset_mix=[(entry.get("hub_id") or None, float(entry.get("fraction") or 0))
+                     for entry in dataset.get("mix") or [] if isinstance(entry, dict)],
         lora=_dict(job.get("lora")), training=_dict(job.get("training")),
         grpo=_dict(job.get("grpo")) or None,
         metrics=_read_json(store, f"{prefix}/metrics.json"),

@@ -77,7 +77,8 @@ def test_columns_map_a_datasets_own_names_to_the_formats(tmp_path):
     sources = {
         "chat.jsonl": {"columns": {"messages": "conversation"}},
         "qa.jsonl": {"format": "alpaca", "columns": {"instruction": "question", "output": "answer"}},
-        "dialog.jsonl": {"format": "sharegpt", "columns": {"conversations": "dialog", "from": "speaker", "value": "text"}},
+        "dialog.jsonl": {"format": "sharegpt",
+                         "columns": {"conversations": "dialog", "from": "speaker", "value": "text"}},
     }
     loaded = {path: load_job_dataset(DatasetSource(store_path=path, **fields), FileStore(store_root),
                                      tmp_path / "work", seed=42).rows for path, fields in sources.items()}

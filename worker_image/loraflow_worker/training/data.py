@@ -112,7 +112,7 @@ def _same_columns(parts: list[Dataset], names: list[str]) -> list[Dataset]:
     elif len(set(formats)) > 1:
         raise ValueError("the sources of a mix must be in formats that mix (`messages` and prompt-completion do; "
                          "prompt-only does only with prompt-only): " +
-                         "; ".join(f"{name} is {f or 'empty'}" for name, f in zip(names, formats)))
+                         "; ".join(f"{name} is {f or 'in none of them'}" for name, f in zip(names, formats)))
     shared = [c for c in parts[0].column_names if all(c in part.column_names for part in parts)]
     parts = [part.select_columns(shared) for part in parts]
     # Struct fields can come in another order from another file; the first source's layout is the mix's.
