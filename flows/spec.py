@@ -157,8 +157,9 @@ class DatasetSpec(_SourceSpec):
         "same seed gives the same mixture) from entry i with probability `fraction` i, until one entry has no "
         "examples left (`datasets.interleave_datasets` with `first_exhausted`, LLaMA-Factory's `interleave_under`): "
         "no example repeats, and the mixture is as large as the first source to run out allows. Sources in `messages` "
-        "and prompt-completion shapes mix as `messages` (Alpaca rows with ShareGPT ones, say); only the columns every "
-        "source has are kept. The manifest records how many examples each entry gave.",
+        "and prompt-completion shapes mix as `messages` (Alpaca rows with ShareGPT ones, say), prompt-only ones only "
+        "with each other (refused before renting where the rows were read); only the columns every source has are "
+        "kept. The manifest records how many examples each entry gave.",
     )
 
     @field_validator("mix")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
+from loraflow_worker.contract.dataset_formats import mixed_format
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
 from prefect import get_run_logger, task
@@ -63,6 +64,7 @@ from tasks.storage.artifacts import (
     RunResults,
     check_dataset_jsonl,
     eval_store_path,
+    first_row_format,
     mix_store_path,
     publish_run_inputs_task,
 )
@@ -126,7 +128,7 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
-        _check_local_inputs(spec)
+        local_formats = _check_local_inputs(spec)
         offers = {offer.gpu: offer for offer in prices.result()}
         gpus, excluded = placeable_gpus(gpus, offers, floors,
                                         alternatives=lambda: catalog_fits(settings.loraflow_image_min_cuda))
@@ -138,6 +140,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         secrets.result()
         model_source = model.result()
         pinned = hub_datasets.result() if hub_sources else {}
+        if spec.dataset.mix:  # the sources whose rows were read must mix; the worker judges the others as it mixes
+            mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
         # The dataset files, the evaluation file and the reward files, in one commit, while the model's shape is read.
         eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
         rewards = spec.grpo.rewards if spec.grpo is not None else []
@@ -179,15 +183,17 @@ def check_secrets(spec: RunSpec) -> None:
     read_run_secrets(spec.worker.secrets)
 
 
-def _check_local_inputs(spec: RunSpec) -> None:
+def _check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
     """The dataset files and the evaluation file (those that are local: every line converted from its format and
-    checked) and the reward files."""
+    checked) and the reward files. Returns the TRL format of each local dataset file, by its spec field."""
     logger = get_run_logger()
     examples = eval_examples = None
+    formats = {}
     for field, source in spec.dataset.sources():
         if source.local_file is not None:
             examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{field}.local_file",
                                            source.format, source.columns)
+            formats[field] = first_row_format(Path(source.local_file), source.format, source.columns)
             logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, field)
     if spec.dataset.mix:
         examples = None  # how many a mix draws is known once it is drawn
@@ -199,6 +205,7 @@ def _check_local_inputs(spec: RunSpec) -> None:
         _log_evaluation_cost(spec, examples, eval_examples)
     # Relative reward files start where a relative local_file does.
     check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], Path.cwd())
+    return formats
 
 
 def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 from loraflow_worker.contract import JobInput
+from loraflow_worker.contract.dataset_formats import mixed_format
 from pydantic import ValidationError
 
 from flows.spec import RunSpec, SpecError, load_run_file
 from flows.train_phases import _job_input, job_dataset
-from tasks.storage.artifacts import check_dataset_jsonl, mix_store_path, publish_run_inputs
+from tasks.storage.artifacts import check_dataset_jsonl, first_row_format, mix_store_path, publish_run_inputs
 from tasks.storage.hub_datasets import HubDataset
 
 ALPACA = {"instruction": "Add 2 and 2.", "input": "", "output": "4"}
@@ -168,3 +169,19 @@ def test_a_mix_spec_survives_the_json_prefect_hands_the_flow():
     run = spec({"mix": [{"local_file": "a.jsonl", "format": "alpaca", "fraction": 0.5},
                         {"hub_id": "org/chats", "fraction": 0.5}]}, evaluation={"fraction": 0.1})
     assert RunSpec.model_validate(run.model_dump(mode="json")) == run
+
+
+def test_alpaca_and_sharegpt_files_mix_as_messages(tmp_path):
+    formats = {"dataset.mix[0]": first_row_format(jsonl(tmp_path / "a.jsonl", ALPACA), "alpaca", {}),
+               "dataset.mix[1]": first_row_format(jsonl(tmp_path / "s.jsonl", SHAREGPT), "sharegpt", {})}
+    assert formats == {"dataset.mix[0]": "prompt-completion", "dataset.mix[1]": "messages"}
+    assert mixed_format(formats) == "messages"
+
+
+def test_sources_whose_formats_do_not_mix_are_refused_naming_each(tmp_path):
+    prompts = jsonl(tmp_path / "p.jsonl", {"prompt": [{"role": "user", "content": "2 + 2?"}], "answer": "4"})
+    formats = {"dataset.mix[0]": first_row_format(prompts, "auto", {}),
+               "dataset.mix[1]": first_row_format(jsonl(tmp_path / "s.jsonl", SHAREGPT), "sharegpt", {})}
+    with pytest.raises(ValueError, match=r"the sources of a mix must be in formats that mix .*: dataset.mix\[0\] is "
+                                         r"prompt-only; dataset.mix\[1\] is messages$"):
+        mixed_format(formats)

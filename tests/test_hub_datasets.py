@@ -65,6 +65,7 @@ def test_a_declared_config_is_loaded_and_its_first_rows_are_converted_and_checke
     checked = check_hub_dataset(hub_source("org/configs", config="easy", format="alpaca"), "dataset", "sft",
                                 settings)
     assert (checked.config, checked.rows_checked, checked.checked_file) == ("easy", 20, "easy/train-0.jsonl")
+    assert checked.trl_format == "prompt-completion"
     assert len(checked.sha) == 40
 
 

@@ -52,6 +52,13 @@ def check_dataset_jsonl(path: Path, algorithm: str, field: str = "dataset.local_
     return count
 
 
+def first_row_format(path: Path, data_format: str, columns: Mapping[str, str]) -> str | None:
+    """The TRL format the first row of a JSONL file (checked with `check_dataset_jsonl`) converts to."""
+    with path.open(encoding="utf-8") as lines:
+        first = next((line for line in lines if line.strip()), None)
+    return trl_format(to_trl_row(json.loads(first), data_format, columns)) if first else None
+
+
 def check_rows(lines: Iterable[str], algorithm: str, where: str, data_format: str, columns: Mapping[str, str]) -> int:
     """Count the JSON lines of `lines` (blank ones skipped) after checking each the way `check_dataset_jsonl` says;
     `where` starts each error (the field and the file)."""

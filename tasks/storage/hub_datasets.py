@@ -6,6 +6,7 @@ the worker only: their rows are checked when it loads them."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import PurePosixPath
 
@@ -15,6 +16,7 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, Revi
 from huggingface_hub.repocard import REGEX_YAML_BLOCK
 from huggingface_hub.utils import build_hf_headers, get_session
 from loraflow_worker.contract import SourceFields
+from loraflow_worker.contract.dataset_formats import to_trl_row, trl_format
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
@@ -44,6 +46,7 @@ class HubDataset(BaseModel):
     config: str | None = Field(description="The config `load_dataset` will load (None: the dataset's only one).")
     rows_checked: int = Field(description="First rows converted and checked (0: none could be read before renting).")
     checked_file: str | None = Field(default=None, description="The file whose first rows were checked.")
+    trl_format: str | None = Field(default=None, description="The TRL format its rows convert to (None: not read).")
 
     def describe(self, hub_id: str) -> str:
         rows = (f"its first {self.rows_checked} rows of {self.checked_file} convert and check" if self.rows_checked
@@ -88,7 +91,8 @@ def check_hub_dataset(source: SourceFields, field: str, algorithm: str, settings
     count = check_rows(lines, algorithm, where, source.format, source.columns)
     if count == 0:
         raise ValueError(f"{where} has no rows")
-    return HubDataset(field=field, sha=info.sha, config=config, rows_checked=count, checked_file=jsonl[0])
+    return HubDataset(field=field, sha=info.sha, config=config, rows_checked=count, checked_file=jsonl[0],
+                      trl_format=trl_format(to_trl_row(json.loads(lines[0]), source.format, source.columns)))
 
 
 @task(name="check-hub-datasets", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],

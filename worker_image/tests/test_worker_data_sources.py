@@ -166,3 +166,13 @@ def test_an_evaluation_file_is_converted_from_its_own_format(tmp_path):
     rows, evaluation = evaluation_split(load_job_dataset(job.dataset, store, tmp_path / "work", seed=42).rows, job,
                                         store, tmp_path / "work")
     assert len(rows) == len(CHATS) and evaluation["messages"] == CHATS[:3]
+
+
+def test_a_mix_of_prompt_only_rows_and_chats_is_refused_naming_each_source(tmp_path):
+    store_root = tmp_path / "store"
+    prompts = store_lines(store_root, "p.jsonl", [{"prompt": chat[:-1], "answer": "x"} for chat in CHATS])
+    chats = store_lines(store_root, "c.jsonl", [{"messages": chat} for chat in CHATS])
+    source = DatasetSource(mix=[{"store_path": prompts, "fraction": 0.5}, {"store_path": chats, "fraction": 0.5}])
+    with pytest.raises(ValueError, match=r": dataset.mix\[0\] \(file p.jsonl\) is prompt-only; dataset.mix\[1\] "
+                                         r"\(file c.jsonl\) is messages$"):
+        load_job_dataset(source, FileStore(store_root), tmp_path / "work", seed=42)

@@ -110,6 +110,20 @@ def trl_format(row: Any) -> str | None:
     return None
 
 
+def mixed_format(formats: Mapping[str, str | None]) -> str | None:
+    """The TRL format a mix trains as, given each source's (by its name): their one format, or `messages` when chats
+    mix with prompt-completion pairs (a pair is a chat of its prompt and its completion). ValueError naming every
+    source for formats that do not mix."""
+    found = set(formats.values())
+    if found == {"messages", "prompt-completion"}:
+        return "messages"
+    if len(found) > 1:
+        raise ValueError("the sources of a mix must be in formats that mix (`messages` and prompt-completion do; "
+                         "prompt-only does only with prompt-only): " +
+                         "; ".join(f"{name} is {f or 'in none of them'}" for name, f in formats.items()))
+    return next(iter(found), None)
+
+
 def is_messages(value: Any) -> bool:
     """Whether `value` is a non-empty list of chat messages with text content."""
     return isinstance(value, list) and bool(value) and all(

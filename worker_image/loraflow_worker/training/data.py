@@ -13,7 +13,7 @@ from datasets import Dataset, interleave_datasets, load_dataset
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.artifacts.manifest import SourceRows
 from loraflow_worker.contract import DatasetSource, JobInput, RowFormat, SourceFields
-from loraflow_worker.contract.dataset_formats import RowError, to_trl_row, trl_format
+from loraflow_worker.contract.dataset_formats import RowError, mixed_format, to_trl_row, trl_format
 
 MIX_SOURCE_COLUMN = "__loraflow_mix_source"
 """A column that marks each mixed row's source while the mix is drawn, to count them; removed after."""
@@ -105,14 +105,10 @@ def _same_columns(parts: list[Dataset], names: list[str]) -> list[Dataset]:
     chats and others prompt-completion pairs (the pair as one chat: the same text, its completion the assistant
     turn); only the columns that every source has."""
     formats = [trl_format(part[0]) if len(part) else None for part in parts]
-    if set(formats) == {"messages", "prompt-completion"}:
+    if mixed_format(dict(zip(names, formats))) == "messages":
         parts = [part.map(lambda row: {"messages": row["prompt"] + row["completion"]},
                           remove_columns=["prompt", "completion"]) if f == "prompt-completion" else part
                  for part, f in zip(parts, formats)]
-    elif len(set(formats)) > 1:
-        raise ValueError("the sources of a mix must be in formats that mix (`messages` and prompt-completion do; "
-                         "prompt-only does only with prompt-only): " +
-                         "; ".join(f"{name} is {f or 'in none of them'}" for name, f in zip(names, formats)))
     shared = [c for c in parts[0].column_names if all(c in part.column_names for part in parts)]
     parts = [part.select_columns(shared) for part in parts]
     # Struct fields can come in another order from another file; the first source's layout is the mix's.
