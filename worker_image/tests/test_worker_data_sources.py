@@ -1,22 +1,28 @@
 """Data as people have it, on the worker: Alpaca and ShareGPT files train (converted to TRL's conversational formats
 by `contract.dataset_formats`), `columns` renames a dataset's own columns, a mix of sources is drawn by its fractions
-with the job's seed and recorded, and a Hub dataset's config and revision reach `load_dataset`."""
+with the job's seed and recorded, and a Hub dataset's config and revision choose what `load_dataset` loads (from the
+control plane's Hub stand-in)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from huggingface_hub import HfApi
 
 from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.contract import DatasetSource, JobInput
 from loraflow_worker.contract.dataset_formats import to_trl_row
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
-from loraflow_worker.training import data
 from loraflow_worker.training.data import evaluation_split, load_job_dataset
 from loraflow_worker.training.sft import train_sft
 
+from tests.hub_fixture import running_hub
+
+CONTROL_PLANE_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
 CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]
 SPEAKERS = {"user": "human", "assistant": "gpt", "system": "system"}
 ALPACA = [{"instruction": chat[-2]["content"], "input": "", "output": chat[-1]["content"]} for chat in CHATS]
@@ -127,30 +133,39 @@ def test_a_mix_with_the_same_seed_gives_the_same_rows_and_another_seed_other_row
     assert first.rows["messages"] != other.rows["messages"]
 
 
-def test_a_hub_datasets_config_split_and_revision_reach_load_dataset(tmp_path, monkeypatch):
-    # A dataset folder laid out as a Hub dataset repo: two configs declared in its README's YAML.
-    folder = tmp_path / "hub-dataset"
-    store_lines(folder, "easy/train.jsonl", ALPACA[:4])
-    store_lines(folder, "hard/train.jsonl", ALPACA[4:10])
-    (folder / "README.md").write_text("---\nconfigs:\n- config_name: easy\n  data_files:\n  - split: train\n"
-                                      "    path: easy/train.jsonl\n- config_name: hard\n  data_files:\n"
-                                      "  - split: train\n    path: hard/train.jsonl\n---\n")
-    calls = []
-    real_load_dataset = data.load_dataset
+def test_a_hub_datasets_config_and_revision_choose_what_load_dataset_loads(tmp_path):
+    # The Hub stand-in runs with the control plane's interpreter (the worker's has no FastAPI); huggingface_hub and
+    # datasets read HF_ENDPOINT when imported, so the loading runs in a process whose environment names the stand-in.
+    if not CONTROL_PLANE_PYTHON.exists():
+        pytest.fail(f"the Hub stand-in runs with {CONTROL_PLANE_PYTHON}, which is missing: run `make install`")
+    card = ("---\nconfigs:\n- config_name: easy\n  data_files: easy/*.jsonl\n- config_name: hard\n  data_files:\n"
+            "  - split: train\n    path: hard/train.jsonl\n---\n")
+    with running_hub(tmp_path / "hub", python=CONTROL_PLANE_PYTHON) as hub:
+        api = HfApi(endpoint=hub.url, token=hub.token)
+        api.create_repo("org/levels", repo_type="dataset")
+        for path, rows in {"easy/all.jsonl": ALPACA[:4], "hard/train.jsonl": ALPACA[4:10]}.items():
+            api.upload_file(path_or_fileobj="".join(json.dumps(r) + "\n" for r in rows).encode(), path_in_repo=path,
+                            repo_id="org/levels", repo_type="dataset")
+        first = api.upload_file(path_or_fileobj=card.encode(), path_in_repo="README.md", repo_id="org/levels",
+                                repo_type="dataset").oid
+        api.upload_file(path_or_fileobj=json.dumps(ALPACA[0]).encode() + b"\n", path_in_repo="hard/train.jsonl",
+                        repo_id="org/levels", repo_type="dataset")
+        source = DatasetSource(hub_id="org/levels", config="hard", revision=first, format="alpaca")
+        code = ("import json, sys\nfrom loraflow_worker.artifacts import FileStore\n"
+                "from loraflow_worker.contract import DatasetSource\n"
+                "from loraflow_worker.training.data import load_job_dataset\n"
+                "loaded = load_job_dataset(DatasetSource.model_validate_json(sys.argv[1]), FileStore(sys.argv[2]), "
+                "FileStore(sys.argv[2]).root, seed=42)\n"
+                "print(json.dumps([loaded.rows.to_list(), loaded.sources[0].source]))\n")
+        loading = subprocess.run([sys.executable, "-c", code, source.model_dump_json(), str(tmp_path / "work")],
+                                 env=hub.client_env(HF_HOME=str(tmp_path / "hf-home")), capture_output=True,
+                                 text=True, timeout=300)
 
-    def load_dataset(path, name=None, **kwargs):
-        calls.append((path, name, kwargs))
-        # A local folder has no revisions: the real loader is asked without it.
-        return real_load_dataset(path, name, **{k: v for k, v in kwargs.items() if k != "revision"})
-
-    monkeypatch.setattr(data, "load_dataset", load_dataset)
-    source = DatasetSource(hub_id=str(folder), config="hard", revision="v1", split="train", format="alpaca")
-
-    loaded = load_job_dataset(source, FileStore(tmp_path / "store"), tmp_path / "work", seed=42)
-
-    assert calls == [(str(folder), "hard", {"split": "train", "revision": "v1"})]
-    assert len(loaded.rows) == 6 and loaded.rows[0]["completion"][0]["content"] == ALPACA[4]["output"]
-    assert loaded.sources[0].source == f"dataset (hub {folder}, config hard, revision v1, split train)"
+    assert loading.returncode == 0, loading.stderr[-3000:]
+    rows, name = json.loads(loading.stdout.splitlines()[-1])
+    # The config `hard` at the first commit: its six rows, not the one row its file holds at the branch's head.
+    assert [row["completion"][0]["content"] for row in rows] == [r["output"] for r in ALPACA[4:10]]
+    assert name == f"dataset (hub org/levels, config hard, revision {first}, split train)"
 
 
 def test_an_evaluation_file_is_converted_from_its_own_format(tmp_path):
