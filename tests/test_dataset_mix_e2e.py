@@ -1,6 +1,7 @@
 """End to end on the local stack: a run whose data is a mix of an Alpaca file and a ShareGPT file (the shipped chats,
 rewritten in those formats) trains to a falling loss and records what each source gave; a bad row in a mix entry is
-refused before any endpoint exists, naming the entry, the line and the field."""
+refused before any endpoint exists, naming the entry, the line and the field; a Hub subset at a revision (on the
+stack's Hub stand-in) mixes with a local file, and the run trains on that commit even after the branch moved on."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from huggingface_hub import HfApi
 
 from tests.conftest import DATASET, localpod_account, prefect_api, run_train_flow
 
@@ -29,7 +32,9 @@ def write_files(tmp_path: Path, bad_speaker: bool = False) -> tuple[Path, Path]:
     return alpaca, sharegpt
 
 
-def write_run_file(tmp_path: Path, name: str, model: Path, alpaca: Path, sharegpt: Path) -> Path:
+def write_run_file(tmp_path: Path, name: str, model: Path, alpaca: Path, sharegpt: Path | None = None,
+                   hub_source: str = "") -> Path:
+    second = f'local_file = "{sharegpt}"' if sharegpt else hub_source
     path = tmp_path / "run.toml"
     path.write_text(f'''
 name = "{name}"
@@ -43,7 +48,7 @@ format = "alpaca"
 columns = {{instruction = "question", output = "answer"}}
 fraction = 0.4
 [[dataset.mix]]
-local_file = "{sharegpt}"
+{second}
 format = "sharegpt"
 fraction = 0.6
 [lora]
@@ -82,3 +87,30 @@ def test_a_bad_row_in_a_mix_entry_is_refused_before_any_endpoint_naming_the_entr
     message = prefect_api(local_stack, "GET", f"/flow_runs/{run.flow_run_id}").json()["state"]["message"]
     assert "dataset.mix[1].local_file" in message and "line 3: `conversations[1].from`: 'bot'" in message, message
     assert not [e for e in localpod_account(local_stack)["endpoints"] if e["name"].startswith("loraflow-e2e-badmix-")]
+
+
+def test_a_hub_subset_at_a_revision_mixes_with_a_local_file_and_the_run_is_pinned_to_that_commit(
+        local_stack, tiny_model, tmp_path):
+    alpaca, sharegpt = write_files(tmp_path)
+    api = HfApi(endpoint=local_stack.hub_url, token=local_stack.client_env["HF_TOKEN"])
+    api.create_repo("e2e-org/chats", repo_type="dataset", exist_ok=True)
+    card = ("---\nconfigs:\n- config_name: sharegpt\n  data_files: sg/*.jsonl\n- config_name: other\n"
+            "  data_files: o/*.jsonl\n---\n")
+    api.upload_file(path_or_fileobj=card.encode(), path_in_repo="README.md", repo_id="e2e-org/chats",
+                    repo_type="dataset")
+    good = api.upload_file(path_or_fileobj=str(sharegpt), path_in_repo="sg/chats.jsonl", repo_id="e2e-org/chats",
+                           repo_type="dataset").oid
+    # The branch moves on to a row no run could train on: the run at the first commit never sees it.
+    api.upload_file(path_or_fileobj=b'{"conversations": [{"from": "bot", "value": "?"}]}\n',
+                    path_in_repo="sg/chats.jsonl", repo_id="e2e-org/chats", repo_type="dataset")
+    hub_source = f'hub_id = "e2e-org/chats"\nconfig = "sharegpt"\nrevision = "{good}"'
+
+    run = run_train_flow(local_stack, write_run_file(tmp_path, "e2e-hubmix", tiny_model, alpaca, hub_source=hub_source))
+    assert run.returncode == 0, run.output
+
+    manifest = json.loads((tmp_path / "store" / "runs" / run.flow_run_id / "manifest.json").read_text())
+    hub_entry = manifest["job"]["dataset"]["mix"][1]
+    assert (hub_entry["hub_id"], hub_entry["config"], hub_entry["revision"]) == ("e2e-org/chats", "sharegpt", good)
+    assert manifest["dataset_sources"][1]["source"] == (f"dataset.mix[1] (hub e2e-org/chats, config sharegpt, "
+                                                        f"revision {good}, split train)")
+    assert manifest["dataset_sources"][1]["rows"] > 0
