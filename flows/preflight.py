@@ -37,7 +37,7 @@ from tasks.preflight.account import (
     open_runpod,
     read_offers,
 )
-from tasks.preflight.hub import check_dataset, check_model, check_store
+from tasks.preflight.hub import check_dataset, check_dataset_file, check_model, check_store
 from tasks.preflight.report import Check, failed, guarded, summary, table_rows
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.settings import HubTokenError, Settings
@@ -97,8 +97,13 @@ def preflight(
             gpus, offers, floors, spec.compute.gpu_count, spec.deadline_minutes, spec.budget_usd))
         checks += guarded("datacenters with volumes", lambda: check_data_centers(client, settings))
     checks += guarded("hub: model", lambda: check_model(spec.model, settings, spec.compute.disk_gb))
-    checks += guarded("hub: dataset", lambda: check_dataset(
-        spec.dataset.hub_id, spec.dataset.local_file, spec.algorithm, settings))
+    for field, source in spec.dataset.sources():  # each check runs within its own iteration
+        if source.local_file is not None:
+            checks += guarded(f"{field} file", lambda: check_dataset_file(field, source.local_file, source.row_format(),
+                                                                          spec.algorithm))
+        else:
+            checks += guarded(f"hub: {field}", lambda: check_dataset(field, source.hub_source(), spec.algorithm,
+                                                                     settings))
     checks += guarded("artifact store", lambda: check_store(spec.artifact_store, settings))
 
     for check in checks:

@@ -2,8 +2,9 @@
 
 1. `check` — everything a run needs checked and decided before anything is rented, the checks that do not
    depend on each other at once: the secrets and tokens, the image's contract, the GPUs whose hosts run its
-   CUDA and the budget, the local inputs, the model pinned and the first chats masked by its tokenizer; then the
-   inputs published, the GPUs the memory plan fits, the quota's limit and the workers' env.
+   CUDA and the budget, the local inputs, the model and the Hub datasets pinned and the first chats masked by the
+   model's tokenizer; then the inputs published, the GPUs the memory plan fits, the quota's limit and the workers'
+   env.
 2. `place` — one attempt's GPU, warm volume and endpoint request.
 3. `rent_train_and_tear_down` — the attempt's endpoint under one quota slot: created, its job submitted and
    watched, deleted whatever happened (`tasks/lifecycle/attempt.py`).
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
+from loraflow_worker.contract.dataset_formats import mixed_format
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
 from loraflow_worker.training.packing import packing_problem
@@ -30,7 +32,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.states import Cancelled
 
-from flows.spec import RunSpec
+from flows.spec import DatasetSpec, MixEntrySpec, RunSpec
 from tasks.lifecycle.attempt import existing_volume_ids, run_attempt
 from tasks.lifecycle.attempts import decide_next_attempt
 from tasks.lifecycle.pending_billing import mark_billing_pending
@@ -67,8 +69,11 @@ from tasks.storage.artifacts import (
     check_chat_template_file,
     check_dataset_jsonl,
     eval_store_path,
+    first_row_format,
+    mix_store_path,
     publish_run_inputs_task,
 )
+from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.publish import PublishedModel, check_publish_token, publish_run_adapter
 from tasks.storage.rewards import check_reward_files
 from tasks.storage.volume_inventory import volume_monthly_cost
@@ -124,12 +129,17 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
     running = [secrets, prices, model]
     if spec.algorithm == "sft":  # the first chats rendered by the model's tokenizer once the model is pinned
-        chats = check_chats_task.submit(model, spec.training, spec.dataset.local_file, eval_file,
+        chats = check_chats_task.submit(model, spec.training, _local_chat_files(spec),
                                         str(template_file) if template_file else None, spec.hub_token_secret)
         running.append(chats)
+    hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
+    if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
+        hub_datasets = check_hub_datasets_task.submit(hub_sources, spec.algorithm,
+                                                      hub_token_secret=spec.hub_token_secret)
+        running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
-        _check_local_inputs(spec)
+        local_formats = _check_local_inputs(spec)
         offers = {offer.gpu: offer for offer in prices.result()}
         gpus, excluded = placeable_gpus(gpus, offers, floors,
                                         alternatives=lambda: catalog_fits(settings.loraflow_image_min_cuda))
@@ -140,20 +150,24 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
         secrets.result()
         model_source = model.result()
+        pinned = hub_datasets.result() if hub_sources else {}
+        if spec.dataset.mix:  # the sources whose rows were read must mix; the worker judges the others as it mixes
+            mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
         if spec.algorithm == "sft":
             chats.result()  # a run whose loss would be on no answer is refused before its inputs are stored
-        # The dataset file, the evaluation file, the chat template and the reward files, in one commit, while the
+        # The dataset files, the evaluation file, the chat template and the reward files, in one commit, while the
         # model's shape is read.
         rewards = spec.grpo.rewards if spec.grpo is not None else []
+        mix_files = {i: entry.local_file for i, entry in enumerate(spec.dataset.mix) if entry.local_file is not None}
         inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, spec.dataset.local_file, rewards,
                                                 str(Path.cwd()), eval_file=eval_file,
-                                                hub_token_secret=spec.hub_token_secret,
+                                                hub_token_secret=spec.hub_token_secret, mix_files=mix_files or None,
                                                 chat_template_file=str(template_file) if template_file else None)
         shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
         running += [inputs, shape_read]
         dataset_path, rewards = inputs.result()  # the rewards come back pointing at their copies
-        job_input = _job_input(spec, run_id, deadline, model_source, dataset_path, rewards,
-                               chat_template_path=chat_template_store_path(run_id) if template_file else None)
+        job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
+                               rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None)
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
@@ -185,28 +199,61 @@ def check_secrets(spec: RunSpec) -> None:
     read_run_secrets(spec.worker.secrets)
 
 
-def _check_local_inputs(spec: RunSpec) -> None:
-    """The dataset and evaluation files (when local) and the reward files."""
+def _local_chat_files(spec: RunSpec) -> list[tuple[str, str, dict[str, str]]]:
+    """(path, format, columns) of each local file of the run's rows: its dataset's (or mix entries') and its
+    evaluation file."""
+    files = [(source.local_file, source.format, source.columns) for _, source in spec.dataset.sources()
+             if source.local_file is not None]
+    if spec.evaluation is not None and spec.evaluation.local_file is not None:
+        files.append((spec.evaluation.local_file, spec.evaluation.format, spec.evaluation.columns))
+    return files
+
+
+def _check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
+    """The dataset files and the evaluation file (those that are local: every line converted from its format and
+    checked) and the reward files. Returns the TRL format of each local dataset file, by its spec field."""
     logger = get_run_logger()
     examples = eval_examples = None
-    if spec.dataset.local_file is not None:
-        examples = check_dataset_jsonl(Path(spec.dataset.local_file), spec.algorithm)
-        logger.info("Dataset %s: %d examples", spec.dataset.local_file, examples)
+    formats = {}
+    for field, source in spec.dataset.sources():
+        if source.local_file is not None:
+            examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{field}.local_file",
+                                           source.format, source.columns)
+            formats[field] = first_row_format(Path(source.local_file), source.format, source.columns)
+            logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, field)
+    if spec.dataset.mix:
+        examples = None  # how many a mix draws is known once it is drawn
     eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
     if eval_file is not None:
-        eval_examples = check_dataset_jsonl(Path(eval_file), spec.algorithm, "evaluation.local_file")
+        eval_examples = check_dataset_jsonl(Path(eval_file), spec.algorithm, "evaluation.local_file",
+                                            spec.evaluation.format, spec.evaluation.columns)
     if spec.evaluation is not None:
         _log_evaluation_cost(spec, examples, eval_examples)
     # Relative reward files start where a relative local_file does.
     check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], Path.cwd())
+    return formats
 
 
-def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset_path: str | None,
+def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
+                pinned: dict[str, HubDataset]) -> DatasetSource:
+    """The job's `dataset`: each local file replaced by its copy in the store (`dataset_path`, or the mix entry's
+    `mix_store_path`), each Hub dataset pinned to the commit its check found (`pinned`, by spec field)."""
+
+    def source(field: str, entry: DatasetSpec | MixEntrySpec, store_path: str | None) -> dict:
+        fields = {"split": entry.split, "format": entry.format, "columns": entry.columns}
+        if entry.hub_id is None:
+            return {**fields, "store_path": store_path}
+        revision = pinned[field].sha if field in pinned else entry.revision
+        return {**fields, "hub_id": entry.hub_id, "config": entry.config, "revision": revision}
+
+    if spec.dataset.mix:
+        return DatasetSource(mix=[{**source(f"dataset.mix[{i}]", entry, mix_store_path(run_id, i)),
+                                   "fraction": entry.fraction} for i, entry in enumerate(spec.dataset.mix)])
+    return DatasetSource(**source("dataset", spec.dataset, dataset_path))
+
+
+def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
                rewards: list, chat_template_path: str | None = None) -> JobInput:
-    if dataset_path is not None:
-        dataset = DatasetSource(store_path=dataset_path)
-    else:
-        dataset = DatasetSource(hub_id=spec.dataset.hub_id, split=spec.dataset.split)
     grpo = spec.grpo.model_copy(update={"rewards": rewards}) if spec.grpo is not None else None
     # QLoRA GRPO generates with the training model: TRL's merge of an adapter into a 4-bit base for vLLM misbehaves.
     qlora_grpo = spec.algorithm == "grpo" and spec.lora.quantization == "4bit"
@@ -225,10 +272,12 @@ def _job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
     """The job's `evaluation`: the spec's, its local file replaced by the copy `publish_run_inputs_task` stores."""
     if spec.evaluation is None:
         return None
-    return EvaluationSettings(
-        fraction=spec.evaluation.fraction, every_steps=spec.evaluation.every_steps,
-        max_samples=spec.evaluation.max_samples,
-        store_path=eval_store_path(run_id) if spec.evaluation.local_file is not None else None)
+    if spec.evaluation.local_file is None:
+        return EvaluationSettings(fraction=spec.evaluation.fraction, every_steps=spec.evaluation.every_steps,
+                                  max_samples=spec.evaluation.max_samples)
+    return EvaluationSettings(store_path=eval_store_path(run_id), format=spec.evaluation.format,
+                              columns=spec.evaluation.columns, every_steps=spec.evaluation.every_steps,
+                              max_samples=spec.evaluation.max_samples)
 
 
 def _log_evaluation_cost(spec: RunSpec, examples: int | None, eval_examples: int | None) -> None:

@@ -102,7 +102,7 @@ def test_a_hub_models_tokenizer_is_read_at_its_pinned_commit(hub: HubStandIn, ti
 
 def test_a_chat_template_file_is_stored_with_the_runs_inputs_and_the_job_reads_its_copy(tmp_path):
     from flows.spec import RunSpec
-    from flows.train_phases import _job_input
+    from flows.train_phases import _job_input, job_dataset
     from tasks.storage.artifacts import chat_template_store_path, check_chat_template_file, publish_run_inputs
 
     template = tmp_path / "chatml.jinja"
@@ -113,8 +113,8 @@ def test_a_chat_template_file_is_stored_with_the_runs_inputs_and_the_job_reads_i
     found = check_chat_template_file(spec.training.chat_template)
     publish_run_inputs(store.as_uri(), "r1", None, [], tmp_path, chat_template_file=found)
     assert (store / chat_template_store_path("r1")).read_text() == REWRITING
-    job = _job_input(spec, "r1", 0.0, ModelSource(id="org/m", revision="a" * 40), None, [],
-                     chat_template_path=chat_template_store_path("r1"))
+    job = _job_input(spec, "r1", 0.0, ModelSource(id="org/m", revision="a" * 40), job_dataset(spec, "r1", None, {}),
+                     [], chat_template_path=chat_template_store_path("r1"))
     assert job.training.chat_template == "runs/r1/chat_template.jinja"
 
 

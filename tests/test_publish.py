@@ -95,6 +95,12 @@ def test_a_local_base_model_and_a_local_dataset_stay_out_of_the_front_matter() -
     assert "`/models/tiny`" in card
 
 
+def test_a_mix_names_its_hub_datasets_in_the_front_matter_and_every_source_in_the_card() -> None:
+    card = model_card(facts(dataset_hub_id=None, dataset_mix=[("acme/chats", 0.7), (None, 0.3)]))
+    assert card_front_matter(card)["datasets"] == ["acme/chats"]
+    assert "| dataset | a mix of `acme/chats` (0.7), a JSONL file published with the run (0.3) |" in card
+
+
 def test_the_card_says_how_to_load_with_peft_and_serve_with_vllm() -> None:
     card = model_card(facts(lora={"rank": 64}))
     assert 'PeftModel.from_pretrained(base, "acme/tiny-lora")' in card

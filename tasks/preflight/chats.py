@@ -14,12 +14,14 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from huggingface_hub import HfApi, hf_hub_download
 from loraflow_worker.contract import ModelSource, TrainingSettings, trl_training_template
+from loraflow_worker.contract.dataset_formats import to_trl_row
 from loraflow_worker.training.loss_mask import ChatTemplate, LossMaskError, check_first_chats, has_generation_markers, \
     refusal
 from prefect import get_run_logger, task
@@ -49,11 +51,13 @@ class ChatCheck:
         return f"the first {self.examples} chats: {share} (chat template: {self.template})"
 
 
-def first_chats(path: Path, count: int = CHECKED_EXAMPLES) -> list[list[dict[str, Any]]]:
-    """The `messages` of a local dataset file's first `count` chats (the file was checked: `check_dataset_jsonl`);
-    empty for a file of prompt/completion or prompt-only lines, whose loss needs no template's marks."""
+def first_chats(path: Path, data_format: str = "auto", columns: Mapping[str, str] | None = None,
+                count: int = CHECKED_EXAMPLES) -> list[list[dict[str, Any]]]:
+    """The `messages` of a local file's first `count` rows, converted from `data_format` with the file's `columns` as
+    the worker converts them (the file was checked: `check_dataset_jsonl`); empty for a file of prompt/completion or
+    prompt-only rows (Alpaca's among them), whose loss needs no template's marks."""
     with path.open(encoding="utf-8") as lines:
-        rows = (json.loads(line) for line in lines if line.strip())
+        rows = (to_trl_row(json.loads(line), data_format, columns or {}) for line in lines if line.strip())
         return [row["messages"] for row in itertools.islice(rows, count) if "messages" in row]
 
 
@@ -116,16 +120,14 @@ def _own_template(tokenizer: Any) -> str | None:
 
 
 @task(name="check-chats", cache_policy=NO_CACHE)
-def check_chats_task(model: ModelSource, training: TrainingSettings, dataset_file: str | None,
-                     eval_file: str | None, template_file: str | None,
-                     hub_token_secret: str | None = None) -> ChatCheck | None:
-    """The run's local chat files (dataset, evaluation) masked as training will, with the model's tokenizer; None
-    when there is nothing to check before renting (loss on every token, no local chats: a Hub dataset's are checked
-    by the worker as it starts)."""
+def check_chats_task(model: ModelSource, training: TrainingSettings, files: list[tuple[str, str, dict[str, str]]],
+                     template_file: str | None, hub_token_secret: str | None = None) -> ChatCheck | None:
+    """The run's local files of chats (`files`: path, format, columns; its dataset's and evaluation's) masked as
+    training will, with the model's tokenizer; None when there is nothing to check before renting (loss on every
+    token, no local chats: a Hub dataset's are checked by the worker as it starts)."""
     if training.loss_on == "all" or training.chat_template is not None and template_file is None:
         return None
-    files = [Path(f) for f in (dataset_file, eval_file) if f is not None]
-    chats = [chat for f in files for chat in first_chats(f)]
+    chats = [chat for path, data_format, columns in files for chat in first_chats(Path(path), data_format, columns)]
     if not chats:
         return None
     # transformers takes a second or more to import: only a run with chats to check pays it.

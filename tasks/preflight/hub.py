@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from huggingface_hub import HfApi, hf_hub_url
-from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
-from loraflow_worker.contract import ModelSource
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+from loraflow_worker.contract import ModelSource, RowFormat, SourceFields
 
 from tasks.placement.plan import resolve_model
 from tasks.preflight.report import Check
 from tasks.runpod.client import API_URL
 from tasks.settings import Settings
 from tasks.storage.artifacts import check_dataset_jsonl
+from tasks.storage.hub_datasets import check_hub_dataset
 
 # --- 6. The Hub token's access -------------------------------------------------------------------------
 
@@ -47,36 +48,32 @@ def check_model(model: ModelSource, settings: Settings, disk_gb: int) -> Check:
                  f"{'the token' if settings.hf_token else 'no token (public)'}, fits compute.disk_gb {disk_gb}")
 
 
-def check_dataset(hub_id: str | None, local_file: str | None, algorithm: str, settings: Settings) -> Check:
-    """A Hub dataset the token can read, or a local JSONL file in a format the algorithm trains on."""
-    name = "hub: dataset"
-    if local_file is not None:
-        try:
-            examples = check_dataset_jsonl(Path(local_file), algorithm)
-        except ValueError as e:
-            return Check(name="dataset file", status="FAIL", found=str(e),
-                         fix="fix the file (one JSON example per line, as dataset.local_file's help says)")
-        return Check(name="dataset file", status="ok", found=f"{local_file}: {examples} {algorithm} examples (the run "
-                     "publishes it to its artifact store)")
-    assert hub_id is not None  # DatasetSpec sets exactly one of the two
-    api = _hub(settings)
-    fix = (f"check dataset.hub_id {hub_id!r} on the Hub; a private or gated dataset needs a token (HF_TOKEN, or the "
-           f"Secret block '{settings.hf_token_block}') whose account can read it")
+def check_dataset_file(field: str, local_file: str, rows: RowFormat, algorithm: str) -> Check:
+    """A local JSONL file of the run's data (named by its spec `field`: `dataset`, `dataset.mix[1]`, `evaluation`)
+    whose every line converts from its format (`rows`) into one the algorithm trains on."""
+    name = "dataset file" if field == "dataset" else f"{field} file"
     try:
-        info = api.dataset_info(hub_id)
-        if info.gated and info.siblings:
-            # dataset_info answers for gated repos too: ask for a file the way the worker's download does.
-            api.get_hf_file_metadata(url=hf_hub_url(hub_id, info.siblings[0].rfilename, repo_type="dataset",
-                                                    revision=info.sha, endpoint=api.endpoint))
-    except GatedRepoError:
-        return Check(name=name, status="FAIL", found=f"{hub_id} is gated and the token has not been granted access",
-                     fix="accept its terms on the Hub with the token's account")
-    except RepositoryNotFoundError:
-        reader = "the token cannot read it" if settings.hf_token else "there is no token to read it with"
-        return Check(name=name, status="FAIL", found=f"{hub_id}: no such dataset on the Hub, or it is private and "
-                     f"{reader}", fix=fix)
-    return Check(name=name, status="ok", found=f"{hub_id} at commit {(info.sha or '?')[:12]} "
-                 f"({'private' if info.private else 'public'}), readable")
+        examples = check_dataset_jsonl(Path(local_file), algorithm, f"{field}.local_file", rows.format, rows.columns)
+    except ValueError as e:
+        return Check(name=name, status="FAIL", found=str(e),
+                     fix=f"fix the file (one JSON example per line in {field}.format, as its help says), or "
+                     f"{field}.format and {field}.columns")
+    return Check(name=name, status="ok", found=f"{local_file}: {examples} {algorithm} examples (the run publishes it "
+                 "to its artifact store)")
+
+
+def check_dataset(field: str, source: SourceFields, algorithm: str, settings: Settings) -> Check:
+    """A Hub dataset of the run's data (named by its spec `field`) that the token can read at its revision, config and
+    split, whose first rows convert into a format the algorithm trains on (`check_hub_dataset`)."""
+    name = f"hub: {field}"
+    try:
+        checked = check_hub_dataset(source, field, algorithm, settings)
+    except ValueError as e:
+        return Check(name=name, status="FAIL", found=str(e),
+                     fix=f"check {field}.hub_id, .revision, .config, .split, .format and .columns against the dataset "
+                     f"on the Hub; a private or gated dataset needs a token (HF_TOKEN, or the Secret block "
+                     f"'{settings.hf_token_block}') whose account can read it")
+    return Check(name=name, status="ok", found=checked.describe(source.hub_id))
 
 
 WRITE_ROLES = {"admin", "write", "contributor"}

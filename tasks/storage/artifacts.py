@@ -8,12 +8,21 @@ sides read and write it with the same code.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
 from loraflow_worker.contract import JobResult, RewardSpec, run_prefix
+from loraflow_worker.contract.dataset_formats import (
+    ALGORITHM_FORMATS,
+    MESSAGE_COLUMNS,
+    TRL_FORMATS,
+    RowError,
+    is_messages,
+    to_trl_row,
+    trl_format,
+)
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
@@ -24,62 +33,82 @@ from tasks.storage.rewards import check_reward_files, reward_store_paths
 CONSOLE_TAIL_BYTES = 4000
 
 
-DATASET_FORMATS = {
-    "messages": '{"messages": [{"role": ..., "content": ...}, ...]}',
-    "prompt-completion": '{"prompt": [{"role": ..., "content": ...}, ...], "completion": [{"role": "assistant", '
-                         '"content": ...}]}',
-    "prompt-only": '{"prompt": [{"role": ..., "content": ...}, ...], <extra columns for the rewards, e.g. "answer">}',
-}
-"""TRL's conversational dataset formats, as a line of a JSONL file (TRL's docs: "Dataset formats and types")."""
-ALGORITHM_FORMATS = {"sft": ("messages", "prompt-completion"), "grpo": ("prompt-only", "prompt-completion", "messages")}
-"""What each algorithm trains on. SFT learns the completion (or the assistant turns). GRPO generates from the
-prompt and hands every other column to the rewards; the worker turns the last assistant turn of `messages`, and
-the completion of a prompt/completion line, into the column `answer` (TRL would hide `completion` from rewards)."""
-_MESSAGE_COLUMNS = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "prompt-only": ("prompt",)}
+DATASET_FORMATS = TRL_FORMATS
+"""TRL's conversational dataset formats, as a line of a JSONL file (`dataset_formats.TRL_FORMATS`)."""
 
 
-def check_dataset_jsonl(path: Path, algorithm: str, field: str = "dataset.local_file") -> int:
-    """Count the examples of a JSONL dataset file for `algorithm` (`sft` or `grpo`); ValueError naming
-    `field` (the spec field that gave the file), the first bad line and the line shapes `algorithm` accepts. Every
-    line must have the format and the columns of the first: the worker reads the file as one table."""
-    accepted = ALGORITHM_FORMATS[algorithm]
-    expected = " or ".join(DATASET_FORMATS[f] for f in accepted)
+def check_dataset_jsonl(path: Path, algorithm: str, field: str = "dataset.local_file", data_format: str = "auto",
+                        columns: Mapping[str, str] | None = None) -> int:
+    """Count the examples of a JSONL dataset file for `algorithm` (`sft` or `grpo`), each line converted from
+    `data_format` with `columns` as the worker will convert it; ValueError naming `field` (the spec field that gave
+    the file), the first bad line, the field in it and the line shapes `algorithm` accepts. Every line must have the
+    format and the columns of the first: the worker reads the file as one table."""
     if not path.is_file():
         raise ValueError(f"{field} {path} does not exist or is not a file")
-    count, first = 0, None
     with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{field} {path}, line {number}"
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{where}: not JSON ({e}); expected {expected}") from e
-            found = _dataset_format(row)
-            if found not in accepted:
-                what = f"a {found} line, which {algorithm} does not train on" if found else "no `messages` or `prompt`"
-                raise ValueError(f"{where}: {what}; expected {expected}")
-            for column in _MESSAGE_COLUMNS[found]:
-                if not _is_messages(row[column]):
-                    raise ValueError(f"{where}: `{column}` is not a non-empty list of {{\"role\": ..., \"content\": "
-                                     f"...}} messages with text content; expected {expected}")
-            if first is None:
-                first = (number, found, sorted(row))
-            elif (found, sorted(row)) != first[1:]:
-                raise ValueError(
-                    f"{where}: a {found} line with columns {_columns(row)}, but line {first[0]} is a {first[1]} line "
-                    f"with columns {_columns(first[2])}: every line needs the same format and columns"
-                )
-            count += 1
+        count = check_rows(lines, algorithm, f"{field} {path}", data_format, columns or {})
     if count == 0:
         raise ValueError(f"{field} {path} has no examples")
+    return count
+
+
+def first_row_format(path: Path, data_format: str, columns: Mapping[str, str]) -> str | None:
+    """The TRL format the first row of a JSONL file (checked with `check_dataset_jsonl`) converts to."""
+    with path.open(encoding="utf-8") as lines:
+        first = next((line for line in lines if line.strip()), None)
+    return trl_format(to_trl_row(json.loads(first), data_format, columns)) if first else None
+
+
+def check_rows(lines: Iterable[str], algorithm: str, where: str, data_format: str, columns: Mapping[str, str]) -> int:
+    """Count the JSON lines of `lines` (blank ones skipped) after checking each the way `check_dataset_jsonl` says;
+    `where` starts each error (the field and the file)."""
+    accepted = ALGORITHM_FORMATS[algorithm]
+    expected = " or ".join(TRL_FORMATS[f] for f in accepted)
+    # `auto`'s renamed columns, named as the dataset names them.
+    own = {trl: f"`{name}` (as `{trl}`)" for trl, name in columns.items()} if data_format == "auto" else {}
+    count, first = 0, None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        at = f"{where}, line {number}"
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{at}: not JSON ({e}); expected {_expected(data_format, expected)}") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{at}: not a JSON object; expected {_expected(data_format, expected)}")
+        try:
+            row = to_trl_row(row, data_format, columns)
+        except RowError as e:
+            raise ValueError(f"{at}: {e} (format {data_format})") from e
+        found = trl_format(row)
+        if found not in accepted:
+            what = (f"a {found} line, which {algorithm} does not train on" if found
+                    else f"no {own.get('messages', '`messages`')} or {own.get('prompt', '`prompt`')}")
+            raise ValueError(f"{at}: {what}; expected {expected}")
+        for column in MESSAGE_COLUMNS[found]:
+            if not is_messages(row[column]):
+                raise ValueError(f"{at}: {own.get(column, f'`{column}`')} is not a non-empty list of {{\"role\": ..., "
+                                 f"\"content\": ...}} messages with text content; expected {expected}")
+        if first is None:
+            first = (number, found, sorted(row))
+        elif (found, sorted(row)) != first[1:]:
+            raise ValueError(
+                f"{at}: a {found} line with columns {_columns(row)}, but line {first[0]} is a {first[1]} line "
+                f"with columns {_columns(first[2])}: every line needs the same format and columns"
+            )
+        count += 1
     return count
 
 
 def eval_store_path(run_id: str) -> str:
     """Where `publish_run_inputs` puts a run's evaluation file in the store."""
     return f"{run_prefix(run_id)}/dataset/eval.jsonl"
+
+
+def mix_store_path(run_id: str, index: int) -> str:
+    """Where `publish_run_inputs` puts the file of a run's `dataset.mix[index]` in the store."""
+    return f"{run_prefix(run_id)}/dataset/mix-{index}.jsonl"
 
 
 def chat_template_store_path(run_id: str) -> str:
@@ -103,6 +132,7 @@ def check_chat_template_file(template: str | None) -> Path | None:
 
 def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, rewards: Sequence[RewardSpec],
                        base_dir: Path, token: str | None = None, eval_file: Path | None = None,
+                       mix_files: Mapping[int, Path] | None = None,
                        chat_template_file: Path | None = None) -> tuple[str | None, list[RewardSpec]]:
     """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
     hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
@@ -111,7 +141,9 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
     reward file's `store_path` set, for the job. A reward file that is missing or lacks its function is refused
     (ValueError naming `grpo.rewards[i].name`) before anything is written. `token`: the Hub token. `eval_file`: the
     run's evaluation examples (checked by the caller), stored in the same commit at `eval_store_path(run_id)`;
-    `chat_template_file` (`training.chat_template`, checked by the caller) at `chat_template_store_path(run_id)`."""
+    `mix_files`: the files of the run's `dataset.mix` entries by their index (checked by the caller), each at
+    `mix_store_path(run_id, index)`; `chat_template_file` (`training.chat_template`, checked by the caller) at
+    `chat_template_store_path(run_id)`."""
     reward_files = check_reward_files(rewards, base_dir)
     store_paths = reward_store_paths(reward_files, run_id)
     files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
@@ -121,10 +153,13 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
         files[dataset_path] = dataset_file
     if eval_file is not None:
         files[eval_store_path(run_id)] = eval_file
+    for index, path in (mix_files or {}).items():
+        files[mix_store_path(run_id, index)] = path
     if chat_template_file is not None:
         files[chat_template_store_path(run_id)] = chat_template_file
     if files:
-        what = " and ".join(filter(None, ["dataset" if dataset_file else "", "evaluation file" if eval_file else "",
+        what = " and ".join(filter(None, ["dataset" if dataset_file or mix_files else "",
+                                          "evaluation file" if eval_file else "",
                                           "chat template" if chat_template_file else "",
                                           "reward files" if store_paths else ""]))
         open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
@@ -165,20 +200,12 @@ def read_run_results(store_url: str, run_id: str, token: str | None = None) -> R
                                           if t.store_path})
 
 
-def _dataset_format(row: Any) -> str | None:
-    if not isinstance(row, dict):
-        return None
-    if "messages" in row:
-        return "messages"
-    if "prompt" in row:
-        return "prompt-completion" if "completion" in row else "prompt-only"
-    return None
-
-
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    )
+def _expected(data_format: str, trl_shapes: str) -> str:
+    if data_format == "alpaca":
+        return '{"instruction": ..., "input": ..., "output": ...} (format alpaca)'
+    if data_format == "sharegpt":
+        return '{"conversations": [{"from": ..., "value": ...}, ...]} (format sharegpt)'
+    return trl_shapes
 
 
 def _columns(row: Any) -> str:
@@ -195,10 +222,12 @@ def _read_text(store: Any, path: str) -> str | None:
 @task(name="publish-run-inputs", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | None, rewards: list[RewardSpec],
                             base_dir: str, eval_file: str | None = None, hub_token_secret: str | None = None,
+                            mix_files: dict[int, str] | None = None,
                             chat_template_file: str | None = None) -> tuple[str | None, list[RewardSpec]]:
     return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
                               Path(base_dir), hub_token(store_url, hub_token_secret),
                               eval_file=Path(eval_file) if eval_file else None,
+                              mix_files={index: Path(path) for index, path in (mix_files or {}).items()},
                               chat_template_file=Path(chat_template_file) if chat_template_file else None)
 
 

@@ -78,7 +78,9 @@ class CardFacts(BaseModel):
     base_model: str = Field(description="A Hub model id, or a local path (local mode).")
     base_model_revision: str | None = None
     algorithm: str = "sft"
-    dataset_hub_id: str | None = Field(default=None, description="None: a file published with the run.")
+    dataset_hub_id: str | None = Field(default=None, description="None: a file published with the run, or a mix.")
+    dataset_mix: list[tuple[str | None, float]] = Field(
+        default_factory=list, description="A mix's sources: (Hub dataset id, or None for a file; fraction).")
     lora: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     grpo: dict[str, Any] | None = None
@@ -109,7 +111,8 @@ def model_card(facts: CardFacts) -> str:
         base_model=facts.base_model if facts.base_is_hub_id else None,
         library_name="peft",
         tags=["loraflow", "lora", facts.algorithm],
-        datasets=[facts.dataset_hub_id] if facts.dataset_hub_id else None,
+        datasets=[facts.dataset_hub_id] if facts.dataset_hub_id else
+        [hub_id for hub_id, _ in facts.dataset_mix if hub_id] or None,
         pipeline_tag="text-generation",
     )
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{_card_body(facts)}"))
@@ -158,6 +161,8 @@ def read_card_facts(store: Any, run_id: str, run_name: str, hub_model_id: str) -
         base_model_revision=manifest.get("base_model_revision") or model.get("revision"),
         algorithm=str(job.get("algorithm") or "sft"),
         dataset_hub_id=dataset.get("hub_id") or None,
+        dataset_mix=[(entry.get("hub_id") or None, float(entry.get("fraction") or 0))
+                     for entry in dataset.get("mix") or [] if isinstance(entry, dict)],
         lora=_dict(job.get("lora")), training=_dict(job.get("training")),
         grpo=_dict(job.get("grpo")) or None,
         metrics=_read_json(store, f"{prefix}/metrics.json"),
@@ -304,6 +309,9 @@ def _card_body(facts: CardFacts) -> str:
         lines += [f"The base model was a local folder (`{base}`): load that model, or the Hub model it was made "
                   "from, as the base below.", ""]
     dataset = f"`{facts.dataset_hub_id}`" if facts.dataset_hub_id else "a JSONL file published with the run"
+    if facts.dataset_mix:
+        dataset = "a mix of " + ", ".join(f"{f'`{hub_id}`' if hub_id else 'a JSONL file published with the run'} "
+                                          f"({fraction:g})" for hub_id, fraction in facts.dataset_mix)
     lines += ["## Training", "", "| setting | value |", "|---|---|",
               f"| base model | `{base}`{pinned} |",
               f"| dataset | {dataset} |",

@@ -25,7 +25,8 @@ from loraflow_worker.training.grpo import train_grpo
 from loraflow_worker.artifacts.manifest import rows_sha256
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.monitor import TrainingMonitor
-from loraflow_worker.training.run import TrainOutcome, evaluation_split, load_job_dataset
+from loraflow_worker.training.data import evaluation_split, load_job_dataset
+from loraflow_worker.training.run import TrainOutcome
 
 SFT_STEPS, SFT_EVERY = 20, 10
 GRPO_STEPS, GRPO_EVERY, GRPO_SAMPLES = 3, 2, 6
@@ -43,7 +44,8 @@ def _job(model_dir: Path, store_root: Path, run_id: str, **fields) -> dict:
 def _split(job: dict, store_root: Path, work_dir: Path) -> tuple[Dataset, Dataset]:
     parsed = JobInput.model_validate(job)
     store = FileStore(store_root)
-    return evaluation_split(load_job_dataset(parsed.dataset, store, work_dir), parsed, store, work_dir)
+    return evaluation_split(load_job_dataset(parsed.dataset, store, work_dir, parsed.training.seed).rows, parsed, store,
+                            work_dir)
 
 
 @dataclass
@@ -159,7 +161,8 @@ def test_grpo_progress_carries_the_latest_eval_reward(grpo_run):
 
 def test_grpo_trains_on_the_rows_left_after_the_held_out_ones(grpo_run, tmp_path):
     store = open_store(grpo_run.job.artifact_store)
-    train, _ = evaluation_split(load_job_dataset(grpo_run.job.dataset, store, tmp_path), grpo_run.job, store, tmp_path)
+    train, _ = evaluation_split(load_job_dataset(grpo_run.job.dataset, store, tmp_path, grpo_run.job.training.seed).rows,
+                                grpo_run.job, store, tmp_path)
     assert len(train) < CORPUS_ROWS and grpo_run.outcome.manifest.dataset_sha256 == rows_sha256(train)
 
 

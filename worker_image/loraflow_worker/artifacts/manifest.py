@@ -51,6 +51,16 @@ class LossRecord(BaseModel):
     )
 
 
+class SourceRows(BaseModel):
+    """How many training examples one source of the dataset gave."""
+
+    source: str = Field(description="The source, as the job names it, e.g. `dataset.mix[1] (hub org/data, split "
+                        "train)`.")
+    format: str = Field(description="The format its rows came in (`auto`, `alpaca`, `sharegpt`), converted to TRL's.")
+    fraction: float | None = Field(default=None, description="Its `fraction` in a mix; None for a single source.")
+    rows: int = Field(description="Examples it gave to the training data (before any evaluation share is held out).")
+
+
 class RunManifest(BaseModel):
     """Everything needed to know how an adapter was made, stored beside it."""
 
@@ -84,6 +94,11 @@ class RunManifest(BaseModel):
         default=None,
         description="The settings the CUDA caching allocator ran with, as it took them from `PYTORCH_CUDA_ALLOC_CONF` "
         "(e.g. `expandable_segments:True`; empty for its defaults); None on CPU.",
+    )
+    dataset_sources: list[SourceRows] = Field(
+        default_factory=list,
+        description="Where the training examples came from: each source (the mix's entries, in order) and how many "
+        "examples it gave.",
     )
     dataset_sha256: str | None = Field(
         default=None, description="sha256 of the training rows as canonical JSON lines, in order (`rows_sha256`)."

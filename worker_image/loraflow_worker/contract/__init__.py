@@ -5,7 +5,8 @@ The control plane builds a `JobInput`, sends it as the RunPod job's `input`, and
 (`"mode": "preload"`) and a `PreloadResult`. Both sides validate with these models, so a typo is caught
 before a GPU is billed, and a worker refuses a job whose `contract_version` it does not understand.
 
-It owns the version (`version`), what a run trains on (`sources`), the job's sections (`training_settings`,
+It owns the version (`version`), what a run trains on (`sources`) and the formats its rows may come in, converted to
+TRL's by one implementation that both sides run (`dataset_formats`), the job's sections (`training_settings`,
 one `<method>_settings` per method with settings of its own, `memory_settings`, `fast_path_settings`), the names
 a run may put in its worker's environment (`env_names`), the job itself (`job`), what comes back (`results`),
 preload jobs (`preload`), how a reward is named (`reward_names`) and the chat templates the image's TRL
@@ -31,7 +32,7 @@ from loraflow_worker.contract.job import MAX_EXTRA_PACKAGES, JobInput, plain_req
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
 from loraflow_worker.contract.results import JobResult, PartialResult, Progress, TrackerRun, TrainMetrics, run_prefix
-from loraflow_worker.contract.sources import DatasetSource, ModelSource
+from loraflow_worker.contract.sources import DatasetSource, MixSource, ModelSource, RowFormat, SourceFields
 from loraflow_worker.contract.training_settings import (
     EvaluationSettings,
     LoraSettings,
@@ -51,6 +52,9 @@ __all__ = [
     "RESERVED_ENV_PREFIXES",
     "TRL_TRAINING_TEMPLATES",
     "DatasetSource",
+    "MixSource",
+    "RowFormat",
+    "SourceFields",
     "EvaluationSettings",
     "FastPathSettings",
     "GrpoSettings",

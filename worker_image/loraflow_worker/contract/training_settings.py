@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from loraflow_worker.contract.chat_templates import trl_template_names
 from loraflow_worker.contract.fast_path_settings import FastPathSettings
+from loraflow_worker.contract.sources import RowFormat
 from loraflow_worker.contract.version import _Strict
 
 LoraInit = Literal["default", "gaussian", "pissa", "olora", "orthogonal", "mica"]
@@ -332,7 +333,7 @@ class TrainingSettings(_Strict):
         return trackers
 
 
-class EvaluationSettings(_Strict):
+class EvaluationSettings(RowFormat):
     """Held-out evaluation while training: before the first step, every `every_steps` optimizer steps and after
     the last (the Trainer's `eval_on_start` and step strategy), on at most `max_samples` examples that are not
     trained on. SFT records the loss on them (`eval_loss`). GRPO records the mean total reward (the rewards summed
@@ -352,7 +353,8 @@ class EvaluationSettings(_Strict):
         default=None,
         max_length=1024,
         description="Path of a JSONL file of evaluation examples inside the artifact store, in the training "
-        "dataset's formats (set by the control plane when it publishes `evaluation.local_file`).",
+        "dataset's formats or in `format` with `columns` (set by the control plane when it publishes "
+        "`evaluation.local_file`).",
     )
     every_steps: int = Field(
         default=50, ge=1, le=10_000_000,
@@ -370,6 +372,9 @@ class EvaluationSettings(_Strict):
         if (self.fraction is None) == (self.store_path is None):
             raise ValueError("give exactly one of `fraction` (a held-out share of the dataset) or `store_path` "
                              "(an evaluation file in the store)")
+        if self.store_path is None and (self.format != "auto" or self.columns):
+            raise ValueError("`format` and `columns` describe an evaluation file (`store_path`): the held-out "
+                             "`fraction` of the dataset is in the dataset's format already; remove them")
         return self
 
 

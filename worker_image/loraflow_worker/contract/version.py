@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-CONTRACT_VERSION = 5
+CONTRACT_VERSION = 6
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
 and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
 `worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
 with `eval_loss` / `eval_reward` in the metrics and the progress. 5: `training.report_to` (W&B and MLflow tracking)
-and `JobResult.trackers`."""
+and `JobResult.trackers`. 6: `training.loss_on`, `chat_template` and `packing`; the schedule, optimizer and adapter
+variants (`training.lr_scheduler`, `warmup_*`, `weight_decay`, `max_grad_norm`, `optimizer`; `lora.use_dora`,
+`use_rslora`, `init`, `loraplus_lr_ratio`, `modules_to_save`) and `TrainMetrics.learning_rates`; data as people have
+it (`dataset.config`, `revision`, `format`, `columns`, `mix`; the evaluation file's `format` and `columns`)."""
 
 
 class _Strict(BaseModel):

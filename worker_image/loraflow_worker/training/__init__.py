@@ -1,9 +1,10 @@
 """The training body: one module per method on the code they share.
 
 `sft` and `grpo` hold what differs between methods (the dataset's shape, the TRL config and trainer; GRPO's
-rewards in `rewards`); a new method is one more module beside them (`dpo.py`). What every method shares: `run`
-(data and base model, LoRA, the TrainingArguments, training to the end or the deadline, packaging the adapter
-with its metrics and manifest), `monitor` (losses, evaluations, progress, the deadline, from inside the
+rewards in `rewards`); a new method is one more module beside them (`dpo.py`). What every method shares: `data`
+(the job's sources loaded, converted to TRL's formats, mixed, the evaluation examples held out), `run` (base model,
+LoRA, the TrainingArguments, training to the end or the deadline, packaging the adapter with its metrics and
+manifest), `monitor` (losses, evaluations, progress, the deadline, from inside the
 trainer), `fast_paths` (the GPU speed-ups and memory savers: decided from the memory plan, engaged, recorded),
 `checkpoints` (stored while training, resumed by the next attempt) and `tracking` (W&B and MLflow).
 `train_job` is the training process of one job (`python -m loraflow_worker.training.train_job JOB_FILE`, started

@@ -32,6 +32,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
+from loraflow_worker.training.data import evaluation_split, load_job_dataset
 from loraflow_worker.training.fast_paths import (
     VLLM_TEXT_ONLY,
     FastPathPlan,
@@ -43,9 +44,7 @@ from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training.run import (
     TrainOutcome,
-    evaluation_split,
     job_workload,
-    load_job_dataset,
     load_model,
     lora_config,
     package_outcome,
@@ -81,7 +80,8 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     settings: GrpoSettings = job.grpo  # JobInput guarantees it for algorithm `grpo`
     cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
-    rows, held_out = evaluation_split(load_job_dataset(job.dataset, store, work_dir), job, store, work_dir)
+    loaded = load_job_dataset(job.dataset, store, work_dir, job.training.seed)
+    rows, held_out = evaluation_split(loaded.rows, job, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
 
@@ -115,6 +115,7 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=rows,
+                           sources=loaded.sources,
                            rewards=reward_log.rewards)
 
 

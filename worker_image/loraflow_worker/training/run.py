@@ -1,7 +1,7 @@
-"""What every algorithm's training run shares: its inputs (data, base model, LoRA shape, the TrainingArguments
-the job's settings decide, the workload the fast paths plan for), running the trainer to its end or the job's
-deadline, and packaging the saved adapter (final, or trained so far) with its metrics and manifest. `sft.py` and
-`grpo.py` hold only what differs: the dataset's shape, the TRL config and trainer."""
+"""What every algorithm's training run shares: its inputs (base model, LoRA shape, the TrainingArguments
+the job's settings decide, the workload the fast paths plan for; the data is `data.py`'s), running the trainer to its
+end or the job's deadline, and packaging the saved adapter (final, or trained so far) with its metrics and manifest.
+`sft.py` and `grpo.py` hold only what differs: the dataset's shape, the TRL config and trainer."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset
 from huggingface_hub import HfApi
 from peft import LoraConfig, prepare_model_for_kbit_training
 from peft.optimizers import create_loraplus_optimizer
@@ -20,16 +20,16 @@ from peft.utils.constants import EMBEDDING_LAYER_NAMES
 from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 from trl.trainer.utils import create_model_from_path
 
-from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.artifacts.manifest import (
     FastPath,
     LossRecord,
     RunManifest,
+    SourceRows,
     library_versions,
     rows_sha256,
     training_config_sha256,
 )
-from loraflow_worker.contract import CONTRACT_VERSION, DatasetSource, JobInput, ModelSource, TrainMetrics
+from loraflow_worker.contract import CONTRACT_VERSION, JobInput, ModelSource, TrainMetrics
 from loraflow_worker.runtime.model_cache import fetch_model, training_cache_dir
 from loraflow_worker.training.checkpoints import save_settings
 from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
@@ -57,41 +57,6 @@ def use_device() -> bool:
     if not cuda:
         torch.set_num_threads(1)
     return cuda
-
-
-def load_job_dataset(source: DatasetSource, store: ArtifactStore, work_dir: Path) -> Dataset:
-    if source.hub_id is not None:
-        return load_dataset(source.hub_id, split=source.split)
-    return _load_store_jsonl(store, source.store_path, work_dir / "data" / "train.jsonl")
-
-
-def evaluation_split(rows: Dataset, job: JobInput, store: ArtifactStore,
-                     work_dir: Path) -> tuple[Dataset, Dataset | None]:
-    """(the rows to train on, the held-out rows to evaluate on) under the job's `evaluation`: a share of `rows` held
-    out at random with the job's seed (the same rows on every attempt), or the evaluation file from the store; at
-    most `max_samples` of them, a seeded sample. Without `evaluation`: (`rows`, None)."""
-    settings, seed = job.evaluation, job.training.seed
-    if settings is None:
-        return rows, None
-    if settings.fraction is not None:
-        if len(rows) < 2:
-            raise ValueError(f"`evaluation.fraction` needs at least 2 examples to hold some out; the dataset has "
-                             f"{len(rows)}: add examples or give an evaluation file (`evaluation.local_file`)")
-        split = rows.train_test_split(test_size=settings.fraction, seed=seed)
-        rows, held_out = split["train"], split["test"]
-    else:
-        held_out = _load_store_jsonl(store, settings.store_path, work_dir / "data" / "eval.jsonl")
-    if len(held_out) > settings.max_samples:
-        held_out = held_out.shuffle(seed=seed).select(range(settings.max_samples))
-    return rows, held_out
-
-
-def _load_store_jsonl(store: ArtifactStore, store_path: str, local_file: Path) -> Dataset:
-    local_file.parent.mkdir(parents=True, exist_ok=True)
-    local_file.write_bytes(store.read_bytes(store_path))
-    # A single JSONL file is one split, which the `json` builder names "train".
-    return load_dataset("json", data_files=str(local_file), split="train",
-                        cache_dir=str(local_file.parent.parent / "datasets-cache"))
 
 
 def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
@@ -274,8 +239,8 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
 
 def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput, revision: str | None,
                     adapter_dir: Path, wall_seconds: float, cuda: bool, fast_paths: dict[str, FastPath],
-                    plan: FastPathPlan, rows: Dataset, rewards: list[tuple[int, float]] | None = None,
-                    loss: LossRecord | None = None) -> TrainOutcome:
+                    plan: FastPathPlan, rows: Dataset, sources: list[SourceRows],
+                    rewards: list[tuple[int, float]] | None = None, loss: LossRecord | None = None) -> TrainOutcome:
     """The metrics and the reproducibility record (manifest) of a run that ended, and where its deadline
     checkpoint is when the deadline ended it."""
     device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
@@ -306,6 +271,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         loss=loss,
         cuda_version=torch.version.cuda if cuda else None,
         cuda_allocator_settings=cuda_allocator_settings() if cuda else None,
+        dataset_sources=sources,
         dataset_sha256=rows_sha256(rows),
         config_sha256=training_config_sha256(job),
     )

@@ -22,15 +22,14 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.artifacts.manifest import FastPath
 from loraflow_worker.contract import JobInput, Progress
+from loraflow_worker.training.data import evaluation_split, load_job_dataset
 from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training.packing import packed_rows_reason, packing_problem
 from loraflow_worker.training.sft_loss import SftLoss, loss_record, prepare_sft_loss
 from loraflow_worker.training.run import (
     TrainOutcome,
-    evaluation_split,
     job_workload,
-    load_job_dataset,
     load_model,
     lora_config,
     package_outcome,
@@ -49,7 +48,8 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     that passes during training stops it with the adapter trained so far (`TrainOutcome.deadline_checkpoint`)."""
     cuda = use_device()
     report(Progress(stage="loading", message=f"loading dataset and model {job.model.id}"))
-    dataset, eval_dataset = evaluation_split(load_job_dataset(job.dataset, store, work_dir), job, store, work_dir)
+    loaded = load_job_dataset(job.dataset, store, work_dir, job.training.seed)
+    dataset, eval_dataset = evaluation_split(loaded.rows, job, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
     plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
@@ -82,7 +82,7 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=dataset,
-                           loss=loss_record(job, loss, trainer.train_dataset))
+                           sources=loaded.sources, loss=loss_record(job, loss, trainer.train_dataset))
 
 
 def sft_config(job: JobInput, plan: FastPathPlan, work_dir: Path, loss: SftLoss | None = None) -> SFTConfig:
