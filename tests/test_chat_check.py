@@ -124,3 +124,13 @@ def test_a_chat_template_file_that_does_not_exist_is_refused_naming_the_field(tm
     with pytest.raises(ValueError, match=r"training.chat_template .*missing.jinja: FileNotFoundError"):
         check_chat_template_file(str(tmp_path / "missing.jinja"))
     assert check_chat_template_file("qwen3_training") is None and check_chat_template_file(None) is None
+
+
+def test_a_sharegpt_file_is_checked_as_the_chats_it_converts_to(tmp_path, tokenizer):
+    rows = [{"conversations": [{"from": "human", "value": "word " * 200}, {"from": "gpt", "value": "ok"}]}]
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    chats = first_chats(path, "sharegpt")
+    assert chats == [[{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]]
+    with pytest.raises(ValueError, match=r"example 1: no token of an assistant turn within training.max_seq_length"):
+        check_chats(chats, tokenizer, TrainingSettings(max_seq_length=64))
