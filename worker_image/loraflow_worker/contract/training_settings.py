@@ -120,6 +120,16 @@ class LoraSettings(_Strict):
         "`training.learning_rate` (the paper suggests 16; lower the learning rate a little with it). Works with every "
         "`training.optimizer`. Empty: one learning rate for all.",
     )
+    init_from: str | None = Field(
+        default=None,
+        max_length=200,
+        pattern=r"^(runs/[A-Za-z0-9._-]+|[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$",
+        description="Start from a trained adapter instead of a new one, and go on training it: an earlier run's, "
+        "`runs/<flow run id>` of this run's artifact store, or a PEFT adapter on the Hub, `<org>/<name>` (read with "
+        "the run's Hub token). Checked before renting: it exists and was trained on `model.id`. Its rank, alpha, "
+        "target modules, DoRA and rsLoRA become the run's; a `[lora]` setting given otherwise is refused, naming both. "
+        "The manifest and the model card name it.",
+    )
     modules_to_save: list[str] = Field(
         default_factory=list,
         max_length=64,
@@ -156,6 +166,12 @@ class LoraSettings(_Strict):
             raise ValueError(f"`lora.init` '{self.init}' takes an SVD of the base weights, which PEFT does only in bf16 "
                              f"or fp32, not of a 4-bit base (`lora.quantization` '4bit'): use `olora`, `default`, or "
                              f"quantization 'none'")
+        if self.init_from is not None and ".." in self.init_from.split("/"):
+            raise ValueError(f"`lora.init_from` {self.init_from!r}: name a run (`runs/<flow run id>`) or a Hub repo "
+                             "(`<org>/<name>`), not a relative path")
+        if self.init_from is not None and self.init != "default":
+            raise ValueError(f"`lora.init` '{self.init}' initialises a new adapter, but `lora.init_from` "
+                             f"({self.init_from}) starts from a trained one: remove one of them")
         if self.rewrites_base and (self.use_dora or self.modules_to_save):
             lost = "DoRA's magnitudes (`lora.use_dora`)" if self.use_dora else "the `lora.modules_to_save` weights"
             raise ValueError(f"`lora.init` '{self.init}' with {lost}: the adapter is stored converted to a plain LoRA "

@@ -45,8 +45,7 @@ from loraflow_worker.training.rewards import check_reward_columns, resolve_rewar
 from loraflow_worker.training.run import (
     TrainOutcome,
     job_workload,
-    load_model,
-    lora_config,
+    model_and_adapter,
     package_outcome,
     resolve_base_model,
     shared_trainer_args,
@@ -95,6 +94,7 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
         check_reward_columns(settings.rewards, eval_dataset.column_names)
     reward_funcs, _ = resolve_rewards(settings.rewards, store, work_dir / "reward-files")
     plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job), job.memory, job.fast_paths))
+    model, peft_config = model_and_adapter(model_path, job, plan, store, work_dir)
 
     args = grpo_config(job, plan, work_dir)
     monitor = TrainingMonitor(report, job.deadline_epoch_s,
@@ -102,13 +102,13 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     reward_log = RewardLog()
     with text_only_vllm() if args.use_vllm else contextlib.nullcontext():  # GRPOTrainer builds the vLLM engine
         trainer = GRPOTrainer(
-            model=load_model(model_path, job, plan),
+            model=model,
             reward_funcs=reward_funcs,
             args=args,
             train_dataset=dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            peft_config=lora_config(job),
+            peft_config=peft_config,
             callbacks=[monitor, reward_log, *callbacks],
         )
     fast_paths = engage_fast_paths(plan, trainer.model)

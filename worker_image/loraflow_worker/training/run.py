@@ -90,6 +90,20 @@ def load_model(model_path: Path, job: JobInput, plan: FastPathPlan) -> str | Pre
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.trainer_kwargs["gradient_checkpointing"])
 
 
+def model_and_adapter(model_path: Path, job: JobInput, plan: FastPathPlan, store: ArtifactStore,
+                      work_dir: Path) -> tuple[Any, LoraConfig | None]:
+    """The trainer's `model` and `peft_config`: the base and a new adapter's config; or, with `lora.init_from`, the
+    base with that adapter loaded trainable, and no config (TRL trains the PEFT model it is given)."""
+    if job.lora.init_from is None:
+        return load_model(model_path, job, plan), lora_config(job)
+    from loraflow_worker.training.init_from import fetch_parent_adapter, with_parent_adapter
+
+    parent = fetch_parent_adapter(job, store, work_dir)
+    # The base is loaded here with the plan's kwargs; TRL, handed a model, would only warn about them.
+    plan.trainer_kwargs.pop("model_init_kwargs", None)
+    return with_parent_adapter(load_model(model_path, job, plan), parent, plan.model_init_kwargs), None
+
+
 def lora_config(job: JobInput) -> LoraConfig:
     lora = job.lora
     return LoraConfig(

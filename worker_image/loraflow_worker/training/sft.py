@@ -30,8 +30,7 @@ from loraflow_worker.training.sft_loss import SftLoss, loss_record, prepare_sft_
 from loraflow_worker.training.run import (
     TrainOutcome,
     job_workload,
-    load_model,
-    lora_config,
+    model_and_adapter,
     package_outcome,
     resolve_base_model,
     shared_trainer_args,
@@ -58,18 +57,19 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     loss = prepare_sft_loss(job, tokenizer, store, dataset, eval_dataset)
+    model, peft_config = model_and_adapter(model_path, job, plan, store, work_dir)
     args = sft_config(job, plan, work_dir, loss)
     monitor = TrainingMonitor(report, job.deadline_epoch_s, eval_key="eval_loss" if eval_dataset is not None else None)
     saved_template = tokenizer.chat_template
     if loss.render_with is not None:
         tokenizer.chat_template = loss.render_with
     trainer = SFTTrainer(
-        model=load_model(model_path, job, plan),
+        model=model,
         args=args,
         train_dataset=loss.train,
         eval_dataset=loss.evaluation,
         processing_class=tokenizer,
-        peft_config=lora_config(job),
+        peft_config=peft_config,
         callbacks=[monitor, *callbacks],
     )
     tokenizer.chat_template = saved_template  # the data is tokenized: the adapter keeps the model's own template
