@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraflow_worker.contract import DatasetSource, EvaluationSettings, JobInput, MemorySettings, ModelSource
+from loraflow_worker.contract import (
+    DatasetSource,
+    EvaluationSettings,
+    JobInput,
+    LoraSettings,
+    MemorySettings,
+    ModelSource,
+)
 from loraflow_worker.contract.dataset_formats import mixed_format
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
@@ -74,6 +81,7 @@ from tasks.storage.artifacts import (
     publish_run_inputs_task,
 )
 from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
+from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
 from tasks.storage.publish import PublishedModel, check_publish_token, publish_run_adapter
 from tasks.storage.rewards import check_reward_files
 from tasks.storage.volume_inventory import volume_monthly_cost
@@ -150,6 +158,11 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
         secrets.result()
         model_source = model.result()
+        lora = spec.lora  # or the shape of the adapter it goes on training, which must be there and fit the model
+        if spec.lora.init_from is not None:
+            lora = adopt_parent_adapter(spec.lora, model_source, read_parent_config(
+                spec.lora.init_from, spec.artifact_store, settings.with_hub_token(spec.hub_token_secret)))
+            logger.info("Starting from the adapter %s: rank %d, alpha %d", spec.lora.init_from, lora.rank, lora.alpha)
         pinned = hub_datasets.result() if hub_sources else {}
         if spec.dataset.mix:  # the sources whose rows were read must mix; the worker judges the others as it mixes
             mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
@@ -167,7 +180,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         running += [inputs, shape_read]
         dataset_path, rewards = inputs.result()  # the rewards come back pointing at their copies
         job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
-                               rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None)
+                               rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
+                               lora=lora)
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
@@ -253,14 +267,14 @@ def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
 
 
 def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
-               rewards: list, chat_template_path: str | None = None) -> JobInput:
+               rewards: list, chat_template_path: str | None = None, lora: LoraSettings | None = None) -> JobInput:
     grpo = spec.grpo.model_copy(update={"rewards": rewards}) if spec.grpo is not None else None
     # QLoRA GRPO generates with the training model: TRL's merge of an adapter into a 4-bit base for vLLM misbehaves.
     qlora_grpo = spec.algorithm == "grpo" and spec.lora.quantization == "4bit"
     # A chat template file is read from its copy in the store (`chat_template_path`), as the dataset is.
     training = spec.training.model_copy(update={"chat_template": chat_template_path}) if chat_template_path \
         else spec.training
-    return JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset, lora=spec.lora,
+    return JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset, lora=lora or spec.lora,
                     training=training, grpo=grpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
                     extra_packages=spec.extra_packages, evaluation=_job_evaluation(spec, run_id),
                     memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None,

@@ -90,6 +90,22 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     assert "| Loss on | the answers: " in summary  # the default: the assistant turns only
 
 
+def test_a_run_from_an_earlier_runs_adapter_starts_from_a_much_lower_loss(local_stack, tiny_model, tmp_path):
+    store = tmp_path / "store"
+    first = run_train_flow(local_stack, write_run_file(tmp_path / "first.toml", name="e2e-parent", model=tiny_model,
+                                                       store=store, max_steps=30))
+    assert first.returncode == 0, first.output
+    child_file = write_run_file(tmp_path / "child.toml", name="e2e-child", model=tiny_model, store=store, max_steps=3)
+    child_file.write_text(child_file.read_text().replace("alpha = 16", f'alpha = 16\ninit_from = "runs/{first.flow_run_id}"'))
+    child = run_train_flow(local_stack, child_file)
+    assert child.returncode == 0, child.output
+    parent_metrics = json.loads((store / "runs" / first.flow_run_id / "metrics.json").read_text())
+    child_metrics = json.loads((store / "runs" / child.flow_run_id / "metrics.json").read_text())
+    assert child_metrics["first_loss"] < 0.7 * parent_metrics["first_loss"], (child_metrics, parent_metrics["losses"])
+    manifest = json.loads((store / "runs" / child.flow_run_id / "manifest.json").read_text())
+    assert manifest["job"]["lora"]["init_from"] == f"runs/{first.flow_run_id}"
+
+
 def test_failing_job_fails_the_flow_with_the_workers_error_and_still_deletes_the_endpoint(local_stack, tmp_path):
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()

@@ -308,6 +308,10 @@ def _card_body(facts: CardFacts) -> str:
     if not facts.base_is_hub_id:
         lines += [f"The base model was a local folder (`{base}`): load that model, or the Hub model it was made "
                   "from, as the base below.", ""]
+    parent = facts.lora.get("init_from")
+    if parent:
+        where = "an earlier run in the same artifact store" if str(parent).startswith("runs/") else "a Hub adapter"
+        lines += [f"Training went on from the adapter `{parent}` ({where}; `lora.init_from`).", ""]
     dataset = f"`{facts.dataset_hub_id}`" if facts.dataset_hub_id else "a JSONL file published with the run"
     if facts.dataset_mix:
         dataset = "a mix of " + ", ".join(f"{f'`{hub_id}`' if hub_id else 'a JSONL file published with the run'} "
