@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -130,7 +131,9 @@ def check_chats_task(model: ModelSource, training: TrainingSettings, files: list
     chats = [chat for path, data_format, columns in files for chat in first_chats(Path(path), data_format, columns)]
     if not chats:
         return None
-    # transformers takes a second or more to import: only a run with chats to check pays it.
+    # transformers takes a second or more to import: only a run with chats to check pays it. Without torch (the
+    # control plane's case) it would say so on import, an advisory the tokenizers do not need.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(model, Settings().with_hub_token(hub_token_secret)))
