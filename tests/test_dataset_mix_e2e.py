@@ -71,7 +71,8 @@ def test_a_mix_of_an_alpaca_and_a_sharegpt_file_trains_and_records_each_sources_
 
     run_dir = tmp_path / "store" / "runs" / run.flow_run_id
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["final_loss"] < 0.5 * metrics["first_loss"], metrics["losses"]
+    # On the answers only (the default `loss_on`): the chat template's own tokens, learnt first, do not count.
+    assert metrics["final_loss"] < 0.65 * metrics["first_loss"], metrics["losses"]
     alpaca, sharegpt = json.loads((run_dir / "manifest.json").read_text())["dataset_sources"]
     assert (alpaca["source"], alpaca["format"], alpaca["fraction"]) == (
         f"dataset.mix[0] (file runs/{run.flow_run_id}/dataset/mix-0.jsonl)", "alpaca", 0.4)

@@ -21,7 +21,9 @@ from tests.conftest import prefect_api
 REPO = Path(__file__).resolve().parent.parent
 DOCKER_PREFECT_FILE = REPO / "deployments" / "docker" / "prefect.yaml"
 DOCKER_POOL = "loraflow-docker"
-TRAINING_STACK = {"torch", "transformers", "trl", "peft", "accelerate", "datasets", "vllm", "runpod"}
+TRAINING_STACK = {"torch", "trl", "peft", "accelerate", "datasets", "vllm", "runpod"}
+"""transformers is not among them: without torch the control plane uses its tokenizers only (the first chats, rendered
+before renting)."""
 
 
 def load(path: Path) -> dict:

@@ -120,11 +120,11 @@ def test_the_summary_links_each_trackers_run_or_its_stored_files():
 
 
 def test_the_summary_says_which_tokens_carried_the_loss():
-    loss = {"loss_on": "completion", "masked_by": "the chat template's {% generation %} markers",
+    loss = {"loss_on": "completion", "masked_by": "the chat template's generation markers",
             "chat_template": "the model's own chat template", "token_share": 0.156}
     report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
                        endpoint_name="loraflow-demo-abc-a1", metrics=METRICS, cost_ceiling_usd=0.35,
                        estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter", store_url="file:///s",
                        loss=loss)
-    assert ("| Loss on | the answers: 16% of the training tokens (masked by the chat template's {% generation %} "
+    assert ("| Loss on | the answers: 16% of the training tokens (masked by the chat template's generation "
             "markers; the model's own chat template) |") in summary_markdown(report)

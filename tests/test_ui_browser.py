@@ -249,11 +249,14 @@ def pid_alive(pid: int) -> bool:
 
 
 def spec_descriptions(model, prefix: str = ""):
-    """(dotted path, description) of every field of `model` and of the models nested in it."""
+    """(dotted path, description) of every field of `model` and of the models nested in it. The fields of a list's
+    items (`dataset.mix`) are not among them: the form shows them once an item is added, the list's own description
+    before."""
     for name, field in model.model_fields.items():
         yield prefix + name, field.description
+        if getattr(field.annotation, "__origin__", None) is list:
+            continue
         for nested in getattr(field.annotation, "__args__", None) or (field.annotation,):
-            nested = next(iter(getattr(nested, "__args__", ())), nested)  # list[Model] -> Model
             if isinstance(nested, type) and hasattr(nested, "model_fields"):
                 yield from spec_descriptions(nested, f"{prefix}{name}.")
 

@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.contract import ModelSource, TrainingSettings, trl_training_template
 from loraflow_worker.contract.dataset_formats import to_trl_row
 from loraflow_worker.training.loss_mask import ChatTemplate, LossMaskError, check_first_chats, has_generation_markers, \
@@ -110,7 +111,7 @@ def chat_template(tokenizer: Any, training: TrainingSettings, template_file: Pat
     if own is None:
         return None
     if has_generation_markers(own) or trl_training_template(own) is None:
-        marks = "" if has_generation_markers(own) else " (no {% generation %} markers, no TRL training version)"
+        marks = "" if has_generation_markers(own) else " (no generation markers, no TRL training version)"
         return ChatTemplate(own, f"the model's own chat template{marks}")
     return None
 
@@ -136,7 +137,14 @@ def check_chats_task(model: ModelSource, training: TrainingSettings, files: list
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(model, Settings().with_hub_token(hub_token_secret)))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(model, Settings().with_hub_token(hub_token_secret)))
+    except (OSError, ValueError, HfHubHTTPError) as e:
+        # As the memory plan's read of config.json: a check that cannot run leaves it to the worker.
+        get_run_logger().warning("The first chats were not checked before renting: %s's tokenizer could not be read "
+                                 "(%s: %s); the worker checks them as it starts", model.id, type(e).__name__,
+                                 str(e)[:300])
+        return None
     found = check_chats(chats, tokenizer, training, Path(template_file) if template_file else None)
     get_run_logger().info("Loss on the %s: %s", training.loss_on, found.describe())
     return found

@@ -67,7 +67,7 @@ def chat_template(job: JobInput, tokenizer: PreTrainedTokenizerBase, store: Arti
     trained = trl_training_template(own)
     if trained is not None:
         return ChatTemplate(trl_template(trained), f"TRL's `{trained}`, the training version of the model's template")
-    return ChatTemplate(own, "the model's own chat template (no {% generation %} markers, no TRL training version)")
+    return ChatTemplate(own, "the model's own chat template (no generation markers, no TRL training version)")
 
 
 def prepare_sft_loss(job: JobInput, tokenizer: PreTrainedTokenizerBase, store: ArtifactStore, train: Dataset,
@@ -99,7 +99,7 @@ def prepare_sft_loss(job: JobInput, tokenizer: PreTrainedTokenizerBase, store: A
     if template.masking == "markers":
         # TRL renders with the tokenizer's template and masks by its markers (`assistant_only_loss`).
         return SftLoss(dict(assistant_only_loss=True, completion_only_loss=False), train, evaluation, template,
-                       "the chat template's {% generation %} markers", render_with=template.text)
+                       "the chat template's generation markers", render_with=template.text)
     return SftLoss(dict(assistant_only_loss=False, completion_only_loss=False), _masked(train, tokenizer, template),
                    _masked(evaluation, tokenizer, template) if evaluation is not None else None, template,
                    "each assistant turn's rendered prefix")
