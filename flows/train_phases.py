@@ -33,7 +33,7 @@ from loraflow_worker.contract import (
 from loraflow_worker.contract.dataset_formats import mixed_format
 from loraflow_worker.memory.model_shape import ModelShape
 from loraflow_worker.memory.plan import MemoryPlan, plan_job
-from loraflow_worker.training.packing import packing_problem
+from loraflow_worker.dataset.packing import packing_problem
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait

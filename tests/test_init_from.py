@@ -11,6 +11,7 @@ from loraflow_worker.contract import LoraSettings, ModelSource
 from tasks.settings import Settings
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
 from tasks.storage.publish import CardFacts, model_card
+from tests.hub_fixture import hub  # noqa: F401
 
 BASE = ModelSource(id="/models/tiny", revision=None)
 CONFIG = {"base_model_name_or_path": "/models/tiny", "r": 8, "lora_alpha": 16, "use_dora": False,
@@ -49,3 +50,17 @@ def test_the_model_card_names_the_parent_adapter():
     card = model_card(facts)
     assert "Training went on from the adapter `runs/r1` (an earlier run in the same artifact store" in card
     assert "| lora.init_from | `runs/r1` |" in card
+
+
+def test_a_hub_adapters_config_is_read_with_the_runs_token_and_a_missing_repo_refused(hub):  # noqa: F811
+    from huggingface_hub import HfApi
+    from pydantic import SecretStr
+
+    settings = Settings(hf_endpoint=hub.url, hf_token=SecretStr(hub.token))
+    api = HfApi(endpoint=hub.url, token=hub.token)
+    api.create_repo("acme/parent-lora")
+    api.upload_file(repo_id="acme/parent-lora", path_or_fileobj=json.dumps(CONFIG).encode(),
+                    path_in_repo="adapter_config.json", commit_message="adapter")
+    assert read_parent_config("acme/parent-lora", "file:///unused", settings) == CONFIG
+    with pytest.raises(ValueError, match=r"lora.init_from 'acme/no-such-lora': no adapter there in the Hub"):
+        read_parent_config("acme/no-such-lora", "file:///unused", settings)

@@ -1,5 +1,5 @@
 """A chat SFT run's first examples, rendered and masked before renting as the worker will train them
-(`loraflow_worker.training.loss_mask`): a run whose loss would be on no token of an answer is refused here, naming
+(`loraflow_worker.dataset.loss_mask`): a run whose loss would be on no token of an answer is refused here, naming
 `training.loss_on`, `training.chat_template` and the fix, instead of failing on a rented GPU.
 
 The tokenizer is the model's own (its files at the run's pinned commit), read by the image's transformers version;
@@ -24,7 +24,7 @@ from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.contract import ModelSource, TrainingSettings, trl_training_template
 from loraflow_worker.contract.dataset_formats import to_trl_row
-from loraflow_worker.training.loss_mask import ChatTemplate, LossMaskError, check_first_chats, has_generation_markers, \
+from loraflow_worker.dataset.loss_mask import ChatTemplate, LossMaskError, check_first_chats, has_generation_markers, \
     refusal
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE

@@ -3,6 +3,7 @@ image's command); the rest is grouped by concern:
 
 - `contract`: the job contract with the control plane (light: the control plane imports it);
 - `training`: the training body, one module per method (`sft`, `grpo`) on the code they share;
+- `dataset`: a run's training rows: loaded, converted to TRL's formats and mixed, masked for the loss, packing's limits;
 - `memory`: how much GPU memory a run needs (the planner the control plane shares) and out-of-memory failures;
 - `artifacts`: the artifact store, the run manifest, the adapter check;
 - `runtime`: the worker process around its jobs (supervisor, lifetime, environment, packages, CUDA check, the

@@ -17,7 +17,7 @@ from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.contract import DatasetSource, JobInput
 from loraflow_worker.contract.dataset_formats import to_trl_row
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
-from loraflow_worker.training.data import evaluation_split, load_job_dataset
+from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
 from loraflow_worker.training.sft import train_sft
 
 from tests.hub_fixture import running_hub
@@ -153,7 +153,7 @@ def test_a_hub_datasets_config_and_revision_choose_what_load_dataset_loads(tmp_p
         source = DatasetSource(hub_id="org/levels", config="hard", revision=first, format="alpaca")
         code = ("import json, sys\nfrom loraflow_worker.artifacts import FileStore\n"
                 "from loraflow_worker.contract import DatasetSource\n"
-                "from loraflow_worker.training.data import load_job_dataset\n"
+                "from loraflow_worker.dataset.loading import load_job_dataset\n"
                 "loaded = load_job_dataset(DatasetSource.model_validate_json(sys.argv[1]), FileStore(sys.argv[2]), "
                 "FileStore(sys.argv[2]).root, seed=42)\n"
                 "print(json.dumps([loaded.rows.to_list(), loaded.sources[0].source]))\n")

@@ -25,7 +25,7 @@ from loraflow_worker.training.grpo import train_grpo
 from loraflow_worker.artifacts.manifest import rows_sha256
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.monitor import TrainingMonitor
-from loraflow_worker.training.data import evaluation_split, load_job_dataset
+from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
 from loraflow_worker.training.run import TrainOutcome
 
 SFT_STEPS, SFT_EVERY = 20, 10

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import TRL_TRAINING_TEMPLATES, JobInput
 from loraflow_worker.self_test.tiny_model import CHAT_TEMPLATE
-from loraflow_worker.training.loss_mask import ChatTemplate, LossMaskError, check_first_chats, mask_chat
+from loraflow_worker.dataset.loss_mask import ChatTemplate, LossMaskError, check_first_chats, mask_chat
 from loraflow_worker.training.sft import train_sft
 from loraflow_worker.training.sft_loss import chat_template, trl_template
 

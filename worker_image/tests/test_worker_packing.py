@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
-from loraflow_worker.training.loss_mask import ChatTemplate, mask_chat
-from loraflow_worker.training.packing import packing_problem
+from loraflow_worker.dataset.loss_mask import ChatTemplate, mask_chat
+from loraflow_worker.dataset.packing import packing_problem
 from loraflow_worker.training.sft import PackedRows, train_sft
 
 CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]

@@ -32,7 +32,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
-from loraflow_worker.training.data import evaluation_split, load_job_dataset
+from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
 from loraflow_worker.training.fast_paths import (
     VLLM_TEXT_ONLY,
     FastPathPlan,

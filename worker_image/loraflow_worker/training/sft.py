@@ -2,7 +2,7 @@
 
 Straight-line, like `trl/scripts/sft.py`: load data (holding evaluation examples out, when asked) → the loss put
 on what `training.loss_on` names (`sft_loss`) → load model → `SFTTrainer` with a PEFT `LoraConfig`, packing the
-examples when asked (`packing`) → train, evaluating the loss on the held-out examples → save the adapter. The same
+examples when asked (`dataset.packing`, `PackedRows`) → train, evaluating the loss on the held-out examples → save the adapter. The same
 code runs on CUDA (bf16) and on CPU (tests, local demo) with the GPU-only paths switched off; the manifest records
 which were in effect.
 Publishing to the artifact store is the handler's job.
@@ -22,10 +22,10 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.artifacts.manifest import FastPath
 from loraflow_worker.contract import JobInput, Progress
-from loraflow_worker.training.data import evaluation_split, load_job_dataset
+from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
 from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
-from loraflow_worker.training.packing import packed_rows_reason, packing_problem
+from loraflow_worker.dataset.packing import packed_rows_reason, packing_problem
 from loraflow_worker.training.sft_loss import SftLoss, loss_record, prepare_sft_loss
 from loraflow_worker.training.run import (
     TrainOutcome,

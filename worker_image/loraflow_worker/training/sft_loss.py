@@ -1,7 +1,7 @@
 """SFT's loss in the worker: the chat template a run's chats are rendered with, the TRL settings and the data that put
 the loss on the tokens `training.loss_on` names, and the share of tokens that carried it (the manifest's `loss`).
 
-The mask itself (`loss_mask`) is the control plane's too: what it checked on the run's first examples before renting
+The mask itself (`loraflow_worker.dataset.loss_mask`) is the control plane's too: what it checked on the run's first examples before renting
 is what training does here.
 """
 
@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.artifacts.manifest import LossRecord
 from loraflow_worker.contract import JobInput, trl_training_template
-from loraflow_worker.training.loss_mask import ChatTemplate, LossMaskError, check_first_chats, has_generation_markers, \
+from loraflow_worker.dataset.loss_mask import ChatTemplate, LossMaskError, check_first_chats, has_generation_markers, \
     mask_chat, refusal
 
 CHECKED_EXAMPLES = 20

@@ -1,7 +1,7 @@
 """Packing (`training.packing`): which models it is refused for, and what the manifest says of it.
 
 TRL packs tokenized examples into rows of `max_length` tokens (best-fit decreasing); the worker hands the model a
-batch of those rows with each example's positions restarting at 0 and no attention mask (`sft.PackedRows`), from
+batch of those rows with each example's positions restarting at 0 and no attention mask (`training.sft.PackedRows`), from
 which transformers builds a block-diagonal causal mask (`masking_utils.find_packed_sequence_indices`), so no token
 attends across examples. A Gated-DeltaNet hybrid's linear-attention layers (their recurrence and short convolution)
 read no positions: they would need the boundaries as `cu_seqlens`/`seq_idx`, which only flash-linear-attention's and
