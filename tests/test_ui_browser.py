@@ -113,9 +113,12 @@ def pages(local_stack, chromium, served, finished_run, figures):
                               until="Parameters"),
         "run": open_page(f"{ui}/runs/flow-run/{finished_run}", OUT / "run.png", until="Completed"),
     }
+    # Loaded until the artifact's body shows, not its title alone: a loaded machine can leave the markdown unrendered.
+    bodies = {"progress": "completed: step", "summary": "Cost before (worst case)"}
     for kind in ("progress", "summary", "metrics"):
         found = artifact(local_stack, finished_run, kind)
-        opened[kind] = open_page(f"{ui}/artifacts/artifact/{found['id']}", OUT / f"{kind}.png", until=found["key"])
+        opened[kind] = open_page(f"{ui}/artifacts/artifact/{found['id']}", OUT / f"{kind}.png",
+                                 until=bodies.get(kind, found["key"]))
     for name, page in opened.items():
         figures(f"UI {name}: {page.screenshot}  ({page.url})")
     return opened
