@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset
-from transformers import AutoConfig, AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -51,9 +51,10 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     dataset, eval_dataset = evaluation_split(loaded.rows, job, store, work_dir)
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
-    plan = plan_fast_paths(gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths))
-    if job.training.packing and (problem := packing_problem(AutoConfig.from_pretrained(model_path).model_type)):
+    facts = gather_facts(model_path, "sft", job_workload(job), job.memory, job.fast_paths)
+    if job.training.packing and (problem := packing_problem(facts.model_type)):
         raise ValueError(problem)
+    plan = plan_fast_paths(facts)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     loss = prepare_sft_loss(job, tokenizer, store, dataset, eval_dataset)
