@@ -41,7 +41,8 @@ WORKER_WARM := import torch, transformers, trl, peft, accelerate, datasets, runp
 	from transformers import AutoModelForCausalLM, AutoTokenizer; from transformers.models.qwen3 import modeling_qwen3; \
 	from trl import SFTConfig, SFTTrainer, GRPOConfig, GRPOTrainer
 CONTROL_PLANE_WARM := import prefect, prefect.cli, prefect.server.api.server, prefect_redis, prefect_docker, \
-	httpx, fastapi, uvicorn, jsonschema, huggingface_hub, matplotlib.pyplot, pytest
+	httpx, fastapi, uvicorn, jsonschema, huggingface_hub, matplotlib.pyplot, pytest, tokenizers, jinja2.sandbox; \
+	from transformers import AutoTokenizer
 WITH_BYTECODE := env -u PYTHONDONTWRITEBYTECODE
 # The interpreter $(PYTHON) names, resolved (a pyenv shim or a bare `python3` becomes the real one).
 PYTHON_EXE = $$($(PYTHON) -c 'import sys; print(sys.executable)')

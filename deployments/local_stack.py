@@ -47,6 +47,12 @@ PREFECT_SERVER_ENV = {
     # The volumes flow's and the secrets' retention read use events; Prefect forgets events after 7 days by
     # default, which would keep every volume unused for longer than that out of the 14-day retention's reach.
     "PREFECT_SERVER_EVENTS_RETENTION_PERIOD": "P30D",
+    # Prefect's task run recorder writes each task run event in its own transaction by default. On SQLite a slot
+    # request (a read, then a write, in one deferred transaction) that meets one of those writes fails SQLITE_BUSY,
+    # the server answers 503 and the client asks again 2 s later: after a run's burst of checks that was most runs'
+    # slot (bench/overhead.py: 2.6 s before the job, 0.6 s without). Batched, task runs show in the UI ≤ 1 s later.
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
 }
 SERVER_START_TIMEOUT_S = 240  # ~20 s on a fresh database; over 120 s seen on a loaded 2-core machine
 

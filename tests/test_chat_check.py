@@ -1,11 +1,14 @@
-"""Before renting, a chat SFT run's first examples are rendered by the model's own tokenizer (read by the image's
-transformers) and masked as the worker will: a run whose loss would be on no answer is refused naming
-`training.loss_on`, `training.chat_template` and the fix; a Hub model's tokenizer comes from its pinned commit."""
+"""Before renting, a chat SFT run's first examples are rendered by the model's own tokenizer and masked as the worker
+will: a run whose loss would be on no answer is refused naming `training.loss_on`, `training.chat_template` and the
+fix; a Hub model's tokenizer comes from its pinned commit. A pass needs no transformers import; a refusal is
+transformers' own."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ from pydantic import SecretStr
 from transformers import AutoTokenizer
 
 from tasks.placement.plan import resolve_model
-from tasks.preflight.chats import check_chats, first_chats, tokenizer_folder
+from tasks.preflight.chat_tokenizer import ChatTokenizer
+from tasks.preflight.chats import UnreadableTokenizer, check_chats, check_chats_in, first_chats, tokenizer_folder
 from tasks.settings import Settings
 from tests.conftest import DATASET
 from tests.hub_fixture import HubStandIn, hub  # noqa: F401
@@ -134,3 +138,35 @@ def test_a_sharegpt_file_is_checked_as_the_chats_it_converts_to(tmp_path, tokeni
     assert chats == [[{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]]
     with pytest.raises(ValueError, match=r"example 1: no token of an assistant turn within training.max_seq_length"):
         check_chats(chats, tokenizer, TrainingSettings(max_seq_length=64))
+
+
+def test_a_passing_check_reads_the_tokenizer_without_importing_transformers(tiny_model):
+    script = ("import sys; from pathlib import Path; from loraflow_worker.contract import TrainingSettings; "
+              "from tasks.preflight.chats import check_chats_in, first_chats; "
+              f"found = check_chats_in(Path({str(tiny_model)!r}), first_chats(Path({str(DATASET)!r})), "
+              "TrainingSettings()); print(found.token_share, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+    expected = check_chats(CHATS, AutoTokenizer.from_pretrained(tiny_model), TrainingSettings()).token_share
+    assert out == [str(expected), "False"]
+
+
+def test_what_the_fast_path_cannot_pass_is_judged_by_transformers(tiny_model, monkeypatch):
+    def differs(*args, **kwargs):
+        raise RuntimeError("a rendering the fast path gets wrong")
+
+    monkeypatch.setattr(ChatTokenizer, "apply_chat_template", differs)
+    found = check_chats_in(tiny_model, CHATS, TrainingSettings())
+    assert found == check_chats(CHATS, AutoTokenizer.from_pretrained(tiny_model), TrainingSettings())
+
+
+def test_a_refusal_of_the_fast_path_stands_when_transformers_refuses_too(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match=r"example 1: the model's own chat template \(no generation markers, no TRL "
+                                         r"training version\) renders turn 2 \(assistant\) differently"):
+        check_chats_in(with_template(tiny_model, tmp_path / "m", REWRITING), [MULTI_TURN], TrainingSettings())
+
+
+def test_a_tokenizer_transformers_cannot_read_leaves_the_check_to_the_worker(tiny_model, tmp_path):
+    folder = with_template(tiny_model, tmp_path / "m", None)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(UnreadableTokenizer):
+        check_chats_in(folder, CHATS, TrainingSettings())

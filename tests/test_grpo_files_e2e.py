@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from deployments.local_stack import PREFECT_SERVER_ENV
 from tests.conftest import DATASET, REPO, FlowRun, prefect_api, run_train_flow
 from tests.test_crash_recovery_e2e import flow_env
 from tests.test_train_e2e import flow_run_state, run_endpoints
@@ -105,6 +106,8 @@ def run_watching_endpoints(stack, run_file: Path, label: str, log: Path, timeout
 def prefect_records(stack, flow_run_id: str) -> str:
     """Everything the Prefect server holds of a flow run, as its REST API answers: the flow run (parameters
     included), its task runs, its logs (every page) and its artifacts."""
+    # The server records task runs in batches (the local stack's recorder flush interval): let the last one land.
+    time.sleep(float(PREFECT_SERVER_ENV["PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL"]) + 0.5)
     runs = {"flow_runs": {"id": {"any_": [flow_run_id]}}}
     texts = [prefect_api(stack, "POST", "/flow_runs/filter", json=runs).text,
              prefect_api(stack, "POST", "/task_runs/filter", json=runs).text,

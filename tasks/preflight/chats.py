@@ -2,7 +2,8 @@
 (`loraflow_worker.dataset.loss_mask`): a run whose loss would be on no token of an answer is refused here, naming
 `training.loss_on`, `training.chat_template` and the fix, instead of failing on a rented GPU.
 
-The tokenizer is the model's own (its files at the run's pinned commit), read by the image's transformers version;
+The tokenizer is the model's own (its files at the run's pinned commit): read from its `tokenizer.json` without
+transformers first (`chat_tokenizer`), and by the image's transformers version before anything is refused;
 the template is the one the worker picks (`training.chat_template`, else the model's own where it marks the assistant
 turns, else TRL's training version of it, else the model's own masked by each turn's prefix). TRL's training templates
 are TRL's to keep right and are not rendered here (the control plane has no TRL): the worker checks those chats as it
@@ -29,6 +30,7 @@ from loraflow_worker.dataset.loss_mask import ChatTemplate, LossMaskError, check
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.preflight.chat_tokenizer import ChatTokenizer
 from tasks.settings import Settings
 
 CHECKED_EXAMPLES = 20
@@ -99,6 +101,33 @@ def check_chats(chats: list[list[dict[str, Any]]], tokenizer: Any, training: Tra
     return ChatCheck(len(chats), share, template.source)
 
 
+class UnreadableTokenizer(OSError):
+    """The model's tokenizer files are there but transformers cannot build a tokenizer from them."""
+
+
+def check_chats_in(folder: Path, chats: list[list[dict[str, Any]]], training: TrainingSettings,
+                   template_file: Path | None = None) -> ChatCheck:
+    """`check_chats` with the tokenizer in `folder`. A pass of the fast path (`ChatTokenizer`, no transformers
+    import) is taken; whatever else it finds, a refusal included, is judged again with transformers' own tokenizer,
+    the one training uses. `UnreadableTokenizer` when transformers cannot read it."""
+    try:
+        light = ChatTokenizer.read(folder)
+        if light is not None:
+            return check_chats(chats, light, training, template_file)
+    except Exception:  # noqa: BLE001, S110 - whatever stopped the fast path, transformers judges the run below
+        pass
+    # transformers takes a second or more to import. Without torch (the control plane's case) it would say so on
+    # import, an advisory the tokenizers do not need.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise UnreadableTokenizer(f"{type(e).__name__}: {e}") from e
+    return check_chats(chats, tokenizer, training, template_file)
+
+
 def chat_template(tokenizer: Any, training: TrainingSettings, template_file: Path | None) -> ChatTemplate | None:
     """The template the worker renders with when it is one to render here; None when it is TRL's (a training template
     named by `training.chat_template`, or TRL's training version of the model's own) or the model has none."""
@@ -132,19 +161,22 @@ def check_chats_task(model: ModelSource, training: TrainingSettings, files: list
     chats = [chat for path, data_format, columns in files for chat in first_chats(Path(path), data_format, columns)]
     if not chats:
         return None
-    # transformers takes a second or more to import: only a run with chats to check pays it. Without torch (the
-    # control plane's case) it would say so on import, an advisory the tokenizers do not need.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(model, Settings().with_hub_token(hub_token_secret)))
+        folder = tokenizer_folder(model, Settings().with_hub_token(hub_token_secret))
     except (OSError, ValueError, HfHubHTTPError) as e:
-        # As the memory plan's read of config.json: a check that cannot run leaves it to the worker.
-        get_run_logger().warning("The first chats were not checked before renting: %s's tokenizer could not be read "
-                                 "(%s: %s); the worker checks them as it starts", model.id, type(e).__name__,
-                                 str(e)[:300])
+        _not_checked(model, e)
         return None
-    found = check_chats(chats, tokenizer, training, Path(template_file) if template_file else None)
+    try:
+        found = check_chats_in(folder, chats, training, Path(template_file) if template_file else None)
+    except UnreadableTokenizer as e:
+        _not_checked(model, e.__cause__ or e)
+        return None
     get_run_logger().info("Loss on the %s: %s", training.loss_on, found.describe())
     return found
+
+
+def _not_checked(model: ModelSource, error: BaseException) -> None:
+    # As the memory plan's read of config.json: a check that cannot run leaves it to the worker.
+    get_run_logger().warning("The first chats were not checked before renting: %s's tokenizer could not be read "
+                             "(%s: %s); the worker checks them as it starts", model.id, type(error).__name__,
+                             str(error)[:300])
