@@ -1,7 +1,8 @@
 """Check that this environment (an image, a GPU box) can train: every fast-path package imports, and a short
-SFT job (recorded by W&B offline and an MLflow file store) and a short GRPO job run through the real handler on a
-tiny model built offline, between them with every schedule, optimizer and adapter setting that needs more of the
-image than the defaults (bitsandbytes' 8-bit AdamW, DoRA, rsLoRA, LoRA+, `modules_to_save`, PiSSA).
+SFT job (recorded by W&B offline and an MLflow file store), a packed one on ShareGPT rows, one on Alpaca rows that goes
+on training the packed job's adapter (`lora.init_from`) and a short GRPO job run through the real handler on a tiny
+model built offline, between them with every schedule, optimizer and adapter setting that needs more of the image than
+the defaults (bitsandbytes' 8-bit AdamW, DoRA, rsLoRA, LoRA+, `modules_to_save`, PiSSA).
 
     python -m loraflow_worker.self_test                 # inside the image: `docker run --rm IMAGE python -m ...`
     python -m loraflow_worker.self_test --steps 8
@@ -54,7 +55,7 @@ def import_fast_path_packages() -> dict[str, str | None]:
 
 
 def run_jobs(root: Path, steps: int) -> dict[str, dict]:
-    """One SFT and one GRPO job through `handler` on a tiny model; algorithm -> the job's result."""
+    """Three SFT jobs and a GRPO job through `handler` on a tiny model; job name -> the job's result."""
     from loraflow_worker.contract import CONTRACT_VERSION
     from loraflow_worker.handler import WORK_DIR_ENV, handler
     from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
@@ -62,41 +63,59 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
     model = build_tiny_model(root / "tiny-model", corpus_from_jsonl([DEFAULT_CORPUS]))
     store = root / "store"
     os.environ[WORK_DIR_ENV] = str(root / "work")
-    # Between them, the two jobs train with every schedule, optimizer and adapter setting that needs more of the image
-    # than the default (bitsandbytes' optimizers, DoRA, LoRA+, PiSSA's conversion).
+    # Between them, the jobs train with every schedule, optimizer and adapter setting that needs more of the image
+    # than the default (bitsandbytes' optimizers, DoRA, LoRA+, PiSSA's conversion), with packing, with the shipped
+    # chats as ShareGPT and Alpaca files, and from an earlier job's adapter.
     jobs = {
         # Both trackers, with no credentials and no network: W&B offline and an MLflow file store.
         "sft": {"training": {"max_steps": steps, "learning_rate": 1e-2, "batch_size": 8,
                              "report_to": ["wandb", "mlflow"], "lr_scheduler": "cosine", "warmup_ratio": 0.25,
                              "weight_decay": 0.01, "max_grad_norm": 0.5, "optimizer": "adamw_8bit"},
                 "lora": {"use_dora": True, "use_rslora": True, "loraplus_lr_ratio": 4, "modules_to_save": ["lm_head"]}},
+        "sft-packed": {"training": {"max_steps": steps, "learning_rate": 1e-2, "batch_size": 8, "packing": True},
+                       "dataset": {"format": "sharegpt"}},
+        "sft-continued": {"training": {"max_steps": steps, "learning_rate": 1e-2, "batch_size": 8},
+                          "dataset": {"format": "alpaca"}, "lora": {"init_from": "runs/self-test-sft-packed"}},
         "grpo": {"algorithm": "grpo",
                  "training": {"max_steps": steps, "learning_rate": 3e-2, "batch_size": 8, "seed": 42,
                               "lr_scheduler": "constant_with_warmup", "warmup_ratio": 0.25},
                  "grpo": {"num_generations": 4, "max_completion_length": 12, "rewards": [{"name": "digit_fraction"}]},
                  "lora": {"init": "pissa"}},
     }
+    rows = [json.loads(line) for line in DEFAULT_CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
     results = {}
-    for algorithm, settings in jobs.items():
-        run_id = f"self-test-{algorithm}"
+    for name, settings in jobs.items():
+        run_id = f"self-test-{name}"
         dataset = f"runs/{run_id}/dataset/train.jsonl"
         (store / dataset).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(DEFAULT_CORPUS, store / dataset)
+        data_format = settings.get("dataset", {}).get("format", "auto")
+        (store / dataset).write_text("".join(json.dumps(_as(data_format, row)) + "\n" for row in rows), encoding="utf-8")
         job_input = {"contract_version": CONTRACT_VERSION, "run_id": run_id, "model": {"id": str(model)},
-                     "dataset": {"store_path": dataset}, "artifact_store": store.as_uri(), **settings}
+                     "artifact_store": store.as_uri(), **settings,
+                     "dataset": {**settings.get("dataset", {}), "store_path": dataset}}
         started = time.monotonic()
-        results[algorithm] = handler({"id": f"job-{run_id}", "input": job_input})
+        results[name] = handler({"id": f"job-{run_id}", "input": job_input})
         manifest = json.loads((store / "runs" / run_id / "manifest.json").read_text())
-        metrics = results[algorithm]["metrics"]
-        engaged = sorted(name for name, path in manifest.get("fast_paths", {}).items() if path.get("engaged"))
-        print(f"{algorithm} job completed in {time.monotonic() - started:.0f} s: {metrics['steps']} steps, "
+        metrics = results[name]["metrics"]
+        engaged = sorted(path for path, state in manifest.get("fast_paths", {}).items() if state.get("engaged"))
+        print(f"{name} job completed in {time.monotonic() - started:.0f} s: {metrics['steps']} steps, "
               f"{_trend(metrics)}, device {metrics.get('device')}, engaged: {', '.join(engaged) or 'none'}", flush=True)
+        if settings["training"].get("packing") and "packing" not in engaged:
+            raise RuntimeError(f"the {name} job asked for packing and its manifest says packing did not engage")
+        parent = settings.get("lora", {}).get("init_from")
+        if parent is not None:  # trained on the same answers, an adapter that went on training starts lower
+            parent_first = results[parent.removeprefix("runs/self-test-")]["metrics"]["first_loss"]
+            print(f"{name} job started from {parent}'s adapter at loss {metrics['first_loss']:.3f} (that job started "
+                  f"at {parent_first:.3f})", flush=True)
+            if not metrics["first_loss"] < parent_first:
+                raise RuntimeError(f"the {name} job started from {parent} at no lower a loss than that job did: the "
+                                   "adapter was not loaded")
         asked = settings["training"].get("report_to", [])
-        recorded = {t["tracker"]: t for t in results[algorithm]["trackers"] if t.get("store_path")}
+        recorded = {t["tracker"]: t for t in results[name]["trackers"] if t.get("store_path")}
         if sorted(recorded) != sorted(asked):
-            raise RuntimeError(f"the {algorithm} job asked trackers {asked} and recorded to {sorted(recorded)}")
+            raise RuntimeError(f"the {name} job asked trackers {asked} and recorded to {sorted(recorded)}")
         for tracker in recorded.values():
-            print(f"{algorithm} job tracked by {tracker['tracker']}: run {tracker['run_id']}, stored at "
+            print(f"{name} job tracked by {tracker['tracker']}: run {tracker['run_id']}, stored at "
                   f"{tracker['store_path']}", flush=True)
     return results
 
@@ -127,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("self test: ok", flush=True)
     return 0
+
+
+def _as(data_format: str, row: dict) -> dict:
+    """A row of the shipped chats (one user turn, one answer) as the dataset format names it."""
+    if data_format == "sharegpt":
+        speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+        return {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in row["messages"]]}
+    if data_format == "alpaca":
+        turns = {m["role"]: m["content"] for m in row["messages"]}
+        return {"instruction": turns["user"], "input": "", "output": turns["assistant"]}
+    return row
 
 
 def _trend(metrics: dict) -> str:
