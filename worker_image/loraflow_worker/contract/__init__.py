@@ -18,6 +18,7 @@ control plane imports it without the training stack.
 """
 
 from loraflow_worker.contract.chat_templates import TRL_TRAINING_TEMPLATES, trl_training_template
+from loraflow_worker.contract.dpo_settings import DpoSettings, dpo_setting_problems
 from loraflow_worker.contract.env_names import (
     ENV_NAME_PATTERN,
     MAX_WORKER_ENV,
@@ -42,6 +43,8 @@ from loraflow_worker.contract.training_settings import (
 from loraflow_worker.contract.version import CONTRACT_VERSION
 
 __all__ = [
+    "DpoSettings",
+    "dpo_setting_problems",
     "CONTRACT_VERSION",
     "ENV_NAME_PATTERN",
     "FORCIBLE_FAST_PATHS",

@@ -5,7 +5,8 @@ file, the first lines of a Hub dataset's JSONL file) before anything is rented, 
 (`Dataset.map`) before training, so that TRL and everything after it see TRL's formats only.
 
 - `auto`: the rows already are in one of TRL's conversational formats (`messages`; `prompt` and `completion`;
-  prompt-only `prompt`, for GRPO); `columns` may rename the dataset's own columns to those names.
+  prompt-only `prompt`, for GRPO; `prompt`, `chosen` and `rejected`, for DPO); `columns` may rename the dataset's
+  own columns to those names.
 - `alpaca`: `instruction`, optional `input`, `output`, optional `system`. Becomes a conversational prompt-completion
   row: the prompt is the system turn (when given) and one user turn, the instruction followed by the input after a
   blank line (as Alpaca's own template puts `### Input:` after `### Instruction:`); the completion is the output as
@@ -28,7 +29,7 @@ from typing import Any, Literal
 DatasetFormat = Literal["auto", "alpaca", "sharegpt"]
 
 FORMAT_NAMES: dict[str, tuple[str, ...]] = {
-    "auto": ("messages", "prompt", "completion"),
+    "auto": ("messages", "prompt", "completion", "chosen", "rejected"),
     "alpaca": ("instruction", "input", "output", "system"),
     "sharegpt": ("conversations", "from", "value"),
 }
@@ -48,15 +49,20 @@ TRL_FORMATS = {
     "prompt-completion": '{"prompt": [{"role": ..., "content": ...}, ...], "completion": [{"role": "assistant", '
                          '"content": ...}]}',
     "prompt-only": '{"prompt": [{"role": ..., "content": ...}, ...], <extra columns for the rewards, e.g. "answer">}',
+    "preference": '{"prompt": [{"role": ..., "content": ...}, ...], "chosen": [{"role": "assistant", "content": ...}], '
+                  '"rejected": [{"role": "assistant", "content": ...}]} (or the three as plain text)',
 }
 """TRL's conversational dataset formats, as a line of a JSONL file (TRL's docs: "Dataset formats and types")."""
 
-ALGORITHM_FORMATS = {"sft": ("messages", "prompt-completion"), "grpo": ("prompt-only", "prompt-completion", "messages")}
+ALGORITHM_FORMATS = {"sft": ("messages", "prompt-completion"), "grpo": ("prompt-only", "prompt-completion", "messages"),
+                     "dpo": ("preference",)}
 """What each algorithm trains on. SFT learns the completion (or the assistant turns). GRPO generates from the
 prompt and hands every other column to the rewards; the worker turns the last assistant turn of `messages`, and
-the completion of a prompt/completion row, into the column `answer` (TRL would hide `completion` from rewards)."""
+the completion of a prompt/completion row, into the column `answer` (TRL would hide `completion` from rewards). DPO
+learns from pairs of answers to one prompt."""
 
-MESSAGE_COLUMNS = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "prompt-only": ("prompt",)}
+MESSAGE_COLUMNS = {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "prompt-only": ("prompt",),
+                   "preference": ("prompt", "chosen", "rejected")}
 """The columns of each TRL format that hold chat messages."""
 
 
@@ -105,6 +111,8 @@ def trl_format(row: Any) -> str | None:
         return None
     if "messages" in row:
         return "messages"
+    if "chosen" in row or "rejected" in row:
+        return "preference"
     if "prompt" in row:
         return "prompt-completion" if "completion" in row else "prompt-only"
     return None
@@ -122,6 +130,23 @@ def mixed_format(formats: Mapping[str, str | None]) -> str | None:
                          "prompt-only does only with prompt-only): " +
                          "; ".join(f"{name} is {f or 'in none of them'}" for name, f in formats.items()))
     return next(iter(found), None)
+
+
+def preference_problem(row: Mapping[str, Any]) -> RowError | None:
+    """What makes `row` (in TRL's names) no preference pair DPO can learn from: a missing or empty `prompt`, `chosen`
+    or `rejected`, the three not all chats or all text, or the same answer twice; None for a good pair."""
+    for column in MESSAGE_COLUMNS["preference"]:
+        value = row.get(column)
+        if value is None or value == "" or value == []:
+            return RowError(column, f"missing or empty: a preference row has a `prompt` and two answers to it, "
+                            "`chosen` (preferred) and `rejected`")
+        if not (isinstance(value, str) or is_messages(value)):
+            return RowError(column, 'neither text nor a non-empty list of {"role": ..., "content": ...} messages')
+    if len({isinstance(row[column], str) for column in MESSAGE_COLUMNS["preference"]}) > 1:
+        return RowError("prompt", "`prompt`, `chosen` and `rejected` must all be chats or all be text")
+    if row["chosen"] == row["rejected"]:
+        return RowError("rejected", "the same answer as `chosen`: a pair of equal answers teaches no preference")
+    return None
 
 
 def is_messages(value: Any) -> bool:

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from loraflow_worker.contract.dpo_settings import DpoSettings, dpo_setting_problems
 from loraflow_worker.contract.env_names import MAX_WORKER_ENV, worker_env_name, worker_env_overlap
 from loraflow_worker.contract.fast_path_settings import FastPathSettings
 from loraflow_worker.contract.grpo_settings import GrpoSettings, grpo_setting_problems
@@ -51,13 +52,19 @@ class JobInput(_Strict):
     )
     run_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$", description="The Prefect flow run id.")
     attempt: int = Field(default=1, ge=1, le=100, description="Attempt number of this run (1 for the first try).")
-    algorithm: Literal["sft", "grpo"] = Field(default="sft", description="Training algorithm: `sft` or `grpo`.")
+    algorithm: Literal["sft", "grpo", "dpo"] = Field(
+        default="sft", description="Training algorithm: `sft`, `grpo` or `dpo` (preference pairs)."
+    )
     model: ModelSource
     dataset: DatasetSource
     lora: LoraSettings = Field(default_factory=LoraSettings)
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     grpo: GrpoSettings | None = Field(
         default=None, validate_default=True, description="GRPO settings: required when `algorithm` is `grpo`, refused otherwise."
+    )
+    dpo: DpoSettings | None = Field(
+        default=None, validate_default=True,
+        description="DPO settings when `algorithm` is `dpo` (None: their defaults), refused otherwise.",
     )
     evaluation: EvaluationSettings | None = Field(
         default=None, description="Held-out evaluation while training; None: no evaluation."
@@ -115,6 +122,15 @@ class JobInput(_Strict):
             if problems:
                 raise ValueError("; ".join(problems))
         return grpo
+
+    @field_validator("dpo")
+    @classmethod
+    def _dpo_settings_match_the_algorithm(cls, dpo: DpoSettings | None, info: ValidationInfo) -> DpoSettings | None:
+        if "algorithm" in info.data and "training" in info.data:
+            problems = dpo_setting_problems(info.data["algorithm"], dpo, info.data["training"])
+            if problems:
+                raise ValueError("; ".join(problems))
+        return dpo
 
     @field_validator("worker_env_names", "worker_secret_names")
     @classmethod

@@ -28,6 +28,24 @@ class TrainMetrics(_Strict):
         description="GRPO with `evaluation`: (step, mean total reward of one sampled completion per held-out prompt) "
         "pairs in step order, from step 0 to the last step; empty otherwise.",
     )
+    reward_accuracies: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="DPO: (step, share of the step's pairs whose chosen answer the adapter raised above the rejected "
+        "one, relative to the reference: TRL's `rewards/accuracies`) pairs; empty otherwise.",
+    )
+    reward_margins: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="DPO: (step, mean of the chosen answer's implicit reward minus the rejected one's: TRL's "
+        "`rewards/margins`) pairs; empty otherwise.",
+    )
+    eval_reward_accuracies: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="DPO with `evaluation`: `reward_accuracies` on the held-out pairs, from step 0 to the last step.",
+    )
+    eval_reward_margins: list[tuple[int, float]] = Field(
+        default_factory=list,
+        description="DPO with `evaluation`: `reward_margins` on the held-out pairs, from step 0 to the last step.",
+    )
     learning_rates: list[tuple[int, float]] = Field(
         default_factory=list,
         description="(step, learning rate) pairs of every logged step, in step order: the schedule as the Trainer "
@@ -93,6 +111,10 @@ class Progress(_Strict):
     total_steps: int | None = Field(default=None, description="Optimizer steps planned, when known.")
     loss: float | None = Field(default=None, description="Latest training loss.")
     reward: float | None = Field(default=None, description="Latest mean total reward (GRPO).")
+    reward_accuracy: float | None = Field(
+        default=None, description="DPO: the latest share of pairs whose chosen answer the adapter prefers (the "
+        "held-out pairs' once evaluated, else the training pairs')."
+    )
     eval_loss: float | None = Field(
         default=None, description="Latest loss on the held-out examples (SFT with evaluation).")
     eval_reward: float | None = Field(

@@ -64,8 +64,8 @@ available to it: the estimate is not measured, and an out-of-memory failure cost
 class MemoryPlan(BaseModel):
     """The memory decisions for one run on one GPU, and the estimates they come from (`plan_memory`)."""
 
-    algorithm: Literal["sft", "grpo"]
-    batch_size: int = Field(description="Sequences per micro-batch (per device step).")
+    algorithm: Literal["sft", "grpo", "dpo"]
+    batch_size: int = Field(description="Sequences per micro-batch (per device step); DPO: pairs, each two sequences.")
     seq_len: int = Field(description="Tokens per sequence at most.")
     lora_rank: int
     lora_dropout: float
@@ -165,13 +165,17 @@ def plan_memory(
     The plan, in order: vLLM's share is taken off the usable memory; gradient checkpointing goes off only when training
     without it is within `CHECKPOINTING_MARGIN` of what remains; 8-bit paged AdamW replaces torch AdamW only when memory
     is short; `fits` says whether the run fits with checkpointing on."""
-    if algorithm not in ("sft", "grpo"):
-        raise ValueError(f"algorithm {algorithm!r} is not one of 'sft', 'grpo'")
+    if algorithm not in ("sft", "grpo", "dpo"):
+        raise ValueError(f"algorithm {algorithm!r} is not one of 'sft', 'grpo', 'dpo'")
     if quantization not in ("none", "4bit"):
         raise ValueError(f"quantization {quantization!r} is not one of 'none', '4bit'")
     usable = usable_memory(gpu_memory_bytes)
     grpo = algorithm == "grpo"
     generations = num_generations or (batch_size if grpo else 0)
+    # DPO runs each pair's chosen and rejected answers as one batch of twice the sequences, through the adapter and
+    # again, without gradients and so without stored activations, through the reference (the adapter switched off):
+    # that second forward's logits are counted like the first's.
+    sequences = 2 * batch_size if algorithm == "dpo" else batch_size
 
     if optimizer is not None and paged_adamw_8bit is not None:
         raise ValueError("give `optimizer` or `paged_adamw_8bit`, not both: each chooses the optimizer")
@@ -184,11 +188,11 @@ def plan_memory(
             lora_parameters=lora_parameters(shape, lora_rank, use_dora=use_dora),
             modules_to_save_bytes=modules_to_save_bytes(shape, modules_to_save, quantization=quantization,
                                                         optimizer=counted, bf16=bf16),
-            activations_bytes=activations_bytes(shape, batch_size=batch_size, seq_len=seq_len, lora_rank=lora_rank,
+            activations_bytes=activations_bytes(shape, batch_size=sequences, seq_len=seq_len, lora_rank=lora_rank,
                                                 lora_dropout=lora_dropout, checkpointing=checkpointing,
                                                 liger_kernels=liger_kernels, bf16=bf16, use_dora=use_dora),
-            logits_bytes=logits_bytes(shape, batch_size=batch_size, seq_len=seq_len, fused_lm_head=fused_lm_head,
-                                      quantization=quantization),
+            logits_bytes=logits_bytes(shape, batch_size=sequences, seq_len=seq_len, fused_lm_head=fused_lm_head,
+                                      quantization=quantization) * (2 if algorithm == "dpo" else 1),
             generation_bytes=generation_bytes(shape, num_generations=generations, seq_len=seq_len) if grpo and not colocated else 0,
         )
 
@@ -335,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Print the memory plan of a LoRA run as one JSON object (GiB = 2^30 bytes).",
     )
     parser.add_argument("model_dir", type=Path, help="A model folder, or a folder holding only its config.json.")
-    parser.add_argument("--algorithm", choices=("sft", "grpo"), default="sft")
-    parser.add_argument("--batch-size", type=int, required=True, help="Sequences per micro-batch (GRPO: completions).")
+    parser.add_argument("--algorithm", choices=("sft", "grpo", "dpo"), default="sft")
+    parser.add_argument("--batch-size", type=int, required=True,
+                        help="Sequences per micro-batch (GRPO: completions; DPO: pairs of a chosen and a rejected answer).")
     parser.add_argument("--seq-len", type=int, required=True, help="Tokens per sequence (GRPO: prompt + completion).")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--lora-dropout", type=float, default=0.0)

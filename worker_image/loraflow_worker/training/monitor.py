@@ -45,6 +45,8 @@ class TrainingMonitor(TrainerCallback):
         self.learning_rates: list[tuple[int, float]] = []
         self._evaluations: dict[int, float] = {}  # by step: a resumed run evaluates its first step again
         self.reward: float | None = None
+        self.reward_accuracy: float | None = None
+        self._accuracy_held_out = False
         self.deadline_hit = False
         self._last_sent = 0.0
         self._logged = False
@@ -68,6 +70,11 @@ class TrainingMonitor(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
             self.reward = float(logs["reward"])
+        # DPO: the held-out pairs' accuracy once there is one, else the training pairs'.
+        if logs and logs.get("eval_rewards/accuracies") is not None:
+            self.reward_accuracy, self._accuracy_held_out = float(logs["eval_rewards/accuracies"]), True
+        elif logs and logs.get("rewards/accuracies") is not None and not self._accuracy_held_out:
+            self.reward_accuracy = float(logs["rewards/accuracies"])
         if logs and "learning_rate" in logs:
             self.learning_rates.append((state.global_step, float(logs["learning_rate"])))
         if logs and "loss" in logs:
@@ -109,5 +116,5 @@ class TrainingMonitor(TrainerCallback):
             tokens_per_second = round((state.num_input_tokens_seen - first_tokens) / elapsed, 1)
             eta_seconds = round(max(state.max_steps - state.global_step, 0) * elapsed / steps_done, 1)
         self.report(Progress(stage="training", step=state.global_step, total_steps=state.max_steps, loss=loss,
-                             reward=self.reward, tokens_per_second=tokens_per_second, eta_seconds=eta_seconds,
-                             **latest))
+                             reward=self.reward, reward_accuracy=self.reward_accuracy,
+                             tokens_per_second=tokens_per_second, eta_seconds=eta_seconds, **latest))

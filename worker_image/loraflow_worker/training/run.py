@@ -186,6 +186,19 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
     )
 
 
+PREFERENCE_LOGS = {"reward_accuracies": "rewards/accuracies", "reward_margins": "rewards/margins",
+                   "eval_reward_accuracies": "eval_rewards/accuracies", "eval_reward_margins": "eval_rewards/margins"}
+"""`TrainMetrics`' DPO series and the names TRL's DPOTrainer logs them under."""
+
+
+def preference_series(log_history: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """DPO's accuracy and margin series, training and held-out, from the Trainer's log history (which a resumed run
+    restores from its checkpoint), one value per step."""
+    return {field: sorted({entry["step"]: float(entry[key]) for entry in log_history
+                           if entry.get(key) is not None}.items())
+            for field, key in PREFERENCE_LOGS.items()}
+
+
 def job_workload(job: JobInput) -> Workload:
     """What one micro-batch of `job` asks of GPU memory, for the fast-path plan. A GRPO micro-batch holds
     `batch_size` (or the forced micro-batch's) completions of prompt + completion tokens; a generation round makes
@@ -259,6 +272,8 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
     checkpoint is when the deadline ended it."""
     device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
     evaluations = {monitor.eval_key: monitor.evaluations} if monitor.eval_key else {}
+    if job.algorithm == "dpo":
+        evaluations |= preference_series(trainer.state.log_history)
     metrics = TrainMetrics(
         steps=trainer.state.global_step,
         losses=monitor.losses,

@@ -65,6 +65,8 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
 
     if job.algorithm == "grpo":
         from loraflow_worker.training.grpo import train_grpo as train
+    elif job.algorithm == "dpo":
+        from loraflow_worker.training.dpo import train_dpo as train
     else:
         from loraflow_worker.training.sft import train_sft as train
 
