@@ -403,6 +403,15 @@ def test_the_cli_gives_vllms_share_for_grpo():
     assert plan["vllm_colocate"] is True and plan["vllm_gib"] == round(plan["vllm_bytes"] / GIB, 2) > 0
 
 
+def test_the_cli_plans_dpo_larger_than_sft_for_the_same_shape():
+    common = ("--batch-size", "8", "--seq-len", "2048", "--gpu-memory-gib", "80")
+    sft = _cli(CONFIGS / "qwen3-4b", "--algorithm", "sft", *common)
+    dpo = _cli(CONFIGS / "qwen3-4b", "--algorithm", "dpo", *common)  # a chosen and a rejected answer per pair
+    assert dpo["breakdown"]["activations_bytes"] == 2 * sft["breakdown"]["activations_bytes"]
+    assert dpo["estimate_without_checkpointing_bytes"] > sft["estimate_without_checkpointing_bytes"]
+    assert dpo["reasons"]["vllm_colocate"] == "dpo generates no completions"
+
+
 def test_the_cli_refuses_a_folder_without_config_json(tmp_path):
     done = subprocess.run([sys.executable, "-m", "loraflow_worker.memory.plan", str(tmp_path), "--batch-size", "1",
                            "--seq-len", "8", "--gpu-memory-gib", "24"], capture_output=True, text=True, timeout=60)
