@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loraflow_worker.contract.training_settings import TrainingSettings
+from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
 from loraflow_worker.contract.version import _Strict
 
 DpoLoss = Literal["sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down",
@@ -38,10 +38,7 @@ def dpo_setting_problems(algorithm: str, dpo: DpoSettings | None, training: Trai
         return [] if dpo is None else [
             f"`dpo` is set but algorithm is '{algorithm}': remove the `dpo` section or set algorithm to 'dpo'"
         ]
-    sft_only = [f"`training.{name}`" for name, default in
-                (("loss_on", "completion"), ("chat_template", None), ("packing", False))
-                if getattr(training, name) != default]
-    if sft_only:
+    if sft_only := sft_only_settings(training):
         return [f"{', '.join(sft_only)}: sft only (DPO's loss is on the chosen and rejected answers, rendered with the "
                 "model's own chat template); remove them"]
     return []

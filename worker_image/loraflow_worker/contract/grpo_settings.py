@@ -8,7 +8,7 @@ import re
 from pydantic import Field, model_validator
 
 from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS, REWARD_STORE_PATH_PATTERN, reward_kind
-from loraflow_worker.contract.training_settings import TrainingSettings
+from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
 from loraflow_worker.contract.version import _Strict
 
 _REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")
@@ -131,11 +131,7 @@ def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: T
         ]
     if grpo is None:
         return ["algorithm is 'grpo' but `grpo` is not set: add a `grpo` section with at least one reward"]
-    # Not `model_fields_set`: a job read back from its JSON has every field set.
-    sft_only = [f"`training.{name}`" for name, default in
-                (("loss_on", "completion"), ("chat_template", None), ("packing", False))
-                if getattr(training, name) != default]
-    if sft_only:
+    if sft_only := sft_only_settings(training):
         return [f"{', '.join(sft_only)}: sft only (GRPO's loss is on the completions it generates from the model's "
                 "own chat template, a group per prompt); remove them"]
     completions = training.batch_size * training.gradient_accumulation_steps

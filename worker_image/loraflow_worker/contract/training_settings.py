@@ -394,6 +394,14 @@ class EvaluationSettings(RowFormat):
         return self
 
 
+def sft_only_settings(training: TrainingSettings) -> list[str]:
+    """The settings only SFT takes that `training` sets away from their defaults, as `training.<name>`."""
+    # Not `model_fields_set`: a job read back from its JSON has every field set.
+    return [f"`training.{name}`" for name, default in
+            (("loss_on", "completion"), ("chat_template", None), ("packing", False))
+            if getattr(training, name) != default]
+
+
 def optimisation_problems(algorithm: str, training: TrainingSettings, evaluation: object | None,
                           fast_paths: FastPathSettings) -> list[str]:
     """What is wrong with a job's scheduler and optimizer given its other sections (empty when nothing). Shared by the
