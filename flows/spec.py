@@ -24,11 +24,13 @@ from loraflow_worker.contract import (
     RowFormat,
     SourceFields,
     FastPathSettings,
+    DpoSettings,
     GrpoSettings,
     JobInput,
     LoraSettings,
     ModelSource,
     TrainingSettings,
+    dpo_setting_problems,
     grpo_setting_problems,
     optimisation_problems,
     plain_requirements,
@@ -391,10 +393,11 @@ class RunSpec(_Section):
         description="A short label for the run (lowercase letters, digits, dashes): shown in reports and "
         "endpoint names.",
     )
-    algorithm: Literal["sft", "grpo"] = Field(
+    algorithm: Literal["sft", "grpo", "dpo"] = Field(
         default="sft",
-        description="Training algorithm: `sft` (supervised fine-tuning on chats or prompt/completion pairs) or `grpo` "
-        "(reinforcement learning from rewards on the dataset's prompts; fill in the GRPO section).",
+        description="Training algorithm: `sft` (supervised fine-tuning on chats or prompt/completion pairs), `grpo` "
+        "(reinforcement learning from rewards on the dataset's prompts; fill in the GRPO section) or `dpo` (preference "
+        "tuning on rows of a `prompt` and a `chosen` and a `rejected` answer; the DPO section is optional).",
     )
     model: ModelSource = Field(description="The base model.")
     dataset: DatasetSpec = Field(description="The training data.")
@@ -405,10 +408,16 @@ class RunSpec(_Section):
         description="GRPO settings (group size, lengths, temperature, KL coefficient, rewards): required when the "
         "algorithm is `grpo`, refused otherwise.",
     )
+    dpo: DpoSettings | None = Field(
+        default=None, validate_default=True,
+        description="DPO settings (`beta`, `loss_type`) when the algorithm is `dpo` (empty: their defaults), refused "
+        "otherwise. The reference is the base model (the adapter switched off), or the adapter of `lora.init_from`.",
+    )
     evaluation: EvaluationSpec | None = Field(
         default=None,
-        description="Held-out evaluation: the eval loss (SFT) or mean eval reward (GRPO) at the start, every N steps "
-        "and at the end, on a seeded share of the dataset or a file of its own. Empty: no evaluation.",
+        description="Held-out evaluation: the eval loss (SFT; DPO with the held-out pairs' reward accuracy and margin) "
+        "or mean eval reward (GRPO) at the start, every N steps and at the end, on a seeded share of the dataset or a "
+        "file of its own. Empty: no evaluation.",
     )
     extra_packages: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_PACKAGES,
                                       description=JobInput.model_fields["extra_packages"].description)
@@ -505,6 +514,16 @@ class RunSpec(_Section):
         if problems:
             raise ValueError("; ".join(problems))
         return grpo
+
+
+    @field_validator("dpo")
+    @classmethod
+    def _dpo_matches_the_algorithm(cls, dpo: DpoSettings | None, info: ValidationInfo) -> DpoSettings | None:
+        if "algorithm" in info.data and "training" in info.data:
+            problems = dpo_setting_problems(info.data["algorithm"], dpo, info.data["training"])
+            if problems:
+                raise ValueError("; ".join(problems))
+        return dpo
 
 
 class SpecError(ValueError):

@@ -275,7 +275,7 @@ def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, 
     training = spec.training.model_copy(update={"chat_template": chat_template_path}) if chat_template_path \
         else spec.training
     return JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset, lora=lora or spec.lora,
-                    training=training, grpo=grpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
+                    training=training, grpo=grpo, dpo=spec.dpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
                     extra_packages=spec.extra_packages, evaluation=_job_evaluation(spec, run_id),
                     memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None,
                     worker_env_names=sorted(spec.worker.env), worker_secret_names=sorted(spec.worker.secrets),

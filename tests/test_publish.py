@@ -236,3 +236,13 @@ def test_the_summary_says_why_publishing_failed() -> None:
                        publish_error="cannot publish to acme/x: the token cannot write to it (HTTP 403)\nmore")
     assert ("| Published model | `acme/x`: **not published** (cannot publish to acme/x: the token cannot write to it "
             "(HTTP 403) more); the run completed anyway |") in summary_markdown(report)
+
+
+def test_a_dpo_card_names_the_method_its_settings_and_the_held_out_pairs_accuracy() -> None:
+    card = model_card(facts(algorithm="dpo", dpo={"beta": 0.1, "loss_type": "sigmoid"},
+                            metrics={"losses": [[1, 0.69], [3, 0.2]], "eval_reward_accuracies": [[0, 0.0], [3, 1.0]],
+                                     "eval_reward_margins": [[0, 0.0], [3, 2.5]]}))
+    assert "trained with DPO (preference tuning on chosen and rejected answers)" in card
+    assert "| dpo.beta | `0.1` |" in card and "| dpo.loss_type | `sigmoid` |" in card
+    assert "| eval reward accuracy | 0.0000 (step 0) | 1.0000 (step 3) |" in card
+    assert "| eval reward margin | 0.0000 (step 0) | 2.5000 (step 3) |" in card

@@ -128,3 +128,17 @@ def test_the_summary_says_which_tokens_carried_the_loss():
                        loss=loss)
     assert ("| Loss on | the answers: 16% of the training tokens (masked by the chat template's generation "
             "markers; the model's own chat template) |") in summary_markdown(report)
+
+
+def test_a_dpo_runs_summary_and_progress_line_show_the_held_out_pairs_accuracy_and_margin():
+    dpo = METRICS.model_copy(update={"eval_loss": [(0, 0.69), (4, 0.1)], "eval_reward_accuracies": [(0, 0.0), (4, 1.0)],
+                                     "eval_reward_margins": [(0, 0.0), (4, 3.2)]})
+    report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                       endpoint_name="loraflow-demo-abc-a1", metrics=dpo, cost_ceiling_usd=0.35,
+                       estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter", store_url="file:///s",
+                       algorithm="dpo")
+    text = summary_markdown(report)
+    assert "| Eval reward accuracy, held-out pairs (start → final) | 0.0000 (step 0) → 1.0000 (step 4) |" in text
+    assert "| Eval reward margin, held-out pairs (start → final) | 0.0000 (step 0) → 3.2000 (step 4) |" in text
+    assert progress_description({"stage": "training", "step": 2, "total_steps": 4, "loss": 0.4,
+                                 "reward_accuracy": 0.75}) == "training: step 2/4 · loss 0.4000 · reward accuracy 75%"

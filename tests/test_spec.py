@@ -361,3 +361,12 @@ def test_extra_packages_are_a_run_field_checked_as_the_worker_checks_them():
     assert RunSpec.model_validate(base | {"extra_packages": ["sympy == 1.13.3"]}).extra_packages == ["sympy==1.13.3"]
     with pytest.raises(ValidationError, match="extra_packages"):
         RunSpec.model_validate(base | {"extra_packages": ["https://example.com/evil.whl"]})
+
+
+def test_a_dpo_run_takes_an_optional_dpo_section_and_no_sft_loss_settings():
+    assert RunSpec.model_validate(minimal(algorithm="dpo")).dpo is None  # the worker takes TRL's defaults
+    assert RunSpec.model_validate(minimal(algorithm="dpo", dpo={"beta": 0.2, "loss_type": "ipo"})).dpo.beta == 0.2
+    with pytest.raises(ValidationError, match=r"`dpo` is set but algorithm is 'sft'"):
+        RunSpec.model_validate(minimal(dpo={"beta": 0.2}))
+    with pytest.raises(ValidationError, match=r"`training.packing`: sft only"):
+        RunSpec.model_validate(minimal(algorithm="dpo", training={"packing": True}))

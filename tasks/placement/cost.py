@@ -68,10 +68,12 @@ def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceS
         )
 
 
-EVAL_COST_PER_EXAMPLE = {"sft": 1 / 3, "grpo": 1 / 2}
+EVAL_COST_PER_EXAMPLE = {"sft": 1 / 3, "grpo": 1 / 2, "dpo": 1 / 3}
 """What evaluating one example costs next to training on one, roughly. SFT evaluates with a forward pass, about a
-third of a training step's forward and backward. GRPO evaluates by generating one completion per prompt and trains on
-none of them; generation is most of a GRPO step, and training generates and trains on each completion."""
+third of a training step's forward and backward; DPO too (a pair's forward through the adapter and the reference, a
+third of its training's forward, backward and reference forward). GRPO evaluates by generating one completion per
+prompt and trains on none of them; generation is most of a GRPO step, and training generates and trains on each
+completion."""
 EVAL_SHARE_WARNING = 0.25
 """An evaluation taking more than this share of the training's compute is probably a mistake: the flow warns."""
 

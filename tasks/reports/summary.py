@@ -51,8 +51,8 @@ class RunReport(BaseModel):
     billing_pending: bool = Field(
         default=False, description="RunPod had billed nothing yet, or its billing could not be read, when the "
         "endpoints were deleted: the summary says so, and the reconciler fills the figure in later.")
-    algorithm: Literal["sft", "grpo"] = Field(
-        default="sft", description="`sft` (the curve is the loss) or `grpo` (the mean reward)."
+    algorithm: Literal["sft", "grpo", "dpo"] = Field(
+        default="sft", description="`sft` and `dpo` (the curve is the loss) or `grpo` (the mean reward)."
     )
     run_url: str | None = Field(default=None, description="Link to the run's folder in the artifact store.")
     curve_url: str | None = Field(default=None, description="Link to the stored curve PNG; None: not stored.")
@@ -102,6 +102,8 @@ def progress_description(progress: dict[str, Any]) -> str:
         parts.append(f"eval loss {progress['eval_loss']:.4f}")
     if isinstance(progress.get("eval_reward"), (int, float)):
         parts.append(f"eval reward {progress['eval_reward']:.3f}")
+    if isinstance(progress.get("reward_accuracy"), (int, float)):
+        parts.append(f"reward accuracy {progress['reward_accuracy']:.0%}")
     if isinstance(progress.get("tokens_per_second"), (int, float)):
         parts.append(f"{progress['tokens_per_second']:,.0f} tokens/s")
     if isinstance(progress.get("eta_seconds"), (int, float)):
@@ -122,6 +124,7 @@ def finished_description(job_output: Any) -> str:
         "reward": metrics.rewards[-1][1] if metrics.rewards else None,
         "eval_loss": metrics.eval_loss[-1][1] if metrics.eval_loss else None,
         "eval_reward": metrics.eval_reward[-1][1] if metrics.eval_reward else None,
+        "reward_accuracy": (metrics.eval_reward_accuracies or metrics.reward_accuracies or [(0, None)])[-1][1],
         "tokens_per_second": metrics.tokens / metrics.wall_seconds if metrics.wall_seconds > 0 else None,
         "eta_seconds": 0})
 
@@ -134,7 +137,9 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
     rewards = f"{m.rewards[0][1]:.4f} → {m.rewards[-1][1]:.4f}" if m.rewards else None
     evaluated = [(label, _start_to_final(series)) for label, series in
                  (("Eval loss, held-out (start → final)", m.eval_loss),
-                  ("Eval mean reward, held-out (start → final)", m.eval_reward)) if series]
+                  ("Eval mean reward, held-out (start → final)", m.eval_reward),
+                  ("Eval reward accuracy, held-out pairs (start → final)", m.eval_reward_accuracies),
+                  ("Eval reward margin, held-out pairs (start → final)", m.eval_reward_margins)) if series]
     rows = [
         ("Model", f"`{report.model}`" + (f" @ `{report.model_revision}`" if report.model_revision else "")),
         ("GPU", f"{report.gpu_count} × {report.gpu}"),

@@ -20,6 +20,7 @@ from loraflow_worker.contract.dataset_formats import (
     TRL_FORMATS,
     RowError,
     is_messages,
+    preference_problem,
     to_trl_row,
     trl_format,
 )
@@ -39,7 +40,7 @@ DATASET_FORMATS = TRL_FORMATS
 
 def check_dataset_jsonl(path: Path, algorithm: str, field: str = "dataset.local_file", data_format: str = "auto",
                         columns: Mapping[str, str] | None = None) -> int:
-    """Count the examples of a JSONL dataset file for `algorithm` (`sft` or `grpo`), each line converted from
+    """Count the examples of a JSONL dataset file for `algorithm` (`sft`, `grpo` or `dpo`), each line converted from
     `data_format` with `columns` as the worker will convert it; ValueError naming `field` (the spec field that gave
     the file), the first bad line, the field in it and the line shapes `algorithm` accepts. Every line must have the
     format and the columns of the first: the worker reads the file as one table."""
@@ -86,7 +87,10 @@ def check_rows(lines: Iterable[str], algorithm: str, where: str, data_format: st
             what = (f"a {found} line, which {algorithm} does not train on" if found
                     else f"no {own.get('messages', '`messages`')} or {own.get('prompt', '`prompt`')}")
             raise ValueError(f"{at}: {what}; expected {expected}")
-        for column in MESSAGE_COLUMNS[found]:
+        if found == "preference":
+            if (problem := preference_problem(row)) is not None:
+                raise ValueError(f"{at}: {own.get(problem.field, f'`{problem.field}`')}: {problem.problem}")
+        for column in MESSAGE_COLUMNS[found] if found != "preference" else ():
             if not is_messages(row[column]):
                 raise ValueError(f"{at}: {own.get(column, f'`{column}`')} is not a non-empty list of {{\"role\": ..., "
                                  f"\"content\": ...}} messages with text content; expected {expected}")

@@ -84,6 +84,7 @@ class CardFacts(BaseModel):
     lora: dict[str, Any] = Field(default_factory=dict)
     training: dict[str, Any] = Field(default_factory=dict)
     grpo: dict[str, Any] | None = None
+    dpo: dict[str, Any] | None = None
     metrics: dict[str, Any] = Field(default_factory=dict, description="`metrics.json` as stored.")
     has_curve: bool = False
 
@@ -165,13 +166,15 @@ def read_card_facts(store: Any, run_id: str, run_name: str, hub_model_id: str) -
                      for entry in dataset.get("mix") or [] if isinstance(entry, dict)],
         lora=_dict(job.get("lora")), training=_dict(job.get("training")),
         grpo=_dict(job.get("grpo")) or None,
+        dpo=_dict(job.get("dpo")) or None,
         metrics=_read_json(store, f"{prefix}/metrics.json"),
         has_curve=store.exists(f"{prefix}/{CURVE_FILE}"),
     )
 
 
 def series(metrics: dict[str, Any], key: str) -> list[tuple[int, float]]:
-    """A (step, value) series of `metrics.json` (`losses`, `rewards`, `eval_loss`, `eval_reward`); malformed
+    """A (step, value) series of `metrics.json` (`losses`, `rewards`, `eval_loss`, `eval_reward`, DPO's
+    `eval_reward_accuracies`...); malformed
     points are skipped, a missing series is empty."""
     points = metrics.get(key)
     if not isinstance(points, list):
@@ -299,8 +302,8 @@ def _publish_errors(repo_id: str, token: str | None) -> Iterator[None]:
 
 def _card_body(facts: CardFacts) -> str:
     repo, base = facts.hub_model_id, facts.base_model
-    method = {"sft": "supervised fine-tuning (SFT)", "grpo": "GRPO (reinforcement learning from rewards)"}.get(
-        facts.algorithm, facts.algorithm)
+    method = {"sft": "supervised fine-tuning (SFT)", "grpo": "GRPO (reinforcement learning from rewards)",
+              "dpo": "DPO (preference tuning on chosen and rejected answers)"}.get(facts.algorithm, facts.algorithm)
     pinned = f" at revision `{facts.base_model_revision}`" if facts.base_model_revision else ""
     lines = [f"# {repo}", "",
              f"A LoRA adapter for `{base}`{pinned}, trained with {method} by loraflow (run `{facts.run_name}`, "
@@ -320,7 +323,8 @@ def _card_body(facts: CardFacts) -> str:
               f"| base model | `{base}`{pinned} |",
               f"| dataset | {dataset} |",
               f"| algorithm | {facts.algorithm} |"]
-    for section, values in (("lora", facts.lora), ("training", facts.training), ("grpo", facts.grpo or {})):
+    for section, values in (("lora", facts.lora), ("training", facts.training), ("grpo", facts.grpo or {}),
+                            ("dpo", facts.dpo or {})):
         for key, value in values.items():
             if value is None or key == "rewards":
                 continue
@@ -331,7 +335,8 @@ def _card_body(facts: CardFacts) -> str:
     lines += ["", "## Results", "", "| metric | first | final |", "|---|---|---|"]
     m = facts.metrics
     for label, key in (("training loss", "losses"), ("eval loss", "eval_loss"), ("mean reward", "rewards"),
-                       ("eval reward", "eval_reward")):
+                       ("eval reward", "eval_reward"), ("eval reward accuracy", "eval_reward_accuracies"),
+                       ("eval reward margin", "eval_reward_margins")):
         points = series(m, key)
         if points:
             lines.append(f"| {label} | {points[0][1]:.4f} (step {points[0][0]}) | {points[-1][1]:.4f} "
