@@ -55,3 +55,12 @@ def test_the_png_decodes_to_an_image_of_the_figures_size():
     assert image.size == (round(SIZE_INCHES[0] * DPI), round(SIZE_INCHES[1] * DPI))
     colors = {color[:3] for _, color in image.convert("RGBA").getcolors(maxcolors=1 << 20)}
     assert TRAIN_COLOR in colors and EVAL_COLOR in colors
+
+
+def test_dpo_draws_the_reward_accuracy_of_the_training_and_the_held_out_pairs():
+    dpo = SFT.model_copy(update={"eval_loss": [], "reward_accuracies": [(1, 0.25), (2, 0.75), (4, 1.0)],
+                                 "eval_reward_accuracies": [(0, 0.0), (4, 1.0)]})
+    axes, lines = _lines(curve_figure(dpo, "dpo"))
+    assert axes.get_ylabel() == "reward accuracy"
+    assert list(lines["training reward accuracy"].get_ydata()) == [0.25, 0.75, 1.0]
+    assert list(lines["eval reward accuracy (held-out)"].get_ydata()) == [0.0, 1.0]

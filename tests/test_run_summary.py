@@ -137,7 +137,8 @@ def test_a_dpo_runs_summary_and_progress_line_show_the_held_out_pairs_accuracy_a
                        endpoint_name="loraflow-demo-abc-a1", metrics=dpo, cost_ceiling_usd=0.35,
                        estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter", store_url="file:///s",
                        algorithm="dpo")
-    text = summary_markdown(report)
+    text = summary_markdown(report, curve_png(dpo.model_copy(update={"reward_accuracies": [(1, 0.5), (4, 1.0)]}), "dpo"))
+    assert "## Training and eval reward accuracy by step" in text
     assert "| Eval reward accuracy, held-out pairs (start → final) | 0.0000 (step 0) → 1.0000 (step 4) |" in text
     assert "| Eval reward margin, held-out pairs (start → final) | 0.0000 (step 0) → 3.2000 (step 4) |" in text
     assert progress_description({"stage": "training", "step": 2, "total_steps": 4, "loss": 0.4,

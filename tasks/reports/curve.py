@@ -1,5 +1,6 @@
-"""A run's training curve, drawn with matplotlib: the training series (SFT's loss, GRPO's mean reward) and, when
-the run evaluated, the held-out series (`eval_loss`, `eval_reward`), with labelled axes and a legend.
+"""A run's training curve, drawn with matplotlib: the training series (SFT's loss, GRPO's mean reward, DPO's reward
+accuracy) and, when the run evaluated, the held-out series (`eval_loss`, `eval_reward`, `eval_reward_accuracies`),
+with labelled axes and a legend.
 
     .venv/bin/python -c "from tasks.reports.curve import curve_png; from loraflow_worker.contract import TrainMetrics; \
 open('/tmp/c.png', 'wb').write(curve_png(TrainMetrics(steps=2, losses=[(1, 2.0), (2, 1.0)], \
@@ -37,19 +38,25 @@ EVAL_COLOR = (255, 127, 14)
 """The held-out series' colour (matplotlib's `tab:orange`)."""
 
 
+def curve_measure(algorithm: str) -> str:
+    """What an algorithm's curve shows: `loss` (SFT), `mean reward` (GRPO), `reward accuracy` (DPO: the share of pairs
+    whose chosen answer the adapter prefers, what preference tuning is judged by)."""
+    return {"grpo": "mean reward", "dpo": "reward accuracy"}.get(algorithm, "loss")
+
+
 def curve_figure(metrics: TrainMetrics, algorithm: str) -> Figure | None:
-    """The run's curve: x is the optimizer step; y the training loss (SFT) or mean reward (GRPO), beside the same
-    measure on the held-out examples when the run evaluated. None when neither series has two points."""
-    grpo = algorithm == "grpo"
-    train = metrics.rewards if grpo else metrics.losses
-    held_out = metrics.eval_reward if grpo else metrics.eval_loss
+    """The run's curve: x is the optimizer step; y `curve_measure(algorithm)` in training, beside the same measure
+    on the held-out examples when the run evaluated. None when neither series has two points."""
+    measure = curve_measure(algorithm)
+    train, held_out = {"mean reward": (metrics.rewards, metrics.eval_reward),
+                       "reward accuracy": (metrics.reward_accuracies, metrics.eval_reward_accuracies),
+                       "loss": (metrics.losses, metrics.eval_loss)}[measure]
     if len(train) < 2 and len(held_out) < 2:
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    measure = "mean reward" if grpo else "loss"
     figure = Figure(figsize=SIZE_INCHES, dpi=DPI, layout="constrained", facecolor=_rgb(BACKGROUND))
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()

@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, ValidationError
 
+from tasks.reports.curve import curve_measure
 from tasks.runpod.live_catalog import PriceSource
 from tasks.storage.artifacts import hub_token
 
@@ -52,7 +53,8 @@ class RunReport(BaseModel):
         default=False, description="RunPod had billed nothing yet, or its billing could not be read, when the "
         "endpoints were deleted: the summary says so, and the reconciler fills the figure in later.")
     algorithm: Literal["sft", "grpo", "dpo"] = Field(
-        default="sft", description="`sft` and `dpo` (the curve is the loss) or `grpo` (the mean reward)."
+        default="sft", description="`sft` (the curve is the loss), `grpo` (the mean reward) or `dpo` (the reward "
+        "accuracy)."
     )
     run_url: str | None = Field(default=None, description="Link to the run's folder in the artifact store.")
     curve_url: str | None = Field(default=None, description="Link to the stored curve PNG; None: not stored.")
@@ -170,9 +172,9 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
     lines = [f"# Run `{report.run_name}` completed", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     if curve is not None:
-        what = "Mean reward" if report.algorithm == "grpo" else "Training loss"
-        if evaluated:
-            what = f"Training and eval {'mean reward' if report.algorithm == 'grpo' else 'loss'}"
+        measure = curve_measure(report.algorithm)
+        what = f"Training and eval {measure}" if evaluated else \
+            "Mean reward" if measure == "mean reward" else f"Training {measure}"
         lines += ["", f"## {what} by step", "", f"![{what.lower()} by step](data:image/png;base64,"
                   f"{base64.b64encode(curve).decode()})"]
         if report.curve_url:
