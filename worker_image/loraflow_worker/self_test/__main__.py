@@ -1,7 +1,7 @@
 """Check that this environment (an image, a GPU box) can train: every fast-path package imports, and a short
 SFT job (recorded by W&B offline and an MLflow file store), a packed one on ShareGPT rows, one on Alpaca rows that goes
-on training the packed job's adapter (`lora.init_from`) and a short GRPO job run through the real handler on a tiny
-model built offline, between them with every schedule, optimizer and adapter setting that needs more of the image than
+on training the packed job's adapter (`lora.init_from`), a DPO job on the chats' answers preferred to a refusal and
+a short GRPO job run through the real handler on a tiny model built offline, between them with every schedule, optimizer and adapter setting that needs more of the image than
 the defaults (bitsandbytes' 8-bit AdamW, DoRA, rsLoRA, LoRA+, `modules_to_save`, PiSSA).
 
     python -m loraflow_worker.self_test                 # inside the image: `docker run --rm IMAGE python -m ...`
@@ -55,7 +55,7 @@ def import_fast_path_packages() -> dict[str, str | None]:
 
 
 def run_jobs(root: Path, steps: int) -> dict[str, dict]:
-    """Three SFT jobs and a GRPO job through `handler` on a tiny model; job name -> the job's result."""
+    """Three SFT jobs, a DPO job and a GRPO job through `handler` on a tiny model; job name -> the job's result."""
     from loraflow_worker.contract import CONTRACT_VERSION
     from loraflow_worker.handler import WORK_DIR_ENV, handler
     from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
@@ -76,6 +76,8 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
                        "dataset": {"format": "sharegpt"}},
         "sft-continued": {"training": {"max_steps": steps, "learning_rate": 1e-2, "batch_size": 8},
                           "dataset": {"format": "alpaca"}, "lora": {"init_from": "runs/self-test-sft-packed"}},
+        "dpo": {"algorithm": "dpo", "training": {"max_steps": steps, "learning_rate": 2e-2, "batch_size": 8},
+                "dpo": {"beta": 0.1}},
         "grpo": {"algorithm": "grpo",
                  "training": {"max_steps": steps, "learning_rate": 3e-2, "batch_size": 8, "seed": 42,
                               "lr_scheduler": "constant_with_warmup", "warmup_ratio": 0.25},
@@ -89,7 +91,8 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
         dataset = f"runs/{run_id}/dataset/train.jsonl"
         (store / dataset).parent.mkdir(parents=True, exist_ok=True)
         data_format = settings.get("dataset", {}).get("format", "auto")
-        (store / dataset).write_text("".join(json.dumps(_as(data_format, row)) + "\n" for row in rows), encoding="utf-8")
+        shape = "preference" if settings.get("algorithm") == "dpo" else data_format
+        (store / dataset).write_text("".join(json.dumps(_as(shape, row)) + "\n" for row in rows), encoding="utf-8")
         job_input = {"contract_version": CONTRACT_VERSION, "run_id": run_id, "model": {"id": str(model)},
                      "artifact_store": store.as_uri(), **settings,
                      "dataset": {**settings.get("dataset", {}), "store_path": dataset}}
@@ -102,6 +105,9 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
               f"{_trend(metrics)}, device {metrics.get('device')}, engaged: {', '.join(engaged) or 'none'}", flush=True)
         if settings["training"].get("packing") and "packing" not in engaged:
             raise RuntimeError(f"the {name} job asked for packing and its manifest says packing did not engage")
+        accuracies = metrics.get("reward_accuracies") or []
+        if settings.get("algorithm") == "dpo" and not (accuracies and accuracies[-1][1] > accuracies[0][1]):
+            raise RuntimeError(f"the {name} job's reward accuracy did not rise: {accuracies}")
         parent = settings.get("lora", {}).get("init_from")
         if parent is not None:  # trained on the same answers, an adapter that went on training starts lower
             parent_first = results[parent.removeprefix("runs/self-test-")]["metrics"]["first_loss"]
@@ -153,6 +159,10 @@ def _as(data_format: str, row: dict) -> dict:
     if data_format == "sharegpt":
         speaker = {"system": "system", "user": "human", "assistant": "gpt"}
         return {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in row["messages"]]}
+    if data_format == "preference":  # the chat's own answer preferred to a refusal
+        prompt, answer = row["messages"]
+        return {"prompt": [prompt], "chosen": [answer],
+                "rejected": [{"role": "assistant", "content": "I do not know, and I will not guess."}]}
     if data_format == "alpaca":
         turns = {m["role"]: m["content"] for m in row["messages"]}
         return {"instruction": turns["user"], "input": "", "output": turns["assistant"]}
@@ -160,6 +170,10 @@ def _as(data_format: str, row: dict) -> dict:
 
 
 def _trend(metrics: dict) -> str:
+    accuracies = metrics.get("reward_accuracies") or []
+    if accuracies:
+        return (f"loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}, reward accuracy "
+                f"{accuracies[0][1]:.2f} -> {accuracies[-1][1]:.2f}")
     rewards = metrics.get("rewards") or []
     if rewards:
         return f"mean reward {rewards[0][1]:.3f} -> {rewards[-1][1]:.3f}"
