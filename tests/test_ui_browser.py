@@ -45,9 +45,9 @@ DEPLOYMENT = "e2e-ui"
 STEPS = 20
 SERVE = ("import json, sys; from flows.train import train; "
          "train.serve(name=sys.argv[1], parameters={'spec': json.loads(sys.argv[2])})")
-# The GRPO, evaluation and publish sections are empty (None) in this deployment's form, so the form shows their
+# The GRPO, DPO, evaluation and publish sections are empty (None) in this deployment's form, so the form shows their
 # descriptions, not their fields.
-SECTIONS_NOT_SHOWN = {"grpo", "evaluation", "publish"}
+SECTIONS_NOT_SHOWN = {"grpo", "dpo", "evaluation", "publish"}
 
 
 @pytest.fixture(scope="module")
