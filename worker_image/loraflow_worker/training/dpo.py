@@ -43,8 +43,8 @@ def train_dpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     loaded = load_job_dataset(job.dataset, store, work_dir, job.training.seed)
     check_pairs(loaded.rows, "dataset")
     rows, held_out = evaluation_split(loaded.rows, job, store, work_dir)
-    if held_out is not None:
-        check_pairs(held_out, "evaluation")
+    if held_out is not None and job.evaluation.fraction is None:  # a held-out share was checked with the dataset
+        check_pairs(held_out, "evaluation file")
     model_path, revision = resolve_base_model(job.model)
     check_deadline(job.deadline_epoch_s)
     plan = plan_fast_paths(gather_facts(model_path, "dpo", job_workload(job), job.memory, job.fast_paths))
