@@ -70,6 +70,7 @@ from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.volumes import volume_name
 from tasks.settings import Settings, make_client
 from tasks.preflight.chats import check_chats_task
+from tasks.preflight.tools import check_tools_task
 from tasks.storage.artifacts import (
     RunResults,
     chat_template_store_path,
@@ -79,6 +80,7 @@ from tasks.storage.artifacts import (
     first_row_format,
     mix_store_path,
     publish_run_inputs_task,
+    tools_store_path,
 )
 from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
@@ -140,6 +142,10 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         chats = check_chats_task.submit(model, spec.training, _local_chat_files(spec),
                                         str(template_file) if template_file else None, spec.hub_token_secret)
         running.append(chats)
+    uses_tools = spec.grpo is not None and spec.grpo.uses_tools
+    if uses_tools:  # the tools imported in a process of their own, and the model's template rendering them
+        tools = check_tools_task.submit(spec.grpo, str(Path.cwd()), model, spec.hub_token_secret)
+        running.append(tools)
     hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
     if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
         hub_datasets = check_hub_datasets_task.submit(hub_sources, spec.algorithm,
@@ -168,6 +174,11 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
             mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
         if spec.algorithm == "sft":
             chats.result()  # a run whose loss would be on no answer is refused before its inputs are stored
+        tool_files = {}
+        if uses_tools:
+            found = tools.result()
+            tool_files = {field: str(path) for field, path in
+                          (("tools", found.tools_file), ("environment", found.environment_file)) if path is not None}
         # The dataset files, the evaluation file, the chat template and the reward files, in one commit, while the
         # model's shape is read.
         rewards = spec.grpo.rewards if spec.grpo is not None else []
@@ -175,13 +186,14 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, spec.dataset.local_file, rewards,
                                                 str(Path.cwd()), eval_file=eval_file,
                                                 hub_token_secret=spec.hub_token_secret, mix_files=mix_files or None,
-                                                chat_template_file=str(template_file) if template_file else None)
+                                                chat_template_file=str(template_file) if template_file else None,
+                                                tool_files=tool_files or None)
         shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
         running += [inputs, shape_read]
         dataset_path, rewards = inputs.result()  # the rewards come back pointing at their copies
         job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
                                rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
-                               lora=lora)
+                               lora=lora, tool_files=tool_files)
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
@@ -267,8 +279,12 @@ def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
 
 
 def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
-               rewards: list, chat_template_path: str | None = None, lora: LoraSettings | None = None) -> JobInput:
-    grpo = spec.grpo.model_copy(update={"rewards": rewards}) if spec.grpo is not None else None
+               rewards: list, chat_template_path: str | None = None, lora: LoraSettings | None = None,
+               tool_files: dict[str, str] | None = None) -> JobInput:
+    grpo = None
+    if spec.grpo is not None:  # the rewards and tools point at their copies in the store
+        grpo = spec.grpo.model_copy(update={"rewards": rewards, **{
+            f"{field}_store_path": tools_store_path(run_id, field) for field in tool_files or {}}})
     # QLoRA GRPO generates with the training model: TRL's merge of an adapter into a 4-bit base for vLLM misbehaves.
     qlora_grpo = spec.algorithm == "grpo" and spec.lora.quantization == "4bit"
     # A chat template file is read from its copy in the store (`chat_template_path`), as the dataset is.
@@ -467,6 +483,7 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
         curve_url=curve_links.curve_url if curve_links else None, quantization=spec.lora.quantization,
         forced_memory=(results.manifest or {}).get("forced_memory_settings") or [],
         trackers=results.result.trackers, tracker_files_urls=results.tracker_files_urls,
+        trajectories=results.trajectories, trajectories_url=results.trajectories_url,
         published_model=published.hub_model_id if published else None,
         published_model_url=published.url if published else None,
         publish_error=published.error if published else None,

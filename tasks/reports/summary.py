@@ -8,6 +8,7 @@ The builders are pure functions (tested without Prefect); the tasks only hand th
 from __future__ import annotations
 
 import base64
+import json
 import re
 from datetime import datetime
 from pathlib import PurePosixPath
@@ -74,6 +75,10 @@ class RunReport(BaseModel):
         default=None, description="The Hub model repo the run's `[publish]` names; None: not published by name.")
     published_model_url: str | None = Field(default=None, description="Its page; None when publishing failed.")
     publish_error: str | None = Field(default=None, description="Why publishing failed; None when it did not fail.")
+    trajectories: list[dict[str, Any]] = Field(
+        default_factory=list, description="GRPO: trajectories of the last logging step (prompt, tool calls with their "
+        "answers, final answer, reward), secrets redacted on the worker.")
+    trajectories_url: str | None = Field(default=None, description="Link to every trajectory kept; None: none.")
     loss: dict[str, Any] | None = Field(
         default=None, description="SFT: which tokens carried the loss (the manifest's `loss`: `loss_on`, `masked_by`, "
         "`chat_template`, `token_share`); None for GRPO or a worker that did not record it.")
@@ -179,12 +184,48 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
                   f"{base64.b64encode(curve).decode()})"]
         if report.curve_url:
             lines += ["", f"Stored as {_link(report.curve_url, CURVE_FILE)}."]
+    if report.trajectories:
+        lines += ["", *trajectory_lines(report.trajectories, report.trajectories_url)]
     if report.fast_paths:
         lines += ["", "## Fast paths", "", "| path | engaged | why |", "|---|---|---|"]
         for name, info in report.fast_paths.items():
             info = info if isinstance(info, dict) else {"engaged": info}
             lines.append(f"| {name} | {'yes' if info.get('engaged') else 'no'} | {info.get('reason', '')} |")
     return "\n".join(lines)
+
+
+SHOWN_TRAJECTORIES = 3
+"""Trajectories the summary shows (the worker keeps a few per logging step; all are in the stored file)."""
+
+
+def trajectory_lines(trajectories: list[dict[str, Any]], url: str | None) -> list[str]:
+    """A table of the first `SHOWN_TRAJECTORIES` trajectories: prompt, tool calls with their answers, final answer,
+    reward."""
+    step = trajectories[0].get("step")
+    lines = [f"## Trajectories at step {step}", "", "| prompt | tool calls → answers | final answer | reward |",
+             "|---|---|---|---|"]
+    for record in trajectories[:SHOWN_TRAJECTORIES]:
+        calls = "; ".join(f"`{call.get('name')}({_arguments(call.get('arguments'))})` → "
+                          f"{_short(str(call['result'])) if 'result' in call else '(no answer)'}"
+                          for call in record.get("tool_calls") or []) or "none"
+        reward = record.get("reward")
+        reward_text = f"{reward:.3g}" if isinstance(reward, (int, float)) else "n/a"
+        lines.append(f"| {_cell(_short(str(record.get('prompt', ''))))} | {_cell(calls)} | "
+                     f"{_cell(_short(str(record.get('answer', ''))))} | {reward_text} |")
+    if url:
+        lines += ["", f"Every trajectory kept: {_link(url, 'trajectories.jsonl')}."]
+    return lines
+
+
+def _arguments(arguments: Any) -> str:
+    if isinstance(arguments, dict):
+        return ", ".join(f"{key}={json.dumps(value)}" for key, value in arguments.items())
+    return str(arguments or "")
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 BILLED_ROW = "Billed by RunPod"

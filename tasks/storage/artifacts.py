@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
-from loraflow_worker.contract import JobResult, RewardSpec, run_prefix
+from loraflow_worker.contract import TRAJECTORIES_FILE, JobResult, RewardSpec, run_prefix
 from loraflow_worker.contract.dataset_formats import (
     ALGORITHM_FORMATS,
     MESSAGE_COLUMNS,
@@ -115,6 +115,12 @@ def mix_store_path(run_id: str, index: int) -> str:
     return f"{run_prefix(run_id)}/dataset/mix-{index}.jsonl"
 
 
+def tools_store_path(run_id: str, field: str) -> str:
+    """Where `publish_run_inputs` puts the file of a run's `grpo.tools` (`field` "tools") or `grpo.environment`
+    ("environment") in the store."""
+    return f"{run_prefix(run_id)}/tools/{field}.py"
+
+
 def chat_template_store_path(run_id: str) -> str:
     """Where `publish_run_inputs` puts a run's chat template file (`training.chat_template`) in the store."""
     return f"{run_prefix(run_id)}/chat_template.jinja"
@@ -137,7 +143,8 @@ def check_chat_template_file(template: str | None) -> Path | None:
 def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, rewards: Sequence[RewardSpec],
                        base_dir: Path, token: str | None = None, eval_file: Path | None = None,
                        mix_files: Mapping[int, Path] | None = None,
-                       chat_template_file: Path | None = None) -> tuple[str | None, list[RewardSpec]]:
+                       chat_template_file: Path | None = None,
+                       tool_files: Mapping[str, Path] | None = None) -> tuple[str | None, list[RewardSpec]]:
     """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
     hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
     train.jsonl`, and each reward file (`path/to/file.py:function`, relative paths from `base_dir`) under
@@ -147,7 +154,8 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
     run's evaluation examples (checked by the caller), stored in the same commit at `eval_store_path(run_id)`;
     `mix_files`: the files of the run's `dataset.mix` entries by their index (checked by the caller), each at
     `mix_store_path(run_id, index)`; `chat_template_file` (`training.chat_template`, checked by the caller) at
-    `chat_template_store_path(run_id)`."""
+    `chat_template_store_path(run_id)`; `tool_files` (the files of `grpo.tools` and `grpo.environment`, checked by the
+    caller, by `tools_store_path`'s field) at `tools_store_path(run_id, field)`."""
     reward_files = check_reward_files(rewards, base_dir)
     store_paths = reward_store_paths(reward_files, run_id)
     files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
@@ -161,10 +169,13 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
         files[mix_store_path(run_id, index)] = path
     if chat_template_file is not None:
         files[chat_template_store_path(run_id)] = chat_template_file
+    for field, path in (tool_files or {}).items():
+        files[tools_store_path(run_id, field)] = path
     if files:
         what = " and ".join(filter(None, ["dataset" if dataset_file or mix_files else "",
                                           "evaluation file" if eval_file else "",
                                           "chat template" if chat_template_file else "",
+                                          "tools" if tool_files else "",
                                           "reward files" if store_paths else ""]))
         open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
     published = [
@@ -185,6 +196,9 @@ class RunResults(BaseModel):
     adapter_url: str | None = None
     tracker_files_urls: dict[str, str] = Field(
         default_factory=dict, description="Tracker (`wandb`, `mlflow`) → link to its files stored with the run.")
+    trajectories: list[dict[str, Any]] = Field(
+        default_factory=list, description="GRPO: the trajectories the worker kept at its last logging step.")
+    trajectories_url: str | None = Field(default=None, description="Link to all the trajectories kept; None: none.")
 
 
 def read_run_results(store_url: str, run_id: str, token: str | None = None) -> RunResults:
@@ -199,9 +213,27 @@ def read_run_results(store_url: str, run_id: str, token: str | None = None) -> R
         manifest = store.read_json(f"{prefix}/manifest.json")
     except ArtifactNotFound:
         manifest = None
+    trajectories = _last_step(_read_text(store, f"{prefix}/{TRAJECTORIES_FILE}"))
     return RunResults(done=True, result=result, manifest=manifest, adapter_url=store.display_url(result.adapter_path),
                       tracker_files_urls={t.tracker: store.display_url(t.store_path) for t in result.trackers
-                                          if t.store_path})
+                                          if t.store_path},
+                      trajectories=trajectories,
+                      trajectories_url=store.display_url(f"{prefix}/{TRAJECTORIES_FILE}") if trajectories else None)
+
+
+def _last_step(jsonl: str | None) -> list[dict[str, Any]]:
+    """The trajectories of the last logging step in a trajectories file (each line one JSON object with its `step`);
+    a line that is not such an object is skipped: the file is a sample to show, not a result to trust."""
+    records = []
+    for line in (jsonl or "").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    last = max((record["step"] for record in records), default=None)
+    return [record for record in records if record["step"] == last]
 
 
 def _expected(data_format: str, trl_shapes: str) -> str:
@@ -227,12 +259,14 @@ def _read_text(store: Any, path: str) -> str | None:
 def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | None, rewards: list[RewardSpec],
                             base_dir: str, eval_file: str | None = None, hub_token_secret: str | None = None,
                             mix_files: dict[int, str] | None = None,
-                            chat_template_file: str | None = None) -> tuple[str | None, list[RewardSpec]]:
+                            chat_template_file: str | None = None,
+                            tool_files: dict[str, str] | None = None) -> tuple[str | None, list[RewardSpec]]:
     return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
                               Path(base_dir), hub_token(store_url, hub_token_secret),
                               eval_file=Path(eval_file) if eval_file else None,
                               mix_files={index: Path(path) for index, path in (mix_files or {}).items()},
-                              chat_template_file=Path(chat_template_file) if chat_template_file else None)
+                              chat_template_file=Path(chat_template_file) if chat_template_file else None,
+                              tool_files={field: Path(path) for field, path in (tool_files or {}).items()})
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])

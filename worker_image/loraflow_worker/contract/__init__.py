@@ -32,7 +32,15 @@ from loraflow_worker.contract.grpo_settings import GrpoSettings, RewardSpec, grp
 from loraflow_worker.contract.job import MAX_EXTRA_PACKAGES, JobInput, plain_requirements
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
-from loraflow_worker.contract.results import JobResult, PartialResult, Progress, TrackerRun, TrainMetrics, run_prefix
+from loraflow_worker.contract.results import (
+    TRAJECTORIES_FILE,
+    JobResult,
+    PartialResult,
+    Progress,
+    TrackerRun,
+    TrainMetrics,
+    run_prefix,
+)
 from loraflow_worker.contract.sources import DatasetSource, MixSource, ModelSource, RowFormat, SourceFields
 from loraflow_worker.contract.training_settings import (
     EvaluationSettings,
@@ -80,6 +88,7 @@ __all__ = [
     "optimisation_problems",
     "plain_requirements",
     "run_prefix",
+    "TRAJECTORIES_FILE",
     "trl_training_template",
     "worker_env_name",
     "worker_env_overlap",

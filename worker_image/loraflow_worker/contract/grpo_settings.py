@@ -1,5 +1,6 @@
-"""GRPO's section of a job: the group of completions and the rewards that score them. Each training method
-that has settings of its own has its module here (`grpo_settings.py`; DPO's next), as the run form has a section."""
+"""GRPO's section of a job: the group of completions, the rewards that score them, and the tools the model may call
+while it writes them. Each training method that has settings of its own has its module here (`grpo_settings.py`,
+`dpo_settings.py`), as the run form has a section."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import re
 
 from pydantic import Field, model_validator
 
-from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS, REWARD_STORE_PATH_PATTERN, reward_kind
+from loraflow_worker.contract.reward_names import (
+    BUILTIN_REWARD_PARAMS,
+    ENVIRONMENT_NAME_PATTERN,
+    REWARD_STORE_PATH_PATTERN,
+    TOOLS_FILE_PATTERN,
+    reward_kind,
+)
 from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
 from loraflow_worker.contract.version import _Strict
 
@@ -120,6 +127,61 @@ class GrpoSettings(_Strict):
         "skips the reference model entirely.",
     )
     rewards: list[RewardSpec] = Field(min_length=1, max_length=32, description="The reward functions, summed with their weights.")
+    tools: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=TOOLS_FILE_PATTERN,
+        description="A tools file `path/to/tools.py` (a relative path starts at the flow's working directory): its "
+        "public functions are the tools the model may call while it writes a completion (TRL's `tools=`). Each needs "
+        "type hints and a docstring with an `Args:` line per parameter: the chat template shows the model their "
+        "JSON schema. They run inside the training process, with the run's `[worker] env` and secrets; one that "
+        "raises answers the call with its error. The model's chat template must render tools.",
+    )
+    environment: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=ENVIRONMENT_NAME_PATTERN,
+        description="An environment `path/to/file.py:ClassName` (TRL's `environment_factory=`): one instance per "
+        "completion, `reset(**row)` called with the prompt's dataset row before it, and its public methods are the "
+        "tools (typed and documented as for `tools`). A `get_reward()` method, if any, is one more reward.",
+    )
+    max_tool_calls: int | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="Tool-calling turns per completion at most (TRL's `max_tool_calling_iterations`); unset: until "
+        "the model answers without a call or reaches `max_completion_length`. Needs `tools` or `environment`.",
+    )
+    tools_store_path: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=REWARD_STORE_PATH_PATTERN,
+        description="Where the tools file is in the artifact store. The run sets it when it uploads the file; leave it "
+        "empty.",
+    )
+    environment_store_path: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=REWARD_STORE_PATH_PATTERN,
+        description="Where the environment's file is in the artifact store. The run sets it when it uploads the "
+        "file; leave it empty.",
+    )
+
+    @model_validator(mode="after")
+    def _tool_settings_go_together(self) -> GrpoSettings:
+        if self.max_tool_calls is not None and self.tools is None and self.environment is None:
+            raise ValueError("`max_tool_calls` is set but there are no tools: set `tools` or `environment`, or remove "
+                             "`max_tool_calls`")
+        if self.tools_store_path is not None and self.tools is None:
+            raise ValueError("`tools_store_path` is set without `tools`: remove it")
+        if self.environment_store_path is not None and self.environment is None:
+            raise ValueError("`environment_store_path` is set without `environment`: remove it")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the model may call tools while it writes (a tools file or an environment)."""
+        return self.tools is not None or self.environment is not None
 
 
 def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: TrainingSettings) -> list[str]:

@@ -124,6 +124,11 @@ class Progress(_Strict):
     message: str = Field(default="", max_length=2000, description="Free text for the log.")
 
 
+TRAJECTORIES_FILE = "trajectories.jsonl"
+"""A GRPO run's sample of trajectories, beside its metrics in the run's folder (one JSON object per line: `step`,
+`prompt`, `tool_calls` with their `result`, `answer`, `reward`, `rewards`)."""
+
+
 def run_prefix(run_id: str) -> str:
     """The folder of a run inside the artifact store. Both sides derive it the same way."""
     return f"runs/{run_id}"

@@ -1,4 +1,5 @@
-"""How a GRPO reward is named, read the same way by the contract, the control plane and the worker.
+"""How a GRPO reward (and a GRPO run's tools file and environment) is named, read the same way by the contract, the
+control plane and the worker.
 
 Three forms (see `contract.RewardSpec.name`):
 
@@ -29,6 +30,12 @@ BUILTIN_REWARD_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 REWARD_STORE_PATH_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*\.py$"
 """A reward file's path inside the artifact store: relative, plain characters, no `..` (no segment starts
 with a dot), ending in `.py`."""
+
+TOOLS_FILE_PATTERN = r"^.*\S\.py$"
+"""A tools file's name (`grpo.tools`): a path ending in `.py`."""
+
+ENVIRONMENT_NAME_PATTERN = r"^.*\S\.py:[A-Za-z_][A-Za-z0-9_]*$"
+"""An environment's name (`grpo.environment`): `path/to/file.py:ClassName`."""
 
 _MODULE_REWARD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 # The path may hold anything a file name can (a Windows drive's colon too): the function is after the last colon.

@@ -30,17 +30,56 @@ SEED = 0
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 
 # ChatML, as Qwen models use. The {% generation %} markers let transformers build an assistant-token
-# mask, which TRL's `assistant_only_loss=True` requires; they render as nothing otherwise.
+# mask, which TRL's `assistant_only_loss=True` requires; they render as nothing otherwise. With tools it renders as
+# Qwen2.5 does (the tools' JSON schemas in a system turn, `<tool_call>` JSON in the assistant's turn, the tools'
+# answers as `<tool_response>` in a user turn); a chat without tools renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{ '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools>\\nCall a tool with <tool_call>\\n{\"name\": <name>, \"arguments\": <arguments>}\\n</tool_call>"
+    "<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] }}"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}"
+    "{%- set function = call.function if call.function is defined else call %}"
+    "{{ ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + function.name"
+    " + '\", \"arguments\": ' + (function.arguments if function.arguments is string else function.arguments | tojson)"
+    " + '}\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + (message['content'] | string) + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
     "{%- else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+"""How transformers reads an answer the template's way back into a message with `tool_calls`
+(`tokenizer.parse_response`, which TRL's GRPO uses to find the model's tool calls)."""
 
 BUILTIN_TEXT = (
     "The quick brown fox jumps over the lazy dog. A model learns the patterns of its training data, "
@@ -138,6 +177,7 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = VOCAB_SIZE) -> PreT
         pad_token=ENDOFTEXT,
         extra_special_tokens=[IM_START, IM_END],
         chat_template=CHAT_TEMPLATE,
+        response_template=RESPONSE_TEMPLATE,
         model_max_length=1024,
     )
 

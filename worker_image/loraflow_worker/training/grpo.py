@@ -11,6 +11,10 @@ fast paths were in effect. A job selects this with `algorithm: grpo` and a `grpo
               "rewards": [{"name": "numeric_match", "column": "answer"},
                           {"name": "format", "pattern": "^<think>.*</think>", "weight": 0.2}]}}
 
+With `grpo.tools` or `grpo.environment` (`tools.py`) the model may call tools while it writes: TRL runs them and
+the completion (what the rewards see) is the whole exchange, calls, the tools' answers and the final answer. A few
+trajectories of each logging step are kept with the run (`trajectories.py`).
+
 Prompts come from the dataset's `prompt` column (text, or chat messages), or else from its chat `messages`
 without the last assistant turn, whose text becomes the column `answer` for the match rewards. TRL hands a
 reward every column but `prompt` and `completion` (e.g. a prompt-only dataset's `answer`), so the completion
@@ -42,6 +46,8 @@ from loraflow_worker.training.fast_paths import (
 )
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
+from loraflow_worker.training.tools import RunTools, check_tool_template, resolve_tools
+from loraflow_worker.training.trajectories import TRAJECTORIES_FILE, TrajectorySampler
 from loraflow_worker.training.run import (
     TrainOutcome,
     job_workload,
@@ -86,13 +92,17 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
 
     # TRL pads prompts on the left so that generation continues right after them.
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left", truncation_side="left")
-    dataset = prompt_dataset(rows, tokenizer, settings.max_prompt_length)
+    run_tools = RunTools()
+    if settings.uses_tools:  # before the prompts are measured: the tools' schemas are part of each prompt
+        run_tools = resolve_tools(settings, store, work_dir / "run-files")
+        check_tool_template(tokenizer, job.model.id)
+    dataset = prompt_dataset(rows, tokenizer, settings.max_prompt_length, run_tools)
     check_reward_columns(settings.rewards, dataset.column_names)
     eval_dataset = None
     if held_out is not None:
-        eval_dataset = prompt_dataset(held_out, tokenizer, settings.max_prompt_length)
+        eval_dataset = prompt_dataset(held_out, tokenizer, settings.max_prompt_length, run_tools)
         check_reward_columns(settings.rewards, eval_dataset.column_names)
-    reward_funcs, _ = resolve_rewards(settings.rewards, store, work_dir / "reward-files")
+    reward_funcs, _ = resolve_rewards(settings.rewards, store, work_dir / "run-files")
     plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job), job.memory, job.fast_paths))
     model, peft_config = model_and_adapter(model_path, job, plan, store, work_dir)
 
@@ -100,6 +110,7 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     monitor = TrainingMonitor(report, job.deadline_epoch_s,
                               eval_key="eval_reward" if eval_dataset is not None else None)
     reward_log = RewardLog()
+    sampler = TrajectorySampler(work_dir / TRAJECTORIES_FILE, job.worker_secret_names)
     with text_only_vllm() if args.use_vllm else contextlib.nullcontext():  # GRPOTrainer builds the vLLM engine
         trainer = GRPOTrainer(
             model=model,
@@ -109,14 +120,17 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
             peft_config=peft_config,
-            callbacks=[monitor, reward_log, *callbacks],
+            callbacks=[monitor, reward_log, sampler, *callbacks],
+            tools=run_tools.tools or None,
+            environment_factory=run_tools.environment,
         )
+    sampler.trainer = trainer
     fast_paths = engage_fast_paths(plan, trainer.model)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
     return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                            wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=rows,
                            sources=loaded.sources,
-                           rewards=reward_log.rewards)
+                           rewards=reward_log.rewards, trajectories=sampler.path if sampler.path.is_file() else None)
 
 
 def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig:
@@ -136,6 +150,7 @@ def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig
         reward_weights=[spec.weight for spec in settings.rewards],
         # Evaluation: one completion per held-out prompt, sampled as in training (`EvaluationSettings`).
         num_generations_eval=1,
+        max_tool_calling_iterations=settings.max_tool_calls,
         **extra,
         **plan.trainer_kwargs,
     )
@@ -160,11 +175,12 @@ def text_only_vllm() -> Iterator[None]:
         vllm_generation.LLM = build
 
 
-def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> Dataset:
+def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int,
+                   run_tools: RunTools | None = None) -> Dataset:
     """The GRPO prompts of `rows`: its `prompt` column, or its chat `messages` without the last assistant
     turn (that turn's text becomes the column `answer` unless the dataset has one; so does the `completion` of a
-    prompt/completion dataset). Prompts longer than `max_prompt_length` tokens (chat template applied) are left
-    out, with a warning."""
+    prompt/completion dataset). Prompts longer than `max_prompt_length` tokens (chat template applied, with the
+    tools' schemas when the run has tools) are left out, with a warning; a run with tools needs chat prompts."""
     if "completion" in rows.column_names and "prompt" in rows.column_names:
         # TRL's GRPOTrainer leaves a `completion` column out of the rewards' keyword arguments.
         if ANSWER_COLUMN not in rows.column_names:
@@ -179,11 +195,18 @@ def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt
         has_answer = ANSWER_COLUMN in rows.column_names
         rows = rows.map(lambda row: _split_chat(row["messages"], has_answer), remove_columns=["messages"])
 
+    tools = run_tools.tools + _environment_tools(run_tools) if run_tools is not None else []
+    if tools and isinstance(rows[0]["prompt"], str):
+        raise ValueError("a GRPO run with `grpo.tools` or `grpo.environment` needs chat prompts (a `prompt` column of "
+                         "messages, or chat `messages`): the tools reach the model through its chat template, which "
+                         "text prompts do not go through")
+
     def fits(row: dict[str, Any]) -> bool:
         prompt = row["prompt"]
         if isinstance(prompt, str):
             return len(tokenizer(prompt)["input_ids"]) <= max_prompt_length
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(prompt, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
         return len(ids) <= max_prompt_length
 
     kept = rows.filter(fits)
@@ -195,6 +218,13 @@ def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt
     if dropped:
         log.warning("left out %d of %d prompts longer than grpo.max_prompt_length (%d tokens)", dropped, len(rows), max_prompt_length)
     return kept
+
+
+def _environment_tools(run_tools: RunTools) -> list[Callable[..., Any]]:
+    # The methods as schemas see them: `self` is skipped on the class's functions as on bound methods.
+    from loraflow_worker.training.tools import environment_methods
+
+    return environment_methods(run_tools.environment) if run_tools.environment is not None else []
 
 
 def _text(completion: str | list[dict[str, str]]) -> str:

@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import math
 import re
 import string
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraflow_worker.contract import RewardSpec
 from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS, reward_kind, split_file_reward
+from loraflow_worker.training.user_files import UserFileError, import_stored_file
 
 if TYPE_CHECKING:
     from loraflow_worker.artifacts import ArtifactStore
@@ -156,8 +155,6 @@ def _import_user_reward(name: str) -> RewardFunc:
 
 def _load_reward_file(spec: RewardSpec, store: ArtifactStore | None, files_dir: Path | None) -> RewardFunc:
     """Fetch a reward file from the run's store and import it as a module of its own; its function."""
-    from loraflow_worker.artifacts import ArtifactNotFound
-
     if spec.store_path is None or store is None or files_dir is None:
         raise RewardError(
             f"reward file `{spec.name}`: it is not in the run's artifact store (`store_path` is empty); start the run "
@@ -165,23 +162,9 @@ def _load_reward_file(spec: RewardSpec, store: ArtifactStore | None, files_dir: 
         )
     _, attribute = split_file_reward(spec.name)
     try:
-        source = store.read_bytes(spec.store_path)
-    except ArtifactNotFound as e:
-        raise RewardError(f"reward file `{spec.name}`: {spec.store_path} is not in the artifact store ({e})") from e
-    local = files_dir / spec.store_path
-    local.parent.mkdir(parents=True, exist_ok=True)
-    local.write_bytes(source)
-    # One module per stored file, under a name no installed package has; registered before it runs, as an
-    # import would, so that the file's dataclasses and pickling find their module.
-    module_name = "loraflow_reward_file_" + re.sub(r"\W", "_", spec.store_path.removesuffix(".py"))
-    module_spec = importlib.util.spec_from_file_location(module_name, local)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - whatever the user's file raises, the job must say which reward failed
-        del sys.modules[module_name]
-        raise RewardError(f"reward file `{spec.name}`: importing it failed: {type(e).__name__}: {e}") from e
+        module = import_stored_file(store, spec.store_path, files_dir)
+    except UserFileError as e:
+        raise RewardError(f"reward file `{spec.name}`: {e}") from e
     function = vars(module).get(attribute)
     if not callable(function):
         found = "is not a function" if attribute in vars(module) else "does not exist"
@@ -197,8 +180,13 @@ def _column(columns: dict[str, Any], column: str, reward: str) -> list[Any]:
 
 
 def _text(completion: Any) -> str:
-    """A completion's text: TRL passes strings for text prompts and a one-message list for chat prompts."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """A completion's text: TRL passes strings for text prompts and a list of messages for chat prompts (one, or with
+    tools the whole exchange: calls, the tools' answers, the final answer), whose last assistant message is the
+    answer."""
+    if isinstance(completion, str):
+        return completion
+    answers = [message for message in completion if message.get("role", "assistant") == "assistant"]
+    return (answers[-1].get("content") or "") if answers else ""
 
 
 def _answer(completion: Any, pattern: str | None) -> str:

@@ -49,6 +49,8 @@ class TrainOutcome:
     deadline_checkpoint: Path | None
     """When the job's deadline stopped training: the Trainer's checkpoint folder of the last step taken (the
     adapter is then the one trained so far). None when training finished."""
+    trajectories: Path | None = None
+    """GRPO: the sample of trajectories kept at each logging step (`trajectories.TRAJECTORIES_FILE`), if any."""
 
 
 def use_device() -> bool:
@@ -267,7 +269,8 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
 def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput, revision: str | None,
                     adapter_dir: Path, wall_seconds: float, cuda: bool, fast_paths: dict[str, FastPath],
                     plan: FastPathPlan, rows: Dataset, sources: list[SourceRows],
-                    rewards: list[tuple[int, float]] | None = None, loss: LossRecord | None = None) -> TrainOutcome:
+                    rewards: list[tuple[int, float]] | None = None, loss: LossRecord | None = None,
+                    trajectories: Path | None = None) -> TrainOutcome:
     """The metrics and the reproducibility record (manifest) of a run that ended, and where its deadline
     checkpoint is when the deadline ended it."""
     device = f"cuda:0 ({torch.cuda.get_device_name(0)})" if cuda else "cpu"
@@ -307,4 +310,5 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
     # TrainingMonitor asked for this save at the deadline; the Trainer writes it as `checkpoint-<step>`.
     deadline_checkpoint = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
     return TrainOutcome(adapter_dir=adapter_dir, metrics=metrics, manifest=manifest, total_steps=trainer.state.max_steps,
-                        deadline_checkpoint=deadline_checkpoint if monitor.deadline_hit else None)
+                        deadline_checkpoint=deadline_checkpoint if monitor.deadline_hit else None,
+                        trajectories=trajectories)

@@ -118,7 +118,7 @@ def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: J
     """Adapter, the trackers' files, metrics, manifest, result and `DONE` in ONE commit (the Hub allows about 128 commits per hour
     per repo), `DONE` last: a reader that sees `DONE` sees the rest. A Hub commit is all or nothing; FileStore
     writes the files one by one in the order given (`FileStore.put`), so there too `DONE` comes after the rest."""
-    files = _adapter_files(outcome.adapter_dir, f"{prefix}/adapter") | tracker_files
+    files = _adapter_files(outcome.adapter_dir, f"{prefix}/adapter") | tracker_files | _trajectory_file(prefix, outcome)
     files[f"{prefix}/metrics.json"] = outcome.metrics.model_dump_json(indent=2).encode()
     files[f"{prefix}/manifest.json"] = outcome.manifest.model_dump_json(indent=2).encode()
     files[f"{prefix}/result.json"] = result.model_dump_json(indent=2).encode()
@@ -146,10 +146,16 @@ def _publish_partial(store: ArtifactStore, prefix: str, job: JobInput, outcome: 
     files, stale = checkpoint_commit(store, prefix, outcome.deadline_checkpoint, step, job.training.keep_checkpoints)
     files.update(_adapter_files(outcome.adapter_dir, partial.adapter_path))
     files.update(tracker_files)
+    files.update(_trajectory_file(prefix, outcome))
     files[f"{prefix}/partial/result.json"] = partial.model_dump_json(indent=2).encode()
     store.put(files, message=f"run {job.run_id} attempt {job.attempt}: deadline at step {step}, checkpoint and adapter so far",
               delete_prefixes=[*stale, f"{prefix}/partial"], retry_budget_s=DEADLINE_SAVE_RETRY_BUDGET_S)
     return partial
+
+
+def _trajectory_file(prefix: str, outcome: TrainOutcome) -> dict[str, bytes | Path]:
+    # Its name in the store is its name in the work dir (`trajectories.TRAJECTORIES_FILE`).
+    return {f"{prefix}/{outcome.trajectories.name}": outcome.trajectories} if outcome.trajectories else {}
 
 
 def _adapter_files(adapter_dir: Path, folder: str) -> dict[str, bytes | Path]:

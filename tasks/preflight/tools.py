@@ -1,0 +1,209 @@
+"""A GRPO run's tools, checked before anything is rented: `grpo.tools` (a file whose public functions are the tools)
+and `grpo.environment` (`file.py:Class`, whose public methods are), and whether the model's chat template can show
+the model a tool conversation at all.
+
+Each tool must be one that transformers can render into the chat template (`get_json_schema`: a type hint per
+parameter, a docstring with an `Args:` line for each), or TRL fails on the worker after the GPU is paid for. The
+file is the user's code: it is imported in a process of its own (`tool_schemas`), never in the flow's. Where it
+imports a module this machine lacks (the worker may install it from `worker.extra_packages`), its source is read
+with `ast` instead, and the check says so in its `note`. `check_tools_task` runs both checks for the flow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from huggingface_hub.errors import HfHubHTTPError
+from loraflow_worker.contract import GrpoSettings, ModelSource
+from loraflow_worker.contract.reward_names import split_file_reward
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.preflight.chat_tokenizer import ChatTokenizer
+from tasks.preflight.chats import tokenizer_folder
+from tasks.settings import Settings
+
+IMPORT_TIMEOUT_S = 60
+"""How long importing the file and reading its tools may take (transformers' import is a few seconds of it)."""
+
+_READER = Path(__file__).with_name("tool_schemas.py")
+
+
+@dataclass(frozen=True)
+class ToolsCheck:
+    """What the check found: the files (resolved), the tools' names in the order TRL lists them, and a warning to
+    log when a file could only be read, not imported."""
+
+    tools_file: Path | None = None
+    environment_file: Path | None = None
+    environment_class: str | None = None
+    tool_names: list[str] = field(default_factory=list)
+    tools_file_names: list[str] = field(default_factory=list)
+    note: str | None = None
+
+    def describe(self) -> str:
+        """One line for the log: `tools: lookup, add (from tools.py)`."""
+        parts = []
+        if self.tools_file is not None:
+            parts.append(f"{', '.join(self.tools_file_names)} (from {self.tools_file.name})")
+        if self.environment_file is not None:
+            methods = self.tool_names[len(self.tools_file_names):]
+            parts.append(f"{', '.join(methods)} (from {self.environment_file.name}:{self.environment_class})")
+        return "tools: " + ("; ".join(parts) or "none")
+
+
+def check_tools(tools: str | None, environment: str | None, base_dir: Path) -> ToolsCheck:
+    """Check `grpo.tools` and `grpo.environment` (relative paths start at `base_dir`). ValueError naming the field,
+    the file, the tool and the fix for anything TRL or transformers would refuse on the worker."""
+    tools_file = environment_file = class_name = None
+    tools_names: list[str] = []
+    env_names: list[str] = []
+    notes = []
+    if tools is not None:
+        tools_file = _existing(tools, "grpo.tools", tools, base_dir)
+        tools_names, note = _read("grpo.tools", tools, "tools", tools_file, None, base_dir)
+        notes += [note] if note else []
+    if environment is not None:
+        try:
+            path_text, class_name = split_file_reward(environment)
+        except ValueError as e:
+            raise ValueError(f"grpo.environment `{environment}` is not `path/to/file.py:ClassName`: name the file "
+                             "and its class so") from e
+        environment_file = _existing(path_text, "grpo.environment", environment, base_dir)
+        env_names, note = _read("grpo.environment", environment, "environment", environment_file, class_name, base_dir)
+        notes += [note] if note else []
+    if twice := sorted(set(tools_names) & set(env_names)):
+        raise ValueError(f"grpo.tools `{tools}` and grpo.environment `{environment}` both have a tool "
+                         f"`{twice[0]}`: the model calls tools by name; rename one")
+    return ToolsCheck(tools_file=tools_file, environment_file=environment_file, environment_class=class_name,
+                      tool_names=tools_names + env_names, tools_file_names=tools_names,
+                      note=" ".join(notes) or None)
+
+
+def tool_template_problem(render: Callable[[list[dict], list[dict]], str], template_name: str) -> str | None:
+    """None when the chat template (`render(messages, tools)` gives its text) renders a whole tool conversation: the
+    call's name and arguments and the tool's answer, as TRL's `supports_tool_calling` requires; else the refusal.
+    A template that raises on the conversation does not render tools."""
+    name, key, value, answer = "tool_name_7c1e", "tool_arg_key_3b9d", "tool_arg_value_e52a", "tool_answer_91f0"
+    tools = [{"type": "function", "function": {
+        "name": name, "description": "A tool.",
+        "parameters": {"type": "object", "properties": {key: {"type": "string", "description": "An argument."}},
+                       "required": [key]}}}]
+
+    def conversation(arguments: dict | str) -> list[dict]:
+        call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": name, "content": answer}]
+
+    fix = "pick a model whose chat template renders tool calls and tool results (or run GRPO without tools)"
+    try:
+        try:
+            text = render(conversation({key: value}), tools)
+        except TypeError:
+            # Some templates (DeepSeek-V3's) take the arguments as a JSON string only; TRL retries so too.
+            text = render(conversation(json.dumps({key: value})), tools)
+    except (jinja2.TemplateError, TypeError) as e:
+        return (f"chat template {template_name} cannot render a tool conversation (it raised {type(e).__name__}: "
+                f"{e}): GRPO with `grpo.tools` or `grpo.environment` needs one; {fix}")
+    parts = {"the tool call's name": name, "its argument's name": key, "its argument's value": value,
+             "the tool's answer": answer}
+    if dropped := [what for what, sentinel in parts.items() if sentinel not in text]:
+        return (f"chat template {template_name} does not render tool conversations: its text leaves out "
+                f"{', '.join(dropped)}, so the model would never see them; GRPO with `grpo.tools` or "
+                f"`grpo.environment` needs a template that does; {fix}")
+    return None
+
+
+def _existing(path_text: str, field_name: str, value: str, base_dir: Path) -> Path:
+    path = (base_dir / path_text).resolve()
+    if not path.is_file():
+        raise ValueError(f"{field_name} `{value}`: {path} does not exist or is not a file; fix the path (a relative "
+                         f"path starts at {base_dir.resolve()})")
+    return path
+
+
+def _read(field_name: str, value: str, kind: str, path: Path, class_name: str | None,
+          base_dir: Path) -> tuple[list[str], str | None]:
+    """The tools' names and a note when the file was read without importing it; ValueError for a problem."""
+    command = [sys.executable, str(_READER), kind, str(path), *([class_name] if class_name else [])]
+    # No bytecode beside the user's files; transformers' chatter would only bury an error in stderr.
+    env = os.environ | {"PYTHONDONTWRITEBYTECODE": "1", "TRANSFORMERS_VERBOSITY": "error",
+                        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    # A session of its own, so that whatever the file starts is ended with it and cannot hold the pipes open.
+    process = subprocess.Popen(command, cwd=base_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=IMPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise ValueError(f"{field_name} `{value}`: importing {path} took more than {IMPORT_TIMEOUT_S} s; a tools file "
+                         "should only define its tools when imported: move slow work into the tools") from e
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    try:
+        found = json.loads(stdout)
+    except json.JSONDecodeError:
+        tail = (stderr.strip().splitlines() or ["no output"])[-1][:300]
+        raise ValueError(f"{field_name} `{value}`: reading the tools of {path} failed (exit {process.returncode}): "
+                         f"{tail}; fix the file so that it imports") from None
+    if found["problem"]:
+        read = f" (read without running it: {found['unimported']})" if found["unimported"] else ""
+        raise ValueError(f"{field_name} `{value}`{read}: {found['problem']}")
+    note = None
+    if found["unimported"]:
+        note = (f"{field_name} `{value}`: {path} could not be imported here ({found['unimported']}), so its tools "
+                f"({', '.join(found['tools']) or 'none seen'}) were checked from its source without running it; "
+                "the worker imports it alone (files beside it are not shipped) with the run's `worker.extra_packages` "
+                "installed")
+    return found["tools"], note
+
+
+def check_tool_template(folder: Path, model_id: str) -> None:
+    """ValueError (the refusal) unless the chat template of the tokenizer in `folder` renders a tool conversation.
+    Its fast path (`ChatTokenizer`) passes it; a refusal is judged again with transformers' own tokenizer."""
+    def problem(tokenizer: Any) -> str | None:
+        return tool_template_problem(
+            lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools, tokenize=False),
+            f"of {model_id}")
+
+    try:
+        light = ChatTokenizer.read(folder)
+        if light is not None and problem(light) is None:
+            return
+    except Exception:  # noqa: BLE001, S110 - whatever stopped the fast path, transformers judges the run below
+        pass
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers import AutoTokenizer
+
+    if found := problem(AutoTokenizer.from_pretrained(folder)):
+        raise ValueError(found)
+
+
+@task(name="check-tools", cache_policy=NO_CACHE)
+def check_tools_task(grpo: GrpoSettings, base_dir: str, model: ModelSource,
+                     hub_token_secret: str | None = None) -> ToolsCheck:
+    """A tool-using GRPO run's tools (`check_tools`) and the model's chat template, which must render them."""
+    logger = get_run_logger()
+    found = check_tools(grpo.tools, grpo.environment, Path(base_dir))
+    if found.note:
+        logger.warning("%s", found.note)
+    try:
+        folder = tokenizer_folder(model, Settings().with_hub_token(hub_token_secret))
+    except (OSError, ValueError, HfHubHTTPError) as e:  # as the chats' check: one that cannot run leaves it to the worker
+        logger.warning("The chat template was not checked for tools before renting: %s's tokenizer could not be "
+                       "read (%s: %s); the worker checks it as it starts", model.id, type(e).__name__, e)
+    else:
+        check_tool_template(folder, model.id)
+    logger.info("GRPO with %s", found.describe())
+    return found

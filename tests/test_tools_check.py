@@ -1,0 +1,257 @@
+"""A GRPO run's tools (`grpo.tools = "tools.py"`, `grpo.environment = "env.py:Class"`) are checked before anything
+is rented: every tool must be one transformers can show the model (a type hint per parameter, a docstring with an
+`Args:` line for each), an environment needs `reset` and a tool method, and the file, the user's code, is imported in
+a process of its own. A file that needs a module installed only on the worker is read from its source instead. The
+model's chat template must render a whole tool conversation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from tasks.preflight.tools import check_tools, tool_template_problem
+
+GOOD_TOOLS = '''
+from os.path import join  # imported: not a tool
+
+
+def lookup(city: str, metric: bool = True) -> str:
+    """Look up the weather of a city.
+
+    Args:
+        city: The city's name.
+        metric: Whether to answer in degrees Celsius.
+    """
+    return _fetch(city)
+
+
+async def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def _fetch(city: str) -> str:
+    return "sunny"
+'''
+
+GOOD_ENVIRONMENT = '''
+class Shop:
+    def __init__(self):
+        self.basket = []
+
+    def reset(self, **row) -> None:
+        self.basket = []
+
+    def buy(self, item: str) -> str:
+        """Put an item in the basket.
+
+        Args:
+            item: What to buy.
+        """
+        self.basket.append(item)
+        return "ok"
+
+    def get_reward(self) -> float:
+        return float(len(self.basket))
+
+    def _total(self) -> int:
+        return len(self.basket)
+'''
+
+
+def write(folder: Path, name: str, source: str) -> str:
+    (folder / name).write_text(source, encoding="utf-8")
+    return name
+
+
+def test_a_good_tools_file_passes_and_lists_its_own_public_functions(tmp_path):
+    check = check_tools(write(tmp_path, "tools.py", GOOD_TOOLS), None, tmp_path)
+
+    assert check.tool_names == ["lookup", "add"]
+    assert check.tools_file == (tmp_path / "tools.py").resolve()
+    assert check.environment_file is None
+    assert check.note is None
+    assert check.describe() == "tools: lookup, add (from tools.py)"
+
+
+def test_a_good_environment_passes_with_its_public_methods_but_reset_and_get_reward(tmp_path):
+    check = check_tools(None, write(tmp_path, "env.py", GOOD_ENVIRONMENT) + ":Shop", tmp_path)
+
+    assert check.tool_names == ["buy"]
+    assert check.environment_file == (tmp_path / "env.py").resolve()
+    assert check.describe() == "tools: buy (from env.py:Shop)"
+
+
+def test_a_tool_parameter_without_a_type_hint_is_refused_naming_the_function(tmp_path):
+    source = GOOD_TOOLS.replace("def lookup(city: str,", "def lookup(city,")
+
+    with pytest.raises(ValueError) as refused:
+        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+    message = str(refused.value)
+    assert message.startswith("grpo.tools `tools.py`: tool `lookup` cannot be shown to the model")
+    assert "city is missing a type hint" in message
+    assert "give every parameter a type hint" in message
+
+
+def test_a_parameter_missing_from_the_docstring_args_is_refused_naming_function_and_parameter(tmp_path):
+    source = GOOD_TOOLS.replace("        b: The second number.\n", "")
+
+    with pytest.raises(ValueError, match=r"grpo.tools `tools.py`: tool `add` cannot be shown to the model: .*'b'"):
+        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+
+def test_a_tools_file_without_a_public_function_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo.tools `tools.py`: .* defines no public function: define at least one"):
+        check_tools(write(tmp_path, "tools.py", "from os.path import join\n\ndef _hidden() -> None: ...\n"), None,
+                    tmp_path)
+
+
+def test_a_missing_tools_file_is_refused_naming_the_field_and_the_path(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo.tools `nowhere.py`: .*nowhere.py does not exist.*fix the path"):
+        check_tools("nowhere.py", None, tmp_path)
+
+
+def test_an_environment_without_reset_is_refused(tmp_path):
+    source = GOOD_ENVIRONMENT.replace("def reset(", "def restart(")
+
+    with pytest.raises(ValueError, match=r"grpo.environment `env.py:Shop`: class `Shop` has no `reset` method"):
+        check_tools(None, write(tmp_path, "env.py", source) + ":Shop", tmp_path)
+
+
+def test_an_environment_class_the_file_lacks_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo.environment `env.py:Store`: .* has no `Store` \(its classes: `Shop`\)"):
+        check_tools(None, write(tmp_path, "env.py", GOOD_ENVIRONMENT) + ":Store", tmp_path)
+
+
+def test_a_file_that_raises_while_importing_is_refused_with_its_exception(tmp_path):
+    source = GOOD_TOOLS + "\nLIMIT = 1 / 0\n"
+
+    with pytest.raises(ValueError) as refused:
+        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+    message = str(refused.value)
+    assert message.startswith("grpo.tools `tools.py`: importing ")
+    assert "raised ZeroDivisionError: division by zero at line" in message
+    assert "`LIMIT = 1 / 0`" in message
+
+
+def test_the_file_is_imported_in_another_process(tmp_path):
+    source = f"import os\nopen({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n" + GOOD_TOOLS
+
+    check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+    assert int((tmp_path / "pid").read_text()) != os.getpid()
+
+
+def test_a_file_may_print_while_it_is_imported(tmp_path):
+    source = "print('loading tools')\n" + GOOD_TOOLS
+
+    assert check_tools(write(tmp_path, "tools.py", source), None, tmp_path).tool_names == ["lookup", "add"]
+
+
+def test_a_sibling_module_is_not_importable_as_it_is_not_shipped_with_the_file(tmp_path):
+    write(tmp_path, "weather_data.py", "CITIES = ['Oslo']\n")
+    source = "from weather_data import CITIES\n" + GOOD_TOOLS
+
+    check = check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+    assert "module `weather_data` is not installed here" in check.note
+
+
+def test_a_file_needing_a_module_not_installed_here_is_checked_from_its_source_with_a_note(tmp_path):
+    source = "import loraflow_only_on_the_worker\n" + GOOD_TOOLS
+
+    check = check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+    assert check.tool_names == ["lookup", "add"]
+    assert "could not be imported here (module `loraflow_only_on_the_worker` is not installed here)" in check.note
+    assert "checked from its source without running it" in check.note
+
+
+def test_a_bad_tool_in_a_file_not_importable_here_is_still_refused_by_name(tmp_path):
+    source = "import loraflow_only_on_the_worker\n" + GOOD_TOOLS.replace("metric: bool = True", "metric=True")
+
+    with pytest.raises(ValueError, match=r"tool `lookup` cannot be shown to the model: Argument metric is missing a "
+                                         r"type hint"):
+        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+
+def test_an_environment_not_importable_here_is_checked_from_its_source(tmp_path):
+    source = "import loraflow_only_on_the_worker\n" + GOOD_ENVIRONMENT
+
+    check = check_tools(None, write(tmp_path, "env.py", source) + ":Shop", tmp_path)
+
+    assert check.tool_names == ["buy"]
+    assert check.note is not None
+
+
+CHATML_WITH_TOOLS = """
+{%- if tools %}<|im_start|>system
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}</tool_call>
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- endfor %}
+"""
+
+CHATML_WITHOUT_TOOL_MESSAGES = """
+{%- for message in messages if message.role != "tool" %}<|im_start|>{{ message.role }}
+{{ message.content }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}</tool_call>
+{%- endfor %}<|im_end|>
+{% endfor %}
+"""
+
+
+def renderer(template: str):
+    compiled = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    return lambda messages, tools: compiled.render(messages=messages, tools=tools)
+
+
+def test_a_chat_template_that_renders_a_tool_conversation_passes():
+    assert tool_template_problem(renderer(CHATML_WITH_TOOLS), "chatml-tools") is None
+
+
+def test_a_chat_template_that_drops_tool_messages_is_refused_naming_it():
+    problem = tool_template_problem(renderer(CHATML_WITHOUT_TOOL_MESSAGES), "chatml-plain")
+
+    assert problem is not None
+    assert problem.startswith("chat template chatml-plain does not render tool conversations: its text leaves out "
+                              "the tool's answer")
+    assert "pick a model whose chat template renders tool calls and tool results" in problem
+
+
+def test_a_chat_template_that_raises_on_a_tool_conversation_is_refused():
+    strict = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise('no tools') }}{% endif %}{% endfor %}"
+
+    problem = tool_template_problem(renderer(strict), "strict")
+
+    assert problem is not None and problem.startswith("chat template strict cannot render a tool conversation")
+
+
+def test_a_file_that_hangs_while_importing_is_refused_after_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr("tasks.preflight.tools.IMPORT_TIMEOUT_S", 5)
+    # A grandchild that keeps the output pipes open must not hold the check past its timeout either.
+    source = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n" \
+             "time.sleep(60)\n" + GOOD_TOOLS
+
+    with pytest.raises(ValueError, match=r"grpo.tools `tools.py`: importing .* took more than 5 s"):
+        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)

@@ -1,0 +1,126 @@
+"""Tool-using GRPO (`grpo.tools`, `grpo.environment`): the tiny model, taught the tool-call format by an SFT run,
+calls a tool inside the training process during GRPO; the tool's answer reaches the reward; a tool that raises
+answers with its error; trajectories are stored with secrets redacted; bad tools are refused naming them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from worker_test_support import CountingStore, train_in_process
+
+from loraflow_worker.contract import JobInput
+from loraflow_worker.self_test import tool_use
+from loraflow_worker.training.tools import ToolError, resolve_tools
+
+SECRET = "ledger-secret-value-4711"
+
+
+def _store_file(store: CountingStore, path: str, text: str) -> str:
+    (store.root / path).parent.mkdir(parents=True, exist_ok=True)
+    (store.root / path).write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def taught(make_job, tiny_model_dir, tmp_path_factory):
+    """`run-teach`: SFT on chats whose answer is a call of `record`, stored as every run is."""
+    store = CountingStore(tmp_path_factory.mktemp("store"))
+    job = make_job("run-teach", tiny_model_dir, store.root, lora={"rank": 8, "alpha": 16},
+                   training={"max_steps": 150, "learning_rate": 1e-2, "batch_size": 4})
+    _store_file(store, job["input"]["dataset"]["store_path"], tool_use.jsonl(tool_use.teaching_rows()))
+    result = train_in_process(job, store, tmp_path_factory.mktemp("work"), [])
+    return store, result
+
+
+def _tools_job(make_job, tiny_model_dir, store: CountingStore, run_id: str, **grpo) -> dict:
+    job = make_job(run_id, tiny_model_dir, store.root, algorithm="grpo", lora={"init_from": "runs/run-teach"},
+                   training={"max_steps": 3, "learning_rate": 1e-3, "batch_size": 8, "seed": 1},
+                   worker_secret_names=["LEDGER_SECRET"],
+                   grpo={"num_generations": 4, "max_completion_length": 192, "temperature": 0.3, "max_tool_calls": 1,
+                         "rewards": [{"name": "reward.py:receipt",
+                                      "store_path": _store_file(store, f"runs/{run_id}/rewards/reward.py",
+                                                                tool_use.REWARD_SOURCE)}],
+                         **grpo})
+    _store_file(store, job["input"]["dataset"]["store_path"], tool_use.jsonl(tool_use.prompt_rows()))
+    return job
+
+
+@pytest.fixture(scope="module")
+def tool_run(taught, make_job, tiny_model_dir, tmp_path_factory):
+    """GRPO from the taught adapter with `record` as its tool; the ledger and a run secret in its environment."""
+    store, _ = taught
+    ledger = tmp_path_factory.mktemp("ledger") / "ledger.txt"
+    job = _tools_job(make_job, tiny_model_dir, store, "run-tools", tools="tools.py",
+                     tools_store_path=_store_file(store, "runs/run-tools/tools/tools.py", tool_use.TOOLS_SOURCE))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(tool_use.LEDGER_ENV, str(ledger))
+        env.setenv("LEDGER_SECRET", SECRET)
+        result = train_in_process(job, store, tmp_path_factory.mktemp("work"), [])
+    return store, result, ledger
+
+
+def test_the_taught_model_calls_the_tool_inside_the_training_process(tool_run):
+    _, _, ledger = tool_run
+    recorded = ledger.read_text().splitlines()
+    assert recorded and set(recorded) <= set(tool_use.ITEMS), recorded
+
+
+def test_the_tools_answer_reaches_the_reward(tool_run):
+    _, result, _ = tool_run
+    assert max(reward for _, reward in result.metrics.rewards) > 0.5, result.metrics.rewards
+
+
+def test_trajectories_are_stored_with_the_run_showing_the_call_and_its_answer(tool_run):
+    store, _, _ = tool_run
+    lines = (store.root / "runs/run-tools/trajectories.jsonl").read_text().splitlines()
+    trajectories = [json.loads(line) for line in lines]
+    assert {t["step"] for t in trajectories} == {1, 2, 3}
+    called = [t for t in trajectories if t["tool_calls"]]
+    assert called, trajectories
+    call = called[0]["tool_calls"][0]
+    assert call["name"] == "record" and call["result"] == "receipt " + call["arguments"]["item"]
+    assert called[0]["reward"] == 1.0 and called[0]["prompt"].startswith("Record ")
+
+
+def test_a_tool_that_raises_answers_with_its_error_and_the_run_goes_on(taught, make_job, tiny_model_dir, tmp_path):
+    store, _ = taught
+    raising = tool_use.TOOLS_SOURCE.replace('    with open(', f'    raise RuntimeError("ledger closed {SECRET}")\n    with open(')
+    job = _tools_job(make_job, tiny_model_dir, store, "run-raising", tools="tools.py",
+                     tools_store_path=_store_file(store, "runs/run-raising/tools/tools.py", raising))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LEDGER_SECRET", SECRET)
+        result = train_in_process(job, store, tmp_path, [])
+    assert result.metrics.steps == 3
+    stored = (store.root / "runs/run-raising/trajectories.jsonl").read_text()
+    answers = [call.get("result") for line in stored.splitlines() for call in json.loads(line)["tool_calls"]]
+    assert any("ledger closed ***" in str(answer) for answer in answers), answers
+    assert SECRET not in stored
+
+
+def test_an_environment_class_gives_each_completion_its_own_instance(taught, make_job, tiny_model_dir, tmp_path):
+    store, _ = taught
+    source = tool_use.TOOLS_SOURCE.replace("def record(item: str) -> str:", "class Ledger:\n    def reset(self, **row):\n"
+                                           "        self.items = []\n\n    def record(self, item: str) -> str:")
+    source = source.replace("\n    ", "\n        ").replace("\nclass Ledger:\n        def reset", "\nclass Ledger:\n    def reset")
+    source = source.replace("        def record(self", "    def record(self")
+    job = _tools_job(make_job, tiny_model_dir, store, "run-env", environment="ledger.py:Ledger",
+                     environment_store_path=_store_file(store, "runs/run-env/tools/ledger.py", source))
+    ledger = tmp_path / "ledger.txt"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(tool_use.LEDGER_ENV, str(ledger))
+        result = train_in_process(job, store, tmp_path / "work", [])
+    assert result.metrics.steps == 3 and ledger.read_text().strip()
+
+
+def test_a_tool_without_type_hints_is_refused_naming_it(taught, tmp_path):
+    store, _ = taught
+    source = "def record(item):\n    \"\"\"Record it.\n\n    Args:\n        item: The item.\n    \"\"\"\n    return item\n"
+    settings = JobInput.model_validate({
+        "run_id": "r", "algorithm": "grpo", "model": {"id": "m"}, "dataset": {"store_path": "d.jsonl"},
+        "artifact_store": "file:///s", "training": {"batch_size": 4},
+        "grpo": {"num_generations": 4, "rewards": [{"name": "digit_fraction"}], "tools": "tools.py",
+                 "tools_store_path": _store_file(store, "runs/r/tools/tools.py", source)}}).grpo
+    with pytest.raises(ToolError, match=r"grpo.tools `tools.py`: tool `record` cannot be shown to the model: .*item"):
+        resolve_tools(settings, store, tmp_path)
