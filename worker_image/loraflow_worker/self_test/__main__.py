@@ -1,8 +1,9 @@
 """Check that this environment (an image, a GPU box) can train: every fast-path package imports, and a short
 SFT job (recorded by W&B offline and an MLflow file store), a packed one on ShareGPT rows, one on Alpaca rows that goes
-on training the packed job's adapter (`lora.init_from`), a DPO job on the chats' answers preferred to a refusal and
-a short GRPO job run through the real handler on a tiny model built offline, between them with every schedule, optimizer and adapter setting that needs more of the image than
-the defaults (bitsandbytes' 8-bit AdamW, DoRA, rsLoRA, LoRA+, `modules_to_save`, PiSSA).
+on training the packed job's adapter (`lora.init_from`), a DPO job on the chats' answers preferred to a refusal, a
+short GRPO job, and a tool-using GRPO job (from an SFT job that teaches the tiny model the call: `tool_use`) run through
+the real handler on a tiny model built offline, between them with every schedule, optimizer and adapter setting that
+needs more of the image than the defaults (bitsandbytes' 8-bit AdamW, DoRA, rsLoRA, LoRA+, `modules_to_save`, PiSSA).
 
     python -m loraflow_worker.self_test                 # inside the image: `docker run --rm IMAGE python -m ...`
     python -m loraflow_worker.self_test --steps 8
@@ -55,9 +56,10 @@ def import_fast_path_packages() -> dict[str, str | None]:
 
 
 def run_jobs(root: Path, steps: int) -> dict[str, dict]:
-    """Three SFT jobs, a DPO job and a GRPO job through `handler` on a tiny model; job name -> the job's result."""
+    """Four SFT jobs, a DPO job and two GRPO jobs through `handler` on a tiny model; job name -> the job's result."""
     from loraflow_worker.contract import CONTRACT_VERSION
     from loraflow_worker.handler import WORK_DIR_ENV, handler
+    from loraflow_worker.self_test import tool_use
     from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
 
     model = build_tiny_model(root / "tiny-model", corpus_from_jsonl([DEFAULT_CORPUS]))
@@ -83,16 +85,29 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
                               "lr_scheduler": "constant_with_warmup", "warmup_ratio": 0.25},
                  "grpo": {"num_generations": 4, "max_completion_length": 12, "rewards": [{"name": "digit_fraction"}]},
                  "lora": {"init": "pissa"}},
+        # The tiny model learns to call the tool (it needs that many steps, whatever --steps says), then calls it.
+        "sft-tools": {"training": {"max_steps": max(steps, TEACHING_STEPS), "learning_rate": 1e-2, "batch_size": 4},
+                      "lora": {"rank": 8, "alpha": 16}},
+        "grpo-tools": {"algorithm": "grpo", "lora": {"init_from": "runs/self-test-sft-tools"},
+                       "training": {"max_steps": steps, "learning_rate": 1e-3, "batch_size": 8},
+                       "grpo": {"num_generations": 4, "max_completion_length": 192, "temperature": 0.3,
+                                "max_tool_calls": 1, "tools": "tools.py",
+                                "tools_store_path": _stored(store, "runs/self-test-grpo-tools/tools/tools.py",
+                                                            tool_use.TOOLS_SOURCE),
+                                "rewards": [{"name": "reward.py:receipt", "store_path": _stored(
+                                    store, "runs/self-test-grpo-tools/rewards/reward.py", tool_use.REWARD_SOURCE)}]}},
     }
+    own_rows = {"sft-tools": tool_use.teaching_rows(), "grpo-tools": tool_use.prompt_rows()}
+    ledger = root / "ledger.txt"
+    os.environ[tool_use.LEDGER_ENV] = str(ledger)
     rows = [json.loads(line) for line in DEFAULT_CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
     results = {}
     for name, settings in jobs.items():
         run_id = f"self-test-{name}"
         dataset = f"runs/{run_id}/dataset/train.jsonl"
-        (store / dataset).parent.mkdir(parents=True, exist_ok=True)
         data_format = settings.get("dataset", {}).get("format", "auto")
         shape = "preference" if settings.get("algorithm") == "dpo" else data_format
-        (store / dataset).write_text("".join(json.dumps(_as(shape, row)) + "\n" for row in rows), encoding="utf-8")
+        _stored(store, dataset, "".join(json.dumps(_as(shape, row)) + "\n" for row in own_rows.get(name, rows)))
         job_input = {"contract_version": CONTRACT_VERSION, "run_id": run_id, "model": {"id": str(model)},
                      "artifact_store": store.as_uri(), **settings,
                      "dataset": {**settings.get("dataset", {}), "store_path": dataset}}
@@ -108,8 +123,14 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
         accuracies = metrics.get("reward_accuracies") or []
         if settings.get("algorithm") == "dpo" and not (accuracies and accuracies[-1][1] > accuracies[0][1]):
             raise RuntimeError(f"the {name} job's reward accuracy did not rise: {accuracies}")
+        if settings.get("grpo", {}).get("tools"):
+            called = ledger.read_text().split() if ledger.is_file() else []
+            print(f"{name} job called its tool {len(called)} times ({', '.join(sorted(set(called)))})", flush=True)
+            if not called or max(reward for _, reward in metrics["rewards"]) <= 0.5:
+                raise RuntimeError(f"the {name} job's tool never ran or its answer never reached the reward: ledger "
+                                   f"{called}, rewards {metrics['rewards']}")
         parent = settings.get("lora", {}).get("init_from")
-        if parent is not None:  # trained on the same answers, an adapter that went on training starts lower
+        if parent is not None and settings.get("algorithm", "sft") == "sft":  # trained on the same answers, an adapter that went on training starts lower
             parent_first = results[parent.removeprefix("runs/self-test-")]["metrics"]["first_loss"]
             print(f"{name} job started from {parent}'s adapter at loss {metrics['first_loss']:.3f} (that job started "
                   f"at {parent_first:.3f})", flush=True)
@@ -124,6 +145,17 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
             print(f"{name} job tracked by {tracker['tracker']}: run {tracker['run_id']}, stored at "
                   f"{tracker['store_path']}", flush=True)
     return results
+
+
+TEACHING_STEPS = 150
+"""SFT steps that teach the tiny model to call the tool (`tool_use`)."""
+
+
+def _stored(store: Path, path: str, text: str) -> str:
+    """Write `text` at `path` in the file store, as the control plane publishes a run's files; `path`."""
+    (store / path).parent.mkdir(parents=True, exist_ok=True)
+    (store / path).write_text(text, encoding="utf-8")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
