@@ -143,3 +143,20 @@ def test_a_dpo_runs_summary_and_progress_line_show_the_held_out_pairs_accuracy_a
     assert "| Eval reward margin, held-out pairs (start → final) | 0.0000 (step 0) → 3.2000 (step 4) |" in text
     assert progress_description({"stage": "training", "step": 2, "total_steps": 4, "loss": 0.4,
                                  "reward_accuracy": 0.75}) == "training: step 2/4 · loss 0.4000 · reward accuracy 75%"
+
+
+def test_a_grpo_summary_shows_trajectories_with_their_tool_calls_answers_and_rewards():
+    trajectories = [{"step": 3, "prompt": "Record fig.", "answer": "Done.", "reward": 1.0, "rewards": {"receipt": 1.0},
+                     "tool_calls": [{"name": "record", "arguments": {"item": "fig"}, "result": "receipt fig"}]},
+                    {"step": 3, "prompt": "Record | pear.", "answer": "", "reward": 0.0, "rewards": {"receipt": 0.0},
+                     "tool_calls": []}]
+    report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                       endpoint_name="loraflow-demo-abc-a1", metrics=METRICS, cost_ceiling_usd=0.35,
+                       estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter", store_url="file:///s",
+                       algorithm="grpo", trajectories=trajectories,
+                       trajectories_url="file:///s/runs/r1/trajectories.jsonl")
+    text = summary_markdown(report)
+    assert "## Trajectories at step 3" in text
+    assert '| Record fig. | `record(item="fig")` → receipt fig | Done. | 1 |' in text
+    assert "| Record \\| pear. | none |  | 0 |" in text
+    assert "Every trajectory kept: [trajectories.jsonl](file:///s/runs/r1/trajectories.jsonl)." in text

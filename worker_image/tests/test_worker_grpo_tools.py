@@ -124,3 +124,75 @@ def test_a_tool_without_type_hints_is_refused_naming_it(taught, tmp_path):
                  "tools_store_path": _store_file(store, "runs/r/tools/tools.py", source)}}).grpo
     with pytest.raises(ToolError, match=r"grpo.tools `tools.py`: tool `record` cannot be shown to the model: .*item"):
         resolve_tools(settings, store, tmp_path)
+
+
+def test_the_taught_system_turn_is_the_one_the_template_renders_for_the_tool(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    namespace: dict = {}
+    exec(tool_use.TOOLS_SOURCE, namespace)  # noqa: S102 - the shipped tool's source, to render its schema
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=[namespace["record"]],
+                                             tokenize=False)
+    assert rendered.startswith(f"<|im_start|>system\n{tool_use.TOOLS_TURN}<|im_end|>\n")
+
+
+def test_a_template_that_does_not_render_tools_is_refused_naming_the_model(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from loraflow_worker.training.tools import check_tool_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') "
+                               "+ '<|im_end|>\\n' }}{% endfor %}")
+    with pytest.raises(ToolError, match=r"the chat template of org/tiny does not render tools"):
+        check_tool_template(tokenizer, "org/tiny")
+
+
+def test_a_template_whose_tool_calls_cannot_be_read_back_is_refused(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from loraflow_worker.training.tools import check_tool_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.response_template = None
+    with pytest.raises(ToolError, match=r"tool calls cannot be read back .* no `response_template`"):
+        check_tool_template(tokenizer, "org/tiny")
+
+
+def test_tools_need_chat_prompts(tiny_model_dir):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from loraflow_worker.training.grpo import prompt_dataset
+    from loraflow_worker.training.tools import RunTools
+
+    namespace: dict = {}
+    exec(tool_use.TOOLS_SOURCE, namespace)  # noqa: S102
+    rows = Dataset.from_list([{"prompt": "Record apple."}])
+    with pytest.raises(ValueError, match=r"needs chat prompts"):
+        prompt_dataset(rows, AutoTokenizer.from_pretrained(tiny_model_dir), 512, RunTools(tools=[namespace["record"]]))
+
+
+def test_max_tool_calls_without_tools_is_refused():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"`max_tool_calls` is set but there are no tools"):
+        JobInput.model_validate({
+            "run_id": "r", "algorithm": "grpo", "model": {"id": "m"}, "dataset": {"store_path": "d.jsonl"},
+            "artifact_store": "file:///s", "training": {"batch_size": 4},
+            "grpo": {"num_generations": 4, "rewards": [{"name": "digit_fraction"}], "max_tool_calls": 2}})
+
+
+def test_a_trajectory_pairs_each_call_with_its_answer_and_sums_weighted_rewards():
+    from loraflow_worker.training.trajectories import trajectory
+
+    completion = [{"role": "assistant", "content": "", "tool_calls": [
+                      {"type": "function", "function": {"name": "record", "arguments": {"item": "fig"}}}]},
+                  {"role": "tool", "name": "record", "content": "receipt fig"},
+                  {"role": "assistant", "content": "Done."}]
+    record = trajectory(2, [{"role": "user", "content": "Record fig."}], completion,
+                        {"receipt": 1.0, "length": float("nan")}, {"receipt": 0.5, "length": 1.0})
+    assert record == {"step": 2, "prompt": "Record fig.", "answer": "Done.", "reward": 0.5,
+                      "tool_calls": [{"name": "record", "arguments": {"item": "fig"}, "result": "receipt fig"}],
+                      "rewards": {"receipt": 1.0, "length": record["rewards"]["length"]}}
