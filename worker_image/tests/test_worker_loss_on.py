@@ -110,8 +110,8 @@ def test_every_assistant_turn_and_its_end_carry_the_loss_and_nothing_else(tiny_m
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_model_dir):
     # Earlier answers shortened once a later turn follows, as reasoning templates drop earlier thoughts.
-    rewriting = UNMARKED_TEMPLATE.replace("message['content'] + '<|im_end|>'",
-                                          "(message['content'] if loop.last else '...') + '<|im_end|>'")
+    rewriting = UNMARKED_TEMPLATE.replace("{{ message['content'] }}", "{{ message['content'] if loop.last else '...' }}")
+    assert rewriting != UNMARKED_TEMPLATE
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(LossMaskError, match=r"turn 3 \(assistant\) differently"):
         mask_chat(tokenizer, CHAT, ChatTemplate(rewriting, "the model's own chat template"))
