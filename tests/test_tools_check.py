@@ -255,3 +255,34 @@ def test_a_file_that_hangs_while_importing_is_refused_after_the_timeout(tmp_path
 
     with pytest.raises(ValueError, match=r"grpo.tools `tools.py`: importing .* took more than 5 s"):
         check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+
+def _tokenizer_files(model: Path, folder: Path, chat_template: str | None = None) -> Path:
+    import json
+    import shutil
+
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (model / name).exists():
+            shutil.copy(model / name, folder / name)
+    if chat_template is not None:
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": chat_template}))
+    return folder
+
+
+def test_the_tiny_models_chat_template_renders_tools(tiny_model, tmp_path):
+    from tasks.preflight.tools import check_tool_template
+
+    check_tool_template(_tokenizer_files(tiny_model, tmp_path / "tok"), "tiny")
+
+
+def test_a_model_whose_template_drops_tool_calls_is_refused_naming_it(tiny_model, tmp_path):
+    from tasks.preflight.tools import check_tool_template
+
+    plain = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + '<|im_end|>\\n' }}"
+             "{% endfor %}")
+    with pytest.raises(ValueError, match=r"chat template of tiny does not render tool conversations: its text leaves "
+                                         r"out the tool call's name"):
+        check_tool_template(_tokenizer_files(tiny_model, tmp_path / "tok", plain), "tiny")
