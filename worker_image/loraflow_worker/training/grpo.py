@@ -195,7 +195,7 @@ def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt
         has_answer = ANSWER_COLUMN in rows.column_names
         rows = rows.map(lambda row: _split_chat(row["messages"], has_answer), remove_columns=["messages"])
 
-    tools = run_tools.tools + _environment_tools(run_tools) if run_tools is not None else []
+    tools = run_tools.callables() if run_tools is not None else []
     if tools and isinstance(rows[0]["prompt"], str):
         raise ValueError("a GRPO run with `grpo.tools` or `grpo.environment` needs chat prompts (a `prompt` column of "
                          "messages, or chat `messages`): the tools reach the model through its chat template, which "
@@ -218,13 +218,6 @@ def prompt_dataset(rows: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt
     if dropped:
         log.warning("left out %d of %d prompts longer than grpo.max_prompt_length (%d tokens)", dropped, len(rows), max_prompt_length)
     return kept
-
-
-def _environment_tools(run_tools: RunTools) -> list[Callable[..., Any]]:
-    # The methods as schemas see them: `self` is skipped on the class's functions as on bound methods.
-    from loraflow_worker.training.tools import environment_methods
-
-    return environment_methods(run_tools.environment) if run_tools.environment is not None else []
 
 
 def _text(completion: str | list[dict[str, str]]) -> str:

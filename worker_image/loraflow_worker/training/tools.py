@@ -44,9 +44,11 @@ class RunTools:
     tools: list[Callable[..., Any]] = field(default_factory=list)
     environment: type | None = None
 
-    def names(self) -> list[str]:
+    def callables(self) -> list[Callable[..., Any]]:
+        """Every tool the chat template shows the model: the standalone ones and the environment's methods (on the
+        class: a schema skips `self` there as on a bound method)."""
         methods = environment_methods(self.environment) if self.environment is not None else []
-        return [tool.__name__ for tool in self.tools] + [method.__name__ for method in methods]
+        return [*self.tools, *methods]
 
 
 def resolve_tools(settings: GrpoSettings, store: ArtifactStore, files_dir: Path) -> RunTools:
