@@ -113,11 +113,12 @@ _BLACKWELL_CUDA = ("12.8", "12.9", "13.0")  # sm100/sm120 cards need CUDA 12.8 o
 
 @dataclass(frozen=True)
 class GpuTypeRow:
-    """One GPU type, as `GpuType` describes it (ids as RunPod spells them)."""
+    """One GPU type, as `GpuType` describes it (ids as RunPod spells them); `pool` None: in no serverless pool (a
+    pod card only)."""
 
     id: str
     name: str
-    pool: str
+    pool: str | None
     memory_gb: int
     secure_usd: float
     community_usd: float
@@ -128,7 +129,7 @@ class GpuTypeRow:
 
     @property
     def serverless_usd(self) -> float | None:
-        return POOL_SERVERLESS_USD_PER_HOUR.get(self.pool)
+        return POOL_SERVERLESS_USD_PER_HOUR.get(self.pool) if self.pool is not None else None
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,10 @@ GPU_TYPES: tuple[GpuTypeRow, ...] = (
     GpuTypeRow(_5090, "RTX 5090", "ADA_32_PRO", 32, 0.89, 0.69, 8, 8, _BLACKWELL_CUDA),
     GpuTypeRow(_A100_PCIE, "A100 PCIe", "AMPERE_80", 80, 1.64, 1.19, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
     GpuTypeRow(_A100_SXM, "A100 SXM", "AMPERE_80", 80, 1.74, 1.39, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
+    # RunPod's SDK maps ADA_80_PRO to the H100 SXM alone; the PCIe and NVL cards are pod cards here (no pool).
     GpuTypeRow(_H100_SXM, "H100 SXM", "ADA_80_PRO", 80, 2.69, 2.39, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
-    GpuTypeRow(_H100_PCIE, "H100 PCIe", "ADA_80_PRO", 80, 2.39, 1.99, 8, 4, _AMPERE_ADA_HOPPER_CUDA),
-    GpuTypeRow(_H100_NVL, "H100 NVL", "ADA_80_PRO", 94, 2.79, 2.59, 8, 4, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_H100_PCIE, "H100 PCIe", None, 80, 2.39, 1.99, 8, 4, _AMPERE_ADA_HOPPER_CUDA),
+    GpuTypeRow(_H100_NVL, "H100 NVL", None, 94, 2.79, 2.59, 8, 4, _AMPERE_ADA_HOPPER_CUDA),
     GpuTypeRow(_H200, "H200 SXM", "HOPPER_141", 141, 3.59, 3.29, 8, 8, _AMPERE_ADA_HOPPER_CUDA),
     GpuTypeRow(_PRO6000, "RTX PRO 6000", "BLACKWELL_96", 96, 1.84, 1.59, 8, 4, _BLACKWELL_CUDA),
     GpuTypeRow(_B200, "B200", "BLACKWELL_180", 180, 5.98, 5.19, 8, 8, _BLACKWELL_CUDA),
@@ -201,7 +203,7 @@ _GPU_BY_ID = {g.id: g for g in GPU_TYPES}
 _DC_BY_ID = {dc.id: dc for dc in DATA_CENTERS}
 _CPU_BY_ID = {c.id: c for c in CPU_TYPES}
 CPU_FLAVOR_IDS: tuple[str, ...] = tuple(c.id for c in CPU_TYPES)
-KNOWN_POOLS: tuple[str, ...] = tuple(dict.fromkeys(g.pool for g in GPU_TYPES))
+KNOWN_POOLS: tuple[str, ...] = tuple(dict.fromkeys(g.pool for g in GPU_TYPES if g.pool is not None))
 
 
 def gpu_type(type_id: str) -> GpuTypeRow | None:
@@ -378,7 +380,7 @@ def cpu_type_document(row: CpuTypeRow, cpu_in_stock: InStock, availability: bool
 
 
 def level_in(dc: DataCenterRow, row: GpuTypeRow, in_stock: InStock) -> AvailabilityLevel:
-    if row.id not in dc.offers or not in_stock(row.pool, dc.id):
+    if row.id not in dc.offers or (row.pool is not None and not in_stock(row.pool, dc.id)):
         return "NONE"
     return dc.offers[row.id]
 
@@ -442,9 +444,28 @@ def allowed_data_centers(spec: dict[str, Any], pinned_to: str | None = None) -> 
 
 def endpoint_gpu_types(gpu: dict[str, Any], pool: str, data_center_id: str) -> list[GpuTypeRow]:
     """The types of one of an endpoint's pools that a datacenter offers, less the endpoint's `excludedTypes`."""
-    excluded = set(gpu.get("excludedTypes") or ())
+    excluded = {name.strip() for name in gpu.get("excludedTypes") or ()}
     offers = _DC_BY_ID[data_center_id].offers
     return [g for g in GPU_TYPES if g.pool == pool and g.id not in excluded and g.id in offers]
+
+
+def selection_problem(gpu: dict[str, Any]) -> str | None:
+    """Why RunPod refuses an endpoint's GPU selection (`gpu.pools` less `gpu.excludedTypes`), or None. RunPod's
+    schema: an excluded type that is not a GPU type of one of the pools is rejected (400), surrounding whitespace
+    trimmed, and so is a selection that leaves no type. A pool missing from the table holds types localpod does not
+    know, so exclusions next to one are taken as they are."""
+    pools = list(gpu.get("pools") or ())
+    excluded = {name.strip() for name in gpu.get("excludedTypes") or ()}
+    if not excluded or any(pool not in KNOWN_POOLS for pool in pools):
+        return None
+    in_pools = {g.id for g in GPU_TYPES if g.pool in pools}
+    strangers = sorted(excluded - in_pools)
+    if strangers:
+        return (f"gpu.excludedTypes: {', '.join(strangers)} is not a GPU type of the pools {', '.join(pools)} "
+                f"(their types: {', '.join(sorted(in_pools))}); GET /v2/catalog/gpus gives each type's pool")
+    if in_pools <= excluded:
+        return f"gpu.excludedTypes excludes every GPU type of the pools {', '.join(pools)}: keep at least one"
+    return None
 
 
 def cuda_version(text: str) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from localpod import LocalpodConfig, catalog, create_app
 from localpod.catalog import POOL_SERVERLESS_USD_PER_HOUR
 from localpod.models import Account
-from tests.test_localpod import API_KEY, AUTH, SCHEMAS, assert_problem, create_endpoint, wait_for
+from tests.test_localpod import API_KEY, AUTH, SCHEMAS, assert_problem, create_endpoint, endpoint_body, wait_for
 
 SERVERLESS = {"include": "AVAILABILITY", "product": "SERVERLESS"}
 RTX_4090 = "NVIDIA GeForce RTX 4090"
@@ -78,7 +78,7 @@ def test_gpu_types_without_include_carry_prices_but_no_availability(pod: TestCli
     listed = gpus(pod)
     assert {g["pool"] for g in listed} >= {"ADA_24", "AMPERE_80", "ADA_80_PRO", "HOPPER_141", "BLACKWELL_180"}
     assert all("availability" not in g and "dataCenters" not in g and "cudaVersions" not in g for g in listed)
-    assert {g["id"]: g["price"]["serverless"] for g in listed}[RTX_4090] == POOL_SERVERLESS_USD_PER_HOUR["ADA_24"]
+    assert {g["id"]: g["price"].get("serverless") for g in listed}[RTX_4090] == POOL_SERVERLESS_USD_PER_HOUR["ADA_24"]
 
 
 def test_serverless_availability_lists_datacenters_and_cuda_versions(pod: TestClient) -> None:
@@ -214,10 +214,34 @@ def test_placement_takes_the_first_allowed_datacenter_with_stock_of_a_pool() -> 
 
 
 def test_placement_skips_datacenters_that_offer_only_excluded_types() -> None:
-    h100_sxm = {"gpu": {"pools": ["ADA_80_PRO"], "excludedTypes": ["NVIDIA H100 PCIe", "NVIDIA H100 NVL"]},
+    a100_sxm = {"gpu": {"pools": ["AMPERE_80"], "excludedTypes": ["NVIDIA A100 80GB PCIe"]},
                 "dataCenterIds": ["US-CA-2", "EU-CZ-1", "US-KS-2"]}
-    placed = catalog.place(h100_sxm, lambda pool, dc: True)
-    assert (placed.data_center_id, placed.gpu_type_id) == ("US-KS-2", "NVIDIA H100 80GB HBM3")
+    placed = catalog.place(a100_sxm, lambda pool, dc: True)
+    assert (placed.data_center_id, placed.gpu_type_id) == ("US-KS-2", "NVIDIA A100-SXM4-80GB")
+
+
+def test_the_h100_pool_holds_the_sxm_card_alone_as_runpods_sdk_maps_it(pod: TestClient) -> None:
+    pools = {g["id"]: g["pool"] for g in gpus(pod)}
+    assert [card for card, pool in pools.items() if pool == "ADA_80_PRO"] == ["NVIDIA H100 80GB HBM3"]
+    assert pools["NVIDIA H100 PCIe"] is None and pools["NVIDIA H100 NVL"] is None  # pod cards, in no serverless pool
+
+
+def test_an_excluded_type_outside_the_listed_pools_is_refused_with_400_naming_it(pod: TestClient) -> None:
+    body = {"gpu": {"pools": ["ADA_80_PRO"], "excludedTypes": ["NVIDIA H100 PCIe", "NVIDIA H100 NVL"]}}
+    problem = assert_problem(pod.post("/v2/serverless", json=endpoint_body(**body), headers=AUTH), 400)
+    assert "NVIDIA H100 NVL, NVIDIA H100 PCIe" in problem["detail"] and "ADA_80_PRO" in problem["detail"]
+    assert not account(pod).live_endpoints
+
+
+def test_an_excluded_type_of_the_pool_is_taken_whitespace_trimmed(pod: TestClient) -> None:
+    body = {"gpu": {"pools": ["AMPERE_80"], "excludedTypes": [" NVIDIA A100 80GB PCIe"]}}
+    assert pod.post("/v2/serverless", json=endpoint_body(**body), headers=AUTH).status_code == 201
+
+
+def test_a_selection_that_excludes_every_type_of_its_pools_is_refused(pod: TestClient) -> None:
+    body = {"gpu": {"pools": ["ADA_80_PRO"], "excludedTypes": ["NVIDIA H100 80GB HBM3"]}}
+    problem = assert_problem(pod.post("/v2/serverless", json=endpoint_body(**body), headers=AUTH), 400)
+    assert "keep at least one" in problem["detail"]
 
 
 def test_a_datacenter_that_does_not_offer_the_pool_places_nothing() -> None:

@@ -3,7 +3,7 @@ endpoint's workers).
 
 Every body is checked against RunPod's own schema (`CreateEndpointRequest`, `UpdateEndpointRequest`),
 then against the rules the schema cannot say (one of gpu/cpu, CPU flavors of the catalog at vCPU counts they
-offer, the account's worker quota, one network volume that exists). Answers are `Endpoint` documents with RunPod's defaults filled in; the workers list is
+offer, the account's worker quota, one network volume that exists, excluded GPU types that are types of the listed pools). Answers are `Endpoint` documents with RunPod's defaults filled in; the workers list is
 checked against `ListEndpointWorkersResponse` before it leaves.
 """
 
@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 
 from localpod import catalog
 from localpod.auth import require_api_key
-from localpod.problems import ProblemError
+from localpod.paging import page
+from localpod.problems import PlainError, ProblemError
 from localpod.routes.faults import route_fault
 from localpod.state import EndpointRecord, LocalpodState, WorkerRecord, get_state, iso
 
@@ -50,7 +51,8 @@ async def create_endpoint(request: Request, state: LocalpodState = Depends(get_s
 async def list_endpoints(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
     fault = await route_fault(request, "list_endpoints")
     base = str(request.base_url)
-    listed = {"endpoints": [endpoint_document(e, base) for e in state.live_endpoints()]}
+    endpoints, more = page(state.live_endpoints(), request, state.config.page_size)
+    listed = {"endpoints": [endpoint_document(e, base) for e in endpoints], **more}
     fault.after_action()
     return JSONResponse(listed)
 
@@ -198,9 +200,14 @@ async def _json_body(request: Request) -> Any:
 
 def _check_quota(state: LocalpodState, workers_max: int, excluding: str | None) -> None:
     quota = state.config.worker_quota
-    if state.workers_max_total(excluding=excluding) + workers_max > quota:
-        # RunPod's own wording, which callers may recognise.
-        raise ProblemError(400, f"Max workers across all endpoints must not exceed your workers quota ({quota})")
+    if state.workers_max_total(excluding=excluding) + workers_max <= quota:
+        return
+    # RunPod's own wording, which callers recognise whatever the status.
+    text = f"Max workers across all endpoints must not exceed your workers quota ({quota})"
+    if state.config.quota_refusal_status == 500:
+        # REST v1's answer to the same refusal: a 500 whose body wraps the GraphQL error.
+        raise PlainError(500, {"error": f"create endpoint: graphql: {text}"})
+    raise ProblemError(400, text)
 
 
 def _spec_from_create(body: dict[str, Any]) -> dict[str, Any]:
@@ -279,3 +286,5 @@ def _check_consistent(spec: dict[str, Any]) -> None:
     gpu = spec.get("gpu")
     if gpu and gpu.get("allowedCudaVersions") and gpu.get("minCudaVersion"):
         raise ProblemError(400, "gpu.allowedCudaVersions (non-empty) and gpu.minCudaVersion are mutually exclusive")
+    if gpu and (problem := catalog.selection_problem(gpu)):
+        raise ProblemError(400, problem)
