@@ -203,6 +203,8 @@ class LocalStack:
             "RUNPOD_API_URL": f"{self.localpod_url}/v2",
             "RUNPOD_JOB_URL": f"{self.localpod_url}/v2",
             "LORAFLOW_WORKER_IMAGE": self.worker_image,
+            # localpod's quota is the account's: runs create the runpod-endpoints limit at it.
+            "LORAFLOW_WORKER_QUOTA": str(self.worker_quota),
         }
         if self.with_hub:
             env |= {"HF_ENDPOINT": self.hub_url, "HF_TOKEN": "hf_local_stack_token", "HF_HUB_DISABLE_TELEMETRY": "1"}

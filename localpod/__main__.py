@@ -76,6 +76,7 @@ from pydantic import ValidationError
 
 from localpod.main import create_app
 from localpod.models import DEFAULT_WORKER_PYTHON, LocalpodConfig
+from localpod.paging import DEFAULT_PAGE_SIZE
 from localpod.state import LocalpodState
 
 HOLD_WORKER = Path(__file__).resolve().parent / "hold_worker.py"
@@ -101,6 +102,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         "port": args.port,
         "api_key": args.api_key,
         "worker_quota": args.worker_quota,
+        "quota_refusal_status": args.quota_refusal_status,
+        "page_size": args.page_size,
         "kill_grace_s": args.kill_grace,
         "long_poll_s": args.long_poll,
         "worker_runtime": args.worker_runtime,
@@ -182,6 +185,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the account key (default: env LOCALPOD_API_KEY, else 'localpod')",
     )
     p.add_argument("--worker-quota", type=int, default=30, help="max sum of workers.max over live endpoints")
+    p.add_argument("--quota-refusal-status", type=int, choices=[400, 500],
+                   default=int(os.environ.get("LOCALPOD_QUOTA_REFUSAL_STATUS") or 400),
+                   help="the status of the quota refusal: 400 (an ErrorResponse) or 500 (REST v1's body, as REST v1 "
+                   "answered it); default: env LOCALPOD_QUOTA_REFUSAL_STATUS, else 400")
+    p.add_argument("--page-size", type=int, default=int(os.environ.get("LOCALPOD_PAGE_SIZE") or DEFAULT_PAGE_SIZE),
+                   help="items per page of the endpoint, network volume and secret lists (later pages through "
+                   f"pagination.nextCursor); default: env LOCALPOD_PAGE_SIZE, else {DEFAULT_PAGE_SIZE} as RunPod")
     p.add_argument("--worker-runtime", choices=["process", "docker"], default="process",
                    help="process: workers are local processes; docker: containers of the endpoint's image")
     p.add_argument("--worker-python", default=os.environ.get("LOCALPOD_WORKER_PYTHON"),

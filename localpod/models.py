@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from localpod import catalog
 from localpod.catalog import WorkerPlacement
+from localpod.paging import DEFAULT_PAGE_SIZE
 
 DEFAULT_OPENAPI_PATH = Path(__file__).resolve().parent / "runpod-api-v2-openapi.json"
 """RunPod's official API v2 schema: an unedited copy of `runpod-api/api-v2-openapi.json` from the
@@ -47,6 +48,18 @@ class LocalpodConfig(BaseModel):
     )
     worker_quota: int = Field(
         default=30, ge=0, description="Account worker quota: the most `workers.max` summed over all live endpoints."
+    )
+    quota_refusal_status: Literal[400, 500] = Field(
+        default=400,
+        description="The status of the quota refusal (`... must not exceed your workers quota (N)`): 400, an "
+        "`ErrorResponse`, as an API v2 client recorded; 500 with REST v1's body `{\"error\": \"create endpoint: "
+        "...\"}`, as REST v1 answered it. RunPod documents neither.",
+    )
+    page_size: int = Field(
+        default=DEFAULT_PAGE_SIZE, ge=1,
+        description="Items per page of the endpoint, network volume and secret lists (RunPod: 1000); a request's "
+        "`limit` may ask for fewer. Later pages are read with `cursor` = the previous page's "
+        "`pagination.nextCursor`.",
     )
     worker_runtime: WorkerRuntime = Field(
         default="process",

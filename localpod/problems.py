@@ -23,6 +23,16 @@ class ProblemError(Exception):
         self.errors = errors
 
 
+class PlainError(Exception):
+    """Raised in a route to answer with this status and body as they are, not an `ErrorResponse`: an answer in
+    the shape another of RunPod's APIs used (REST v1's `{"error": ...}`)."""
+
+    def __init__(self, status: int, body: dict[str, object]) -> None:
+        super().__init__(str(body))
+        self.status = status
+        self.body = body
+
+
 def problem_response(status: int, detail: str, errors: list[str] | None = None) -> JSONResponse:
     body: dict[str, object] = {"title": HTTPStatus(status).phrase, "status": status, "detail": detail}
     if errors is not None:
@@ -46,6 +56,11 @@ def install_problem_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         return problem_response(exc.status_code, str(exc.detail))
 
+    async def on_plain(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, PlainError)
+        return JSONResponse(exc.body, status_code=exc.status)
+
     app.add_exception_handler(ProblemError, on_problem)
+    app.add_exception_handler(PlainError, on_plain)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

@@ -101,13 +101,19 @@ def test_a_runs_endpoints_are_found_by_name_across_attempts_and_tags():
 
 
 def test_create_request_pins_one_worker_and_the_card():
-    request = build_create_request(name="loraflow-x", gpu=resolve_gpu("h100"), gpu_count=1, image="img", env={},
+    request = build_create_request(name="loraflow-x", gpu=resolve_gpu("a100 sxm"), gpu_count=1, image="img", env={},
                                    disk_gb=40, execution_timeout_s=600, cuda_floor="13.0")
     wire = request.to_wire()
     assert wire["workers"]["max"] == 1
-    assert wire["gpu"]["pools"] == ["ADA_80_PRO"]
-    assert set(wire["gpu"]["excludedTypes"]) == {"NVIDIA H100 PCIe", "NVIDIA H100 NVL"}
+    assert wire["gpu"]["pools"] == ["AMPERE_80"]
+    assert wire["gpu"]["excludedTypes"] == ["NVIDIA A100 80GB PCIe"]
     assert wire["timeout"] == 600_000
+
+
+def test_the_static_h100_class_excludes_nothing_from_its_pool_which_holds_the_sxm_alone():
+    wire = build_create_request(name="loraflow-x", gpu=resolve_gpu("h100"), gpu_count=1, image="img", env={},
+                                disk_gb=40, execution_timeout_s=600, cuda_floor="13.0").to_wire()
+    assert wire["gpu"]["pools"] == ["ADA_80_PRO"] and "excludedTypes" not in wire["gpu"]
 
 
 def test_catalog_has_the_known_gpus_and_aliases():

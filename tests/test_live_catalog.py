@@ -5,6 +5,7 @@ the budget check and the report name the price source they used."""
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,7 +22,9 @@ from tasks.placement.cost import check_budget, cost_ceiling
 from tasks.reports.summary import RunReport, summary_markdown
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.client import RunpodClient
+from tasks.runpod import live_catalog as catalog_module
 from tasks.runpod.live_catalog import (
+    READ_TRIES,
     LiveCatalog,
     billed_usd,
     clear_catalog_cache,
@@ -32,6 +35,7 @@ from tasks.runpod.live_catalog import (
 from tests.test_localpod import API_KEY, AUTH, endpoint_body, wait_for
 
 RTX_4090, H100, B200 = resolve_gpu("4090"), resolve_gpu("h100"), resolve_gpu("b200")
+A100_SXM = resolve_gpu("a100 sxm")
 LIVE_4090 = POOL_SERVERLESS_USD_PER_HOUR["ADA_24"]
 LIVE_H100 = POOL_SERVERLESS_USD_PER_HOUR["ADA_80_PRO"]
 
@@ -67,8 +71,19 @@ def fresh_cache() -> Iterator[None]:
     clear_catalog_cache()
 
 
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries after a 5xx wait a hundredth of a second here (a 429's Retry-After is still honoured as sent)."""
+    monkeypatch.setattr(catalog_module, "READ_FIRST_BACKOFF_S", 0.01)
+
+
 def fault(localpod: TestClient, route: str, **rule: object) -> None:
     localpod.post("/_localpod/faults", json={"route": route, "action": "status_500", **rule}).raise_for_status()
+
+
+def unreadable(localpod: TestClient, route: str) -> None:
+    """`route` fails every try of one read."""
+    fault(localpod, route, times=READ_TRIES)
 
 
 # --- prices, CUDA versions and stock from the catalog ------------------------------------------------
@@ -100,11 +115,78 @@ def test_the_datacenters_say_which_take_network_volumes(runpod: RunpodClient) ->
     assert volumes == {"US-KS-2": True, "US-CA-2": True, "EU-RO-1": True, "EU-CZ-1": True, "US-TX-3": False}
 
 
+# --- the cards of each pool, from the catalog ----------------------------------------------------------
+
+
+def test_a_class_excludes_the_other_cards_the_catalog_lists_in_its_pool(runpod: RunpodClient) -> None:
+    [a100, h100] = gpu_offers(runpod, [A100_SXM, H100])
+    assert (a100.exclude, a100.cards_from, a100.not_in_pool) == (["NVIDIA A100 80GB PCIe"], "catalog", None)
+    assert h100.exclude == []  # localpod's ADA_80_PRO holds the SXM card alone, as RunPod's SDK maps it
+    assert h100.pinned(H100).exclude == () and a100.pinned(A100_SXM).exclude == ("NVIDIA A100 80GB PCIe",)
+
+
+def test_a_card_the_catalog_lists_in_the_pool_is_excluded_though_the_static_table_does_not_know_it(runpod) -> None:
+    read = live_catalog(runpod)
+    nvl = next(t for t in read.gpu_types if t.id == "NVIDIA H100 NVL")
+    grown = LiveCatalog(gpu_types=[*read.gpu_types, nvl.model_copy(update={"pool": "ADA_80_PRO"})], read_at=0)
+    offer = grown.offer(H100)
+    assert offer.exclude == ["NVIDIA H100 NVL"] and offer.source == "catalog"
+
+
+def test_a_class_whose_card_is_not_in_its_pool_is_marked_naming_the_class_and_the_pool(runpod) -> None:
+    read = live_catalog(runpod)
+    moved = LiveCatalog(read_at=0, gpu_types=[t.model_copy(update={"pool": "HOPPER_80"}) if t.id == H100.card else t
+                                              for t in read.gpu_types])
+    offer = moved.offer(H100)
+    assert offer.not_in_pool is not None
+    assert "GPU class H100" in offer.not_in_pool and "pool ADA_80_PRO" in offer.not_in_pool
+    assert "pool HOPPER_80" in offer.not_in_pool  # where the catalog lists the card instead
+    assert moved.offer(RTX_4090).not_in_pool is None
+
+
+def test_without_the_catalog_the_static_table_pins_the_class(localpod, runpod) -> None:
+    unreadable(localpod, "list_gpu_types")
+    [offer] = gpu_offers(runpod, [A100_SXM])
+    assert (offer.exclude, offer.cards_from) == (["NVIDIA A100 80GB PCIe"], "static table")
+
+
+# --- reads retried on 429 and 5xx -----------------------------------------------------------------------
+
+
+def test_a_catalog_rate_limited_once_is_read_again_after_its_retry_after(localpod, runpod) -> None:
+    fault(localpod, "list_gpu_types", action="status_429", retry_after_s=1)
+    started = time.monotonic()
+    [offer] = gpu_offers(runpod, [RTX_4090])
+    assert (offer.source, offer.usd_per_hour) == ("catalog", LIVE_4090)
+    assert time.monotonic() - started >= 1.0
+
+
+def test_a_catalog_failing_with_500_on_all_but_its_last_try_gives_the_catalogs_prices(localpod, runpod) -> None:
+    fault(localpod, "list_gpu_types", times=READ_TRIES - 1)
+    [offer] = gpu_offers(runpod, [RTX_4090])
+    assert offer.source == "catalog"
+
+
+def test_a_retry_after_past_the_wait_budget_is_not_waited_for(localpod, runpod) -> None:
+    fault(localpod, "list_gpu_types", action="status_429", retry_after_s=3600)
+    started = time.monotonic()
+    [offer] = gpu_offers(runpod, [RTX_4090])
+    assert offer.source == "static list price" and "RateLimitError" in offer.fallback_reason
+    assert time.monotonic() - started < 5
+
+
+def test_the_datacenters_and_billing_are_read_again_after_a_429(localpod, runpod) -> None:
+    fault(localpod, "list_data_centers", action="status_429", retry_after_s=0)
+    assert read_data_centers(runpod)
+    fault(localpod, "serverless_billing", action="status_429", retry_after_s=0)
+    assert billed_usd(runpod, ["someendpoint01"], datetime.now(UTC)) is not None
+
+
 # --- falling back to the static table ----------------------------------------------------------------
 
 
 def test_a_catalog_answering_500_falls_back_to_the_static_price_and_says_why(localpod, runpod) -> None:
-    fault(localpod, "list_gpu_types")
+    unreadable(localpod, "list_gpu_types")
     [offer] = gpu_offers(runpod, [RTX_4090])
     assert (offer.usd_per_hour, offer.source) == (RTX_4090.usd_per_hour, "static list price")
     assert "ServerError" in offer.fallback_reason and "500" in offer.fallback_reason
@@ -147,7 +229,7 @@ def test_a_read_serves_until_it_is_older_than_the_max_age(localpod: TestClient, 
 
 
 def test_a_failed_read_is_not_kept(localpod: TestClient, runpod: RunpodClient) -> None:
-    fault(localpod, "list_gpu_types", times=1)
+    unreadable(localpod, "list_gpu_types")
     assert live_catalog(runpod).gpu_types is None
     assert live_catalog(runpod).gpu_types is not None
 
@@ -169,7 +251,7 @@ def test_the_budget_check_names_the_catalog_as_the_price_source(runpod: RunpodCl
 
 
 def test_the_budget_check_names_the_static_list_price_when_the_catalog_failed(localpod, runpod) -> None:
-    fault(localpod, "list_gpu_types")
+    unreadable(localpod, "list_gpu_types")
     ceiling = cost_ceiling(gpu_offers(runpod, [H100]), gpu_count=1, deadline_minutes=60)
     assert ceiling.usd == H100.usd_per_hour  # 3.29: within a budget the live price (4.18) would pass
     with pytest.raises(ValueError, match="price source: static list price"):
@@ -216,5 +298,5 @@ def test_billed_usd_sums_what_localpod_billed_the_endpoints(localpod: TestClient
 
 
 def test_billed_usd_is_none_when_billing_cannot_be_read(localpod: TestClient, runpod: RunpodClient) -> None:
-    fault(localpod, "serverless_billing")
+    unreadable(localpod, "serverless_billing")
     assert billed_usd(runpod, ["someendpoint01"], datetime.now(UTC)) is None

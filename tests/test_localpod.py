@@ -183,6 +183,55 @@ def test_quota_exceeded_on_create_gets_runpods_text(client: TestClient) -> None:
     assert problem["detail"] == QUOTA_TEXT
 
 
+def test_quota_refusal_can_come_as_rest_v1_did_a_500_with_its_error_body(tmp_path: Path) -> None:
+    config = LocalpodConfig(api_key=API_KEY, worker_quota=1, quota_refusal_status=500, log_dir=tmp_path / "logs",
+                            worker_command=[sys.executable, "-c", "raise SystemExit('no workers')"])
+    with TestClient(create_app(config)) as pod:
+        create_endpoint(pod, workers={"max": 1})
+        response = pod.post("/v2/serverless", json=endpoint_body(workers={"max": 1}), headers=AUTH)
+    assert response.status_code == 500
+    assert response.json() == {"error": "create endpoint: graphql: Max workers across all endpoints must not exceed "
+                                        "your workers quota (1)"}
+
+
+def paged_localpod(tmp_path: Path, page_size: int) -> TestClient:
+    config = LocalpodConfig(api_key=API_KEY, worker_quota=10, page_size=page_size, log_dir=tmp_path / "logs",
+                            worker_command=[sys.executable, "-c", "raise SystemExit('no workers')"])
+    return TestClient(create_app(config))
+
+
+def test_lists_come_in_pages_that_follow_the_next_cursor(tmp_path: Path) -> None:
+    with paged_localpod(tmp_path, page_size=2) as pod:
+        ids = [create_endpoint(pod, name=f"e{n}")["id"] for n in range(5)]
+        pages, cursor = [], None
+        while True:
+            answer = pod.get("/v2/serverless", params={"cursor": cursor} if cursor else None, headers=AUTH).json()
+            assert SCHEMAS.errors("ListEndpointsResponse", answer) == []  # the schema allows `pagination`
+            pages.append([e["id"] for e in answer["endpoints"]])
+            cursor = answer.get("pagination", {}).get("nextCursor")
+            if cursor is None:
+                break
+        assert pages == [ids[0:2], ids[2:4], ids[4:]]
+        assert [e["id"] for e in pod.get("/v2/serverless", params={"limit": 1}, headers=AUTH).json()["endpoints"]] \
+            == ids[:1]
+        assert_problem(pod.get("/v2/serverless", params={"cursor": "soon"}, headers=AUTH), 400)
+
+
+def test_volumes_and_secrets_are_paged_as_endpoints_are(tmp_path: Path) -> None:
+    with paged_localpod(tmp_path, page_size=1) as pod:
+        for n in range(2):
+            assert pod.post("/v2/network-volumes", json={"name": f"v{n}", "size": 10, "dataCenter": "EU-RO-1"},
+                            headers=AUTH).status_code == 201
+            assert pod.post("/v2/account/secrets", json={"name": f"s{n}", "value": "x"}, headers=AUTH).status_code == 201
+        volumes = pod.get("/v2/network-volumes", headers=AUTH).json()
+        secrets = pod.get("/v2/account/secrets", headers=AUTH).json()
+        assert SCHEMAS.errors("ListNetworkVolumesResponse", volumes) == []
+        assert len(volumes["networkVolumes"]) == 1 and volumes["pagination"] == {"nextCursor": "1"}
+        assert len(secrets["secrets"]) == 1 and secrets["pagination"] == {"nextCursor": "1"}
+        last = pod.get("/v2/account/secrets", params={"cursor": "1"}, headers=AUTH).json()
+        assert [s["name"] for s in last["secrets"]] == ["s1"] and "pagination" not in last
+
+
 def test_quota_exceeded_on_update_gets_runpods_text(client: TestClient) -> None:
     create_endpoint(client, workers={"max": 8})
     endpoint_id = create_endpoint(client, workers={"max": 1})["id"]

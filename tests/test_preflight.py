@@ -57,10 +57,47 @@ def test_this_control_planes_endpoints_hold_slots_inside_the_limit_and_do_not_co
     assert check.status == "ok" and "5 + 0 = 5 <= worker quota 5" in check.found
 
 
-def test_a_missing_limit_is_judged_at_the_default_the_first_run_creates_and_the_fix_creates_it():
+def test_a_missing_limit_is_judged_at_the_quota_the_first_run_creates_it_with(monkeypatch):
+    monkeypatch.setenv("LORAFLOW_WORKER_QUOTA", "10")
+    check = judge_worker_quota([endpoint("my-vllm-server", workers_max=6)], limit=None, namespace=None, worker_quota=10)
+    assert check.status == "FAIL" and "first run creates it with 10 slots" in check.found
+    assert check.fix.startswith("prefect gcl create runpod-endpoints --limit 4 ")
+
+
+def test_without_loraflow_worker_quota_the_limit_is_created_at_a_new_accounts_quota(monkeypatch):
+    monkeypatch.delenv("LORAFLOW_WORKER_QUOTA", raising=False)
     check = judge_worker_quota([], limit=None, namespace=None, worker_quota=5)
-    assert check.status == "FAIL" and "first run creates it with 28" in check.found
-    assert check.fix.startswith("prefect gcl create runpod-endpoints --limit 5 ")
+    assert check.status == "ok" and "first run creates it with 5 slots" in check.found
+
+
+def test_a_limit_below_the_quota_names_the_update_that_uses_the_rest():
+    check = judge_worker_quota([endpoint("my-vllm-server", workers_max=2)], limit=5, namespace="mine",
+                               worker_quota=30)
+    assert check.status == "ok"
+    assert "23 workers of the quota stay unused: prefect gcl update runpod-endpoints --limit 28 uses them" in check.found
+
+
+def test_the_quota_comes_from_loraflow_worker_quota_when_not_given(monkeypatch):
+    from tasks.preflight.account import check_worker_quota
+
+    class Listing:
+        def list_endpoints(self):
+            return []
+
+    monkeypatch.setenv("LORAFLOW_WORKER_QUOTA", "30")
+    monkeypatch.setattr("tasks.preflight.account.read_endpoint_limit", lambda: 40)
+    monkeypatch.setattr("tasks.preflight.account.read_namespace", lambda settings: "mine")
+    check = check_worker_quota(Listing(), Settings(), worker_quota=None)
+    assert check.status == "FAIL" and "40 + 0 = 40 > worker quota 30" in check.found
+    assert check.fix.startswith("prefect gcl update runpod-endpoints --limit 30 ")
+
+
+def test_a_worker_quota_that_is_not_a_number_is_refused_naming_the_variable(monkeypatch):
+    from tasks.lifecycle.quota import configured_worker_quota
+
+    monkeypatch.setenv("LORAFLOW_WORKER_QUOTA", "thirty")
+    with pytest.raises(ValueError, match="LORAFLOW_WORKER_QUOTA='thirty' is not a worker quota"):
+        configured_worker_quota()
 
 
 def test_without_the_quota_the_quota_line_warns_naming_the_balance_tiers_and_the_flag():

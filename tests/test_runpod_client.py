@@ -56,6 +56,26 @@ def test_quota_text_becomes_quota_error_with_a_fix():
         client.list_endpoints()
 
 
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        # REST v1's answer to the same refusal: a 500 with its own body shape.
+        (500, {"error": "create endpoint: graphql: Max workers across all endpoints must not exceed your workers "
+                        "quota (5)"}),
+        (500, {"title": "Internal Server Error", "status": 500,
+               "detail": "Max workers across all endpoints must not exceed your workers quota (5)"}),
+        (400, {"title": "Bad Request", "status": 400,
+               "detail": "Max workers across all endpoints must not exceed your workers quota (5)"}),
+    ],
+)
+def test_the_quota_refusal_is_known_by_its_text_at_any_status(status, body):
+    client = client_answering(status, body)
+    with pytest.raises(errors.QuotaExceededError) as e:
+        client.create_endpoint(CreateEndpoint(name="n", image="i", gpu=GpuRequest(pools=["ADA_24"]), timeout=60_000))
+    assert e.value.status == status and e.value.quota == 5
+    assert not errors.is_transient(e.value)  # waited out by the run, not retried as a 5xx
+
+
 def test_rate_limit_carries_retry_after():
     client = client_answering(429, {"detail": "slow down"}, headers={"Retry-After": "7"})
     with pytest.raises(errors.RateLimitError) as e:
@@ -127,3 +147,47 @@ def test_job_calls_go_to_the_job_api():
     job = client.run("ep1", RunRequest(input={"a": 1}))
     assert calls[0].url == httpx.URL("https://jobs.test/v2/ep1/run")
     assert job.status == "IN_QUEUE" and not job.terminal
+
+
+@pytest.fixture
+def paged_runpod(tmp_path):
+    """loraflow's client against an in-process localpod whose lists page at 2 items."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from localpod import LocalpodConfig, create_app
+
+    config = LocalpodConfig(api_key="key", worker_quota=20, page_size=2, log_dir=tmp_path / "logs",
+                            worker_command=[sys.executable, "-c", "raise SystemExit('no workers')"])
+    with TestClient(create_app(config)) as pod:
+        def forward(request: httpx.Request) -> httpx.Response:
+            answer = pod.request(request.method, request.url.raw_path.decode(), content=request.content,
+                                 headers=request.headers)
+            return httpx.Response(answer.status_code, headers=answer.headers, content=answer.content)
+
+        yield RunpodClient("key", api_url="http://localpod/v2", job_url="http://localpod/v2",
+                           transport=httpx.MockTransport(forward))
+
+
+def test_every_list_reads_every_page(paged_runpod):
+    from tasks.runpod.models import CreateNetworkVolume, CreateSecret
+
+    names = [f"loraflow-page-{n}" for n in range(5)]
+    for name in names:
+        paged_runpod.create_endpoint(CreateEndpoint(name=name, image="i", gpu=GpuRequest(pools=["ADA_24"]),
+                                                    timeout=60_000))
+        paged_runpod.create_network_volume(CreateNetworkVolume(name=name, size=10, data_center="EU-RO-1"))
+        paged_runpod.create_secret(CreateSecret(name=name, value="v"))
+    assert [e.name for e in paged_runpod.list_endpoints()] == names
+    assert [v.name for v in paged_runpod.list_network_volumes()] == names
+    assert [s.name for s in paged_runpod.list_secrets()] == names
+    assert paged_runpod.find_endpoint(names[-1]) is not None  # on the third page
+
+
+def test_a_cursor_answered_twice_is_an_error_not_an_endless_read():
+    pages = iter([{"endpoints": [], "pagination": {"nextCursor": "a"}}] * 3)
+    client = RunpodClient("key", api_url="https://api.test/v2",
+                          transport=httpx.MockTransport(lambda request: httpx.Response(200, json=next(pages))))
+    with pytest.raises(errors.ServerError, match="cursor 'a' twice"):
+        client.list_endpoints()

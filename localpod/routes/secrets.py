@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from localpod.auth import require_api_key
+from localpod.paging import page
 from localpod.problems import ProblemError
 from localpod.state import LocalpodState, SecretRecord, get_state, iso, new_id
 
@@ -97,9 +98,10 @@ async def create_secret(request: Request, state: LocalpodState = Depends(get_sta
 
 
 @router.get("")
-async def list_secrets(state: LocalpodState = Depends(get_state)) -> JSONResponse:
-    # Wrapped like API v2's other lists (`{"endpoints": [...]}`, `{"networkVolumes": [...]}`).
-    return JSONResponse({"secrets": [secret_document(s) for s in state.secrets.values()]})
+async def list_secrets(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
+    # Wrapped and paged like API v2's other lists (`{"endpoints": [...], "pagination": {"nextCursor": ...}}`).
+    secrets, more = page(list(state.secrets.values()), request, state.config.page_size)
+    return JSONResponse({"secrets": [secret_document(s) for s in secrets], **more})
 
 
 @router.get("/{secret_id}")

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from localpod.auth import require_api_key
 from localpod.problems import ProblemError
+from localpod.paging import page
 from localpod.routes.faults import route_fault
 from localpod.state import LocalpodState, get_state
 
@@ -36,7 +37,8 @@ async def create_network_volume(request: Request, state: LocalpodState = Depends
 @router.get("")
 async def list_network_volumes(request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
     fault = await route_fault(request, "list_network_volumes")
-    listed = {"networkVolumes": [v.document() for v in state.volumes.volumes.values()]}
+    volumes, more = page(list(state.volumes.volumes.values()), request, state.config.page_size)
+    listed = {"networkVolumes": [v.document() for v in volumes], **more}
     fault.after_action()
     return _answer(state, "ListNetworkVolumesResponse", listed)
 

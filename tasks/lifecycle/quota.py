@@ -17,6 +17,7 @@ Three things keep that true when something goes wrong:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -32,9 +33,12 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from tasks.runpod import errors
 
 ENDPOINT_LIMIT = "runpod-endpoints"
-DEFAULT_ENDPOINT_SLOTS = 28
-"""Two under the 30-worker quota of a $300 balance, leaving room for a hand-made endpoint. A new
-account's quota is 5: lower the limit to match (docs/running-on-runpod.md, "The endpoint quota")."""
+NEW_ACCOUNT_WORKER_QUOTA = 5
+"""RunPod's worker quota on a new account (10 to 60 with the balance): the limit's slots unless
+`LORAFLOW_WORKER_QUOTA` names the account's own. A limit above the quota holds runs at RunPod's refusal
+instead of in Prefect's queue; one below it only leaves workers unused."""
+WORKER_QUOTA_ENV = "LORAFLOW_WORKER_QUOTA"
+"""The account's worker quota as RunPod's console shows it (RunPod's API does not expose it)."""
 SLOT_LEASE_SECONDS = 120
 """A crashed holder's slot frees after this (+ ≤15 s) once the server's repossessor sees the lease
 expire; the holder renews it in the background while alive."""
@@ -53,12 +57,34 @@ T = TypeVar("T")
 log = logging.getLogger("loraflow.quota")
 
 
-def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int = DEFAULT_ENDPOINT_SLOTS) -> int:
-    """Create the limit if it is missing; never change one that exists (an operator may have tuned it).
+def configured_worker_quota() -> int | None:
+    """The account's worker quota from `LORAFLOW_WORKER_QUOTA`; None when it is unset."""
+    text = os.environ.get(WORKER_QUOTA_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        quota = int(text)
+    except ValueError:
+        quota = 0
+    if quota < 1:
+        raise ValueError(f"{WORKER_QUOTA_ENV}={text!r} is not a worker quota: set it to the whole number RunPod's "
+                         f"console shows for the account (5 on a new account), or unset it")
+    return quota
+
+
+def default_endpoint_slots() -> int:
+    """The slots a missing limit is created with: `LORAFLOW_WORKER_QUOTA`, else a new account's quota."""
+    return configured_worker_quota() or NEW_ACCOUNT_WORKER_QUOTA
+
+
+def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int | None = None) -> int:
+    """Create the limit if it is missing, with `slots` (default: `default_endpoint_slots()`); never change one
+    that exists (an operator may have tuned it).
 
     Returns the limit in force. Runs take slots with `strict=True`, so a missing limit is an error
     rather than "unlimited".
     """
+    slots = default_endpoint_slots() if slots is None else slots
     with get_client(sync_client=True) as client:
         try:
             return client.read_global_concurrency_limit_by_name(name).limit
@@ -188,14 +214,22 @@ def wait_for_runpod_quota(
             if tries == 1:
                 logger.warning("RunPod refused the endpoint: the account's worker quota%s is full (endpoints made "
                                "outside loraflow, or the %s limit set above the account's quota). Waiting for room; "
-                               "set the limit to the account's quota to queue runs in Prefect instead.",
-                               f" ({e.quota})" if e.quota else "", ENDPOINT_LIMIT)
+                               "%s to queue runs in Prefect instead.", f" ({e.quota})" if e.quota else "",
+                               ENDPOINT_LIMIT, limit_fix(e.quota))
             logger.info("Waiting %d s for room in RunPod's worker quota (try %d)", delay, tries)
             until = now + delay
             while (left := until - clock()) > 0:
                 if cancel_requested():
                     return None
                 sleep(min(check_every_s, left))
+
+
+def limit_fix(quota: int | None) -> str:
+    """How to size the limit to the account's quota: the command when the quota is known."""
+    if quota is None:
+        return f"set the {ENDPOINT_LIMIT} limit to the account's quota (prefect gcl update {ENDPOINT_LIMIT} --limit N)"
+    return (f"set the limit to it with `prefect gcl update {ENDPOINT_LIMIT} --limit {quota}` (and "
+            f"{WORKER_QUOTA_ENV}={quota} where runs start)")
 
 
 def _retry_after(response: httpx.Response) -> float:

@@ -9,7 +9,7 @@ from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel, Field
 
-from tasks.lifecycle.quota import DEFAULT_ENDPOINT_SLOTS, ENDPOINT_LIMIT
+from tasks.lifecycle.quota import ENDPOINT_LIMIT, WORKER_QUOTA_ENV, configured_worker_quota, default_endpoint_slots
 from tasks.placement.cost import check_budget, cost_ceiling
 from tasks.placement.gpu_fit import CudaFit, cuda_fits
 from tasks.placement.image_contract import ImageContractError, check_image_contract
@@ -124,9 +124,11 @@ def judge_worker_quota(endpoints: Sequence[Endpoint], limit: int | None, namespa
     ours = [e for e in endpoints if (parsed := parse_endpoint_name(e.name)) and parsed.namespace == namespace]
     others = [e for e in endpoints if e not in ours]
     others_max = sum(e.workers.max for e in others)
-    slots = limit if limit is not None else DEFAULT_ENDPOINT_SLOTS
+    created = default_endpoint_slots()
+    slots = limit if limit is not None else created
     limit_text = (f"limit {ENDPOINT_LIMIT} = {limit}" if limit is not None else
-                  f"limit {ENDPOINT_LIMIT} missing (the first run creates it with {DEFAULT_ENDPOINT_SLOTS} slots)")
+                  f"limit {ENDPOINT_LIMIT} missing (the first run creates it with {created} slots, "
+                  f"{WORKER_QUOTA_ENV} or a new account's quota)")
     other_names = ", ".join(e.name for e in others[:5]) + (", ..." if len(others) > 5 else "")
     found = (f"{limit_text}; this control plane's endpoints: {len(ours)}; other endpoints on the account: "
              f"{len(others)} with workers.max {others_max} in all" + (f" ({other_names})" if others else ""))
@@ -134,13 +136,16 @@ def judge_worker_quota(endpoints: Sequence[Endpoint], limit: int | None, namespa
         return Check(name=name, status="warn", found=f"{found}; the account's worker quota could not be read (RunPod's "
                      "API does not expose it)",
                      fix=f"read the quota in RunPod's console (it is {QUOTA_TIERS}) and run the preflight with "
-                     "--worker-quota N (the deployment: its worker_quota parameter)")
+                     f"--worker-quota N (the deployment: its worker_quota parameter), or set {WORKER_QUOTA_ENV}=N "
+                     "where runs start (runs then create the limit at N)")
     needed = slots + others_max
-    if needed <= worker_quota:
-        return Check(name=name, status="ok", found=f"{found}; {slots} + {others_max} = {needed} <= worker quota "
-                     f"{worker_quota}")
     fitting = worker_quota - others_max
     verb = "update" if limit is not None else "create"
+    if needed <= worker_quota:
+        unused = (f"; {fitting - slots} workers of the quota stay unused: prefect gcl {verb} {ENDPOINT_LIMIT} "
+                  f"--limit {fitting} uses them" if slots < fitting else "")
+        return Check(name=name, status="ok", found=f"{found}; {slots} + {others_max} = {needed} <= worker quota "
+                     f"{worker_quota}{unused}")
     if fitting >= 1:
         fix = (f"prefect gcl {verb} {ENDPOINT_LIMIT} --limit {fitting} (the quota {worker_quota} less the "
                f"{others_max} workers other endpoints hold), or raise the account's balance ({QUOTA_TIERS})")
@@ -153,7 +158,9 @@ def judge_worker_quota(endpoints: Sequence[Endpoint], limit: int | None, namespa
 
 
 def check_worker_quota(client: RunpodClient | None, settings: Settings, worker_quota: int | None) -> Check:
-    """`judge_worker_quota` on the account's endpoints, the limit and the namespace as they are now."""
+    """`judge_worker_quota` on the account's endpoints, the limit and the namespace as they are now; the quota
+    given, else `LORAFLOW_WORKER_QUOTA`'s."""
+    worker_quota = worker_quota if worker_quota is not None else configured_worker_quota()
     if client is None:
         return Check(name="worker quota", status="warn", found="not checked: no RunPod key to list the account's "
                      "endpoints with", fix="see runpod key: endpoints")

@@ -1,6 +1,8 @@
 """The GPU classes loraflow can rent on RunPod serverless, and how to ask for exactly one of them.
 
-Prices are static list prices for cost estimates, not quotes; RunPod bills per second of worker time.
+Prices are static list prices for cost estimates, not quotes; RunPod bills per second of worker time. Pools, and
+the cards excluded to pin a class inside its pool, are what RunPod's catalog says when it can be read
+(`live_catalog.py`); this table is the fallback.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from pydantic import BaseModel, Field
 
 class GpuClass(BaseModel):
     name: str = Field(description="loraflow's name for the card.")
+    card: str = Field(description="RunPod's GPU type id of the card (the `id` of `GET /v2/catalog/gpus`).")
     pool: str = Field(description="RunPod serverless pool id (`gpu.pools`).")
-    exclude: tuple[str, ...] = Field(default=(), description="GPU type ids to exclude to pin this card inside its pool.")
+    exclude: tuple[str, ...] = Field(
+        default=(), description="GPU type ids to exclude to pin this card inside its pool: the other cards RunPod's "
+        "catalog lists in the pool (`live_catalog`), or this table's when the catalog cannot be read.")
     vram_gb: int
     sm: int = Field(description="CUDA compute capability ×10 (sm89 = 89): selects the image build.")
     min_cuda: str = Field(description="Lowest CUDA driver version the worker image needs on this card.")
@@ -21,15 +26,24 @@ class GpuClass(BaseModel):
 GPU_CLASSES: dict[str, GpuClass] = {
     g.name: g
     for g in (
-        GpuClass(name="RTX 4090", pool="ADA_24", vram_gb=24, sm=89, min_cuda="12.8", usd_per_hour=0.69),
-        GpuClass(name="RTX 5090", pool="ADA_32_PRO", vram_gb=32, sm=120, min_cuda="13.0", usd_per_hour=0.99),
-        GpuClass(name="A100 PCIe", pool="AMPERE_80", exclude=("NVIDIA A100-SXM4-80GB",), vram_gb=80, sm=80, min_cuda="12.8", usd_per_hour=1.39),
-        GpuClass(name="A100 SXM", pool="AMPERE_80", exclude=("NVIDIA A100 80GB PCIe",), vram_gb=80, sm=80, min_cuda="12.8", usd_per_hour=1.49),
-        # ADA_80_PRO also holds the H100 PCIe and NVL: exclude both to pin the SXM (80GB HBM3) card.
-        GpuClass(name="H100", pool="ADA_80_PRO", exclude=("NVIDIA H100 PCIe", "NVIDIA H100 NVL"), vram_gb=80, sm=90, min_cuda="12.8", usd_per_hour=3.29),
-        GpuClass(name="H200", pool="HOPPER_141", vram_gb=141, sm=90, min_cuda="12.8", usd_per_hour=4.39),
-        GpuClass(name="RTX PRO 6000", pool="BLACKWELL_96", vram_gb=96, sm=120, min_cuda="13.0", usd_per_hour=2.09),
-        GpuClass(name="B200", pool="BLACKWELL_180", vram_gb=180, sm=100, min_cuda="13.0", usd_per_hour=5.89),
+        GpuClass(name="RTX 4090", card="NVIDIA GeForce RTX 4090", pool="ADA_24", vram_gb=24, sm=89, min_cuda="12.8",
+                 usd_per_hour=0.69),
+        GpuClass(name="RTX 5090", card="NVIDIA GeForce RTX 5090", pool="ADA_32_PRO", vram_gb=32, sm=120,
+                 min_cuda="13.0", usd_per_hour=0.99),
+        GpuClass(name="A100 PCIe", card="NVIDIA A100 80GB PCIe", pool="AMPERE_80", exclude=("NVIDIA A100-SXM4-80GB",),
+                 vram_gb=80, sm=80, min_cuda="12.8", usd_per_hour=1.39),
+        GpuClass(name="A100 SXM", card="NVIDIA A100-SXM4-80GB", pool="AMPERE_80", exclude=("NVIDIA A100 80GB PCIe",),
+                 vram_gb=80, sm=80, min_cuda="12.8", usd_per_hour=1.49),
+        # RunPod's SDK maps ADA_80_PRO to the H100 SXM (80GB HBM3) alone, and RunPod refuses (400) an excluded type
+        # that is not in the pool: nothing to exclude unless the catalog lists other cards there.
+        GpuClass(name="H100", card="NVIDIA H100 80GB HBM3", pool="ADA_80_PRO", vram_gb=80, sm=90, min_cuda="12.8",
+                 usd_per_hour=3.29),
+        GpuClass(name="H200", card="NVIDIA H200", pool="HOPPER_141", vram_gb=141, sm=90, min_cuda="12.8",
+                 usd_per_hour=4.39),
+        GpuClass(name="RTX PRO 6000", card="NVIDIA RTX PRO 6000 Blackwell Server Edition", pool="BLACKWELL_96",
+                 vram_gb=96, sm=120, min_cuda="13.0", usd_per_hour=2.09),
+        GpuClass(name="B200", card="NVIDIA B200", pool="BLACKWELL_180", vram_gb=180, sm=100, min_cuda="13.0",
+                 usd_per_hour=5.89),
     )
 }
 

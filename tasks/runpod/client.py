@@ -10,6 +10,7 @@ The same client talks to RunPod or to localpod: only the base URLs differ.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -56,6 +57,14 @@ def raise_for_status(response: httpx.Response) -> None:
     where = f"{response.request.method} {response.request.url.path}"
     message = f"RunPod answered {status} to {where}: {detail}"
     kwargs: dict[str, Any] = {"status": status, "body": body, "request_id": request_id}
+    # RunPod's quota refusal has no documented status: REST v1 sent it as a 500, a v2 client recorded 400. Its
+    # text decides, before any status does, so a 500 is waited out rather than retried and failed.
+    if _QUOTA_TEXT in detail or _QUOTA_TEXT in body:
+        raise errors.QuotaExceededError(
+            f"{message}. Delete unused endpoints (every endpoint's workers.max counts, even scaled to zero) "
+            "or raise the account balance.",
+            **kwargs,
+        )
     if status == 429:
         raise errors.RateLimitError(message, retry_after=_retry_after(response), **kwargs)
     if status >= 500:
@@ -66,12 +75,6 @@ def raise_for_status(response: httpx.Response) -> None:
         raise errors.NotFoundError(message, **kwargs)
     if status == 409:
         raise errors.ConflictError(message, **kwargs)
-    if _QUOTA_TEXT in detail:
-        raise errors.QuotaExceededError(
-            f"{message}. Delete unused endpoints (every endpoint's workers.max counts, even scaled to zero) "
-            "or raise the account balance.",
-            **kwargs,
-        )
     raise errors.BadRequestError(message, **kwargs)
 
 
@@ -157,9 +160,27 @@ class RunpodClient:
         response = self._request("GET", f"{self._api_url}/serverless/{endpoint_id}")
         return Endpoint.model_validate(response.json())
 
+    def _every_page(self, path: str) -> Iterator[Any]:
+        """Each page's JSON of a list route, following `pagination.nextCursor` (RunPod pages lists, 1000 items
+        by default) until a page names no next cursor."""
+        cursor: str | None = None
+        seen: set[str] = set()
+        while True:
+            params = {"cursor": cursor} if cursor is not None else None
+            payload = self._request("GET", f"{self._api_url}{path}", params=params).json()
+            yield payload
+            pagination = payload.get("pagination") if isinstance(payload, dict) else None
+            cursor = pagination.get("nextCursor") if isinstance(pagination, dict) else None
+            if not cursor:
+                return
+            if cursor in seen:  # a server that hands back a cursor twice would page forever
+                raise errors.ServerError(f"GET {path} answered the cursor {cursor!r} twice: its pages loop",
+                                         status=502)
+            seen.add(cursor)
+
     def list_endpoints(self) -> list[Endpoint]:
-        response = self._request("GET", f"{self._api_url}/serverless")
-        return EndpointList.model_validate(response.json()).endpoints
+        """Every endpoint of the account, every page."""
+        return [e for page in self._every_page("/serverless") for e in EndpointList.model_validate(page).endpoints]
 
     def find_endpoint(self, name: str) -> Endpoint | None:
         """The endpoint with exactly this name, or None."""
@@ -174,8 +195,9 @@ class RunpodClient:
         return EndpointWorkerList.model_validate(response.json()).workers
 
     def list_network_volumes(self) -> list[NetworkVolume]:
-        response = self._request("GET", f"{self._api_url}/network-volumes")
-        return NetworkVolumeList.model_validate(response.json()).network_volumes
+        """Every network volume of the account, every page."""
+        return [v for page in self._every_page("/network-volumes")
+                for v in NetworkVolumeList.model_validate(page).network_volumes]
 
     def create_network_volume(self, body: CreateNetworkVolume) -> NetworkVolume:
         """Not idempotent (names need not be unique): look the volume up first."""
@@ -219,11 +241,13 @@ class RunpodClient:
         return self._request("GET", f"{self._api_url}/billing/serverless", params=params).json()
 
     def list_secrets(self) -> list[Secret]:
-        response = self._request("GET", f"{self._api_url}/account/secrets")
-        payload = response.json()
-        # API v2 wraps its lists (`{"endpoints": [...]}`); a bare array is read too, the reference shows neither.
-        items = payload.get("secrets", []) if isinstance(payload, dict) else payload
-        return [Secret.model_validate(item) for item in items]
+        """Every account secret (metadata only), every page."""
+        secrets = []
+        for payload in self._every_page("/account/secrets"):
+            # API v2 wraps its lists (`{"endpoints": [...]}`); a bare array is read too, the reference shows neither.
+            items = payload.get("secrets", []) if isinstance(payload, dict) else payload
+            secrets += [Secret.model_validate(item) for item in items]
+        return secrets
 
     def create_secret(self, body: CreateSecret) -> Secret:
         """409 (`ConflictError`) when the name is taken."""

@@ -3,10 +3,15 @@ per-datacenter stock of each of loraflow's GPU classes (`GET /v2/catalog/gpus`),
 (`GET /v2/catalog/datacenters`), the CPU flavors (`GET /v2/catalog/cpus`), and what RunPod billed an
 endpoint (`GET /v2/billing/serverless`).
 
-The GPU catalog is read at most once per `CATALOG_MAX_AGE_S` per process and API URL. When it cannot be
-read (a transient error, a 404 from an API without it, an answer of an unexpected shape), each figure
-falls back to the static table of `catalog.py` and says so: every `GpuOffer` carries its `source`, and
-the reason for a fallback. Nothing here retries: a fallback is the answer to a failed read.
+The catalog also says which cards each serverless pool holds: a class pins its card by excluding the other cards
+the catalog lists in its pool (`GpuOffer.exclude`), and a class whose card the catalog does not list in its pool
+cannot be rented now (`GpuOffer.not_in_pool`).
+
+The GPU catalog is read at most once per `CATALOG_MAX_AGE_S` per process and API URL. Catalog and billing reads
+are tried `READ_TRIES` times on a transient error (429, 5xx, no answer), honouring a 429's Retry-After, within
+`READ_RETRY_BUDGET_S` of waits. When the catalog still cannot be read (or answers 404 from an API without it, or
+a body of an unexpected shape), each figure falls back to the static table of `catalog.py` and says so: every
+`GpuOffer` carries its `source`, and the reason for a fallback.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -28,11 +33,20 @@ from tasks.runpod.client import RunpodClient
 log = logging.getLogger("loraflow.catalog")
 
 PriceSource = Literal["catalog", "static list price"]
+CardsSource = Literal["catalog", "static table"]
 AvailabilityLevel = Literal["NONE", "LOW", "MEDIUM", "HIGH"]
 
 CATALOG_MAX_AGE_S = 300.0
 """How long one read of the GPU catalog serves a process: prices change rarely, stock within minutes."""
 
+READ_TRIES = 3
+"""Tries of one catalog or billing read before it counts as unreadable."""
+READ_RETRY_BUDGET_S = 20.0
+"""The most one read waits between its tries, all waits together (a Retry-After included)."""
+READ_FIRST_BACKOFF_S = 1.0
+"""The wait after a read's first transient error (without a Retry-After); it doubles after each."""
+
+T = TypeVar("T")
 _LEVELS: tuple[AvailabilityLevel, ...] = ("NONE", "LOW", "MEDIUM", "HIGH")
 # What "cannot be read" means: any RunPod or transport error, and a body that is not the documented shape
 # (pydantic's ValidationError and a JSON decode error are both ValueErrors).
@@ -188,6 +202,19 @@ class GpuOffer(BaseModel):
     cuda_floor: str | None = Field(
         default=None, description="The CUDA floor the stock was read for (`minCudaVersion`); None: any host."
     )
+    exclude: list[str] = Field(
+        default_factory=list, description="The GPU types the class's endpoints exclude from its pool (`excludedTypes`) "
+        "to pin its card: the other cards RunPod's catalog lists in the pool, or the static table's.")
+    cards_from: CardsSource = Field(
+        default="static table", description="Where the pool's cards, and so `exclude`, came from: RunPod's catalog, or "
+        "loraflow's static table when the catalog could not be read.")
+    not_in_pool: str | None = Field(
+        default=None, description="Why the class cannot be rented now: RunPod's catalog does not list its card in its "
+        "pool (both named). None: it can.")
+
+    def pinned(self, gpu: GpuClass) -> GpuClass:
+        """The class as its endpoints ask for it now: its pool less this offer's `exclude`."""
+        return gpu.model_copy(update={"exclude": tuple(self.exclude)})
 
     def in_stock_data_centers(self) -> list[str]:
         """Datacenters with stock of this class, best stocked first."""
@@ -209,12 +236,23 @@ class LiveCatalog(BaseModel):
         cannot take the class's workers, so their stock is no stock."""
         if self.gpu_types is None:
             return static_offer(gpu, self.fallback_reason or "the catalog could not be read")
-        types = [t for t in self.gpu_types if t.pool == gpu.pool and t.id not in gpu.exclude]
+        in_pool = [t.id for t in self.gpu_types if t.pool == gpu.pool]
+        if gpu.card not in in_pool:
+            where = next((t.pool for t in self.gpu_types if t.id == gpu.card), None)
+            elsewhere = (f"it lists the card in pool {where}" if where else
+                         "it lists the card in no serverless pool" if any(t.id == gpu.card for t in self.gpu_types)
+                         else "it does not list the card")
+            reason = (f"GPU class {gpu.name}: RunPod's catalog does not list its card {gpu.card} in pool {gpu.pool} "
+                      f"({elsewhere}; the pool holds {', '.join(in_pool) or 'no card'})")
+            return static_offer(gpu, reason).model_copy(update={"not_in_pool": reason, "cards_from": "catalog"})
+        exclude = [card for card in in_pool if card != gpu.card]
+        types = [t for t in self.gpu_types if t.id == gpu.card]
         prices = [t.price.serverless for t in types if t.price.serverless is not None]
         if not prices:
-            return static_offer(gpu, f"RunPod's catalog lists no serverless price for pool {gpu.pool}")
+            return static_offer(gpu, f"RunPod's catalog lists no serverless price for pool {gpu.pool}").model_copy(
+                update={"exclude": exclude, "cards_from": "catalog"})
         stock_types = types if stock is None or stock.gpu_types is None else \
-            [t for t in stock.gpu_types if t.pool == gpu.pool and t.id not in gpu.exclude]
+            [t for t in stock.gpu_types if t.id == gpu.card]
         levels: dict[str, AvailabilityLevel] = {}
         for t in stock_types:
             for dc in t.data_centers:
@@ -222,7 +260,8 @@ class LiveCatalog(BaseModel):
         versions = {v.version for t in types for v in t.cuda_versions}
         return GpuOffer(gpu=gpu.name, pool=gpu.pool, usd_per_hour=max(prices), source="catalog",
                         cuda_versions=sorted(versions, key=_version_key), data_centers=levels,
-                        cuda_floor=stock.min_cuda if stock is not None and stock.gpu_types is not None else None)
+                        cuda_floor=stock.min_cuda if stock is not None and stock.gpu_types is not None else None,
+                        exclude=exclude, cards_from="catalog")
 
 
 class BilledAmount(BaseModel):
@@ -235,27 +274,49 @@ class BilledAmount(BaseModel):
 # --- reads -------------------------------------------------------------------------------------------
 
 
+def read_retried(read: Callable[[], T], what: str, *, tries: int = READ_TRIES, budget_s: float = READ_RETRY_BUDGET_S,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """`read()`, tried again after a transient error (`errors.is_transient`: 429, 5xx, no answer) up to `tries`
+    times: after a 429's Retry-After when it sends one, else after a doubling backoff from 1 s, and never past
+    `budget_s` of waits in all. Raises the last error (any other error at once). `what` names the read in the log."""
+    waited = 0.0
+    for tried in range(1, tries + 1):
+        try:
+            return read()
+        except errors.RunpodError as e:
+            delay = READ_FIRST_BACKOFF_S * 2 ** (tried - 1)
+            if isinstance(e, errors.RateLimitError) and e.retry_after is not None:
+                delay = e.retry_after
+            if not errors.is_transient(e) or tried == tries or waited + delay > budget_s:
+                raise
+            log.info("%s: %s; trying again in %g s (try %d of %d)", what, e, delay, tried + 1, tries)
+            sleep(delay)
+            waited += delay
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
 def read_gpu_types(client: RunpodClient, min_cuda: str | None = None) -> list[CatalogGpuType]:
     """Every GPU type with its serverless availability; with `min_cuda`, the availability on hosts that run
     at least that CUDA version (RunPod's `minCudaVersion` scopes the stock per datacenter). Raises the
-    client's errors, or ValueError on a body of another shape."""
+    client's errors once `read_retried` gives up, or ValueError on a body of another shape."""
     params = {"include": "AVAILABILITY", "product": "SERVERLESS"}
     if min_cuda is not None:
         params["minCudaVersion"] = min_cuda
-    body = client.catalog_gpus(params)
+    body = read_retried(lambda: client.catalog_gpus(params), "RunPod's GPU catalog")
     return _GpuTypeList.model_validate(body).gpus
 
 
 def read_data_centers(client: RunpodClient, *, cpus: bool = False) -> list[CatalogDataCenter]:
     """Every datacenter with its network-volume tiers and GPU stock (and, with `cpus`, its CPU flavors' stock).
     Raises as `read_gpu_types`."""
-    body = client.catalog_data_centers({"include": "GPU_AVAILABILITY,CPU_AVAILABILITY" if cpus else "GPU_AVAILABILITY"})
+    params = {"include": "GPU_AVAILABILITY,CPU_AVAILABILITY" if cpus else "GPU_AVAILABILITY"}
+    body = read_retried(lambda: client.catalog_data_centers(params), "RunPod's datacenter catalog")
     return _DataCenterList.model_validate(body).data_centers
 
 
 def read_cpu_types(client: RunpodClient) -> list[CatalogCpuType]:
     """Every CPU flavor with its vCPU range and serverless price per vCPU. Raises as `read_gpu_types`."""
-    return _CpuTypeList.model_validate(client.catalog_cpus({})).cpus
+    return _CpuTypeList.model_validate(read_retried(lambda: client.catalog_cpus({}), "RunPod's CPU catalog")).cpus
 
 
 _cache: dict[tuple[str, str | None], LiveCatalog] = {}
@@ -305,9 +366,9 @@ def gpu_offers(client: RunpodClient, gpus: Sequence[GpuClass], cuda_floors: Sequ
 
 
 def static_offer(gpu: GpuClass, reason: str) -> GpuOffer:
-    """The class as loraflow's static table prices it, with why the catalog does not."""
+    """The class as loraflow's static table prices and pins it, with why the catalog does not."""
     return GpuOffer(gpu=gpu.name, pool=gpu.pool, usd_per_hour=gpu.usd_per_hour, source="static list price",
-                    fallback_reason=reason)
+                    fallback_reason=reason, exclude=list(gpu.exclude))
 
 
 def billed_usd(client: RunpodClient, endpoint_ids: Sequence[str], since: datetime) -> BilledAmount | None:
@@ -316,8 +377,8 @@ def billed_usd(client: RunpodClient, endpoint_ids: Sequence[str], since: datetim
     total = 0.0
     try:
         for endpoint_id in endpoint_ids:
-            body = client.serverless_billing(
-                {"serverlessId": endpoint_id, "startTime": since.isoformat(), "bucketSize": "day"})
+            params = {"serverlessId": endpoint_id, "startTime": since.isoformat(), "bucketSize": "day"}
+            body = read_retried(lambda: client.serverless_billing(params), "RunPod's serverless billing")  # noqa: B023
             total += sum(r.total_amount for r in _ServerlessBilling.model_validate(body).records
                          if r.serverless_id == endpoint_id)
     except _UNREADABLE as e:

@@ -98,8 +98,15 @@ class Endpoint(_Response):
                                 "`{{ RUNPOD_SECRET_<name> }}` references to account secrets.")
 
 
+class Pagination(_Response):
+    """Where a list continues (RunPod's newer API docs; absent from the vendored schema)."""
+
+    next_cursor: str | None = Field(default=None, description="The `cursor` of the next page; None on the last.")
+
+
 class EndpointList(_Response):
     endpoints: list[Endpoint]
+    pagination: Pagination | None = Field(default=None, description="Absent or without a cursor on the last page.")
 
 
 JobStatusName = Literal["IN_QUEUE", "IN_PROGRESS", "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"]
@@ -230,6 +237,7 @@ class NetworkVolume(_Response):
 
 class NetworkVolumeList(_Response):
     network_volumes: list[NetworkVolume]
+    pagination: Pagination | None = Field(default=None, description="Absent or without a cursor on the last page.")
 
 
 class NetworkVolumeBillingRecord(_Response):

@@ -40,6 +40,7 @@ from tasks.lifecycle.steps import retry_transient
 from tasks.reports.events import VOLUME_RESOURCE, VOLUME_USED
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.errors import RunpodError, is_transient
+from tasks.runpod.live_catalog import read_retried
 from tasks.runpod.models import Endpoint, NetworkVolume, NetworkVolumeBillingRecord
 from tasks.runpod.volumes import VOLUME_PREFIX, delete_volume, parse_volume_name, volume_name
 from tasks.settings import make_client
@@ -134,7 +135,8 @@ def billed_figures(client: RunpodClient, now: datetime, days: int
     params = {"bucketSize": "day", "startTime": _rfc3339(midnight - timedelta(days=max(days, BILLED_DAYS))),
               "endTime": _rfc3339(midnight + timedelta(days=1))}
     try:
-        records = client.network_volume_billing(params).records
+        records = read_retried(lambda: client.network_volume_billing(params),
+                               "RunPod's network volume billing").records
     except (RunpodError, ValueError) as e:
         log.warning("Network volume billing could not be read (%s: %s): documented prices instead",
                     type(e).__name__, str(e)[:200])
