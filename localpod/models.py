@@ -344,7 +344,7 @@ class Account(_Wire):
     )
     faults_injected: dict[str, int] = Field(
         description="Faults injected so far by kind: the route actions (status_429, status_500, hang, drop, "
-        "act_then_500, unknown_status) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."
+        "act_then_500, unknown_status, create_as_gpu) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."
     )
     jobs: list[AccountJob] = Field(description="Every job submitted.")
     volumes: list[AccountVolume] = Field(default=[], description="Network volumes that exist now.")

@@ -239,7 +239,7 @@ def test_account_counts_injected_faults_by_kind(pod: Pod) -> None:
     assert [pod.http.get("/v2/serverless").status_code for _ in range(3)] == [429, 429, 200]
     after = pod.account().faults_injected
     assert set(after) == {
-        "status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status",
+        "status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status", "create_as_gpu",
         "worker_crash", "worker_hang", "worker_preempt", "worker_env",
     }  # fmt: skip
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"status_429": 2}

@@ -35,10 +35,11 @@ RouteName = Literal[
     "delete_network_volume",
     "list_endpoint_workers",
 ]
-RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status"]
+RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status", "create_as_gpu"]
 WorkerAction = Literal["crash", "hang", "preempt", "env"]
 
-ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status")
+ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status",
+                                         "create_as_gpu")
 WORKER_ACTIONS: tuple[WorkerAction, ...] = ("crash", "hang", "preempt", "env")
 _ROUTES_WITHOUT_ENDPOINT = frozenset(
     {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_cpu_types", "get_cpu_type", "list_data_centers",
@@ -72,8 +73,10 @@ class RouteFaultRule(BaseModel):
         "until the client gives up, and never carry it out); drop: close the connection mid-response (the client "
         "sees a transport error); act_then_500: carry the operation out (e.g. really create the endpoint), then "
         "answer 500; unknown_status (status route only): answer 200 with the job's real status document, its "
-        "`status` replaced by job_status (a status the client may not know). Every action but act_then_500 and a "
-        "finite hang leaves the account unchanged."
+        "`status` replaced by job_status (a status the client may not know); create_as_gpu (create_endpoint only): "
+        "make the endpoint a CPU create asks for with GPU workers (pool ADA_24) in place of its `cpu`, and answer "
+        "that endpoint, as REST v1 was reported to (a GPU create is made as asked). Every action but act_then_500, "
+        "create_as_gpu and a finite hang leaves the account unchanged."
     )
     endpoint_name_prefix: str | None = Field(
         default=None,
@@ -122,6 +125,8 @@ class RouteFaultRule(BaseModel):
             raise ValueError(f"hang_s applies to hang only, not to {self.action}")
         if self.action == "unknown_status" and (self.job_status is None or self.route != "status"):
             raise ValueError("unknown_status applies to the status route and needs job_status, e.g. \"RUNNING\"")
+        if self.action == "create_as_gpu" and self.route != "create_endpoint":
+            raise ValueError(f"create_as_gpu applies to the create_endpoint route only, not to {self.route}")
         if self.job_status is not None and self.action != "unknown_status":
             raise ValueError(f"job_status applies to unknown_status only, not to {self.action}")
         if self.seed is not None and self.probability is None:

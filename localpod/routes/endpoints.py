@@ -39,6 +39,8 @@ async def create_endpoint(request: Request, state: LocalpodState = Depends(get_s
     name = body.get("name") if isinstance(body, dict) else None
     fault = await route_fault(request, "create_endpoint", endpoint_name=name)
     state.schemas.check_request("CreateEndpointRequest", body)
+    if fault.create_as_gpu and "cpu" in body:  # REST v1's reported slip: a CPU request made a GPU endpoint
+        body = {**{k: v for k, v in body.items() if k != "cpu"}, "gpu": {"pools": ["ADA_24"]}}
     spec = _spec_from_create(body)
     state.volumes.check_endpoint(spec)
     _check_quota(state, spec["workers"]["max"], excluding=None)

@@ -177,12 +177,13 @@ async def reset_host_cuda(state: LocalpodState = Depends(get_state)) -> Response
 
 @dataclass(frozen=True)
 class RouteFaultHit:
-    """What `route_fault` let through: nothing, an act_then_500 to answer once the operation is done, or an
-    unknown_status's job status to answer in place of the real one."""
+    """What `route_fault` let through: nothing, an act_then_500 to answer once the operation is done, an
+    unknown_status's job status to answer in place of the real one, or a create to carry out with GPU workers."""
 
     route: str
     act_then_500: bool
     job_status: str | None = None
+    create_as_gpu: bool = False
 
     def after_action(self) -> None:
         """Call once the operation took effect: an act_then_500 rule answers 500 now."""
@@ -221,7 +222,8 @@ async def route_fault(
         raise InjectedAnswer(_CutResponse())
     if rule.action == "hang":
         await _hang(request, state, rule.hang_s)
-    return RouteFaultHit(route, act_then_500=rule.action == "act_then_500", job_status=rule.job_status)
+    return RouteFaultHit(route, act_then_500=rule.action == "act_then_500", job_status=rule.job_status,
+                         create_as_gpu=rule.action == "create_as_gpu")
 
 
 class InjectedAnswer(Exception):

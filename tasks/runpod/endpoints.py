@@ -13,6 +13,7 @@ from typing import NamedTuple
 from tasks.runpod import errors
 from tasks.runpod.catalog import GpuClass
 from tasks.runpod.client import RunpodClient
+from tasks.runpod.endpoint_match import endpoint_differences
 from tasks.runpod.models import CpuRequest, CreateEndpoint, Endpoint, GpuRequest, Workers
 
 ENDPOINT_PREFIX = "loraflow-"
@@ -132,21 +133,35 @@ def build_cpu_create_request(
 
 
 def ensure_endpoint(client: RunpodClient, request: CreateEndpoint) -> Endpoint:
-    """The endpoint named `request.name`, created if missing.
+    """The endpoint named `request.name`, created if missing, and as asked.
 
     A create that errors may still have created the endpoint (a timeout or 5xx after RunPod acted), so
-    on a transient error the name is looked up before the error is passed on to the retry layer.
+    on a transient error the name is looked up before the error is passed on to the retry layer. An endpoint
+    unlike the request (found or created: `endpoint_differences`) is deleted at once, confirmed, and
+    `EndpointMismatchError` names the differences.
     """
     existing = client.find_endpoint(request.name)
     if existing is not None:
-        return existing
+        return _as_asked(client, request, existing)
     try:
-        return client.create_endpoint(request)
+        return _as_asked(client, request, client.create_endpoint(request))
     except errors.TRANSIENT_ERRORS:
         existing = client.find_endpoint(request.name)
         if existing is not None:
-            return existing
+            return _as_asked(client, request, existing)
         raise
+
+
+def _as_asked(client: RunpodClient, request: CreateEndpoint, endpoint: Endpoint) -> Endpoint:
+    differences = endpoint_differences(request, endpoint)
+    if not differences:
+        return endpoint
+    delete_endpoint_confirmed(client, endpoint.id)
+    raise errors.EndpointMismatchError(
+        f"RunPod made endpoint {endpoint.name} ({endpoint.id}) unlike the request, so it was deleted at once: "
+        f"{'; '.join(differences)}. RunPod's API answered a create with another endpoint than asked (REST v1 made "
+        "GPU endpoints for CPU requests); check RUNPOD_API_URL is API v2, and report it to RunPod if it is.",
+        endpoint_id=endpoint.id, differences=differences)
 
 
 class EndpointStillExists(errors.ServerError):

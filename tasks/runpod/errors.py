@@ -67,6 +67,16 @@ class QuotaExceededError(BadRequestError):
         return int(match.group(1)) if match else None
 
 
+class EndpointMismatchError(RunpodError):
+    """RunPod made an endpoint unlike the request (`tasks.runpod.endpoint_match`); it was deleted. Not transient:
+    the same request would be answered the same way."""
+
+    def __init__(self, message: str, *, endpoint_id: str, differences: list[str]):
+        super().__init__(message)
+        self.endpoint_id = endpoint_id
+        self.differences = differences
+
+
 class JobFailedError(RunpodError):
     """The job ran and failed: the training failed, not the API. Carries the worker's error text."""
 

@@ -83,6 +83,23 @@ class EndpointWorkers(_Response):
     idle_timeout: int | None = None
 
 
+class EndpointGpu(_Response):
+    """An endpoint's GPU selection as RunPod answers it (`EndpointGpuConfig`)."""
+
+    pools: list[str] = Field(default_factory=list, description="GPU pool ids.")
+    excluded_types: list[str] | None = Field(default=None, description="GPU type ids taken out of the pools.")
+    min_cuda_version: str | None = Field(default=None, description="Lowest CUDA version of its hosts; None: no floor.")
+    allowed_cuda_versions: list[str] | None = Field(default=None, description="CUDA versions its hosts may run; "
+                                                    "empty or None: any.")
+
+
+class EndpointCpu(_Response):
+    """One of a CPU endpoint's eligible configurations (`CpuConfig`)."""
+
+    id: str = Field(description="CPU flavor id.")
+    vcpu_count: int = Field(description="vCPUs per worker.")
+
+
 class Endpoint(_Response):
     """A serverless endpoint as `GET /v2/serverless/{id}` returns it."""
 
@@ -96,6 +113,10 @@ class Endpoint(_Response):
                                        "(RunPod refuses to delete a volume while an endpoint attaches it).")
     env: dict[str, str] = Field(default_factory=dict, description="Its workers' environment: plain values and "
                                 "`{{ RUNPOD_SECRET_<name> }}` references to account secrets.")
+    gpu: EndpointGpu | None = Field(default=None, description="GPU workers' selection; None on a CPU endpoint (or an "
+                                    "answer that names none).")
+    cpu: list[EndpointCpu] | None = Field(default=None, description="CPU workers' configurations; None on a GPU "
+                                          "endpoint (or an answer that names none).")
 
 
 class Pagination(_Response):
