@@ -117,7 +117,7 @@ def train(
                 adopt(outcome, undeleted, plan)
                 break
             retry_or_fail(run, attempt, attempts, plan, cache, outcome, results, endpoints_before)
-        published = report(run, plan, cache, results, attempt, attempts.endpoint_ids, spent.usd)
+        published = report(run, plan, cache, results, attempt, attempts.endpoint_ids, spent.usd, attempts.refused)
         return spent.finish(run_id, spec.name, "completed", results, adapter_url=results.adapter_url,
                             metrics=results.result.metrics,
                             published_model=published.hub_model_id if published else None,

@@ -41,7 +41,7 @@ from prefect.states import Cancelled
 
 from flows.spec import DatasetSpec, MixEntrySpec, RunSpec
 from tasks.lifecycle.attempt import existing_volume_ids, run_attempt
-from tasks.lifecycle.attempts import decide_next_attempt
+from tasks.lifecycle.attempts import EveryGpuRefused, GpuClassRefused, decide_next_attempt, next_unrefused
 from tasks.lifecycle.pending_billing import mark_billing_pending
 from tasks.lifecycle.quota import ensure_endpoint_limit
 from tasks.lifecycle.steps import prepare_worker_env
@@ -56,7 +56,7 @@ from tasks.placement.cost import (
     read_billed_cost,
     read_gpu_prices,
 )
-from tasks.placement.gpu_fit import GIB, catalog_fits, gpus_that_fit, placeable_gpus
+from tasks.placement.gpu_fit import GIB, catalog_fits, gpus_that_fit, placeable_gpus, pooled_gpus
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.memory_ladder import MemoryContext
 from tasks.placement.plan import AttemptPlan, plan_attempt, read_model_shape_task, resolve_model_task
@@ -119,6 +119,8 @@ class Attempts:
     use_cache: bool = True
     endpoint_ids: list[str] = field(default_factory=list)
     earlier: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    """GPU class → RunPod's detail, for each class whose endpoint request RunPod refused (400): never asked again."""
 
 
 @task(name="check", cache_policy=NO_CACHE)
@@ -155,6 +157,10 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
         local_formats = _check_local_inputs(spec)
         offers = {offer.gpu: offer for offer in prices.result()}
+        gpus, not_pooled = pooled_gpus(gpus, offers)  # each pinned in its pool as RunPod's catalog lists the cards
+        for reason in not_pooled:
+            logger.warning("Not renting %s", reason)
+        floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
         gpus, excluded = placeable_gpus(gpus, offers, floors,
                                         alternatives=lambda: catalog_fits(settings.loraflow_image_min_cuda))
         for fit in excluded:
@@ -378,8 +384,37 @@ def rent_train_and_tear_down(
     run: CheckedRun, attempt: int, attempts: Attempts, plan: AttemptPlan, cache: DataCenterCache | None,
 ) -> tuple[JobOutcome, UndeletedEndpoint | None, AttemptPlan, DataCenterCache | None]:
     """The attempt's endpoint, from its create to its confirmed delete (`tasks/lifecycle/attempt.py`); when
-    RunPod refused it because its warm volume is gone, nothing was created and the same attempt runs cold.
-    Returns the plan and warm volume the attempt ran with."""
+    RunPod refused it because its warm volume is gone, nothing was created and the same attempt runs cold; when
+    RunPod refused the request of its GPU class (400), the refusal is recorded and the same attempt is placed on the
+    next class of `compute.gpu` (`EveryGpuRefused` once none is left). Returns the plan and warm volume the attempt
+    ran with."""
+    while True:
+        try:
+            return _rent_train_and_tear_down(run, attempt, attempts, plan, cache)
+        except GpuClassRefused as refused:
+            attempts.gpu_index = _skip_refused_gpu(run, attempt, attempts, plan, refused)
+        plan, cache = place(run, attempt, attempts)
+
+
+def _skip_refused_gpu(run: CheckedRun, attempt: int, attempts: Attempts, plan: AttemptPlan,
+                      refused: GpuClassRefused) -> int:
+    """Record RunPod's refusal of a GPU class (the log, `loraflow.attempt.given-up` with outcome `create_refused`,
+    the summary) and return the next class's index; raise `EveryGpuRefused` when no class is left."""
+    attempts.refused[refused.gpu] = refused.detail
+    following = next_unrefused(run.gpus, attempts.gpu_index, attempts.refused)
+    reason = (f"RunPod refused the endpoint on {refused.gpu}; trying {run.gpus[following].name}"
+              if following is not None else "RunPod refused the endpoint on every GPU class of compute.gpu")
+    events.attempt_given_up(run.run_id, run.spec.name, attempt=attempt, outcome="create_refused", reason=reason,
+                            retry=following is not None, error=refused.detail, endpoint_name=plan.endpoint_name)
+    if following is None:
+        raise EveryGpuRefused(attempts.refused) from refused
+    get_run_logger().warning("Attempt %d: %s (%s)", attempt, reason, refused.detail)
+    return following
+
+
+def _rent_train_and_tear_down(
+    run: CheckedRun, attempt: int, attempts: Attempts, plan: AttemptPlan, cache: DataCenterCache | None,
+) -> tuple[JobOutcome, UndeletedEndpoint | None, AttemptPlan, DataCenterCache | None]:
     progress_key = f"train-{run.spec.name}-progress"
     try:
         # What drawing the curve needs is imported while the job runs.
@@ -427,7 +462,7 @@ def retry_or_fail(run: CheckedRun, attempt: int, attempts: Attempts, plan: Attem
     decision = decide_next_attempt(outcome, run.gpus, attempts.gpu_index, attempt, spec.attempts.max_attempts,
                                    seconds_left=run.deadline - time.time(),
                                    warm_in=cache.data_center if cache else None, earlier=attempts.earlier,
-                                   memory=memory)
+                                   memory=memory, refused=attempts.refused)
     attempts.earlier.append(outcome.kind)
     events.attempt_given_up(run.run_id, spec.name, attempt=attempt, outcome=outcome.kind, reason=decision.reason,
                             retry=decision.retry, error=outcome.error,
@@ -451,10 +486,12 @@ def run_failed(run_name: str, outcome: JobOutcome, results: RunResults, reason: 
 
 @task(name="report", cache_policy=NO_CACHE)
 def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, results: RunResults, attempt: int,
-           endpoint_ids: list[str], estimated_usd: float) -> PublishedModel | None:
+           endpoint_ids: list[str], estimated_usd: float,
+           refused: dict[str, str] | None = None) -> PublishedModel | None:
     """The training curve stored with the run (one commit: the Hub counts them); with `[publish]`, the adapter and
     its card published (after the curve, so that the card shows it; a failure is reported, not raised); the
-    summary and the metrics table; RunPod's billed cost, or the run marked for the reconciler to fill it in."""
+    summary (with where the GPU classes and prices came from, and the classes RunPod refused: `refused`) and the
+    metrics table; RunPod's billed cost, or the run marked for the reconciler to fill it in."""
     logger, spec = get_run_logger(), run.spec
     billed_read = read_billed_cost.submit(endpoint_ids, run.began_at)  # RunPod's billing lags: nothing yet is "pending"
     curve = curve_png(results.result.metrics, spec.algorithm)
@@ -474,7 +511,8 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
         run_name=spec.name, run_id=run.run_id, model=run.model.id, model_revision=run.model.revision,
         gpu=plan.gpu.name, gpu_count=spec.compute.gpu_count, endpoint_name=plan.endpoint_name,
         metrics=results.result.metrics, cost_ceiling_usd=run.ceiling.usd, estimated_cost_usd=round(estimated_usd, 4),
-        usd_per_hour=offer.usd_per_hour, price_source=offer.source,
+        usd_per_hour=offer.usd_per_hour, price_source=offer.source, price_fallback_reason=offer.fallback_reason,
+        cards_from=offer.cards_from, refused=refused or {},
         billed_usd=billed.usd if billed else None, billing_pending=billed is None or billed.usd <= 0,
         adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,
         fast_paths=(results.manifest or {}).get("fast_paths"), loss=(results.manifest or {}).get("loss"),

@@ -2,16 +2,16 @@
 
 import pytest
 
-from tasks.lifecycle.attempts import decide_next_attempt
+from tasks.lifecycle.attempts import EveryGpuRefused, decide_next_attempt, next_unrefused
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.jobs import JobOutcome
 
 GPUS = [resolve_gpu("4090"), resolve_gpu("a100"), resolve_gpu("h200")]
 
 
-def decide(kind, gpu_index=0, attempt=1, max_attempts=3, seconds_left=3600, gpus=GPUS, earlier=()):
+def decide(kind, gpu_index=0, attempt=1, max_attempts=3, seconds_left=3600, gpus=GPUS, earlier=(), refused=()):
     return decide_next_attempt(JobOutcome(kind=kind, job_id="j", status="X"), gpus, gpu_index, attempt, max_attempts,
-                               seconds_left, earlier=earlier)
+                               seconds_left, earlier=earlier, refused=refused)
 
 
 @pytest.mark.parametrize("kind", ["failed", "cancelled", "run_cancelled", "deadline"])
@@ -76,3 +76,31 @@ def test_host_ram_running_out_is_not_moved_to_a_bigger_gpu():
     decision = decide("host_out_of_memory", gpu_index=0)
     assert not decision.retry
     assert "host's RAM" in decision.reason and "batch_size" in decision.reason
+
+
+# --- GPU classes whose endpoint request RunPod refused ----------------------------------------------------------
+
+
+def test_a_refused_class_moves_to_the_next_one_not_refused_wrapping_round():
+    assert next_unrefused(GPUS, 0, {"RTX 4090"}) == 1
+    assert next_unrefused(GPUS, 1, {"RTX 4090", "A100 SXM"}) == 2
+    assert next_unrefused(GPUS, 2, {"H200"}) == 0
+
+
+def test_with_every_class_refused_there_is_no_next_one():
+    assert next_unrefused(GPUS, 1, {g.name for g in GPUS}) is None
+
+
+def test_every_refusal_is_named_when_no_class_is_left():
+    message = str(EveryGpuRefused({"H100": "RunPod answered 400: bad pool", "RTX 4090": "RunPod answered 400: no"}))
+    assert "H100: RunPod answered 400: bad pool" in message and "RTX 4090: RunPod answered 400: no" in message
+    assert "compute.gpu" in message
+
+
+def test_no_capacity_never_walks_back_to_a_refused_class():
+    assert decide("no_capacity", gpu_index=1, refused={"H200"}).gpu_index == 0
+    assert decide("no_capacity", gpu_index=1, refused={"H200", "RTX 4090"}).gpu_index == 1
+
+
+def test_out_of_memory_never_moves_to_a_refused_bigger_class():
+    assert GPUS[decide("out_of_memory", gpu_index=0, refused={"A100 SXM"}).gpu_index].name == "H200"

@@ -2,7 +2,15 @@
 
 import pytest
 
-from tasks.placement.gpu_fit import NoGpuFits, NoHostForImage, cuda_fits, gpus_that_fit, placeable_gpus
+from tasks.placement.gpu_fit import (
+    NoGpuFits,
+    NoGpuInPool,
+    NoHostForImage,
+    cuda_fits,
+    gpus_that_fit,
+    placeable_gpus,
+    pooled_gpus,
+)
 from tasks.runpod.catalog import cuda_floor, meets_cuda_floor, resolve_gpu
 from tasks.runpod.live_catalog import GpuOffer, static_offer
 
@@ -70,3 +78,22 @@ def test_a_run_that_fits_no_gpu_is_refused_naming_the_estimate_the_gpu_that_woul
     assert "RTX 4090 (24 GiB): needs ~120.0 GiB" in message and "H100 (80 GiB)" in message
     assert "add H200 (141 GiB) to compute.gpu" in message
     assert 'lora.quantization = "4bit"' in message
+
+
+# --- each class's card in its pool, as RunPod's catalog lists it ------------------------------------------------
+
+
+def test_a_class_whose_card_is_not_in_its_pool_is_left_out_and_the_others_are_pinned_as_the_catalog_says():
+    missing = "GPU class H100: RunPod's catalog does not list its card NVIDIA H100 80GB HBM3 in pool ADA_80_PRO"
+    offers = {H100.name: static_offer(H100, missing).model_copy(update={"not_in_pool": missing}),
+              RTX_4090.name: offer(RTX_4090, ["12.8"]).model_copy(update={"exclude": ["NVIDIA L4"]})}
+    kept, left_out = pooled_gpus([H100, RTX_4090], offers)
+    assert [g.name for g in kept] == ["RTX 4090"] and kept[0].exclude == ("NVIDIA L4",)
+    assert left_out == [missing]
+
+
+def test_a_run_none_of_whose_classes_is_in_its_pool_is_refused_naming_each():
+    missing = "GPU class H100: RunPod's catalog does not list its card NVIDIA H100 80GB HBM3 in pool ADA_80_PRO"
+    offers = {H100.name: static_offer(H100, missing).model_copy(update={"not_in_pool": missing})}
+    with pytest.raises(NoGpuInPool, match="GPU class H100.*pool ADA_80_PRO.*compute.gpu"):
+        pooled_gpus([H100], offers)

@@ -160,3 +160,33 @@ def test_a_grpo_summary_shows_trajectories_with_their_tool_calls_answers_and_rew
     assert '| Record fig. | `record(item="fig")` → receipt fig | Done. | 1 |' in text
     assert "| Record \\| pear. | none |  | 0 |" in text
     assert "Every trajectory kept: [trajectories.jsonl](file:///s/runs/r1/trajectories.jsonl)." in text
+
+
+def _report(**fields) -> RunReport:
+    return RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                     endpoint_name="loraflow-demo-abc-a1", metrics=METRICS, cost_ceiling_usd=0.35,
+                     estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter", store_url="file:///s",
+                     **fields)
+
+
+def test_the_summary_says_the_prices_and_gpu_classes_came_from_runpods_catalog():
+    text = summary_markdown(_report(usd_per_hour=1.12, price_source="catalog", cards_from="catalog"))
+    assert "| Prices | RunPod's catalog |" in text
+    assert "| GPU classes | pools and cards from RunPod's catalog |" in text
+    assert "Refused by RunPod" not in text
+
+
+def test_the_summary_says_when_loraflows_static_list_stood_in_and_why():
+    reason = "RunPod's catalog could not be read (ServerError: RunPod answered 500 to GET /v2/catalog/gpus)"
+    text = summary_markdown(_report(usd_per_hour=0.69, price_source="static list price", price_fallback_reason=reason,
+                                    cards_from="static table"))
+    assert f"| Prices | loraflow's static list ({reason}) |" in text
+    assert "| GPU classes | pools and cards from loraflow's static table" in text
+
+
+def test_the_summary_names_each_gpu_class_runpod_refused_with_its_detail():
+    refused = {"H100": "RunPod answered 400 to POST /v2/serverless: gpu.excludedTypes: NVIDIA H100 PCIe is not a GPU "
+                       "type of the pools ADA_80_PRO"}
+    text = summary_markdown(_report(refused=refused))
+    assert "| Refused by RunPod | H100: RunPod answered 400 to POST /v2/serverless: gpu.excludedTypes: NVIDIA H100 " \
+           "PCIe is not a GPU type of the pools ADA_80_PRO |" in text

@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 from prefect import get_run_logger
 
-from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S
+from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S, GpuClassRefused
 from tasks.lifecycle.quota import endpoint_slot, wait_for_runpod_quota
 from tasks.lifecycle.steps import create_endpoint, delete_endpoint, run_cancel_requested, submit_job, wait_for_job
 from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
 from tasks.placement.plan import AttemptPlan
-from tasks.runpod.errors import BadRequestError, NotFoundError, RunpodError, is_transient
+from tasks.runpod.errors import BadRequestError, NotFoundError, QuotaExceededError, RunpodError, is_transient
 from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.models import Endpoint
 from tasks.settings import Settings, make_client
@@ -31,7 +31,9 @@ def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | 
     When the delete stays unconfirmed after its retries, a slot lease of its own and a record
     (`UndeletedEndpoint`, returned) outlive the attempt, for the reconciler; the attempt's outcome, or the
     error it raised, is kept as it was. Raises `WarmVolumeGone` when RunPod refused the endpoint because its
-    warm volume no longer exists (nothing was created: the caller runs the attempt again, cold).
+    warm volume no longer exists (nothing was created: the caller runs the attempt again, cold), and
+    `GpuClassRefused` when RunPod refused its request otherwise (400, not the quota: the caller moves to the next
+    GPU class).
     """
     created: list[Endpoint] = []
     undeleted: UndeletedEndpoint | None = None
@@ -69,9 +71,11 @@ def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endp
     except (BadRequestError, NotFoundError) as refused:
         # RunPod refuses (4xx) an endpoint whose network volume is gone: a stale warm record, not a failed run.
         gone = gone_volume(refused, plan.create_request.network_volumes, _volume_exists)
-        if gone is None:
-            raise
-        raise gone from refused
+        if gone is not None:
+            raise gone from refused
+        if isinstance(refused, BadRequestError) and not isinstance(refused, QuotaExceededError):
+            raise GpuClassRefused(plan.gpu.name, refused) from refused
+        raise
     if endpoint is None:
         return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
                           error="the run was cancelled while it waited for room in RunPod's worker quota")

@@ -1,20 +1,51 @@
-"""Whether a run gets another attempt after one ended without results, and on which GPU."""
+"""Whether a run gets another attempt after one ended without results, and on which GPU; and which GPU an attempt
+moves to when RunPod refuses its endpoint's request (400) for one GPU class."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from loraflow_worker.contract import MemorySettings
 from pydantic import BaseModel
 
 from tasks.placement.memory_ladder import MemoryContext, next_rung
 from tasks.runpod.catalog import GpuClass
+from tasks.runpod.errors import BadRequestError, RunpodError
 from tasks.runpod.jobs import JobOutcome
 
 MIN_TIME_FOR_ATTEMPT_S = 5 * 60
 """An attempt with less time than this before the deadline cannot start a worker and train."""
 MAX_CUDA_UNAVAILABLE = 1
 """Hosts on which CUDA did not start that a run retries past: one may be a bad host, two are a pattern."""
+
+
+class GpuClassRefused(RunpodError):
+    """RunPod refused (400) the endpoint request of one GPU class: nothing was created, and the run moves to the next
+    class of `compute.gpu` (`next_unrefused`) within the same attempt."""
+
+    def __init__(self, gpu: str, refusal: BadRequestError):
+        super().__init__(f"RunPod refused an endpoint on {gpu}: {refusal}")
+        self.gpu = gpu
+        self.detail = str(refusal)
+
+
+class EveryGpuRefused(RunpodError):
+    """RunPod refused the endpoint request of every GPU class of the run: the run fails naming each refusal."""
+
+    def __init__(self, refusals: Mapping[str, str]):
+        named = "; ".join(f"{gpu}: {detail}" for gpu, detail in refusals.items())
+        super().__init__(f"RunPod refused an endpoint on every GPU class of compute.gpu ({named}). Fix the request "
+                         "RunPod names, or add a GPU class it accepts to compute.gpu")
+        self.refusals = dict(refusals)
+
+
+def next_unrefused(gpus: Sequence[GpuClass], gpu_index: int, refused: Collection[str]) -> int | None:
+    """The index of the first class after `gpu_index` (wrapping round) that RunPod has not refused; None: none left."""
+    for step in range(1, len(gpus) + 1):
+        index = (gpu_index + step) % len(gpus)
+        if gpus[index].name not in refused:
+            return index
+    return None
 
 
 class NextAttempt(BaseModel):
@@ -30,6 +61,7 @@ class NextAttempt(BaseModel):
 def decide_next_attempt(
     outcome: JobOutcome, gpus: list[GpuClass], gpu_index: int, attempt: int, max_attempts: int, seconds_left: float,
     warm_in: str | None = None, earlier: Sequence[str] = (), memory: MemoryContext | None = None,
+    refused: Collection[str] = (),
 ) -> NextAttempt:
     """The retry policy: code failures, cancellations and the run's deadline never retry; no capacity walks
     the GPU list; out of memory climbs the ladder of `memory_ladder` (given `memory`: the same GPU with less
@@ -40,7 +72,8 @@ def decide_next_attempt(
     retry on the same GPU (resuming from the run's last checkpoint); all within the attempt budget and the run's
     deadline. An attempt pinned to `warm_in` (the datacenter whose volume holds the weights) that found no
     capacity there retries the same GPU anywhere, cold. `earlier`: the outcome kinds of the run's earlier
-    attempts. Settings an attempt forced stay forced on the next, unless it moves to a GPU with more memory."""
+    attempts. Settings an attempt forced stay forced on the next, unless it moves to a GPU with more memory. A class
+    in `refused` (RunPod refused its endpoint request) is never moved to."""
     here = gpus[gpu_index]
     forced = memory.forced if memory is not None else None
     rung = next_rung(outcome.memory, memory, outcome.error) if memory is not None and outcome.kind in _LADDERED else None
@@ -70,11 +103,12 @@ def decide_next_attempt(
         return NextAttempt(retry=True, gpu_index=gpu_index, cold=True, memory=forced,
                            reason=f"no capacity in {warm_in}, where the weights are warm; next attempt runs anywhere, cold")
     if outcome.kind == "no_capacity":
-        following = (gpu_index + 1) % len(gpus)
+        following = next_unrefused(gpus, gpu_index, refused)
+        following = gpu_index if following is None else following
         return NextAttempt(retry=True, gpu_index=following, memory=forced,
                            reason=f"no capacity for {here.name}; trying {gpus[following].name}")
     if outcome.kind == "out_of_memory":
-        bigger = [i for i, g in enumerate(gpus) if g.vram_gb > here.vram_gb]
+        bigger = [i for i, g in enumerate(gpus) if g.vram_gb > here.vram_gb and g.name not in refused]
         if not bigger:
             return NextAttempt(retry=False, gpu_index=gpu_index,
                                reason=f"out of memory on {here.name} ({here.vram_gb} GB) and no GPU with more memory "

@@ -1,6 +1,7 @@
-"""Renting only where the run can work: each GPU class's hosts' CUDA versions, from RunPod's live catalog,
-against the CUDA floor of the image and the card; and each class's memory against the run's memory plan
-(`loraflow_worker.memory.plan`, the worker's own planner); both before anything is rented.
+"""Renting only where the run can work: each GPU class's card in its pool as RunPod's live catalog lists it; each
+class's hosts' CUDA versions, from the same catalog, against the CUDA floor of the image and the card; and each
+class's memory against the run's memory plan (`loraflow_worker.memory.plan`, the worker's own planner); all before
+anything is rented.
 
 An endpoint whose `minCudaVersion` no host of its GPU offers is never served: its job sits IN_QUEUE until
 the attempt gives the GPU up as "no capacity", and the run walks its list to the same end. The catalog's
@@ -21,6 +22,24 @@ from tasks.runpod.live_catalog import GpuOffer
 
 GIB = 2**30
 """RunPod's catalog gives GPU memory in GB that are GiB (an RTX 4090's 24 GB are 24 GiB)."""
+
+
+class NoGpuInPool(ValueError):
+    """No GPU class of the run has its card in its pool by RunPod's catalog: refused before renting."""
+
+
+def pooled_gpus(gpus: Sequence[GpuClass], offers: dict[str, GpuOffer]) -> tuple[list[GpuClass], list[str]]:
+    """The classes whose card RunPod's catalog lists in their pool, in order, each pinned as its offer says (the other
+    cards of the pool excluded), and why each of the others is left out (naming the class and the pool). With the
+    catalog unreadable, the static table's classes as they are. When none is left, `NoGpuInPool` names each."""
+    kept = [offers[gpu.name].pinned(gpu) for gpu in gpus if offers[gpu.name].not_in_pool is None]
+    left_out = [offers[gpu.name].not_in_pool or "" for gpu in gpus if offers[gpu.name].not_in_pool is not None]
+    if not kept:
+        raise NoGpuInPool(
+            "no GPU class of compute.gpu can be rented as RunPod's catalog lists the pools now: " + "; ".join(left_out)
+            + ". Fix: add a GPU class whose card is in its pool to compute.gpu, or bring loraflow's class table "
+            "(tasks/runpod/catalog.py) up to date with the catalog.")
+    return kept, left_out
 
 
 class NoHostForImage(ValueError):

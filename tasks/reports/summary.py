@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, ValidationError
 
 from tasks.reports.curve import curve_measure
-from tasks.runpod.live_catalog import PriceSource
+from tasks.runpod.live_catalog import CardsSource, PriceSource
 from tasks.storage.artifacts import hub_token
 
 CURVE_FILE = "curve.png"
@@ -47,6 +47,15 @@ class RunReport(BaseModel):
     fast_paths: dict[str, Any] | None = None
     usd_per_hour: float | None = Field(default=None, description="The GPU-hour price the estimate used.")
     price_source: PriceSource | None = Field(default=None, description="Where that price came from.")
+    price_fallback_reason: str | None = Field(
+        default=None, description="Why loraflow's static list price stood in for RunPod's catalog; None: the "
+        "catalog's.")
+    cards_from: CardsSource | None = Field(
+        default=None, description="Where the GPU class's pool and excluded cards came from: RunPod's catalog, or "
+        "loraflow's static table when the catalog could not be read; None: not known.")
+    refused: dict[str, str] = Field(
+        default_factory=dict, description="GPU class → RunPod's detail, for each class whose endpoint request RunPod "
+        "refused (400) before the run moved to the next class.")
     billed_usd: float | None = Field(
         default=None, description="What RunPod billed the run's endpoints (/v2/billing/serverless); None: not read."
     )
@@ -164,6 +173,9 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
         ("Training wall time", f"{m.wall_seconds:.1f} s"),
         ("Cost before (worst case)", f"${report.cost_ceiling_usd:.2f}: GPU price × GPUs × deadline"),
         ("Estimated cost", _estimate(report)),
+        *([("Prices", _prices(report))] if report.price_source is not None else []),
+        *([("GPU classes", _cards(report))] if report.cards_from is not None else []),
+        *([("Refused by RunPod", _refused(report.refused))] if report.refused else []),
         *([(BILLED_ROW, _billed(report))] if report.billed_usd is not None or report.billing_pending else []),
         ("Adapter", _link(report.adapter_url)),
         *([("Published model", _published(report))] if report.published_model else []),
@@ -299,6 +311,24 @@ def _estimate(report: RunReport) -> str:
     if report.usd_per_hour is not None and report.price_source is not None:
         text += f" at ${report.usd_per_hour:.2f}/GPU-hour, price source: {report.price_source}"
     return text
+
+
+def _prices(report: RunReport) -> str:
+    if report.price_source == "catalog":
+        return "RunPod's catalog"
+    reason = report.price_fallback_reason or "RunPod's catalog was not read"
+    return f"loraflow's static list ({_cell(reason)})"
+
+
+def _cards(report: RunReport) -> str:
+    if report.cards_from == "catalog":
+        return "pools and cards from RunPod's catalog"
+    return "pools and cards from loraflow's static table (RunPod's catalog could not be read)"
+
+
+def _refused(refused: dict[str, str]) -> str:
+    """Each refused class with RunPod's detail; the run moved on to the next class of `compute.gpu`."""
+    return "; ".join(f"{gpu}: {_cell(_short(detail, 300))}" for gpu, detail in refused.items())
 
 
 def _link(url: str, text: str | None = None) -> str:
