@@ -21,6 +21,11 @@ a RunPod host refuses to train on a CPU, but localpod's workers (processes and c
 this machine's CPU, so each is started with `LORAFLOW_REQUIRE_CUDA=0` instead, and the log says so for
 every worker it lifts it for.
 
+A worker that dies without a result (a crash, a kill it did not ask for) hands its job back to the queue, first in
+line, for another worker of the endpoint, as RunPod's queue endpoints do (`/health` counts it as retried); with
+`--dead-worker-jobs fail` (env `LOCALPOD_DEAD_WORKER_JOBS=fail`) the job FAILS instead, its error naming the exit
+code and the last lines of the worker's log.
+
 Network volumes (`/v2/network-volumes`) are folders under `--volume-dir` (default: `volumes/` in the log
 dir). A worker of an endpoint that attaches one runs in the volume's datacenter and sees the folder: a
 docker worker at `/runpod-volume`, as on RunPod; a process worker through `LORAFLOW_VOLUME_PATH`. A volume
@@ -110,6 +115,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         "worker_mounts": [Path(m).absolute() for m in args.worker_mount],
         "docker_command": shlex.split(args.docker),
         "volume_create_fails_in": args.volume_create_fails_in,
+        "dead_worker_jobs": args.dead_worker_jobs,
     }
     if args.worker_python:
         fields["worker_python"] = Path(args.worker_python).absolute()
@@ -214,6 +220,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="creating a network volume in this datacenter answers 500, as RunPod did in US-MO-1 "
                    "(repeatable; a datacenter of localpod's catalog that supports volumes)")
     p.add_argument("--openapi", help="RunPod's api-v2-openapi.json (default: the unedited copy shipped in localpod/)")
+    p.add_argument("--dead-worker-jobs", choices=["requeue", "fail"],
+                   default=os.environ.get("LOCALPOD_DEAD_WORKER_JOBS") or "requeue",
+                   help="the job of a worker that dies without a result: requeue (back to the queue for another "
+                   "worker, as RunPod's queue endpoints do) or fail (FAILED with the exit code and the log's tail); "
+                   "default: env LOCALPOD_DEAD_WORKER_JOBS, else requeue")
     p.add_argument("--kill-grace", type=float, default=5.0, help="seconds from SIGTERM to SIGKILL for a worker")
     p.add_argument("--long-poll", type=float, default=5.0, help="seconds a worker's job-take is held open")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (debug also logs each request)")

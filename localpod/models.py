@@ -18,6 +18,7 @@ from pydantic.alias_generators import to_camel
 
 from localpod import catalog
 from localpod.catalog import WorkerPlacement
+from localpod.faults.rules import DeadWorkerJobs
 from localpod.paging import DEFAULT_PAGE_SIZE
 
 DEFAULT_OPENAPI_PATH = Path(__file__).resolve().parent / "runpod-api-v2-openapi.json"
@@ -121,6 +122,13 @@ class LocalpodConfig(BaseModel):
         default=2.0,
         ge=0,
         description="Seconds an endpoint waits before starting another worker after one crashed or could not start.",
+    )
+    # requeue: RunPod's queue endpoints hand a job whose worker was lost to another worker (/health's `retried`).
+    dead_worker_jobs: DeadWorkerJobs = Field(
+        default="requeue",
+        description="What happens to the job of a worker that dies without a result (a crash, a kill it did not "
+        "ask for): requeue, back to the queue, first in line, for another worker of its endpoint (the job keeps its "
+        "id and counts as retried); fail, FAILED with the worker's exit code and the last lines of its log.",
     )
     tick_s: float = Field(default=0.1, gt=0, description="Seconds between two passes of the worker supervisor.")
     default_ttl_ms: int = Field(

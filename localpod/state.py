@@ -23,6 +23,7 @@ from fastapi import Request
 
 from localpod.billing import StorageClock
 from localpod.faults.book import ArmedFault, FaultBook
+from localpod.faults.rules import DeadWorkerJobs
 from localpod.models import (
     Account,
     AccountEndpoint,
@@ -146,6 +147,8 @@ class WorkerRecord:
     exit_code: int | None = None
     suspended: bool = False
     """SIGSTOPped by a hang fault: a stop must send SIGCONT too, or SIGTERM never reaches it."""
+    dead_worker_jobs: DeadWorkerJobs | None = None
+    """Set by a crash fault that says what happens to its job; None: the server's `dead_worker_jobs`."""
     pending_stops: dict[str, float] = field(default_factory=dict)
     """Jobs this worker must stop, with when each was last sent (monotonic; -inf: never). runpod 1.12 drops a stop
     that arrives before its job's task exists, so a stop is re-sent until the worker is free."""
@@ -284,10 +287,13 @@ class LocalpodState:
         self.endpoints[job.endpoint_id].queue.append(job.id)
 
     def requeue_job(self, job: JobRecord) -> None:
-        """A preempted job: IN_QUEUE again, first in line, for a new worker (its worker is being killed)."""
+        """A preempted job, or a dead worker's: IN_QUEUE again, first in line, for a new worker (its worker is being
+        killed, or is gone)."""
         worker = self.workers.get(job.worker_id) if job.worker_id else None
         if worker is not None and worker.job_id == job.id:
             worker.job_id = None
+        if job.fault is not None:  # its worker died before the fault fired: the next job gets the fault
+            self.faults.disarm(job.fault)
         job.status, job.started_at, job.worker_id, job.output, job.stream = "IN_QUEUE", None, None, None, []
         job.progress_updates, job.fault = 0, None
         self.endpoints[job.endpoint_id].queue.appendleft(job.id)
@@ -394,16 +400,21 @@ class LocalpodState:
             self.worker_ended(worker, None, "")
 
     def worker_ended(self, worker: WorkerRecord, exit_code: int | None, log_tail: str) -> None:
-        """Record a worker's end; a job it still held FAILS, since no result can come any more."""
+        """Record a worker's end. A job it still held can get no result from it any more: it goes back to the
+        queue for another worker, or FAILS, as `dead_worker_jobs` says."""
         worker.ended_at, worker.exit_code = time.time(), exit_code
         job = self.jobs.get(worker.job_id) if worker.job_id else None
         if job is not None and not job.terminal:
-            self.finish_job(
-                job,
-                "FAILED",
-                error=f"worker {worker.id} exited with code {exit_code} without a result; "
-                f"last lines of its log:\n{log_tail}",
-            )
+            if (worker.dead_worker_jobs or self.config.dead_worker_jobs) == "requeue":
+                self.requeue_job(job)
+                job.retries += 1  # `/health` counts it under jobs.retried
+            else:
+                self.finish_job(
+                    job,
+                    "FAILED",
+                    error=f"worker {worker.id} exited with code {exit_code} without a result; "
+                    f"last lines of its log:\n{log_tail}",
+                )
         worker.job_id = None
 
     # --- account ---------------------------------------------------------------------------------

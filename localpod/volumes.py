@@ -5,7 +5,8 @@ A volume's folder is `<volume_dir>/<volume id>`, made with the volume and remove
 endpoint's volume at `/runpod-volume` in each of its workers: a docker worker gets that very mount; a process
 worker shares this machine's files and is told the folder in `LORAFLOW_VOLUME_PATH` instead. RunPod starts
 the workers of an endpoint with a volume in the volume's datacenter only: `FaultBook.place` reads the pins
-this book keeps.
+this book keeps. A volume is deleted when asked, attached or not (RunPod's API documents no refusal): an endpoint
+that attached it keeps naming it, and no worker of that endpoint starts any more.
 
 A volume bills by size and time from its creation to its deletion, as on RunPod (`billing.py` has the prices):
 the book keeps each volume's bill (its tier, each size it had and from when, when it was deleted) after the
@@ -20,6 +21,7 @@ Nothing here touches HTTP; `localpod/routes/volumes.py` answers `/v2/network-vol
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 import string
@@ -32,6 +34,8 @@ from localpod.billing import StorageClock
 from localpod.faults.book import FaultBook
 from localpod.models import AccountVolume, LocalpodConfig
 from localpod.problems import ProblemError
+
+log = logging.getLogger("localpod.volumes")
 
 RUNPOD_VOLUME_MOUNT = "/runpod-volume"  # RunPod mounts an endpoint's network volume here in every worker
 VOLUME_PATH_ENV = "LORAFLOW_VOLUME_PATH"
@@ -126,11 +130,13 @@ class VolumeBook:
             self.bills[volume.id].sizes.append((self.clock.now(), size))
 
     def delete(self, volume: VolumeRecord, users: list[tuple[str, str]]) -> None:
-        """Remove the volume and its folder; refused while endpoints (id, name) still attach it, as RunPod does."""
+        """Remove the volume and its folder, even while endpoints (id, name) attach it: RunPod's API documents no
+        refusal. Those endpoints keep naming the volume, and no worker of theirs starts any more
+        (`FaultBook.gone_volumes`); the log says which."""
         if users:
             named = ", ".join(f"{endpoint_id} ({name})" for endpoint_id, name in users)
-            raise ProblemError(400, f"network volume {volume.id} is attached to endpoint {named}: detach it or "
-                                    "delete the endpoint first")
+            log.warning("network volume %s deleted while endpoint %s attaches it: no worker of theirs can start now",
+                        volume.id, named)
         del self.volumes[volume.id]
         del self.faults.volume_data_centers[volume.id]
         self.bills[volume.id].deleted_at = self.clock.now()  # its bill stays: billing still reports what it cost

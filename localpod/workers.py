@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from localpod.faults.rules import WorkerFaultRule
 from localpod.models import LocalpodConfig
 from localpod.routes.secrets import resolve_secret_references
 from localpod.state import EndpointRecord, JobRecord, LocalpodState, WorkerRecord, new_id
@@ -181,7 +182,8 @@ class WorkerSupervisor:
                 worker.killed = True
 
     def _fire_worker_faults(self, now: float) -> None:
-        """Fire each armed worker fault once its job has sent a progress update or run its `after_s`."""
+        """Fire each armed worker fault once its job has run its `after_s`, reported its `at_step`, or (neither
+        given) sent a progress update."""
         for job in list(self.state.active_jobs.values()):
             armed = job.fault
             worker = self.state.workers.get(job.worker_id) if job.worker_id else None
@@ -190,18 +192,19 @@ class WorkerSupervisor:
             if armed.removed:
                 job.fault = None
                 continue
-            after_s = armed.rule.after_s
-            if (job.progress_updates == 0) if after_s is None else (now - job.started_at < after_s):
+            if not _fault_due(armed.rule, job, now):
                 continue
             job.fault = None
             self.state.faults.fired(armed)
             log.info("injecting worker %s on worker %s, job %s", armed.rule.action, worker.id, job.id)
-            self._inject(armed.rule.action, worker, job, now)
+            self._inject(armed.rule, worker, job, now)
 
-    def _inject(self, action: str, worker: WorkerRecord, job: JobRecord, now: float) -> None:
+    def _inject(self, rule: WorkerFaultRule, worker: WorkerRecord, job: JobRecord, now: float) -> None:
         assert worker.process is not None
         container = self.config.container_name(worker.id)
-        if action == "crash":  # the reaper then fails the job: the worker exited without a result
+        action = rule.action
+        if action == "crash":  # the reaper then requeues or fails the job: the worker exited without a result
+            worker.dead_worker_jobs = rule.dead_worker_jobs
             self._kill(worker, container)
         elif action == "hang":
             # A hung container freezes every process in it, the worker's own children in other sessions too.
@@ -406,6 +409,17 @@ async def _post_webhook(url: str, payload: dict[str, object]) -> None:
             (await client.post(url, json=payload)).raise_for_status()
     except httpx.HTTPError as e:
         log.warning("webhook %s for job %s failed: %s", url, payload.get("id"), e)
+
+
+def _fault_due(rule: WorkerFaultRule, job: JobRecord, now: float) -> bool:
+    """Whether a crash, hang or preempt armed for this running job fires now."""
+    assert job.started_at is not None
+    if rule.after_s is not None:
+        return now - job.started_at >= rule.after_s
+    if rule.at_step is not None:
+        step = job.output.get("step") if isinstance(job.output, dict) else None
+        return isinstance(step, int) and not isinstance(step, bool) and step >= rule.at_step
+    return job.progress_updates > 0
 
 
 def _new_worker_id(state: LocalpodState) -> str:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -568,9 +569,14 @@ async def handler(job):
     if mode == "block":  # like a training step: blocks the worker loop, only a kill ends it
         time.sleep(job_input["seconds"])
         return {"blocked": True}
-    if mode == "exit":
-        print("last words before exit", flush=True)
-        os._exit(7)
+    if mode == "exit":  # with `once` (a file that does not exist yet): only the first worker to take the job exits
+        once = job_input.get("once")
+        if once is None or not pathlib.Path(once).exists():
+            if once is not None:
+                pathlib.Path(once).touch()
+            print("last words before exit", flush=True)
+            os._exit(7)
+        return {"survived": True, "worker": os.environ["RUNPOD_POD_ID"]}
     return {"echo": job_input}
 
 runpod.serverless.start({"handler": handler})
@@ -756,11 +762,13 @@ def test_cancel_stops_the_running_handler_and_frees_the_worker(live: LiveServer)
     assert time.monotonic() - started < 60 and len(live.workers_of(endpoint_id)) == 1
 
 
-def test_worker_exiting_mid_job_fails_it_with_code_and_log_tail(live: LiveServer) -> None:
+def test_a_worker_exiting_mid_job_hands_the_job_back_to_the_queue_for_another_worker(live: LiveServer) -> None:
     endpoint_id = live.endpoint()
-    error = live.wait_status(endpoint_id, live.run(endpoint_id, {"mode": "exit"}), "FAILED")["error"]
-    assert "exited with code 7 without a result" in error
-    assert "last words before exit" in error
+    job_id = live.run(endpoint_id, {"mode": "exit", "once": str(live.tmp / f"exited-{uuid.uuid4().hex}")})
+    status = live.wait_status(endpoint_id, job_id, "COMPLETED")
+    first, second = live.workers_of(endpoint_id)[:2]
+    assert first.exit_code == 7 and status["output"] == {"survived": True, "worker": second.id}
+    assert live.http.get(f"/v2/{endpoint_id}/health").json()["jobs"]["retried"] == 1
 
 
 def test_execution_timeout_times_out_and_kills_a_blocked_worker(live: LiveServer) -> None:

@@ -225,6 +225,9 @@ def test_rules_are_listed_with_ids_and_removed_one_by_one_or_all(pod: Pod) -> No
         ("faults", {"route": "get_endpoint", "action": "drop", "data_center_id": "EU-RO-1"}, "create_network_volume only"),
         ("worker-faults", {"action": "env"}, "env needs `env`"),
         ("worker-faults", {"action": "crash", "times": 0}, "$.body.times"),
+        ("worker-faults", {"action": "crash", "at_step": 2, "after_s": 1}, "give after_s or at_step, not both"),
+        ("worker-faults", {"action": "preempt", "dead_worker_jobs": "requeue"}, "dead_worker_jobs applies to crash"),
+        ("worker-faults", {"action": "env", "env": {"A": "1"}, "at_step": 2}, "not to env"),
     ],
 )
 def test_inconsistent_rules_are_refused_with_the_reason(pod: Pod, path: str, rule: dict, complaint: str) -> None:
@@ -248,16 +251,45 @@ def test_account_counts_injected_faults_by_kind(pod: Pod) -> None:
 # --- worker faults, on real runpod workers ---------------------------------------------------------
 
 
-def test_crash_after_the_first_progress_update_fails_the_job_without_a_result(pod: Pod) -> None:
+def test_a_crash_that_fails_its_job_says_the_worker_exited_without_a_result(pod: Pod) -> None:
     name = unique("crash")
     endpoint_id = pod.worker_endpoint(name)
-    rule = pod.add_fault("worker-faults", action="crash", endpoint_name_prefix=name)
+    rule = pod.add_fault("worker-faults", action="crash", endpoint_name_prefix=name, dead_worker_jobs="fail")
     job_id = pod.run(endpoint_id, {"steps": 3, "step_s": 1.0})
     error = pod.wait_status(endpoint_id, job_id, "FAILED")["error"]
-    assert f"exited with code {-signal.SIGKILL} without a result" in error
+    assert f"exited with code {-signal.SIGKILL} without a result" in error and "last lines of its log" in error
     [listed] = pod.http.get("/_localpod/worker-faults").json()
     assert listed["id"] == rule["id"] and listed["hits"] == 1 and listed["remaining"] == 0
     assert pod.account().faults_injected["worker_crash"] >= 1
+
+
+def test_a_crashed_workers_job_goes_back_to_the_queue_and_another_worker_completes_it(pod: Pod) -> None:
+    name = unique("requeue")
+    endpoint_id = pod.worker_endpoint(name)
+    pod.add_fault("worker-faults", action="crash", endpoint_name_prefix=name)  # the server's default: requeue
+    job_id = pod.run(endpoint_id, {"steps": 2, "step_s": 0.5})
+    final = pod.wait_status(endpoint_id, job_id, "COMPLETED")
+    first, second = pod.workers_of(endpoint_id)
+    assert first.exit_code == -signal.SIGKILL and final["output"]["worker"] == second.id
+    health = pod.http.get(f"/v2/{endpoint_id}/health").json()
+    assert health["jobs"]["retried"] == 1 and health["jobs"]["failed"] == 0
+
+
+def test_a_fault_at_a_step_fires_once_the_jobs_progress_reports_that_step(pod: Pod) -> None:
+    name = unique("atstep")
+    endpoint_id = pod.worker_endpoint(name)
+    pod.add_fault("worker-faults", action="crash", at_step=3, endpoint_name_prefix=name, dead_worker_jobs="fail")
+    job_id = pod.run(endpoint_id, {"steps": 4, "step_s": 0.5})
+    seen: list[Any] = []
+
+    def failed() -> bool:
+        status = pod.status(endpoint_id, job_id)
+        seen.append(status.get("output"))
+        return status["status"] == "FAILED"
+
+    wait_for(failed, "the job to fail at step 3")
+    assert {"step": 3} in seen and {"step": 4} not in seen
+
 
 
 def test_hang_stops_the_worker_until_its_endpoint_is_deleted(pod: Pod) -> None:
@@ -334,3 +366,17 @@ def test_an_out_of_stock_pool_keeps_jobs_queued_without_workers_until_restocked(
     pod.wait_status(starved, queued, "COMPLETED")
     assert len(pod.workers_of(starved)) == 1
 
+
+
+# --- a dead worker's job: the server's mode --------------------------------------------------------
+
+
+def test_a_dead_workers_job_is_requeued_unless_the_command_line_or_environment_says_fail(monkeypatch, tmp_path) -> None:
+    from tests.test_localpod_docker import parse
+
+    monkeypatch.delenv("LOCALPOD_DEAD_WORKER_JOBS", raising=False)
+    base = ("--worker-command", "true", "--log-dir", str(tmp_path))
+    assert parse(*base).dead_worker_jobs == "requeue"
+    assert parse(*base, "--dead-worker-jobs", "fail").dead_worker_jobs == "fail"
+    monkeypatch.setenv("LOCALPOD_DEAD_WORKER_JOBS", "fail")
+    assert parse(*base).dead_worker_jobs == "fail"

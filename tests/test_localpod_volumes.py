@@ -274,12 +274,26 @@ def test_creation_can_be_set_to_fail_only_in_a_datacenter_that_has_volumes(tmp_p
 # --- endpoints that attach a volume ------------------------------------------------------------------
 
 
-def test_a_volume_an_endpoint_attaches_cannot_be_deleted_and_the_refusal_names_the_endpoint(pod: TestClient) -> None:
+def test_a_volume_an_endpoint_attaches_is_deleted_when_asked_as_runpods_schema_allows(pod: TestClient) -> None:
     volume = create_volume(pod)
     endpoint = create_endpoint(pod, networkVolumes=[volume["id"]])
-    answer = pod.delete(f"/v2/network-volumes/{volume['id']}", headers=AUTH)
-    assert endpoint["id"] in assert_problem(answer, 400)["detail"]
-    assert folder(pod, volume["id"]).is_dir()
+    path = folder(pod, volume["id"])
+    assert pod.delete(f"/v2/network-volumes/{volume['id']}", headers=AUTH).status_code == 204
+    assert pod.get(f"/v2/network-volumes/{volume['id']}", headers=AUTH).status_code == 404
+    assert not path.exists()
+    # The endpoint still names the volume, as it would on RunPod.
+    assert pod.get(f"/v2/serverless/{endpoint['id']}", headers=AUTH).json()["networkVolumes"] == [volume["id"]]
+
+
+def test_no_worker_starts_for_an_endpoint_whose_volume_was_deleted_and_health_says_throttled(pod: TestClient) -> None:
+    volume = create_volume(pod)
+    endpoint = create_endpoint(pod, networkVolumes=[volume["id"]], workers={"max": 1})
+    pod.delete(f"/v2/network-volumes/{volume['id']}", headers=AUTH).raise_for_status()
+    assert placement(pod, endpoint["id"]) is None
+    reason = state_of(pod).faults.unplaceable_reason(state_of(pod).endpoints[endpoint["id"]].spec)
+    assert volume["id"] in reason and "deleted" in reason
+    pod.post(f"/v2/{endpoint['id']}/run", json={"input": {}}, headers=AUTH).raise_for_status()
+    assert pod.get(f"/v2/{endpoint['id']}/health", headers=AUTH).json()["workers"]["throttled"] == 1
 
 
 def test_once_its_endpoint_is_deleted_the_volume_can_be(pod: TestClient) -> None:

@@ -236,7 +236,10 @@ class FaultBook:
     def place(self, spec: dict[str, Any], *, ignore_cuda: bool = False) -> WorkerPlacement | None:
         """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock on
         hosts that meet its CUDA need. An endpoint attaches one network volume at most
-        (`VolumeBook.check_endpoint`): its workers start in its datacenter."""
+        (`VolumeBook.check_endpoint`): its workers start in its datacenter; none start once that volume is
+        deleted (`gone_volumes`)."""
+        if self.gone_volumes(spec):
+            return None
         return catalog.place(spec, self.in_stock, self._pinned(spec), self.host_cuda, ignore_cuda=ignore_cuda,
                              cpu_in_stock=self.cpu_in_stock)
 
@@ -249,6 +252,9 @@ class FaultBook:
         """Why no worker of this endpoint can start now, as the log says it; None when one can."""
         if self.placeable(spec):
             return None
+        if gone := self.gone_volumes(spec):
+            return (f"its network volume {', '.join(gone)} was deleted while the endpoint attached it: no worker can "
+                    "mount it")
         pinned = self._pinned(spec)
         allowed = catalog.allowed_data_centers(spec, pinned)
         where = ", ".join(allowed) or "no datacenter of localpod's catalog"
@@ -267,6 +273,12 @@ class FaultBook:
         types = dict.fromkeys(type_id for type_ids in stocked.values() for type_id in type_ids)
         return (f"no host of {', '.join(types)} in {', '.join(dc for dc, ids in stocked.items() if ids)} runs "
                 f"{catalog.CudaNeed.of(gpu).describe()}")
+
+    def gone_volumes(self, spec: dict[str, Any]) -> list[str]:
+        """The network volumes this endpoint attaches that no longer exist. RunPod lets a volume be deleted while an
+        endpoint attaches it (its API documents no refusal); the endpoint still names it, and a worker that would
+        mount it cannot start."""
+        return [v for v in spec.get("networkVolumes") or () if v not in self.volume_data_centers]
 
     def _pinned(self, spec: dict[str, Any]) -> str | None:
         pins = self.volume_data_centers

@@ -37,6 +37,9 @@ RouteName = Literal[
 ]
 RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status", "create_as_gpu"]
 WorkerAction = Literal["crash", "hang", "preempt", "env"]
+DeadWorkerJobs = Literal["fail", "requeue"]
+"""What happens to the job of a worker that dies without a result: FAILED, or back to the queue for another worker
+(`LocalpodConfig.dead_worker_jobs`, a crash fault's own `dead_worker_jobs`)."""
 
 ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status",
                                          "create_as_gpu")
@@ -155,7 +158,8 @@ class WorkerFaultRule(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     action: WorkerAction = Field(
-        description="crash: SIGKILL the worker's process group (the job FAILS: the worker exited without a result); "
+        description="crash: SIGKILL the worker's process group (its job goes back to the queue, or FAILS, as "
+        "dead_worker_jobs or the server's --dead-worker-jobs says); "
         "hang: SIGSTOP it (the job stays IN_PROGRESS until it times out or its endpoint is deleted); preempt: "
         "SIGKILL it and queue the job again (IN_QUEUE, for a new worker); env: start the next workers of matching "
         "endpoints with `env` added to their environment (what a variable does is the worker's business)."
@@ -168,6 +172,17 @@ class WorkerFaultRule(BaseModel):
         ge=0,
         description="crash, hang, preempt: seconds after the worker took the job. Omitted: as soon as the job's "
         "first progress update arrives.",
+    )
+    at_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="crash, hang, preempt: once the job's progress update carries a `step` of at least this (a "
+        "training step: loraflow's worker reports `{\"stage\": \"training\", \"step\": N}`). Not with after_s.",
+    )
+    dead_worker_jobs: DeadWorkerJobs | None = Field(
+        default=None,
+        description="crash only: what happens to the crashed worker's job, requeue or fail, for this fault. Omitted: "
+        "as the server's --dead-worker-jobs says.",
     )
     env: dict[str, str] | None = Field(
         default=None, description="env only (and required there): variables added to the worker's environment."
@@ -185,8 +200,12 @@ class WorkerFaultRule(BaseModel):
             raise ValueError("env needs `env`: the variables to add, e.g. {\"LORAFLOW_TEST_FAULT\": \"oom\"}")
         if self.action != "env" and self.env is not None:
             raise ValueError(f"`env` applies to the env action only, not to {self.action}")
-        if self.action == "env" and self.after_s is not None:
-            raise ValueError("after_s applies to crash, hang and preempt, not to env")
+        if self.action == "env" and (self.after_s is not None or self.at_step is not None):
+            raise ValueError("after_s and at_step apply to crash, hang and preempt, not to env")
+        if self.after_s is not None and self.at_step is not None:
+            raise ValueError("give after_s or at_step, not both: the fault fires at one moment")
+        if self.dead_worker_jobs is not None and self.action != "crash":
+            raise ValueError(f"dead_worker_jobs applies to crash only, not to {self.action}")
         return self
 
 

@@ -2,7 +2,8 @@
 
 Bodies are checked against RunPod's own schema (`CreateNetworkVolumeRequest`, `UpdateNetworkVolumeRequest`:
 size 10..4096 GB, no unknown fields), then against the rules the schema cannot say (`volumes.VolumeBook`: a
-datacenter that supports volumes, no shrinking, no deleting a volume an endpoint attaches). Every answer is
+datacenter that supports volumes, no shrinking). A volume an endpoint attaches is deleted when asked, as RunPod's
+schema allows (it documents no refusal): the endpoint's workers then cannot start. Every answer is
 checked against its response schema before it leaves.
 """
 
@@ -68,7 +69,7 @@ async def update_network_volume(volume_id: str, request: Request, state: Localpo
 @router.delete("/{volume_id}", status_code=204)
 async def delete_network_volume(volume_id: str, request: Request, state: LocalpodState = Depends(get_state)
                                 ) -> Response:
-    """Gone at once, folder and all; refused while a live endpoint attaches it."""
+    """Gone at once, folder and all, even while a live endpoint attaches it (whose workers then cannot start)."""
     fault = await route_fault(request, "delete_network_volume")
     volume = state.volumes.get(volume_id)
     users = [(e.id, e.spec["name"]) for e in state.live_endpoints() if volume.id in e.spec.get("networkVolumes", [])]

@@ -173,7 +173,8 @@ def test_deleting_the_endpoint_stops_and_removes_a_busy_container(pod: DockerPod
 def test_a_crash_kills_the_container_and_fails_the_job(pod: DockerPod) -> None:
     name = unique("docker-crash")
     endpoint_id = pod.endpoint(name)
-    pod.http.post("/_localpod/worker-faults", json={"action": "crash", "endpoint_name_prefix": name}).raise_for_status()
+    pod.http.post("/_localpod/worker-faults", json={"action": "crash", "endpoint_name_prefix": name,
+                                                    "dead_worker_jobs": "fail"}).raise_for_status()
     status = pod.wait_status(endpoint_id, pod.run(endpoint_id, {"mode": "progress", "seconds": 600}), "FAILED")
     assert "exited with code 137 without a result" in status["error"]  # docker kill: SIGKILL inside the container
     [worker] = pod.workers_of(endpoint_id)
