@@ -276,9 +276,9 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "unknown-status",
-            "`/status` answers a status loraflow does not know (RUNNING) three times: logged once, treated as "
-            "running, one attempt",
-            route_faults=(route("status", "unknown_status", job_status="RUNNING", times=3),),
+            "`/status` answers a status loraflow does not know (PAUSED; RUNNING, which RunPod's job-states page "
+            "lists, is known) three times: logged once, treated as running, one attempt",
+            route_faults=(route("status", "unknown_status", job_status="PAUSED", times=3),),
         ),
         Scenario(
             "delete-outage",

@@ -9,6 +9,7 @@ import pytest
 
 from tasks.runpod import errors
 from tasks.runpod.client import RunpodClient
+from tasks.runpod.models import Health
 from tasks.runpod.jobs import (
     CANCEL_CHECK_S,
     DEADLINE_SAVE_GRACE_S,
@@ -257,31 +258,59 @@ def test_an_endpoint_or_job_that_vanishes_during_the_watch_is_lost_and_retried()
 def test_an_unknown_status_is_reported_once_and_treated_as_running():
     unknown = []
     clock = FakeClock()
-    answers = [training(1)] + [job("RUNNING")] * 5 + [training(2), job("RUNNING"), job("COMPLETED")]
+    answers = [training(1)] + [job("PAUSED")] * 5 + [training(2), job("PAUSED"), job("COMPLETED")]
     outcome = watch(scripted_client(answers), clock, on_unknown_status=unknown.append)
     assert outcome.kind == "completed"
-    assert unknown == ["RUNNING"]
+    assert unknown == ["PAUSED"]
 
 
 def test_a_queued_job_after_unknown_statuses_was_not_preempted():
     clock = FakeClock()
-    answers = [job("RUNNING")] * 3 + [job("IN_QUEUE")] * 2 + [training(1), job("COMPLETED")]
+    answers = [job("PAUSED")] * 3 + [job("IN_QUEUE")] * 2 + [training(1), job("COMPLETED")]
     outcome = watch(scripted_client(answers), clock, on_unknown_status=lambda s: None)
     assert outcome.kind == "completed"
 
 
 def test_a_job_requeued_after_it_was_in_progress_is_preempted():
     clock = FakeClock()
-    outcome = watch(scripted_client([training(1), job("RUNNING"), job("IN_QUEUE")]), clock,
+    outcome = watch(scripted_client([training(1), job("PAUSED"), job("IN_QUEUE")]), clock,
                     on_unknown_status=lambda s: None)
     assert outcome.kind == "preempted"
 
 
 def test_a_job_that_stays_in_an_unknown_status_is_ended_by_the_stall_limits():
     clock = FakeClock()
-    outcome = watch(scripted_client([job("RUNNING")]), clock, startup=300, stall=60, on_unknown_status=lambda s: None)
+    outcome = watch(scripted_client([job("PAUSED")]), clock, startup=300, stall=60, on_unknown_status=lambda s: None)
     assert outcome.kind == "stalled"
     assert 300 <= clock.now - 1000 <= 303
+
+
+def running(step, loss=1.0):
+    """RUNNING, as RunPod's job-states page also lists it, with the worker's progress."""
+    return job("RUNNING", output={"kind": "progress", "stage": "training", "step": step, "total_steps": 100,
+                                  "loss": loss})
+
+
+def test_running_is_a_known_status_whose_progress_is_read():
+    unknown, progress = [], []
+    clock = FakeClock()
+    answers = [job("IN_QUEUE"), running(1), running(2), running(3), job("COMPLETED")]
+    outcome = watch(scripted_client(answers), clock, on_unknown_status=unknown.append,
+                    on_status=lambda status: progress.append(status.progress))
+    assert outcome.kind == "completed" and unknown == []
+    assert outcome.last_step == 3
+    assert [p["step"] for p in progress if p] == [1, 2, 3]
+
+
+def test_a_job_queued_again_after_running_is_preempted():
+    outcome = watch(scripted_client([running(1), job("IN_QUEUE")]), FakeClock())
+    assert outcome.kind == "preempted" and outcome.last_step == 1
+
+
+def test_a_running_job_without_progress_is_ended_by_the_stall_limits():
+    clock = FakeClock()
+    outcome = watch(scripted_client([running(1)]), clock, stall=60)
+    assert outcome.kind == "stalled" and "after step 1" in outcome.error
 
 
 def test_a_cancelled_run_cancels_its_job_within_a_check_interval():
@@ -310,14 +339,23 @@ def test_the_run_state_is_not_read_on_every_poll():
     assert len(checks) <= 60 / CANCEL_CHECK_S + 1
 
 
+def counters(**nonzero):
+    """Every worker counter `/health` can report, 0 unless given."""
+    return {name: 0 for name in ("idle", "initializing", "ready", "running", "throttled", "unhealthy")} | nonzero
+
+
 @pytest.mark.parametrize(
     ("workers", "kind", "cause"),
     [
-        ({"throttled": 1}, "no_capacity", "workers throttled"),
-        ({"unhealthy": 1, "initializing": 1}, "no_capacity", "workers unhealthy"),
-        ({"initializing": 1}, "image_pull_failed", "image pull failing"),
-        ({}, "no_capacity", "no stock"),
+        (counters(throttled=1), "no_capacity", "workers throttled"),
+        (counters(unhealthy=1, initializing=1), "no_capacity", "workers unhealthy"),
+        (counters(initializing=1), "image_pull_failed", "image pull failing"),
+        (counters(), "no_capacity", "no stock"),
         (None, "no_capacity", "could not be read"),
+        # RunPod's official /health example reports only these: an image pull cannot be told from no stock.
+        ({"idle": 0, "running": 0}, "no_capacity", "cause unknown: /health did not report the workers' "
+                                                   "initializing, throttled, unhealthy"),
+        ({"initializing": 1}, "no_capacity", "cause unknown: /health did not report the workers' idle, running"),
     ],
 )
 def test_a_job_that_stays_queued_is_given_up_with_the_cause_health_shows(workers, kind, cause):
@@ -331,8 +369,14 @@ def test_a_job_that_stays_queued_is_given_up_with_the_cause_health_shows(workers
 
 
 def test_an_image_that_cannot_be_pulled_is_not_tried_on_another_gpu():
-    outcome = watch(scripted_client([job("IN_QUEUE")], [], health={"initializing": 1}), FakeClock(), queue=120)
+    outcome = watch(scripted_client([job("IN_QUEUE")], [], health=counters(initializing=1)), FakeClock(), queue=120)
     assert not outcome.retriable and "LORAFLOW_WORKER_IMAGE" in outcome.error
+
+
+def test_a_health_answer_without_a_counter_reads_it_as_not_reported():
+    health = Health.model_validate({"jobs": {"completed": 1, "inQueue": 1}, "workers": {"idle": 0, "running": 0}})
+    assert health.workers.idle == 0 and health.workers.initializing is None and health.workers.throttled is None
+    assert health.jobs.in_queue == 1 and health.jobs.in_progress is None
 
 
 def test_health_is_not_read_once_the_job_runs():
@@ -355,3 +399,32 @@ def test_runpods_class_repr_error_type_is_shortened():
 
 def test_plain_text_error_is_kept_as_is_and_not_from_the_handler():
     assert parse_worker_error("worker exited with code 137") == ("worker exited with code 137", None, False)
+
+
+def test_localpod_can_answer_running_and_its_progress_is_read(tmp_path):
+    """RUNNING from a real server: localpod's unknown_status fault answers it over the job's real document."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    from localpod import LocalpodConfig, create_app
+    from tests.test_localpod import AUTH, create_endpoint, post_done, run_job, take_job
+
+    config = LocalpodConfig(api_key="test-key", worker_quota=10, log_dir=tmp_path / "logs",
+                            worker_command=[sys.executable, "-c", "raise SystemExit('no workers')"])
+    with TestClient(create_app(config)) as pod:
+        endpoint_id = create_endpoint(pod)["id"]
+        job_id = run_job(pod, endpoint_id)
+        take_job(pod, endpoint_id)
+        post_done(pod, endpoint_id, job_id, {"status": "IN_PROGRESS", "output": {"stage": "training", "step": 3}})
+        assert pod.post("/_localpod/faults", json={"route": "status", "action": "unknown_status",
+                                                   "job_status": "RUNNING"}).status_code == 201
+
+        def forward(request: httpx.Request) -> httpx.Response:
+            reply = pod.request(request.method, request.url.raw_path.decode(), headers=AUTH)
+            return httpx.Response(reply.status_code, headers=reply.headers, content=reply.content)
+
+        client = RunpodClient("test-key", job_url="http://localpod/v2", transport=httpx.MockTransport(forward))
+        status = client.status(endpoint_id, job_id)
+    assert status.status == "RUNNING" and status.known and status.running
+    assert status.progress == {"stage": "training", "step": 3}

@@ -83,6 +83,13 @@ def test_idle_endpoint_past_the_grace_is_deleted_even_if_its_run_lives():
     assert finding.action == "delete" and "idle" in finding.reason
 
 
+def test_a_health_answer_without_job_counters_leaves_idleness_unjudged():
+    unreported = Health.model_validate({"workers": {"idle": 0, "running": 0}})
+    finding = decide_one(ours(minutes_old=60), [run()], unreported)
+    assert finding.action == "keep" and "did not report its queued and running jobs" in finding.reason
+    assert finding.jobs == "? queued, ? running"
+
+
 def test_young_endpoint_is_kept_whatever_its_run():
     assert decide_one(ours("run-gone", minutes_old=1)).action == "keep"
 

@@ -100,7 +100,8 @@ class RouteFaultRule(BaseModel):
         default=None,
         min_length=1,
         description="unknown_status only, and required there: the `status` the job's status document answers "
-        "instead of its real one, e.g. RUNNING (a status RunPod's docs list that loraflow's client does not model).",
+        "instead of its real one, e.g. RUNNING (RunPod's job-states page lists it beside IN_PROGRESS) or PAUSED (a "
+        "status no RunPod page lists, which a client cannot know).",
     )
     times: int | None = Field(
         default=None,

@@ -152,7 +152,7 @@ def decide(seen: EndpointsSeen, runs: RunsSeen, namespace: str, now: datetime, *
         finding.run_id = run.id if run else None
         health, health_error = seen.health.get(endpoint.id), seen.health_errors.get(endpoint.id)
         if health is not None:
-            finding.jobs = f"{health.jobs.in_queue} queued, {health.jobs.in_progress} running"
+            finding.jobs = f"{_count(health.jobs.in_queue)} queued, {_count(health.jobs.in_progress)} running"
         elif health_error is not None:
             finding.jobs = f"/health failed: {health_error}"
         signs = _signs_of_life(run, runs.endpoint_beats.get(endpoint.id), silent_after_s, intervals) if run else []
@@ -188,6 +188,8 @@ def _decide_one(run: LiveRun | None, signs: list[tuple[datetime, float]], health
     state = f"{run.state}, but its heartbeats go on: its process lives" if run.crashed else run.state
     if health is None:
         return "keep", f"its run is {state}; its jobs are unknown, so idleness is not judged"
+    if health.jobs.in_queue is None or health.jobs.in_progress is None:
+        return "keep", f"its run is {state}; /health did not report its queued and running jobs, so idleness is not judged"
     if health.jobs.in_queue + health.jobs.in_progress == 0 and age > idle_grace_s:
         return "delete", f"no job for {age / 60:.0f} min (idle past the grace)"
     return "keep", f"its run is {state}"
@@ -285,3 +287,8 @@ def read_loraflow_endpoints(namespace: str) -> EndpointsSeen:
                 seen.health_errors[endpoint.id] = f"{type(e).__name__}: {e}"
     seen.endpoints = [e for e in seen.endpoints if e.id not in gone]
     return seen
+
+
+def _count(value: int | None) -> str:
+    """A /health counter as the findings show it: `?` when RunPod did not report it."""
+    return "?" if value is None else str(value)

@@ -132,13 +132,13 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
         beat(endpoint, status.status)
         # Where the job runs, once it runs (a few reads: the worker list can lag the job's status), for the
         # preload sweep's default datacenters (`tasks/placement/history.py`). `client`: the watch's, bound below.
-        if status.status == "IN_PROGRESS" and 0 <= last["placement_reads"] < 3:
+        if status.running and 0 <= last["placement_reads"] < 3:
             last["placement_reads"] += 1
             if record_placement(client, endpoint, status.worker_id, flow_run.id) is not None:
                 last["placement_reads"] = -1
         now = time.monotonic()
         last["error_logged"] = None
-        progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
+        progress = status.progress
         if status.status != last["status"]:
             logger.info("Job %s is %s", job_id, status.status)
             last.update(status=status.status, logged=now)

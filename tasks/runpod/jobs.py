@@ -159,13 +159,14 @@ class _Progress:
 
     def see(self, status: JobStatus, now: float) -> None:
         # A status loraflow does not know counts as running: the stall limits then end a job that never moves.
-        if (status.status == "IN_PROGRESS" or not status.known) and self.first_running is None:
+        if (status.running or not status.known) and self.first_running is None:
             self.first_running = self.last_change = now
-        # Only RunPod's own IN_PROGRESS proves the job started: a queued job after unknown statuses is not preempted.
-        self.in_progress_seen = self.in_progress_seen or status.status == "IN_PROGRESS"
+        # Only RunPod's own IN_PROGRESS or RUNNING proves the job started: a queued job after unknown statuses is
+        # not preempted.
+        self.in_progress_seen = self.in_progress_seen or status.running
         if status.status == "IN_QUEUE" and not self.in_progress_seen:
             self.first_running = None
-        progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
+        progress = status.progress
         if progress is None:
             return
         key = (progress.get("stage"), progress.get("step"), progress.get("loss"))
@@ -267,7 +268,7 @@ def next_poll_s(status: JobStatus, base_s: float) -> float:
     """Seconds to the next `/status` poll after `status`: `FAST_POLL_S` while the worker saves its results;
     half its ETA while it trains (the end is then seen in time), between `FAST_POLL_S` and
     `STEADY_POLL_MAX_S`; `base_s` in the queue, while loading, or when the worker gives no ETA."""
-    progress = status.output if status.status == "IN_PROGRESS" and isinstance(status.output, dict) else None
+    progress = status.progress
     if progress is None:
         return base_s
     if progress.get("stage") == "saving":
@@ -279,7 +280,8 @@ def next_poll_s(status: JobStatus, base_s: float) -> float:
 
 
 class _QueueHealth:
-    """What `/health` said while the job waited for its first worker: why no worker took it."""
+    """What `/health` said while the job waited for its first worker: why no worker took it. A counter `/health`
+    did not report is unknown, never 0: a verdict that needs it is not given."""
 
     def __init__(self) -> None:
         self.samples = 0
@@ -287,19 +289,23 @@ class _QueueHealth:
         self.unhealthy = 0
         self.throttled = 0
         self.up = 0
+        self.unreported: set[str] = set()
 
     def see(self, health: Health | None) -> None:
         if health is None:
             return
         workers = health.workers
         self.samples += 1
-        self.initializing += workers.initializing > 0
-        self.unhealthy += workers.unhealthy > 0
-        self.throttled += workers.throttled > 0
-        self.up += workers.idle + workers.ready + workers.running > 0
+        self.unreported |= {name for name in _WORKER_COUNTERS if getattr(workers, name) is None}
+        self.initializing += (workers.initializing or 0) > 0
+        self.unhealthy += (workers.unhealthy or 0) > 0
+        self.throttled += (workers.throttled or 0) > 0
+        self.up += (workers.idle or 0) + (workers.ready or 0) + (workers.running or 0) > 0
 
     def image_pull_failing(self) -> bool:
-        return bool(self.samples) and not self.unhealthy and self.initializing == self.samples and not self.up
+        known = not self.unreported & {"initializing", "idle", "running"}
+        return (known and bool(self.samples) and not self.unhealthy and self.initializing == self.samples
+                and not self.up)
 
     def cause(self) -> str:
         if self.samples == 0:
@@ -313,7 +319,16 @@ class _QueueHealth:
             return "workers throttled: RunPod wants a worker but has no free GPU of this type where it may run"
         if self.up:
             return "workers were up but did not take the job"
+        if missing := sorted(self.unreported & _NO_STOCK_NEEDS):
+            return (f"cause unknown: /health did not report the workers' {', '.join(missing)}, without which an image "
+                    "pull cannot be told from no stock")
         return "no stock: RunPod started no worker for this GPU (or no host meets its CUDA and datacenter needs)"
+
+
+_WORKER_COUNTERS = ("idle", "initializing", "ready", "running", "throttled", "unhealthy")
+_NO_STOCK_NEEDS = frozenset({"idle", "initializing", "running", "throttled", "unhealthy"})
+"""The counters that must all have been reported, and 0, for "no stock": a worker initializing, throttled, up or
+unhealthy would each say something else. `ready` may be missing: idle and running cover it."""
 
 
 def _read_health(client: RunpodClient, endpoint_id: str) -> Health | None:

@@ -130,9 +130,11 @@ class EndpointList(_Response):
     pagination: Pagination | None = Field(default=None, description="Absent or without a cursor on the last page.")
 
 
-JobStatusName = Literal["IN_QUEUE", "IN_PROGRESS", "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"]
+JobStatusName = Literal["IN_QUEUE", "IN_PROGRESS", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"]
 KNOWN_JOB_STATUSES: frozenset[str] = frozenset(get_args(JobStatusName))
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMED_OUT"})
+RUNNING_JOB_STATUSES: frozenset[str] = frozenset({"IN_PROGRESS", "RUNNING"})
+"""A worker has the job: RunPod's job-states page lists RUNNING beside IN_PROGRESS."""
 
 
 RUNPOD_MAX_EXECUTION_TIMEOUT_S = 7 * 24 * 3600
@@ -157,13 +159,13 @@ class JobStatus(_Response):
     """`/run`, `/status` and `/cancel` answers."""
 
     id: str
-    # Not the Literal: RunPod's job-state docs list more statuses than loraflow acts on (e.g. RUNNING), and a
-    # status this model refused would end the watch of a live job. The watch treats an unknown one as running.
+    # Not the Literal: RunPod may send a status its docs do not list yet, and a status this model refused would
+    # end the watch of a live job. The watch treats an unknown one as running.
     status: str = Field(description="The job's status: one of `JobStatusName`, or another RunPod may send.")
     delay_time: int | None = Field(default=None, description="Milliseconds the job waited in the queue.")
     execution_time: int | None = Field(default=None, description="Milliseconds the job ran.")
     worker_id: str | None = None
-    output: Any = Field(default=None, description="Handler output; a progress dict while IN_PROGRESS.")
+    output: Any = Field(default=None, description="Handler output; a progress dict while IN_PROGRESS or RUNNING.")
     error: str | None = Field(default=None, description="A FAILED job's error; a worker exception arrives as a JSON string.")
 
     @property
@@ -174,22 +176,34 @@ class JobStatus(_Response):
     def known(self) -> bool:
         return self.status in KNOWN_JOB_STATUSES
 
+    @property
+    def running(self) -> bool:
+        """A worker has the job (IN_PROGRESS or RUNNING)."""
+        return self.status in RUNNING_JOB_STATUSES
 
+    @property
+    def progress(self) -> dict[str, Any] | None:
+        """The worker's latest progress update while the job runs; None otherwise."""
+        return self.output if self.running and isinstance(self.output, dict) else None
+
+
+# RunPod's official /health example shows only some counters (workers: idle, running): a counter it leaves out is
+# None, not reported, and never read as 0.
 class HealthJobs(_Response):
-    completed: int = 0
-    failed: int = 0
-    in_progress: int = 0
-    in_queue: int = 0
-    retried: int = 0
+    completed: int | None = None
+    failed: int | None = None
+    in_progress: int | None = None
+    in_queue: int | None = None
+    retried: int | None = None
 
 
 class HealthWorkers(_Response):
-    idle: int = 0
-    initializing: int = 0
-    ready: int = 0
-    running: int = 0
-    throttled: int = 0
-    unhealthy: int = 0
+    idle: int | None = None
+    initializing: int | None = None
+    ready: int | None = None
+    running: int | None = None
+    throttled: int | None = None
+    unhealthy: int | None = None
 
 
 class EndpointWorker(_Response):
@@ -208,8 +222,9 @@ class EndpointWorkerList(_Response):
 class Health(_Response):
     """`GET /v2/{endpoint_id}/health`."""
 
-    jobs: HealthJobs
-    workers: HealthWorkers
+    jobs: HealthJobs = Field(default_factory=HealthJobs, description="Job counters; each None when not reported.")
+    workers: HealthWorkers = Field(default_factory=HealthWorkers,
+                                   description="Worker counters; each None when not reported.")
 
 
 class CreateSecret(_Request):
