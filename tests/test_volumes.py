@@ -9,8 +9,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from tasks.runpod.errors import BadRequestError, QuotaExceededError
-from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume
+from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume, Endpoint
 from tasks.runpod.volumes import (
+    attaching_endpoints,
     ensure_volume,
     find_volume,
     parse_volume_name,
@@ -142,6 +143,36 @@ def test_retention_keeps_a_volume_an_endpoint_attaches_however_old(runpod, local
     create_endpoint(localpod, name="loraflow-live", networkVolumes=[volume.id])
     row = retention(runpod, uses={volume.id: NOW - timedelta(days=200)})[volume.id]
     assert row.action == "keep" and "attached to loraflow-live" in row.reason
+
+
+def test_a_volume_attached_between_the_decision_and_the_delete_is_kept_and_reported_so(runpod, localpod):  # noqa: F811
+    volume = ours(runpod)
+    row = retention(runpod)[volume.id]
+    assert row.action == "delete"
+    # Another control plane's run attaches it after the inventory was read: the endpoints are listed again.
+    create_endpoint(localpod, name="loraflow-them2-run-a1", networkVolumes=[volume.id])
+    [done] = apply(runpod, [row], RetentionRequest(retain_days=14), OURS)
+    assert (done.action, done.result, done.attached_to) == ("keep", "kept: attached", ["loraflow-them2-run-a1"])
+    assert "attached to loraflow-them2-run-a1 when it was about to be deleted" in done.reason
+    assert [v.id for v in runpod.list_network_volumes()] == [volume.id]
+    assert "deleted 0" in totals([done])
+
+
+def test_the_endpoints_attaching_a_volume_are_every_control_planes(runpod, localpod):  # noqa: F811
+    volume = ours(runpod)
+    for name in ("loraflow-ours1-run-a1", "loraflow-them2-run-a1", "someone-elses-endpoint"):
+        create_endpoint(localpod, name=name, networkVolumes=[volume.id])
+    create_endpoint(localpod, name="loraflow-ours1-other-a1")
+    assert sorted(attaching_endpoints(runpod, volume.id)) == [
+        "loraflow-ours1-run-a1", "loraflow-them2-run-a1", "someone-elses-endpoint"]
+
+
+@pytest.mark.parametrize("reference", [{"networkVolumeId": "vol1"}, {"networkVolumeIds": ["vol1"]},
+                                       {"networkVolumes": ["vol1"]}])
+def test_an_endpoint_document_references_its_volume_under_any_of_runpods_names(reference):
+    endpoint = Endpoint.model_validate({"id": "ep1", "name": "someone", "workers": {"min": 0, "max": 1},
+                                        "createdAt": "2026-11-20T12:00:00Z", **reference})
+    assert endpoint.network_volumes == ["vol1"]
 
 
 def test_an_orphan_of_ours_never_seen_used_is_deleted(runpod):  # noqa: F811

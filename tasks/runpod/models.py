@@ -109,14 +109,26 @@ class Endpoint(_Response):
     created_at: str = Field(description="ISO 8601 creation time.")
     image: str | None = None
     timeout: int | None = None
-    network_volumes: list[str] = Field(default_factory=list, description="Ids of the network volumes it attaches "
-                                       "(RunPod refuses to delete a volume while an endpoint attaches it).")
+    network_volumes: list[str] = Field(default_factory=list, description="Ids of the network volumes it attaches: "
+                                       "`networkVolumes` (API v2), or REST v1's `networkVolumeId` / `networkVolumeIds`. "
+                                       "RunPod documents no refusal to delete a volume an endpoint attaches.")
     env: dict[str, str] = Field(default_factory=dict, description="Its workers' environment: plain values and "
                                 "`{{ RUNPOD_SECRET_<name> }}` references to account secrets.")
     gpu: EndpointGpu | None = Field(default=None, description="GPU workers' selection; None on a CPU endpoint (or an "
                                     "answer that names none).")
     cpu: list[EndpointCpu] | None = Field(default=None, description="CPU workers' configurations; None on a GPU "
                                           "endpoint (or an answer that names none).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _volume_references(cls, data: Any) -> Any:
+        # REST v1 named an endpoint's volume `networkVolumeId` (one id); a volume referenced under any of the names
+        # is in use, and must not look free to the volumes flow.
+        if not isinstance(data, dict) or not ({"networkVolumeId", "networkVolumeIds"} & data.keys()):
+            return data
+        single = data.get("networkVolumeId")
+        ids = [*(data.get("networkVolumes") or ()), *(data.get("networkVolumeIds") or ()), *([single] if single else ())]
+        return {**data, "networkVolumes": list(dict.fromkeys(v for v in ids if isinstance(v, str)))}
 
 
 class Pagination(_Response):

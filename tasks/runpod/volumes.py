@@ -84,9 +84,25 @@ def volume_exists(client: RunpodClient, volume_id: str) -> bool:
 
 
 def delete_volume(client: RunpodClient, volume_id: str) -> None:
-    """Delete the volume and its files; one already gone counts as deleted. RunPod refuses (4xx) while an
-    endpoint attaches it: that error is raised."""
+    """Delete the volume and its files; one already gone counts as deleted. Attached or not: RunPod's API documents
+    no refusal for a volume an endpoint attaches, so callers delete through `delete_unattached_volume`."""
     try:
         client.delete_network_volume(volume_id)
     except NotFoundError:
         pass
+
+
+def attaching_endpoints(client: RunpodClient, volume_id: str) -> list[str]:
+    """The names of the endpoints that reference the volume, listed now: every endpoint of the account, this
+    control plane's, other control planes' and anyone's."""
+    return [endpoint.name for endpoint in client.list_endpoints() if volume_id in endpoint.network_volumes]
+
+
+def delete_unattached_volume(client: RunpodClient, volume_id: str) -> list[str]:
+    """Delete the volume unless an endpoint references it, as the account's endpoints are listed right before the
+    delete; returns the names of those endpoints ([]: deleted, or already gone). RunPod would delete it anyway, and
+    the endpoint would keep naming a volume that is gone, which its workers cannot mount."""
+    users = attaching_endpoints(client, volume_id)
+    if not users:
+        delete_volume(client, volume_id)
+    return users

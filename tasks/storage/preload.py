@@ -31,7 +31,7 @@ from tasks.runpod.errors import RunpodError
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.live_catalog import CatalogCpuType, CatalogDataCenter, GpuOffer
 from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume, Endpoint, JobPolicy, NetworkVolume, RunRequest
-from tasks.runpod.volumes import SIZE_STEP_GB, delete_volume, volume_name
+from tasks.runpod.volumes import SIZE_STEP_GB, delete_unattached_volume, volume_name
 from tasks.settings import Settings, make_client
 from tasks.storage.prices import documented_usd_per_month
 
@@ -338,16 +338,21 @@ def preload_data_center(target: SweepTarget, models: list[ModelSource], run_id: 
 
 
 def _drop_unused_new_volume(outcome: DataCenterOutcome, volume: NetworkVolume, logger) -> DataCenterOutcome:
-    """A volume this sweep created where nothing could be preloaded bills for nothing: deleted again (its
-    endpoint is proved gone, so nothing attaches it)."""
+    """A volume this sweep created where nothing could be preloaded bills for nothing: deleted again, unless an
+    endpoint references it by now (its own endpoint is proved gone)."""
     try:
         with make_client() as client:
-            delete_volume(client, volume.id)
+            users = delete_unattached_volume(client, volume.id)
     except RunpodError as e:
         logger.warning("The new volume %s in %s holds nothing and could not be deleted (%s); the volumes flow's "
                        "retention will", volume.id, outcome.data_center, e)
         return outcome.model_copy(update={"notes": [*outcome.notes, f"new volume {volume.id} holds nothing; its "
                                                     f"delete failed ({type(e).__name__}), left to the volumes flow"]})
+    if users:
+        logger.warning("The new volume %s in %s holds nothing but %s attaches it: kept, left to the volumes flow",
+                       volume.id, outcome.data_center, ", ".join(users))
+        return outcome.model_copy(update={"notes": [*outcome.notes, f"new volume {volume.id} holds nothing; attached "
+                                                    f"to {', '.join(users)}: kept, left to the volumes flow"]})
     return outcome.model_copy(update={"volume_id": None, "volume_gb": None, "volume_type": None,
                                       "notes": [*outcome.notes, f"new volume {volume.id} held nothing: deleted"]})
 
@@ -355,24 +360,18 @@ def _drop_unused_new_volume(outcome: DataCenterOutcome, volume: NetworkVolume, l
 @task(name="retire-volumes", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20])
 def retire_volumes(volumes: list[NetworkVolume]) -> dict[str, str]:
     """Delete volumes a sweep replaced (the record now names the new one); volume id → what became of it. A
-    volume an endpoint still attaches is left to the volumes flow's retention (RunPod refuses its delete)."""
+    volume an endpoint still attaches, as the account's endpoints are listed right before its delete, is left to the
+    volumes flow's retention (RunPod would delete it, and the endpoint's workers could not start)."""
     if not volumes:
         return {}
     results: dict[str, str] = {}
     with make_client() as client:
-        attached: dict[str, list[str]] = {}
-        for endpoint in client.list_endpoints():
-            for volume_id in endpoint.network_volumes:
-                attached.setdefault(volume_id, []).append(endpoint.name)
         for volume in volumes:
             label = f"old volume {volume.id} ({volume.size} GB)"
-            if volume.id in attached:
-                results[volume.id] = (f"{label} is attached to {', '.join(attached[volume.id])}: left to the volumes "
-                                      "flow's retention")
-                continue
             try:
-                delete_volume(client, volume.id)
-                results[volume.id] = f"{label} replaced: deleted"
+                users = delete_unattached_volume(client, volume.id)
+                results[volume.id] = (f"{label} is attached to {', '.join(users)}: left to the volumes flow's "
+                                      "retention") if users else f"{label} replaced: deleted"
             except RunpodError as e:
                 results[volume.id] = f"{label} replaced, its delete failed ({type(e).__name__}: {str(e)[:200]}): " \
                                      "left to the volumes flow's retention"

@@ -12,8 +12,11 @@ name) — and deletes this control plane's volumes that no run or sweep used wit
   event is older than that window (else a use before it cannot be seen, and the volume is kept, saying so).
 - **Cost**: `GET /v2/billing/network-volumes` (the larger of the last two full days × 30) where it has
   figures for the volume, else RunPod's documented price (`tasks/storage/prices.py`); the row says which.
-- **Never**: a volume an endpoint attaches (RunPod refuses that delete anyway), or another control plane's
-  volume unless the request names its tag (`delete_namespaces`, `adopt_namespaces`) and confirms.
+- **Never**: a volume an endpoint attaches, or another control plane's volume unless the request names its tag
+  (`delete_namespaces`, `adopt_namespaces`) and confirms. RunPod documents no refusal to delete an attached volume
+  (the endpoint would keep naming a volume that is gone, and no worker of it could start), so the account's
+  endpoints, every control plane's, are listed again right before each delete: one that attached the volume since
+  the inventory keeps it.
 
 Plain functions over `RunpodClient` and a sync Prefect client; the Prefect tasks at the bottom wrap them.
 """
@@ -42,7 +45,7 @@ from tasks.runpod.client import RunpodClient
 from tasks.runpod.errors import RunpodError, is_transient
 from tasks.runpod.live_catalog import read_retried
 from tasks.runpod.models import Endpoint, NetworkVolume, NetworkVolumeBillingRecord
-from tasks.runpod.volumes import VOLUME_PREFIX, delete_volume, parse_volume_name, volume_name
+from tasks.runpod.volumes import VOLUME_PREFIX, delete_unattached_volume, parse_volume_name, volume_name
 from tasks.settings import make_client
 from tasks.storage.prices import DAYS_PER_MONTH, documented_usd_per_month
 from tasks.storage.weight_cache import DataCenterCache, clear_cache, read_all_caches
@@ -223,8 +226,7 @@ def _decide_one(row: VolumeRow, request: RetentionRequest, cutoff: datetime, hor
         return row.model_copy(update={"action": "keep", "reason": reason})
 
     if row.attached_to:
-        return keep(f"attached to {', '.join(row.attached_to)} (RunPod refuses to delete a volume an endpoint "
-                    "attaches)")
+        return keep(f"attached to {', '.join(row.attached_to)}: an endpoint's workers mount it")
     if not row.ours:
         if row.namespace in request.delete_namespaces:
             return row.model_copy(update={"action": "delete", "reason": f"tag {row.namespace} is named in "
@@ -274,12 +276,26 @@ def apply(client: RunpodClient, rows: list[VolumeRow], request: RetentionRequest
             continue
         try:
             result = _act(client, row, namespace)
+        except VolumeAttached as e:
+            logger.warning("Volume %s (%s, %s) kept: %s", row.volume_id, row.name, row.data_center, e)
+            done.append(row.model_copy(update={"action": "keep", "attached_to": e.endpoints, "reason": str(e),
+                                               "result": "kept: attached"}))
+            continue
         except RunpodError as e:
             result = f"failed: {type(e).__name__}: {str(e)[:300]}" + (" (transient: the next run retries)"
                                                                       if is_transient(e) else "")
         logger.info("Volume %s (%s, %s): %s — %s", row.volume_id, row.name, row.data_center, row.action, result)
         done.append(row.model_copy(update={"result": result}))
     return done
+
+
+class VolumeAttached(Exception):
+    """An endpoint references the volume about to be deleted (it attached it since the inventory): it is kept."""
+
+    def __init__(self, endpoints: list[str]):
+        super().__init__(f"attached to {', '.join(endpoints)} when it was about to be deleted (attached since the "
+                         "inventory was read): an endpoint's workers mount it")
+        self.endpoints = endpoints
 
 
 def _act(client: RunpodClient, row: VolumeRow, namespace: str) -> str:
@@ -289,7 +305,8 @@ def _act(client: RunpodClient, row: VolumeRow, namespace: str) -> str:
         client.rename_network_volume(row.volume_id, volume_name(row.data_center, namespace))
         # The models on it are unknown: the next preload sweep finds them cached and records them.
         return f"renamed {volume_name(row.data_center, namespace)}"
-    delete_volume(client, row.volume_id)
+    if users := delete_unattached_volume(client, row.volume_id):
+        raise VolumeAttached(users)
     if row.ours and row.models is not None:  # a record names it (an orphan has none to clear)
         clear_cache(row.data_center, row.volume_id)
         return "deleted with its record"
