@@ -1,5 +1,6 @@
 """The out-of-memory ladder: one rung on the same GPU per kind of memory, before a dearer GPU or a failure."""
 
+import pytest
 from loraflow_worker.contract import MemorySettings
 
 from tasks.lifecycle.attempts import decide_next_attempt
@@ -64,6 +65,18 @@ def test_vllm_with_no_room_for_its_kv_cache_gets_a_bigger_share_then_colocate_of
     assert second.memory.vllm_gpu_memory_utilization is None
     third = decide(oom("vllm_kv", error=NO_KV_ROOM), grpo(forced=second.memory, vllm_share=0.3), attempt=2)
     assert GPUS[third.gpu_index].name == "A100 SXM"
+
+
+@pytest.mark.parametrize("share", [0.03, 0.05])
+def test_a_small_vllm_share_with_no_room_for_its_kv_cache_is_raised_to_the_floor_not_turned_off(share):
+    # A small model's share divided by 0.75 (0.04, 0.067) never reaches the 0.1 floor on its own.
+    rung = next_rung("vllm_kv", grpo(vllm_share=share), NO_KV_ROOM)
+    assert rung.memory == MemorySettings(vllm_gpu_memory_utilization=0.1) and "raised" in rung.reason
+
+
+def test_a_small_vllm_share_lowered_below_the_floor_turns_colocate_off():
+    rung = next_rung("vllm_kv", grpo(vllm_share=0.12), TRAINING_HOLDS_IT)
+    assert rung.memory.vllm_colocate is False and rung.memory.vllm_gpu_memory_utilization is None
 
 
 def test_vllm_finding_training_holding_its_share_gets_a_smaller_share():

@@ -3,13 +3,13 @@ of memory that ran out, before the run moves to a dearer GPU or gives up.
 
 - The GPU's memory, in training: the same GPU again with gradient checkpointing on and half the micro-batch
   (gradient accumulation keeps the effective batch); then a GPU with more memory.
-- vLLM at start-up (GRPO with vLLM colocated): vLLM's share of the GPU moved the way its error asks; then vLLM
-  colocate off (generation by the training model); then a GPU with more memory. vLLM 0.33 fails in two opposite
-  ways: "No available memory for the cache blocks" / "KV cache is needed, which is larger than the available KV
-  cache memory" (`v1/core/kv_cache_planning.py`: its share holds its weights and runtime but no KV cache, so the
-  share is raised) and "Free memory on device ... is less than desired GPU memory utilization"
-  (`v1/worker/utils.py`: training holds what the share asks for, so the share is lowered). A run without vLLM
-  that reports a vLLM failure is treated as out of GPU memory.
+- vLLM at start-up (GRPO with vLLM colocated): vLLM's share of the GPU moved the way its error asks (a small share
+  raised goes at least to the floor); then vLLM colocate off (generation by the training model); then a GPU with
+  more memory. vLLM 0.33 fails in two opposite ways: "No available memory for the cache blocks" / "KV cache is
+  needed, which is larger than the available KV cache memory" (`v1/core/kv_cache_planning.py`: its share holds its
+  weights and runtime but no KV cache, so the share is raised) and "Free memory on device ... is less than desired
+  GPU memory utilization" (`v1/worker/utils.py`: training holds what the share asks for, so the share is lowered).
+  A run without vLLM that reports a vLLM failure is treated as out of GPU memory.
 - The host's RAM: half the micro-batch; then the run fails naming host memory (a GPU with more memory does not
   cure it).
 
@@ -28,7 +28,8 @@ from pydantic import BaseModel, Field
 VLLM_SHARE_STEP = 0.75
 """A vLLM share that failed is retried at this fraction of itself (too big) or divided by it (too small)."""
 VLLM_SHARE_FLOOR = 0.1
-"""Below this share of the GPU a colocated vLLM cannot hold a model and any KV cache: colocate goes off instead."""
+"""Below this share of the GPU a colocated vLLM cannot hold a model and any KV cache: a share lowered below it turns
+colocate off instead, and a share raised is raised at least to it."""
 VLLM_SHARE_CEILING = 0.8
 """Above this share training keeps too little of the GPU beside vLLM: colocate goes off instead."""
 _SHARE_TOO_BIG = re.compile(r"less than desired GPU memory utilization", re.IGNORECASE)
@@ -71,6 +72,9 @@ def next_rung(memory_kind: str | None, context: MemoryContext, error: str | None
         if share is not None and forced.vllm_gpu_memory_utilization is None:
             lower = bool(_SHARE_TOO_BIG.search(error or ""))
             moved = round(share * VLLM_SHARE_STEP if lower else share / VLLM_SHARE_STEP, 3)
+            if not lower:
+                # A small model's share (0.03-0.05 of a large GPU) divided by the step still falls short of the floor.
+                moved = max(moved, VLLM_SHARE_FLOOR)
             if VLLM_SHARE_FLOOR <= moved <= VLLM_SHARE_CEILING:
                 why = "training holds what it asked for" if lower else "it had no room left for its KV cache"
                 return Rung(memory=forced.model_copy(update={"vllm_gpu_memory_utilization": moved}),

@@ -1,5 +1,5 @@
 """The memory plan (`memory/`: model_shape.py, estimates.py, plan.py): the model's size from its config.json alone, the bytes it assumes for named
-shapes (Qwen3-0.6B, Qwen3-4B, Llama-3.1-8B at 2k and 4k tokens), the decisions it takes, and its CLI.
+shapes (Qwen3-0.6B, Qwen3-4B, Llama-3.1-8B at 2k and 4k tokens; Llama-3.1-8B in 4 bits), the decisions it takes, and its CLI.
 
 The shapes are the models' public config.json files (`model_configs/`). Every byte figure below is written out, with
 where it comes from, so a change to the planner's arithmetic shows up here as a changed number."""
@@ -17,7 +17,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3MoeConfig
 
-from loraflow_worker.memory.estimates import GIB, NF4_BYTES_PER_PARAMETER, activations_bytes, vllm_memory
+from loraflow_worker.memory.estimates import (
+    GIB,
+    NF4_BYTES_PER_PARAMETER,
+    VLLM_ASLEEP_BYTES,
+    activations_bytes,
+    sdpa_mask_bytes,
+    vllm_memory,
+)
 from loraflow_worker.memory.model_shape import LinearAttentionShape, read_model_shape, shape_from_config
 from loraflow_worker.contract import JobInput
 from loraflow_worker.memory.plan import plan_job, plan_memory, usable_memory
@@ -141,8 +148,10 @@ def test_the_adapter_with_adamw_is_sixteen_bytes_a_lora_parameter(named):
 @pytest.mark.parametrize("named", NAMED, ids=lambda n: n.folder)
 def test_activations_without_checkpointing_are_every_layers_bytes_per_token(named, seq_len):
     per_layer = named.layer_bytes + named.lora_layer_bytes
-    # Every layer, one layer more for the gradients being back-propagated, the final norm (fp32 copy), the bool mask.
-    expected = seq_len * (named.layers * per_layer + per_layer + 4 * named.hidden) + seq_len * seq_len
+    # Every layer, one layer more for the gradients being back-propagated, the final norm (fp32 copy), the bool mask,
+    # and each layer's own bf16 copy of it, which SDPA keeps.
+    expected = (seq_len * (named.layers * per_layer + per_layer + 4 * named.hidden) + seq_len * seq_len
+                + named.layers * seq_len * seq_len * 2)
     assert activations_bytes(_shape(named), batch_size=1, seq_len=seq_len, lora_rank=16, lora_dropout=0.05,
                              checkpointing=False) == expected
 
@@ -151,8 +160,10 @@ def test_activations_without_checkpointing_are_every_layers_bytes_per_token(name
 @pytest.mark.parametrize("named", NAMED, ids=lambda n: n.folder)
 def test_activations_with_checkpointing_are_each_layers_input_and_one_recomputed_layer(named, seq_len):
     per_layer = named.layer_bytes + named.lora_layer_bytes
-    # Each layer's bf16 input, one layer recomputed with its gradients, the final norm, the mask.
-    expected = seq_len * (named.layers * 2 * named.hidden + 2 * per_layer + 4 * named.hidden) + seq_len * seq_len
+    # Each layer's bf16 input, one layer recomputed with its gradients, the final norm, the mask and the recomputed
+    # layer's bf16 copy of it.
+    expected = (seq_len * (named.layers * 2 * named.hidden + 2 * per_layer + 4 * named.hidden) + seq_len * seq_len
+                + seq_len * seq_len * 2)
     assert activations_bytes(_shape(named), batch_size=1, seq_len=seq_len, lora_rank=16, lora_dropout=0.05,
                              checkpointing=True) == expected
 
@@ -169,6 +180,11 @@ def test_trls_fused_lm_head_holds_six_bytes_per_token_and_hidden_unit_and_one_ti
 def test_unfused_logits_are_ten_bytes_per_token_and_vocabulary_entry(seq_len):
     # bf16 logits, transformers' fp32 copy for the loss, cross-entropy's saved fp32 log-softmax.
     assert _plan(QWEN3_0_6B, seq_len, fused_lm_head=False).breakdown.logits_bytes == seq_len * 151_936 * 10
+
+
+def test_an_attention_layers_copy_of_the_sdpa_mask_is_two_bytes_per_query_and_key_pair():
+    # torch converts the bool mask to the query's dtype (bf16) on each SDPA call; 8 × 2048 × 2048 × 2 bytes = 64 MiB.
+    assert sdpa_mask_bytes(8, 2048) == 64 * 2**20
 
 
 def test_lora_without_dropout_keeps_the_input_copies_but_no_masks():
@@ -192,6 +208,26 @@ def test_4bit_weights_are_nf4_with_double_quantization_and_the_rest_fp32():
 def test_a_4bit_adapter_is_bf16_with_adamw_at_eight_bytes_a_parameter():
     plan = _plan(LLAMA_3_1_8B, 2048, quantization="4bit")
     assert plan.breakdown.adapter_bytes == LLAMA_3_1_8B.lora_parameters * 8
+
+
+def test_on_a_4bit_base_the_checkpointed_inputs_and_the_mlps_outputs_are_fp32():
+    # prepare_model_for_kbit_training leaves the embeddings and norms in fp32, so the residual stream runs in fp32,
+    # and bitsandbytes' Linear4bit returns its input's dtype: each checkpointed layer input is 4 bytes × hidden and
+    # SwiGLU's gate, up and SiLU outputs 4 bytes each (12 · intermediate); q, k, v and the attention output stay bf16
+    # (SDPA under bf16 autocast), the norms keep their fp32 input as before.
+    layer = 8 * 4096 + 8 * 4096 + 4 * 32 + 12 * 14336  # 237,696
+    per_layer = layer + LLAMA_3_1_8B.lora_layer_bytes
+    seq_len = 2048
+    expected = (seq_len * (32 * 4 * 4096 + 2 * per_layer + 4 * 4096) + seq_len * seq_len + seq_len * seq_len * 2)
+    assert activations_bytes(_shape(LLAMA_3_1_8B), batch_size=1, seq_len=seq_len, lora_rank=16, lora_dropout=0.05,
+                             checkpointing=True, quantization="4bit") == expected
+
+
+def test_on_a_4bit_base_trls_fused_head_saves_the_fp32_hidden_state():
+    # The fp32 hidden state (4) and its fp32 gradient (4), 32 bytes of statistics per token, one bf16 tile, and a bf16
+    # copy of a 32768-row chunk of the fp32 head.
+    expected = 2048 * (8 * 4096 + 32) + 2048 * 32768 * 2 + 32768 * 4096 * 2
+    assert _plan(LLAMA_3_1_8B, 2048, quantization="4bit").breakdown.logits_bytes == expected
 
 
 @pytest.mark.parametrize("optimizer, per_parameter", [
@@ -328,6 +364,27 @@ def test_vllms_share_of_the_gpu_is_rounded_up_to_a_hundredth():
     assert plan.estimate_bytes == plan.breakdown.total_bytes and plan.breakdown.vllm_bytes == plan.vllm_bytes
 
 
+def test_grpo_counts_vllms_share_while_it_generates_and_only_what_it_keeps_asleep_at_the_backward():
+    plan = plan_memory(_shape(QWEN3_4B), algorithm="grpo", batch_size=8, seq_len=1536, lora_rank=16, lora_dropout=0.0,
+                       gpu_memory_bytes=80 * GIB, num_generations=16, vllm_colocate=True)
+    b = plan.breakdown
+    stays = b.weights_bytes + b.adapter_bytes + b.modules_to_save_bytes
+    # TRL's sleep mode (level 2) frees vLLM's weights and KV cache after each round; its CUDA graphs stay.
+    assert b.vllm_asleep_bytes == VLLM_ASLEEP_BYTES == GIB
+    assert plan.estimate_bytes == stays + max(b.activations_bytes + b.logits_bytes + GIB, plan.vllm_bytes)
+    assert plan.estimate_bytes < stays + b.activations_bytes + b.logits_bytes + plan.vllm_bytes
+
+
+def test_vllm_colocates_where_its_share_fits_beside_trainings_weights_though_not_beside_its_activations():
+    plan = plan_memory(_shape(QWEN3_4B), algorithm="grpo", batch_size=8, seq_len=1536, lora_rank=16, lora_dropout=0.0,
+                       gpu_memory_bytes=28 * GIB, num_generations=16, vllm_colocate=True)
+    b = plan.breakdown
+    stays = b.weights_bytes + b.adapter_bytes
+    assert plan.vllm_colocate and plan.fits
+    assert stays + b.activations_bytes + b.logits_bytes + plan.vllm_bytes > plan.usable_bytes  # both at once: no room
+    assert plan.reasons["vllm_colocate"].endswith("asleep while training steps")
+
+
 def test_a_hybrid_models_kv_blocks_grow_until_a_page_holds_a_layers_recurrent_state():
     shape = shape_from_config({
         "model_type": "qwen3_5_text", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
@@ -410,6 +467,14 @@ def test_the_cli_plans_dpo_larger_than_sft_for_the_same_shape():
     assert dpo["breakdown"]["activations_bytes"] == 2 * sft["breakdown"]["activations_bytes"]
     assert dpo["estimate_without_checkpointing_bytes"] > sft["estimate_without_checkpointing_bytes"]
     assert dpo["reasons"]["vllm_colocate"] == "dpo generates no completions"
+
+
+def test_the_cli_estimates_qlora_llama_3_1_8b_at_8_by_2048_at_no_less_than_25_gib():
+    # The fp32 residual stream of a 4-bit base counted: ~26.6 GiB with checkpointing (it was 19.8 with a bf16 stream).
+    plan = _cli(CONFIGS / "llama-3.1-8b", "--algorithm", "sft", "--batch-size", "8", "--seq-len", "2048", "--lora-rank",
+                "16", "--gpu-memory-gib", "32", "--quantization", "4bit")
+    assert plan["gradient_checkpointing"] is True
+    assert plan["estimate_gib"] >= 25
 
 
 def test_the_cli_refuses_a_folder_without_config_json(tmp_path):

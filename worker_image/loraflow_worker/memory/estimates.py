@@ -9,11 +9,14 @@ where it is computed; every figure is an estimate until a GPU measures it):
   magnitudes) with its gradient and the state of the run's optimizer (`OPTIMIZER_STATES`);
 - the full trainable copies of `lora.modules_to_save` (the LM head, the input embeddings), with theirs;
 - the activations saved for backward, with and without gradient checkpointing, including the input copy each adapted
-  layer keeps for `lora_A(dropout(x))`, the dropout mask, and DoRA's kept outputs and weight;
+  layer keeps for `lora_A(dropout(x))`, the dropout mask, DoRA's kept outputs and weight, and the bf16 copy of the
+  attention mask each attention layer hands SDPA; on a 4-bit base the residual stream and the projections' outputs
+  in fp32 (`KBIT_STREAM_BYTES`);
 - the LM head as TRL 1.16 computes it: its fused, chunked log-probability head (both trainers add it with
   `add_fused_lm_head` and never build the `(batch, seq, vocab)` logits), or the full logits when not fused;
 - for GRPO with vLLM colocated, vLLM's share: its weights, the KV cache (and Gated-DeltaNet state) of a whole
-  generation round, its runtime; for GRPO without vLLM, the training model's own generation cache.
+  generation round, its runtime, held while it generates; asleep during training, only what its sleep keeps
+  (`VLLM_ASLEEP_BYTES`); for GRPO without vLLM, the training model's own generation cache.
 CUDA's own memory and a headroom are taken off the GPU's memory by the plan (`plan.usable_memory`), not here.
 """
 
@@ -35,6 +38,12 @@ the value, one 8-bit absmax per block of 64 values, and one fp32 absmax of those
 KBIT_OTHER_BYTES = 4
 """What `peft.prepare_model_for_kbit_training` makes of every weight it does not quantize (embeddings, LM head, norms,
 biases): fp32, for stable training of a 4-bit base (PEFT 0.21, `utils/other.py`)."""
+KBIT_STREAM_BYTES = 4
+"""Bytes of a residual-stream value, and of a frozen projection's output, on a 4-bit base: the fp32 embeddings
+`prepare_model_for_kbit_training` leaves start the stream in fp32, its fp32 RMSNorm weights keep it there, and
+bitsandbytes' `Linear4bit.forward` casts its bf16 product back to its input's dtype (bitsandbytes 0.50,
+`nn/modules.py`), so q, k, v and the MLP's gate and up come out in fp32; only SDPA, under bf16 autocast, runs in bf16.
+On a bf16 base all of them are bf16 (2 bytes)."""
 
 # ---- The adapter and its optimizer ---------------------------------------------------------------------------------
 ADAPTER_BYTES = 4
@@ -135,6 +144,10 @@ VLLM_MIN_RUNTIME_BYTES = 2 * GIB
 """The floor under vLLM's runtime (activations of its profiling step, sampler, CUDA graphs): vLLM refuses to start
 when what it profiles beside its weights leaves no room for a KV cache, so a small model's computed runtime is not
 trusted below this."""
+VLLM_ASLEEP_BYTES = VLLM_CUDA_GRAPH_BYTES
+"""What a colocated vLLM keeps while asleep: sleep level 2 frees only what vLLM 0.33 allocated in its sleep-mode pool
+(`CuMemAllocator`, tags `weights` and `kv_cache`), so its CUDA graphs, captured into torch's own pool, stay (the
+same allowance as `VLLM_CUDA_GRAPH_BYTES`, not a measurement)."""
 VLLM_BLOCK_TOKENS = 16
 """Tokens per KV-cache block (vLLM's default block size, and the alignment its FlashAttention backend asks for)."""
 
@@ -159,13 +172,18 @@ class MemoryBreakdown(BaseModel):
         description="GRPO without vLLM: the training model's KV cache and logits while it generates a round (held at a "
         "different time than the activations: the larger of the two counts).",
     )
-    vllm_bytes: int = Field(default=0, description="vLLM's share of the GPU, when colocated.")
+    vllm_bytes: int = Field(default=0, description="vLLM's share of the GPU, when colocated: held while it generates "
+                            "a round, when training holds no activations.")
+    vllm_asleep_bytes: int = Field(default=0, description="What a colocated vLLM keeps asleep, while training steps.")
 
     @computed_field
     @property
     def total_bytes(self) -> int:
-        return (self.weights_bytes + self.adapter_bytes + self.modules_to_save_bytes + max(self.activations_bytes + self.logits_bytes, self.generation_bytes)
-                + self.vllm_bytes)
+        """The peak: what stays (weights, adapter, modules to save) plus the largest of what comes and goes, training's
+        backward (with what vLLM keeps asleep), the training model's own generation, or vLLM's share generating."""
+        stays = self.weights_bytes + self.adapter_bytes + self.modules_to_save_bytes
+        return stays + max(self.activations_bytes + self.logits_bytes + self.vllm_asleep_bytes, self.generation_bytes,
+                           self.vllm_bytes)
 
 
 class VllmBreakdown(BaseModel):
@@ -187,39 +205,53 @@ def weights_bytes(shape: ModelShape, *, quantization: str, bf16: bool = True) ->
     return shape.parameters * (2 if bf16 else 4)
 
 
-def attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False) -> int:
-    """Bytes one token leaves saved for backward in one full-attention layer of a frozen bf16 base, LoRA aside:
-    - the input and post-attention RMSNorms: transformers' saves an fp32 copy of its input (4 bytes × hidden),
-      Liger's its bf16 input (2);
+def stream_bytes(quantization: str) -> int:
+    """Bytes of a residual-stream value and of a frozen projection's output: fp32 on a 4-bit base
+    (`KBIT_STREAM_BYTES`), else bf16."""
+    return KBIT_STREAM_BYTES if quantization == "4bit" else 2
+
+
+def attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False, quantization: str = "none") -> int:
+    """Bytes one token leaves saved for backward in one full-attention layer of a frozen base, LoRA aside (`s`: the
+    stream's bytes, `stream_bytes`):
+    - the input and post-attention RMSNorms: transformers' saves an fp32 copy of its input (4 bytes × hidden; on an
+      fp32 stream the input itself), Liger's its input (s); neither keeps its output, since the norm's weight is
+      frozen;
     - Qwen3's q and k norms, likewise over the query and key widths;
     - attention: q, k and v with k and v repeated to every query head (transformers repeats them for SDPA whenever a
-      padding mask is passed, `integrations/sdpa_attention.py`), and the output, in bf16; the fp32 log-sum-exp per head;
-    - Qwen3.5's output gate: the sigmoid's output and the attention output it multiplies (bf16);
-    - the SwiGLU MLP: the gate and up projections' outputs and, without Liger (which recomputes it), the SiLU's output.
-    The frozen linear layers keep nothing: backward through them needs only their weights."""
-    norm = 2 if liger_kernels else 4
+      padding mask is passed, `integrations/sdpa_attention.py`), and the output, in bf16 (SDPA runs under bf16
+      autocast whatever the stream); the fp32 log-sum-exp per head;
+    - Qwen3.5's output gate: the sigmoid's output (s: it comes from q_proj) and the bf16 attention output it multiplies;
+    - the SwiGLU MLP: the gate and up projections' outputs and, without Liger (which recomputes it), the SiLU's output
+      (s each).
+    The frozen linear layers keep nothing: backward through them needs only their weights (bitsandbytes' 4-bit matmul
+    keeps only the packed weight)."""
+    stream = stream_bytes(quantization)
+    norm = stream if liger_kernels else 4
     total = 2 * norm * shape.hidden_size
     if shape.qk_norm:
         total += norm * (shape.q_dim + shape.kv_dim)
     total += 2 * 4 * shape.q_dim + 4 * shape.attention_heads
     if shape.attention_output_gate:
-        total += 2 * 2 * shape.q_dim
-    return total + _mlp_bytes(shape, liger_kernels)
+        total += (stream + 2) * shape.q_dim
+    return total + _mlp_bytes(shape, liger_kernels, stream)
 
 
-def linear_attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False) -> int:
+def linear_attention_layer_bytes(shape: ModelShape, *, liger_kernels: bool = False, quantization: str = "none") -> int:
     """The same for a Gated-DeltaNet layer, LoRA aside (an approximation, not checked against flash-linear-attention's
-    kernels): the two norms; the short convolution's input and output and the normalised q, k and v (6 bytes × the
-    convolution's width); the chunked delta rule's gates (fp32 per value head); the gated norm's fp32 input, its gate
-    and its output (8 bytes × the value width); the MLP."""
+    kernels): the two norms; the short convolution's input (a projection's output: s bytes), its output and the
+    normalised q, k and v (2 bytes each) over the convolution's width; the chunked delta rule's gates (fp32 per value
+    head); the gated norm's fp32 input, its gate (a projection's output: s) and its bf16 output over the value width;
+    the MLP."""
     linear = shape.linear_attention
-    norm = 2 if liger_kernels else 4
-    mixer = 6 * linear.conv_dim + 8 * linear.value_dim + 8 * linear.value_heads
-    return 2 * norm * shape.hidden_size + mixer + _mlp_bytes(shape, liger_kernels)
+    stream = stream_bytes(quantization)
+    norm = stream if liger_kernels else 4
+    mixer = (stream + 4) * linear.conv_dim + (6 + stream) * linear.value_dim + 8 * linear.value_heads
+    return 2 * norm * shape.hidden_size + mixer + _mlp_bytes(shape, liger_kernels, stream)
 
 
-def _mlp_bytes(shape: ModelShape, liger_kernels: bool) -> int:
-    return (2 if liger_kernels else 3) * 2 * shape.intermediate_size
+def _mlp_bytes(shape: ModelShape, liger_kernels: bool, stream: int) -> int:
+    return (2 if liger_kernels else 3) * stream * shape.intermediate_size
 
 
 def lora_activation_bytes(shape: ModelShape, rank: int, dropout: float, *, use_dora: bool = False) -> int:
@@ -242,42 +274,57 @@ def dora_weight_bytes(shape: ModelShape) -> int:
     return 6 * shape.hidden_size * max(shape.intermediate_size, q_width)
 
 
+def sdpa_mask_bytes(batch_size: int, seq_len: int) -> int:
+    """The additive mask one attention layer hands SDPA and keeps for backward: torch converts transformers' bool
+    mask to the query's dtype (bf16) on every call (`convert_boolean_attn_mask`), and the memory-efficient kernel
+    saves that copy (batch × seq² × 2 bytes)."""
+    return batch_size * seq_len * seq_len * 2
+
+
 def activations_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, lora_rank: int, lora_dropout: float,
-                      checkpointing: bool, liger_kernels: bool = False, bf16: bool = True, use_dora: bool = False) -> int:
+                      checkpointing: bool, liger_kernels: bool = False, bf16: bool = True, use_dora: bool = False,
+                      quantization: str = "none") -> int:
     """Activations of one micro-batch at the start of backward, when they are all held. Without checkpointing: every
-    layer's saved activations (`attention_layer_bytes`, `linear_attention_layer_bytes`) and the adapted layers' copies
-    (`lora_activation_bytes`), plus one layer more for the gradients of the layer being back-propagated. With it:
-    each layer's bf16 input (2 bytes × hidden), plus one layer recomputed with its gradients. Also the final norm and
-    transformers' bool attention mask (batch × seq², shared by the layers). In fp32 (no bf16) twice as much. DoRA
-    keeps more per adapted layer (`lora_activation_bytes`) and builds one layer's weight at a time
+    layer's saved activations (`attention_layer_bytes`, `linear_attention_layer_bytes`), each attention layer's own
+    copy of the SDPA mask (`sdpa_mask_bytes`), and the adapted layers' copies (`lora_activation_bytes`), plus one
+    layer more for the gradients of the layer being back-propagated. With it: each layer's input (the stream's bytes
+    × hidden: 2, or 4 on a 4-bit base), plus one layer recomputed with its gradients and its mask copy. Also the
+    final norm and transformers' bool attention mask (batch × seq², shared by the layers). In fp32 (no bf16) twice as
+    much. DoRA keeps more per adapted layer (`lora_activation_bytes`) and builds one layer's weight at a time
     (`dora_weight_bytes`)."""
     tokens = batch_size * seq_len
-    attention = attention_layer_bytes(shape, liger_kernels=liger_kernels)
-    linear = linear_attention_layer_bytes(shape, liger_kernels=liger_kernels) if shape.linear_attention else 0
+    stream = stream_bytes(quantization)
+    attention = attention_layer_bytes(shape, liger_kernels=liger_kernels, quantization=quantization)
+    linear = (linear_attention_layer_bytes(shape, liger_kernels=liger_kernels, quantization=quantization)
+              if shape.linear_attention else 0)
     lora = lora_activation_bytes(shape, lora_rank, lora_dropout, use_dora=use_dora)
     lora_per_layer = lora // shape.layers
     largest = max(attention, linear) + lora_per_layer
     if checkpointing:
-        per_token = shape.layers * 2 * shape.hidden_size + 2 * largest
+        per_token = shape.layers * stream * shape.hidden_size + 2 * largest
+        masks = 1
     else:
         per_token = (shape.attention_layers * attention + shape.linear_attention_layers * linear
                      + lora + largest)
-    per_token += (2 if liger_kernels else 4) * shape.hidden_size  # the final norm
-    total = tokens * per_token + batch_size * seq_len * seq_len + (dora_weight_bytes(shape) if use_dora else 0)
+        masks = shape.attention_layers
+    per_token += (stream if liger_kernels else 4) * shape.hidden_size  # the final norm
+    total = (tokens * per_token + batch_size * seq_len * seq_len + masks * sdpa_mask_bytes(batch_size, seq_len)
+             + (dora_weight_bytes(shape) if use_dora else 0))
     return total if bf16 else 2 * total
 
 
 def logits_bytes(shape: ModelShape, *, batch_size: int, seq_len: int, fused_lm_head: bool, quantization: str) -> int:
     """The LM head's memory at its peak (its backward, at the start of the model's). TRL's fused head: per token the
-    saved hidden state and the fp32 gradient of it (`FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN`) and its fp32 statistics,
-    plus one bf16 tile of 4096 tokens × 32768 vocabulary entries, plus a bf16 copy of a vocabulary chunk of the head's
-    weight when it is not bf16 (fp32 on a 4-bit base). Not fused: the whole (tokens × vocab) logits,
-    `UNFUSED_LOGIT_BYTES` each."""
+    saved hidden state and the fp32 gradient of it (`FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN`; on a 4-bit base the
+    hidden state it saves, as given, is fp32: 2 bytes more) and its fp32 statistics, plus one bf16 tile of 4096 tokens
+    × 32768 vocabulary entries, plus a bf16 copy of a vocabulary chunk of the head's weight when it is not bf16 (fp32
+    on a 4-bit base). Not fused: the whole (tokens × vocab) logits, `UNFUSED_LOGIT_BYTES` each."""
     tokens = batch_size * seq_len
     if not fused_lm_head:
         return tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES
     vocab_chunk = min(shape.vocab_size, FUSED_HEAD_VOCAB_CHUNK)
-    total = (tokens * (FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN * shape.hidden_size + FUSED_HEAD_BYTES_PER_TOKEN)
+    per_hidden = FUSED_HEAD_BYTES_PER_TOKEN_AND_HIDDEN + stream_bytes(quantization) - 2
+    total = (tokens * (per_hidden * shape.hidden_size + FUSED_HEAD_BYTES_PER_TOKEN)
              + min(tokens, FUSED_HEAD_TOKEN_CHUNK) * vocab_chunk * 2)
     if quantization == "4bit":
         total += vocab_chunk * shape.hidden_size * 2

@@ -34,6 +34,7 @@ from loraflow_worker.memory.estimates import (
     GIB,
     OPTIMIZER_STATES,
     TORCH_ADAMW,
+    VLLM_ASLEEP_BYTES,
     MemoryBreakdown,
     VllmBreakdown,
     activations_bytes,
@@ -162,9 +163,10 @@ def plan_memory(
     `training.optimizer` (an `estimates.OPTIMIZER_STATES` name), which the plan then counts instead of choosing.
     `use_dora` and `modules_to_save` are the adapter's (`lora.use_dora`, `lora.modules_to_save`).
 
-    The plan, in order: vLLM's share is taken off the usable memory; gradient checkpointing goes off only when training
-    without it is within `CHECKPOINTING_MARGIN` of what remains; 8-bit paged AdamW replaces torch AdamW only when memory
-    is short; `fits` says whether the run fits with checkpointing on."""
+    The plan, in order: vLLM colocates when its share fits beside training's weights and state while it generates,
+    and what it keeps asleep fits beside training at its leanest; gradient checkpointing goes off only when training
+    without it is within `CHECKPOINTING_MARGIN` of what vLLM asleep leaves; 8-bit paged AdamW replaces torch AdamW
+    only when memory is short; `fits` says whether the run fits with checkpointing on."""
     if algorithm not in ("sft", "grpo", "dpo"):
         raise ValueError(f"algorithm {algorithm!r} is not one of 'sft', 'grpo', 'dpo'")
     if quantization not in ("none", "4bit"):
@@ -180,7 +182,8 @@ def plan_memory(
     if optimizer is not None and paged_adamw_8bit is not None:
         raise ValueError("give `optimizer` or `paged_adamw_8bit`, not both: each chooses the optimizer")
 
-    def training(checkpointing: bool, eight_bit: bool, colocated: bool) -> MemoryBreakdown:
+    def training(checkpointing: bool, eight_bit: bool, colocated: bool, share_bytes: int = 0) -> MemoryBreakdown:
+        """One configuration's breakdown; `share_bytes`: a colocated vLLM's share, held while it generates."""
         counted = optimizer or (EIGHT_BIT_ADAMW if eight_bit else TORCH_ADAMW)
         return MemoryBreakdown(
             weights_bytes=weights_bytes(shape, quantization=quantization, bf16=bf16),
@@ -190,14 +193,18 @@ def plan_memory(
                                                         optimizer=counted, bf16=bf16),
             activations_bytes=activations_bytes(shape, batch_size=sequences, seq_len=seq_len, lora_rank=lora_rank,
                                                 lora_dropout=lora_dropout, checkpointing=checkpointing,
-                                                liger_kernels=liger_kernels, bf16=bf16, use_dora=use_dora),
+                                                liger_kernels=liger_kernels, bf16=bf16, use_dora=use_dora,
+                                                quantization=quantization),
             logits_bytes=logits_bytes(shape, batch_size=sequences, seq_len=seq_len, fused_lm_head=fused_lm_head,
                                       quantization=quantization) * (2 if algorithm == "dpo" else 1),
             generation_bytes=generation_bytes(shape, num_generations=generations, seq_len=seq_len) if grpo and not colocated else 0,
+            vllm_bytes=share_bytes if colocated else 0,
+            # TRL 1.16 puts a colocated vLLM to sleep after each round when `vllm_enable_sleep_mode` is on (fast_paths sets it).
+            vllm_asleep_bytes=VLLM_ASLEEP_BYTES if colocated else 0,
         )
 
     reasons: dict[str, str] = {}
-    # vLLM first: its share is taken off what training may use.
+    # vLLM first: its share while it generates, and what it keeps asleep while training steps.
     vllm: VllmBreakdown | None = None
     share: float | None = None
     vllm_bytes = 0
@@ -210,54 +217,57 @@ def plan_memory(
     else:
         vllm = vllm_memory(shape, num_generations=generations, seq_len=seq_len)
         needed = vllm.weights_bytes + vllm.kv_cache_bytes + vllm.linear_attention_state_bytes + vllm.runtime_bytes
-        leanest = training(True, paged_adamw_8bit is not False, True).total_bytes
+        leanest = training(True, paged_adamw_8bit is not False, True, needed)
         if vllm_gpu_memory_utilization is not None:
             colocate, share = True, vllm_gpu_memory_utilization
             reasons["vllm_colocate"] = (f"colocated with a forced {share:.2f} of the GPU (~{gib(share * gpu_memory_bytes)}; "
                                         f"~{gib(needed)} estimated for rounds of {generations} completions)")
-        elif needed + leanest > usable:
+        elif leanest.total_bytes > usable:
             colocate, vllm = False, None
-            reasons["vllm_colocate"] = (f"vLLM needs ~{gib(needed)} beside training's ~{gib(leanest)} at its leanest, over "
-                                        f"the {gib(usable)} usable: completions come from the training model's generate")
+            stays = leanest.weights_bytes + leanest.adapter_bytes + leanest.modules_to_save_bytes
+            reasons["vllm_colocate"] = (f"vLLM needs ~{gib(needed)} while it generates, beside training's ~{gib(stays)} of "
+                                        f"weights and state: ~{gib(leanest.total_bytes)} at the peak with training at its "
+                                        f"leanest, over the {gib(usable)} usable: completions come from the training "
+                                        "model's generate")
         else:
             colocate = True
             share = math.ceil(needed / gpu_memory_bytes * 100) / 100
             reasons["vllm_colocate"] = (f"colocated with {share:.2f} of the GPU (~{gib(needed)} for rounds of {generations} "
-                                        f"completions of {seq_len} tokens)")
+                                        f"completions of {seq_len} tokens), asleep while training steps")
         if colocate:
             vllm_bytes = int(share * gpu_memory_bytes)
-    # Counted as held throughout: sleep mode frees most of it between generations, so this errs toward saving memory.
-    budget = usable - vllm_bytes
 
+    # Training's decisions weigh its own peak (the backward, vLLM asleep); the 8-bit optimizer and `fits` the whole
+    # peak, vLLM's share while it generates included.
     without = training(False, bool(paged_adamw_8bit), colocate)
     if gradient_checkpointing is not None:
         checkpointing = gradient_checkpointing
         reasons["gradient_checkpointing"] = (f"forced {'on' if checkpointing else 'off'} for this run (~{gib(without.total_bytes)} "
-                                             f"estimated without it, {gib(budget)} available)")
-    elif without.total_bytes <= CHECKPOINTING_MARGIN * budget:
+                                             f"estimated without it, {gib(usable)} available)")
+    elif without.total_bytes <= CHECKPOINTING_MARGIN * usable:
         checkpointing = False
         reasons["gradient_checkpointing"] = (f"not needed: ~{gib(without.total_bytes)} estimated without it, within "
-                                             f"{CHECKPOINTING_MARGIN:.0%} of the {gib(budget)} available")
+                                             f"{CHECKPOINTING_MARGIN:.0%} of the {gib(usable)} available")
     else:
         checkpointing = True
         recomputed = training(True, bool(paged_adamw_8bit), colocate)
         reasons["gradient_checkpointing"] = (f"~{gib(without.total_bytes)} estimated without it, over {CHECKPOINTING_MARGIN:.0%} "
-                                             f"of the {gib(budget)} available: recomputing activations brings it to "
+                                             f"of the {gib(usable)} available: recomputing activations brings it to "
                                              f"~{gib(recomputed.total_bytes)}")
 
-    with_adamw = training(checkpointing, False, colocate)
+    with_adamw = training(checkpointing, False, colocate, vllm_bytes)
     if optimizer is not None:
         eight_bit = optimizer == EIGHT_BIT_ADAMW
         reasons["paged_adamw_8bit"] = f"the job's `training.optimizer` is {optimizer}"
     elif paged_adamw_8bit is not None:
         eight_bit = paged_adamw_8bit
         reasons["paged_adamw_8bit"] = f"forced {'on' if eight_bit else 'off'} for this run"
-    elif with_adamw.total_bytes <= budget:
+    elif with_adamw.total_bytes <= usable:
         eight_bit = False
-        reasons["paged_adamw_8bit"] = f"not needed: ~{gib(with_adamw.total_bytes)} estimated with torch AdamW, {gib(budget)} available"
+        reasons["paged_adamw_8bit"] = f"not needed: ~{gib(with_adamw.total_bytes)} estimated with torch AdamW, {gib(usable)} available"
     else:
         eight_bit = True
-        reasons["paged_adamw_8bit"] = f"memory is short: ~{gib(with_adamw.total_bytes)} estimated with torch AdamW, {gib(budget)} available"
+        reasons["paged_adamw_8bit"] = f"memory is short: ~{gib(with_adamw.total_bytes)} estimated with torch AdamW, {gib(usable)} available"
 
     unsized = [name for name in modules_to_save if not saved_module_parameters(shape, name)]
     if unsized:
@@ -267,11 +277,11 @@ def plan_memory(
                                        ("paged_adamw_8bit", paged_adamw_8bit), ("optimizer", optimizer),
                                        ("vllm_gpu_memory_utilization", vllm_gpu_memory_utilization if colocate else None))
               if value is not None]
-    chosen = training(checkpointing, eight_bit, colocate).model_copy(update={"vllm_bytes": vllm_bytes})
-    with_checkpointing = training(True, eight_bit, colocate).total_bytes + vllm_bytes
-    without_checkpointing = training(False, eight_bit, colocate).total_bytes + vllm_bytes
+    chosen = training(checkpointing, eight_bit, colocate, vllm_bytes)
+    with_checkpointing = training(True, eight_bit, colocate, vllm_bytes).total_bytes
+    without_checkpointing = training(False, eight_bit, colocate, vllm_bytes).total_bytes
     if chosen.total_bytes > usable:
-        reasons["gradient_checkpointing"] += (f"; as planned still ~{gib(chosen.total_bytes - vllm_bytes)}: expect "
+        reasons["gradient_checkpointing"] += (f"; as planned still ~{gib(chosen.total_bytes)} at the peak: expect "
                                               "out-of-memory, lower the batch size or the sequence length")
     return MemoryPlan(
         algorithm=algorithm,
