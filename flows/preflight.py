@@ -6,6 +6,7 @@ on the run file you mean to train, with the worker quota RunPod's console shows 
 
     RUNPOD_API_KEY=... HF_TOKEN=... LORAFLOW_WORKER_IMAGE=... .venv/bin/python -m flows.preflight deployments/qwen.toml --worker-quota 5
     prefect deployment run preflight/check --param worker_quota=30
+    .venv/bin/python -m flows.preflight deployments/qwen.toml --record recordings/my-account   # keep RunPod's answers
 
 It prints one line per check, `ok`, `warn` or `FAIL`, what it found and, for a warn or a FAIL, the fix; the
 same table is the run's artifact `preflight`. It exits 1 (the flow run ends Failed) when any check FAILs.
@@ -15,7 +16,8 @@ same table is the run's artifact `preflight`. It exits 1 (the flow run ends Fail
 # the flow signature when it loads the entrypoint, and cannot resolve postponed annotations.
 import argparse
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
 from typing import Annotated
 
 from prefect import flow, get_run_logger
@@ -38,6 +40,7 @@ from tasks.preflight.account import (
     read_offers,
 )
 from tasks.preflight.hub import check_dataset, check_dataset_file, check_model, check_store
+from tasks.preflight.recording import RecordingError, recording, recording_transport
 from tasks.preflight.report import Check, failed, guarded, summary, table_rows
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.settings import HubTokenError, Settings
@@ -78,7 +81,7 @@ def preflight(
                             fix="create the Secret block, or unset hub_token_secret to use HF_TOKEN"))
         settings = Settings().with_hub_token()
     with ExitStack() as stack:
-        client, no_key = open_runpod(settings)
+        client, no_key = open_runpod(settings, transport=recording_transport(settings))
         if client is not None:
             stack.enter_context(client)
         list_calls = {"endpoints": client.list_endpoints, "secrets": client.list_secrets,
@@ -130,11 +133,21 @@ if __name__ == "__main__":
     parser.add_argument("run_file", metavar="RUN_FILE.toml")
     parser.add_argument("--worker-quota", type=_quota, metavar="N",
                         help="the account's worker quota, as RunPod's console shows it (the API does not expose it)")
+    parser.add_argument("--record", type=Path, metavar="DIR",
+                        help="also write RunPod's answers to the preflight's reads into DIR (a new folder), secrets "
+                        "removed, with a manifest: `python -m localpod --catalog-from DIR` serves that catalog")
     args = parser.parse_args()
     try:
         run_spec = load_run_file(args.run_file)
     except SpecError as e:
         sys.exit(str(e))
-    final = preflight(run_spec, worker_quota=args.worker_quota, return_state=True)
+    try:
+        recorder = recording(args.record) if args.record is not None else nullcontext()
+        with recorder:
+            final = preflight(run_spec, worker_quota=args.worker_quota, return_state=True)
+    except RecordingError as e:
+        sys.exit(str(e))
+    if args.record is not None:
+        print(f"RunPod's answers recorded in {args.record} (manifest.json lists them)", flush=True)
     print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
     sys.exit(0 if final.is_completed() else 1)

@@ -16,6 +16,12 @@ GPU hosts: each GPU type's hosts run some CUDA versions per datacenter (the defa
 starts only on hosts that meet its endpoint's `gpu.minCudaVersion` / `gpu.allowedCudaVersions`; where none
 does, its jobs stay IN_QUEUE and `/health` counts the worker as throttled, as on RunPod.
 
+A real account's catalog: `--catalog-from DIR` serves what `python -m flows.preflight RUN_FILE --record DIR` recorded
+from RunPod (GPU types, pools, prices, hosts' CUDA versions, stock, datacenters, CPU flavors when read) in place of
+the built-in table; `localpod/recorded_catalog.py` says how each table is derived from the answers.
+
+    python -m localpod --port 8765 --catalog-from recordings/my-account
+
 `LORAFLOW_REQUIRE_CUDA` is lifted: the control plane sets it to 1 in every endpoint's env so a worker on
 a RunPod host refuses to train on a CPU, but localpod's workers (processes and containers alike) run on
 this machine's CPU, so each is started with `LORAFLOW_REQUIRE_CUDA=0` instead, and the log says so for
@@ -79,6 +85,7 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
+from localpod import catalog, recorded_catalog
 from localpod.main import create_app
 from localpod.models import DEFAULT_WORKER_PYTHON, LocalpodConfig
 from localpod.paging import DEFAULT_PAGE_SIZE
@@ -94,10 +101,25 @@ _KEEP_ALIVE_S = 75
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.catalog_from:
+        serve_recorded_catalog(Path(args.catalog_from), parser)
     config = config_from_args(args, parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     print(f"localpod worker logs in {config.log_dir}", flush=True)
     asyncio.run(_serve(config, args.log_level))
+
+
+def serve_recorded_catalog(folder: Path, parser: argparse.ArgumentParser) -> None:
+    """Serve the catalog recorded in `folder` instead of the built-in one, saying what it holds; a folder that is
+    not a recording exits with the parser's error."""
+    try:
+        recorded = recorded_catalog.load(folder)
+    except recorded_catalog.RecordingError as e:
+        parser.error(f"--catalog-from: {e}")
+    catalog.serve(recorded.tables)
+    print(f"localpod serves the {recorded.description}", flush=True)
+    for note in recorded.notes:
+        print(f"  {note}", flush=True)
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LocalpodConfig:
@@ -219,6 +241,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--volume-create-fails-in", action="append", default=[], metavar="DATACENTER",
                    help="creating a network volume in this datacenter answers 500, as RunPod did in US-MO-1 "
                    "(repeatable; a datacenter of localpod's catalog that supports volumes)")
+    p.add_argument("--catalog-from", metavar="DIR", default=os.environ.get("LOCALPOD_CATALOG_FROM"),
+                   help="serve the GPU types, pools, prices, hosts' CUDA versions, stock, datacenters and CPU flavors "
+                   "recorded in DIR by `python -m flows.preflight RUN_FILE --record DIR` instead of the built-in "
+                   "catalog (default: env LOCALPOD_CATALOG_FROM, else the built-in one)")
     p.add_argument("--openapi", help="RunPod's api-v2-openapi.json (default: the unedited copy shipped in localpod/)")
     p.add_argument("--dead-worker-jobs", choices=["requeue", "fail"],
                    default=os.environ.get("LOCALPOD_DEAD_WORKER_JOBS") or "requeue",

@@ -24,7 +24,9 @@ what `/_localpod/stock` and `/_localpod/cpu-stock` took out, what `/_localpod/cu
 `/_localpod/volume-types` changed, and the functions below take them as `in_stock(pool, data_center_id)`,
 `in_stock(cpu_flavor_id, data_center_id)` and `host_cuda(gpu_type_id, data_center_id)` callables.
 
-Nothing here touches HTTP; `localpod/routes/catalog.py` turns these documents into answers.
+Nothing here touches HTTP; `localpod/routes/catalog.py` turns these documents into answers. `serve` puts a real
+account's catalog in place of these tables, for the whole process (`python -m localpod --catalog-from DIR`; the
+tables come from `recorded_catalog.py`).
 """
 
 from __future__ import annotations
@@ -319,7 +321,9 @@ def gpu_type_document(
     fits = query.count <= row.max_secure
     scoped = [dc for dc in DATA_CENTERS if row.id in dc.offers and query.scoped(dc)]
     usable = {dc.id: query.usable_cuda(host_cuda(row.id, dc.id)) for dc in scoped}
-    levels = {dc.id: (level_in(dc, row, in_stock) if fits and usable[dc.id] else "NONE") for dc in scoped}
+    # Hosts that report no CUDA version (a recorded type without `cudaVersions`) still serve a query without a filter.
+    levels = {dc.id: (level_in(dc, row, in_stock) if fits and (usable[dc.id] or query.cuda.any) else "NONE")
+              for dc in scoped}
     document["availability"] = best_level(levels.values())
     if document["availability"] != "NONE":  # the schema: omitted entirely when unavailable everywhere
         document["dataCenters"] = [{"id": dc_id, "name": _DC_BY_ID[dc_id].name, "availability": level}
@@ -443,10 +447,11 @@ def allowed_data_centers(spec: dict[str, Any], pinned_to: str | None = None) -> 
 
 
 def endpoint_gpu_types(gpu: dict[str, Any], pool: str, data_center_id: str) -> list[GpuTypeRow]:
-    """The types of one of an endpoint's pools that a datacenter offers, less the endpoint's `excludedTypes`."""
+    """The types of one of an endpoint's pools that a datacenter offers, less the endpoint's `excludedTypes`. A type
+    listed at level NONE (a recorded catalog's: offered there, without stock when recorded) is not offered."""
     excluded = {name.strip() for name in gpu.get("excludedTypes") or ()}
     offers = _DC_BY_ID[data_center_id].offers
-    return [g for g in GPU_TYPES if g.pool == pool and g.id not in excluded and g.id in offers]
+    return [g for g in GPU_TYPES if g.pool == pool and g.id not in excluded and offers.get(g.id, "NONE") != "NONE"]
 
 
 def selection_problem(gpu: dict[str, Any]) -> str | None:
@@ -472,3 +477,42 @@ def cuda_version(text: str) -> tuple[int, ...]:
     """A CUDA version as a comparable tuple. As a `minCudaVersion` floor, "12" admits any 12.x (versions are
     compared on as many parts as the floor has)."""
     return tuple(int(part) for part in text.split("."))
+
+
+# --- which catalog is served: the tables above, or a recorded one ----------------------------------------
+
+
+@dataclass(frozen=True)
+class CatalogTables:
+    """Everything the catalog serves and places by: GPU types, datacenters (with their offers and hosts' CUDA), CPU
+    flavors and each pool's serverless price."""
+
+    gpu_types: tuple[GpuTypeRow, ...]
+    data_centers: tuple[DataCenterRow, ...]
+    cpu_types: tuple[CpuTypeRow, ...]
+    pool_serverless_usd_per_hour: dict[str, float]
+
+
+def served() -> CatalogTables:
+    """The tables served now."""
+    return CatalogTables(GPU_TYPES, DATA_CENTERS, CPU_TYPES, dict(POOL_SERVERLESS_USD_PER_HOUR))
+
+
+def serve(tables: CatalogTables) -> CatalogTables:
+    """Serve `tables` from now on, in this whole process, and return the tables served until now.
+
+    Every route, rule and placement reads this module's tables, so a process serves one catalog: `python -m localpod
+    --catalog-from DIR` calls this once, before the server is made (`localpod/recorded_catalog.py` makes the tables).
+    """
+    global GPU_TYPES, DATA_CENTERS, CPU_TYPES, POOL_SERVERLESS_USD_PER_HOUR, DATA_CENTER_IDS, CPU_FLAVOR_IDS
+    global KNOWN_POOLS, _GPU_BY_ID, _DC_BY_ID, _CPU_BY_ID
+    before = served()
+    GPU_TYPES, DATA_CENTERS, CPU_TYPES = tables.gpu_types, tables.data_centers, tables.cpu_types
+    POOL_SERVERLESS_USD_PER_HOUR = dict(tables.pool_serverless_usd_per_hour)
+    DATA_CENTER_IDS = tuple(dc.id for dc in DATA_CENTERS)
+    CPU_FLAVOR_IDS = tuple(c.id for c in CPU_TYPES)
+    KNOWN_POOLS = tuple(dict.fromkeys(g.pool for g in GPU_TYPES if g.pool is not None))
+    _GPU_BY_ID = {g.id: g for g in GPU_TYPES}
+    _DC_BY_ID = {dc.id: dc for dc in DATA_CENTERS}
+    _CPU_BY_ID = {c.id: c for c in CPU_TYPES}
+    return before

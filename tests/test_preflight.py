@@ -215,8 +215,10 @@ def account_state(stack) -> dict:
                         headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"}).json()
     limit = prefect_api(stack, "POST", "/v2/concurrency_limits/filter", json={}).json()
     variables = prefect_api(stack, "POST", "/variables/filter", json={}).json()
+    # A live endpoint's age grows by itself; what it is does not.
+    endpoints = [{k: v for k, v in e.items() if k != "ageSeconds"} for e in account["endpoints"]]
     return {
-        "endpoints": account["endpoints"], "volumes": account["volumes"], "jobs": account["jobs"], "secrets": secrets,
+        "endpoints": endpoints, "volumes": account["volumes"], "jobs": account["jobs"], "secrets": secrets,
         "limit": [(c["name"], c["limit"]) for c in limit if c["name"] == "runpod-endpoints"],
         "namespace": [v["value"] for v in variables if v["name"] == "loraflow-namespace"],
     }
@@ -357,3 +359,81 @@ def test_the_preflight_deployment_checks_the_qwen_run():
     assert RunSpec.model_validate(check["parameters"]["spec"]) == RunSpec.model_validate(
         tomllib.loads((REPO / "deployments" / "qwen.toml").read_text()))
     assert "worker_quota" in check["parameters"]
+
+
+# --- a recording of RunPod's answers, replayed ---------------------------------------------------------------
+
+RECORDED_SECRET = ("preflight-recording-secret", "secret-value-only-runpod-holds-1234")
+PLAIN_ENV = {"PLAIN_SETTING": "plain-env-value-anyone-reads-5678", "WANDB_API_KEY": "wandb-key-in-plain-env-9012"}
+
+
+@pytest.fixture
+def account_with_secrets(local_stack):
+    """An account secret, and an endpoint whose env refers to it and holds plain values too (a person's, not
+    loraflow's): what a recording must not write."""
+    auth = {"Authorization": f"Bearer {local_stack.client_env['RUNPOD_API_KEY']}"}
+    api = f"{local_stack.localpod_url}/v2"
+    name, value = RECORDED_SECRET
+    secret = httpx.post(f"{api}/account/secrets", json={"name": name, "value": value}, headers=auth, timeout=10)
+    secret.raise_for_status()
+    env = {"HF_TOKEN": f"{{{{ RUNPOD_SECRET_{name} }}}}", **PLAIN_ENV}
+    endpoint = httpx.post(f"{api}/serverless", headers=auth, timeout=10, json={
+        "name": "someones-server", "type": "QUEUE", "scaling": {"type": "QUEUE_DELAY", "queueDelay": 4},
+        "image": "localpod/unused:latest", "gpu": {"pools": ["ADA_24"]}, "workers": {"max": 0}, "env": env})
+    endpoint.raise_for_status()
+    yield env
+    httpx.delete(f"{api}/serverless/{endpoint.json()['id']}", headers=auth, timeout=10).raise_for_status()
+    httpx.delete(f"{api}/account/secrets/{secret.json()['id']}", headers=auth, timeout=10).raise_for_status()
+
+
+def catalog_reads(url: str, key: str) -> dict[str, object]:
+    """What a localpod's catalog answers: GPU types with prices, their serverless stock and CUDA versions (unscoped
+    and at the image's floor), and the datacenters with their GPU stock."""
+    auth = {"Authorization": f"Bearer {key}"}
+    serverless = {"include": "AVAILABILITY", "product": "SERVERLESS"}
+    reads = {"gpus": ("/v2/catalog/gpus", {}), "serverless": ("/v2/catalog/gpus", serverless),
+             "floor": ("/v2/catalog/gpus", serverless | {"minCudaVersion": "13.0"}),
+             "datacenters": ("/v2/catalog/datacenters", {"include": "GPU_AVAILABILITY"})}
+    answers = {}
+    for what, (path, params) in reads.items():
+        answer = httpx.get(f"{url}{path}", params=params, headers=auth, timeout=10)
+        answer.raise_for_status()
+        answers[what] = answer.json()
+    return answers
+
+
+def test_a_recording_holds_no_secret_and_a_localpod_on_it_serves_the_same_catalog(
+        local_stack, hub_repos, account_with_secrets, tmp_path, unchanged):
+    from deployments.local_stack import free_port, start_service
+
+    model, dataset = hub_repos
+    run_file = write_run_file(tmp_path / "run.toml", model=model, dataset=f'hub_id = "{dataset}"',
+                              store=f"file://{tmp_path}/store")
+    folder = tmp_path / "recording"
+    run = run_preflight(local_stack, run_file, "--worker-quota", "30", "--record", str(folder))
+    assert f"RunPod's answers recorded in {folder}" in run.output, run.output
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    asked = {(a["route"], tuple(sorted(a["query"].items()))) for a in manifest["answers"]}
+    assert ("/v2/catalog/gpus", (("include", "AVAILABILITY"), ("minCudaVersion", "13.0"),
+                                 ("product", "SERVERLESS"))) in asked
+    assert {route for route, _ in asked} >= {"/v2/catalog/gpus", "/v2/catalog/datacenters", "/v2/serverless",
+                                             "/v2/network-volumes", "/v2/account/secrets"}
+    assert manifest["api_host"] == "127.0.0.1" and manifest["loraflow_version"]
+    written = "\n".join(path.read_text() for path in folder.iterdir())
+    known = [local_stack.client_env["RUNPOD_API_KEY"], local_stack.client_env["HF_TOKEN"], RECORDED_SECRET[1],
+             *PLAIN_ENV.values()]
+    assert [value for value in known if value in written] == []
+    assert account_with_secrets["HF_TOKEN"] in written  # a secret's name, not its value: kept
+
+    port = free_port()
+    replay = start_service("localpod-replay", [
+        sys.executable, "-m", "localpod", "--port", str(port), "--api-key", "replay-key", "--catalog-from", str(folder),
+        "--worker-command", f"{sys.executable} -c pass"], dict(os.environ), f"http://127.0.0.1:{port}",
+        "/_localpod/account", tmp_path / "replay.log")
+    try:
+        served = catalog_reads(replay.url, "replay-key")
+    finally:
+        replay.stop()
+    assert "localpod serves the catalog recorded from 127.0.0.1" in (tmp_path / "replay.log").read_text()
+    assert served == catalog_reads(local_stack.localpod_url, local_stack.client_env["RUNPOD_API_KEY"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import httpx
 from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel, Field
@@ -55,11 +56,14 @@ PERMISSIONS = {
 }
 
 
-def open_runpod(settings: Settings) -> tuple[RunpodClient | None, str | None]:
-    """A client with the key where the flow runs, or None and why there is none."""
+def open_runpod(settings: Settings, transport: httpx.BaseTransport | None = None,
+                ) -> tuple[RunpodClient | None, str | None]:
+    """A client with the key where the flow runs, or None and why there is none. `transport`: the one a recording
+    reads through (`tasks.preflight.recording`); None: the client's own."""
     try:
         key = settings.api_key()
-        return RunpodClient(key, api_url=settings.runpod_api_url, job_url=settings.runpod_job_url), None
+        return RunpodClient(key, api_url=settings.runpod_api_url, job_url=settings.runpod_job_url,
+                            transport=transport), None
     except (RuntimeError, errors.AuthError) as e:  # no key in the environment nor in the Secret block; an empty one
         return None, str(e)
 
