@@ -142,12 +142,13 @@ if __name__ == "__main__":
     except SpecError as e:
         sys.exit(str(e))
     try:
-        recorder = recording(args.record) if args.record is not None else nullcontext()
-        with recorder:
+        with recording(args.record) if args.record is not None else nullcontext() as recorder:
             final = preflight(run_spec, worker_quota=args.worker_quota, return_state=True)
     except RecordingError as e:
         sys.exit(str(e))
-    if args.record is not None:
-        print(f"RunPod's answers recorded in {args.record} (manifest.json lists them)", flush=True)
+    if recorder is not None:
+        # Without a key the preflight reads nothing from RunPod: say so rather than leave an empty recording unnoticed.
+        print(f"{len(recorder.answers)} answers of RunPod recorded in {args.record} (manifest.json lists them)"
+              + ("" if recorder.answers else ": none, see the runpod key lines above"), flush=True)
     print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
     sys.exit(0 if final.is_completed() else 1)
