@@ -351,8 +351,9 @@ class Account(_Wire):
         "datacenters only are listed by `GET /_localpod/stock`)."
     )
     faults_injected: dict[str, int] = Field(
-        description="Faults injected so far by kind: the route actions (status_429, status_500, hang, drop, "
-        "act_then_500, unknown_status, create_as_gpu) and worker_crash, worker_hang, worker_preempt, worker_env; every kind listed."
+        description="Faults injected so far by kind: the route actions (status_429, status_500, status_400, hang, "
+        "drop, act_then_500, unknown_status, create_as_gpu) and worker_crash, worker_hang, worker_preempt, worker_env; "
+        "every kind listed."
     )
     jobs: list[AccountJob] = Field(description="Every job submitted.")
     volumes: list[AccountVolume] = Field(default=[], description="Network volumes that exist now.")

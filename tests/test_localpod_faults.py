@@ -128,6 +128,16 @@ def test_500_answers_a_problem_and_leaves_the_endpoint_alone(pod: Pod) -> None:
     assert pod.http.get(f"/v2/serverless/{endpoint_id}").status_code == 200
 
 
+def test_400_refuses_a_create_as_invalid_and_creates_nothing(pod: Pod) -> None:
+    name = unique("four")
+    pod.add_fault("faults", route="create_endpoint", action="status_400", endpoint_name_prefix=name)
+    response = pod.http.post("/v2/serverless", json=endpoint_body(name=name))
+    assert response.status_code == 400 and response.json()["status"] == 400
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert [e.name for e in pod.account().live_endpoints if e.name == name] == []
+    assert pod.http.post("/v2/serverless", json=endpoint_body(name=name)).status_code == 201  # once: times=1
+
+
 def test_drop_is_a_transport_error_for_the_client(pod: Pod) -> None:
     endpoint_id = pod.endpoint(unique("drop"))
     job_id = pod.run(endpoint_id, {})
@@ -242,7 +252,7 @@ def test_account_counts_injected_faults_by_kind(pod: Pod) -> None:
     assert [pod.http.get("/v2/serverless").status_code for _ in range(3)] == [429, 429, 200]
     after = pod.account().faults_injected
     assert set(after) == {
-        "status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status", "create_as_gpu",
+        "status_429", "status_500", "status_400", "hang", "drop", "act_then_500", "unknown_status", "create_as_gpu",
         "worker_crash", "worker_hang", "worker_preempt", "worker_env",
     }  # fmt: skip
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"status_429": 2}

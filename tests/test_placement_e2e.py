@@ -15,7 +15,7 @@ import httpx
 import pytest
 from loraflow_worker.contract import CONTRACT_VERSION
 
-from tests.conftest import REPO, localpod_account, run_train_flow
+from tests.conftest import REPO, localpod_account, prefect_api, run_train_flow
 from tests.test_preload_e2e import hub_run_file, placements, run_preload, sweep_table
 from tests.test_train_e2e import flow_run_state, run_endpoints
 
@@ -101,3 +101,27 @@ def test_a_run_whose_memory_plan_fits_no_gpu_of_its_list_is_refused_before_any_e
     assert "NoGpuFits" in message and "RTX 4090 (24 GiB): needs ~" in message and "H100 (80 GiB)" in message, message
     assert "to compute.gpu" in message and 'lora.quantization = "4bit"' in message, message
     assert run_endpoints(local_stack, "e2e-toobig") == []
+
+
+def test_a_gpu_class_runpod_refuses_with_400_hands_the_run_to_the_next_class_and_the_summary_names_it(
+        local_stack, tiny_model, tmp_path):
+    # RunPod's 400 for the first class's create (the endpoint's name starts with the run's): the run moves on.
+    httpx.post(f"{local_stack.localpod_url}/_localpod/faults", json={
+        "route": "create_endpoint", "action": "status_400", "endpoint_name_prefix": "loraflow-e2e-refused-"},
+               timeout=10).raise_for_status()
+    run_file = hub_run_file(tmp_path, "e2e-refused", str(tiny_model))
+    run_file.write_text(run_file.read_text() + '[compute]\ngpu = ["H100", "RTX 4090"]\n')
+    run = run_train_flow(local_stack, run_file)
+    assert run.returncode == 0, run.output[-5000:]
+    assert "RunPod refused the endpoint on H100; trying RTX 4090" in run.output, run.output[-3000:]
+    [endpoint] = run_endpoints(local_stack, "e2e-refused")  # the refused create made nothing
+    assert endpoint["deletedAt"] is not None
+    artifacts = {a["key"]: a for a in prefect_api(local_stack, "POST", "/artifacts/filter", json={
+        "artifacts": {"flow_run_id": {"any_": [run.flow_run_id]}}}).json()}
+    summary = artifacts["train-e2e-refused-summary"]["data"]
+    assert "| GPU | 1 × RTX 4090 |" in summary, summary
+    assert ("| Refused by RunPod | H100: RunPod answered 400 to POST /v2/serverless: localpod fault injection: "
+            "create_endpoint refused as invalid |") in summary, summary
+    assert "| Prices | RunPod's catalog |" in summary and "| GPU classes | pools and cards from RunPod's catalog |" \
+        in summary, summary
+    assert "| Attempts | 1 |" in summary  # a refusal rents nothing: it takes no attempt

@@ -35,14 +35,15 @@ RouteName = Literal[
     "delete_network_volume",
     "list_endpoint_workers",
 ]
-RouteAction = Literal["status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status", "create_as_gpu"]
+RouteAction = Literal["status_429", "status_500", "status_400", "hang", "drop", "act_then_500", "unknown_status",
+                      "create_as_gpu"]
 WorkerAction = Literal["crash", "hang", "preempt", "env"]
 DeadWorkerJobs = Literal["fail", "requeue"]
 """What happens to the job of a worker that dies without a result: FAILED, or back to the queue for another worker
 (`LocalpodConfig.dead_worker_jobs`, a crash fault's own `dead_worker_jobs`)."""
 
-ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "hang", "drop", "act_then_500", "unknown_status",
-                                         "create_as_gpu")
+ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "status_400", "hang", "drop", "act_then_500",
+                                         "unknown_status", "create_as_gpu")
 WORKER_ACTIONS: tuple[WorkerAction, ...] = ("crash", "hang", "preempt", "env")
 _ROUTES_WITHOUT_ENDPOINT = frozenset(
     {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_cpu_types", "get_cpu_type", "list_data_centers",
@@ -72,6 +73,7 @@ class RouteFaultRule(BaseModel):
     )
     action: RouteAction = Field(
         description="status_429: answer 429 (with Retry-After when retry_after_s is set); status_500: answer 500; "
+        "status_400: answer 400, the request refused as invalid (as RunPod refuses a selection it does not take); "
         "hang: hold the request hang_s seconds, then carry it out and answer normally (without hang_s: hold it "
         "until the client gives up, and never carry it out); drop: close the connection mid-response (the client "
         "sees a transport error); act_then_500: carry the operation out (e.g. really create the endpoint), then "

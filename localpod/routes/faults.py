@@ -199,8 +199,8 @@ async def route_fault(
 ) -> RouteFaultHit:
     """Apply the first route fault rule that matches this request, before the operation runs.
 
-    Raises `InjectedAnswer` for status_429, status_500 and drop; holds the request for hang; an unknown_status
-    comes back in the hit, for the status route to answer. Name the endpoint by id (any endpoint ever created)
+    Raises `InjectedAnswer` for status_429, status_500, status_400 and drop; holds the request for hang; an
+    unknown_status comes back in the hit, for the status route to answer. Name the endpoint by id (any endpoint ever created)
     or, for a create, by the name in the body; a volume create by its body's datacenter.
     """
     state = get_state(request)
@@ -218,6 +218,8 @@ async def route_fault(
         raise InjectedAnswer(response)
     if rule.action == "status_500":
         raise InjectedAnswer(problem_response(500, f"localpod fault injection: {route} failed"))
+    if rule.action == "status_400":
+        raise InjectedAnswer(problem_response(400, f"localpod fault injection: {route} refused as invalid"))
     if rule.action == "drop":
         raise InjectedAnswer(_CutResponse())
     if rule.action == "hang":
