@@ -22,6 +22,11 @@ the built-in table; `localpod/recorded_catalog.py` says how each table is derive
 
     python -m localpod --port 8765 --catalog-from recordings/my-account
 
+Answers RunPod shapes more than one way: the quota refusal is a 400 `ErrorResponse`, or with
+`--quota-refusal-status 500` (env `LOCALPOD_QUOTA_REFUSAL_STATUS`) REST v1's 500 `{"error": ...}`; the endpoint,
+network volume and secret lists come in pages of `--page-size` items (env `LOCALPOD_PAGE_SIZE`, default 1000 as
+RunPod) with `pagination.nextCursor`. `POST /_localpod/answer-shapes` changes both while the server runs.
+
 `LORAFLOW_REQUIRE_CUDA` is lifted: the control plane sets it to 1 in every endpoint's env so a worker on
 a RunPod host refuses to train on a CPU, but localpod's workers (processes and containers alike) run on
 this machine's CPU, so each is started with `LORAFLOW_REQUIRE_CUDA=0` instead, and the log says so for

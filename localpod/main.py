@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from localpod import request_counts
 from localpod.models import LocalpodConfig
 from localpod.problems import install_problem_handlers
-from localpod.routes import account, billing, catalog, endpoints, faults, jobs, secrets, volumes, worker
+from localpod.routes import account, answer_shapes, billing, catalog, endpoints, faults, jobs, secrets, volumes, worker
 from localpod.schema import OpenApiSchemas
 from localpod.state import LocalpodState
 from localpod.workers import WorkerSupervisor
@@ -48,6 +48,7 @@ def create_app(config: LocalpodConfig) -> FastAPI:
     app.include_router(worker.router)
     app.include_router(jobs.router)
     app.include_router(account.router)
+    app.include_router(answer_shapes.router)
     app.include_router(faults.router)
     app.include_router(request_counts.router)
     app.state.request_counts = request_counts.RequestCounts()

@@ -233,6 +233,18 @@ def test_volumes_and_secrets_are_paged_as_endpoints_are(tmp_path: Path) -> None:
         assert [s["name"] for s in last["secrets"]] == ["s1"] and "pagination" not in last
 
 
+def test_answer_shapes_change_while_the_server_runs(client: TestClient) -> None:
+    assert client.get("/_localpod/answer-shapes").json() == {"quota_refusal_status": 400, "page_size": 1000}
+    changed = client.post("/_localpod/answer-shapes", json={"quota_refusal_status": 500, "page_size": 1})
+    assert changed.json() == {"quota_refusal_status": 500, "page_size": 1}
+    create_endpoint(client, name="one", workers={"max": 10})
+    create_endpoint(client, name="two")
+    assert len(client.get("/v2/serverless", headers=AUTH).json()["endpoints"]) == 1
+    refused = client.post("/v2/serverless", json=endpoint_body(workers={"max": 1}), headers=AUTH)
+    assert refused.status_code == 500 and QUOTA_TEXT in refused.json()["error"]
+    assert client.post("/_localpod/answer-shapes", json={"page_size": 0}).status_code == 400
+
+
 def test_quota_exceeded_on_update_gets_runpods_text(client: TestClient) -> None:
     create_endpoint(client, workers={"max": 8})
     endpoint_id = create_endpoint(client, workers={"max": 1})["id"]

@@ -136,9 +136,12 @@ def test_forty_seconds_of_status_errors_cost_no_attempt(local_stack, tiny_model,
     assert state_of(local_stack, flow_run_of(local_stack, endpoint["name"]))["type"] == "COMPLETED"
 
 
-def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_model, tmp_path):
-    prefix = "loraflow-e2e-quotawait-"
+# RunPod documents no status for its quota refusal: an API v2 client recorded 400, REST v1 answered 500.
+@pytest.mark.parametrize("refusal_status", [400, 500])
+def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_model, tmp_path, refusal_status):
+    prefix = f"loraflow-e2e-quotawait{refusal_status}-"
     pod = localpod(local_stack)
+    pod.post("/_localpod/answer-shapes", json={"quota_refusal_status": refusal_status}).raise_for_status()
     account = localpod_account(local_stack)
     room = account["workerQuota"] - sum(e["workersMax"] for e in account["liveEndpoints"])
     body = {"name": f"someone-elses-{uuid.uuid4().hex[:6]}", "type": "QUEUE", "image": "x",
@@ -146,8 +149,8 @@ def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_mod
             "workers": {"min": 0, "max": room}}
     blocker = pod.post("/v2/serverless", json=body)
     assert blocker.status_code == 201, blocker.text
-    run_file = write_run_file(tmp_path / "run.toml", name="e2e-quotawait", model=tiny_model, store=tmp_path / "store",
-                              max_steps=4)
+    run_file = write_run_file(tmp_path / "run.toml", name=f"e2e-quotawait{refusal_status}", model=tiny_model,
+                              store=tmp_path / "store", max_steps=4)
     log_path = tmp_path / "flow.log"
     try:
         with script_run(local_stack, run_file, log_path) as process:
@@ -159,8 +162,9 @@ def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_mod
             assert process.wait(300) == 0, log_path.read_text()[-5000:]
     finally:
         pod.delete(f"/v2/serverless/{blocker.json()['id']}")
+        pod.post("/_localpod/answer-shapes", json={"quota_refusal_status": 400})
     output = log_path.read_text()
-    assert "worker quota (30) is full" in output
+    assert "worker quota (30) is full" in output and "prefect gcl update runpod-endpoints --limit 30" in output
     assert len(endpoints_named(local_stack, prefix)) == 1, "waiting for the quota costs no attempt"
     assert slots_in_use(local_stack) == 0
 
