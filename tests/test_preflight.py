@@ -119,6 +119,25 @@ def test_a_gpu_below_its_floor_fails_when_no_gpu_of_the_run_meets_its_own():
     assert cuda.status == "FAIL" and "below" in cuda.found and "LORAFLOW_IMAGE_MIN_CUDA" in cuda.fix
 
 
+def test_a_gpu_whose_card_is_not_in_its_pool_is_skipped_while_another_can_be_rented():
+    missing = "GPU class H100: RunPod's catalog does not list its card NVIDIA H100 80GB HBM3 in pool ADA_80_PRO"
+    h100 = offer("h100", [], {}).model_copy(update={"source": "static list price", "not_in_pool": missing})
+    rtx = offer("4090", ["13.0"], {"EU-RO-1": "HIGH"}).model_copy(update={"cards_from": "catalog"})
+    checks = judge_gpus([resolve_gpu("h100"), resolve_gpu("4090")], [h100, rtx], ["13.0", "13.0"])
+    [pool] = [c for c in checks if c.name == "gpu H100: pool"]
+    assert pool.status == "warn" and "pool ADA_80_PRO" in pool.found and "skips" in pool.found
+    assert not [c for c in checks if c.name.startswith("gpu H100:") and c.name != "gpu H100: pool"]
+    [rtx_pool] = [c for c in checks if c.name == "gpu RTX 4090: pool"]
+    assert rtx_pool.status == "ok" and "NVIDIA GeForce RTX 4090 in pool ADA_24" in rtx_pool.found
+
+
+def test_a_run_none_of_whose_gpus_is_in_its_pool_fails_the_preflight():
+    missing = "GPU class H100: RunPod's catalog does not list its card NVIDIA H100 80GB HBM3 in pool ADA_80_PRO"
+    h100 = offer("h100", [], {}).model_copy(update={"source": "static list price", "not_in_pool": missing})
+    [pool] = judge_gpus([resolve_gpu("h100")], [h100], ["13.0"])
+    assert pool.status == "FAIL" and "tasks/runpod/catalog.py" in pool.fix
+
+
 def test_a_read_only_token_cannot_write_the_store():
     whoami = {"name": "ada", "orgs": [], "auth": {"accessToken": {"displayName": "ro", "role": "read"}}}
     assert "read-only" in judge_hub_write(whoami, "ada", "ada/runs", exists=True)

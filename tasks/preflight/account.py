@@ -208,16 +208,28 @@ def read_offers(client: RunpodClient | None, gpus: Sequence[GpuClass], floors: S
 
 def judge_gpus(gpus: Sequence[GpuClass], offers: Sequence[GpuOffer], floors: Sequence[str],
                alternatives: Callable[[], list[CudaFit]] = list) -> list[Check]:
-    """Per GPU of the run, in order: its hosts' CUDA against its floor, its stock on hosts that meet it, and where
-    its price comes from. A GPU below its floor is a warn when another GPU of the run meets its own (the run
-    skips it), a FAIL when none does (the run is refused). `alternatives()`: every GPU class's fit, for the fix."""
+    """Per GPU of the run, in order: its card in its pool as RunPod's catalog lists them, its hosts' CUDA against its
+    floor, its stock on hosts that meet it, and where its price comes from. A GPU whose card is not in its pool, or
+    below its floor, is a warn when another GPU of the run can be rented (the run skips it), a FAIL when none can
+    (the run is refused). `alternatives()`: every GPU class's fit, for the fix."""
     by_gpu = {offer.gpu: offer for offer in offers}
     fits = cuda_fits(gpus, by_gpu, floors)
-    any_meets = any(fit.meets for fit in fits)
+    any_meets = any(fit.meets for gpu, fit in zip(gpus, fits, strict=True) if by_gpu[gpu.name].not_in_pool is None)
     checks: list[Check] = []
     for gpu, fit in zip(gpus, fits, strict=True):
         offer = by_gpu[gpu.name]
         prefix = f"gpu {gpu.name}"
+        if offer.not_in_pool is not None:
+            checks.append(Check(name=f"{prefix}: pool", status="warn" if any_meets else "FAIL",
+                                found=offer.not_in_pool + (": a run skips this GPU" if any_meets else
+                                                           ": no GPU of compute.gpu can be rented"),
+                                fix=f"drop {gpu.name} from compute.gpu, or bring loraflow's class table "
+                                "(tasks/runpod/catalog.py) up to date with RunPod's catalog"))
+            continue
+        if offer.cards_from == "catalog":
+            excluding = f", excluding {', '.join(offer.exclude)}" if offer.exclude else " (nothing else there)"
+            checks.append(Check(name=f"{prefix}: pool", status="ok",
+                                found=f"{gpu.card} in pool {gpu.pool}{excluding}, per RunPod's catalog"))
         if not fit.known:
             checks.append(Check(name=f"{prefix}: cuda", status="warn", found=fit.describe(),
                                 fix="see the price line: once RunPod's catalog answers, the hosts' CUDA is checked"))
