@@ -89,7 +89,9 @@ def test_cancel_while_queued_for_a_slot_creates_nothing_and_leaks_nothing(local_
         cancel_from_cli(local_stack, holder)
         wait_for(lambda: state_of(local_stack, holder)["type"] == "CANCELLED", 120, "the holder to be cancelled")
     finally:
-        prefect_api(local_stack, "PATCH", "/v2/concurrency_limits/runpod-endpoints", json={"limit": 28})
+        # Back to what the runs create it with on this stack (LORAFLOW_WORKER_QUOTA = localpod's quota).
+        prefect_api(local_stack, "PATCH", "/v2/concurrency_limits/runpod-endpoints",
+                    json={"limit": local_stack.worker_quota})
     assert [e for e in httpx.get(f"{local_stack.localpod_url}/_localpod/account").json()["endpoints"]
             if e["name"].startswith("loraflow-e2e-queued-")] == []
     wait_for(lambda: not live_endpoints(local_stack, "loraflow-e2e-holder-"), 60, "the holder's endpoint to be deleted")

@@ -1,7 +1,7 @@
 """The reconciler on a shared RunPod account and a busy Prefect server, against the real local stack:
 it judges only its own control plane's endpoints, refuses a silence threshold below the heartbeats, tells a
 live run from a dead one by heartbeat events (not log lines), reads every live run however many pages they
-fill, survives a failing `/health`, and fills in the billed cost RunPod had not given when a run ended."""
+fill, and every page of RunPod's endpoint list, survives a failing `/health`, and fills in the billed cost RunPod had not given when a run ended."""
 
 from __future__ import annotations
 
@@ -145,6 +145,31 @@ def test_reconcile_judges_only_its_own_control_planes_endpoints(local_stack):
             assert alive("other") and alive("untagged") and alive("foreign")
         finally:
             pod.delete(f"/_localpod/faults/{fault.json()['id']}")
+            for endpoint_id in ids.values():
+                pod.delete(f"/v2/serverless/{endpoint_id}")
+
+
+def test_reconcile_reads_every_page_of_the_endpoint_list(local_stack):
+    """RunPod pages its lists (1000 by default); here localpod pages at 2, so the orphan is on the third page."""
+    ours = our_namespace(local_stack)
+    tag = uuid.uuid4().hex[:6]
+    fillers = [f"someone-elses-filler-{tag}-{n}" for n in range(4)]
+    orphan = endpoint_name(str(uuid.uuid4()), 1, "e2e-paged-orphan", namespace=ours)
+    foreign = f"someone-elses-paged-{tag}"
+    with localpod(local_stack) as pod:
+        ids = {name: create_endpoint_at_localpod(pod, name) for name in [*fillers, orphan, foreign]}
+        try:
+            pod.post("/_localpod/answer-shapes", json={"page_size": 2}).raise_for_status()
+            first = pod.get("/v2/serverless").json()
+            second = pod.get("/v2/serverless", params={"cursor": first["pagination"]["nextCursor"]}).json()
+            assert ids[orphan] not in {e["id"] for e in first["endpoints"] + second["endpoints"]}
+
+            output = run_reconcile(local_stack, '{"min_age_minutes": 0}')
+            assert f"deleted {orphan}" in output, output
+            live = {e["id"] for e in live_endpoints(local_stack, "")}
+            assert ids[orphan] not in live and ids[foreign] in live and all(ids[f] in live for f in fillers)
+        finally:
+            pod.post("/_localpod/answer-shapes", json={"page_size": 1000})
             for endpoint_id in ids.values():
                 pod.delete(f"/v2/serverless/{endpoint_id}")
 

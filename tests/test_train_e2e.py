@@ -135,7 +135,8 @@ def test_bad_dataset_is_refused_before_any_endpoint_is_created(local_stack, tiny
 def test_runs_never_hold_more_endpoints_than_the_limit(local_stack, tiny_model, tmp_path):
     limit = 2
     if endpoint_limit_missing(local_stack):
-        prefect_api(local_stack, "POST", "/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": 28})
+        prefect_api(local_stack, "POST", "/v2/concurrency_limits/",
+                    json={"name": "runpod-endpoints", "limit": local_stack.worker_quota})
     prefect_api(local_stack, "PATCH", "/v2/concurrency_limits/runpod-endpoints", json={"limit": limit})
     try:
         files = [write_run_file(tmp_path / f"run{i}.toml", name=f"e2e-quota{i}", model=tiny_model,
@@ -152,7 +153,9 @@ def test_runs_never_hold_more_endpoints_than_the_limit(local_stack, tiny_model, 
         assert most_live_at_once(endpoints) <= limit, endpoints
         assert endpoint_slots_in_use(local_stack) == 0
     finally:
-        prefect_api(local_stack, "PATCH", "/v2/concurrency_limits/runpod-endpoints", json={"limit": 28})
+        # Back to what the runs create it with on this stack (LORAFLOW_WORKER_QUOTA = localpod's quota).
+        prefect_api(local_stack, "PATCH", "/v2/concurrency_limits/runpod-endpoints",
+                    json={"limit": local_stack.worker_quota})
 
 
 def most_live_at_once(endpoints: list[dict]) -> int:
