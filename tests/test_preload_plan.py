@@ -175,6 +175,20 @@ def test_a_datacenter_that_offers_no_cpu_flavor_preloads_on_its_cheapest_gpu(cat
     compute = choose_compute(cz, cpu_types, offers)
     in_stock = [o for o in offers if "EU-CZ-1" in o.in_stock_data_centers()]
     assert (compute.kind, compute.name) == ("gpu", min(in_stock, key=lambda o: (o.usd_per_hour, o.gpu)).gpu)
+    assert compute.exclude == next(o for o in offers if o.gpu == compute.name).exclude  # pinned as the catalog says
+
+
+def test_a_gpu_preload_endpoint_pins_its_card_as_runpods_catalog_lists_its_pool(catalog, runpod):
+    _, offers, _ = catalog
+    a100 = next(o for o in offers if o.gpu == "A100 SXM")
+    compute = Compute(kind="gpu", name="A100 SXM", usd_per_hour=a100.usd_per_hour, exclude=a100.exclude)
+    vol = runpod.create_network_volume(CreateNetworkVolume(name="loraflow-cache-t1-us-ks-2", size=GB,
+                                                           data_center="US-KS-2", type="STANDARD"))
+    request = preload_request(name="loraflow-preload-us-ks-2-0123456789ab-t1-a1", compute=compute,
+                              image="loraflow-worker:local-contract4", env={}, execution_timeout_s=600,
+                              data_center="US-KS-2", volume_id=vol.id)
+    assert request.to_wire()["gpu"]["excludedTypes"] == ["NVIDIA A100 80GB PCIe"]
+    assert runpod.create_endpoint(request).network_volumes == [vol.id]  # localpod takes the selection
 
 
 def test_with_the_cpu_flavors_out_of_stock_the_preload_falls_back_to_a_gpu(localpod, runpod):

@@ -63,6 +63,9 @@ class Compute(BaseModel):
     name: str = Field(description="The CPU flavor id (e.g. cpu3c), or loraflow's GPU class name (e.g. 4090).")
     vcpu_count: int | None = Field(default=None, description="vCPUs of a CPU worker; None for a GPU.")
     usd_per_hour: float = Field(description="The worker's serverless price per hour, USD.")
+    exclude: list[str] = Field(
+        default_factory=list, description="A GPU: the cards excluded from its pool to pin it (`excludedTypes`), as its "
+        "offer says (the other cards RunPod's catalog lists in the pool, or the static table's); empty for a CPU.")
 
     def describe(self) -> str:
         return f"CPU {self.name} × {self.vcpu_count} vCPU" if self.kind == "cpu" else f"GPU {self.name}"
@@ -159,8 +162,8 @@ def choose_compute(data_center: CatalogDataCenter, cpu_types: list[CatalogCpuTyp
     gpu = choose_gpu(data_center.id, offers)
     if gpu is None:
         return None
-    price = next(o.usd_per_hour for o in offers if o.gpu == gpu.name)
-    return Compute(kind="gpu", name=gpu.name, usd_per_hour=price)
+    chosen_offer = next(o for o in offers if o.gpu == gpu.name)
+    return Compute(kind="gpu", name=gpu.name, usd_per_hour=chosen_offer.usd_per_hour, exclude=chosen_offer.exclude)
 
 
 def plan_volume(existing: list[NetworkVolume], needed_gb: int, recorded_id: str | None) -> VolumePlan:
@@ -226,7 +229,8 @@ def preload_request(*, name: str, compute: Compute, image: str, env: dict[str, s
         assert compute.vcpu_count is not None
         return build_cpu_create_request(cpu_flavor=compute.name, vcpu_count=compute.vcpu_count, **common)
     # A download needs no CUDA: any host of the GPU will do, whatever its driver.
-    return build_create_request(gpu=GPU_CLASSES[compute.name], gpu_count=1, cuda_floor=None, **common)
+    gpu = GPU_CLASSES[compute.name].model_copy(update={"exclude": tuple(compute.exclude)})
+    return build_create_request(gpu=gpu, gpu_count=1, cuda_floor=None, **common)
 
 
 def preload_one(
