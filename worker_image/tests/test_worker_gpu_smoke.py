@@ -19,9 +19,17 @@ import pytest
 from loraflow_worker.contract import FORCIBLE_FAST_PATHS
 from loraflow_worker.training.fast_paths import FAST_PATHS
 from loraflow_worker.gpu_smoke.machine import DeviceMemory, gpu_refusal, kernel_problems, read_gpu
-from loraflow_worker.gpu_smoke.report import report
-from loraflow_worker.gpu_smoke.runner import SLOT_DEADLINE_S, _checked, main, run_in_session, run_variants
-from loraflow_worker.gpu_smoke.variants import SLOT_RUNS, VARIANTS, Run, Variant, skip_reason
+from loraflow_worker.gpu_smoke.report import memory_table, report
+from loraflow_worker.gpu_smoke.runner import (
+    MEMORY_DEADLINE_S,
+    SLOT_DEADLINE_S,
+    _checked,
+    main,
+    run_in_session,
+    run_variants,
+    selected_runs,
+)
+from loraflow_worker.gpu_smoke.variants import MEMORY_RUNS, MEMORY_STEPS, SLOT_RUNS, VARIANTS, Run, Variant, skip_reason
 
 WORKER_IMAGE = Path(__file__).resolve().parents[1]
 GPU_SMOKE = WORKER_IMAGE / "gpu_smoke.sh"
@@ -89,6 +97,15 @@ def test_the_report_names_the_machines_library_versions_beside_the_figures(cpu_s
     assert line.startswith("machine: no GPU (CPU check); torch ")
     assert f"transformers {results['versions']['transformers']}, trl {results['versions']['trl']}, peft " in line
     assert "flash-linear-attention absent" in line and "causal-conv1d absent" in line and "vllm 0.33.0" in line
+
+
+@pytest.mark.timeout(300)
+def test_the_cpu_mode_lists_each_run_in_the_memory_table_without_figures(cpu_smoke):
+    table, results = cpu_smoke
+    # No CUDA: the worker makes no memory plan and nothing measures GPU memory, so every figure is a dash.
+    assert re.search(r"^all\s+sft\s+off\s+off\s+off\s+-\s+-\s+-\s+-\s+-$", table, re.MULTILINE), table
+    assert re.search(r"^all\s+grpo\s+off\s+off\s+off\s+-\s+-\s+-\s+-\s+-$", table, re.MULTILINE), table
+    assert all(run["plan_estimate_gib"] is None for run in results["runs"])
 
 
 @pytest.mark.timeout(300)
@@ -229,6 +246,72 @@ def test_the_report_shows_which_backend_fla_chose_and_how_the_allocator_was_read
                             allocator_probe="read from PYTORCH_CUDA_ALLOC_CONF: torch 2.11.0 has no ...")])
     assert "  fla backends: common tilelang, gated_delta_rule triton" in table
     assert "  allocator settings: read from PYTORCH_CUDA_ALLOC_CONF: torch 2.11.0 has no ..." in table
+
+
+def test_the_memory_runs_are_checkpointing_on_and_off_with_and_without_liger_and_qlora():
+    variants = [BY_NAME[name] for name, _ in MEMORY_RUNS]
+    assert {algorithm for _, algorithm in MEMORY_RUNS} == {"sft"}
+
+    def configuration(v: Variant) -> tuple:
+        checkpointing = "on" if "gradient_checkpointing" in v.forced else (
+            "off" if "gradient_checkpointing" in v.disabled else "planned")
+        return checkpointing, "liger_kernel" not in v.disabled, v.quantization
+
+    assert sorted(map(configuration, variants), key=str) == sorted([
+        ("on", True, None), ("off", True, None), ("on", False, None), ("off", False, None),
+        ("on", True, "4bit"), ("planned", True, "4bit")], key=str)
+
+
+def test_memory_mode_selects_the_memory_runs_in_order_and_fits_8_minutes_with_the_install():
+    runs = selected_runs(None, memory=True, cpu=False, packages={"bitsandbytes": "0.50.2", "liger-kernel": "0.8.5"})
+    assert [(r.variant.name, r.algorithm) for r in runs] == list(MEMORY_RUNS)
+    assert not any(r.skipped for r in runs)
+    assert MEMORY_STEPS == (1, 2) and MEMORY_DEADLINE_S == 330.0  # + the carried wheels' install and a margin: 480 s
+
+
+def test_memory_mode_skips_qlora_without_bitsandbytes_saying_why():
+    runs = selected_runs(None, memory=True, cpu=False, packages={})
+    assert [r.variant.name for r in runs if r.skipped] == ["qlora-checkpointing", "qlora"]
+
+
+def test_named_variants_override_memory_mode():
+    runs = selected_runs(["all"], memory=True, cpu=False, packages={})
+    assert [(r.variant.name, r.algorithm) for r in runs] == [("all", "sft"), ("all", "grpo")]
+
+
+def _measured(variant: str, checkpointing: bool, liger: bool, quantization: str | None, **figures) -> dict:
+    """A run's result as `measure` prints it, with the memory figures given."""
+    return _result(variant, "sft", 5000.0, quantization=quantization, fast_paths={
+        "gradient_checkpointing": [checkpointing, "why"], "liger_kernel": [liger, "why"], "bf16": [True, "why"]},
+        **figures)
+
+
+def test_the_memory_table_sets_each_runs_plan_estimate_beside_its_three_peaks():
+    table = "\n".join(memory_table([
+        _measured("checkpointing", True, True, None, plan_estimate_gib=10.5, max_memory_allocated_gib=11.55,
+                  max_memory_reserved_gib=12.0, device_peak_gib=13.25),
+        _measured("qlora-checkpointing", True, True, "4bit", plan_estimate_gib=8.0, max_memory_allocated_gib=6.0,
+                  max_memory_reserved_gib=6.5, device_peak_gib=7.75),
+    ]))
+    assert re.search(r"^variant\s+algorithm\s+ckpt\s+liger\s+4bit\s+plan\s+allocated\s+reserved\s+device\s+alloc/plan$",
+                     table, re.MULTILINE), table
+    assert re.search(r"^checkpointing\s+sft\s+on\s+on\s+off\s+10\.50\s+11\.55\s+12\.00\s+13\.25\s+1\.10$", table,
+                     re.MULTILINE), table
+    assert re.search(r"^qlora-checkpointing\s+sft\s+on\s+on\s+on\s+8\.00\s+6\.00\s+6\.50\s+7\.75\s+0\.75$", table,
+                     re.MULTILINE), table
+    assert "max_memory_allocated()" in table and "NVML" in table and "nvidia-ml-py" in table
+
+
+def test_the_memory_table_shows_a_dash_for_what_was_not_measured_and_leaves_out_runs_that_did_not_train():
+    lines = memory_table([
+        _measured("no-checkpointing-no-liger", False, False, None, plan_estimate_gib=None, max_memory_allocated_gib=None,
+                  max_memory_reserved_gib=None, device_peak_gib=None),
+        {"variant": "qlora", "algorithm": "sft", "skipped": "bitsandbytes is not installed (x)", "error": None},
+        {"variant": "no-checkpointing", "algorithm": "sft", "error": "exit 1: CUDA out of memory"},
+    ])
+    rows = lines[2:-1]  # between the title and header, and the footer
+    assert len(rows) == 1, lines
+    assert re.fullmatch(r"no-checkpointing-no-liger\s+sft\s+off\s+off\s+off\s+-\s+-\s+-\s+-\s+-", rows[0]), rows
 
 
 def test_a_colocated_vllm_that_returned_no_completion_fails_the_run():

@@ -1,6 +1,6 @@
 """One GPU smoke run, in a process of its own: a variant trains through the worker's own SFT or GRPO body, and the
-process prints its figures (tokens/s after the warm-up, torch's and the device's memory peaks, what engaged, the
-completions vLLM generated) as one `RESULT_MARKER` line for the runner."""
+process prints its figures (tokens/s after the warm-up, torch's and the device's memory peaks beside the worker's
+memory plan of what ran, what engaged, the completions vLLM generated) as one `RESULT_MARKER` line for the runner."""
 
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
     finally:
         device = device_memory.stop() if device_memory else None
     (t0, n0), (t1, n1) = throughput.marks[warmup - 1], throughput.marks[-1]
+    plan = outcome.manifest.memory_plan  # the worker's own plan of what ran (None without CUDA)
     result = {
         "variant": variant.name,
         "algorithm": algorithm,
@@ -103,6 +104,10 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
         "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 2) if cuda else None,
         "device_peak_gib": device["peak_gib"] if device else None,
         "device_baseline_gib": device["baseline_gib"] if device else None,
+        "plan_estimate_gib": round(plan.estimate_bytes / GIB, 2) if plan else None,
+        "plan_breakdown_gib": ({name.removesuffix("_bytes"): round(value / GIB, 2)
+                                for name, value in plan.breakdown.model_dump().items() if name.endswith("_bytes")}
+                               if plan else None),
         "vllm_completions": vllm["completions"],
         "vllm_imported": "vllm" in sys.modules,
         "fla_backends": _fla_backends(),

@@ -5,6 +5,7 @@ Usually started by `worker_image/gpu_smoke.sh`:
 
     python -m loraflow_worker.gpu_smoke                 # on a GPU: the slot's runs (below) within 420 s
     python -m loraflow_worker.gpu_smoke --variants all,no-liger,no-vllm --deadline 900
+    python -m loraflow_worker.gpu_smoke --memory        # on a GPU: the memory plan against the peaks, within 330 s
     python -m loraflow_worker.gpu_smoke --cpu --steps 2 --warmup 1       # the same machinery on CPU (nothing engages)
 
 By default it fits a lent GPU machine's slot (one command of at most 10 minutes): 420 s for SFT with every fast
@@ -12,6 +13,12 @@ path installed, SFT without Liger and without flash-linear-attention (each skipp
 is absent: `all` already ran without it), QLoRA SFT (skipped, not passed, without bitsandbytes), and GRPO without
 vLLM. Each run is a child process with its own share of the time left, so one that hangs is killed at the end of
 its share and cannot eat the others'.
+
+`--memory` calibrates the memory planner instead: SFT with gradient checkpointing on and off, each with and without
+Liger, and QLoRA as planned and with checkpointing (`variants.MEMORY_RUNS`), 1 warm-up and 2 timed steps each, within
+330 s; a second table sets the plan's estimate of each configuration that ran (the worker's own plan, from its
+manifest) beside torch's `max_memory_allocated`, `max_memory_reserved` and NVML's device peak. With the carried
+wheels' install (`gpu_smoke.sh --carried .whl --memory`) it is one command of at most 8 minutes on a lent machine.
 
 Each run is its own process also because transformers binds flash-linear-attention when the modeling module is
 imported: a variant switches fast paths off, or a memory saver on, in its job's `fast_paths`, or loads the base in
@@ -47,6 +54,8 @@ from loraflow_worker.gpu_smoke.variants import (
     CPU_SIZE,
     CPU_VARIANTS,
     GPU_SIZE,
+    MEMORY_RUNS,
+    MEMORY_STEPS,
     SLOT_RUNS,
     VARIANTS,
     Run,
@@ -59,6 +68,9 @@ RESULTS_FILE = "results.json"
 SLOT_DEADLINE_S = 420.0
 """The default budget on a GPU, model build, runs and report included. A lent machine runs one command for at most
 600 s; the other 180 s are for installing the carried wheels (`gpu_smoke.sh --carried`) and a margin."""
+MEMORY_DEADLINE_S = 330.0
+"""`--memory`'s budget on a GPU: with the carried wheels' install and a margin (150 s), one command of at most 8
+minutes."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +82,14 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"Comma-separated variants to run, in this order, each for every algorithm it has (default "
                              f"on a GPU: {', '.join(f'{v}/{a}' for v, a in SLOT_RUNS)}; on CPU: {','.join(CPU_VARIANTS)}). "
                              f"Known: {', '.join(v.name for v in VARIANTS)}.")
-    parser.add_argument("--steps", type=int, default=None, help="Timed optimizer steps per run (default 8; 2 on CPU).")
-    parser.add_argument("--warmup", type=int, default=None, help="Untimed steps before them, at least 1 (default 2; 1 on CPU).")
+    parser.add_argument("--memory", action="store_true",
+                        help=f"Calibrate the memory plan: {', '.join(f'{v}/{a}' for v, a in MEMORY_RUNS)} (unless "
+                             f"--variants says otherwise), {MEMORY_STEPS[0]} warm-up and {MEMORY_STEPS[1]} timed steps "
+                             f"each, {MEMORY_DEADLINE_S:.0f} s on a GPU.")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="Timed optimizer steps per run (default 8; 2 on CPU or with --memory).")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="Untimed steps before them, at least 1 (default 2; 1 on CPU or with --memory).")
     parser.add_argument("--deadline", type=float, default=None,
                         help=f"Seconds for the whole smoke run (default {SLOT_DEADLINE_S:.0f} on a GPU, none on CPU): each "
                              "run gets its share of the time left, and runs that cannot start before it are reported as not run.")
@@ -84,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     out = args.out or Path(tempfile.mkdtemp(prefix="loraflow-gpu-smoke-"))
     size = CPU_SIZE if args.cpu else GPU_SIZE
-    steps = args.steps if args.steps is not None else (2 if args.cpu else 8)
-    warmup = args.warmup if args.warmup is not None else (1 if args.cpu else 2)
+    short = args.cpu or args.memory
+    steps = args.steps if args.steps is not None else (MEMORY_STEPS[1] if short else 8)
+    warmup = args.warmup if args.warmup is not None else (MEMORY_STEPS[0] if short else 2)
     if steps < 1 or warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step compiles kernels: it is never timed)")
     if args.child:
@@ -102,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():  # counts devices without creating a CUDA context in this process
             parser.error("no CUDA device here: run with --cpu for the CPU check")
         gpu = read_gpu()
-        deadline = args.deadline if args.deadline is not None else SLOT_DEADLINE_S
+        deadline = args.deadline if args.deadline is not None else (MEMORY_DEADLINE_S if args.memory else SLOT_DEADLINE_S)
     print(versions_line(packages, gpu), flush=True)
     if gpu is not None:
         refusal = gpu_refusal(gpu, packages, os.environ, allow_busy=args.allow_busy_gpu)
@@ -112,13 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if gpu["warning"]:
             print(f"warning: {gpu['warning']}", flush=True)
 
-    if args.variants:
-        runs = [(variant, algorithm) for variant in by_name(args.variants) for algorithm in variant.algorithms]
-    elif args.cpu:
-        runs = [(variant, algorithm) for variant in by_name(CPU_VARIANTS) for algorithm in variant.algorithms]
-    else:
-        runs = [(by_name([name])[0], algorithm) for name, algorithm in SLOT_RUNS]
-    planned = [Run(variant, algorithm, skip_reason(variant, packages)) for variant, algorithm in runs]
+    planned = selected_runs(args.variants, memory=args.memory, cpu=args.cpu, packages=packages)
 
     model_dir = build_smoke_model(out / "model", size)
     write_datasets(out, size, warmup + steps)
@@ -140,6 +153,20 @@ def main(argv: list[str] | None = None) -> int:
          "deadline_s": deadline, "took_s": round(took, 1), "runs": results}, indent=2) + "\n")
     print(f"results: {out / RESULTS_FILE}")
     return 0 if all(r.get("error") is None for r in results) else 1
+
+
+def selected_runs(variants: Sequence[str] | None, *, memory: bool, cpu: bool, packages: Mapping[str, str]) -> list[Run]:
+    """The runs to make, in order, each with why it is skipped where its package is missing: the named `variants`
+    for every algorithm each has, else the memory calibration's (`--memory`), the CPU check's, or the slot's."""
+    if variants:
+        runs = [(variant, algorithm) for variant in by_name(variants) for algorithm in variant.algorithms]
+    elif memory:
+        runs = [(by_name([name])[0], algorithm) for name, algorithm in MEMORY_RUNS]
+    elif cpu:
+        runs = [(variant, algorithm) for variant in by_name(CPU_VARIANTS) for algorithm in variant.algorithms]
+    else:
+        runs = [(by_name([name])[0], algorithm) for name, algorithm in SLOT_RUNS]
+    return [Run(variant, algorithm, skip_reason(variant, packages)) for variant, algorithm in runs]
 
 
 def run_variants(runs: Sequence[Run], run_one: Callable[[Run, float], dict], variant_timeout: float,

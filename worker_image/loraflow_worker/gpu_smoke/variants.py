@@ -1,5 +1,6 @@
 """What the GPU smoke runs: the worker's configurations (variants of its fast paths), the model and batch sizes on
-a GPU and on a CPU, the runs a lent machine's slot holds, and each run's share of the time."""
+a GPU and on a CPU, the runs a lent machine's slot holds, the runs that calibrate the memory plan, and each run's
+share of the time."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ VARIANTS = (
     Variant("no-kernels", ("sft",), disabled=KERNELS),
     Variant("checkpointing", ("sft",), forced=frozenset({"gradient_checkpointing"})),
     Variant("no-checkpointing", ("sft",), disabled=frozenset({"gradient_checkpointing"})),
+    Variant("checkpointing-no-liger", ("sft",), disabled=frozenset({"liger_kernel"}),
+            forced=frozenset({"gradient_checkpointing"})),
+    Variant("no-checkpointing-no-liger", ("sft",), disabled=frozenset({"gradient_checkpointing", "liger_kernel"})),
+    Variant("qlora-checkpointing", ("sft",), forced=frozenset({"gradient_checkpointing"}), quantization="4bit",
+            needs=("bitsandbytes", "QLoRA loads the base model in 4 bits through it")),
     Variant("paged-adamw-8bit", ("sft",), forced=frozenset({"paged_adamw_8bit"}),
             needs=("bitsandbytes", "8-bit paged AdamW is its optimizer")),
     Variant("no-vllm", ("grpo",), disabled=frozenset({"vllm_colocate"})),
@@ -45,6 +51,15 @@ VARIANTS = (
 SLOT_RUNS = (("all", "sft"), ("no-liger", "sft"), ("no-fla", "sft"), ("qlora", "sft"), ("no-vllm", "grpo"))
 """What a GPU run does unless `--variants` says otherwise: what fits a lent machine's slot. GRPO goes without vLLM
 (`use_vllm=False`): a lent machine has none, and vLLM's start alone would take a large part of the budget."""
+MEMORY_RUNS = (("checkpointing", "sft"), ("no-checkpointing", "sft"), ("qlora-checkpointing", "sft"),
+               ("checkpointing-no-liger", "sft"), ("no-checkpointing-no-liger", "sft"), ("qlora", "sft"))
+"""What `--memory` runs unless `--variants` says otherwise: gradient checkpointing on and off, each with and without
+Liger, and QLoRA with checkpointing and as planned, so that one command sets the memory plan's estimate of each
+configuration beside the peaks it measured. QLoRA with checkpointing comes third: should time run short, the runs
+left out are the ones that differ from a run already made in one switch only."""
+MEMORY_STEPS = (1, 2)
+"""`--memory`'s warm-up and timed steps unless told otherwise: the optimizer's state exists from the first optimizer
+step on and the batches are all of one length, so each later step repeats the same peak; more steps only cost time."""
 CPU_VARIANTS = ("all", "no-kernels")
 """What `--cpu` runs unless `--variants` says otherwise (on CPU every fast path is off anyway)."""
 ALGORITHM_WEIGHT = {"sft": 1.0, "grpo": 2.0}
