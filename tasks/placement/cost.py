@@ -121,8 +121,9 @@ def evaluation_cost(algorithm: str, training: TrainingSettings, *, every_steps: 
 @task(name="read-gpu-prices", cache_policy=NO_CACHE)
 def read_gpu_prices(gpus: list[GpuClass], cuda_floors: list[str] | None = None, *, log: bool = True) -> list[GpuOffer]:
     """Each GPU's serverless price and hosts' CUDA versions from RunPod's live catalog, with its stock on hosts
-    that meet its CUDA floor (given `cuda_floors`), or the static table where it cannot be read. Not retried:
-    the static table is the answer to a failed read."""
+    that meet its CUDA floor (given `cuda_floors`), or the static table where it cannot be read. Not retried as a
+    task: the read itself is tried again on transient errors (`live_catalog.read_retried`), and the static table
+    is the answer to a read that still fails."""
     logger = get_run_logger()
     try:
         client = make_client()
