@@ -165,7 +165,10 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     try:
         return LocalpodConfig.model_validate(fields)
     except ValidationError as e:
-        parser.error("; ".join(error["msg"].removeprefix("Value error, ") for error in e.errors()))
+        # Name the setting; a default that could not be made because another setting failed is no error of its own.
+        parser.error("; ".join(f"{'.'.join(map(str, error['loc'])) or 'config'}: "
+                               f"{error['msg'].removeprefix('Value error, ')}"
+                               for error in e.errors() if error["type"] != "default_factory_not_called"))
 
 
 class _Server(uvicorn.Server):
@@ -219,10 +222,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--worker-quota", type=int, default=30, help="max sum of workers.max over live endpoints")
     p.add_argument("--quota-refusal-status", type=int, choices=[400, 500],
-                   default=int(os.environ.get("LOCALPOD_QUOTA_REFUSAL_STATUS") or 400),
+                   default=os.environ.get("LOCALPOD_QUOTA_REFUSAL_STATUS") or "400",
                    help="the status of the quota refusal: 400 (an ErrorResponse) or 500 (REST v1's body, as REST v1 "
                    "answered it); default: env LOCALPOD_QUOTA_REFUSAL_STATUS, else 400")
-    p.add_argument("--page-size", type=int, default=int(os.environ.get("LOCALPOD_PAGE_SIZE") or DEFAULT_PAGE_SIZE),
+    # String defaults go through `type`, so a bad environment value is refused as the flag's would be.
+    p.add_argument("--page-size", type=int, default=os.environ.get("LOCALPOD_PAGE_SIZE") or str(DEFAULT_PAGE_SIZE),
                    help="items per page of the endpoint, network volume and secret lists (later pages through "
                    f"pagination.nextCursor); default: env LOCALPOD_PAGE_SIZE, else {DEFAULT_PAGE_SIZE} as RunPod")
     p.add_argument("--worker-runtime", choices=["process", "docker"], default="process",

@@ -830,3 +830,20 @@ def test_shipped_openapi_copy_is_the_unedited_official_schema():
     official = Path(__file__).resolve().parents[2] / "shared" / "runpod-api" / "api-v2-openapi.json"
     if official.exists():  # beside a developer checkout and in CI
         assert shipped == official.read_bytes()
+
+
+def test_the_answer_shapes_come_from_the_environment_and_a_bad_one_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from localpod.__main__ import _parser, config_from_args, main
+
+    monkeypatch.setenv("LOCALPOD_PAGE_SIZE", "2")
+    monkeypatch.setenv("LOCALPOD_QUOTA_REFUSAL_STATUS", "500")
+    argv = ["--log-dir", str(tmp_path), "--worker-command", "python3 handler.py", "--port", "1"]
+    parser = _parser()
+    config = config_from_args(parser.parse_args(argv), parser)
+    assert (config.page_size, config.quota_refusal_status) == (2, 500)
+    monkeypatch.setenv("LOCALPOD_PAGE_SIZE", "0")
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "page_size: Input should be greater than or equal to 1" in capsys.readouterr().err
