@@ -200,11 +200,12 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
         figures.not_as_expected += bool(record.problems)
         # A result is lost when the store holds it but the run did not complete, or when the run
         # completed without an intact result.
-        completed = record.state_type == "COMPLETED"
+        completed = record.state_type == "COMPLETED" and record.scenario.flow == "train"  # only a run trains
         figures.results_lost += (record.done and not completed) or (completed and bool(artifact_problems(record.run_dir, max_steps)))
     figures.attempts_given_up = dict(given_up)
     # Load the adapters of runs that took the most attempts: resumed and moved runs are the likelier to be broken.
-    completed = sorted((r for r in records if r.state_type == "COMPLETED" and not r.problems), key=lambda r: -len(r.retried))
+    completed = sorted((r for r in records if r.state_type == "COMPLETED" and r.scenario.flow == "train" and not r.problems),
+                       key=lambda r: -len(r.retried))
     for record in completed[:load_adapters]:
         if adapter_changes_the_model(model, record.run_dir / "adapter"):
             figures.adapters_loaded += 1

@@ -43,6 +43,8 @@ _ATTEMPT_ON = re.compile(r"^Attempt (\d+) on \d+ × (.+?): endpoint ")
 _ADOPTED = re.compile(r"^Job ended (\w+) but its results were stored completely; adopting them")
 _RESUMED = re.compile(r"resuming from the checkpoint at step (\d+)")
 _ENDPOINT_ATTEMPT = re.compile(r"-a(\d+)$")
+_REQUEUED = re.compile(r"^Job \S+ went back to RunPod's queue after it had started")
+_TRAINING_STARTED = re.compile(r"training process \d+ started for run")
 
 
 def wait_for(condition, timeout_s: float, interval_s: float = 0.5):
@@ -268,6 +270,12 @@ class RunRecord:
     """A preload scenario's volume ids in its datacenters before it ran."""
     reconcile: subprocess.CompletedProcess | None = None
     """The too-tight reconcile the scenario ran while the run trained, when it did."""
+    requeued: int = 0
+    """Times the flow said its job went back to RunPod's queue after it had started, waiting for another worker."""
+    fresh_trainings: int = 0
+    """Workers of the run whose log shows a training started from the start (not resumed from a checkpoint)."""
+    volume_race: Any = None
+    """A volumes scenario's findings (`bench.chaos_volumes.VolumeRace`)."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -359,6 +367,10 @@ def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir
     """Inject the scenario's faults for this run's endpoints, then run its flow to its end."""
     here = workdir / name
     here.mkdir(parents=True)
+    if scenario.flow == "volumes":
+        from bench.chaos_volumes import run_volume_race  # it builds on this module
+
+        return run_volume_race(stack, pod, scenario, name=name, here=here, timeout_s=timeout_s)
     if scenario.flow == "preload":
         return run_preload_scenario(stack, pod, scenario, name=name, here=here, model=model, timeout_s=timeout_s)
     if scenario.broken_model:
@@ -454,6 +466,11 @@ def read_back(record: RunRecord, prefect: PrefectApi, account: Account) -> None:
         if last is not None and w.endpoint_id == last.id and w.log_path and Path(w.log_path).exists():
             if m := _RESUMED.search(Path(w.log_path).read_text(errors="replace")):
                 record.resumed_from_step = int(m.group(1))
+    ours = {e.id for e in endpoints}
+    for w in account.workers:
+        if w.endpoint_id in ours and w.log_path and Path(w.log_path).exists():
+            console = Path(w.log_path).read_text(errors="replace")
+            record.fresh_trainings += bool(_TRAINING_STARTED.search(console)) and not _RESUMED.search(console)
     run_dir = record.run_dir
     record.done = run_dir is not None and (run_dir / "DONE").exists()
     if record.flow_run_id is None:
@@ -467,6 +484,8 @@ def read_back(record: RunRecord, prefect: PrefectApi, account: Account) -> None:
             record.adopted_after = m.group(1)
         elif m := _ATTEMPT_ON.match(message):
             record.gpus_used.append(m.group(2))
+        elif _REQUEUED.match(message):
+            record.requeued += 1
 
 
 def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, Any]], max_steps: int) -> list[str]:
@@ -476,6 +495,10 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         return [f"no flow run id in the flow's output (exit code {record.returncode}):\n{record.output[-3000:]}"]
     if s.flow == "preload":
         return _preload_problems(record, account) + _fault_problems(record, faults)
+    if s.flow == "volumes":
+        from bench.chaos_volumes import volume_race_problems  # it builds on this module
+
+        return volume_race_problems(record) + _fault_problems(record, faults)
     if record.state_type != s.expect_state:
         problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
     ended = record.retried + ([record.adopted_after] if record.adopted_after else [])
@@ -502,6 +525,12 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         problems += _tight_reconcile_problems(record.reconcile, s.tight_reconcile_minutes)
     if s.resumes and record.resumed_from_step is None:
         problems.append("the last attempt did not resume from a checkpoint")
+    if record.requeued != s.requeues:
+        problems.append(f"the job went back to the queue {record.requeued} times after it started, expected "
+                        f"{s.requeues}")
+    if s.requeues and s.resumes and record.fresh_trainings != 1:
+        problems.append(f"{record.fresh_trainings} workers trained from the start into the run's store, expected 1: "
+                        "the others must resume from the checkpoint")
     missing = [t for t in s.failure_text if t not in record.state_message]
     if s.expect_state == "FAILED" and missing:
         problems.append(f"the failure message lacks {missing}: {record.state_message[:1500]}")

@@ -23,6 +23,8 @@ process as `CRASH_AT_STEP` and `CRASH_KIND` say. The image ships no such switch.
 CRASH_AT_STEP = "LORAFLOW_TEST_CRASH_AT_STEP"
 CRASH_KIND = "LORAFLOW_TEST_CRASH_KIND"
 STEP_SECONDS = "LORAFLOW_TEST_STEP_SECONDS"
+RACE_WINDOW_S = 8
+"""How long the volume race's billing read is held: the window in which the attaching endpoint is made."""
 
 
 def route(route_name: str, action: str, **rule: Any) -> dict[str, Any]:
@@ -81,8 +83,9 @@ class Scenario:
     """Run the reconcile flow with `tight_reconcile_minutes` once the first attempt's job reports this training
     step: it must be refused, naming the setting and the heartbeat, and delete nothing."""
     tight_reconcile_minutes: float = 0.5
-    flow: Literal["train", "preload"] = "train"
-    """The flow the scenario runs: a train run, or a preload sweep of a Hub model (`preload_data_centers`)."""
+    flow: Literal["train", "preload", "volumes"] = "train"
+    """The flow the scenario runs: a train run, a preload sweep of a Hub model (`preload_data_centers`), or the
+    volumes flow's retention (`race_data_center`)."""
     preload_data_centers: tuple[str, ...] = ()
     stale_warm_record: str | None = None
     """A datacenter whose weight-cache record says the run's model is warm on a network volume that was deleted
@@ -90,6 +93,16 @@ class Scenario:
     own_token: bool = False
     """Start the run with a Hub token of its own (`HF_TOKEN` of its flow process), while the batch's other runs
     carry the stack's: every worker of this run must boot with this run's token, never another's."""
+    requeues: int = 0
+    """Times the job must go back to RunPod's queue after it started (its worker lost) and be taken by another
+    worker of the same endpoint, the run waiting on the same attempt. With `resumes`, every worker after the first
+    must resume from the checkpoint (or return the stored results), never train from the start again: one training
+    per store."""
+    race_data_center: str | None = None
+    """flow `volumes`: a datacenter where the scenario makes this control plane's volume, unused for a month by its
+    weight-cache record, then attaches it to a new endpoint while the volumes flow reads billing (its hang fault),
+    after the inventory listed the endpoints and before the delete: the volume must be kept, reported as attached,
+    and nothing lost."""
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -148,12 +161,24 @@ SCENARIOS: dict[str, Scenario] = {
             retried=("submit_failed",), route_faults=(route("run", "drop"),),
         ),
         Scenario(
-            "worker-crash", "the worker dies mid-job without a result: worker_lost, retried",
-            retried=("worker_lost",), worker_faults=(worker("crash"),),
+            "worker-crash", "the worker dies mid-job without a result and RunPod fails its job (localpod's "
+            "--dead-worker-jobs fail): worker_lost, retried on a new endpoint",
+            retried=("worker_lost",), worker_faults=(worker("crash", dead_worker_jobs="fail"),),
         ),
         Scenario(
-            "preempt", "the worker is killed and the job requeued: preempted, retried on a new endpoint",
-            retried=("preempted",), worker_faults=(worker("preempt"),),
+            "worker-crash-requeue",
+            "the worker dies at training step 3, after the step-2 checkpoint, and RunPod hands its job to another "
+            "worker (localpod's --dead-worker-jobs requeue): the run waits on the same endpoint and completes on its "
+            "first attempt, the new worker resuming from the checkpoint: one training per store",
+            # Steps of 2 s on the first worker only: step 3 is reported after the step-2 checkpoint was stored.
+            worker_faults=(worker("crash", at_step=3, dead_worker_jobs="requeue"),
+                           worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: "2"})),
+            checkpoint_every_steps=2, resumes=True, requeues=1,
+        ),
+        Scenario(
+            "preempt", "the worker is killed and the job requeued (RunPod preempting the host): another worker of "
+            "the same endpoint takes it, and the run completes on its first attempt",
+            worker_faults=(worker("preempt"),), requeues=1,
         ),
         Scenario(
             "worker-hang", "the worker freezes (SIGSTOP) as the job starts: stalled after the startup allowance",
@@ -275,6 +300,14 @@ SCENARIOS: dict[str, Scenario] = {
             failure_text=("US-CA-2",),
         ),
         Scenario(
+            "volume-race",
+            "an endpoint attaching this control plane's unused volume in EU-CZ-1 appears while the volumes flow reads "
+            "billing, between the inventory and the delete (RunPod would delete an attached volume): the endpoints "
+            "are listed again right before the delete, the volume is kept and reported as attached, nothing lost",
+            flow="volumes", race_data_center="EU-CZ-1",
+            route_faults=(route("network_volume_billing", "hang", hang_s=RACE_WINDOW_S),),
+        ),
+        Scenario(
             "unknown-status",
             "`/status` answers a status loraflow does not know (PAUSED; RUNNING, which RunPod's job-states page "
             "lists, is known) three times: logged once, treated as running, one attempt",
@@ -294,17 +327,17 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 SHORT_FORM: tuple[str, ...] = (
-    "api-faults", "ambiguous-create", "run-500", "worker-crash", "preempt", "worker-hang", "stall-resume",
-    "no-capacity", "oom", "oom-twice", "oom-cuda-error", "oom-cublas", "oom-vllm-kv", "oom-host", "cuda-unavailable",
-    "endpoint-deleted", "unknown-status", "code-failure", "tight-policy", "own-token", "volume-deleted",
-    "volume-refused",
+    "api-faults", "ambiguous-create", "run-500", "worker-crash", "worker-crash-requeue", "preempt", "worker-hang",
+    "stall-resume", "no-capacity", "oom", "oom-twice", "oom-cuda-error", "oom-cublas", "oom-vllm-kv", "oom-host",
+    "cuda-unavailable", "endpoint-deleted", "unknown-status", "code-failure", "tight-policy", "own-token",
+    "volume-deleted", "volume-refused", "volume-race",
 )
 """The scenarios the CI test runs, one run each: every fault kind of the issue, at the cost of about one
 queue allowance (the no-capacity run) of wall time."""
 
 
 UNSCOPED_ROUTES = frozenset({"list_endpoints", "create_network_volume", "list_network_volumes", "get_network_volume",
-                             "patch_network_volume", "delete_network_volume"})
+                             "patch_network_volume", "delete_network_volume", "network_volume_billing"})
 """Routes that name no endpoint: a rule on them stays global (a volume create's may name its datacenter)."""
 
 

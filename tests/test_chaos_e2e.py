@@ -5,7 +5,7 @@ The long form (many runs, a chosen fault mix, background noise) is `bench/chaos.
 scenarios of `bench/chaos_scenarios.py`. This module starts its own stack: localpod's account figures
 (peak endpoints, faults injected, billed seconds) must not mix with other tests' runs.
 
-One batch: the 22 scenarios of `SHORT_FORM` and the `delete-outage` run (deletes that fail for minutes
+One batch: the 24 scenarios of `SHORT_FORM` and the `delete-outage` run (deletes that fail for minutes
 once the job has stored its results), all at once; each test below reads one behaviour off its outcome.
 The delete outage used to run alone after the batch (2.5 minutes more); its faults are scoped to its own
 endpoints, so beside the others it proves the same: its endpoint is deleted in the end, its run completes,
@@ -84,10 +84,23 @@ def test_a_failed_submit_moves_to_a_new_endpoint(chaos):
     assert sorted(n[-3:] for n in run.endpoint_names) == ["-a1", "-a2"]
 
 
-def test_lost_and_preempted_workers_are_retried(chaos):
-    assert chaos.record("worker-crash").retried == ["worker_lost"]
-    assert chaos.record("preempt").retried == ["preempted"]
-    assert {chaos.record("worker-crash").state_type, chaos.record("preempt").state_type} == {"COMPLETED"}
+def test_a_lost_worker_whose_job_runpod_fails_is_retried_on_a_new_endpoint(chaos):
+    run = chaos.record("worker-crash")
+    assert run.retried == ["worker_lost"] and run.state_type == "COMPLETED"
+    assert sorted(n[-3:] for n in run.endpoint_names) == ["-a1", "-a2"]
+
+
+def test_a_lost_workers_requeued_job_completes_on_the_same_attempt_with_one_training_per_store(chaos):
+    run = chaos.record("worker-crash-requeue")
+    assert run.state_type == "COMPLETED" and run.retried == [] and len(run.endpoint_names) == 1
+    assert run.requeued == 1 and run.resumed_from_step == 2  # the step-2 checkpoint, stored before the crash
+    assert run.fresh_trainings == 1, run.fresh_trainings
+
+
+def test_a_preempted_workers_job_is_taken_by_another_worker_of_the_same_endpoint(chaos):
+    run = chaos.record("preempt")
+    assert run.state_type == "COMPLETED" and run.retried == [] and len(run.endpoint_names) == 1
+    assert run.requeued == 1
 
 
 def test_a_frozen_worker_is_given_up_as_stalled(chaos):
@@ -149,6 +162,15 @@ def test_an_endpoint_deleted_mid_training_costs_an_attempt_not_the_run(chaos):
     assert run.retried == ["lost"] and run.state_type == "COMPLETED"
     assert sorted(n[-3:] for n in run.endpoint_names) == ["-a1", "-a2"]
     assert run.resumed_from_step is not None and run.resumed_from_step >= 2  # the checkpoint stored before the delete
+
+
+def test_a_volume_attached_between_the_volumes_flows_decision_and_its_delete_is_kept(chaos):
+    run = chaos.record("volume-race")
+    race = run.volume_race
+    assert run.state_type == "COMPLETED" and race.attached_by is not None, chaos.report()
+    assert (race.row["action"], race.row["result"]) == ("keep", "kept: attached"), race.row
+    assert race.attached_by in race.row["attached to"]
+    assert race.volume_kept and race.record_kept and race.endpoint_still_attaches
 
 
 def test_an_unknown_job_status_is_treated_as_running(chaos):

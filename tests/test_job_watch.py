@@ -15,6 +15,7 @@ from tasks.runpod.jobs import (
     DEADLINE_SAVE_GRACE_S,
     HEALTH_CHECK_S,
     MAX_POLL_INTERVAL_S,
+    MAX_REQUEUES,
     WatchLimits,
     parse_worker_error,
     watch_job,
@@ -151,9 +152,40 @@ def test_job_that_never_leaves_the_queue_is_no_capacity_and_cancelled():
     assert any(r.url.path.endswith("/cancel/job1") for r in seen)
 
 
-def test_job_requeued_after_starting_is_preempted():
-    outcome = watch(scripted_client([training(5), job("IN_QUEUE")]), FakeClock())
-    assert outcome.kind == "preempted" and outcome.retriable
+def test_a_job_back_in_the_queue_that_no_worker_takes_again_within_the_queue_allowance_is_preempted():
+    clock = FakeClock()
+    outcome = watch(scripted_client([training(5), job("IN_QUEUE")]), clock, queue=60)
+    assert outcome.kind == "preempted" and outcome.retriable and "within 60 s" in outcome.error
+    assert 60 <= clock.now - 1000 <= 66
+
+
+def test_a_job_handed_to_another_worker_after_its_worker_was_lost_completes_on_the_same_watch():
+    requeues = []
+    answers = [training(3), job("IN_QUEUE"), job("IN_QUEUE"), job("IN_PROGRESS", output={"stage": "loading"}),
+               training(4), job("COMPLETED", output={"ok": True})]
+    outcome = watch(scripted_client(answers), FakeClock(), on_requeued=requeues.append)
+    assert outcome.kind == "completed" and requeues == [1]
+
+
+def test_the_next_worker_of_a_requeued_job_gets_the_startup_allowance_anew():
+    clock = FakeClock()
+
+    def answer(now):  # step 3 at once; back in the queue at 100 s; taken again at 110 s, loading from then on
+        if now < 1100:
+            return training(3)
+        return job("IN_QUEUE") if now < 1110 else job("IN_PROGRESS", output={"stage": "loading"})
+
+    outcome = watch(scripted_client(answer, clock=clock), clock, startup=300, stall=1000)
+    assert outcome.kind == "stalled" and "no training step within 300 s" in outcome.error
+    assert 1410 <= clock.now <= 1416
+
+
+def test_a_job_that_keeps_going_back_to_the_queue_is_given_up_as_preempted():
+    requeues = []
+    answers = [training(1), job("IN_QUEUE")] * (MAX_REQUEUES + 1) + [training(1)]
+    outcome = watch(scripted_client(answers), FakeClock(), on_requeued=requeues.append)
+    assert outcome.kind == "preempted" and f"{MAX_REQUEUES + 1} times" in outcome.error
+    assert requeues == list(range(1, MAX_REQUEUES + 2))
 
 
 def test_no_first_training_step_within_the_startup_allowance_is_stalled():
@@ -271,10 +303,10 @@ def test_a_queued_job_after_unknown_statuses_was_not_preempted():
     assert outcome.kind == "completed"
 
 
-def test_a_job_requeued_after_it_was_in_progress_is_preempted():
+def test_a_job_requeued_after_it_was_in_progress_is_waited_for_then_preempted():
     clock = FakeClock()
     outcome = watch(scripted_client([training(1), job("PAUSED"), job("IN_QUEUE")]), clock,
-                    on_unknown_status=lambda s: None)
+                    on_unknown_status=lambda s: None, queue=60)
     assert outcome.kind == "preempted"
 
 
@@ -302,8 +334,8 @@ def test_running_is_a_known_status_whose_progress_is_read():
     assert [p["step"] for p in progress if p] == [1, 2, 3]
 
 
-def test_a_job_queued_again_after_running_is_preempted():
-    outcome = watch(scripted_client([running(1), job("IN_QUEUE")]), FakeClock())
+def test_a_job_queued_again_after_running_and_never_taken_again_is_preempted():
+    outcome = watch(scripted_client([running(1), job("IN_QUEUE")]), FakeClock(), queue=60)
     assert outcome.kind == "preempted" and outcome.last_step == 1
 
 

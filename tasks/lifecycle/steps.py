@@ -172,7 +172,11 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
                             on_read_error=on_read_error, cancel_requested=lambda: run_cancel_requested(prefect),
                             on_unknown_status=lambda name: logger.warning(
                                 "Job %s: RunPod sent status %r, which loraflow does not know; treated as running "
-                                "(the stall limits still apply)", job_id, name))
+                                "(the stall limits still apply)", job_id, name),
+                            on_requeued=lambda times: logger.warning(
+                                "Job %s went back to RunPod's queue after it had started (time %d: its worker was "
+                                "lost): waiting on the same endpoint for another worker, which resumes from the last "
+                                "checkpoint or returns the stored results", job_id, times))
     if outcome.kind == "completed":
         # Polls may miss the last updates of a short run: the result's metrics give the final line.
         update_progress_artifact(artifact_id=artifact_id, progress=100.0,

@@ -58,6 +58,9 @@ STEADY_POLL_MAX_S = 5.0
 loop serves, and 2.5 × fewer polls than the 2 s base on a long run."""
 HEALTH_CHECK_S = 30.0
 """How often `/health` is read while the job is queued and no worker has taken it."""
+MAX_REQUEUES = 2
+"""How many times a started job may go back to RunPod's queue (its worker lost: a crash, a preempted host) and be
+waited for on the same endpoint; once more, the attempt is given up as preempted (its workers keep being lost)."""
 # How a FAILED job's error says what failed, searched anywhere in it (RunPod's runtime and the handler add
 # their own prefixes, e.g. `JobFailed: `). First the worker's own markers (loraflow_worker.runtime.supervisor), then
 # the libraries' texts, for an error that did not pass through the worker's supervisor.
@@ -99,7 +102,8 @@ class JobOutcome(BaseModel):
                               "job at its execution timeout or TTL); no_capacity (never left the queue); image_pull_failed (never "
                               "left the queue while /health showed workers stuck initializing: every GPU would pull the "
                               "same image, so no retry); stalled (no "
-                              "progress); preempted (requeued after it started); worker_lost (the worker died "
+                              "progress); preempted (back in the queue after it started, and no worker took it again within the queue "
+                              "allowance, or it went back more than MAX_REQUEUES times); worker_lost (the worker died "
                               "without a result); out_of_memory (the GPU's memory, or vLLM's KV cache: see `memory`); "
                               "host_out_of_memory (the host's RAM: the kernel's OOM killer; a GPU with more memory "
                               "does not cure it); cuda_unavailable (CUDA did not start on the host: the worker "
@@ -156,19 +160,31 @@ class _Progress:
         self.last_change = now
         self.last_key: tuple | None = None
         self.last_step: int | None = None
+        self.requeued_at: float | None = None
+        """When the job went back to the queue after it had started; None while a worker holds it."""
+        self.requeues = 0
 
-    def see(self, status: JobStatus, now: float) -> None:
+    def see(self, status: JobStatus, now: float) -> bool:
+        """Take in one status; True when it shows the job back in the queue after it had started (a requeue)."""
         # A status loraflow does not know counts as running: the stall limits then end a job that never moves.
         if (status.running or not status.known) and self.first_running is None:
             self.first_running = self.last_change = now
         # Only RunPod's own IN_PROGRESS or RUNNING proves the job started: a queued job after unknown statuses is
         # not preempted.
         self.in_progress_seen = self.in_progress_seen or status.running
-        if status.status == "IN_QUEUE" and not self.in_progress_seen:
+        requeued = status.status == "IN_QUEUE" and self.in_progress_seen and self.requeued_at is None
+        if requeued:
+            # RunPod hands the job to another worker, which loads the model again: its startup allowance starts anew
+            # when it takes the job, and the job resumes from its checkpoint (or returns its stored results).
+            self.requeued_at, self.requeues = now, self.requeues + 1
+            self.first_step, self.last_key = None, None
+        if status.status == "IN_QUEUE":
             self.first_running = None
+        elif status.running:
+            self.requeued_at = None
         progress = status.progress
         if progress is None:
-            return
+            return requeued
         key = (progress.get("stage"), progress.get("step"), progress.get("loss"))
         if key != self.last_key:
             self.last_key, self.last_change = key, now
@@ -176,6 +192,7 @@ class _Progress:
             self.last_step = progress["step"]
             if self.first_step is None and progress["step"] > 0:
                 self.first_step = now
+        return requeued
 
 
 def watch_job(
@@ -189,14 +206,18 @@ def watch_job(
     on_read_error: Callable[[errors.RunpodError, float], None] = lambda error, unreadable_s: None,
     on_unknown_status: Callable[[str], None] = lambda status: log.warning(
         "RunPod sent job status %r, which loraflow does not know: treated as running", status),
+    on_requeued: Callable[[int], None] = lambda times: log.warning(
+        "The job went back to RunPod's queue after it had started (time %d): waiting for another worker", times),
     cancel_requested: Callable[[], bool] = lambda: False,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
 ) -> JobOutcome:
     """Poll `/status` until the job ends or an attempt limit is passed, then classify the outcome.
 
-    A job given up on (queued, stalled, requeued, unreachable, past the deadline, or its run cancelled)
-    is cancelled first; the caller deletes the endpoint afterwards in any case. `cancel_requested` is
+    A job that goes back to the queue after it started (its worker lost: RunPod hands it to another worker) is
+    waited for on the same endpoint, `on_requeued` hearing how many times it went back, within the queue allowance
+    and `MAX_REQUEUES`. A job given up on (queued, stalled, requeued too often or too long, unreachable, past the
+    deadline, or its run cancelled) is cancelled first; the caller deletes the endpoint afterwards in any case. `cancel_requested` is
     asked every `CANCEL_CHECK_S`; `on_read_error` hears each transient error with how long the status
     has been unreadable. A 404 for the endpoint or the job means it vanished behind the run (outcome `lost`:
     another attempt starts on a new endpoint). A status loraflow does not know is reported once to
@@ -245,7 +266,8 @@ def watch_job(
             on_unknown_status(status.status)
         now = clock()
         on_status(status)
-        seen.see(status, now)
+        if seen.see(status, now):
+            on_requeued(seen.requeues)
         if status.terminal:
             return _terminal_outcome(status, seen, now)
         if status.status == "IN_QUEUE" and seen.first_running is None and now >= next_health_check:
@@ -356,8 +378,14 @@ def _give_up(status: JobStatus, seen: _Progress, limits: WatchLimits, now: float
     if now >= _deadline(limits, seen):
         return "deadline", "the run's deadline passed before the job finished"
     if status.status == "IN_QUEUE":
-        if seen.in_progress_seen:
-            return "preempted", "the job went back to the queue after it had started (worker preempted)"
+        if seen.requeued_at is not None:
+            if seen.requeues > MAX_REQUEUES:
+                return "preempted", (f"the job went back to the queue {seen.requeues} times after it had started: its "
+                                     "workers keep being lost (preempted or crashed)")
+            if now - seen.requeued_at > limits.queue_s:
+                return "preempted", (f"the job went back to the queue after it had started (its worker lost or "
+                                     f"preempted) and no worker took it again within {limits.queue_s:.0f} s")
+            return None
         if now - seen.submitted > limits.queue_s:
             return "no_capacity", f"the job stayed queued for {now - seen.submitted:.0f} s: no worker started"
         return None
