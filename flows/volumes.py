@@ -70,7 +70,9 @@ def volumes(policy: VolumesPolicy = VolumesPolicy()) -> list[VolumeRow]:
        records and the `loraflow.volume.used` events.
     2. Decide: keep what was used within `retain_days` or is attached; delete this control plane's unused
        volumes (with their records); other control planes' only as `delete_namespaces`/`adopt_namespaces` say.
-    3. Act (not on a dry run; not on other control planes' volumes without `confirm`).
+    3. Act (not on a dry run; not on other control planes' volumes without `confirm`). RunPod documents no refusal
+       to delete an attached volume, so the account's endpoints are listed again right before each delete: a
+       volume one attached since step 1 is kept, and its row says so.
     4. Publish the table (`volumes`) and the total $/month (`volumes-cost`).
     """
     logger = get_run_logger()

@@ -12,6 +12,7 @@ from tasks.runpod.errors import BadRequestError, QuotaExceededError
 from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume, Endpoint
 from tasks.runpod.volumes import (
     attaching_endpoints,
+    delete_unattached_volume,
     ensure_volume,
     find_volume,
     parse_volume_name,
@@ -165,6 +166,15 @@ def test_the_endpoints_attaching_a_volume_are_every_control_planes(runpod, local
     create_endpoint(localpod, name="loraflow-ours1-other-a1")
     assert sorted(attaching_endpoints(runpod, volume.id)) == [
         "loraflow-ours1-run-a1", "loraflow-them2-run-a1", "someone-elses-endpoint"]
+
+
+def test_a_volume_is_deleted_only_when_no_endpoint_references_it_right_before_the_delete(runpod, localpod):  # noqa: F811
+    attached, free = ours(runpod), ours(runpod, data_center="EU-CZ-1")
+    create_endpoint(localpod, name="loraflow-them2-run-a1", networkVolumes=[attached.id])
+    assert delete_unattached_volume(runpod, attached.id) == ["loraflow-them2-run-a1"]
+    assert delete_unattached_volume(runpod, free.id) == []
+    assert delete_unattached_volume(runpod, free.id) == []  # already gone counts as deleted
+    assert [v.id for v in runpod.list_network_volumes()] == [attached.id]
 
 
 @pytest.mark.parametrize("reference", [{"networkVolumeId": "vol1"}, {"networkVolumeIds": ["vol1"]},
