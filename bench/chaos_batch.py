@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -67,6 +68,9 @@ class Figures:
     noise_faults: int = 0
     scenario_kinds: int = 0
     out_of_stock_pools: list[str] = field(default_factory=list)
+    host_killed: str = "none"
+    """The worker host killed mid-batch (the team form), the runs it held, and when they were cleaned up."""
+    runs_crashed_with_host: int = 0
     attempts_given_up: dict[str, int] = field(default_factory=dict)
     results_adopted: int = 0
     """Runs whose last given-up attempt had stored complete results anyway, adopted instead of retried."""
@@ -104,7 +108,9 @@ class Figures:
             f"{self.noise_faults} background noise",
             f"pools out of stock:      {', '.join(self.out_of_stock_pools) or 'none'}",
             f"runs:                    {self.runs} (completed {self.completed}, failed as expected "
-            f"{self.failed_as_expected}, not as expected {self.not_as_expected})",
+            f"{self.failed_as_expected}, crashed with their host {self.runs_crashed_with_host}, not as expected "
+            f"{self.not_as_expected})",
+            f"worker host killed:      {self.host_killed}",
             f"attempts given up:       {given_up}",
             f"results adopted:         {self.results_adopted} (an attempt given up had stored complete results)",
             f"endpoints created:       {self.endpoints_created}",
@@ -138,10 +144,17 @@ class Batch:
         return "\n".join(lines)
 
 
+KILLED_CLEAN_UP_S = 600
+"""How long after the batch a killed host's runs' endpoints get to go (the team form's reconcile deployment
+deletes them on its first run after their silence threshold)."""
+
+
 def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Path, *, concurrency: int, max_steps: int,
-              load_adapters: int = 2, noise: float = 0.0, seed: int = 1) -> Batch:
+              load_adapters: int = 2, noise: float = 0.0, seed: int = 1, flows=None, host_kill=None) -> Batch:
     """Run every (name, scenario) as a real train flow, at most `concurrency` at once, then check them.
 
+    `flows` starts each flow (`CliFlows` when None; the team form's `DeploymentFlows`); `host_kill`, a context
+    with `kill` and `settle` (the team form's `HostKiller`), kills a worker host while the batch runs.
     Faults are cleared and the stock restored in a `finally`, whatever happened."""
     pod, prefect = Localpod(stack.localpod_url), PrefectApi(stack.prefect_api_url)
     before = pod.account()
@@ -153,15 +166,19 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
             pod.set_stock(pool, available=False)
         for rule in noise_rules(noise, seed) if noise else []:
             pod.add_route_fault(rule)
-        with ThreadPoolExecutor(max_workers=concurrency) as pool_of_runs:
+        with host_kill or nullcontext(), ThreadPoolExecutor(max_workers=concurrency) as pool_of_runs:
             records = list(pool_of_runs.map(
                 lambda run: run_scenario(stack, pod, run[1], name=run[0], workdir=workdir, model=model,
-                                         max_steps=max_steps), runs))
+                                         max_steps=max_steps, flows=flows), runs))
         faults = pod.faults_by_id()
     finally:
         pod.clear_faults()
         for pool in pools:
             pod.set_stock(pool, available=True)
+    if host_kill is not None:
+        host_kill.settle(KILLED_CLEAN_UP_S)
+        for record in records:
+            record.host_killed = host_kill.kill.victim if record.flow_run_id in host_kill.kill.runs else None
     wall_s = time.monotonic() - started
     slots = prefect.slots_in_use()  # read at once: a slot the flows did not give back is a leak, not a delay
     ours = {e.id for e in pod.account().endpoints if any(r.owns(e.name) for r in records)}
@@ -170,6 +187,7 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
     after = pod.account()
 
     figures = Figures(runs=len(records), wall_s=wall_s, slots_leaked=slots, out_of_stock_pools=pools,
+                      host_killed=host_kill.kill.summary() if host_kill is not None else "none",
                       billed_worker_seconds=after.billed_worker_seconds - before.billed_worker_seconds,
                       run_wall_s=[r.wall_s for r in records])
     figures.faults_injected = {k: v - before.faults_injected.get(k, 0) for k, v in after.faults_injected.items()}
@@ -198,6 +216,9 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
         figures.completed += record.state_type == "COMPLETED"
         figures.failed_as_expected += record.state_type == "FAILED" and record.scenario.expect_state == "FAILED"
         figures.not_as_expected += bool(record.problems)
+        figures.runs_crashed_with_host += bool(record.host_killed) and record.state_type == "CRASHED"
+        if record.host_killed:
+            continue  # its worker may have stored results after its flow died: a Crashed run promises none
         # A result is lost when the store holds it but the run did not complete, or when the run
         # completed without an intact result.
         completed = record.state_type == "COMPLETED" and record.scenario.flow == "train"  # only a run trains

@@ -276,6 +276,9 @@ class RunRecord:
     """Workers of the run whose log shows a training started from the start (not resumed from a checkpoint)."""
     volume_race: Any = None
     """A volumes scenario's findings (`bench.chaos_volumes.VolumeRace`)."""
+    host_killed: str | None = None
+    """The worker host SIGKILLed under the run (the team form): the run must end Crashed with no endpoint left,
+    whatever its scenario predicted."""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -362,9 +365,35 @@ def write_stale_record(stack, prefect: PrefectApi, data_center: str, model_id: s
     return variable_name(data_center)
 
 
+class CliFlows:
+    """Starts each scenario's flow as a person does from a shell (`python -m flows.train RUN_FILE`), in a process
+    of its own that ends with the flow. The team form, deployment runs through Prefect workers, is
+    `bench/chaos_team.py`'s `DeploymentFlows`."""
+
+    def __init__(self, stack):
+        self.stack = stack
+
+    def run(self, record: RunRecord, argument: Path | dict[str, Any], env: dict[str, str], timeout_s: float) -> None:
+        """Run the record's flow with `argument` (a train run file, or a preload spec) and `env` on top of the stack's
+        client environment, to its end; fills in the record's exit code, output and flow run id."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))}
+        flow_argument = str(argument) if isinstance(argument, Path) else json.dumps(argument)
+        try:
+            proc = subprocess.run([sys.executable, "-m", f"flows.{record.scenario.flow}", flow_argument], cwd=REPO,
+                                  env=base | self.stack.client_env | env, capture_output=True, text=True,
+                                  timeout=timeout_s)
+            record.returncode, record.output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
+        match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
+        record.flow_run_id = match.group(1) if match else None
+
+
 def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir: Path, model: Path, max_steps: int,
-                 timeout_s: float = 900) -> RunRecord:
-    """Inject the scenario's faults for this run's endpoints, then run its flow to its end."""
+                 timeout_s: float = 900, flows=None) -> RunRecord:
+    """Inject the scenario's faults for this run's endpoints, then run its flow to its end (`flows`: how flows are
+    started, `CliFlows` when None)."""
+    flows = flows or CliFlows(stack)
     here = workdir / name
     here.mkdir(parents=True)
     if scenario.flow == "volumes":
@@ -372,7 +401,8 @@ def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir
 
         return run_volume_race(stack, pod, scenario, name=name, here=here, timeout_s=timeout_s)
     if scenario.flow == "preload":
-        return run_preload_scenario(stack, pod, scenario, name=name, here=here, model=model, timeout_s=timeout_s)
+        return run_preload_scenario(stack, pod, scenario, name=name, here=here, model=model, timeout_s=timeout_s,
+                                    flows=flows)
     if scenario.broken_model:
         model = here / "not-a-model"
         model.mkdir()
@@ -385,14 +415,14 @@ def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir
         if scenario.stale_warm_record:
             prefect = PrefectApi(stack.prefect_api_url)
             variable = write_stale_record(stack, prefect, scenario.stale_warm_record, str(model))
-        _run_train(stack, pod, scenario, record, run_file, timeout_s=timeout_s)
+        _run_train(stack, pod, scenario, record, run_file, timeout_s=timeout_s, flows=flows)
         if scenario.stale_warm_record:
             record.stale_record_cleared = prefect.get_variable(variable) is None
     return record
 
 
 def run_preload_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, here: Path, model: Path,
-                         timeout_s: float) -> RunRecord:
+                         timeout_s: float, flows) -> RunRecord:
     """A preload sweep of the tiny model (a Hub repo of the stack's Hub stand-in) with the scenario's faults."""
     record = RunRecord(scenario, name, here / "store")
     spec = {"models": [{"id": hub_model(stack, model)}], "data_centers": list(scenario.preload_data_centers),
@@ -400,32 +430,22 @@ def run_preload_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str,
     record.volumes_before = [v.id for v in pod.account().volumes if v.data_center in scenario.preload_data_centers]
     for rule in scenario.route_faults:
         record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
     started = time.monotonic()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "flows.preload", json.dumps(spec)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-        record.returncode, record.output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
+    flows.run(record, spec, {}, timeout_s)
     record.wall_s = time.monotonic() - started
-    match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
-    record.flow_run_id = match.group(1) if match else None
     if record.flow_run_id:
         record.sweep_rows = PrefectApi(stack.prefect_api_url).sweep_table(record.flow_run_id)
     return record
 
 
 def _run_train(stack, pod: Localpod, scenario: Scenario, record: RunRecord, run_file: Path, *,
-               timeout_s: float) -> None:
+               timeout_s: float, flows) -> None:
     name = record.name
     for rule in scenario.route_faults:
         record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
     for rule in scenario.worker_faults:
         record.fault_ids.append(pod.add_worker_fault({**rule, "endpoint_name_prefix": record.endpoint_prefix}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
-    if scenario.own_token:
-        env["HF_TOKEN"] = own_token(name)
+    env = {"HF_TOKEN": own_token(name)} if scenario.own_token else {}
     started = time.monotonic()
     runpod = runpod_api(stack)
     deleter = reconciler = tokens = nullcontext()
@@ -437,13 +457,8 @@ def _run_train(stack, pod: Localpod, scenario: Scenario, record: RunRecord, run_
     if scenario.tight_reconcile_at_step is not None:
         reconciler = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.tight_reconcile_at_step, timeout_s,
                                   tight_reconcile(stack, scenario.tight_reconcile_minutes))
-    try:
-        with runpod, deleter, reconciler, tokens:
-            proc = subprocess.run([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=env,
-                                  capture_output=True, text=True, timeout=timeout_s)
-        record.returncode, record.output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
+    with runpod, deleter, reconciler, tokens:
+        flows.run(record, run_file, env, timeout_s)
     record.wall_s = time.monotonic() - started
     if isinstance(deleter, WhenTraining) and deleter.done:
         record.endpoint_deleted = deleter.result.request.url.path.rsplit("/", 1)[-1]
@@ -451,8 +466,6 @@ def _run_train(stack, pod: Localpod, scenario: Scenario, record: RunRecord, run_
         record.worker_tokens = dict(tokens.tokens)
     if isinstance(reconciler, WhenTraining) and reconciler.done:
         record.reconcile = reconciler.result
-    match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
-    record.flow_run_id = match.group(1) if match else None
 
 
 def read_back(record: RunRecord, prefect: PrefectApi, account: Account) -> None:
@@ -493,6 +506,8 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
     s, problems = record.scenario, []
     if record.flow_run_id is None:
         return [f"no flow run id in the flow's output (exit code {record.returncode}):\n{record.output[-3000:]}"]
+    if record.host_killed:
+        return _killed_run_problems(record, account)
     if s.flow == "preload":
         return _preload_problems(record, account) + _fault_problems(record, faults)
     if s.flow == "volumes":
@@ -541,6 +556,19 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
     if s.stale_warm_record and not any("no longer exists" in line for line in record.output.splitlines()):
         problems.append("the run never said its warm volume no longer exists")
     return problems + _fault_problems(record, faults)
+
+
+def _killed_run_problems(record: RunRecord, account: Account) -> list[str]:
+    """A run whose worker host was killed under it: Crashed (no process is left to say more), nothing left live.
+    Its scenario's own faults may not have fired: the run ended first."""
+    problems = []
+    if record.state_type != "CRASHED":
+        problems.append(f"its worker host {record.host_killed} was killed under it, yet it ended {record.state_type}: "
+                        f"{record.state_message[:1500]}")
+    live = [e.name for e in account.live_endpoints if record.owns(e.name)]
+    if live:
+        problems.append(f"endpoints still live after its host was killed: {live}")
+    return problems
 
 
 def _fault_problems(record: RunRecord, faults: dict[str, dict[str, Any]]) -> list[str]:

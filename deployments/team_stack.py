@@ -155,6 +155,8 @@ class TeamStack:
     """Extra environment for the Prefect workers, which their flow runs inherit (a test's short lease)."""
     runpod_worker_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for localpod and the RunPod workers it starts (a benchmark's hold jobs)."""
+    with_hub: bool = False
+    """Start the local Hub stand-in too (preload sweeps, runs with a Hub token of their own)."""
     local: LocalStack | None = None
     services: dict[str, Service] = field(default_factory=dict)
     database_url: str = ""
@@ -176,6 +178,7 @@ class TeamStack:
             self._start_postgres()
             self._start_redis()
             self.local = LocalStack(self.home, worker_quota=self.worker_quota, worker_env=self.runpod_worker_env,
+                                    with_hub=self.with_hub,
                                     server_env=team_server_env(self.database_url, self.redis_url)).__enter__()
             self._prefect("work-pool", "create", self.pool, "--type", "process", "--overwrite")
             httpx.post(f"{self.local.prefect_api_url}/automations/", json=CRASH_SILENT_RUNS, timeout=30).raise_for_status()
@@ -219,6 +222,15 @@ class TeamStack:
                 return
             time.sleep(1)
         raise RuntimeError(f"fewer than {count} workers came online within {timeout_s:.0f} s; see {self.home / 'logs'}")
+
+    def worker_of(self, run: dict) -> str | None:
+        """The worker whose process tree holds a flow run's process (`run`: the API's flow run, whose
+        `infrastructure_pid` is `host:pid`); None while it has none."""
+        pid = int(str(run.get("infrastructure_pid") or "0").rpartition(":")[2] or 0)
+        for name in self.worker_names:
+            if pid and pid in descendants(self.services[name].process.pid):
+                return name
+        return None
 
     def kill_worker(self, name: str) -> list[int]:
         """SIGKILL a worker and every process under it (its flow runs run in sessions of their own), as when its

@@ -129,15 +129,6 @@ def slots_in_use(team: TeamStack) -> int:
     return prefect_api(team.local, "GET", "/v2/concurrency_limits/runpod-endpoints").json()["active_slots"]
 
 
-def worker_of(team: TeamStack, run: dict) -> str | None:
-    """The worker whose process tree holds the run's process (`infrastructure_pid` is `host:pid`)."""
-    pid = int(str(run.get("infrastructure_pid") or "0").rpartition(":")[2] or 0)
-    for name in team.worker_names:
-        if pid in descendants(team.services[name].process.pid):
-            return name
-    return None
-
-
 class RunSampler(threading.Thread):
     """Samples, every second, the processes under each worker: the runs it holds, their memory and CPU time."""
 
@@ -215,12 +206,12 @@ def killed(team) -> Killed:
         live = {e["id"] for e in endpoints(team, "team-kill") if not e["deletedAt"]}
         training = {j["endpointId"] for j in localpod_account(team.local)["jobs"]
                     if j["endpointId"] in live and j["status"] == "IN_PROGRESS"}
-        return len(training) == LIMIT and all(worker_of(team, r) for r in seen.values()) and seen
+        return len(training) == LIMIT and all(team.worker_of(r) for r in seen.values()) and seen
 
     seen = wait_for(all_training, 600, "3 runs training", interval_s=2)
     by_worker: dict[str, list[str]] = {}
     for run_id, run in seen.items():
-        by_worker.setdefault(worker_of(team, run), []).append(run_id)
+        by_worker.setdefault(team.worker_of(run), []).append(run_id)
     assert len(by_worker) >= 2, by_worker
     victim, killed_runs = max(by_worker.items(), key=lambda item: len(item[1]))
     survivors = [i for i in ids if i not in killed_runs]
