@@ -21,6 +21,7 @@ from tasks.lifecycle.liveness import ENDPOINT_HEARTBEAT, ENDPOINT_RESOURCE, FLOW
 from tasks.lifecycle.pending_billing import pending_billings
 from tasks.lifecycle.reconcile import live_flow_runs
 from tasks.runpod.endpoints import endpoint_name, parse_endpoint_name, run_hash
+from tasks.runpod.live_catalog import READ_TRIES
 from tasks.settings import NAMESPACE_VARIABLE, Settings
 from tests.conftest import REPO
 from tests.test_crash_recovery_e2e import (
@@ -340,9 +341,10 @@ def test_a_run_that_logs_only_warnings_keeps_its_endpoint_and_completes(local_st
         assert f"kept {endpoint['name']}: its run is Running" in output, output
         assert live_endpoints(local_stack, "loraflow-e2e-quiet-")
 
-        # The run's one read of RunPod's billing, right after its endpoint is deleted, fails.
+        # The run's read of RunPod's billing, right after its endpoint is deleted, fails every try.
         billing_fault = httpx.post(f"{local_stack.localpod_url}/_localpod/faults", timeout=10, json={
-            "route": "serverless_billing", "action": "status_500", "times": 1}).raise_for_status().json()["id"]
+            "route": "serverless_billing", "action": "status_500", "times": READ_TRIES,
+        }).raise_for_status().json()["id"]
         assert flow.wait(600) == 0, log_path.read_text()
     finally:
         if flow.poll() is None:
