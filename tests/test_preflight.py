@@ -92,6 +92,22 @@ def test_the_quota_comes_from_loraflow_worker_quota_when_not_given(monkeypatch):
     assert check.fix.startswith("prefect gcl update runpod-endpoints --limit 30 ")
 
 
+def test_without_a_given_quota_the_one_runpod_named_in_a_refusal_is_used(monkeypatch):
+    from tasks.preflight.account import check_worker_quota
+
+    class Listing:
+        def list_endpoints(self):
+            return [endpoint("my-vllm-server", workers_max=2)]
+
+    monkeypatch.delenv("LORAFLOW_WORKER_QUOTA", raising=False)
+    monkeypatch.setattr("tasks.preflight.account.read_named_quota", lambda: (5, "2026-12-04T10:00:00+00:00"))
+    monkeypatch.setattr("tasks.preflight.account.read_endpoint_limit", lambda: 30)
+    monkeypatch.setattr("tasks.preflight.account.read_namespace", lambda settings: "mine")
+    check = check_worker_quota(Listing(), Settings(), worker_quota=None)
+    assert check.status == "FAIL" and "worker quota 5 from RunPod's quota refusal of 2026-12-04T10:00:00" in check.found
+    assert check.fix.startswith("prefect gcl update runpod-endpoints --limit 3 ")
+
+
 def test_a_worker_quota_that_is_not_a_number_is_refused_naming_the_variable(monkeypatch):
     from tasks.lifecycle.quota import configured_worker_quota
 

@@ -55,6 +55,24 @@ def test_a_full_quota_is_waited_out_with_bounded_backoff(caplog):
     assert len(warnings) == 1 and "quota (5) is full" in warnings[0] and "runpod-endpoints" in warnings[0]
 
 
+def test_the_quota_runpod_names_is_handed_on_once():
+    clock = FakeClock()
+    create, calls = refusing(3)
+    named = []
+    wait_for_runpod_quota(create, give_up_at=clock.now + 3600, cancel_requested=lambda: False,
+                          on_quota_named=named.append, clock=clock, sleep=clock.sleep)
+    assert named == [5]
+
+
+def test_the_wait_names_the_limit_that_fits_the_quota(caplog):
+    clock = FakeClock()
+    create, calls = refusing(1)
+    with caplog.at_level(logging.WARNING, logger="loraflow.quota"):
+        wait_for_runpod_quota(create, give_up_at=clock.now + 3600, cancel_requested=lambda: False,
+                              clock=clock, sleep=clock.sleep)
+    assert "prefect gcl update runpod-endpoints --limit 5" in caplog.text and "LORAFLOW_WORKER_QUOTA=5" in caplog.text
+
+
 def test_a_cancel_while_waiting_ends_the_wait():
     clock = FakeClock()
     create, calls = refusing(100)

@@ -165,6 +165,9 @@ def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_mod
         pod.post("/_localpod/answer-shapes", json={"quota_refusal_status": 400})
     output = log_path.read_text()
     assert "worker quota (30) is full" in output and "prefect gcl update runpod-endpoints --limit 30" in output
+    # Kept for the preflight, which reads it when it is given no quota.
+    named = prefect_api(local_stack, "GET", "/variables/name/runpod-named-worker-quota").json()["value"]
+    assert named["quota"] == 30
     assert len(endpoints_named(local_stack, prefix)) == 1, "waiting for the quota costs no attempt"
     assert slots_in_use(local_stack) == 0
 

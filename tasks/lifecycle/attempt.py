@@ -11,7 +11,7 @@ from collections.abc import Callable
 from prefect import get_run_logger
 
 from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S, GpuClassRefused
-from tasks.lifecycle.quota import endpoint_slot, wait_for_runpod_quota
+from tasks.lifecycle.quota import endpoint_slot, remember_named_quota, wait_for_runpod_quota
 from tasks.lifecycle.steps import create_endpoint, delete_endpoint, run_cancel_requested, submit_job, wait_for_job
 from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
 from tasks.placement.plan import AttemptPlan
@@ -67,7 +67,8 @@ def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endp
     try:
         endpoint = wait_for_runpod_quota(lambda: create_endpoint(plan.create_request),
                                          give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S,
-                                         cancel_requested=run_cancel_requested, logger=get_run_logger())
+                                         cancel_requested=run_cancel_requested, logger=get_run_logger(),
+                                         on_quota_named=remember_named_quota)
     except (BadRequestError, NotFoundError) as refused:
         # RunPod refuses (4xx) an endpoint whose network volume is gone: a stale warm record, not a failed run.
         gone = gone_volume(refused, plan.create_request.network_volumes, _volume_exists)

@@ -21,11 +21,12 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime
 from typing import TypeVar
 
 import httpx
 from prefect import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, VariableCreate, VariableUpdate
 from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError  # Prefect 3.9 defines it only there
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
@@ -39,6 +40,9 @@ NEW_ACCOUNT_WORKER_QUOTA = 5
 instead of in Prefect's queue; one below it only leaves workers unused."""
 WORKER_QUOTA_ENV = "LORAFLOW_WORKER_QUOTA"
 """The account's worker quota as RunPod's console shows it (RunPod's API does not expose it)."""
+NAMED_QUOTA_VARIABLE = "runpod-named-worker-quota"
+"""The Prefect Variable holding the quota RunPod named in the latest quota refusal a run met
+(`{"quota": N, "at": ISO time}`): the preflight reads it when it is given no quota."""
 SLOT_LEASE_SECONDS = 120
 """A crashed holder's slot frees after this (+ ≤15 s) once the server's repossessor sees the lease
 expire; the holder renews it in the background while alive."""
@@ -188,6 +192,7 @@ def wait_for_runpod_quota(
     give_up_at: float,
     cancel_requested: Callable[[], bool],
     logger: logging.Logger | logging.LoggerAdapter = log,
+    on_quota_named: Callable[[int], None] = lambda quota: None,
     check_every_s: float = 5.0,
     clock: Callable[[], float] = time.time,
     sleep: Callable[[float], None] = time.sleep,
@@ -197,7 +202,8 @@ def wait_for_runpod_quota(
     Waits `QUOTA_WAITS_S` between tries, asking `cancel_requested` every `check_every_s` meanwhile.
     Returns None when the run is cancelled while it waits. Raises the quota error, saying how long the
     run waited, when the next try would come after `give_up_at` (Unix time). Any other error is
-    raised at once.
+    raised at once. `on_quota_named` hears the quota the first refusal named, if it named one (e.g.
+    `remember_named_quota`).
     """
     started, tries = clock(), 0
     while True:
@@ -212,6 +218,8 @@ def wait_for_runpod_quota(
                     f"{e} Waited {now - started:.0f} s for room in the account's worker quota; the run's deadline "
                     "leaves no time to wait longer.", status=e.status, body=e.body, request_id=e.request_id) from e
             if tries == 1:
+                if e.quota is not None:
+                    on_quota_named(e.quota)
                 logger.warning("RunPod refused the endpoint: the account's worker quota%s is full (endpoints made "
                                "outside loraflow, or the %s limit set above the account's quota). Waiting for room; "
                                "%s to queue runs in Prefect instead.", f" ({e.quota})" if e.quota else "",
@@ -222,6 +230,33 @@ def wait_for_runpod_quota(
                 if cancel_requested():
                     return None
                 sleep(min(check_every_s, left))
+
+
+def remember_named_quota(quota: int) -> None:
+    """Keep the quota RunPod named in a refusal in the Prefect Variable `NAMED_QUOTA_VARIABLE`, for the preflight.
+    A hint only: a failure to store it is logged, never raised."""
+    value = {"quota": quota, "at": datetime.now(UTC).isoformat(timespec="seconds")}
+    try:
+        with get_client(sync_client=True) as client:
+            if client.read_variable_by_name(NAMED_QUOTA_VARIABLE) is None:
+                try:
+                    client.create_variable(VariableCreate(name=NAMED_QUOTA_VARIABLE, value=value))
+                    return
+                except ObjectAlreadyExists:
+                    pass  # another run stored it first: the newer value wins
+            client.update_variable(VariableUpdate(name=NAMED_QUOTA_VARIABLE, value=value))
+    except Exception as e:  # noqa: BLE001 - a hint for the preflight must not fail the run that waits
+        log.warning("The quota RunPod named (%d) could not be kept for the preflight: %s", quota, e)
+
+
+def read_named_quota() -> tuple[int, str] | None:
+    """The quota RunPod named in the latest refusal a run met, and when; None when no refusal named one."""
+    with get_client(sync_client=True) as client:
+        variable = client.read_variable_by_name(NAMED_QUOTA_VARIABLE)
+    value = variable.value if variable is not None else None
+    if not isinstance(value, dict) or not isinstance(value.get("quota"), int):
+        return None
+    return value["quota"], str(value.get("at") or "")
 
 
 def limit_fix(quota: int | None) -> str:

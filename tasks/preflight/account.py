@@ -10,7 +10,13 @@ from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel, Field
 
-from tasks.lifecycle.quota import ENDPOINT_LIMIT, WORKER_QUOTA_ENV, configured_worker_quota, default_endpoint_slots
+from tasks.lifecycle.quota import (
+    ENDPOINT_LIMIT,
+    WORKER_QUOTA_ENV,
+    configured_worker_quota,
+    default_endpoint_slots,
+    read_named_quota,
+)
 from tasks.placement.cost import check_budget, cost_ceiling
 from tasks.placement.gpu_fit import CudaFit, cuda_fits
 from tasks.placement.image_contract import ImageContractError, check_image_contract
@@ -118,8 +124,9 @@ def read_namespace(settings: Settings) -> str | None:
 
 
 def judge_worker_quota(endpoints: Sequence[Endpoint], limit: int | None, namespace: str | None,
-                       worker_quota: int | None) -> Check:
-    """The limit plus the `workers.max` of the endpoints outside it against the account's quota.
+                       worker_quota: int | None, quota_source: str | None = None) -> Check:
+    """The limit plus the `workers.max` of the endpoints outside it against the account's quota (`quota_source`:
+    where that figure came from, when not from the caller's flag).
 
     This control plane's endpoints each hold a slot of the limit, so they are inside it; every other endpoint
     (another control plane's, a person's, a server's) counts against RunPod's quota and not against the limit.
@@ -142,6 +149,8 @@ def judge_worker_quota(endpoints: Sequence[Endpoint], limit: int | None, namespa
                      fix=f"read the quota in RunPod's console (it is {QUOTA_TIERS}) and run the preflight with "
                      f"--worker-quota N (the deployment: its worker_quota parameter), or set {WORKER_QUOTA_ENV}=N "
                      "where runs start (runs then create the limit at N)")
+    if quota_source:
+        found = f"{found}; worker quota {worker_quota} from {quota_source}"
     needed = slots + others_max
     fitting = worker_quota - others_max
     verb = "update" if limit is not None else "create"
@@ -163,8 +172,13 @@ def judge_worker_quota(endpoints: Sequence[Endpoint], limit: int | None, namespa
 
 def check_worker_quota(client: RunpodClient | None, settings: Settings, worker_quota: int | None) -> Check:
     """`judge_worker_quota` on the account's endpoints, the limit and the namespace as they are now; the quota
-    given, else `LORAFLOW_WORKER_QUOTA`'s."""
-    worker_quota = worker_quota if worker_quota is not None else configured_worker_quota()
+    given, else `LORAFLOW_WORKER_QUOTA`'s, else the one RunPod named in the latest refusal a run met."""
+    source = None
+    if worker_quota is None and (worker_quota := configured_worker_quota()) is not None:
+        source = WORKER_QUOTA_ENV
+    if worker_quota is None and (named := read_named_quota()) is not None:
+        worker_quota, at = named
+        source = f"RunPod's quota refusal of {at}" if at else "a quota refusal of RunPod's"
     if client is None:
         return Check(name="worker quota", status="warn", found="not checked: no RunPod key to list the account's "
                      "endpoints with", fix="see runpod key: endpoints")
@@ -173,7 +187,7 @@ def check_worker_quota(client: RunpodClient | None, settings: Settings, worker_q
     except errors.RunpodError as e:
         return Check(name="worker quota", status="warn", found=f"not checked: the account's endpoints could not be "
                      f"listed ({e})", fix="see runpod key: endpoints")
-    return judge_worker_quota(endpoints, read_endpoint_limit(), read_namespace(settings), worker_quota)
+    return judge_worker_quota(endpoints, read_endpoint_limit(), read_namespace(settings), worker_quota, source)
 
 
 # --- 3. The worker image -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
 from tasks.lifecycle.liveness import beat
-from tasks.lifecycle.quota import endpoint_slot, wait_for_runpod_quota
+from tasks.lifecycle.quota import endpoint_slot, remember_named_quota, wait_for_runpod_quota
 from tasks.lifecycle.steps import delete_endpoint, run_cancel_requested
 from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
 from tasks.reports import events
@@ -257,7 +257,7 @@ def preload_one(
                               env=env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
                               data_center=data_center, volume_id=volume.id)
     endpoint = wait_for_runpod_quota(lambda: ensure_endpoint(client, request), give_up_at=deadline_epoch_s - 60,
-                                     cancel_requested=cancel_requested)
+                                     cancel_requested=cancel_requested, on_quota_named=remember_named_quota)
     if endpoint is None:
         return DataCenterOutcome(data_center=data_center, status="error", compute=compute.describe(),
                                  volume_id=volume.id, volume_gb=volume.size, volume_type=volume.type or STORAGE_TYPE,
