@@ -167,6 +167,16 @@ def test_a_job_handed_to_another_worker_after_its_worker_was_lost_completes_on_t
     assert outcome.kind == "completed" and requeues == [1]
 
 
+def test_a_job_taken_by_another_worker_between_two_polls_counts_as_requeued():
+    requeues = []
+    answers = [job("IN_PROGRESS", workerId="w1", output={"stage": "training", "step": 3}),
+               job("IN_PROGRESS", workerId="w2", output={"stage": "loading"}),
+               job("IN_PROGRESS", workerId="w2", output={"stage": "training", "step": 4}),
+               job("COMPLETED", workerId="w2", output={"ok": True})]
+    outcome = watch(scripted_client(answers), FakeClock(), on_requeued=requeues.append)
+    assert outcome.kind == "completed" and requeues == [1]
+
+
 def test_the_next_worker_of_a_requeued_job_gets_the_startup_allowance_anew():
     clock = FakeClock()
 

@@ -163,6 +163,8 @@ class _Progress:
         self.requeued_at: float | None = None
         """When the job went back to the queue after it had started; None while a worker holds it."""
         self.requeues = 0
+        self.worker_id: str | None = None
+        """The worker that held the job at the last poll that showed one."""
 
     def see(self, status: JobStatus, now: float) -> bool:
         """Take in one status; True when it shows the job back in the queue after it had started (a requeue)."""
@@ -172,16 +174,24 @@ class _Progress:
         # Only RunPod's own IN_PROGRESS or RUNNING proves the job started: a queued job after unknown statuses is
         # not preempted.
         self.in_progress_seen = self.in_progress_seen or status.running
-        requeued = status.status == "IN_QUEUE" and self.in_progress_seen and self.requeued_at is None
+        requeued = False
+        if status.status == "IN_QUEUE":
+            if self.in_progress_seen and self.requeued_at is None:
+                requeued, self.requeued_at = True, now
+            self.first_running = None
+        elif status.running:
+            # Another worker holds it without a poll having seen it queued: it went back and was taken again between
+            # two polls.
+            if self.requeued_at is None and None not in (status.worker_id, self.worker_id) \
+                    and status.worker_id != self.worker_id:
+                requeued, self.first_running, self.last_change = True, now, now
+            self.requeued_at = None
+            self.worker_id = status.worker_id or self.worker_id
         if requeued:
             # RunPod hands the job to another worker, which loads the model again: its startup allowance starts anew
             # when it takes the job, and the job resumes from its checkpoint (or returns its stored results).
-            self.requeued_at, self.requeues = now, self.requeues + 1
+            self.requeues += 1
             self.first_step, self.last_key = None, None
-        if status.status == "IN_QUEUE":
-            self.first_running = None
-        elif status.running:
-            self.requeued_at = None
         progress = status.progress
         if progress is None:
             return requeued
