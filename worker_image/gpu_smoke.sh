@@ -3,9 +3,11 @@
 # real worker code and prints, per run, tokens/s, torch's reserved peak and the device's own peak, what engaged, and
 # the machine's library versions (python -m loraflow_worker.gpu_smoke; see README.md). By default it fits a lent GPU
 # machine's slot: 420 s for SFT (all fast paths, then without Liger, without fla), QLoRA SFT and GRPO without vLLM.
+# --memory calibrates the memory plan instead: its estimate beside the measured peaks, 330 s of runs.
 #
 #   worker_image/gpu_smoke.sh                             # $PYTHON already has the stack (e.g. in the image)
 #   worker_image/gpu_smoke.sh --carried .whl              # a lent machine: its own torch, plus the carried wheels
+#   worker_image/gpu_smoke.sh --carried .whl --memory     # a lent machine: the memory plan against the peaks, <= 8 min
 #   worker_image/gpu_smoke.sh --pack .whl                 # here, with registry access: fill .whl for --carried
 #   worker_image/gpu_smoke.sh --wheels /path/to/wheels    # a bare GPU box: the whole lock from that wheel folder
 #   worker_image/gpu_smoke.sh --variants all,no-liger,no-vllm --deadline 900   # other runs, 15 minutes at most
@@ -29,7 +31,7 @@ PACK_PYTHON_VERSION="${PACK_PYTHON_VERSION:-3.12}"
 # refuses its Hopper backward (fla issue 640, README.md), and tilelang, its way around, is too large to carry.
 PACK_PACKAGES=(transformers trl peft datasets dill multiprocess huggingface-hub hf-xet httpx2 httpcore2 truststore idna
                anyio h11 pydantic pydantic-core annotated-types typing-inspection typing-extensions click fsspec regex
-               liger-kernel bitsandbytes)
+               liger-kernel bitsandbytes backoff)
 PACK_LIMIT_BYTES=$((56 * 1024 * 1024))  # a lent machine takes 64 MiB of carried files with the working tree (~3 MiB)
 
 locked_version() {

@@ -19,6 +19,7 @@ import pytest
 from loraflow_worker.contract import FORCIBLE_FAST_PATHS
 from loraflow_worker.training.fast_paths import FAST_PATHS
 from loraflow_worker.gpu_smoke.machine import DeviceMemory, gpu_refusal, kernel_problems, read_gpu
+from loraflow_worker.gpu_smoke.model_and_data import build_smoke_model
 from loraflow_worker.gpu_smoke.report import memory_table, report
 from loraflow_worker.gpu_smoke.runner import (
     MEMORY_DEADLINE_S,
@@ -29,7 +30,16 @@ from loraflow_worker.gpu_smoke.runner import (
     run_variants,
     selected_runs,
 )
-from loraflow_worker.gpu_smoke.variants import MEMORY_RUNS, MEMORY_STEPS, SLOT_RUNS, VARIANTS, Run, Variant, skip_reason
+from loraflow_worker.gpu_smoke.variants import (
+    CPU_SIZE,
+    MEMORY_RUNS,
+    MEMORY_STEPS,
+    SLOT_RUNS,
+    VARIANTS,
+    Run,
+    Variant,
+    skip_reason,
+)
 
 WORKER_IMAGE = Path(__file__).resolve().parents[1]
 GPU_SMOKE = WORKER_IMAGE / "gpu_smoke.sh"
@@ -277,6 +287,14 @@ def test_memory_mode_skips_qlora_without_bitsandbytes_saying_why():
 def test_named_variants_override_memory_mode():
     runs = selected_runs(["all"], memory=True, cpu=False, packages={})
     assert [(r.variant.name, r.algorithm) for r in runs] == [("all", "sft"), ("all", "grpo")]
+
+
+def test_the_memory_calibration_trains_a_model_of_full_attention_layers_only(tmp_path):
+    # A lent machine has no flash-linear-attention: Qwen3.5's Gated-DeltaNet layers would run transformers' torch
+    # fallback, which neither the image runs nor the plan counts.
+    config = json.loads((build_smoke_model(tmp_path / "model", CPU_SIZE, full_attention=True) / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["num_hidden_layers"] == CPU_SIZE.layers
+    assert config["hidden_size"] == CPU_SIZE.hidden and config["vocab_size"] == CPU_SIZE.vocab
 
 
 def _measured(variant: str, checkpointing: bool, liger: bool, quantization: str | None, **figures) -> dict:

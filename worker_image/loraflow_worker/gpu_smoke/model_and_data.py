@@ -1,5 +1,5 @@
-"""What every GPU smoke run trains on: a random-init Qwen3.5 model with a real model's vocabulary, and the
-datasets of the artifact store the runs read."""
+"""What every GPU smoke run trains on: a random-init Qwen3.5 model (or, for the memory calibration, a Qwen3 model of
+full-attention layers only) with a real model's vocabulary, and the datasets of the artifact store the runs read."""
 
 from __future__ import annotations
 
@@ -10,36 +10,29 @@ from pathlib import Path
 from loraflow_worker.gpu_smoke.variants import Size
 
 
-def build_smoke_model(out_dir: Path, size: Size) -> Path:
-    """A random-init Qwen3.5 text model (Gated-DeltaNet layers, one full-attention layer in four) of `size`, with
-    a tokenizer trained on the shipped chat corpus and padded to the vocabulary, saved into `out_dir` in bf16."""
+def build_smoke_model(out_dir: Path, size: Size, *, full_attention: bool = False) -> Path:
+    """A random-init Qwen3.5 text model (Gated-DeltaNet layers, one full-attention layer in four) of `size`, or with
+    `full_attention` a Qwen3 model of the same size (every layer full attention), with a tokenizer trained on the
+    shipped chat corpus and padded to the vocabulary, saved into `out_dir` in bf16."""
     import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, IM_END, corpus_from_jsonl, train_tokenizer
 
     tokenizer = train_tokenizer(corpus_from_jsonl([DEFAULT_CORPUS]), vocab_size=size.vocab)
     head_dim = size.hidden // size.heads
-    config = Qwen3_5TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=size.hidden,
-        intermediate_size=3 * size.hidden,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.heads,
-        num_key_value_heads=max(1, size.heads // 4),
-        head_dim=head_dim,
-        linear_key_head_dim=head_dim,
-        linear_value_head_dim=head_dim,
-        linear_num_key_heads=size.heads,
-        linear_num_value_heads=2 * size.heads,
-        full_attention_interval=4,
-        max_position_embeddings=4 * size.seq_len,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    common = dict(vocab_size=len(tokenizer), hidden_size=size.hidden, intermediate_size=3 * size.hidden,
+                  num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                  num_key_value_heads=max(1, size.heads // 4), head_dim=head_dim,
+                  max_position_embeddings=4 * size.seq_len, tie_word_embeddings=True,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+    if full_attention:
+        model = Qwen3ForCausalLM(Qwen3Config(**common)).to(torch.bfloat16)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            **common, linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_num_key_heads=size.heads,
+            linear_num_value_heads=2 * size.heads, full_attention_interval=4)).to(torch.bfloat16)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)

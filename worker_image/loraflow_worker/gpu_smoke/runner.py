@@ -15,8 +15,10 @@ vLLM. Each run is a child process with its own share of the time left, so one th
 its share and cannot eat the others'.
 
 `--memory` calibrates the memory planner instead: SFT with gradient checkpointing on and off, each with and without
-Liger, and QLoRA as planned and with checkpointing (`variants.MEMORY_RUNS`), 1 warm-up and 2 timed steps each, within
-330 s; a second table sets the plan's estimate of each configuration that ran (the worker's own plan, from its
+Liger, and QLoRA with checkpointing and as planned (`variants.MEMORY_RUNS`), 1 warm-up and 2 timed steps each, within
+330 s, on a Qwen3 model of the same size (full-attention layers only: the lent machines have no
+flash-linear-attention, and transformers' torch fallback for Gated-DeltaNet layers is neither what the image runs nor
+what the plan counts); a second table sets the plan's estimate of each configuration that ran (the worker's own plan, from its
 manifest) beside torch's `max_memory_allocated`, `max_memory_reserved` and NVML's device peak. With the carried
 wheels' install (`gpu_smoke.sh --carried .whl --memory`) it is one command of at most 8 minutes on a lent machine.
 
@@ -133,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
 
     planned = selected_runs(args.variants, memory=args.memory, cpu=args.cpu, packages=packages)
 
-    model_dir = build_smoke_model(out / "model", size)
+    # The memory calibration trains full-attention layers: a lent machine has no flash-linear-attention, and
+    # transformers' torch fallback for Gated-DeltaNet layers is not what the image runs nor what the plan counts.
+    model_dir = build_smoke_model(out / "model", size, full_attention=args.memory and not args.variants)
     write_datasets(out, size, warmup + steps)
-    print(f"model: {model_dir} (Qwen3.5, vocabulary {size.vocab}, hidden {size.hidden}, {size.layers} layers); "
+    architecture = "Qwen3, full attention" if args.memory and not args.variants else "Qwen3.5"
+    print(f"model: {model_dir} ({architecture}, vocabulary {size.vocab}, hidden {size.hidden}, {size.layers} layers); "
           f"SFT sequences of {size.seq_len} tokens; {warmup} warm-up + {steps} timed steps per run"
           + (f"; {deadline:.0f} s in all, {time.monotonic() - started:.0f} s of it spent" if deadline is not None else ""),
           flush=True)
