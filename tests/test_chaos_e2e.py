@@ -93,7 +93,7 @@ def test_a_lost_worker_whose_job_runpod_fails_is_retried_on_a_new_endpoint(chaos
 def test_a_lost_workers_requeued_job_completes_on_the_same_attempt_with_one_training_per_store(chaos):
     run = chaos.record("worker-crash-requeue")
     assert run.state_type == "COMPLETED" and run.retried == [] and len(run.endpoint_names) == 1
-    assert run.requeued == 1 and run.resumed_from_step == 2  # the step-2 checkpoint, stored before the crash
+    assert run.requeued == 1 and run.resumed_from_step >= 2  # a checkpoint stored before the crash
     assert run.fresh_trainings == 1, run.fresh_trainings
 
 
