@@ -84,7 +84,8 @@ class MemoryPlan(BaseModel):
     vllm_colocate: bool = Field(description="Whether vLLM generates the completions on the training GPU.")
     vllm_gpu_memory_utilization: float | None = Field(description="vLLM's share of the GPU when colocated.")
     vllm_bytes: int = Field(description="GPU bytes of vLLM's share (0 when not colocated).")
-    estimate_bytes: int = Field(description="Everything the plan counts on the GPU, with the chosen checkpointing.")
+    estimate_bytes: int = Field(description="The peak the plan counts on the GPU, with the chosen checkpointing: "
+                                "training's backward or a colocated vLLM generating, whichever holds more.")
     estimate_with_checkpointing_bytes: int = Field(description="The same with gradient checkpointing on.")
     estimate_without_checkpointing_bytes: int = Field(description="The same with gradient checkpointing off.")
     fits: bool = Field(description="Whether the run fits the GPU with gradient checkpointing on.")
