@@ -16,8 +16,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from localpod.auth import require_api_key
-from localpod.problems import ProblemError
 from localpod.paging import page
+from localpod.problems import ProblemError
 from localpod.routes.faults import route_fault
 from localpod.state import LocalpodState, get_state
 
