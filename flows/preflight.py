@@ -69,7 +69,8 @@ def preflight(
     Args:
         spec: The run to check, as a deployment's parameters or a run file give it.
         worker_quota: The account's worker quota as RunPod's console shows it (5 on a new account; 10 to 60 with
-            the balance). RunPod's API does not expose it: without it, the quota line is a warn.
+            the balance). RunPod's API does not expose it: without it, `LORAFLOW_WORKER_QUOTA` or the quota RunPod
+            last named in a refusal stands in, and without any of them the quota line is a warn.
     """
     logger = get_run_logger()
     checks: list[Check] = []

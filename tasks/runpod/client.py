@@ -215,8 +215,8 @@ class RunpodClient:
         return NetworkVolume.model_validate(response.json())
 
     def delete_network_volume(self, volume_id: str) -> None:
-        """Gone at once, with its files. `NotFoundError` when absent; RunPod refuses (4xx) while an endpoint
-        attaches it."""
+        """Gone at once, with its files. `NotFoundError` when absent. RunPod's schema documents no refusal for a
+        volume an endpoint attaches: list the endpoints first (`volumes.delete_unattached_volume`)."""
         self._request("DELETE", f"{self._api_url}/network-volumes/{volume_id}")
 
     def network_volume_billing(self, params: dict[str, Any]) -> NetworkVolumeBilling:
