@@ -37,7 +37,7 @@ from deployments.local_stack import build_tiny_model  # noqa: E402
 from deployments.team_stack import setup_problem  # noqa: E402
 
 DEFAULT_MIX = {kind: 1 for kind in SCENARIOS} | {"api-faults": 2, "worker-crash": 2, "preempt": 2}
-MAX_CONCURRENCY = 28  # the `runpod-endpoints` limit the flows create: more would only queue for slots
+MAX_CONCURRENCY = 28  # the local stack's quota is 2 above: more runs at once would only queue for slots
 
 
 def parse_mix(text: str | None) -> dict[str, int]:

@@ -40,8 +40,8 @@ POOL = "loraflow"
 PG_USER = "loraflow"
 PG_DATABASE = "prefect"
 WORKER_LIMIT = 10
-"""Flow runs one worker process holds at once (`--limit`): three such workers cover the 28-slot quota. A run
-costs its worker ~100 MB and ~8 CPU s, mostly at its start (docs/team.md: the measured figures)."""
+"""Flow runs one worker process holds at once (`--limit`): three such workers cover a 30-worker account's
+quota. A run costs its worker ~100 MB and ~8 CPU s, mostly at its start (docs/team.md: the measured figures)."""
 SLOT_LEASE_S = 600
 """LORAFLOW_SLOT_LEASE_SECONDS the workers give their runs. Prefect renews a lease once 3/4 of it has passed,
 so a lease rides out a server outage of a quarter of its length at worst (the default 120 s: 30 s); a
