@@ -138,6 +138,39 @@ def test_400_refuses_a_create_as_invalid_and_creates_nothing(pod: Pod) -> None:
     assert pod.http.post("/v2/serverless", json=endpoint_body(name=name)).status_code == 201  # once: times=1
 
 
+def test_answer_answers_the_status_and_body_given_and_creates_nothing(pod: Pod) -> None:
+    # The quota refusal as REST v1 answered it: a 500 whose body carries RunPod's text.
+    name = unique("answer")
+    body = {"error": "create endpoint: graphql: Max workers across all endpoints must not exceed your workers quota"}
+    pod.add_fault("faults", route="create_endpoint", action="answer", status_code=500, answer_body=body,
+                  endpoint_name_prefix=name, times=2)
+    answers = [pod.http.post("/v2/serverless", json=endpoint_body(name=name)) for _ in range(2)]
+    assert [(a.status_code, a.json()) for a in answers] == [(500, body)] * 2
+    assert [e.name for e in pod.account().live_endpoints if e.name == name] == []
+    assert pod.http.post("/v2/serverless", json=endpoint_body(name=name)).status_code == 201  # times=2 spent
+
+
+def test_answer_without_a_body_answers_an_error_response_with_the_status(pod: Pod) -> None:
+    name = unique("answer-plain")
+    endpoint_id = pod.endpoint(name)
+    pod.add_fault("faults", route="get_endpoint", action="answer", status_code=503, endpoint_name_prefix=name)
+    response = pod.http.get(f"/v2/serverless/{endpoint_id}")
+    assert response.status_code == 503 and response.json()["status"] == 503
+    assert response.headers["content-type"].startswith("application/problem+json")
+
+
+def test_create_patched_makes_an_endpoint_unlike_the_request_and_answers_it(pod: Pod) -> None:
+    name = unique("patched")
+    pod.add_fault("faults", route="create_endpoint", action="create_patched", create_patch={"workers": {"max": 2}},
+                  endpoint_name_prefix=name)
+    made = pod.http.post("/v2/serverless", json=endpoint_body(name=name, workers={"max": 1}))
+    assert made.status_code == 201, made.text
+    assert made.json()["workers"]["max"] == 2  # asked 1
+    assert pod.http.get(f"/v2/serverless/{made.json()['id']}").json()["workers"]["max"] == 2
+    again = pod.http.post("/v2/serverless", json=endpoint_body(name=name + "-b", workers={"max": 1}))
+    assert again.json()["workers"]["max"] == 1  # once: times=1
+
+
 def test_drop_is_a_transport_error_for_the_client(pod: Pod) -> None:
     endpoint_id = pod.endpoint(unique("drop"))
     job_id = pod.run(endpoint_id, {})
@@ -233,6 +266,12 @@ def test_rules_are_listed_with_ids_and_removed_one_by_one_or_all(pod: Pod) -> No
         ("faults", {"route": "runsync", "action": "status_500"}, "$.body.route"),
         ("faults", {"route": "list_endpoints", "action": "drop", "endpoint_name_prefix": "x"}, "names no endpoint"),
         ("faults", {"route": "get_endpoint", "action": "drop", "data_center_id": "EU-RO-1"}, "create_network_volume only"),
+        ("faults", {"route": "status", "action": "answer"}, "answer needs status_code"),
+        ("faults", {"route": "status", "action": "status_500", "status_code": 500}, "answer needs status_code"),
+        ("faults", {"route": "status", "action": "drop", "answer_body": {}}, "answer_body applies to answer only"),
+        ("faults", {"route": "run", "action": "create_patched", "create_patch": {"workers": {"max": 2}}},
+         "create_patched applies to the create_endpoint route"),
+        ("faults", {"route": "create_endpoint", "action": "create_patched"}, "needs create_patch"),
         ("worker-faults", {"action": "env"}, "env needs `env`"),
         ("worker-faults", {"action": "crash", "times": 0}, "$.body.times"),
         ("worker-faults", {"action": "crash", "at_step": 2, "after_s": 1}, "give after_s or at_step, not both"),
@@ -253,7 +292,7 @@ def test_account_counts_injected_faults_by_kind(pod: Pod) -> None:
     after = pod.account().faults_injected
     assert set(after) == {
         "status_429", "status_500", "status_400", "hang", "drop", "act_then_500", "unknown_status", "create_as_gpu",
-        "worker_crash", "worker_hang", "worker_preempt", "worker_env",
+        "answer", "create_patched", "worker_crash", "worker_hang", "worker_preempt", "worker_env",
     }  # fmt: skip
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"status_429": 2}
 

@@ -5,7 +5,7 @@ make: what a test or benchmark asks localpod to do wrong."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -36,14 +36,14 @@ RouteName = Literal[
     "list_endpoint_workers",
 ]
 RouteAction = Literal["status_429", "status_500", "status_400", "hang", "drop", "act_then_500", "unknown_status",
-                      "create_as_gpu"]
+                      "create_as_gpu", "answer", "create_patched"]
 WorkerAction = Literal["crash", "hang", "preempt", "env"]
 DeadWorkerJobs = Literal["fail", "requeue"]
 """What happens to the job of a worker that dies without a result: FAILED, or back to the queue for another worker
 (`LocalpodConfig.dead_worker_jobs`, a crash fault's own `dead_worker_jobs`)."""
 
 ROUTE_ACTIONS: tuple[RouteAction, ...] = ("status_429", "status_500", "status_400", "hang", "drop", "act_then_500",
-                                         "unknown_status", "create_as_gpu")
+                                         "unknown_status", "create_as_gpu", "answer", "create_patched")
 WORKER_ACTIONS: tuple[WorkerAction, ...] = ("crash", "hang", "preempt", "env")
 _ROUTES_WITHOUT_ENDPOINT = frozenset(
     {"list_endpoints", "list_gpu_types", "get_gpu_type", "list_cpu_types", "get_cpu_type", "list_data_centers",
@@ -80,8 +80,12 @@ class RouteFaultRule(BaseModel):
         "answer 500; unknown_status (status route only): answer 200 with the job's real status document, its "
         "`status` replaced by job_status (a status the client may not know); create_as_gpu (create_endpoint only): "
         "make the endpoint a CPU create asks for with GPU workers (pool ADA_24) in place of its `cpu`, and answer "
-        "that endpoint, as REST v1 was reported to (a GPU create is made as asked). Every action but act_then_500, "
-        "create_as_gpu and a finite hang leaves the account unchanged."
+        "that endpoint, as REST v1 was reported to (a GPU create is made as asked); answer: answer status_code with "
+        "answer_body as JSON, as given (a shape RunPod answers that localpod does not, e.g. the quota refusal as a 500 "
+        "with REST v1's text, or a /health without some counters); create_patched (create_endpoint only): make the "
+        "endpoint with create_patch applied to the request as a PATCH would (workers and gpu merged per key), and "
+        "answer that endpoint: an endpoint unlike the request. Every action but act_then_500, create_as_gpu, "
+        "create_patched and a finite hang leaves the account unchanged."
     )
     endpoint_name_prefix: str | None = Field(
         default=None,
@@ -105,6 +109,14 @@ class RouteFaultRule(BaseModel):
         "instead of its real one, e.g. RUNNING (RunPod's job-states page lists it beside IN_PROGRESS) or PAUSED (a "
         "status no RunPod page lists, which a client cannot know).",
     )
+    status_code: int | None = Field(
+        default=None, ge=200, le=599, description="answer only, and required there: the status to answer.")
+    answer_body: dict[str, Any] | None = Field(
+        default=None, description="answer only: the JSON body to answer, as given. Omitted: an ErrorResponse naming "
+        "the fault.")
+    create_patch: dict[str, Any] | None = Field(
+        default=None, description="create_patched only, and required there: the fields the made endpoint differs "
+        "in, as a PATCH body, e.g. {\"workers\": {\"max\": 4}}.")
     times: int | None = Field(
         default=None,
         ge=1,
@@ -133,6 +145,14 @@ class RouteFaultRule(BaseModel):
             raise ValueError("unknown_status applies to the status route and needs job_status, e.g. \"RUNNING\"")
         if self.action == "create_as_gpu" and self.route != "create_endpoint":
             raise ValueError(f"create_as_gpu applies to the create_endpoint route only, not to {self.route}")
+        if (self.action == "answer") != (self.status_code is not None):
+            raise ValueError("answer needs status_code, and status_code applies to answer only")
+        if self.answer_body is not None and self.action != "answer":
+            raise ValueError(f"answer_body applies to answer only, not to {self.action}")
+        if self.action == "create_patched" and (self.route != "create_endpoint" or not self.create_patch):
+            raise ValueError("create_patched applies to the create_endpoint route and needs create_patch")
+        if self.create_patch is not None and self.action != "create_patched":
+            raise ValueError(f"create_patch applies to create_patched only, not to {self.action}")
         if self.job_status is not None and self.action != "unknown_status":
             raise ValueError(f"job_status applies to unknown_status only, not to {self.action}")
         if self.seed is not None and self.probability is None:

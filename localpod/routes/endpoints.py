@@ -42,6 +42,8 @@ async def create_endpoint(request: Request, state: LocalpodState = Depends(get_s
     if fault.create_as_gpu and "cpu" in body:  # REST v1's reported slip: a CPU request made a GPU endpoint
         body = {**{k: v for k, v in body.items() if k != "cpu"}, "gpu": {"pools": ["ADA_24"]}}
     spec = _spec_from_create(body)
+    if fault.create_patch is not None:  # an endpoint unlike the request, as the create_patched fault says
+        spec = _spec_after_update(spec, fault.create_patch)
     state.volumes.check_endpoint(spec)
     _check_quota(state, spec["workers"]["max"], excluding=None)
     endpoint = state.add_endpoint(spec)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
@@ -178,12 +179,14 @@ async def reset_host_cuda(state: LocalpodState = Depends(get_state)) -> Response
 @dataclass(frozen=True)
 class RouteFaultHit:
     """What `route_fault` let through: nothing, an act_then_500 to answer once the operation is done, an
-    unknown_status's job status to answer in place of the real one, or a create to carry out with GPU workers."""
+    unknown_status's job status to answer in place of the real one, or a create to carry out with GPU workers or
+    with a patch applied."""
 
     route: str
     act_then_500: bool
     job_status: str | None = None
     create_as_gpu: bool = False
+    create_patch: dict | None = None
 
     def after_action(self) -> None:
         """Call once the operation took effect: an act_then_500 rule answers 500 now."""
@@ -199,7 +202,7 @@ async def route_fault(
 ) -> RouteFaultHit:
     """Apply the first route fault rule that matches this request, before the operation runs.
 
-    Raises `InjectedAnswer` for status_429, status_500, status_400 and drop; holds the request for hang; an
+    Raises `InjectedAnswer` for status_429, status_500, status_400, answer and drop; holds the request for hang; an
     unknown_status comes back in the hit, for the status route to answer. Name the endpoint by id (any endpoint ever created)
     or, for a create, by the name in the body; a volume create by its body's datacenter.
     """
@@ -220,12 +223,18 @@ async def route_fault(
         raise InjectedAnswer(problem_response(500, f"localpod fault injection: {route} failed"))
     if rule.action == "status_400":
         raise InjectedAnswer(problem_response(400, f"localpod fault injection: {route} refused as invalid"))
+    if rule.action == "answer":
+        assert rule.status_code is not None  # the rule's validator requires it
+        if rule.answer_body is None:
+            raise InjectedAnswer(problem_response(rule.status_code, f"localpod fault injection: {route} answered "
+                                                                    f"{rule.status_code}"))
+        raise InjectedAnswer(JSONResponse(rule.answer_body, status_code=rule.status_code))
     if rule.action == "drop":
         raise InjectedAnswer(_CutResponse())
     if rule.action == "hang":
         await _hang(request, state, rule.hang_s)
     return RouteFaultHit(route, act_then_500=rule.action == "act_then_500", job_status=rule.job_status,
-                         create_as_gpu=rule.action == "create_as_gpu")
+                         create_as_gpu=rule.action == "create_as_gpu", create_patch=rule.create_patch)
 
 
 class InjectedAnswer(Exception):
