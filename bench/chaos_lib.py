@@ -252,6 +252,8 @@ class RunRecord:
     state_type: str | None = None
     state_message: str = ""
     retried: list[str] = field(default_factory=list)
+    log_messages: list[str] = field(default_factory=list)
+    """The flow run's log, as the Prefect server keeps it."""
     adopted_after: str | None = None
     """The outcome of the last attempt when the flow adopted results it found stored anyway."""
     gpus_used: list[str] = field(default_factory=list)
@@ -441,8 +443,9 @@ def run_preload_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str,
 def _run_train(stack, pod: Localpod, scenario: Scenario, record: RunRecord, run_file: Path, *,
                timeout_s: float, flows) -> None:
     name = record.name
-    for rule in scenario.route_faults:
-        record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
+    if scenario.route_faults_at_step is None:
+        for rule in scenario.route_faults:
+            record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
     for rule in scenario.worker_faults:
         record.fault_ids.append(pod.add_worker_fault({**rule, "endpoint_name_prefix": record.endpoint_prefix}))
     env = {"HF_TOKEN": own_token(name)} if scenario.own_token else {}
@@ -457,7 +460,13 @@ def _run_train(stack, pod: Localpod, scenario: Scenario, record: RunRecord, run_
     if scenario.tight_reconcile_at_step is not None:
         reconciler = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.tight_reconcile_at_step, timeout_s,
                                   tight_reconcile(stack, scenario.tight_reconcile_minutes))
-    with runpod, deleter, reconciler, tokens:
+    faulter = nullcontext()
+    if scenario.route_faults_at_step is not None:
+        faulter = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.route_faults_at_step, timeout_s,
+                               lambda endpoint_id: record.fault_ids.extend(
+                                   pod.add_route_fault(scoped(rule, record.endpoint_prefix))
+                                   for rule in scenario.route_faults))
+    with runpod, deleter, reconciler, tokens, faulter:
         flows.run(record, run_file, env, timeout_s)
     record.wall_s = time.monotonic() - started
     if isinstance(deleter, WhenTraining) and deleter.done:
@@ -490,7 +499,8 @@ def read_back(record: RunRecord, prefect: PrefectApi, account: Account) -> None:
         return
     state = prefect.state(record.flow_run_id)
     record.state_type, record.state_message = state["type"], state.get("message") or ""
-    for message in prefect.log_messages(record.flow_run_id):
+    record.log_messages = prefect.log_messages(record.flow_run_id)
+    for message in record.log_messages:
         if m := _ATTEMPT_ENDED.match(message):
             record.retried.append(m.group(2))
         elif m := _ADOPTED.match(message):
@@ -531,6 +541,12 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         problems.append(f"endpoints of attempts {sorted(attempts)}, expected 1..{len(record.retried) + 1}")
     if s.final_gpu is not None and record.gpus_used[-1:] != [s.final_gpu]:
         problems.append(f"attempts ran on {record.gpus_used}, expected the last on {s.final_gpu}")
+    log = "\n".join(record.log_messages)
+    problems += [f"its log never says {text!r}" for text in s.log_says if text not in log]
+    problems += [f"its log says {text!r}: {next(m for m in record.log_messages if text in m)[:500]}"
+                 for text in s.log_never_says if text in log]
+    if s.route_faults_at_step is not None and len(record.fault_ids) < len(s.route_faults) + len(s.worker_faults):
+        problems.append(f"its route faults were never added at step {s.route_faults_at_step}: the job ended first")
     if s.delete_endpoint_at_step is not None and record.endpoint_deleted is None:
         problems.append(f"the endpoint was never deleted at step {s.delete_endpoint_at_step}: the job ended first")
     if s.own_token and (not record.worker_tokens or set(record.worker_tokens.values()) != {own_token(record.name)}):

@@ -57,6 +57,9 @@ class Scenario:
     """Outcome kinds of the attempts given up before the last one, in order (the flow logs
     `Attempt N ended <kind>`); () means the run finished on its first attempt."""
     route_faults: tuple[dict[str, Any], ...] = ()
+    route_faults_at_step: int | None = None
+    """Add `route_faults` only once the first attempt's job reports this training step, not before the run starts:
+    for a fault that must meet the job in a given state (training)."""
     worker_faults: tuple[dict[str, Any], ...] = ()
     gpus: tuple[str, ...] = ("RTX 4090",)
     final_gpu: str | None = None
@@ -66,6 +69,10 @@ class Scenario:
     adopts instead of starting another attempt."""
     failure_text: tuple[str, ...] = ()
     """Substrings the FAILED state's message must hold: the real reason."""
+    log_says: tuple[str, ...] = ()
+    """Substrings the flow run's log must hold (each in some message): what the run must have said it did."""
+    log_never_says: tuple[str, ...] = ()
+    """Substrings no message of the flow run's log may hold: a wrong reading the faults could cause."""
     out_of_stock: str | None = None
     """A GPU pool that must be out of stock while this runs."""
     broken_model: bool = False
@@ -312,6 +319,59 @@ SCENARIOS: dict[str, Scenario] = {
             "`/status` answers a status loraflow does not know (PAUSED; RUNNING, which RunPod's job-states page "
             "lists, is known) three times: logged once, treated as running, one attempt",
             route_faults=(route("status", "unknown_status", job_status="PAUSED", times=3),),
+        ),
+        Scenario(
+            "quota-refusal-500",
+            "the run's create is refused twice with the account's worker quota as REST v1 answered it (500, "
+            "RunPod's text in `{\"error\": ...}`): recognised by its text, never retried as a server error; the run "
+            "waits for room (15 s, then 30 s) and completes on its first attempt",
+            # The text names no quota figure: a named figure is kept in a Prefect Variable for the preflight, which
+            # the batch's other runs must not see changed by one scenario.
+            route_faults=(route("create_endpoint", "answer", status_code=500, times=2, answer_body={
+                "error": "create endpoint: graphql: Max workers across all endpoints must not exceed your workers "
+                         "quota"}),),
+            log_says=("Waiting 15 s for room in RunPod's worker quota (try 1)",
+                      "Waiting 30 s for room in RunPod's worker quota (try 2)"),
+        ),
+        Scenario(
+            "create-refused-400",
+            "RunPod refuses the run's create on its first GPU class (A100 SXM) with 400: that class is skipped in the "
+            "same attempt, never asked again, and the run completes on its second class (RTX 4090), first attempt",
+            gpus=("A100 SXM", "RTX 4090"), final_gpu="RTX 4090",
+            route_faults=(route("create_endpoint", "status_400"),),
+            log_says=("RunPod refused the endpoint on A100 SXM; trying RTX 4090",),
+        ),
+        Scenario(
+            "create-mismatch",
+            "RunPod makes the run's endpoint unlike the request (workers.max 2, asked 1): the endpoint is deleted at "
+            "once and the run fails naming the difference (the same request would be answered the same way); no "
+            "endpoint left",
+            expect_state="FAILED", route_faults=(route("create_endpoint", "create_patched",
+                                                       create_patch={"workers": {"max": 2}}),),
+            failure_text=("unlike the request", "workers.max: asked 1, got 2"),
+        ),
+        Scenario(
+            "running-status",
+            "`/status` answers RUNNING (RunPod's job-states page lists it beside IN_PROGRESS) for three polls while the "
+            "job trains: in progress, not unknown, no requeue counted; one attempt",
+            # Added once the job reports training step 1 (steps of 2 s leave it running some ten polls more): a
+            # RUNNING answered while the job is still queued, followed by the real IN_QUEUE, would read as a requeue.
+            route_faults=(route("status", "unknown_status", job_status="RUNNING", times=3),),
+            route_faults_at_step=1, log_never_says=("which loraflow does not know", "went back to RunPod's queue"),
+            worker_faults=(worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: "2"}),),
+        ),
+        Scenario(
+            "health-partial",
+            "the job reads as queued for its first 20 polls (about 40 s, so /health is read more than once) and "
+            "/health answers as RunPod's official example, the workers' idle and running only: the run waits on, "
+            "no diagnosis from the missing counters, and completes on its first attempt",
+            # The IN_QUEUE answers come first, before any IN_PROGRESS: the run never sees the job go back to the
+            # queue, so no requeue is counted.
+            route_faults=(route("status", "unknown_status", job_status="IN_QUEUE", times=20),
+                          route("health", "answer", status_code=200, times=10, answer_body={
+                              "jobs": {"completed": 0, "failed": 0, "inProgress": 0, "inQueue": 1, "retried": 0},
+                              "workers": {"idle": 0, "running": 0}})),
+            log_never_says=("no stock", "image pull failing", "went back to RunPod's queue"),
         ),
         Scenario(
             "delete-outage",
