@@ -343,12 +343,14 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "create-mismatch",
-            "RunPod makes the run's endpoint unlike the request (workers.max 2, asked 1): the endpoint is deleted at "
-            "once and the run fails naming the difference (the same request would be answered the same way); no "
-            "endpoint left",
+            "RunPod makes the run's endpoint unlike the request (workers.max 0, asked 1: no worker would ever take "
+            "its job): the endpoint is deleted at once and the run fails naming the difference (the same request "
+            "would be answered the same way); no endpoint left",
+            # Fewer workers than asked, not more: with every run of a batch holding an endpoint, one more worker
+            # could pass the account's quota and turn the fault into a quota wait.
             expect_state="FAILED", route_faults=(route("create_endpoint", "create_patched",
-                                                       create_patch={"workers": {"max": 2}}),),
-            failure_text=("unlike the request", "workers.max: asked 1, got 2"),
+                                                       create_patch={"workers": {"max": 0}}),),
+            failure_text=("unlike the request", "workers.max: asked 1, got 0"),
         ),
         Scenario(
             "running-status",
@@ -390,7 +392,8 @@ SHORT_FORM: tuple[str, ...] = (
     "api-faults", "ambiguous-create", "run-500", "worker-crash", "worker-crash-requeue", "preempt", "worker-hang",
     "stall-resume", "no-capacity", "oom", "oom-twice", "oom-cuda-error", "oom-cublas", "oom-vllm-kv", "oom-host",
     "cuda-unavailable", "endpoint-deleted", "unknown-status", "code-failure", "tight-policy", "own-token",
-    "volume-deleted", "volume-refused", "volume-race",
+    "volume-deleted", "volume-refused", "volume-race", "quota-refusal-500", "create-refused-400", "create-mismatch",
+    "running-status", "health-partial",
 )
 """The scenarios the CI test runs, one run each: every fault kind of the issue, at the cost of about one
 queue allowance (the no-capacity run) of wall time."""

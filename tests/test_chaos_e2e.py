@@ -5,7 +5,7 @@ The long form (many runs, a chosen fault mix, background noise) is `bench/chaos.
 scenarios of `bench/chaos_scenarios.py`. This module starts its own stack: localpod's account figures
 (peak endpoints, faults injected, billed seconds) must not mix with other tests' runs.
 
-One batch: the 24 scenarios of `SHORT_FORM` and the `delete-outage` run (deletes that fail for minutes
+One batch: the 29 scenarios of `SHORT_FORM` and the `delete-outage` run (deletes that fail for minutes
 once the job has stored its results), all at once; each test below reads one behaviour off its outcome.
 The delete outage used to run alone after the batch (2.5 minutes more); its faults are scoped to its own
 endpoints, so beside the others it proves the same: its endpoint is deleted in the end, its run completes,
@@ -64,7 +64,7 @@ def test_every_run_ends_as_its_fault_predicts(chaos):
 def test_every_kind_of_fault_was_really_injected(chaos):
     injected = {kind for kind, count in chaos.figures.faults_injected.items() if count}
     assert {"status_429", "status_500", "drop", "hang", "act_then_500", "worker_crash", "worker_hang", "worker_preempt",
-            "worker_env", "unknown_status"} <= injected, chaos.figures.faults_injected
+            "worker_env", "unknown_status", "status_400", "answer", "create_patched"} <= injected, chaos.figures.faults_injected
     assert chaos.figures.out_of_stock_pools == [OUT_OF_STOCK_POOL]
 
 
