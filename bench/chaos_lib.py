@@ -22,7 +22,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -84,7 +84,29 @@ class Localpod:
         return Account.model_validate(self.http.get("/account").raise_for_status().json())
 
 
-class WhenTraining:
+class BackgroundWatch:
+    """A watch that runs `_run` in a daemon thread of its own while the `with` block lasts; `_stop` asks it to end
+    early. Subclasses call `super().__init__()` and loop on `self._stop`."""
+
+    join_timeout_s = 120.0
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.join_timeout_s)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class WhenTraining(BackgroundWatch):
     """Does something to one run behind its back, from a thread of its own, once the job of its first attempt
     reports training step `at_step`: what a person in RunPod's console, a teammate's script or RunPod itself
     could do at that moment. `action(endpoint_id)` runs once; its return value is kept as `result`."""
@@ -95,16 +117,7 @@ class WhenTraining:
         self.action = action
         self.done = False
         self.result: Any = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> WhenTraining:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=120)
+        super().__init__()
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s

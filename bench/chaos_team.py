@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.chaos_lib import ENDPOINT_LIMIT, HUB_MODEL, PrefectApi, RunRecord, write_run_file
+from bench.chaos_lib import ENDPOINT_LIMIT, HUB_MODEL, BackgroundWatch, PrefectApi, RunRecord, write_run_file
 from bench.chaos_scenarios import Scenario
 from deployments.team_stack import TeamStack
 from tasks.runpod.endpoints import run_hash
@@ -116,7 +116,7 @@ class DeploymentFlows:
             record.output += f"\n(the flow run was still {state.get('type')} after {timeout_s:.0f} s)"
 
 
-class HostKiller:
+class HostKiller(BackgroundWatch):
     """From a thread of its own: once the batch's `kill_at_run`-th flow run has been created, waits for a moment
     when no run of the batch is between a worker's claim and its process, and a worker holds running ones that
     have each sent a heartbeat; SIGKILLs that host with its runs (`choose_victim`), and starts it again, as a host
@@ -131,16 +131,7 @@ class HostKiller:
         self.team, self.flows, self.kill_at_run = team, flows, kill_at_run
         self.kill = HostKill()
         self._beating: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> HostKiller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=120)
+        super().__init__()
 
     def settle(self, timeout_s: float) -> None:
         """Wait, after the batch, until the killed runs' endpoints are gone (the reconcile deployment deletes them

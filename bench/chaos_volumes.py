@@ -18,7 +18,6 @@ import secrets
 import string
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -26,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from bench.chaos_lib import _RECORD_LOCK, REPO, Localpod, PrefectApi, RunRecord, runpod_api, wait_for
+from bench.chaos_lib import _RECORD_LOCK, REPO, BackgroundWatch, Localpod, PrefectApi, RunRecord, runpod_api, wait_for
 from bench.chaos_scenarios import Scenario, scoped
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
 from tasks.runpod.volumes import volume_name
@@ -132,24 +131,17 @@ def volume_race_problems(record: RunRecord) -> list[str]:
     return problems
 
 
-class AttachWhileHeld:
+class AttachWhileHeld(BackgroundWatch):
     """From a thread of its own, once the held route's fault has hit (the flow's billing read is held), makes an
     endpoint attaching the volume, as a teammate's run going warm on it would."""
+
+    join_timeout_s = 60.0
 
     def __init__(self, pod: Localpod, runpod: httpx.Client, fault_id: str, body: dict[str, Any], timeout_s: float):
         self.pod, self.runpod, self.fault_id, self.body, self.timeout_s = pod, runpod, fault_id, body, timeout_s
         self.made: str | None = None
         self.endpoint_id: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> AttachWhileHeld:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
+        super().__init__()
 
     def _run(self) -> None:
         deadline = time.monotonic() + self.timeout_s
