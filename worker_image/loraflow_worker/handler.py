@@ -1,5 +1,6 @@
 """The RunPod serverless handler: one job = one LoRA training run, published to the artifact store, or
-one preload of Hub models onto the endpoint's network volume (`"mode": "preload"`, runtime/preload.py).
+one preload of Hub models onto the endpoint's network volume (`"mode": "preload"`, runtime/preload.py), or one
+stored adapter merged into its base and published as a Hub model (`"mode": "merge"`, runtime/merge.py).
 
 On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 
@@ -8,7 +9,7 @@ On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 Locally, one job through runpod's test mode (no server involved):
 
     python -m loraflow_worker.self_test.tiny_model --out /tmp/tiny-qwen3
-    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 8, "run_id": "demo",
+    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 9, "run_id": "demo",
         "model": {"id": "/tmp/tiny-qwen3"}, "dataset": {"store_path": "runs/demo/dataset/train.jsonl"},
         "training": {"max_steps": 50}, "artifact_store": "file:///tmp/loraflow-store"}}'
 
@@ -36,10 +37,19 @@ import runpod
 from pydantic import ValidationError
 
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
-from loraflow_worker.contract import CONTRACT_VERSION, JobInput, JobResult, PreloadInput, Progress, run_prefix
+from loraflow_worker.contract import (
+    CONTRACT_VERSION,
+    JobInput,
+    JobResult,
+    MergeInput,
+    PreloadInput,
+    Progress,
+    run_prefix,
+)
 from loraflow_worker.runtime.cuda_check import check_cuda
 from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.runtime.lifetime import WorkerLifetime
+from loraflow_worker.runtime.merge import merge_adapter
 from loraflow_worker.runtime.packages import install_extra_packages
 from loraflow_worker.runtime.preload import preload_models
 from loraflow_worker.runtime.redaction import redact_secrets
@@ -49,7 +59,8 @@ CONSOLE_RETRY_BUDGET_S = 60.0
 """How long a failed job's console upload retries a rate-limited or failing Hub before the failure is reported without it."""
 WORK_DIR_ENV = "LORAFLOW_WORK_DIR"
 """Folder under which the worker keeps the current job's files (default: the system temp folder)."""
-_INPUT_BY_MODE: dict[str, type[JobInput] | type[PreloadInput]] = {"train": JobInput, "preload": PreloadInput}
+_INPUT_BY_MODE: dict[str, type[JobInput] | type[PreloadInput] | type[MergeInput]] = {
+    "train": JobInput, "preload": PreloadInput, "merge": MergeInput}
 
 log = logging.getLogger("loraflow_worker")
 
@@ -61,8 +72,8 @@ class JobRefused(ValueError):
 
 
 def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> dict[str, Any]:
-    """Run one RunPod job (`{"id": ..., "input": <JobInput or PreloadInput as JSON>}`) and return its
-    `JobResult` or `PreloadResult`.
+    """Run one RunPod job (`{"id": ..., "input": <JobInput, PreloadInput or MergeInput as JSON>}`) and return its
+    `JobResult`, `PreloadResult` or `MergeResult`.
     Errors propagate (the runpod runtime reports them as the job's `error`), with secrets removed: the
     environment's and the job's own (`worker_secret_names`)."""
     try:
@@ -76,7 +87,7 @@ def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> d
         raise JobFailed(f"{type(exc).__name__}: {redacted}") from None
 
 
-def parse_job_input(raw: Any) -> JobInput | PreloadInput:
+def parse_job_input(raw: Any) -> JobInput | PreloadInput | MergeInput:
     """Validate a job's `input`, checking the contract version before anything else, then its `mode`
     (left out: `train`)."""
     version = raw.get("contract_version", "none") if isinstance(raw, dict) else "none"
@@ -111,6 +122,8 @@ def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]
         lifetime.use_deadline(job_input.deadline_epoch_s)
     if isinstance(job_input, PreloadInput):
         return preload_models(job_input, _progress_sender(job)).model_dump(mode="json")
+    if isinstance(job_input, MergeInput):  # needs no CUDA: the control plane runs it on a CPU endpoint
+        return merge_adapter(job_input, fresh_work_dir(), _progress_sender(job)).model_dump(mode="json")
     store = open_store(job_input.artifact_store)
     prefix = run_prefix(job_input.run_id)
     if store.exists(f"{prefix}/DONE"):

@@ -2,14 +2,15 @@
 
 The control plane builds a `JobInput`, sends it as the RunPod job's `input`, and reads a
 `JobResult` back from the job's `output`; or, to warm a datacenter's network volume, a `PreloadInput`
-(`"mode": "preload"`) and a `PreloadResult`. Both sides validate with these models, so a typo is caught
+(`"mode": "preload"`) and a `PreloadResult`; or, to publish a run's adapter merged into its base, a `MergeInput`
+(`"mode": "merge"`) and a `MergeResult`. Both sides validate with these models, so a typo is caught
 before a GPU is billed, and a worker refuses a job whose `contract_version` it does not understand.
 
 It owns the version (`version`), what a run trains on (`sources`) and the formats its rows may come in, converted to
 TRL's by one implementation that both sides run (`dataset_formats`), the job's sections (`training_settings`,
 one `<method>_settings` per method with settings of its own, `memory_settings`, `fast_path_settings`), the names
 a run may put in its worker's environment (`env_names`), the job itself (`job`), what comes back (`results`),
-preload jobs (`preload`), how a reward is named (`reward_names`) and the chat templates the image's TRL
+preload jobs (`preload`), merge jobs (`merge`: a run's adapter merged into its base and published), how a reward is named (`reward_names`) and the chat templates the image's TRL
 has training versions of (`chat_templates`). The models are re-exported here:
 `from loraflow_worker.contract import JobInput`.
 
@@ -30,6 +31,7 @@ from loraflow_worker.contract.env_names import (
 from loraflow_worker.contract.fast_path_settings import FORCIBLE_FAST_PATHS, FastPathSettings
 from loraflow_worker.contract.grpo_settings import GrpoSettings, RewardSpec, grpo_setting_problems
 from loraflow_worker.contract.job import MAX_EXTRA_PACKAGES, JobInput, plain_requirements
+from loraflow_worker.contract.merge import LogitsCheck, MergeInput, MergeResult
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
 from loraflow_worker.contract.results import (
@@ -71,8 +73,11 @@ __all__ = [
     "GrpoSettings",
     "JobInput",
     "JobResult",
+    "LogitsCheck",
     "LoraSettings",
     "MemorySettings",
+    "MergeInput",
+    "MergeResult",
     "ModelSource",
     "PartialResult",
     "PreloadInput",

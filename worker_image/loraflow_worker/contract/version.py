@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-CONTRACT_VERSION = 8
+CONTRACT_VERSION = 9
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
 and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
 `worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
@@ -15,7 +15,8 @@ variants (`training.lr_scheduler`, `warmup_*`, `weight_decay`, `max_grad_norm`, 
 `use_rslora`, `init`, `loraplus_lr_ratio`, `modules_to_save`) and `TrainMetrics.learning_rates`; data as people have
 it (`dataset.config`, `revision`, `format`, `columns`, `mix`; the evaluation file's `format` and `columns`). 7:
 `algorithm` "dpo" with its `dpo` section and preference rows; `TrainMetrics.preference`. 8: tools in GRPO
-(`grpo.tools`, `environment`, `max_tool_calls` and their store paths) and the run's `trajectories.jsonl`."""
+(`grpo.tools`, `environment`, `max_tool_calls` and their store paths) and the run's `trajectories.jsonl`. 9: merge jobs
+(`MergeInput` with `"mode": "merge"`, `MergeResult`): a stored run's adapter merged into its bf16 base and published."""
 
 
 class _Strict(BaseModel):

@@ -18,7 +18,9 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from huggingface_hub import snapshot_download
+from huggingface_hub import HfApi, snapshot_download
+
+from loraflow_worker.contract import ModelSource
 
 VOLUME_ROOT = "/runpod-volume"
 """Where RunPod mounts an endpoint's network volume."""
@@ -93,3 +95,15 @@ def training_cache_dir() -> Path | None:
         return None
     log.info("base model cache: the network volume's %s", hub_cache_dir(volume))
     return hub_cache_dir(volume)
+
+
+def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
+    """The local folder holding the base model, and the Hub commit it came from (None for a local folder): what
+    a training job trains on and a merge job merges into."""
+    if Path(source.id).is_dir():
+        return Path(source.id), None
+    # Pin the commit first and download exactly it, so the manifest names what was trained on even if
+    # the branch moves meanwhile. HF_ENDPOINT / HF_TOKEN in the worker's environment pick the Hub.
+    info = HfApi().model_info(source.id, revision=source.revision)
+    filenames = [sibling.rfilename for sibling in info.siblings or []]
+    return fetch_model(source.id, info.sha, filenames, training_cache_dir()), info.sha

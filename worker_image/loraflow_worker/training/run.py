@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from huggingface_hub import HfApi
 from peft import LoraConfig, prepare_model_for_kbit_training
 from peft.optimizers import create_loraplus_optimizer
 from peft.utils import ModulesToSaveWrapper
@@ -29,8 +28,8 @@ from loraflow_worker.artifacts.manifest import (
     rows_sha256,
     training_config_sha256,
 )
-from loraflow_worker.contract import CONTRACT_VERSION, JobInput, ModelSource, TrainMetrics
-from loraflow_worker.runtime.model_cache import fetch_model, training_cache_dir
+from loraflow_worker.contract import CONTRACT_VERSION, JobInput, TrainMetrics
+from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.checkpoints import save_settings
 from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
 from loraflow_worker.training.monitor import TrainingMonitor
@@ -59,17 +58,6 @@ def use_device() -> bool:
     if not cuda:
         torch.set_num_threads(1)
     return cuda
-
-
-def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
-    """The local folder holding the base model, and the Hub commit it came from (None for a local folder)."""
-    if Path(source.id).is_dir():
-        return Path(source.id), None
-    # Pin the commit first and download exactly it, so the manifest names what was trained on even if
-    # the branch moves meanwhile. HF_ENDPOINT / HF_TOKEN in the worker's environment pick the Hub.
-    info = HfApi().model_info(source.id, revision=source.revision)
-    filenames = [sibling.rfilename for sibling in info.siblings or []]
-    return fetch_model(source.id, info.sha, filenames, training_cache_dir()), info.sha
 
 
 def quantization_config(job: JobInput) -> BitsAndBytesConfig | None:
