@@ -186,10 +186,32 @@ def own_token(run_name: str) -> str:
     return f"hf_chaos_{run_name.replace('-', '_')}"
 
 
+class ObserverClient(httpx.Client):
+    """The harness's own RunPod client. The batch's background noise (429, 5xx, dropped connections on every route)
+    is meant for the flows, not for the harness that watches them: its reads and deletes are asked again through it.
+    A create is never asked again (not idempotent: a dropped answer may hide an endpoint that exists)."""
+
+    TRIES = 6
+
+    def request(self, method: str, url: httpx.URL | str, **kwargs: Any) -> httpx.Response:
+        for attempt in range(1, self.TRIES + 1):
+            again = method.upper() in ("GET", "DELETE") and attempt < self.TRIES
+            try:
+                response = super().request(method, url, **kwargs)
+            except httpx.TransportError:
+                if not again:
+                    raise
+            else:
+                if not again or response.status_code not in (429, 500, 502, 503):
+                    return response
+            time.sleep(0.5 * attempt)
+        raise AssertionError("unreachable")
+
+
 def runpod_api(stack) -> httpx.Client:
-    """RunPod's API as localpod serves it, with the account's key."""
-    return httpx.Client(base_url=stack.client_env["RUNPOD_API_URL"], timeout=30,
-                        headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"})
+    """RunPod's API as localpod serves it, with the account's key, seen through the batch's noise."""
+    return ObserverClient(base_url=stack.client_env["RUNPOD_API_URL"], timeout=30,
+                          headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"})
 
 
 def tight_reconcile(stack, minutes: float) -> Callable[[str], subprocess.CompletedProcess]:
