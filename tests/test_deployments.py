@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from flows.spec import RunSpec
+from flows.study_spec import StudySpec, expand
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,6 +27,14 @@ def test_prefect_yaml_grpo_qwen_parameters_match_the_grpo_qwen_run_file():
     assert from_toml.algorithm == "grpo" and from_toml.grpo is not None
 
 
+def test_prefect_yaml_study_parameters_match_the_study_run_file_and_every_child_is_valid():
+    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+    from_yaml = StudySpec.model_validate(deployments["qwen-lr"]["parameters"]["spec"])
+    from_toml = StudySpec.model_validate(tomllib.loads((REPO / "deployments" / "qwen-study.toml").read_text()))
+    assert from_yaml == from_toml
+    assert len(expand(from_toml)) == 6
+
+
 def test_the_grpo_deployments_reward_patterns_find_a_boxed_answer():
     from loraflow_worker.training.rewards import format_reward, normalized_match
 
@@ -40,7 +49,8 @@ def test_the_reward_files_deployments_name_exist_and_define_their_functions():
     from tasks.storage.rewards import check_reward_files
 
     for path in (REPO / "deployments").glob("*.toml"):
-        spec = RunSpec.model_validate(tomllib.loads(path.read_text()))
+        data = tomllib.loads(path.read_text())
+        spec = (StudySpec if "study" in data else RunSpec).model_validate(data)
         # A deployment runs in the checkout (the pull step), where relative reward files start.
         check_reward_files(spec.grpo.rewards if spec.grpo else [], REPO)
 
@@ -105,7 +115,7 @@ def test_prefect_deploy_all_creates_every_deployment_the_nightly_schedule_and_on
                                 timeout=300)
         assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
         deployments = {d["name"]: d for d in prefect_api(local_stack, "POST", "/deployments/filter", json={}).json()}
-        assert {"qwen", "grpo-qwen", "interval", "nightly"} <= set(deployments)
+        assert {"qwen", "grpo-qwen", "qwen-lr", "interval", "nightly"} <= set(deployments)
         [schedule] = deployments["nightly"]["schedules"]
         assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["schedule"]["timezone"] == "Europe/Berlin"
         assert schedule["active"]

@@ -7,4 +7,5 @@
   cannot be confirmed; `reconcile`: the reconciler's decisions; `liveness`: the sign of life it reads.
 - `worker_env`: a run's own worker secrets; `secret_retention`: when account secrets were last used.
 - `pending_billing`: billed cost that RunPod settles after the run ended.
+- `study_children`: a study's child runs, found by its tag: cancelled with it, read back for its comparison.
 """

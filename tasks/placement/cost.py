@@ -68,6 +68,21 @@ def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceS
         )
 
 
+def check_study_budget(ceilings: dict[str, CostCeiling], budget_usd: float | None) -> None:
+    """Refuse a study whose children's cost ceilings (child name → ceiling) add up to more than its budget, naming
+    the totals and the dearest child."""
+    total = round(sum(c.usd for c in ceilings.values()), 2)
+    if budget_usd is None or total <= budget_usd:
+        return
+    name, dearest = max(ceilings.items(), key=lambda item: item[1].usd)
+    raise ValueError(
+        f"the study's {len(ceilings)} children may cost up to ${total:.2f} in all (each child's GPU price × GPUs × "
+        f"deadline; the dearest, {name}: {dearest.describe()}), above study.budget_usd ${budget_usd:.2f}: nothing was "
+        "rented. Lower deadline_minutes, try fewer grid values or seeds, pick a cheaper GPU, or raise "
+        "study.budget_usd"
+    )
+
+
 EVAL_COST_PER_EXAMPLE = {"sft": 1 / 3, "grpo": 1 / 2, "dpo": 1 / 3}
 """What evaluating one example costs next to training on one, roughly. SFT evaluates with a forward pass, about a
 third of a training step's forward and backward; DPO too (a pair's forward through the adapter and the reference, a

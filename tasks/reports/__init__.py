@@ -2,5 +2,7 @@
 
 - `summary`: the run's name and tags, its progress line, its markdown summary and metrics table.
 - `curve`: the training curve, drawn with matplotlib.
-- `events`: the Prefect events a run sends (endpoints' lives, given-up attempts, its end, its spend).
+- `events`: the Prefect events a run sends (endpoints' lives, given-up attempts, its end, its spend), and a study's
+  end.
+- `study`: a study's comparison: a row per child, the best child, their curves overlaid, its summary and table.
 """

@@ -8,6 +8,7 @@
 | `loraflow.run.finished` | `loraflow.run.<flow run id>` | the run ended: completed, failed or cancelled |
 | `loraflow.volume.used` | `loraflow.volume.<volume id>` | a run attached a warm volume, or a preload sweep used one |
 | `loraflow.run.placed` | `loraflow.data-center.<datacenter id>` | a training run's worker started its job there |
+| `loraflow.study.finished` | `loraflow.study.<flow run id>` | a study ended: its children compared, the best named |
 
 Every resource carries `prefect.resource.name` and `loraflow.*` labels that an automation's `match` can
 test (labels, unlike payloads, are what Prefect's triggers match on): `loraflow.run-name`, and
@@ -36,8 +37,10 @@ ATTEMPT_GIVEN_UP = "loraflow.attempt.given-up"
 RUN_FINISHED = "loraflow.run.finished"
 VOLUME_USED = "loraflow.volume.used"
 RUN_PLACED = "loraflow.run.placed"
+STUDY_FINISHED = "loraflow.study.finished"
 ENDPOINT_RESOURCE = "loraflow.endpoint."
 RUN_RESOURCE = "loraflow.run."
+STUDY_RESOURCE = "loraflow.study."
 VOLUME_RESOURCE = "loraflow.volume."
 DATA_CENTER_RESOURCE = "loraflow.data-center."
 
@@ -79,11 +82,13 @@ def attempt_given_up(run_id: str, run_name: str, *, attempt: int, outcome: str, 
 def run_finished(run_id: str, run_name: str, *, status: RunStatus, attempts: int, cost_usd: float | None,
                  cost_ceiling_usd: float | None = None, message: str = "",
                  adapter_url: str | None = None, published_model: str | None = None,
-                 publish_error: str | None = None, metrics: TrainMetrics | None = None) -> Event | None:
+                 publish_error: str | None = None, metrics: TrainMetrics | None = None,
+                 merged_model: str | None = None, merge_error: str | None = None) -> Event | None:
     """Send `loraflow.run.finished`. `cost_usd`: the estimate from the seconds the run's workers ran
     (None: unknown); `attempts`: the attempts started (0: refused before renting). `published_model`: the Hub
     model repo the adapter was published to (`[publish]`), with `publish_error` when that failed. `metrics`: a
-    completed run's, whose last values the payload carries as `final_metrics`."""
+    completed run's, whose last values the payload carries as `final_metrics`. `merged_model`: the Hub model repo
+    of the base with the adapter merged (`publish.merged_model_id`), with `merge_error` when the merge failed."""
     payload: dict[str, Any] = {"status": status, "attempts": attempts, "cost_usd": cost_usd,
                                "cost_ceiling_usd": cost_ceiling_usd, "message": message[:_MAX_TEXT]}
     if adapter_url:
@@ -94,6 +99,10 @@ def run_finished(run_id: str, run_name: str, *, status: RunStatus, attempts: int
         payload["published_model"] = published_model
     if publish_error:
         payload["publish_error"] = publish_error[:_MAX_TEXT]
+    if merged_model:
+        payload["merged_model"] = merged_model
+    if merge_error:
+        payload["merge_error"] = merge_error[:_MAX_TEXT]
     return emit_event(event=RUN_FINISHED, resource=_run(run_id, None, run_name) | {"loraflow.status": status},
                       payload=payload)
 
@@ -144,14 +153,16 @@ class RunSpend:
 
     def finish(self, run_id: str, run_name: str, status: RunStatus, value: _T, *, message: str = "",
                adapter_url: str | None = None, published_model: str | None = None,
-               publish_error: str | None = None, metrics: TrainMetrics | None = None) -> _T:
+               publish_error: str | None = None, metrics: TrainMetrics | None = None,
+               merged_model: str | None = None, merge_error: str | None = None) -> _T:
         """Send `loraflow.run.finished` (once: a later call sends nothing) and return `value`, so that a
         flow can `return spent.finish(..., its_result)`."""
         if not self.sent:
             self.sent = True
             run_finished(run_id, run_name, status=status, attempts=self.attempts, cost_usd=round(self.usd, 4),
                          cost_ceiling_usd=self.ceiling_usd, message=message, adapter_url=adapter_url,
-                         published_model=published_model, publish_error=publish_error, metrics=metrics)
+                         published_model=published_model, publish_error=publish_error, metrics=metrics,
+                         merged_model=merged_model, merge_error=merge_error)
         return value
 
 
@@ -166,3 +177,24 @@ def _run(run_id: str, role: str | None, name: str | None = None) -> dict[str, st
     if role:
         resource["prefect.resource.role"] = role
     return resource
+
+
+def study_finished(study_run_id: str, study_name: str, *, status: RunStatus, report: Any) -> Event | None:
+    """Send `loraflow.study.finished`: the study ended `status` (`completed` when any child completed). `report`: its
+    `StudyReport` (tasks/reports/study.py); the payload carries the children's counts by state, the best child (its
+    name, values, metric, adapter) and the summed cost and ceilings."""
+    states: dict[str, int] = {}
+    for row in report.rows:
+        states[row.state] = states.get(row.state, 0) + 1
+    best = report.best
+    payload: dict[str, Any] = {
+        "status": status, "children": len(report.rows), "states": states, "metric": report.metric,
+        "cost_usd": report.cost_usd, "cost_ceiling_usd": report.cost_ceiling_usd, "budget_usd": report.budget_usd,
+        "best": {"name": best.name, "values": best.values, "metric": best.metric, "flow_run_id": best.flow_run_id,
+                 "adapter_url": best.adapter_url} if best is not None else None,
+    }
+    if report.published:
+        payload["published_model"] = report.published
+    resource = {"prefect.resource.id": f"{STUDY_RESOURCE}{study_run_id}", "prefect.resource.name": study_name,
+                "loraflow.study-name": study_name, "loraflow.status": status}
+    return emit_event(event=STUDY_FINISHED, resource=resource, payload=payload)

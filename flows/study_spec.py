@@ -1,0 +1,291 @@
+"""The `study` flow's parameter: a run file with a `[study]` section, and the child runs it stands for.
+
+    name = "lr-sweep"
+    ...                                   # every field of a run file: the runs' common spec
+    [study]
+    grid = {"training.learning_rate" = [1e-4, 3e-4]}
+    seeds = [1, 2]
+    parallel = 2
+    metric = "eval_loss"
+    budget_usd = 20
+
+One child train run per combination of the grid's values and the seeds, each a run spec of its own, named after
+the study and the values that differ. Every child is validated here, before the first one starts: a grid value that
+makes any child invalid refuses the whole study, naming the child and the field.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from flows.spec import RunSpec, SpecError, describe_validation_error
+
+MAX_CHILDREN = 64
+"""The most child runs one study starts: a grid beyond that is a mistake more often than a plan."""
+Metric = Literal["eval_loss", "eval_reward", "eval_reward_accuracy", "train_loss"]
+METRIC_NEEDS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "eval_loss": (("sft", "dpo"), True),
+    "eval_reward": (("grpo",), True),
+    "eval_reward_accuracy": (("dpo",), True),
+    "train_loss": (("sft", "grpo", "dpo"), False),
+}
+"""Metric → (the algorithms that record it, whether it needs `[evaluation]`)."""
+MAXIMIZED = {"eval_reward", "eval_reward_accuracy"}
+NOT_VARIED = {"name": "each child is named after the study and its values", "study": "the study itself"}
+_NAME_PART = re.compile(r"[^a-z0-9]+")
+
+
+class StudySettings(BaseModel):
+    """How the study varies the run, how many children run at once, how they are compared and what they may cost."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    grid: dict[str, list[Any]] = Field(
+        default_factory=dict, max_length=6,
+        description="Run fields to vary, by their dotted names, each with the values to try, e.g. "
+        "`{\"training.learning_rate\" = [1e-4, 3e-4], \"lora.rank\" = [8, 16]}`: one child per combination (times "
+        "the seeds). Any field of the run spec but `name`, outside lists.",
+    )
+    seeds: list[int] = Field(
+        default_factory=list, max_length=16,
+        description="`training.seed` of the children: each combination of the grid runs once per seed (one seed is "
+        "one sample). Empty: the run spec's own seed.",
+    )
+    parallel: int = Field(
+        default=2, ge=1, le=28,
+        description="The most children running at once. Each holds one slot of the account-wide `runpod-endpoints` "
+        "limit while it rents, as every run does, so other runs of the account also bound it.",
+    )
+    metric: Metric = Field(
+        default="eval_loss",
+        description="What picks the best child, at its last value: `eval_loss` (SFT, DPO: needs `[evaluation]`), "
+        "`eval_reward` (GRPO: needs `[evaluation]`), `eval_reward_accuracy` (DPO's held-out reward accuracy: needs "
+        "`[evaluation]`) or `train_loss`.",
+    )
+    direction: Literal["minimize", "maximize"] | None = Field(
+        default=None,
+        description="Whether the best child has the lowest or the highest `metric`. Empty: lowest for a loss, "
+        "highest for a reward or an accuracy.",
+    )
+    publish_best: bool = Field(
+        default=False,
+        description="Publish only the best child's adapter, with the run file's `[publish]` (which this needs). "
+        "False: no child publishes (a `[publish]` beside it would have every child publish to one repo, so it is "
+        "refused).",
+    )
+    budget_usd: float | None = Field(
+        default=None, gt=0, le=1_000_000,
+        description="The most the whole study may cost: the sum of its children's cost ceilings (GPU price × GPUs × "
+        "deadline, each) is checked against it before anything is rented, and a study that cannot fit is refused "
+        "naming the totals. Empty: no study budget (each child's own `budget_usd` still holds).",
+    )
+
+    @field_validator("grid")
+    @classmethod
+    def _fields_of_a_run(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for path, values in grid.items():
+            field_problem = run_field_problem(path)
+            if field_problem:
+                raise ValueError(f"study.grid {path!r}: {field_problem}")
+            if not values:
+                raise ValueError(f"study.grid {path!r}: give at least one value")
+            if len({repr(v) for v in values}) < len(values):
+                raise ValueError(f"study.grid {path!r}: a value is listed twice ({values}); list each once")
+        return grid
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, seeds: list[int]) -> list[int]:
+        if len(set(seeds)) < len(seeds):
+            raise ValueError(f"study.seeds {seeds}: a seed is listed twice; list each once")
+        return seeds
+
+    @model_validator(mode="after")
+    def _seeds_or_a_seed_grid(self) -> StudySettings:
+        if self.seeds and "training.seed" in self.grid:
+            raise ValueError("`study.seeds` and `study.grid` \"training.seed\" both vary the seed: keep one")
+        if self.children() > MAX_CHILDREN:
+            raise ValueError(f"the study would start {self.children()} child runs (grid values × seeds), more than "
+                             f"{MAX_CHILDREN}: split it into smaller studies")
+        return self
+
+    def children(self) -> int:
+        return math.prod(len(v) for v in self.grid.values()) * max(1, len(self.seeds))
+
+    def maximize(self) -> bool:
+        return self.direction == "maximize" if self.direction else self.metric in MAXIMIZED
+
+
+class StudySpec(RunSpec):
+    """A study: the spec its child runs share (every field of a run file), and the `[study]` section."""
+
+    study: StudySettings = Field(description="What the study varies and how it compares its children.")
+
+    @model_validator(mode="after")
+    def _metric_recorded_and_one_publisher(self) -> StudySpec:
+        algorithms, needs_evaluation = METRIC_NEEDS[self.study.metric]
+        if self.algorithm not in algorithms:
+            raise ValueError(f"study.metric {self.study.metric!r} is not recorded by {self.algorithm} runs (only "
+                             f"{', '.join(algorithms)}): pick one of {_metrics_for(self.algorithm)}")
+        if needs_evaluation and self.evaluation is None:
+            raise ValueError(f"study.metric {self.study.metric!r} is measured on held-out examples: add an "
+                             "`[evaluation]` section (e.g. `fraction = 0.1`), or use `train_loss`")
+        if self.study.publish_best and self.publish is None:
+            raise ValueError("study.publish_best needs the run file's `[publish]` (where to publish the best adapter)")
+        if self.publish is not None and not self.study.publish_best:
+            raise ValueError("`[publish]` without study.publish_best would have every child publish to the same repo: "
+                             "set `study.publish_best = true` to publish the best child's adapter, or remove `[publish]`")
+        return self
+
+
+def _metrics_for(algorithm: str) -> str:
+    return ", ".join(m for m, (algorithms, _) in METRIC_NEEDS.items() if algorithm in algorithms)
+
+
+class Child(BaseModel):
+    """One child run of a study: its place, the values it tries, and its spec."""
+
+    index: int = Field(description="Its place in the study, from 1.")
+    values: dict[str, Any] = Field(description="Dotted run field → the value this child tries (`training.seed` "
+                                   "included when the study varies seeds).")
+    spec: RunSpec = Field(description="The child's whole run spec.")
+
+
+def run_field_problem(path: str) -> str | None:
+    """Why `path` (dotted) does not name a field of a run spec that a study can vary; None when it does."""
+    parts = path.split(".")
+    if parts[0] in NOT_VARIED:
+        return f"`{parts[0]}` is not varied: {NOT_VARIED[parts[0]]}"
+    model: type[BaseModel] | None = RunSpec
+    for depth, part in enumerate(parts):
+        if model is None:
+            return f"`{'.'.join(parts[:depth])}` has no fields inside it to vary"
+        if part not in model.model_fields:
+            known = ", ".join(sorted(model.model_fields))
+            where = f"`{'.'.join(parts[:depth])}`" if depth else "a run spec"
+            return f"{where} has no field `{part}` (its fields: {known})"
+        model = _section_model(model.model_fields[part].annotation)
+    return None
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (`X` or `X | None`), or None for a value, a list or a mapping."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def expand(spec: StudySpec) -> list[Child]:
+    """Every child run of the study, validated. `SpecError` names each child that is not a valid run, with its
+    values and the field."""
+    study = spec.study
+    base = spec.model_dump(mode="json", exclude_unset=True, exclude={"study"})
+    if study.publish_best:
+        base.pop("publish", None)  # published once, from the study, for the best child only
+    axes = list(study.grid.items()) + ([("training.seed", study.seeds)] if study.seeds else [])
+    varied = [path for path, values in axes if len(values) > 1]
+    children, problems, names = [], [], set()
+    for index, combination in enumerate(itertools.product(*(values for _, values in axes)), start=1):
+        values = dict(zip((path for path, _ in axes), combination, strict=True))
+        data = _with_values(base, values)
+        data["name"] = _child_name(spec.name, {p: values[p] for p in varied}, index, names)
+        names.add(data["name"])
+        try:
+            children.append(Child(index=index, values=values, spec=RunSpec.model_validate(data)))
+        except ValidationError as e:
+            label = describe_values(values) or "the run spec"
+            problems.append(describe_validation_error(e, f"child {index} ({label})"))
+    if problems:
+        raise SpecError(f"study {spec.name}: {len(problems)} of {study.children()} child run(s) would be invalid, so "
+                        "nothing was started:\n" + "\n".join(problems))
+    return children
+
+
+def _with_values(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    data = _copy(base)
+    for path, value in values.items():
+        section = data
+        *parents, last = path.split(".")
+        for key in parents:
+            if not isinstance(section.get(key), dict):
+                section[key] = {}
+            section = section[key]
+        section[last] = value
+    return data
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+NAME_MAX = 40  # RunSpec.name's limit: it is part of the endpoint names
+
+
+def _child_name(study: str, varied: dict[str, Any], index: int, taken: set[str]) -> str:
+    """`<study>-<field><value>-...`, each varied field by its last part's initials (`training.learning_rate` is
+    `lr`, `training.seed` `s`); `<study>-c<index>` when that is longer than a run name may be, or taken."""
+    parts = [study]
+    for path, value in varied.items():
+        parts.append(_short_field(path) + _name_value(value))
+    name = "-".join(parts)
+    if len(name) > NAME_MAX or name in taken or not varied:
+        name = f"{study[:NAME_MAX - len(str(index)) - 2]}-c{index}"
+    return name
+
+
+def _short_field(path: str) -> str:
+    last = path.split(".")[-1]
+    return "".join(word[0] for word in last.split("_") if word)
+
+
+def _name_value(value: Any) -> str:
+    if isinstance(value, float):  # 0.0003 → 0p0003, 1e-05 → 1em05: no dot in a run name, and no two values alike
+        return f"{value:g}".replace(".", "p").replace("e-", "em").replace("e+", "e")
+    return _NAME_PART.sub("-", _value_text(value).lower()).strip("-") or "x"
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}".replace("+", "")
+    if isinstance(value, list):
+        return "-".join(_value_text(v) for v in value)
+    return str(value)
+
+
+def describe_values(values: dict[str, Any]) -> str:
+    """`training.learning_rate=0.0001, training.seed=2`: a child's values as the study's table and log show them."""
+    return ", ".join(f"{path}={_value_text(value)}" for path, value in values.items())
+
+
+def load_study_file(path: str | Path) -> StudySpec:
+    """Parse and validate a run file with a `[study]` section; `SpecError` names every bad field."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise SpecError(f"run file {path} does not exist") from e
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path} is not valid TOML: {e}") from e
+    if "study" not in data:
+        raise SpecError(f"{path} has no [study] section: it is one run (start it with `python -m flows.train "
+                        f"{path}`), or add a [study] section with the grid and seeds to try")
+    try:
+        return StudySpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(describe_validation_error(e, str(path))) from e

@@ -1,0 +1,201 @@
+"""A study's comparison: one row per child run, the best child by the study's metric, the children's curves on one
+plot, and the study's summary and table artifacts.
+
+Pure functions over plain data (the rows, each child's `TrainMetrics`), so that the comparison is tested without a
+flow; `publish_study_report` writes the artifacts from inside the study flow.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import TYPE_CHECKING, Literal
+
+from loraflow_worker.contract import TrainMetrics
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+ChildState = Literal["completed", "failed", "cancelled", "not started"]
+SERIES_OF_METRIC = {
+    "eval_loss": ("eval_loss", "eval loss (held-out)"),
+    "eval_reward": ("eval_reward", "eval mean reward (held-out)"),
+    "eval_reward_accuracy": ("eval_reward_accuracies", "eval reward accuracy (held-out)"),
+    "train_loss": ("losses", "training loss"),
+}
+"""The study's metric → the `TrainMetrics` series it is the last value of, and how the plot labels it."""
+
+
+class ChildRow(BaseModel):
+    """One child run as the study's table shows it."""
+
+    index: int = Field(description="Its place in the study, from 1.")
+    name: str = Field(description="The child run's name.")
+    values: str = Field(description="The values it tried, `field=value, ...`.")
+    state: ChildState = Field(description="How it ended.")
+    reason: str = Field(default="", description="Why it did not complete; empty when it did.")
+    metric: float | None = Field(default=None, description="The study's metric at the child's last step.")
+    train_loss: float | None = Field(default=None, description="Training loss at the last logged step.")
+    eval_loss: float | None = Field(default=None, description="Held-out loss at the last evaluation (SFT, DPO).")
+    train_reward: float | None = Field(default=None, description="GRPO: mean reward at the last logged step.")
+    eval_reward: float | None = Field(default=None, description="GRPO: held-out mean reward at the last evaluation.")
+    eval_reward_accuracy: float | None = Field(default=None, description="DPO: held-out reward accuracy, last.")
+    cost_usd: float | None = Field(default=None, description="What its workers ran, × the GPU's price (its "
+                                   "`loraflow.run.finished`); None when unknown.")
+    cost_ceiling_usd: float | None = Field(default=None, description="Its cost ceiling, as the study counted it.")
+    minutes: float | None = Field(default=None, description="Its flow run's wall time, in minutes.")
+    flow_run_id: str | None = Field(default=None, description="The child's flow run; None when it never started.")
+    summary_url: str | None = Field(default=None, description="Its flow run's page (the summary is its artifact).")
+    adapter_url: str | None = Field(default=None, description="Where its adapter is stored, when it completed.")
+
+
+def last(series: list[tuple[int, float]]) -> float | None:
+    return series[-1][1] if series else None
+
+
+def metric_value(metrics: TrainMetrics, metric: str) -> float | None:
+    """The study's metric at the child's last step (`train_loss`: the final logged loss)."""
+    if metric == "train_loss":
+        return metrics.final_loss
+    return last(getattr(metrics, SERIES_OF_METRIC[metric][0]))
+
+
+def completed_row(row: ChildRow, metrics: TrainMetrics, metric: str) -> ChildRow:
+    """`row` with a completed child's figures filled in from its metrics."""
+    return row.model_copy(update={
+        "metric": metric_value(metrics, metric), "train_loss": metrics.final_loss, "eval_loss": last(metrics.eval_loss),
+        "train_reward": last(metrics.rewards), "eval_reward": last(metrics.eval_reward),
+        "eval_reward_accuracy": last(metrics.eval_reward_accuracies)})
+
+
+def best_child(rows: list[ChildRow], maximize: bool) -> ChildRow | None:
+    """The completed child with the lowest metric (the highest when `maximize`); the earlier child on a tie; None
+    when no completed child has the metric."""
+    scored = [r for r in rows if r.state == "completed" and r.metric is not None]
+    if not scored:
+        return None
+    if maximize:
+        return max(scored, key=lambda r: (r.metric, -r.index))
+    return min(scored, key=lambda r: (r.metric, r.index))
+
+
+def table_rows(rows: list[ChildRow], metric: str, best: ChildRow | None) -> list[dict[str, object]]:
+    """The study's table artifact: one dict per child, the columns people compare first."""
+    def figure(value: float | None, digits: int = 4) -> object:
+        return round(value, digits) if value is not None else ""
+
+    def columns(row: ChildRow) -> dict[str, object]:
+        figures = {"train loss": row.train_loss, "eval loss": row.eval_loss, "train reward": row.train_reward,
+                   "eval reward": row.eval_reward}
+        return {
+            "child": f"{row.name}{' (best)' if best is not None and row.index == best.index else ''}",
+            "values": row.values, "state": row.state, metric: figure(row.metric),
+            # The metric's own column is not repeated under its plain name.
+            **{name: figure(value) for name, value in figures.items() if name != metric.replace("_", " ")},
+            "cost (USD)": figure(row.cost_usd), "minutes": figure(row.minutes, 1),
+            "reason": row.reason, "summary": row.summary_url or "",
+        }
+
+    return [columns(row) for row in rows]
+
+
+def overlay_figure(curves: dict[str, list[tuple[int, float]]], label: str) -> Figure | None:
+    """Each child's series (child name → (step, value) pairs) on one set of axes; None when no child has two
+    points."""
+    drawn = {name: points for name, points in curves.items() if len(points) >= 2}
+    if not drawn:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(6.4, 3.6), dpi=100, layout="constrained", facecolor="white")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for name, points in drawn.items():
+        axes.plot(*zip(*points), linewidth=2, marker="o", markersize=3, label=name)
+    axes.set_xlabel("step")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_ylabel(label)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    return figure
+
+
+def overlay_png(metrics: dict[str, TrainMetrics], metric: str) -> bytes | None:
+    """The children's curves of the study's metric (its series: eval for an eval metric, training for
+    `train_loss`) as PNG bytes; None when there is nothing to draw."""
+    series, label = SERIES_OF_METRIC[metric]
+    figure = overlay_figure({name: getattr(m, series) for name, m in metrics.items()}, label)
+    if figure is None:
+        return None
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+class StudyReport(BaseModel):
+    """What the study's summary says."""
+
+    study: str = Field(description="The study's name.")
+    metric: str = Field(description="What picked the best child.")
+    maximize: bool = Field(description="Whether the highest metric is the best.")
+    rows: list[ChildRow] = Field(description="One per child, in the study's order.")
+    best: ChildRow | None = Field(default=None, description="The best child; None when none completed with the "
+                                  "metric.")
+    cost_usd: float = Field(description="The children's costs summed (those known).")
+    cost_ceiling_usd: float = Field(description="The children's cost ceilings summed, as checked before renting.")
+    budget_usd: float | None = Field(default=None, description="The study's budget; None: none.")
+    published: str | None = Field(default=None, description="Where the best adapter was published (publish_best).")
+    publish_error: str | None = Field(default=None, description="Why publishing the best adapter failed.")
+
+
+def study_markdown(report: StudyReport, plot: bytes | None) -> str:
+    """The study's summary: the best child, the totals, the table, the overlaid curves."""
+    counts: dict[str, int] = {}
+    for row in report.rows:
+        counts[row.state] = counts.get(row.state, 0) + 1
+    direction = "highest" if report.maximize else "lowest"
+    best = report.best
+    lines = [f"# Study {report.study}", ""]
+    if best is not None:
+        lines.append(f"**Best child: {best.name}** ({best.values}): {report.metric} {best.metric:.4g}, the "
+                     f"{direction} of {sum(1 for r in report.rows if r.metric is not None)}.")
+    else:
+        lines.append(f"**No best child**: no child completed with a {report.metric}.")
+    budget = f" of a ${report.budget_usd:.2f} budget" if report.budget_usd is not None else ""
+    lines += ["", f"- Children: {', '.join(f'{n} {state}' for state, n in counts.items())}",
+              f"- Cost: ${report.cost_usd:.4f} (workers' run time × price); ceilings ${report.cost_ceiling_usd:.2f}"
+              f"{budget}"]
+    if report.published:
+        lines.append(f"- Best adapter published to `{report.published}`")
+    if report.publish_error:
+        lines.append(f"- Best adapter not published: {report.publish_error}")
+    lines += ["", f"| child | values | state | {report.metric} | cost (USD) | minutes | reason |",
+              "|---|---|---|---|---|---|---|"]
+    for row in report.rows:
+        name = f"[{row.name}]({row.summary_url})" if row.summary_url else row.name
+        mark = " **(best)**" if best is not None and row.index == best.index else ""
+        metric = f"{row.metric:.4g}" if row.metric is not None else ""
+        cost = f"{row.cost_usd:.4f}" if row.cost_usd is not None else "unknown"
+        minutes = f"{row.minutes:.1f}" if row.minutes is not None else ""
+        lines.append(f"| {name}{mark} | {row.values} | {row.state} | {metric} | {cost} | {minutes} | "
+                     f"{row.reason.replace('|', '/')[:200]} |")
+    if plot is not None:
+        lines += ["", f"![{report.metric} of every child](data:image/png;base64,{base64.b64encode(plot).decode()})"]
+    return "\n".join(lines)
+
+
+def study_key(study: str) -> str:
+    """The artifact key of a study's summary (its table's is this plus `-table`)."""
+    return f"study-{study}"
+
+
+def publish_study_report(report: StudyReport, plot: bytes | None) -> None:
+    create_markdown_artifact(markdown=study_markdown(report, plot), key=study_key(report.study),
+                             description=f"Study {report.study}: its children compared")
+    create_table_artifact(table=table_rows(report.rows, report.metric, report.best),
+                          key=f"{study_key(report.study)}-table",
+                          description=f"Study {report.study}: one row per child run")

@@ -1,0 +1,144 @@
+"""A study end to end on the local stack: `python -m flows.study` as a user starts it, its children real train runs
+of the tiny model on localpod; refused over its budget before anything is rented; cancelled from the CLI while its
+children train, served the Prefect way (`study.serve`, the runner a Prefect worker uses)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.conftest import REPO, localpod_account, prefect_api, stop_process_group
+from tests.test_cancel_e2e import LEASE_S, cancel_from_cli, state_of
+from tests.test_crash_recovery_e2e import flow_env, live_endpoints, running_job, slots_in_use, wait_for
+from tests.test_train_e2e import most_live_at_once, write_run_file
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def write_study_file(path, *, name, tiny_model, store, study: str, max_steps: int = 8):
+    return write_run_file(path, name=name, model=tiny_model, store=store, max_steps=max_steps,
+                          extra="[evaluation]\nfraction = 0.2\nevery_steps = 4\n[study]\n" + study)
+
+
+def run_study(stack, run_file, timeout_s: float = 600) -> tuple[int, str, str | None]:
+    proc = subprocess.run([sys.executable, "-m", "flows.study", str(run_file)], cwd=REPO, env=flow_env(stack),
+                          capture_output=True, text=True, timeout=timeout_s)
+    output = proc.stdout + proc.stderr
+    match = re.search(r"flow run ([0-9a-f-]{36}):", output)
+    return proc.returncode, output, match.group(1) if match else None
+
+
+def children_of(stack, study_run_id: str) -> list[dict]:
+    return prefect_api(stack, "POST", "/flow_runs/filter", json={
+        "flow_runs": {"tags": {"all_": [f"study-run:{study_run_id}"]}}}).json()
+
+
+def artifact(stack, key: str) -> dict:
+    (found,) = prefect_api(stack, "POST", "/artifacts/filter", json={"artifacts": {"key": {"any_": [key]}},
+                                                                       "sort": "CREATED_DESC", "limit": 1}).json()
+    return found
+
+
+def study_endpoints(stack, name: str) -> list[dict]:
+    return [e for e in localpod_account(stack)["endpoints"] if e["name"].startswith(f"loraflow-{name}-")]
+
+
+def test_two_learning_rates_by_two_seeds_run_as_four_children_two_at_a_time_and_the_best_is_named(
+        local_stack, tiny_model, tmp_path):
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-study", tiny_model=tiny_model,
+                                store=tmp_path / "store", study='grid = {"training.learning_rate" = [5e-3, 1e-4]}\n'
+                                'seeds = [1, 2]\nparallel = 2\nbudget_usd = 50\n')
+    code, output, study_id = run_study(local_stack, run_file)
+    assert code == 0, output[-6000:]
+
+    children = children_of(local_stack, study_id)
+    assert sorted(c["name"].split("-tiny-model")[0] for c in children) == [
+        "e2e-study-lr0p0001-s1", "e2e-study-lr0p0001-s2", "e2e-study-lr0p005-s1", "e2e-study-lr0p005-s2"], children
+    assert all(c["state"]["type"] == "COMPLETED" and "study:e2e-study" in c["tags"] for c in children), children
+    endpoints = study_endpoints(local_stack, "e2e-study")
+    assert len(endpoints) == 4 and all(e["deletedAt"] for e in endpoints), endpoints
+    assert most_live_at_once(endpoints) <= 2, endpoints
+    assert slots_in_use(local_stack) == 0
+
+    table = json.loads(artifact(local_stack, "study-e2e-study-table")["data"])
+    assert len(table) == 4 and all(row["state"] == "completed" and row["eval_loss"] != "" for row in table), table
+    (best,) = [row for row in table if row["child"].endswith("(best)")]
+    assert best["eval_loss"] == min(row["eval_loss"] for row in table)
+    # The higher rate learns the tiny dataset faster in 8 steps: the study picks what the model learnt.
+    assert "lr0p005" in best["child"], table
+    summary = artifact(local_stack, "study-e2e-study")["data"]
+    assert f"**Best child: {best['child'].removesuffix(' (best)')}**" in summary
+    assert "data:image/png;base64," in summary  # the children's eval curves, overlaid
+    assert all(row["cost (USD)"] != "" for row in table), table
+
+    def study_finished():
+        return prefect_api(local_stack, "POST", "/events/filter", json={"filter": {
+            "event": {"name": ["loraflow.study.finished"]},
+            "resource": {"id": [f"loraflow.study.{study_id}"]}}, "limit": 1}).json()["events"]
+
+    (event,) = wait_for(study_finished, 60, "loraflow.study.finished")
+    payload = event["payload"]
+    assert payload["status"] == "completed" and payload["states"] == {"completed": 4}, payload
+    assert payload["best"]["name"] == best["child"].removesuffix(" (best)"), payload
+
+
+def test_a_study_whose_ceilings_add_up_to_more_than_its_budget_is_refused_before_any_endpoint_exists(
+        local_stack, tiny_model, tmp_path):
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-budget", tiny_model=tiny_model,
+                                store=tmp_path / "store", study="seeds = [1, 2, 3]\nbudget_usd = 0.2\n")
+    code, output, study_id = run_study(local_stack, run_file)
+    assert code == 1, output[-4000:]
+    assert re.search(r"the study's 3 children may cost up to \$[0-9.]+ in all .* above study.budget_usd \$0.20", output)
+    assert study_endpoints(local_stack, "e2e-study-budget") == []
+    assert children_of(local_stack, study_id) == []
+
+
+def test_a_study_naming_a_field_a_child_cannot_take_is_refused_naming_the_child(local_stack, tiny_model, tmp_path):
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-bad", tiny_model=tiny_model,
+                                store=tmp_path / "store", study='grid = {"lora.rank" = [8, 4096]}\n')
+    code, output, study_id = run_study(local_stack, run_file)
+    assert code == 1 and "child 2 (lora.rank=4096)" in output and "lora.rank" in output, output[-4000:]
+    assert study_endpoints(local_stack, "e2e-study-bad") == [] and children_of(local_stack, study_id) == []
+
+
+def test_cancelling_a_served_study_cancels_its_training_children_and_leaks_nothing(local_stack, tiny_model,
+                                                                                  tmp_path):
+    log_path = tmp_path / "serve.log"
+    env = flow_env(local_stack, LORAFLOW_SLOT_LEASE_SECONDS=LEASE_S, LORAFLOW_HEARTBEAT_SECONDS=5)
+    proc = subprocess.Popen([sys.executable, "-c", "from flows.study import study; study.serve(name='e2e')"],
+                            cwd=REPO, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deployment = wait_for(lambda: _deployment(local_stack) or proc.poll() is not None, 120, "the deployment")
+        assert proc.poll() is None, log_path.read_text()
+        run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-cancel", tiny_model=tiny_model,
+                                    store=tmp_path / "store", max_steps=100_000, study="seeds = [1, 2, 3]\nparallel = 2\n")
+        spec = tomllib.loads(run_file.read_text())
+        study_id = prefect_api(local_stack, "POST", f"/deployments/{deployment}/create_flow_run",
+                               json={"parameters": {"spec": spec}}).json()["id"]
+        endpoints = wait_for(lambda: len(live_endpoints(local_stack, "loraflow-e2e-study-cancel-")) == 2
+                             and live_endpoints(local_stack, "loraflow-e2e-study-cancel-"), 240, "two children's endpoints")
+        wait_for(lambda: running_job(local_stack, {e["id"] for e in endpoints}), 180, "a child to train")
+
+        cancel_from_cli(local_stack, study_id)
+        wait_for(lambda: state_of(local_stack, study_id)["type"] == "CANCELLED", 120, "the study to be cancelled")
+        wait_for(lambda: not live_endpoints(local_stack, "loraflow-e2e-study-cancel-"), 120,
+                 "the children's endpoints to be deleted")
+        children = children_of(local_stack, study_id)
+        assert len(children) == 2 and all(c["state"]["type"] == "CANCELLED" for c in children), children
+        wait_for(lambda: slots_in_use(local_stack) == 0, LEASE_S + 30, "every slot to be free")
+        assert len(study_endpoints(local_stack, "e2e-study-cancel")) == 2  # the third child never started
+    finally:
+        stop_process_group(proc)
+
+
+def _deployment(stack) -> str | None:
+    import httpx
+
+    response = httpx.get(f"{stack.prefect_api_url}/deployments/name/study/e2e", timeout=10)
+    return response.json()["id"] if response.status_code == 200 else None
