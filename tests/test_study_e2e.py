@@ -142,3 +142,31 @@ def _deployment(stack) -> str | None:
 
     response = httpx.get(f"{stack.prefect_api_url}/deployments/name/study/e2e", timeout=10)
     return response.json()["id"] if response.status_code == 200 else None
+
+
+def test_cancelling_a_study_started_from_a_shell_cancels_its_children_and_leaks_nothing(local_stack, tiny_model,
+                                                                                        tmp_path):
+    # No runner watches a study started as `python -m flows.study`: the study sees its own cancel and passes it on.
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-shell", tiny_model=tiny_model,
+                                store=tmp_path / "store", max_steps=100_000, study="seeds = [1, 2, 3]\nparallel = 2\n")
+    log = (tmp_path / "study.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.study", str(run_file)], cwd=REPO,
+                            env=flow_env(local_stack, LORAFLOW_SLOT_LEASE_SECONDS=LEASE_S), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        endpoints = wait_for(lambda: len(live_endpoints(local_stack, "loraflow-e2e-study-shell-")) == 2
+                             and live_endpoints(local_stack, "loraflow-e2e-study-shell-"), 240, "two children's endpoints")
+        wait_for(lambda: running_job(local_stack, {e["id"] for e in endpoints}), 180, "a child to train")
+        (study,) = prefect_api(local_stack, "POST", "/flow_runs/filter", json={
+            "flow_runs": {"name": {"like_": "e2e-study-shell study"}}}).json()
+
+        cancel_from_cli(local_stack, study["id"])
+        assert proc.wait(timeout=180) == 1, (tmp_path / "study.log").read_text()[-4000:]
+        assert state_of(local_stack, study["id"])["type"] == "CANCELLED"
+        children = children_of(local_stack, study["id"])
+        assert len(children) == 2 and all(c["state"]["type"] == "CANCELLED" for c in children), children
+        assert not live_endpoints(local_stack, "loraflow-e2e-study-shell-")
+        assert len(study_endpoints(local_stack, "e2e-study-shell")) == 2  # the third child never started
+        wait_for(lambda: slots_in_use(local_stack) == 0, LEASE_S + 30, "every slot to be free")
+    finally:
+        stop_process_group(proc)
