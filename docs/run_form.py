@@ -44,6 +44,7 @@ class Form:
 def forms() -> list[Form]:
     from flows.preload import PreloadSpec
     from flows.spec import ReconcilePolicy, RunOverrides, RunSpec
+    from flows.study_spec import StudySettings
     from flows.volumes import VolumesPolicy
 
     return [
@@ -54,6 +55,10 @@ def forms() -> list[Form]:
              "`grpo.rewards[].name` is the `name` of each entry of `rewards` under `[grpo]`."),
         Form("The train flow's single-field parameters", RunOverrides,
              "The `train` flow's parameters beside `spec`."),
+        Form("The study flow's `[study]` section", StudySettings,
+             "The `study` flow's `spec` parameter is a run spec (above), the children's common fields, with this "
+             "`[study]` section beside them ([studies](studies.md)).",
+             prefix="study."),
         Form("The reconcile flow's policy", ReconcilePolicy,
              "The `reconcile` flow's `policy` parameter.",
              prefix="policy."),
