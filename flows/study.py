@@ -173,7 +173,13 @@ def _run_children(children: list[Child], spec: StudySpec, study_run_id: str, cei
         done, _ = wait(list(running), timeout=POLL_SECONDS)
         for future in done:
             child = running.pop(future)
-            row, child_metrics = future.result()
+            try:
+                row, child_metrics = future.result()
+            except Exception as e:  # noqa: BLE001 - one child's unreadable outcome is its row, not the study's end
+                row, child_metrics = ChildRow(index=child.index, name=child.spec.name,
+                                              values=describe_values(child.values), state="failed",
+                                              reason=f"its outcome could not be read: {type(e).__name__}: {e}"[:500],
+                                              cost_ceiling_usd=ceilings[child.spec.name].usd), None
             rows[child.index] = row
             if child_metrics is not None:
                 metrics[row.name] = child_metrics
