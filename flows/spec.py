@@ -303,31 +303,56 @@ HUB_MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9.
 
 
 class PublishSpec(_Section):
-    """Publish the adapter as a Hub model repo once the run has completed: the adapter files and a model card
-    (base model, training settings, final metrics, curve, how to load and serve it) in one commit, so that
-    `PeftModel.from_pretrained(base, "<org>/<name>")` and vLLM's `--lora-modules` load it by name. Needs a token
-    that can write to `<org>` (checked before renting: present). An existing repo gets a new commit; a failed
-    publish leaves the run completed and the summary says why."""
+    """Publish the run once it has completed, by name, to Hub model repos: the adapter (`hub_model_id`: the adapter
+    files and a model card — base model, training settings, final metrics, curve, how to load and serve it — in one
+    commit, so that `PeftModel.from_pretrained(base, "<org>/<name>")` and vLLM's `--lora-modules` load it), and/or the
+    base with the adapter merged into it (`merged_model_id`: a plain bf16 model that transformers and vLLM load
+    without PEFT, merged on a RunPod CPU worker and checked against base + adapter). At least one of the two. Needs a
+    token that can write to `<org>` (checked before renting: present). An existing repo gets a new commit; a failed
+    publish or merge leaves the run completed and the summary says why."""
 
-    hub_model_id: str = Field(
-        max_length=193, pattern=HUB_MODEL_ID_PATTERN,
-        description="The Hub model repo to publish to, `<org>/<name>` (e.g. `acme/qwen3-capybara-lora`): created when "
-        "missing, given a new commit when it exists. The run's token (`hub_token_secret`, else HF_TOKEN) must be "
-        "able to write to it.",
+    hub_model_id: str | None = Field(
+        default=None, max_length=193, pattern=HUB_MODEL_ID_PATTERN,
+        description="The Hub model repo to publish the adapter to, `<org>/<name>` (e.g. `acme/qwen3-capybara-lora`): "
+        "created when missing, given a new commit when it exists. The run's token (`hub_token_secret`, else HF_TOKEN) "
+        "must be able to write to it. Empty: the adapter stays in the artifact store (set `merged_model_id` then).",
+    )
+    merged_model_id: str | None = Field(
+        default=None, max_length=193, pattern=HUB_MODEL_ID_PATTERN,
+        description="The Hub model repo to publish the base model with the adapter merged into it to, `<org>/<name>` "
+        "(e.g. `acme/qwen3-capybara`): merged in bf16 (a QLoRA adapter too) on a RunPod CPU worker sized from the "
+        "model, its logits checked against base + adapter, published with a card naming the base, the adapter and "
+        "the run. Costs a CPU worker for the download, the merge and the upload. Empty: no merged model.",
     )
     private: bool = Field(
         default=True,
-        description="Create the repo private (only its owners see it). An existing repo keeps its visibility.",
+        description="Create the repos private (only their owners see them). An existing repo keeps its visibility.",
     )
 
-    @field_validator("hub_model_id")
+    @field_validator("hub_model_id", "merged_model_id")
     @classmethod
-    def _hub_naming_rules(cls, repo_id: str) -> str:
-        for part in repo_id.split("/"):
+    def _hub_naming_rules(cls, repo_id: str | None, info: ValidationInfo) -> str | None:
+        for part in (repo_id or "").split("/"):
             if "--" in part or ".." in part or part.endswith(("-", ".")):
-                raise ValueError(f"publish.hub_model_id {repo_id!r}: the Hub refuses names with `--` or `..` or "
+                raise ValueError(f"publish.{info.field_name} {repo_id!r}: the Hub refuses names with `--` or `..` or "
                                  "ending in `-` or `.`; rename it")
         return repo_id
+
+    @model_validator(mode="after")
+    def _one_repo_at_least(self) -> PublishSpec:
+        if self.hub_model_id is None and self.merged_model_id is None:
+            raise ValueError("[publish] names no repo: set publish.hub_model_id (the adapter) or "
+                             "publish.merged_model_id (the merged model), or both, or remove [publish]")
+        if self.hub_model_id is not None and self.hub_model_id == self.merged_model_id:
+            raise ValueError(f"publish.hub_model_id and publish.merged_model_id are both {self.hub_model_id!r}: the "
+                             "adapter and the merged model need repos of their own; rename one")
+        return self
+
+    @property
+    def repos(self) -> dict[str, str]:
+        """The repos the run publishes to, by their field (`publish.hub_model_id`, `publish.merged_model_id`)."""
+        return {f"publish.{name}": repo for name, repo in (("hub_model_id", self.hub_model_id),
+                                                           ("merged_model_id", self.merged_model_id)) if repo}
 
 
 class WorkerSpec(_Section):
@@ -446,8 +471,9 @@ class RunSpec(_Section):
     )
     publish: PublishSpec | None = Field(
         default=None,
-        description="Publish the adapter as a Hub model repo once the run has completed (`hub_model_id`, "
-        "`private`). Empty: the adapter stays in the artifact store only.",
+        description="Publish the adapter (`hub_model_id`) and/or the base with the adapter merged into it "
+        "(`merged_model_id`) as Hub model repos once the run has completed. Empty: the adapter stays in the "
+        "artifact store only.",
     )
     deadline_minutes: int = Field(
         default=120, ge=5, json_schema_extra={"maximum": max_deadline_minutes()},

@@ -72,8 +72,8 @@ def train(
     """Fine-tune a LoRA adapter on a RunPod serverless GPU, in phases (`flows/train_phases.py`): check (nothing
     is rented until it passes), then for each attempt: place → rent its endpoint under the `runpod-endpoints` quota
     → train and watch → tear down (always, confirmed) → collect (results stored completely end the run; otherwise
-    retry from the last checkpoint, or fail); then report and publish. A cancel from the UI, the CLI or the API
-    ends the run Cancelled once its endpoint is deleted. Every end sends `loraflow.run.finished`.
+    retry from the last checkpoint, or fail); then report, publish and merge (`[publish]`). A cancel from the UI, the
+    CLI or the API ends the run Cancelled once its endpoint is deleted. Every end sends `loraflow.run.finished`.
 
     Args:
         spec: The run, as a deployment's parameters or a run file give it. The parameters below change
@@ -117,11 +117,14 @@ def train(
                 adopt(outcome, undeleted, plan)
                 break
             retry_or_fail(run, attempt, attempts, plan, cache, outcome, results, endpoints_before)
-        published = report(run, plan, cache, results, attempt, attempts.endpoint_ids, spent.usd, attempts.refused)
+        published, merged = report(run, plan, cache, results, attempt, attempts.endpoint_ids, spent.usd,
+                                   attempts.refused)
         return spent.finish(run_id, spec.name, "completed", results, adapter_url=results.adapter_url,
                             metrics=results.result.metrics,
                             published_model=published.hub_model_id if published else None,
-                            publish_error=published.error if published else None)
+                            publish_error=published.error if published else None,
+                            merged_model=merged.merged_model_id if merged else None,
+                            merge_error=merged.error if merged else None)
     except BaseException as e:
         # Every failure ends here: refused before renting (0 attempts), out of attempts, or an error.
         spent.finish(run_id, spec.name, "cancelled" if run_cancel_requested() else "failed", None,

@@ -10,7 +10,8 @@
    watched, deleted whatever happened (`tasks/lifecycle/attempt.py`).
 4. `retry_or_fail` — after an attempt that stored no results: the next attempt's GPU and settings, or the
    run's failure.
-5. `report` — the training curve, the adapter published (`[publish]`), the summary, the billed cost.
+5. `report` — the training curve, the adapter published and the merged model (`[publish]`), the summary, the billed
+   cost.
 
 `check`, `place` and `report` are Prefect tasks, so the run's graph shows them with the tasks they run.
 """
@@ -84,6 +85,7 @@ from tasks.storage.artifacts import (
 )
 from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
+from tasks.storage.merge import MergedModel, check_merge_fits, merge_run_adapter
 from tasks.storage.publish import PublishedModel, check_publish_token, publish_run_adapter
 from tasks.storage.rewards import check_reward_files
 from tasks.storage.volume_inventory import volume_monthly_cost
@@ -210,6 +212,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
                 logger.warning("Not renting %s: the run does not fit it (%s)", fit.gpu, fit.describe())
             ceiling = cost_ceiling([offers[g.name] for g in gpus], spec.compute.gpu_count, spec.deadline_minutes)
             spent.ceiling_usd = ceiling.usd
+        if spec.publish is not None and spec.publish.merged_model_id is not None and shape is not None:
+            check_merge_fits(shape.parameters, model_source.id)  # a model no CPU worker can merge: refused now
         logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling %s", spec.name, model_source.id, spec.compute.gpu,
                     settings.worker_image(), ceiling.describe())
         worker_env = prepare_worker_env.submit(spec.hub_token_secret, env=spec.worker.env, secrets=spec.worker.secrets)
@@ -226,8 +230,8 @@ def check_secrets(spec: RunSpec) -> None:
     """The run's secret blocks can be read: its Hub token's (a token to publish with, under `[publish]`) and its
     workers' (`worker.secrets`: unreadable or too short → refused)."""
     run_token = Settings().hub_token(spec.hub_token_secret)
-    if spec.publish is not None:
-        check_publish_token(spec.publish.hub_model_id, run_token)
+    for field, repo in (spec.publish.repos if spec.publish is not None else {}).items():
+        check_publish_token(repo, run_token, field=field)
     read_run_secrets(spec.worker.secrets)
 
 
@@ -487,11 +491,13 @@ def run_failed(run_name: str, outcome: JobOutcome, results: RunResults, reason: 
 @task(name="report", cache_policy=NO_CACHE)
 def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, results: RunResults, attempt: int,
            endpoint_ids: list[str], estimated_usd: float,
-           refused: dict[str, str] | None = None) -> PublishedModel | None:
+           refused: dict[str, str] | None = None) -> tuple[PublishedModel | None, MergedModel | None]:
     """The training curve stored with the run (one commit: the Hub counts them); with `[publish]`, the adapter and
-    its card published (after the curve, so that the card shows it; a failure is reported, not raised); the
-    summary (with where the GPU classes and prices came from, and the classes RunPod refused: `refused`) and the
-    metrics table; RunPod's billed cost, or the run marked for the reconciler to fill it in."""
+    its card published (after the curve, so that the card shows it; a failure is reported, not raised), then the
+    merged model (`merged_model_id`: merged on a CPU endpoint of its own, its card naming the published adapter
+    repo when there is one; a failure is reported, not raised); the summary (with where the GPU classes and prices
+    came from, and the classes RunPod refused: `refused`) and the metrics table; RunPod's billed cost, or the run
+    marked for the reconciler to fill it in. Returns what was published and merged."""
     logger, spec = get_run_logger(), run.spec
     billed_read = read_billed_cost.submit(endpoint_ids, run.began_at)  # RunPod's billing lags: nothing yet is "pending"
     curve = curve_png(results.result.metrics, spec.algorithm)
@@ -501,11 +507,17 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
         logger.warning("The training curve could not be stored (%s); the summary still shows it",
                        stored.result(raise_on_failure=False))
     curve_links = stored.result() if stored is not None and stored.is_completed() else None
-    published = (publish_run_adapter(spec.artifact_store, run.run_id, spec.name, spec.publish.hub_model_id,
-                                     spec.publish.private, spec.hub_token_secret)
-                 if spec.publish is not None else None)
+    publish = spec.publish
+    published = (publish_run_adapter(spec.artifact_store, run.run_id, spec.name, publish.hub_model_id,
+                                     publish.private, spec.hub_token_secret)
+                 if publish is not None and publish.hub_model_id is not None else None)
     if published is not None and published.error:
         logger.warning("The adapter was not published to %s: %s", published.hub_model_id, published.error)
+    merged = None
+    if publish is not None and publish.merged_model_id is not None:
+        merged = merge_run_adapter(spec.artifact_store, run.run_id, spec.name, publish.merged_model_id,
+                                   private=publish.private, hub_token_secret=spec.hub_token_secret,
+                                   adapter_repo=published.hub_model_id if published and not published.error else None)
     offer, billed = run.offers[plan.gpu.name], billed_read.result()
     summary = RunReport(
         run_name=spec.name, run_id=run.run_id, model=run.model.id, model_revision=run.model.revision,
@@ -525,13 +537,16 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
         published_model=published.hub_model_id if published else None,
         published_model_url=published.url if published else None,
         publish_error=published.error if published else None,
+        merged_model=merged.merged_model_id if merged else None, merged_model_url=merged.url if merged else None,
+        merge_check=merged.check_line() if merged else None, merge_ran_on=merged.ran_on if merged else None,
+        merge_error=merged.error if merged else None,
         **_storage_fields(cache),
     )
     publish_report(summary, key_prefix=f"train-{spec.name}", curve=curve)
     if summary.billing_pending:  # the reconciler fills the billed figure in (tasks/lifecycle/pending_billing.py)
         mark_billing_pending(run.run_id, spec.name, endpoint_ids, run.began_at, summary_key(f"train-{spec.name}"))
     logger.info("Adapter: %s", results.adapter_url)
-    return published
+    return published, merged
 
 
 def _storage_fields(cache: DataCenterCache | None) -> dict:

@@ -18,9 +18,11 @@ from huggingface_hub import HfApi, snapshot_download
 
 from deployments.local_stack import WORKER_PYTHON, check_adapter
 from tasks.lifecycle.secret_retention import newest_secret_uses
+from tasks.reports.events import RUN_FINISHED
 from tasks.runpod.secrets import fingerprint
 from tests.conftest import REPO, localpod_account, prefect_api, run_train_flow
 from tests.test_crash_recovery_e2e import flow_env, wait_for
+from tests.test_run_events import wait_for_events
 from tests.test_train_e2e import run_endpoints, write_run_file
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,6 +34,22 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[2])
 print(json.dumps({"adapters": list(model.peft_config), "base": model.peft_config["default"].base_model_name_or_path}))
+"""
+# Loads the merged model from the Hub with transformers alone, then base + adapter with PEFT, and compares their
+# logits on a fixed input (argv: merged repo id, base model id, adapter repo id).
+MERGED_AGAINST_ADAPTER = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+ids = torch.tensor([[5, 17, 42, 7, 99, 3, 11]])
+with torch.no_grad():
+    merged = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)(input_ids=ids).logits.float()
+    without_peft = "peft" not in sys.modules
+    from peft import PeftModel
+    base = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.bfloat16)
+    before = base(input_ids=ids).logits.float()
+    adapted = PeftModel.from_pretrained(base, sys.argv[3])(input_ids=ids).logits.float()
+print(json.dumps({"without_peft": without_peft, "difference": (merged - adapted).abs().max().item(),
+                  "adapter_effect": (adapted - before).abs().max().item()}))
 """
 
 
@@ -49,7 +67,7 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
     text = text.replace(f'artifact_store = "file://{tmp_path / "unused"}"', 'artifact_store = "hf://datasets/acme/runs"')
     # Both trackers, without their credentials: W&B offline and an MLflow file store, stored with the run.
     text = text.replace("[training]\n", '[training]\nreport_to = ["wandb", "mlflow"]\n')
-    run_file.write_text(text + '[publish]\nhub_model_id = "acme/tiny-qwen3-lora"\n')
+    run_file.write_text(text + '[publish]\nhub_model_id = "acme/tiny-qwen3-lora"\nmerged_model_id = "acme/tiny-qwen3-merged"\n')
     run = run_train_flow(local_stack, run_file)
     assert run.returncode == 0, run.output[-5000:]
     assert prefect_api(local_stack, "GET", f"/flow_runs/{run.flow_run_id}").json()["state"]["type"] == "COMPLETED"
@@ -90,10 +108,37 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
                           capture_output=True, text=True, timeout=300, env=hub_env)
     assert load.returncode == 0, load.stderr[-3000:]
     assert json.loads(load.stdout.strip().splitlines()[-1]) == {"adapters": ["default"], "base": "acme/tiny-qwen3"}
+    # [publish] merged_model_id: the base with the adapter merged, on a CPU endpoint of its own, loaded from the Hub by
+    # transformers alone; its logits are base + adapter's, and its card names the base, the adapter and the run.
+    merged_files = set(api.list_repo_files("acme/tiny-qwen3-merged"))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= merged_files, merged_files
+    assert "adapter_config.json" not in merged_files and api.repo_info("acme/tiny-qwen3-merged").private
+    compared = subprocess.run([str(WORKER_PYTHON), "-c", MERGED_AGAINST_ADAPTER, "acme/tiny-qwen3-merged",
+                               "acme/tiny-qwen3", "acme/tiny-qwen3-lora"],
+                              capture_output=True, text=True, timeout=300, env=hub_env)
+    assert compared.returncode == 0, compared.stderr[-3000:]
+    logits = json.loads(compared.stdout.strip().splitlines()[-1])
+    assert logits["without_peft"] and logits["adapter_effect"] > 0.01, logits
+    assert logits["difference"] < logits["adapter_effect"] / 10, logits
+    merged_card = Path(api.hf_hub_download("acme/tiny-qwen3-merged", "README.md", cache_dir=tmp_path / "cache")).read_text()
+    assert "base_model: acme/tiny-qwen3" in merged_card and "library_name: transformers" in merged_card, merged_card[:600]
+    assert f"| base model | `acme/tiny-qwen3` at revision `{model_sha}` |" in merged_card, merged_card
+    assert "| adapter | `acme/tiny-qwen3-lora` |" in merged_card
+    assert f"| run | `e2e-hub` (`{run.flow_run_id}`) |" in merged_card
+    assert "| logits check | max absolute difference " in merged_card and ": passed |" in merged_card
+    [merge_endpoint] = run_endpoints(local_stack, "merge-e2e-hub")  # its CPU endpoint, deleted once the job ended
+    assert merge_endpoint["deletedAt"] is not None
+    assert merge_endpoint["id"] not in {e["id"] for e in localpod_account(local_stack)["liveEndpoints"]}
     [summary] = prefect_api(local_stack, "POST", "/artifacts/filter", json={"artifacts": {
         "flow_run_id": {"any_": [run.flow_run_id]}, "key": {"any_": ["train-e2e-hub-summary"]}}}).json()
     published_row = f"| Published model | [acme/tiny-qwen3-lora]({local_stack.hub_url}/acme/tiny-qwen3-lora) |"
     assert published_row in summary["data"]
+    [merged_row] = [line for line in summary["data"].splitlines() if line.startswith("| Merged model |")]
+    assert merged_row.startswith(f"| Merged model | [acme/tiny-qwen3-merged]({local_stack.hub_url}/acme/tiny-qwen3-merged)"
+                                 ": logits max \\|Δlogit\\| "), merged_row
+    assert " over 3 inputs; merged on CPU cpu" in merged_row, merged_row
+    [finished] = wait_for_events(local_stack, RUN_FINISHED, resource={"id": [f"loraflow.run.{run.flow_run_id}"]})
+    assert finished["payload"]["merged_model"] == "acme/tiny-qwen3-merged" and "merge_error" not in finished["payload"]
     tracked = [line for line in summary["data"].splitlines() if line.startswith(("| W&B run |", "| MLflow run |"))]
     assert len(tracked) == 2 and all(f"`{run.flow_run_id}-a1`" in line and "recorded locally" in line
                                      for line in tracked), tracked

@@ -370,3 +370,33 @@ def test_a_dpo_run_takes_an_optional_dpo_section_and_no_sft_loss_settings():
         RunSpec.model_validate(minimal(dpo={"beta": 0.2}))
     with pytest.raises(ValidationError, match=r"`training.packing`: sft only"):
         RunSpec.model_validate(minimal(algorithm="dpo", training={"packing": True}))
+
+
+def test_publish_takes_a_merged_model_without_an_adapter_repo_and_keeps_adapter_only_run_files_valid():
+    merged = RunSpec.model_validate(minimal(publish={"merged_model_id": "acme/qwen3-capybara"})).publish
+    assert (merged.hub_model_id, merged.merged_model_id) == (None, "acme/qwen3-capybara")
+    assert merged.repos == {"publish.merged_model_id": "acme/qwen3-capybara"}
+    adapter = RunSpec.model_validate(minimal(publish={"hub_model_id": "acme/qwen3-capybara-lora"})).publish
+    assert (adapter.hub_model_id, adapter.merged_model_id, adapter.private) == ("acme/qwen3-capybara-lora", None, True)
+    both = RunSpec.model_validate(minimal(publish={"hub_model_id": "acme/a-lora", "merged_model_id": "acme/a"})).publish
+    assert both.repos == {"publish.hub_model_id": "acme/a-lora", "publish.merged_model_id": "acme/a"}
+
+
+def test_publish_naming_no_repo_is_refused_naming_both_fields():
+    with pytest.raises(ValidationError) as exc:
+        RunSpec.model_validate(minimal(publish={"private": False}))
+    assert "set publish.hub_model_id (the adapter) or publish.merged_model_id (the merged model)" in str(exc.value)
+    assert error_fields(exc.value) == {"publish"}
+
+
+def test_the_adapter_and_the_merged_model_in_one_repo_are_refused():
+    with pytest.raises(ValidationError, match="publish.hub_model_id and publish.merged_model_id are both 'acme/x': "
+                       "the adapter and the merged model need repos of their own"):
+        RunSpec.model_validate(minimal(publish={"hub_model_id": "acme/x", "merged_model_id": "acme/x"}))
+
+
+@pytest.mark.parametrize("bad", ["acme", "acme/x/y", "acme/x--y", "acme/x.", "-acme/x"])
+def test_a_malformed_merged_model_id_is_refused_naming_the_field(bad):
+    with pytest.raises(ValidationError) as exc:
+        RunSpec.model_validate(minimal(publish={"merged_model_id": bad}))
+    assert error_fields(exc.value) == {"publish.merged_model_id"}, exc.value

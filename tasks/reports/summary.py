@@ -84,6 +84,13 @@ class RunReport(BaseModel):
         default=None, description="The Hub model repo the run's `[publish]` names; None: not published by name.")
     published_model_url: str | None = Field(default=None, description="Its page; None when publishing failed.")
     publish_error: str | None = Field(default=None, description="Why publishing failed; None when it did not fail.")
+    merged_model: str | None = Field(
+        default=None, description="The Hub model repo of the base with the adapter merged (`publish.merged_model_id`); "
+        "None: no merge asked for.")
+    merged_model_url: str | None = Field(default=None, description="Its page; None when the merge failed.")
+    merge_check: str | None = Field(default=None, description="The merged logits against base + adapter's, in words.")
+    merge_ran_on: str | None = Field(default=None, description="The CPU worker the merge ran on; None: none rented.")
+    merge_error: str | None = Field(default=None, description="Why the merge failed; None when it did not fail.")
     trajectories: list[dict[str, Any]] = Field(
         default_factory=list, description="GRPO: trajectories of the last logging step (prompt, tool calls with their "
         "answers, final answer, reward), secrets redacted on the worker.")
@@ -179,6 +186,7 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
         *([(BILLED_ROW, _billed(report))] if report.billed_usd is not None or report.billing_pending else []),
         ("Adapter", _link(report.adapter_url)),
         *([("Published model", _published(report))] if report.published_model else []),
+        *([("Merged model", _merged(report))] if report.merged_model else []),
         *[(TRACKER_LABELS[t.tracker], _tracker(t, report.tracker_files_urls.get(t.tracker))) for t in report.trackers],
         ("Artifact store", _link(report.store_url)),
         *([("This run's files", _link(report.run_url))] if report.run_url else []),
@@ -270,6 +278,16 @@ def _published(report: RunReport) -> str:
     if report.published_model_url:
         return _link(report.published_model_url, report.published_model)
     return f"`{report.published_model}`"
+
+
+def _merged(report: RunReport) -> str:
+    where = f" on {report.merge_ran_on}" if report.merge_ran_on else ""
+    if report.merge_error is not None:
+        return (f"`{report.merged_model}`: **not merged** ({_cell(report.merge_error)}){where}; the run completed "
+                "anyway")
+    name = (_link(report.merged_model_url, report.merged_model) if report.merged_model_url
+            else f"`{report.merged_model}`")
+    return f"{name}: logits {_cell(report.merge_check or 'not checked')}; merged{where}"
 
 
 TRACKER_LABELS = {"wandb": "W&B run", "mlflow": "MLflow run"}

@@ -94,11 +94,12 @@ class CardFacts(BaseModel):
         return not self.base_model.startswith("/")
 
 
-def check_publish_token(hub_model_id: str, token: str | None) -> None:
-    """Before renting: publishing needs a token (the Hub refuses anonymous writes). ValueError naming the field."""
+def check_publish_token(hub_model_id: str, token: str | None, *, field: str = "publish.hub_model_id") -> None:
+    """Before renting: publishing (the adapter, or the merged model) needs a token (the Hub refuses anonymous
+    writes). ValueError naming the field."""
     if token is None:
         raise ValueError(
-            f"publish.hub_model_id {hub_model_id!r}: publishing needs a Hugging Face token that can write to "
+            f"{field} {hub_model_id!r}: publishing needs a Hugging Face token that can write to "
             f"{hub_model_id.split('/')[0]!r}: set HF_TOKEN where the flow runs, or name a Prefect Secret block "
             "holding one in hub_token_secret (or remove [publish])"
         )
