@@ -30,7 +30,13 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
-from loraflow_worker.contract import CONTRACT_VERSION, MergeInput, MergeResult, ModelSource, run_prefix
+from loraflow_worker.contract import (
+    CONTRACT_VERSION,
+    MergeInput,
+    MergeResult,
+    ModelSource,
+    run_prefix,
+)
 from loraflow_worker.memory.model_shape import shape_from_config
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -38,13 +44,29 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
 from tasks.lifecycle.liveness import beat
-from tasks.lifecycle.quota import endpoint_slot, remember_named_quota, wait_for_runpod_quota
-from tasks.lifecycle.steps import delete_endpoint, prepare_worker_env, run_cancel_requested
-from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
+from tasks.lifecycle.quota import (
+    endpoint_slot,
+    remember_named_quota,
+    wait_for_runpod_quota,
+)
+from tasks.lifecycle.steps import (
+    delete_endpoint,
+    prepare_worker_env,
+    run_cancel_requested,
+)
+from tasks.lifecycle.teardown import (
+    UndeletedEndpoint,
+    keep_undeleted_endpoint,
+    take_slot_for_undeleted,
+)
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.plan import read_model_config
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.endpoints import build_cpu_create_request, endpoint_name, ensure_endpoint
+from tasks.runpod.endpoints import (
+    build_cpu_create_request,
+    endpoint_name,
+    ensure_endpoint,
+)
 from tasks.runpod.errors import RunpodError
 from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.live_catalog import CatalogCpuType, read_cpu_types, read_data_centers
@@ -98,6 +120,8 @@ class MergedModel(BaseModel):
         default=None, description="Largest absolute difference of the merged model's logits from base + adapter's.")
     logits_inputs: int | None = Field(default=None, description="Fixed inputs the logits were compared on.")
     logits_tolerance: float | None = Field(default=None, description="The largest difference allowed.")
+    logits_adapter_effect: float | None = Field(
+        default=None, description="How far the adapter moves the base's logits: what the merge had to carry over.")
     ran_on: str | None = Field(default=None, description="The CPU worker it ran on (`MergeCompute.describe`); None "
                                "when nothing was rented.")
     endpoint_name: str | None = Field(default=None, description="The merge's endpoint (deleted afterwards).")
@@ -108,8 +132,10 @@ class MergedModel(BaseModel):
         """The logits check in a few words, e.g. `max |Δlogit| 0.0031 ≤ 0.094 over 3 inputs`."""
         if self.logits_max_abs_difference is None:
             return "not checked"
+        effect = (f" (the adapter moves them by up to {self.logits_adapter_effect:.3g})"
+                  if self.logits_adapter_effect is not None else "")
         return (f"max |Δlogit| {self.logits_max_abs_difference:.3g} ≤ {self.logits_tolerance:.3g} over "
-                f"{self.logits_inputs} inputs")
+                f"{self.logits_inputs} inputs{effect}")
 
 
 def merge_ram_gb(parameters: int) -> float:
@@ -238,7 +264,8 @@ def merged_of(merged_model_id: str, outcome: JobOutcome | None, compute: MergeCo
     check = result.logits_check
     return MergedModel(url=result.url, commit_url=result.commit_url, already_merged=result.already_merged,
                        logits_max_abs_difference=check.max_abs_difference, logits_inputs=check.inputs,
-                       logits_tolerance=check.tolerance, seconds=result.seconds, **where)
+                       logits_tolerance=check.tolerance, logits_adapter_effect=check.adapter_effect,
+                       seconds=result.seconds, **where)
 
 
 @task(name="merge-adapter", cache_policy=NO_CACHE)

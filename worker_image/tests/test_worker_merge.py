@@ -90,7 +90,8 @@ def test_the_card_names_the_base_the_adapter_the_run_and_the_check(merged, hub, 
     assert f"`{(finished_job.run_dir / 'adapter').as_uri()}` (the run's artifact store)" in card, card
     assert "`e2e-merge` (`run-a`)" in card
     assert f"max absolute difference {check['max_abs_difference']:.4g}" in card
-    assert f"over 3 fixed inputs ({check['tokens']} tokens), tolerance {check['tolerance']:.4g}: passed" in card
+    assert (f"over 3 fixed inputs ({check['tokens']} tokens), tolerance {check['tolerance']:.4g}; the adapter moves "
+            f"the base's logits by up to {check['adapter_effect']:.4g}: passed") in card
     assert "library_name: transformers" in card and "vllm serve acme/tiny-merged" in card
 
 
@@ -127,6 +128,18 @@ def test_the_logits_comparison_refuses_a_perturbed_merge_and_accepts_noise():
     assert not compare_logits(reference, noise, 0.001).passed
     with pytest.raises(ValueError, match="same inputs"):
         compare_logits(reference, reference[:1], None)
+
+
+def test_a_merge_that_left_the_base_as_it_was_fails_though_the_adapter_moves_less_than_the_tolerance():
+    torch.manual_seed(0)
+    base = [torch.randn(1, 6, 50) * 8]
+    adapted = [base[0] + torch.where(torch.arange(50) == 3, 0.5, 0.0)]  # under 2 % of the logits' scale
+    unchanged = compare_logits(adapted, base, None, base=base)
+    assert unchanged.max_abs_difference == pytest.approx(0.5, rel=1e-5)
+    assert unchanged.max_abs_difference <= unchanged.tolerance
+    assert unchanged.adapter_effect == pytest.approx(0.5, rel=1e-5) and not unchanged.passed
+    merged = compare_logits(adapted, [a + torch.randn_like(a) * 0.01 for a in adapted], None, base=base)
+    assert merged.passed and merged.adapter_effect == pytest.approx(0.5, rel=1e-5)
 
 
 def _merge_job(finished_job, base: Path, **fields) -> dict:

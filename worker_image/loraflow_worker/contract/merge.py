@@ -71,7 +71,13 @@ class LogitsCheck(_Strict):
     max_abs_difference: float = Field(description="Largest absolute difference between the two models' logits.")
     reference_max_abs: float = Field(description="Largest logit magnitude of base + adapter: the logits' scale.")
     tolerance: float = Field(description="Largest difference allowed (absolute).")
-    passed: bool = Field(description="`max_abs_difference` is within `tolerance`.")
+    adapter_effect: float | None = Field(
+        default=None, description="Largest absolute difference between base + adapter and the base alone (the adapter "
+        "switched off): what the merge must carry over. A check whose tolerance is above it cannot tell a merged model "
+        "from the base; None: not measured.")
+    passed: bool = Field(description="`max_abs_difference` is within `tolerance` and, where the adapter moves the logits "
+                         "by more than bf16's resolution at their scale, under half of `adapter_effect` (the merge "
+                         "carried the adapter over, not just left the base within the tolerance).")
 
 
 class MergeResult(_Strict):
