@@ -35,13 +35,26 @@ from tasks.lifecycle.study_children import (
     flow_run_page,
     study_tags,
 )
-from tasks.placement.cost import CostCeiling, check_study_budget, cost_ceiling, read_gpu_prices
+from tasks.placement.cost import (
+    CostCeiling,
+    check_study_budget,
+    cost_ceiling,
+    read_gpu_prices,
+)
 from tasks.reports import events
-from tasks.reports.study import ChildRow, StudyReport, best_child, completed_row, overlay_png, publish_study_report
+from tasks.reports.study import (
+    ChildRow,
+    StudyReport,
+    best_child,
+    completed_row,
+    overlay_png,
+    publish_study_report,
+)
 from tasks.runpod.catalog import resolve_gpu
 from tasks.settings import startup_problem
 from tasks.storage.artifacts import RunResults
-from tasks.storage.publish import publish_run_adapter
+from tasks.storage.merge import MergedModel, merge_run_adapter
+from tasks.storage.publish import PublishedModel, publish_run_adapter
 
 POLL_SECONDS = 5.0
 """How often the study looks at its own state (a cancel) and its children while they run."""
@@ -91,8 +104,8 @@ def run_child(child: Child, study_name: str, study_run_id: str, metric: str,
 def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     """Train several LoRA adapters from one run spec, varied by `[study]`'s grid and seeds, at most `parallel` at a
     time, within one budget, and compare them by `metric`: a table of the children, their curves on one plot, the
-    best child named (and, with `publish_best`, its adapter published). Every child is checked, and the children's
-    cost ceilings summed against `budget_usd`, before anything is rented.
+    best child named (and, with `publish_best`, its adapter published and merged as `[publish]` says). Every child
+    is checked, and the children's cost ceilings summed against `budget_usd`, before anything is rented.
 
     Args:
         spec: The children's common run spec, with the `[study]` section.
@@ -117,17 +130,14 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
 
     rows, metrics, cancelled = _run_children(children, spec, study_run_id, ceilings)
     best = best_child(rows, settings.maximize())
-    published = None
-    if best is not None and settings.publish_best and spec.publish is not None:
-        published = publish_run_adapter(spec.artifact_store, best.flow_run_id, best.name, spec.publish.hub_model_id,
-                                        spec.publish.private, spec.hub_token_secret)
-        if published.error:
-            logger.warning("The best adapter was not published to %s: %s", published.hub_model_id, published.error)
+    published, merged = _publish_best(spec, best)
     report = StudyReport(study=spec.name, metric=settings.metric, maximize=settings.maximize(), rows=rows, best=best,
                          cost_usd=round(sum(r.cost_usd or 0.0 for r in rows), 4), cost_ceiling_usd=ceiling_total,
                          budget_usd=settings.budget_usd,
                          published=published.hub_model_id if published and not published.error else None,
-                         publish_error=published.error if published else None)
+                         publish_error=published.error if published else None,
+                         merged=merged.merged_model_id if merged and not merged.error else None,
+                         merge_error=merged.error if merged else None)
     publish_study_report(report, overlay_png(metrics, settings.metric))
     for row in rows:
         logger.info("%s %s (%s): %s %s", "best" if best and row.index == best.index else "    ", row.name, row.values,
@@ -141,6 +151,27 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
                       + "; ".join(f"{r.name}: {r.reason[:200]}" for r in rows))
     return Completed(message=f"Study {spec.name}: {_counts(rows)}; best {best.name if best else 'none'}",
                      data=report)
+
+
+def _publish_best(spec: StudySpec, best: ChildRow | None) -> tuple[PublishedModel | None, MergedModel | None]:
+    """With `publish_best`, the best child's adapter published (`publish.hub_model_id`) and merged into its base
+    (`publish.merged_model_id`) as one run's would be; a failure is logged and reported, never raised."""
+    logger = get_run_logger()
+    if best is None or not spec.study.publish_best or spec.publish is None:
+        return None, None
+    published = merged = None
+    if spec.publish.hub_model_id is not None:
+        published = publish_run_adapter(spec.artifact_store, best.flow_run_id, best.name, spec.publish.hub_model_id,
+                                        spec.publish.private, spec.hub_token_secret)
+        if published.error:
+            logger.warning("The best adapter was not published to %s: %s", published.hub_model_id, published.error)
+    if spec.publish.merged_model_id is not None:
+        merged = merge_run_adapter(spec.artifact_store, best.flow_run_id, best.name, spec.publish.merged_model_id,
+                                   private=spec.publish.private, hub_token_secret=spec.hub_token_secret,
+                                   adapter_repo=published.hub_model_id if published and not published.error else None)
+        if merged.error:
+            logger.warning("The best adapter was not merged into %s: %s", merged.merged_model_id, merged.error)
+    return published, merged
 
 
 def _run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceilings: dict[str, CostCeiling],

@@ -25,7 +25,14 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from flows.spec import RunSpec, SpecError, describe_validation_error
 
@@ -143,7 +150,8 @@ class StudySpec(RunSpec):
             raise ValueError("study.publish_best needs the run file's `[publish]` (where to publish the best adapter)")
         if self.publish is not None and not self.study.publish_best:
             raise ValueError("`[publish]` without study.publish_best would have every child publish to the same repo: "
-                             "set `study.publish_best = true` to publish the best child's adapter, or remove `[publish]`")
+                             "set `study.publish_best = true` to publish the best child's adapter, or remove "
+                             "`[publish]`")
         return self
 
 

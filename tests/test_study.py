@@ -12,7 +12,15 @@ from pydantic import ValidationError
 from flows.spec import SpecError
 from flows.study_spec import StudySpec, expand, load_study_file
 from tasks.placement.cost import CostCeiling, check_study_budget
-from tasks.reports.study import ChildRow, StudyReport, best_child, completed_row, overlay_png, study_markdown, table_rows
+from tasks.reports.study import (
+    ChildRow,
+    StudyReport,
+    best_child,
+    completed_row,
+    overlay_png,
+    study_markdown,
+    table_rows,
+)
 
 BASE = """
 name = "sweep"

@@ -9,12 +9,20 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
+from huggingface_hub import HfApi
 
 from tests.conftest import REPO, localpod_account, prefect_api, stop_process_group
 from tests.test_cancel_e2e import LEASE_S, cancel_from_cli, state_of
-from tests.test_crash_recovery_e2e import flow_env, live_endpoints, running_job, slots_in_use, wait_for
+from tests.test_crash_recovery_e2e import (
+    flow_env,
+    live_endpoints,
+    running_job,
+    slots_in_use,
+    wait_for,
+)
 from tests.test_train_e2e import most_live_at_once, write_run_file
 
 pytestmark = pytest.mark.timeout(900)
@@ -26,8 +34,8 @@ def write_study_file(path, *, name, tiny_model, store, study: str, max_steps: in
 
 
 def run_study(stack, run_file, timeout_s: float = 600) -> tuple[int, str, str | None]:
-    proc = subprocess.run([sys.executable, "-m", "flows.study", str(run_file)], cwd=REPO, env=flow_env(stack),
-                          capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.run([sys.executable, "-m", "flows.study", str(run_file)], check=False, cwd=REPO,
+                          env=flow_env(stack), capture_output=True, text=True, timeout=timeout_s)
     output = proc.stdout + proc.stderr
     match = re.search(r"flow run ([0-9a-f-]{36}):", output)
     return proc.returncode, output, match.group(1) if match else None
@@ -44,6 +52,12 @@ def artifact(stack, key: str) -> dict:
     return found
 
 
+def two_live(stack, prefix: str) -> list[dict]:
+    """The two live endpoints whose names start with `prefix`; empty until there are two."""
+    live = live_endpoints(stack, prefix)
+    return live if len(live) == 2 else []
+
+
 def study_endpoints(stack, name: str) -> list[dict]:
     return [e for e in localpod_account(stack)["endpoints"] if e["name"].startswith(f"loraflow-{name}-")]
 
@@ -52,7 +66,9 @@ def test_two_learning_rates_by_two_seeds_run_as_four_children_two_at_a_time_and_
         local_stack, tiny_model, tmp_path):
     run_file = write_study_file(tmp_path / "study.toml", name="e2e-study", tiny_model=tiny_model,
                                 store=tmp_path / "store", study='grid = {"training.learning_rate" = [5e-3, 1e-4]}\n'
-                                'seeds = [1, 2]\nparallel = 2\nbudget_usd = 50\n')
+                                'seeds = [1, 2]\nparallel = 2\nbudget_usd = 50\npublish_best = true\n')
+    run_file.write_text(run_file.read_text() + '[publish]\nhub_model_id = "acme/e2e-study-best"\n'
+                        'merged_model_id = "acme/e2e-study-best-merged"\n')
     code, output, study_id = run_study(local_stack, run_file)
     assert code == 0, output[-6000:]
 
@@ -86,6 +102,17 @@ def test_two_learning_rates_by_two_seeds_run_as_four_children_two_at_a_time_and_
     assert payload["status"] == "completed" and payload["states"] == {"completed": 4}, payload
     assert payload["best"]["name"] == best["child"].removesuffix(" (best)"), payload
 
+    # publish_best: the best child's adapter, and it merged into its base, published; no child published its own.
+    assert payload["published_model"] == "acme/e2e-study-best", payload
+    assert payload["merged_model"] == "acme/e2e-study-best-merged", payload
+    hub = HfApi(endpoint=local_stack.hub_url, token=local_stack.client_env["HF_TOKEN"])
+    best_run_id = payload["best"]["flow_run_id"]
+    titles = [c.title for c in hub.list_repo_commits("acme/e2e-study-best")]
+    published = [t for t in titles if t.startswith("loraflow run")]
+    assert published == [f"loraflow run {best_run_id}: adapter and model card"], titles
+    card = hub.hf_hub_download("acme/e2e-study-best-merged", "README.md")
+    assert best_run_id in Path(card).read_text() and "acme/e2e-study-best" in Path(card).read_text()
+
 
 def test_a_study_whose_ceilings_add_up_to_more_than_its_budget_is_refused_before_any_endpoint_exists(
         local_stack, tiny_model, tmp_path):
@@ -117,12 +144,12 @@ def test_cancelling_a_served_study_cancels_its_training_children_and_leaks_nothi
         deployment = wait_for(lambda: _deployment(local_stack) or proc.poll() is not None, 120, "the deployment")
         assert proc.poll() is None, log_path.read_text()
         run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-cancel", tiny_model=tiny_model,
-                                    store=tmp_path / "store", max_steps=100_000, study="seeds = [1, 2, 3]\nparallel = 2\n")
+                                    store=tmp_path / "store", max_steps=100_000,
+                                    study="seeds = [1, 2, 3]\nparallel = 2\n")
         spec = tomllib.loads(run_file.read_text())
         study_id = prefect_api(local_stack, "POST", f"/deployments/{deployment}/create_flow_run",
                                json={"parameters": {"spec": spec}}).json()["id"]
-        endpoints = wait_for(lambda: len(live_endpoints(local_stack, "loraflow-e2e-study-cancel-")) == 2
-                             and live_endpoints(local_stack, "loraflow-e2e-study-cancel-"), 240, "two children's endpoints")
+        endpoints = wait_for(lambda: two_live(local_stack, "loraflow-e2e-study-cancel-"), 240, "two children's endpoints")
         wait_for(lambda: running_job(local_stack, {e["id"] for e in endpoints}), 180, "a child to train")
 
         cancel_from_cli(local_stack, study_id)
@@ -154,8 +181,7 @@ def test_cancelling_a_study_started_from_a_shell_cancels_its_children_and_leaks_
                             env=flow_env(local_stack, LORAFLOW_SLOT_LEASE_SECONDS=LEASE_S), stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        endpoints = wait_for(lambda: len(live_endpoints(local_stack, "loraflow-e2e-study-shell-")) == 2
-                             and live_endpoints(local_stack, "loraflow-e2e-study-shell-"), 240, "two children's endpoints")
+        endpoints = wait_for(lambda: two_live(local_stack, "loraflow-e2e-study-shell-"), 240, "two children's endpoints")
         wait_for(lambda: running_job(local_stack, {e["id"] for e in endpoints}), 180, "a child to train")
         (study,) = prefect_api(local_stack, "POST", "/flow_runs/filter", json={
             "flow_runs": {"name": {"like_": "e2e-study-shell study"}}}).json()

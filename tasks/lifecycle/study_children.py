@@ -14,9 +14,19 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 from prefect import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+)
 from prefect.client.schemas.objects import StateType
-from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+from prefect.events.filters import (
+    EventFilter,
+    EventNameFilter,
+    EventOccurredFilter,
+    EventResourceFilter,
+)
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
 from prefect.states import Cancelled, Cancelling

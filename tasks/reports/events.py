@@ -195,6 +195,8 @@ def study_finished(study_run_id: str, study_name: str, *, status: RunStatus, rep
     }
     if report.published:
         payload["published_model"] = report.published
+    if report.merged:
+        payload["merged_model"] = report.merged
     resource = {"prefect.resource.id": f"{STUDY_RESOURCE}{study_run_id}", "prefect.resource.name": study_name,
                 "loraflow.study-name": study_name, "loraflow.status": status}
     return emit_event(event=STUDY_FINISHED, resource=resource, payload=payload)

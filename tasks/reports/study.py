@@ -150,6 +150,8 @@ class StudyReport(BaseModel):
     budget_usd: float | None = Field(default=None, description="The study's budget; None: none.")
     published: str | None = Field(default=None, description="Where the best adapter was published (publish_best).")
     publish_error: str | None = Field(default=None, description="Why publishing the best adapter failed.")
+    merged: str | None = Field(default=None, description="Where the best child's merged model was published.")
+    merge_error: str | None = Field(default=None, description="Why merging the best adapter failed.")
 
 
 def study_markdown(report: StudyReport, plot: bytes | None) -> str:
@@ -166,13 +168,16 @@ def study_markdown(report: StudyReport, plot: bytes | None) -> str:
     else:
         lines.append(f"**No best child**: no child completed with a {report.metric}.")
     budget = f" of a ${report.budget_usd:.2f} budget" if report.budget_usd is not None else ""
-    lines += ["", f"- Children: {', '.join(f'{n} {state}' for state, n in counts.items())}",
-              f"- Cost: ${report.cost_usd:.4f} (workers' run time × price); ceilings ${report.cost_ceiling_usd:.2f}"
-              f"{budget}"]
+    cost = f"${report.cost_usd:.4f} (workers' run time × price); ceilings ${report.cost_ceiling_usd:.2f}{budget}"
+    lines += ["", f"- Children: {', '.join(f'{n} {state}' for state, n in counts.items())}", f"- Cost: {cost}"]
     if report.published:
         lines.append(f"- Best adapter published to `{report.published}`")
     if report.publish_error:
         lines.append(f"- Best adapter not published: {report.publish_error}")
+    if report.merged:
+        lines.append(f"- Best adapter merged into its base, published to `{report.merged}`")
+    if report.merge_error:
+        lines.append(f"- Best adapter not merged: {report.merge_error}")
     lines += ["", f"| child | values | state | {report.metric} | cost (USD) | minutes | reason |",
               "|---|---|---|---|---|---|---|"]
     for row in report.rows:
