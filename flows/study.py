@@ -99,8 +99,9 @@ def run_child(child: Child, study_name: str, study_run_id: str, metric: str,
     return row.model_copy(update={"state": state, "reason": (final.message or final.name)[:500]}), None
 
 
+# Each hook reaches the children that have not ended (a study that stops stops them) and the study's own endpoint.
 @flow(name="study", log_prints=True, flow_run_name=_flow_run_name, on_cancellation=[cancel_children_hook],
-      on_crashed=[cancel_children_hook])
+      on_crashed=[cancel_children_hook], on_failure=[cancel_children_hook])
 def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     """Train several LoRA adapters from one run spec, varied by `[study]`'s grid and seeds, at most `parallel` at a
     time, within one budget, and compare them by `metric`: a table of the children, their curves on one plot, the

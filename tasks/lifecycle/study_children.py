@@ -72,7 +72,8 @@ def cancel_children(study_run_id: str) -> list[str]:
 def cancel_children_hook(flow, flow_run, state) -> None:
     """The study's cancellation and crash hook. When a runner kills the study's process its children die with it,
     so their own hooks never run: delete each unfinished child's endpoints here (confirmed) and mark it Cancelled,
-    then start the reconcile deployment as a train run's hook does. Never raises."""
+    then those of the study itself (the merge of its best adapter rents one, named after the study), and start the
+    reconcile deployment as a train run's hook does. Never raises."""
     try:
         with get_client(sync_client=True) as client:
             children = unfinished_children(client, str(flow_run.id))
@@ -87,6 +88,13 @@ def cancel_children_hook(flow, flow_run, state) -> None:
                 client.set_flow_run_state(child.id, Cancelled(message=f"its study ended {state.name}"), force=True)
     except Exception as e:  # noqa: BLE001 - never raised into Prefect's hook machinery
         log.error("Study %s ended %s and its children could not be reached (%s: %s)", flow_run.id, state.name,
+                  type(e).__name__, e)
+    try:
+        deleted = delete_run_endpoints(str(flow_run.id))
+        if deleted:
+            log.warning("Study %s ended %s: deleted its own endpoints %s", flow_run.id, state.name, deleted)
+    except Exception as e:  # noqa: BLE001 - the reconcile flow is the next layer
+        log.error("Study %s's own endpoints could not be deleted (%s: %s); reconcile will retry", flow_run.id,
                   type(e).__name__, e)
     start_reconcile()
 
