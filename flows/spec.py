@@ -659,15 +659,20 @@ def _describe_override_error(error: ValidationError, overrides: RunOverrides) ->
     return "\n".join(lines)
 
 
-def load_run_file(path: str | Path) -> RunSpec:
-    """Parse and validate a TOML run file; `SpecError` names every bad field."""
-    path = Path(path)
+def read_run_file(path: Path) -> dict:
+    """A TOML run file's tables, not yet validated; `SpecError` when it is missing or not TOML."""
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError as e:
         raise SpecError(f"run file {path} does not exist") from e
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path} is not valid TOML: {e}") from e
+
+
+def load_run_file(path: str | Path) -> RunSpec:
+    """Parse and validate a TOML run file; `SpecError` names every bad field."""
+    path = Path(path)
+    data = read_run_file(path)
     try:
         return RunSpec.model_validate(data)
     except ValidationError as e:

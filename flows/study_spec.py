@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import tomllib
 import types
 import typing
 from pathlib import Path
@@ -34,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from flows.spec import RunSpec, SpecError, describe_validation_error
+from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
 
 MAX_CHILDREN = 64
 """The most child runs one study starts: a grid beyond that is a mistake more often than a plan."""
@@ -284,12 +283,7 @@ def describe_values(values: dict[str, Any]) -> str:
 def load_study_file(path: str | Path) -> StudySpec:
     """Parse and validate a run file with a `[study]` section; `SpecError` names every bad field."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise SpecError(f"run file {path} does not exist") from e
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"{path} is not valid TOML: {e}") from e
+    data = read_run_file(path)
     if "study" not in data:
         raise SpecError(f"{path} has no [study] section: it is one run (start it with `python -m flows.train "
                         f"{path}`), or add a [study] section with the grid and seeds to try")
