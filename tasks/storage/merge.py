@@ -30,13 +30,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
-from loraflow_worker.contract import (
-    CONTRACT_VERSION,
-    MergeInput,
-    MergeResult,
-    ModelSource,
-    run_prefix,
-)
+from loraflow_worker.contract import CONTRACT_VERSION, LogitsCheck, MergeInput, MergeResult, ModelSource, run_prefix
 from loraflow_worker.memory.model_shape import shape_from_config
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -116,12 +110,9 @@ class MergedModel(BaseModel):
     url: str | None = Field(default=None, description="The repo's page; None when the merge failed.")
     commit_url: str | None = Field(default=None, description="The commit that holds this run's merged model.")
     already_merged: bool = Field(default=False, description="The repo had this run's merge already (a retry).")
-    logits_max_abs_difference: float | None = Field(
-        default=None, description="Largest absolute difference of the merged model's logits from base + adapter's.")
-    logits_inputs: int | None = Field(default=None, description="Fixed inputs the logits were compared on.")
-    logits_tolerance: float | None = Field(default=None, description="The largest difference allowed.")
-    logits_adapter_effect: float | None = Field(
-        default=None, description="How far the adapter moves the base's logits: what the merge had to carry over.")
+    logits_check: LogitsCheck | None = Field(
+        default=None, description="The merged model's logits against base + adapter's, as the merge job checked them; "
+        "None when the job did not get that far.")
     ran_on: str | None = Field(default=None, description="The CPU worker it ran on (`MergeCompute.describe`); None "
                                "when nothing was rented.")
     endpoint_name: str | None = Field(default=None, description="The merge's endpoint (deleted afterwards).")
@@ -130,12 +121,12 @@ class MergedModel(BaseModel):
 
     def check_line(self) -> str:
         """The logits check in a few words, e.g. `max |Δlogit| 0.0031 ≤ 0.094 over 3 inputs`."""
-        if self.logits_max_abs_difference is None:
+        check = self.logits_check
+        if check is None:
             return "not checked"
-        effect = (f" (the adapter moves them by up to {self.logits_adapter_effect:.3g})"
-                  if self.logits_adapter_effect is not None else "")
-        return (f"max |Δlogit| {self.logits_max_abs_difference:.3g} ≤ {self.logits_tolerance:.3g} over "
-                f"{self.logits_inputs} inputs{effect}")
+        effect = (f" (the adapter moves them by up to {check.adapter_effect:.3g})"
+                  if check.adapter_effect is not None else "")
+        return f"max |Δlogit| {check.max_abs_difference:.3g} ≤ {check.tolerance:.3g} over {check.inputs} inputs{effect}"
 
 
 def merge_ram_gb(parameters: int) -> float:
@@ -261,11 +252,8 @@ def merged_of(merged_model_id: str, outcome: JobOutcome | None, compute: MergeCo
         result = MergeResult.model_validate(outcome.output)
     except ValueError as e:
         return MergedModel(error=f"the merge job's output is not a MergeResult: {e}", **where)
-    check = result.logits_check
     return MergedModel(url=result.url, commit_url=result.commit_url, already_merged=result.already_merged,
-                       logits_max_abs_difference=check.max_abs_difference, logits_inputs=check.inputs,
-                       logits_tolerance=check.tolerance, logits_adapter_effect=check.adapter_effect,
-                       seconds=result.seconds, **where)
+                       logits_check=result.logits_check, seconds=result.seconds, **where)
 
 
 @task(name="merge-adapter", cache_policy=NO_CACHE)
