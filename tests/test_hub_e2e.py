@@ -136,7 +136,8 @@ def test_hub_model_and_hf_store_run_end_to_end(local_stack, tiny_model, tmp_path
     [merged_row] = [line for line in summary["data"].splitlines() if line.startswith("| Merged model |")]
     assert merged_row.startswith(f"| Merged model | [acme/tiny-qwen3-merged]({local_stack.hub_url}/acme/tiny-qwen3-merged)"
                                  ": logits max \\|Δlogit\\| "), merged_row
-    assert " over 3 inputs; merged on CPU cpu" in merged_row, merged_row
+    assert " over 3 inputs (the adapter moves them by up to " in merged_row, merged_row
+    assert "); merged on CPU cpu" in merged_row, merged_row
     [finished] = wait_for_events(local_stack, RUN_FINISHED, resource={"id": [f"loraflow.run.{run.flow_run_id}"]})
     assert finished["payload"]["merged_model"] == "acme/tiny-qwen3-merged" and "merge_error" not in finished["payload"]
     tracked = [line for line in summary["data"].splitlines() if line.startswith(("| W&B run |", "| MLflow run |"))]
