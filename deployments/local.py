@@ -3,18 +3,22 @@
     make demo                                      # install, then run this
     .venv/bin/python deployments/local.py          # run it again
     .venv/bin/python deployments/local.py --keep   # leave the Prefect UI up afterwards (Ctrl-C stops it)
+    .venv/bin/python deployments/local.py --run-file deployments/local-study.toml   # a study instead (`[study]`)
 
 It starts a Prefect server (SQLite) and localpod, builds a tiny Qwen3-architecture model offline,
 runs the `train` flow for a short LoRA SFT run through localpod, checks that the adapter loads with
 PEFT, prints where everything is (adapter, artifact store, the run's summary) and stops what it
 started; with `--keep` it leaves the Prefect server up, prints the run's page, and stops everything on
-Ctrl-C or SIGTERM. Exit code 0 only if the run completed and its adapter loads.
+Ctrl-C or SIGTERM. Exit code 0 only if the run completed and its adapter loads. A run file with a `[study]`
+section runs the `study` flow instead: its children, their comparison, and the best child's adapter checked the
+same way. A run file with `[publish]` also starts the local Hub stand-in, which it publishes to.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tomllib
 import signal
 import sys
 import threading
@@ -47,12 +51,14 @@ def main() -> int:
         with phase(f"Building the tiny model in {model_dir}", "building the tiny model"):
             build_tiny_model(model_dir)
 
-    stack = LocalStack(home / "stack", prefect_port=args.port)
+    plan = tomllib.loads(Path(args.run_file).read_text())
+    stack = LocalStack(home / "stack", prefect_port=args.port, with_hub="publish" in plan)
     try:
         with phase("Starting the local Prefect server and localpod", "starting the Prefect server and localpod"):
             stack.__enter__()  # stops what it started if it fails
         os.environ.update(stack.client_env)
-        code = train_and_report(stack, args.run_file, home, model_dir, links=args.keep)
+        run = study_and_report if "study" in plan else train_and_report
+        code = run(stack, args.run_file, home, model_dir, links=args.keep)
         if args.keep:
             print(f"\nThe Prefect UI stays up at {stack.prefect_ui_url} (the links above work) until you press "
                   f"Ctrl-C or run `kill {os.getpid()}`.", flush=True)
@@ -121,6 +127,46 @@ def train_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Pa
         *pages,
     ]
     print(*lines, sep="\n", flush=True)
+    return 0
+
+
+def study_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Path, links: bool) -> int:
+    """Run the study, print its comparison, check the best child's adapter; the exit code."""
+    from flows.study import study
+    from flows.study_spec import load_study_file
+
+    spec = load_study_file(run_file)
+    spec = spec.model_copy(update={"artifact_store": f"file://{home / 'artifacts'}",
+                                   "model": spec.model.model_copy(update={"id": str(model_dir)})})
+    started = time.time()
+    with phase(f"Studying `{spec.name}`: {spec.study.children()} runs, {spec.study.parallel} at a time, through "
+               "localpod; Prefect's log follows", "studying"):
+        state = study(spec, return_state=True)
+    study_id = str(state.state_details.flow_run_id)
+    pages = [f"  study page:    {stack.prefect_ui_url}/runs/flow-run/{study_id}"] if links else []
+    if not state.is_completed():
+        print(f"\nThe study did not complete: {state.message}", *pages, sep="\n", file=sys.stderr, flush=True)
+        return 1
+    report = state.result()
+
+    def line(row) -> str:
+        mark = "best" if report.best is not None and row.index == report.best.index else ""
+        outcome = f"{report.metric} {row.metric:.4f}" if row.metric is not None else row.reason[:80]
+        return f"  {mark:<4} {row.name:<40} {row.state:<11} {outcome}"
+
+    rows = [line(row) for row in report.rows]
+    print(f"\nStudy completed in {time.time() - started:.0f} s ({report.metric}, "
+          f"{'highest' if report.maximize else 'lowest'} wins); cost ${report.cost_usd:.4f} of ceilings "
+          f"${report.cost_ceiling_usd:.2f}:", *rows, *pages, sep="\n", flush=True)
+    if report.best is None:
+        return 1
+    adapter_dir = Path(report.best.adapter_url.removeprefix("file://"))
+    with phase("Checking that the best child's adapter loads with PEFT", "checking the adapter"):
+        loaded = check_adapter(model_dir, adapter_dir)
+    if not loaded["loads"]:
+        print(f"\nThe best child's adapter does not load: {loaded['error']}", file=sys.stderr, flush=True)
+        return 1
+    print(f"  best adapter:  {adapter_dir}  (loads with PEFT onto {model_dir})", flush=True)
     return 0
 
 

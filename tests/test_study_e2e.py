@@ -196,3 +196,15 @@ def test_cancelling_a_study_started_from_a_shell_cancels_its_children_and_leaks_
         wait_for(lambda: slots_in_use(local_stack) == 0, LEASE_S + 30, "every slot to be free")
     finally:
         stop_process_group(proc)
+
+
+def test_the_local_demo_runs_the_shipped_study_file_and_checks_the_best_adapter(tmp_path):
+    demo = subprocess.run([sys.executable, "deployments/local.py", "--home", str(tmp_path / "home"), "--run-file",
+                           "deployments/local-study.toml"], check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
+    rows = [line.split() for line in demo.stdout.splitlines() if " local-study-lr" in line]
+    assert len(rows) == 4 and all("completed" in row for row in rows), demo.stdout[-3000:]
+    (best,) = [row for row in rows if row[0] == "best"]
+    assert best[1].startswith("local-study-lr0p005-"), rows  # the higher rate learns the tiny data in 30 steps
+    assert "best adapter:" in demo.stdout and "(loads with PEFT onto" in demo.stdout
