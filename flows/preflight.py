@@ -26,7 +26,8 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 from pydantic import Field
 
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.spec import RunSpec, SpecError, load_run_file, read_run_file
+from flows.study_spec import describe_values, expand, load_study_file
 from tasks.preflight.account import (
     PERMISSIONS,
     catalog_alternatives,
@@ -139,7 +140,15 @@ if __name__ == "__main__":
                         "removed, with a manifest: `python -m localpod --catalog-from DIR` serves that catalog")
     args = parser.parse_args()
     try:
-        run_spec = load_run_file(args.run_file)
+        if "study" in read_run_file(Path(args.run_file)):
+            # A study's checks are its children's: every child is valid, and the first stands for them here.
+            children = expand(load_study_file(args.run_file))
+            run_spec = children[0].spec
+            print(f"A study of {len(children)} runs, each valid; checking its first, {run_spec.name} "
+                  f"({describe_values(children[0].values) or 'the run spec'}). The children's cost ceilings are summed "
+                  "against study.budget_usd when the study starts.", flush=True)
+        else:
+            run_spec = load_run_file(args.run_file)
     except SpecError as e:
         sys.exit(str(e))
     try:

@@ -385,6 +385,23 @@ def test_a_ready_setup_passes_every_check_and_exits_0(local_stack, hub_repos, tm
     assert not HfApi(endpoint=local_stack.hub_url).repo_exists(store, repo_type="dataset")  # looked at, not made
 
 
+def test_a_study_file_is_checked_as_its_first_child_once_every_child_is_valid(local_stack, hub_repos, tmp_path,
+                                                                               unchanged):
+    model, dataset = hub_repos
+    run_file = write_run_file(tmp_path / "study.toml", model=model, dataset=f'hub_id = "{dataset}"',
+                              store="hf://datasets/preflight-org/runs-study")
+    run_file.write_text(run_file.read_text() + '[study]\nseeds = [1, 2]\nmetric = "train_loss"\n')
+    run = run_preflight(local_stack, run_file, "--worker-quota", "30")
+    assert run.returncode == 0, run.output
+    assert "A study of 2 runs, each valid; checking its first, preflight-test-s1 (training.seed=1)" in run.output
+    assert run.lines["cost ceiling"][0] == "ok", run.output
+
+    run_file.write_text(run_file.read_text().replace("seeds = [1, 2]", 'grid = {"lora.rank" = [8, 4096]}'))
+    refused = run_preflight(local_stack, run_file, "--worker-quota", "30")
+    assert refused.returncode == 1 and "child 2 (lora.rank=4096)" in refused.output, refused.output
+    assert refused.flow_run_id is None  # refused before the preflight's flow started
+
+
 def test_the_preflight_deployment_checks_the_qwen_run():
     from flows.spec import RunSpec
 
