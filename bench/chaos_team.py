@@ -74,6 +74,8 @@ class HostKill:
     killed_at: float | None = None
     times: dict[str, float] = field(default_factory=dict)
     """`crashed`: every killed run Crashed; `endpoints`: none of their endpoints live."""
+    ended_first: list[str] = field(default_factory=list)
+    """Runs the host held that had reached their own final state by the kill: not killed runs."""
     note: str = ""
     """Why nothing was killed, when nothing was."""
 
@@ -81,7 +83,8 @@ class HostKill:
         if self.victim is None:
             return f"none ({self.note})" if self.note else "none"
         seen = ", ".join(f"{step} after {seconds:.0f} s" for step, seconds in self.times.items()) or "no clean-up seen"
-        return f"{self.victim} with {len(self.runs)} run(s): {seen}"
+        first = f" ({len(self.ended_first)} more had ended just before)" if self.ended_first else ""
+        return f"{self.victim} with {len(self.runs)} run(s){first}: {seen}"
 
 
 class DeploymentFlows:
@@ -176,8 +179,14 @@ class HostKiller(BackgroundWatch):
         if victim is None:
             return
         self.team.kill_worker(victim)
-        self.kill = HostKill(victim, sorted(holdings[victim]), time.monotonic())
-        print(f"chaos: killed worker host {victim} with {len(self.kill.runs)} run(s) of the batch", flush=True)
+        killed_at = time.monotonic()
+        # A run read as RUNNING above may have set its own final state since: it ended before the kill, and is judged
+        # by its scenario. After the SIGKILL only the server changes a run's state (the zombie automation: Crashed).
+        ended = {run_id for run_id, run in self._runs(holdings[victim]).items()
+                 if run["state"]["type"] in FINAL - {"CRASHED"}}
+        self.kill = HostKill(victim, sorted(set(holdings[victim]) - ended), killed_at, ended_first=sorted(ended))
+        print(f"chaos: killed worker host {victim} with {len(self.kill.runs)} run(s) of the batch"
+              + (f" ({len(ended)} more had just ended)" if ended else ""), flush=True)
         self.team.start_worker(victim)
 
     def _note_clean_up(self) -> bool:
