@@ -43,7 +43,9 @@ class Form:
 
 def forms() -> list[Form]:
     from flows.preload import PreloadSpec
-    from flows.spec import ReconcilePolicy, RunOverrides, RunSpec
+    from flows.reconcile import ReconcilePolicy
+    from flows.run_overrides import RunOverrides
+    from flows.spec import RunSpec
     from flows.study_spec import StudySettings
     from flows.volumes import VolumesPolicy
 

@@ -21,8 +21,8 @@ from datetime import datetime, timezone
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel, ConfigDict, Field
 
-from flows.spec import ReconcilePolicy
 from tasks.lifecycle.liveness import intervals_in_force
 from tasks.lifecycle.pending_billing import settle_billed_costs
 from tasks.lifecycle.reconcile import (
@@ -38,6 +38,38 @@ from tasks.lifecycle.steps import delete_endpoint_by_id
 from tasks.lifecycle.teardown import settle_undeleted_endpoint, undeleted_endpoints
 from tasks.runpod.endpoints import parse_endpoint_name
 from tasks.settings import Settings, make_client, startup_problem
+
+
+class ReconcilePolicy(BaseModel):
+    """What the `reconcile` flow deletes. Endpoints without loraflow's name prefix are never touched, nor those
+    tagged with another control plane's namespace (`LORAFLOW_NAMESPACE` or the Prefect Variable
+    `loraflow-namespace`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dry_run: bool = Field(default=False, description="Report what would be deleted, delete nothing.")
+    silent_after_minutes: float = Field(
+        default=10, ge=0.1, le=7 * 24 * 60,
+        description="Delete the endpoints of a run that has sent no heartbeat event for this long, or for 3 × its "
+        "own heartbeat interval if longer: its process is gone. A live run sends Prefect's flow-run heartbeat every "
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY (default 180 s) and, while it watches its job, loraflow's endpoint "
+        "heartbeat every LORAFLOW_HEARTBEAT_SECONDS (default 60 s); logging settings change neither. A value below "
+        "3 × the longer of the two where the reconcile runs (9 min with the defaults) is refused.",
+    )
+    idle_grace_minutes: int = Field(
+        default=45, ge=5, le=7 * 24 * 60,
+        description="Delete an endpoint older than this that has no queued or running job.",
+    )
+    min_age_minutes: float = Field(
+        default=2, ge=0, le=24 * 60,
+        description="Never delete an endpoint younger than this: its run may not have sent a heartbeat for it yet.",
+    )
+    secret_retain_days: float = Field(
+        default=14, ge=7, le=3650,
+        description="Delete this control plane's account secrets (one per distinct Hub token or run secret) that "
+        "no endpoint refers to and no run used for this long; at least 7 days, a run's longest life. Another "
+        "control plane's secrets are never touched.",
+    )
 
 
 @flow(name="reconcile", log_prints=True)

@@ -22,7 +22,8 @@ from prefect.states import Cancelled, State
 from prefect.utilities.annotations import quote
 from pydantic import ValidationError
 
-from flows.spec import RunOverrides, RunSpec, SpecError, apply_overrides, load_run_file
+from flows.run_overrides import RunOverrides, apply_overrides
+from flows.spec import RunSpec, SpecError, load_run_file
 from flows.train_phases import (
     Attempts,
     adopt,

@@ -40,7 +40,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.states import Cancelled
 
-from flows.spec import DatasetSpec, MixEntrySpec, RunSpec
+from flows.spec import RunSpec
+from flows.spec_data import DatasetSpec, MixEntrySpec
 from tasks.lifecycle.attempt import existing_volume_ids, run_attempt
 from tasks.lifecycle.attempts import EveryGpuRefused, GpuClassRefused, decide_next_attempt, next_unrefused
 from tasks.lifecycle.pending_billing import mark_billing_pending

@@ -62,7 +62,7 @@ def test_every_deployment_points_at_an_existing_flow():
 
 
 def test_prefect_yaml_reconcile_parameters_are_a_valid_policy():
-    from flows.spec import ReconcilePolicy
+    from flows.reconcile import ReconcilePolicy
 
     deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
     policy = ReconcilePolicy.model_validate(deployments["interval"]["parameters"]["policy"])

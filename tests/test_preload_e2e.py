@@ -207,7 +207,7 @@ def test_a_preload_whose_endpoint_cannot_be_deleted_keeps_its_slot_and_record_un
     import tasks.storage.preload as preload_tasks
     from flows.preload import PreloadSpec, preload
     from flows.reconcile import reconcile
-    from flows.spec import ReconcilePolicy
+    from flows.reconcile import ReconcilePolicy
     from tasks.lifecycle.teardown import undeleted_endpoints
     from tests.test_crash_recovery_e2e import live_endpoints, slots_in_use
     from tests.test_run_watch_e2e import leave_nothing_behind, localpod

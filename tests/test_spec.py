@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.spec import RunOverrides, RunSpec, SpecError, apply_overrides, load_run_file
+from flows.run_overrides import RunOverrides, apply_overrides
+from flows.spec import RunSpec, SpecError, load_run_file
 from tasks.placement.plan import job_limits_s, max_deadline_minutes
 
 REPO = Path(__file__).resolve().parent.parent
