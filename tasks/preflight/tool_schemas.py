@@ -9,7 +9,7 @@ Run as a script, in a process of its own: the file is the user's code, and impor
 
 It prints one JSON object: `tools` (names), `problem` (what to refuse, without the field's name; null when fine)
 and `unimported` (null, or why the file could not be imported here; its tools were then read from its source with
-`ast`, without running it). Standard library and transformers only.
+`ast`, without running it). Standard library, transformers and the worker's contract only.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from loraflow_worker.contract.reward_names import ENVIRONMENT_HOOKS
+
 SCHEMA_FIX = ("give every parameter a type hint (str, int, float, bool, list[...], dict[str, ...], Literal[...], "
               "or a union of these) and the docstring an `Args:` line per parameter")
-NOT_TOOLS = ("reset", "get_reward")
-"""Public methods of an environment that TRL does not offer the model as tools."""
 
 _MODULE_NAME = "loraflow_tools_file"
 
@@ -59,7 +59,7 @@ def read_live(kind: str, path: Path, class_name: str | None) -> dict[str, Any] |
         if "reset" not in members:
             return _problem(_NO_RESET.format(cls=class_name))
         functions = {name: value for name, value in members.items()
-                     if name not in NOT_TOOLS and not name.startswith("_")}
+                     if name not in ENVIRONMENT_HOOKS and not name.startswith("_")}
         if not functions:
             return _problem(_NO_TOOL_METHOD.format(cls=class_name))
     for name, function in functions.items():
@@ -94,7 +94,7 @@ def read_static(kind: str, path: Path, class_name: str | None, why: str) -> dict
         inherits = any(not (isinstance(base, ast.Name) and base.id == "object") for base in node.bases)
         if "reset" not in methods and not inherits:  # an inherited `reset` cannot be seen without importing
             return _problem(_NO_RESET.format(cls=class_name), unimported=why)
-        functions = {name: item for name, item in methods.items() if name not in NOT_TOOLS and not name.startswith("_")}
+        functions = {name: item for name, item in methods.items() if name not in ENVIRONMENT_HOOKS and not name.startswith("_")}
         if not functions and not inherits:
             return _problem(_NO_TOOL_METHOD.format(cls=class_name), unimported=why)
     for name, node in functions.items():

@@ -37,6 +37,9 @@ TOOLS_FILE_PATTERN = r"^.*\S\.py$"
 ENVIRONMENT_NAME_PATTERN = r"^.*\S\.py:[A-Za-z_][A-Za-z0-9_]*$"
 """An environment's name (`grpo.environment`): `path/to/file.py:ClassName`."""
 
+ENVIRONMENT_HOOKS = ("reset", "get_reward")
+"""An environment's methods TRL calls itself (TRL 1.16 `GRPOTrainer.__init__`): never tools, though public."""
+
 _MODULE_REWARD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 # The path may hold anything a file name can (a Windows drive's colon too): the function is after the last colon.
 _FILE_REWARD = re.compile(r"^(?P<path>.*\S\.py):(?P<function>[A-Za-z_][A-Za-z0-9_]*)$")

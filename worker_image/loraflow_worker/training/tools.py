@@ -21,16 +21,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraflow_worker.contract import GrpoSettings
-from loraflow_worker.contract.reward_names import split_file_reward
+from loraflow_worker.contract.reward_names import ENVIRONMENT_HOOKS, split_file_reward
 from loraflow_worker.training.user_files import UserFileError, import_stored_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from loraflow_worker.artifacts import ArtifactStore
-
-ENVIRONMENT_HOOKS = ("reset", "get_reward")
-"""An environment's methods TRL calls itself (TRL 1.16 `GRPOTrainer.__init__`): never tools."""
 
 
 class ToolError(ValueError):
