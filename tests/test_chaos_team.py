@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench.chaos import main
-from bench.chaos_lib import RunRecord, check_run
+from bench.chaos_checks import check_run
+from bench.chaos_lib import RunRecord
 from bench.chaos_scenarios import SCENARIOS
 from bench.chaos_team import choose_victim, default_kill_at, worker_limit
 from localpod.models import Account, AccountEndpoint
