@@ -28,7 +28,6 @@ if str(ROOT) not in sys.path:
 import annotated_types  # noqa: E402  (after the repository is on the path)
 from pydantic import BaseModel  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
-from pydantic_core import PydanticUndefined  # noqa: E402
 
 
 @dataclass(frozen=True)

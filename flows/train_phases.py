@@ -231,8 +231,8 @@ def check_secrets(spec: RunSpec) -> None:
     """The run's secret blocks can be read: its Hub token's (a token to publish with, under `[publish]`) and its
     workers' (`worker.secrets`: unreadable or too short → refused)."""
     run_token = Settings().hub_token(spec.hub_token_secret)
-    for field, repo in (spec.publish.repos if spec.publish is not None else {}).items():
-        check_publish_token(repo, run_token, field=field)
+    for name, repo in (spec.publish.repos if spec.publish is not None else {}).items():
+        check_publish_token(repo, run_token, field=name)
     read_run_secrets(spec.worker.secrets)
 
 
@@ -252,11 +252,11 @@ def _check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
     logger = get_run_logger()
     examples = eval_examples = None
     formats = {}
-    for field, source in spec.dataset.sources():
+    for name, source in spec.dataset.sources():
         if source.local_file is not None:
-            examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{field}.local_file",
+            examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{name}.local_file",
                                            source.format, source.columns)
-            formats[field] = first_row_format(Path(source.local_file), source.format, source.columns)
+            formats[name] = first_row_format(Path(source.local_file), source.format, source.columns)
             logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, field)
     if spec.dataset.mix:
         examples = None  # how many a mix draws is known once it is drawn

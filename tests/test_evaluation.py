@@ -4,7 +4,6 @@ the final eval figure. (What the worker evaluates: worker_image/tests/test_worke
 and curve: tests/test_run_summary.py, tests/test_curve.py.)"""
 
 import json
-from pathlib import Path
 
 import pytest
 from loraflow_worker.artifacts import FileStore

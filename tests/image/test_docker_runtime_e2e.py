@@ -13,7 +13,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -5,7 +5,6 @@ answers with its error; trajectories are stored with secrets redacted; bad tools
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from worker_test_support import CountingStore, train_in_process

@@ -10,7 +10,7 @@ import pytest
 from worker_test_support import CountingStore, train_in_process
 
 from loraflow_worker.artifacts import open_store
-from loraflow_worker.contract import JobInput, TrainMetrics
+from loraflow_worker.contract import JobInput
 from loraflow_worker.training.sft import train_sft
 
 LORA = {"rank": 8, "alpha": 16}

@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import SchedulerType
 from transformers.training_args import OptimizerNames
 
-from loraflow_worker.contract import JobInput, LoraSettings, TrainingSettings
+from loraflow_worker.contract import JobInput, LoraSettings
 from loraflow_worker.contract.training_settings import (
     REFUSED_LORA_INITS,
     REFUSED_LR_SCHEDULERS,

@@ -138,7 +138,7 @@ def preference_problem(row: Mapping[str, Any]) -> RowError | None:
     for column in MESSAGE_COLUMNS["preference"]:
         value = row.get(column)
         if value is None or value == "" or value == []:
-            return RowError(column, f"missing or empty: a preference row has a `prompt` and two answers to it, "
+            return RowError(column, "missing or empty: a preference row has a `prompt` and two answers to it, "
                             "`chosen` (preferred) and `rejected`")
         if not (isinstance(value, str) or is_messages(value)):
             return RowError(column, 'neither text nor a non-empty list of {"role": ..., "content": ...} messages')

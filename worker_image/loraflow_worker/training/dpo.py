@@ -22,12 +22,12 @@ from loraflow_worker.contract.dataset_formats import preference_problem
 from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
 from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
+from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.run import (
     TrainOutcome,
     job_workload,
     model_and_adapter,
     package_outcome,
-    resolve_base_model,
     shared_trainer_args,
     train_and_save,
     use_device,

@@ -48,12 +48,12 @@ from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training.tools import RunTools, check_tool_template, resolve_tools
 from loraflow_worker.training.trajectories import TRAJECTORIES_FILE, TrajectorySampler
+from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.run import (
     TrainOutcome,
     job_workload,
     model_and_adapter,
     package_outcome,
-    resolve_base_model,
     shared_trainer_args,
     train_and_save,
     use_device,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from datasets import Dataset
@@ -29,11 +29,13 @@ from loraflow_worker.artifacts.manifest import (
     training_config_sha256,
 )
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, TrainMetrics
-from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.checkpoints import save_settings
 from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
 from loraflow_worker.training.monitor import TrainingMonitor
 from loraflow_worker.training.tracking import tracker_run_name
+
+if TYPE_CHECKING:
+    from loraflow_worker.artifacts import ArtifactStore
 
 
 @dataclass

@@ -27,12 +27,12 @@ from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths,
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.dataset.packing import packed_rows_reason, packing_problem
 from loraflow_worker.training.sft_loss import SftLoss, loss_record, prepare_sft_loss
+from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.run import (
     TrainOutcome,
     job_workload,
     model_and_adapter,
     package_outcome,
-    resolve_base_model,
     shared_trainer_args,
     train_and_save,
     use_device,
