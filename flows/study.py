@@ -26,6 +26,7 @@ from prefect.states import Cancelled, Completed, Failed, State
 from flows.spec import SpecError
 from flows.study_spec import Child, StudySpec, describe_values, expand, load_study_file
 from flows.train import train
+from flows.train_phases import check_local_inputs
 from tasks.lifecycle.steps import run_cancel_requested
 from tasks.lifecycle.study_children import (
     cancel_children,
@@ -76,6 +77,27 @@ def child_ceilings(children: list[Child]) -> dict[str, CostCeiling]:
             for child in children}
 
 
+@task(name="study-inputs", cache_policy=NO_CACHE)
+def check_children_inputs(children: list[Child]) -> None:
+    """The children's local files (dataset, evaluation file, rewards), read as each child's own check would, each
+    distinct set once: a missing file or a bad row refuses the study before any child starts, rather than failing
+    every child that names it. `SpecError` names each child whose files are refused, and why."""
+    checked: set[str] = set()
+    problems = []
+    for child in children:
+        inputs = child.spec.model_dump_json(include={"algorithm", "dataset", "evaluation", "grpo"})
+        if inputs in checked:
+            continue
+        checked.add(inputs)
+        try:
+            check_local_inputs(child.spec)
+        except ValueError as e:
+            problems.append(f"  - child {child.index} ({describe_values(child.values) or 'the run spec'}): {e}")
+    if problems:
+        raise SpecError(f"{len(problems)} child run(s) would be refused for their files, so nothing was started:\n"
+                        + "\n".join(problems))
+
+
 @task(name="study-child", cache_policy=NO_CACHE)
 def run_child(child: Child, study_name: str, study_run_id: str, metric: str,
               ceiling: float) -> tuple[ChildRow, TrainMetrics | None]:
@@ -122,6 +144,7 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
             raise SpecError(f"parameter run_file: {e}") from e
     settings = spec.study
     children = expand(spec)  # every child valid, or nothing starts
+    check_children_inputs(children)
     ceilings = child_ceilings(children)
     ceiling_total = round(sum(c.usd for c in ceilings.values()), 2)
     check_study_budget(ceilings, settings.budget_usd)

@@ -158,7 +158,7 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
-        local_formats = _check_local_inputs(spec)
+        local_formats = check_local_inputs(spec)
         offers = {offer.gpu: offer for offer in prices.result()}
         gpus, not_pooled = pooled_gpus(gpus, offers)  # each pinned in its pool as RunPod's catalog lists the cards
         for reason in not_pooled:
@@ -246,7 +246,7 @@ def _local_chat_files(spec: RunSpec) -> list[tuple[str, str, dict[str, str]]]:
     return files
 
 
-def _check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
+def check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
     """The dataset files and the evaluation file (those that are local: every line converted from its format and
     checked) and the reward files. Returns the TRL format of each local dataset file, by its spec field."""
     logger = get_run_logger()

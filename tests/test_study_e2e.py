@@ -133,6 +133,20 @@ def test_a_study_naming_a_field_a_child_cannot_take_is_refused_naming_the_child(
     assert study_endpoints(local_stack, "e2e-study-bad") == [] and children_of(local_stack, study_id) == []
 
 
+def test_a_study_whose_dataset_file_is_missing_is_refused_before_any_child_starts(local_stack, tiny_model, tmp_path):
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-nofile", tiny_model=tiny_model,
+                                store=tmp_path / "store", study='grid = {"training.learning_rate" = [5e-3, 1e-4]}\n')
+    missing = tmp_path / "no-such-chats.jsonl"
+    run_file.write_text(re.sub(r'local_file = ".*"', f'local_file = "{missing}"', run_file.read_text(), count=1))
+    code, output, study_id = run_study(local_stack, run_file)
+    assert code == 1, output[-4000:]
+    # The children share their files: read once, refused once, naming the first child that names them.
+    assert re.search(rf"1 child run\(s\) would be refused for their files, so nothing was started:\n"
+                     rf"  - child 1 \(training.learning_rate=0.005\): dataset.local_file {missing} does not exist",
+                     output), output[-4000:]
+    assert children_of(local_stack, study_id) == [] and study_endpoints(local_stack, "e2e-study-nofile") == []
+
+
 def test_cancelling_a_served_study_cancels_its_training_children_and_leaks_nothing(local_stack, tiny_model,
                                                                                   tmp_path):
     log_path = tmp_path / "serve.log"
