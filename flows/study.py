@@ -24,7 +24,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed, Failed, State
 
 from flows.spec import SpecError
-from flows.study_spec import Child, StudySpec, describe_values, expand, load_study_file
+from flows.study_spec import Child, StudySpec, child_label, describe_values, expand, load_study_file
 from flows.train import train
 from flows.train_phases import check_local_inputs
 from tasks.lifecycle.steps import run_cancel_requested
@@ -85,14 +85,15 @@ def check_children_inputs(children: list[Child]) -> None:
     checked: set[str] = set()
     problems = []
     for child in children:
-        inputs = child.spec.model_dump_json(include={"algorithm", "dataset", "evaluation", "grpo"})
+        inputs = child.spec.model_dump_json(include={"algorithm": True, "dataset": True, "evaluation": True,
+                                                     "grpo": {"rewards"}})
         if inputs in checked:
             continue
         checked.add(inputs)
         try:
             check_local_inputs(child.spec)
         except ValueError as e:
-            problems.append(f"  - child {child.index} ({describe_values(child.values) or 'the run spec'}): {e}")
+            problems.append(f"  - {child_label(child.index, child.values)}: {e}")
     if problems:
         raise SpecError(f"{len(problems)} child run(s) would be refused for their files, so nothing was started:\n"
                         + "\n".join(problems))

@@ -212,8 +212,7 @@ def expand(spec: StudySpec) -> list[Child]:
         try:
             children.append(Child(index=index, values=values, spec=RunSpec.model_validate(data)))
         except ValidationError as e:
-            label = describe_values(values) or "the run spec"
-            problems.append(describe_validation_error(e, f"child {index} ({label})"))
+            problems.append(describe_validation_error(e, child_label(index, values)))
     if problems:
         raise SpecError(f"study {spec.name}: {len(problems)} of {study.children()} child run(s) would be invalid, so "
                         "nothing was started:\n" + "\n".join(problems))
@@ -278,6 +277,11 @@ def _value_text(value: Any) -> str:
 def describe_values(values: dict[str, Any]) -> str:
     """`training.learning_rate=0.0001, training.seed=2`: a child's values as the study's table and log show them."""
     return ", ".join(f"{path}={_value_text(value)}" for path, value in values.items())
+
+
+def child_label(index: int, values: dict[str, Any]) -> str:
+    """`child 2 (training.learning_rate=0.0001)`: a child as the study's refusals name it."""
+    return f"child {index} ({describe_values(values) or 'the run spec'})"
 
 
 def load_study_file(path: str | Path) -> StudySpec:
