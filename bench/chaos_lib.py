@@ -23,6 +23,7 @@ from typing import Any, Self
 import httpx
 
 from bench.chaos_scenarios import Scenario, scoped
+from bench.prefect_rest import PrefectServerClient
 from localpod.models import Account
 from tasks.runpod.endpoints import run_hash
 from tasks.storage.weight_cache import VARIABLE_PREFIX, DataCenterCache, WarmModel, variable_name
@@ -213,7 +214,7 @@ class PrefectApi:
     """The few Prefect server reads the checks need."""
 
     def __init__(self, api_url: str):
-        self.http = httpx.Client(base_url=api_url, timeout=30)
+        self.http = PrefectServerClient(base_url=api_url, timeout=30)
 
     def state(self, flow_run_id: str) -> dict[str, Any]:
         return self.http.get(f"/flow_runs/{flow_run_id}").raise_for_status().json()["state"]

@@ -214,11 +214,15 @@ def _clean_up(runpod: httpx.Client, prefect: PrefectApi, data_center: str, volum
     """Delete the endpoint the race made, then the volume, then its record: what the batch counts as leaked must be
     what the flow left, not what the scenario made. Returns what could not be removed, or None."""
     left = []
-    if endpoint_id is not None and runpod.delete(f"/serverless/{endpoint_id}").status_code not in (204, 404):
-        left.append(f"endpoint {endpoint_id}")
-    if runpod.delete(f"/network-volumes/{volume_id}").status_code not in (204, 404):
-        left.append(f"volume {volume_id}")
+    if endpoint_id is not None:
+        answer = runpod.delete(f"/serverless/{endpoint_id}")
+        if answer.status_code not in (204, 404):
+            left.append(f"endpoint {endpoint_id} (HTTP {answer.status_code}: {answer.text[:200]})")
+    answer = runpod.delete(f"/network-volumes/{volume_id}")
+    if answer.status_code not in (204, 404):
+        left.append(f"volume {volume_id} (HTTP {answer.status_code}: {answer.text[:200]})")
     if (prefect.get_variable(variable_name(data_center)) or {}).get("volume_id") == volume_id:
-        if prefect.http.delete(f"/variables/name/{variable_name(data_center)}").status_code not in (204, 404):
-            left.append(f"the weight-cache record of {data_center}")
+        answer = prefect.http.delete(f"/variables/name/{variable_name(data_center)}")
+        if answer.status_code not in (204, 404):
+            left.append(f"the weight-cache record of {data_center} (HTTP {answer.status_code}: {answer.text[:200]})")
     return ", ".join(left) or None

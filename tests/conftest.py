@@ -8,18 +8,17 @@ Prefect worker would run them; the tests read the outcome back from the Prefect 
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.prefect_rest import PrefectServerClient
 from tests.hub_fixture import hub  # noqa: F401  (the local Hub stand-in, a module-scoped fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,40 +123,11 @@ def run_train_flow(stack, run_file: Path, timeout_s: float = 300) -> FlowRun:
     return FlowRun(proc.returncode, output, match.group(1) if match else None)
 
 
-PREFECT_RETRY_CODES = {408, 429, 502, 503}
-PREFECT_RETRY_ERRORS = (httpx.ReadTimeout, httpx.PoolTimeout, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
-                        httpx.RemoteProtocolError)
-PREFECT_MAX_RETRIES = 5
-
-
 def prefect_api(stack, method: str, path: str, **kwargs) -> httpx.Response:
-    """One call to the stack's Prefect REST API, retried as Prefect's own client retries
-    (`prefect/client/base.py`): on 408, 429, 502 and 503 and on dropped connections, up to 5 times,
-    after the server's Retry-After or 2, 4, 8, ... s (a loaded server answers 503 now and then)."""
-    attempt = 0
-    while True:
-        attempt += 1
-        last = attempt > PREFECT_MAX_RETRIES
-        try:
-            response = httpx.request(method, f"{stack.prefect_api_url}{path}", timeout=30, **kwargs)
-        except PREFECT_RETRY_ERRORS:
-            if last:
-                raise
-            delay = 2.0**attempt
-        else:
-            if last or response.status_code not in PREFECT_RETRY_CODES:
-                response.raise_for_status()
-                return response
-            delay = _retry_after(response)
-            delay = 2.0**attempt if delay is None else delay
-        time.sleep(delay * random.uniform(1.0, 1.2))
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        return float(response.headers["retry-after"])
-    except (KeyError, ValueError):
-        return None
+    """One call to the stack's Prefect REST API, retried as Prefect's own client retries (a loaded server
+    answers 503 now and then; see `bench/prefect_rest.py`); an error answer left after that is raised."""
+    with PrefectServerClient(timeout=30) as client:
+        return client.request(method, f"{stack.prefect_api_url}{path}", **kwargs).raise_for_status()
 
 
 def localpod_account(stack) -> dict:

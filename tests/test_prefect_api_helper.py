@@ -1,5 +1,6 @@
-"""The tests' Prefect REST helper retries a loaded server's 503/429 as Prefect's own client does, and
-passes every other answer through."""
+"""The harness's Prefect REST client (`bench/prefect_rest.py`, behind the tests' `prefect_api` helper and the
+chaos checks) retries a loaded server's 503/429 as Prefect's own client does, and passes every other answer
+through."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from bench.prefect_rest import PrefectServerClient
 from tests.conftest import prefect_api
 
 
@@ -31,6 +33,8 @@ def flaky_server():
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        do_DELETE = do_GET  # noqa: N815 (http.server's name)
 
         def log_message(self, *args):
             pass
@@ -65,3 +69,17 @@ def test_a_server_that_stays_busy_fails_after_five_retries(flaky_server):
     with pytest.raises(httpx.HTTPStatusError, match="503"):
         prefect_api(flaky_server.stack, "GET", "/flow_runs/x")
     assert len(flaky_server.seen) == 6
+
+
+def test_a_delete_refused_with_503_is_sent_again(flaky_server):
+    flaky_server.answers.append((503, {"Retry-After": "0"}))
+    with PrefectServerClient(base_url=flaky_server.stack.prefect_api_url) as client:
+        assert client.delete("/variables/name/x").status_code == 200
+    assert len(flaky_server.seen) == 2
+
+
+def test_the_client_returns_an_error_answer_it_does_not_retry(flaky_server):
+    flaky_server.answers.append((500, {}))
+    with PrefectServerClient(base_url=flaky_server.stack.prefect_api_url) as client:
+        assert client.delete("/variables/name/x").status_code == 500
+    assert len(flaky_server.seen) == 1
