@@ -215,14 +215,14 @@ def _clean_up(runpod: httpx.Client, prefect: PrefectApi, data_center: str, volum
     what the flow left, not what the scenario made. Returns what could not be removed, or None."""
     left = []
     if endpoint_id is not None:
-        answer = runpod.delete(f"/serverless/{endpoint_id}")
-        if answer.status_code not in (204, 404):
-            left.append(f"endpoint {endpoint_id} (HTTP {answer.status_code}: {answer.text[:200]})")
-    answer = runpod.delete(f"/network-volumes/{volume_id}")
-    if answer.status_code not in (204, 404):
-        left.append(f"volume {volume_id} (HTTP {answer.status_code}: {answer.text[:200]})")
+        left.append(_not_removed(f"endpoint {endpoint_id}", runpod.delete(f"/serverless/{endpoint_id}")))
+    left.append(_not_removed(f"volume {volume_id}", runpod.delete(f"/network-volumes/{volume_id}")))
     if (prefect.get_variable(variable_name(data_center)) or {}).get("volume_id") == volume_id:
-        answer = prefect.http.delete(f"/variables/name/{variable_name(data_center)}")
-        if answer.status_code not in (204, 404):
-            left.append(f"the weight-cache record of {data_center} (HTTP {answer.status_code}: {answer.text[:200]})")
-    return ", ".join(left) or None
+        left.append(_not_removed(f"the weight-cache record of {data_center}",
+                                 prefect.http.delete(f"/variables/name/{variable_name(data_center)}")))
+    return ", ".join(what for what in left if what) or None
+
+
+def _not_removed(what: str, answer: httpx.Response) -> str | None:
+    """`what` with the answer that refused its delete; None: deleted, or already gone."""
+    return None if answer.status_code in (204, 404) else f"{what} (HTTP {answer.status_code}: {answer.text[:200]})"

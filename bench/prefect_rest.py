@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from tasks.runpod.client import retry_after_s
+
 RETRY_CODES = frozenset({408, 429, 502, 503})
 RETRY_ERRORS = (httpx.ReadTimeout, httpx.PoolTimeout, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
                 httpx.RemoteProtocolError)
@@ -37,13 +39,7 @@ class PrefectServerClient(httpx.Client):
             else:
                 if last or response.status_code not in RETRY_CODES:
                     return response
-                delay = _retry_after(response)
-                delay = 2.0**attempt if delay is None else delay
+                asked = retry_after_s(response)
+                delay = 2.0**attempt if asked is None else asked
             time.sleep(delay * random.uniform(1.0, 1.2))
 
-
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        return float(response.headers["retry-after"])
-    except (KeyError, ValueError):
-        return None

@@ -32,6 +32,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from tasks.runpod import errors
+from tasks.runpod.client import retry_after_s
 
 ENDPOINT_LIMIT = "runpod-endpoints"
 NEW_ACCOUNT_WORKER_QUOTA = 5
@@ -268,7 +269,5 @@ def limit_fix(quota: int | None) -> str:
 
 
 def _retry_after(response: httpx.Response) -> float:
-    try:
-        return float(response.headers["retry-after"])
-    except (KeyError, ValueError):
-        return 1.0
+    asked = retry_after_s(response)
+    return 1.0 if asked is None else asked

@@ -66,7 +66,7 @@ def raise_for_status(response: httpx.Response) -> None:
             **kwargs,
         )
     if status == 429:
-        raise errors.RateLimitError(message, retry_after=_retry_after(response), **kwargs)
+        raise errors.RateLimitError(message, retry_after=retry_after_s(response), **kwargs)
     if status >= 500:
         raise errors.ServerError(message, **kwargs)
     if status in (401, 403):
@@ -92,7 +92,8 @@ def _detail(response: httpx.Response) -> str:
     return json.dumps(payload)[:500]
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def retry_after_s(response: httpx.Response) -> float | None:
+    """The seconds an answer's `Retry-After` header asks for; None: no header, or not a number of seconds."""
     try:
         return float(response.headers["retry-after"])
     except (KeyError, ValueError):
