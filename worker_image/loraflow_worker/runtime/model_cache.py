@@ -3,7 +3,8 @@
 RunPod mounts an endpoint's network volume at `/runpod-volume`. loraflow keeps one volume per datacenter
 as a Hugging Face Hub cache (`<volume>/huggingface/hub`) of the models users train: preload jobs fill it
 (preload.py), and a training job on an endpoint with the volume attached downloads its base model there,
-so a warm model costs no download. Without a volume, training uses the container's own cache as before.
+so a warm model costs no download. Without a volume, training uses the container's own cache as before. A model
+read from the volume is checked against the Hub's hashes first (cache_check.py): other runs can write the volume.
 
 Only Hub model files go on the volume. Triton, Inductor and torch-extension caches and pip's cache hold
 code that runs, and the volume is shared by every run in its datacenter: one tenant could plant code for
@@ -19,8 +20,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub.utils import filter_repo_objects
 
 from loraflow_worker.contract import ModelSource
+from loraflow_worker.runtime.cache_check import check_snapshot
 
 VOLUME_ROOT = "/runpod-volume"
 """Where RunPod mounts an endpoint's network volume."""
@@ -103,7 +106,15 @@ def resolve_base_model(source: ModelSource) -> tuple[Path, str | None]:
     if Path(source.id).is_dir():
         return Path(source.id), None
     # Pin the commit first and download exactly it, so the manifest names what was trained on even if
-    # the branch moves meanwhile. HF_ENDPOINT / HF_TOKEN in the worker's environment pick the Hub.
-    info = HfApi().model_info(source.id, revision=source.revision)
-    filenames = [sibling.rfilename for sibling in info.siblings or []]
-    return fetch_model(source.id, info.sha, filenames, training_cache_dir()), info.sha
+    # the branch moves meanwhile. HF_ENDPOINT / HF_TOKEN in the worker's environment pick the Hub. The files'
+    # metadata carries their hashes, which a model on the shared volume is checked against (cache_check.py).
+    info = HfApi().model_info(source.id, revision=source.revision, files_metadata=True)
+    siblings = info.siblings or []
+    filenames = [sibling.rfilename for sibling in siblings]
+    cache = training_cache_dir()
+    snapshot = fetch_model(source.id, info.sha, filenames, cache)
+    if cache is not None:
+        downloaded = filter_repo_objects(siblings, ignore_patterns=download_ignore_patterns(filenames),
+                                         key=lambda sibling: sibling.rfilename)
+        check_snapshot(source.id, info.sha, snapshot, cache, downloaded)
+    return snapshot, info.sha
