@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,14 @@ from transformers import AutoTokenizer
 
 from tasks.placement.plan import resolve_model
 from tasks.preflight.chat_tokenizer import ChatTokenizer
-from tasks.preflight.chats import UnreadableTokenizer, check_chats, check_chats_in, first_chats, tokenizer_folder
+from tasks.preflight.chats import (
+    TokenizerTooLarge,
+    UnreadableTokenizer,
+    check_chats,
+    check_chats_in,
+    first_chats,
+    tokenizer_folder,
+)
 from tasks.settings import Settings
 from tests.conftest import DATASET
 from tests.hub_fixture import HubStandIn, hub  # noqa: F401
@@ -102,6 +110,78 @@ def test_a_hub_models_tokenizer_is_read_at_its_pinned_commit(hub: HubStandIn, ti
     assert not (folder / "model.safetensors").exists()  # the tokenizer, not the weights
     found = check_chats(CHATS, AutoTokenizer.from_pretrained(folder), TrainingSettings())
     assert found.template == "the model's own chat template"  # the pinned commit's, with its markers
+
+
+def pinned_hub_model(hub: HubStandIn, model: Path, repo_id: str) -> tuple[ModelSource, Settings]:  # noqa: F811
+    """`model` uploaded to the Hub stand-in as `repo_id` (made unique: a name the Hub cache already holds would not be
+    downloaded), pinned to its commit, and settings that reach it."""
+    repo_id = f"{repo_id}-{uuid.uuid4().hex[:8]}"
+    settings = Settings(hf_endpoint=hub.url, hf_token=SecretStr(hub.token))
+    api = HfApi(endpoint=hub.url, token=hub.token)
+    api.create_repo(repo_id)
+    api.upload_folder(repo_id=repo_id, folder_path=str(model), commit_message="model")
+    return resolve_model(ModelSource(id=repo_id), settings), settings
+
+
+def test_a_tokenizer_file_above_the_cap_is_refused_naming_it_its_size_and_the_cap_before_any_download(
+        hub: HubStandIn, tiny_model, monkeypatch):  # noqa: F811
+    pinned, settings = pinned_hub_model(hub, tiny_model, "org/tiny-big-tokenizer")
+    size = (tiny_model / "tokenizer.json").stat().st_size
+    monkeypatch.setattr("tasks.preflight.chats.TOKENIZER_FILE_MAX_BYTES", size - 1)
+    with pytest.raises(TokenizerTooLarge) as refused:
+        tokenizer_folder(pinned, settings)
+    assert f"{pinned.id}'s tokenizer.json is {size / 2**20:.1f} MiB ({size:,} bytes), above the " \
+           f"{(size - 1) / 2**20:.1f} MiB ({size - 1:,} bytes) the control plane downloads of a tokenizer file" \
+           in str(refused.value)
+    assert hub.downloads("model", pinned.id) == 0
+    monkeypatch.setattr("tasks.preflight.chats.TOKENIZER_FILE_MAX_BYTES", size)  # a file of the cap's size is read
+    assert (tokenizer_folder(pinned, settings) / "tokenizer.json").stat().st_size == size
+    assert hub.downloads("model", pinned.id) > 0
+
+
+def test_tokenizer_files_above_the_cap_together_are_refused_before_any_download(hub: HubStandIn, tiny_model,
+                                                                               monkeypatch):  # noqa: F811
+    pinned, settings = pinned_hub_model(hub, tiny_model, "org/tiny-many-tokenizer-files")
+    monkeypatch.setattr("tasks.preflight.chats.TOKENIZER_MAX_BYTES", (tiny_model / "tokenizer.json").stat().st_size)
+    with pytest.raises(TokenizerTooLarge, match=rf"{pinned.id}'s \d+ tokenizer files are .* together, "
+                                                r"above the .* the control plane downloads of a tokenizer"):
+        tokenizer_folder(pinned, settings)
+    assert hub.downloads("model", pinned.id) == 0
+
+
+# The check as the flow runs it, the cap lowered below the tiny model's tokenizer.json (argv: model id, revision,
+# chats file, cap in bytes).
+CAPPED_CHECK_FLOW = """
+import sys
+from loraflow_worker.contract import ModelSource, TrainingSettings
+from prefect import flow
+import tasks.preflight.chats as chats
+
+chats.TOKENIZER_FILE_MAX_BYTES = int(sys.argv[4])
+
+@flow
+def capped_check():
+    return chats.check_chats_task(ModelSource(id=sys.argv[1], revision=sys.argv[2]), TrainingSettings(),
+                                  [(sys.argv[3], "auto", {})], None)
+
+print("FOUND", capped_check())
+"""
+
+
+def test_a_tokenizer_above_the_cap_leaves_the_check_to_the_worker_with_a_warning(hub: HubStandIn, tiny_model,
+                                                                                  local_stack):  # noqa: F811
+    from tests.test_crash_recovery_e2e import flow_env
+
+    pinned, _ = pinned_hub_model(hub, tiny_model, "org/tiny-capped-in-flow")
+    cap = (tiny_model / "tokenizer.json").stat().st_size - 1
+    env = flow_env(local_stack, HF_ENDPOINT=hub.url, HF_TOKEN=hub.token)
+    proc = subprocess.run([sys.executable, "-c", CAPPED_CHECK_FLOW, pinned.id, pinned.revision, str(DATASET), str(cap)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "FOUND None" in proc.stdout, output[-3000:]
+    assert f"The first chats were not checked before renting: {pinned.id}'s tokenizer could not be read " \
+           f"(TokenizerTooLarge: {pinned.id}'s tokenizer.json is" in output, output[-3000:]
+    assert hub.downloads("model", pinned.id) == 0
 
 
 def test_a_chat_template_file_is_stored_with_the_runs_inputs_and_the_job_reads_its_copy(tmp_path):

@@ -17,9 +17,11 @@ import pytest
 from huggingface_hub import HfApi, snapshot_download
 
 from deployments.local_stack import WORKER_PYTHON, check_adapter
+from tasks.lifecycle.secret_key import secret_name_key
 from tasks.lifecycle.secret_retention import newest_secret_uses
 from tasks.reports.events import RUN_FINISHED
 from tasks.runpod.secrets import fingerprint
+from tasks.settings import Settings
 from tests.conftest import REPO, localpod_account, prefect_api, run_train_flow
 from tests.test_crash_recovery_e2e import flow_env, wait_for
 from tests.test_run_events import wait_for_events
@@ -204,10 +206,13 @@ def test_runs_started_together_by_two_people_give_each_worker_its_own_token(loca
     assert [p.returncode for p in procs] == [0, 0, 0], "\n\n".join(outputs)
     assert tokens == {"e2e-tok-alice": ALICE_TOKEN, "e2e-tok-bob": BOB_TOKEN, "e2e-tok-none": None}
 
-    # One secret per token, named by its fingerprint, each recorded as used (what pruning reads).
+    # One secret per token, named by its fingerprint (keyed with the namespace's key), each recorded as used (what
+    # pruning reads).
     secrets = {s["name"] for s in httpx.get(f"{local_stack.localpod_url}/v2/account/secrets", timeout=10, headers={
         "Authorization": f"Bearer {local_stack.client_env['RUNPOD_API_KEY']}"}).json()["secrets"]}
-    ours = {name for name in secrets if fingerprint(ALICE_TOKEN) in name or fingerprint(BOB_TOKEN) in name}
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        key = secret_name_key(Settings().control_plane_namespace())
+    ours = {name for name in secrets if fingerprint(ALICE_TOKEN, key) in name or fingerprint(BOB_TOKEN, key) in name}
     assert len(ours) == 2 and all(name.startswith("loraflow-hf-token-") for name in ours), secrets
 
     from prefect import get_client

@@ -1,5 +1,6 @@
-"""`lora.init_from` before renting: the parent adapter must be there and fit the run's base model; its shape becomes
-the run's, and a different shape set in the run is refused naming both."""
+"""`lora.init_from` before renting: a value that names neither a run of the store nor a Hub repo is refused by the
+spec, naming the field and the forms it takes; the parent adapter must be there and fit the run's base model; its
+shape becomes the run's, and a different shape set in the run is refused naming both."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 from loraflow_worker.contract import LoraSettings, ModelSource
+from pydantic import ValidationError
 
 from tasks.settings import Settings
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
@@ -16,6 +18,44 @@ from tests.hub_fixture import hub  # noqa: F401
 BASE = ModelSource(id="/models/tiny", revision=None)
 CONFIG = {"base_model_name_or_path": "/models/tiny", "r": 8, "lora_alpha": 16, "use_dora": False,
           "use_rslora": False, "target_modules": ["v_proj", "q_proj"], "peft_type": "LORA"}
+BAD_VALUES = ["runs/.", "runs/..", "runs/", "runs/../x", "runs/a/b", "runs/.hidden", "org/a..b", "org/a--b",
+              "/home/alice/adapter", "adapter"]
+FORMS = ("give an earlier run of this run's artifact store, `runs/<flow run id>`, or a PEFT adapter on the Hub, "
+         "`<org>/<name>`")
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_a_value_naming_neither_a_run_nor_a_hub_repo_is_refused_by_the_run_spec_naming_the_field_and_the_forms(value):
+    from flows.spec import RunSpec
+    from tests.test_spec import minimal
+
+    with pytest.raises(ValidationError) as refused:
+        RunSpec.model_validate(minimal(lora={"init_from": value}))
+    [error] = refused.value.errors()
+    assert error["loc"] == ("lora", "init_from")
+    assert error["msg"].startswith(f"Value error, `lora.init_from` {value!r} ") and FORMS in error["msg"]
+
+
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_the_jobs_lora_section_refuses_the_same_values(value):
+    with pytest.raises(ValidationError, match=r"`lora.init_from` .* give an earlier run"):
+        LoraSettings(init_from=value)
+
+
+@pytest.mark.parametrize("value", ["runs/6f1c2d3e-9a7b-4c1d-8e2f-0a1b2c3d4e5f", "acme/qwen3-sft-lora", "a/b.c_d-1"])
+def test_a_run_or_a_hub_repo_is_taken(value):
+    assert LoraSettings(init_from=value).init_from == value
+
+
+def test_a_malformed_value_is_refused_before_the_store_is_read(tmp_path):
+    with pytest.raises(ValueError, match=r"^`lora.init_from` 'runs/\.' is not one run of the store"):
+        read_parent_config("runs/.", tmp_path.as_uri(), Settings())
+
+
+def test_a_store_that_cannot_be_read_is_refused_naming_the_field_and_the_store():
+    with pytest.raises(ValueError, match=r"^lora.init_from 'runs/r1': its adapter_config.json cannot be read from "
+                                         r"artifact_store s3://bucket/store: bad store URL"):
+        read_parent_config("runs/r1", "s3://bucket/store", Settings())
 
 
 def test_the_parent_adapters_shape_becomes_the_runs():

@@ -1,10 +1,12 @@
 """Values reach workers through RunPod account secrets, one per distinct value: localpod's
 `/v2/account/secrets` (modelled on RunPod's API v2 reference), its resolution when a worker boots, and
-loraflow's side (`tasks/runpod/secrets.py`): per-value secrets that are never rotated, and the pruning of
-a namespace's unused ones."""
+loraflow's side (`tasks/runpod/secrets.py`): per-value secrets that are never rotated, named by an HMAC of the value
+keyed per namespace (`tasks/lifecycle/secret_key.py`), and the pruning of a namespace's unused ones."""
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -21,6 +23,7 @@ from tasks.runpod.client import RunpodClient
 from tasks.runpod.secrets import (
     LONGEST_RUN,
     MAX_SECRET_NAME,
+    fingerprint,
     parse_secret_name,
     prune_unused_secrets,
     referenced_secrets,
@@ -32,6 +35,8 @@ from tests.test_localpod import API_KEY, AUTH, create_endpoint
 
 TOKEN = "hf_secretvalue123"
 ALICE, BOB = "hf_alice_token_000111", "hf_bob_token_222333"
+KEY = b"0123456789abcdef0123456789abcdef"
+"""The namespace `ns1`'s key, in the tests that do not read it from its Prefect block."""
 
 
 @pytest.fixture
@@ -115,8 +120,8 @@ def booted_env(localpod: TestClient, endpoint: dict) -> dict[str, str]:
     return WorkerSupervisor(state).runpod_env(state.endpoints[endpoint["id"]], "w", "k")
 
 
-def hub_env(runpod: RunpodClient, token: str, namespace: str = "ns1") -> dict[str, str]:
-    return value_secret_env(runpod, "HF_TOKEN", token, purpose="hf-token", namespace=namespace)
+def hub_env(runpod: RunpodClient, token: str, namespace: str = "ns1", key: bytes = KEY) -> dict[str, str]:
+    return value_secret_env(runpod, "HF_TOKEN", token, purpose="hf-token", namespace=namespace, key=key)
 
 
 def stored_values(localpod: TestClient) -> dict[str, str]:
@@ -141,7 +146,7 @@ def test_the_same_value_reuses_its_secret(runpod, localpod):
 
 
 def test_a_secret_created_meanwhile_by_another_run_is_reused(runpod, localpod):
-    name = value_secret_name("hf-token", "ns1", TOKEN)
+    name = value_secret_name("hf-token", "ns1", TOKEN, key=KEY)
     create(localpod, name=name, value=TOKEN)  # another process won the race
     assert hub_env(runpod, TOKEN) == {"HF_TOKEN": secret_reference(name)}
     assert list(stored_values(localpod)) == [name]
@@ -156,7 +161,7 @@ def test_the_env_refers_to_the_value_and_never_holds_it(runpod, localpod):
 
 @pytest.mark.parametrize("purpose", ["hf-token", "env-judge-key", "x"])
 def test_secret_names_are_ones_runpod_accepts_and_say_whose_they_are(localpod, purpose):
-    name = value_secret_name(purpose, "ab12cd34", "some value")
+    name = value_secret_name(purpose, "ab12cd34", "some value", key=KEY)
     assert create(localpod, name=name, value="some value").status_code == 201
     parsed = parse_secret_name(name)
     assert parsed is not None and (parsed.purpose, parsed.namespace) == (purpose, "ab12cd34")
@@ -167,7 +172,7 @@ def test_secret_names_are_ones_runpod_accepts_and_say_whose_they_are(localpod, p
                                                     ("hf-token", "NS1")])
 def test_a_name_runpod_would_refuse_is_never_asked_for(purpose, namespace):
     with pytest.raises(ValueError, match="purpose|namespace"):
-        value_secret_name(purpose, namespace, TOKEN)
+        value_secret_name(purpose, namespace, TOKEN, key=KEY)
 
 
 def test_names_loraflow_did_not_make_are_not_its_secrets():
@@ -175,6 +180,16 @@ def test_names_loraflow_did_not_make_are_not_its_secrets():
     assert parse_secret_name("loraflow-hf-token-ns1-notafingerprint") is None
     # The single rotated secret of before is still recognised, so that pruning can remove it.
     assert parse_secret_name("loraflow-hf-token-ns1") == ("hf-token", "ns1", None)
+
+
+def test_the_fingerprint_is_not_the_values_plain_sha256():
+    name = value_secret_name("hf-token", "ns1", TOKEN, key=KEY)
+    assert hashlib.sha256(TOKEN.encode()).hexdigest()[:16] not in name
+    assert parse_secret_name(name).fingerprint == fingerprint(TOKEN, KEY)
+
+
+def test_the_same_value_under_two_keys_has_two_fingerprints():
+    assert fingerprint(TOKEN, KEY) != fingerprint(TOKEN, KEY[::-1])
 
 
 def test_the_secrets_an_env_refers_to_are_read_back():
@@ -236,6 +251,86 @@ def test_a_dry_run_deletes_nothing(runpod, localpod):
 def test_the_rotated_secret_of_before_is_pruned_once_unused(runpod, localpod):
     create(localpod, name="loraflow-hf-token-ns1", value=TOKEN)
     assert prune(runpod, now=later(15)) == {"loraflow-hf-token-ns1": "deleted"}
+
+
+def test_a_secret_named_before_the_keyed_fingerprint_is_recognised_and_pruned_once_unused(runpod, localpod):
+    before = f"loraflow-hf-token-ns1-{hashlib.sha256(TOKEN.encode()).hexdigest()[:16]}"
+    create(localpod, name=before, value=TOKEN)
+    now_named = referenced_secrets(hub_env(runpod, TOKEN)).pop()  # the same value, named anew
+    assert parse_secret_name(before) == ("hf-token", "ns1", hashlib.sha256(TOKEN.encode()).hexdigest()[:16])
+    assert now_named != before
+    assert prune(runpod, now=later(15), last_used={now_named: later(14)}) == {before: "deleted", now_named: "kept"}
+
+
+# The key of a namespace's names: a Prefect Secret block, made once.
+
+def fresh_namespace() -> str:
+    """A namespace no other test (nor an earlier session on the same server) has used."""
+    return "k" + secrets.token_hex(3)
+
+
+def test_the_same_value_in_two_namespaces_has_two_fingerprints(local_stack):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.lifecycle.secret_key import secret_name_key
+
+    first, second = fresh_namespace(), fresh_namespace()
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        names = [value_secret_name("hf-token", ns, TOKEN, key=secret_name_key(ns)) for ns in (first, second)]
+    assert parse_secret_name(names[0]).fingerprint != parse_secret_name(names[1]).fingerprint
+
+
+def test_a_namespaces_key_block_is_made_once_and_then_reused(local_stack):
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.lifecycle.secret_key import key_block_name, secret_name_key
+
+    namespace = fresh_namespace()
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        key = secret_name_key(namespace)
+        assert secret_name_key(namespace) == key
+        assert Secret.load(key_block_name(namespace)).get().encode() == key
+    assert len(key) == 64 and bytes.fromhex(key.decode())
+
+
+def test_a_key_block_that_exists_is_never_replaced(local_stack):
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.lifecycle.secret_key import key_block_name, secret_name_key
+
+    namespace, chosen = fresh_namespace(), "an-operators-own-key-of-40-characters-00"
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        Secret(value=chosen).save(key_block_name(namespace))
+        assert secret_name_key(namespace) == chosen.encode()
+
+
+def test_callers_racing_to_make_the_key_all_read_back_the_same_one(local_stack):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.lifecycle.secret_key import secret_name_key
+
+    namespace = fresh_namespace()
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}), ThreadPoolExecutor(4) as pool:
+        keys = set(pool.map(lambda _: secret_name_key(namespace), range(4)))
+    assert len(keys) == 1
+
+
+def test_a_key_block_too_short_to_be_a_key_is_refused_naming_it(local_stack):
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.lifecycle.secret_key import key_block_name, secret_name_key
+
+    namespace = fresh_namespace()
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        Secret(value="short").save(key_block_name(namespace))
+        with pytest.raises(RuntimeError, match=rf"the Prefect Secret block 'loraflow-secret-key-{namespace}' must hold "
+                                               r"a key of at least 32 characters \(it holds 5 characters\): delete"):
+            secret_name_key(namespace)
 
 
 def test_a_run_named_token_block_wins_and_a_missing_one_is_refused_naming_the_field(local_stack, monkeypatch):

@@ -152,6 +152,43 @@ def test_the_file_is_imported_in_another_process(tmp_path):
     assert int((tmp_path / "pid").read_text()) != os.getpid()
 
 
+def _environment_seen_by(tools_file_folder: Path, worker_env: dict[str, str] | None = None) -> dict:
+    """What a tools file sees as it is imported: its environment, working folder and home."""
+    import json
+
+    seen = tools_file_folder / "seen.json"
+    source = ("import json, os\n"
+              f"open({str(seen)!r}, 'w').write(json.dumps({{'env': dict(os.environ), 'cwd': os.getcwd()}}))\n"
+              + GOOD_TOOLS)
+    check_tools(write(tools_file_folder, "tools.py", source), None, tools_file_folder, worker_env)
+    return json.loads(seen.read_text())
+
+
+def test_the_control_planes_keys_do_not_reach_the_tools_file(tmp_path, monkeypatch):
+    keys = ("RUNPOD_API_KEY", "HF_TOKEN", "PREFECT_API_URL", "PREFECT_API_KEY", "LORAFLOW_ARTIFACT_STORE")
+    for name in keys:
+        monkeypatch.setenv(name, f"{name.lower()}-value-of-the-control-plane")
+
+    seen = _environment_seen_by(tmp_path)["env"]
+
+    assert not set(keys) & set(seen)
+    assert not [name for name, value in seen.items() if "value-of-the-control-plane" in value]
+
+
+def test_the_runs_worker_env_variables_reach_the_tools_file(tmp_path):
+    seen = _environment_seen_by(tmp_path, {"JUDGE_URL": "http://judge.example/v1"})["env"]
+
+    assert seen["JUDGE_URL"] == "http://judge.example/v1"
+
+
+def test_the_tools_file_runs_in_a_fresh_home_and_working_folder(tmp_path):
+    seen = _environment_seen_by(tmp_path)
+
+    assert Path(seen["cwd"]).resolve() not in (tmp_path.resolve(), Path.cwd().resolve())
+    assert seen["env"]["HOME"] != os.environ["HOME"]
+    assert not Path(seen["cwd"]).exists() and not Path(seen["env"]["HOME"]).exists()  # removed with the check
+
+
 def test_a_file_may_print_while_it_is_imported(tmp_path):
     source = "print('loading tools')\n" + GOOD_TOOLS
 

@@ -5,7 +5,8 @@
 - `attempts`: whether a run gets another attempt, and on which GPU.
 - `teardown`: deleting a run's endpoints (the flow's `finally`, its hooks) and what is kept when a delete
   cannot be confirmed; `reconcile`: the reconciler's decisions; `liveness`: the sign of life it reads.
-- `worker_env`: a run's own worker secrets; `secret_retention`: when account secrets were last used.
+- `worker_env`: a run's own worker secrets; `secret_retention`: when account secrets were last used;
+  `secret_key`: the per-namespace key that fingerprints secret values in their names.
 - `pending_billing`: billed cost that RunPod settles after the run ended.
 - `study_children`: a study's child runs, found by its tag: cancelled with it, read back for its comparison.
 """

@@ -38,6 +38,12 @@ CHECKED_EXAMPLES = 20
 TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt", "*.model",
                    "chat_template.json", "chat_template.jinja", "additional_chat_templates/*", "config.json"]
 """What `AutoTokenizer.from_pretrained` reads of a model repo (never its weights)."""
+TOKENIZER_FILE_MAX_BYTES = 64 * 2**20
+"""The largest tokenizer file the control plane downloads: a model repo is anyone's upload, and a file matching
+`TOKENIZER_FILES` could be gigabytes on the control plane's disk. Real ones are far smaller (Qwen3's tokenizer.json
+is 11 MB)."""
+TOKENIZER_MAX_BYTES = 256 * 2**20
+"""The most the control plane downloads of one model's tokenizer files together, for the same reason."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +73,18 @@ def first_chats(path: Path, data_format: str = "auto", columns: Mapping[str, str
 
 def tokenizer_folder(model: ModelSource, settings: Settings) -> Path:
     """A folder holding the model's tokenizer files: the model's own folder in local mode, else those files of the
-    pinned commit, downloaded into the Hub cache (no weights)."""
+    pinned commit, downloaded into the Hub cache (no weights). `TokenizerTooLarge`, before any download, when a file
+    is above `TOKENIZER_FILE_MAX_BYTES` or all are above `TOKENIZER_MAX_BYTES` (callers leave the check to the
+    worker, as for a tokenizer that cannot be read)."""
     if model.revision is None:
         return Path(model.id)
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     api = HfApi(endpoint=settings.hf_endpoint, token=token)
-    names = [s.rfilename for s in api.model_info(model.id, revision=model.revision).siblings or []
+    # With the files' sizes, so that nothing is downloaded before its size is known.
+    files = [s for s in api.model_info(model.id, revision=model.revision, files_metadata=True).siblings or []
              if any(fnmatch.fnmatch(s.rfilename, pattern) for pattern in TOKENIZER_FILES)]
+    _within_caps(model.id, [(s.rfilename, s.size) for s in files])
+    names = [s.rfilename for s in files]
     paths = [Path(hf_hub_download(model.id, name, revision=model.revision, endpoint=settings.hf_endpoint, token=token))
              for name in names]
     if not paths:
@@ -81,6 +92,10 @@ def tokenizer_folder(model: ModelSource, settings: Settings) -> Path:
                          "be rendered: a model repo needs its tokenizer beside its weights")
     # hf_hub_download puts a commit's files in one snapshot folder, in the repo's layout.
     return paths[0].parents[len(PurePosixPath(names[0]).parts) - 1]
+
+
+class TokenizerTooLarge(ValueError):
+    """A model's tokenizer files are larger than the control plane downloads; the worker checks its chats instead."""
 
 
 def check_chats(chats: list[list[dict[str, Any]]], tokenizer: Any, training: TrainingSettings,
@@ -143,6 +158,28 @@ def chat_template(tokenizer: Any, training: TrainingSettings, template_file: Pat
         marks = "" if has_generation_markers(own) else " (no generation markers, no TRL training version)"
         return ChatTemplate(own, f"the model's own chat template{marks}")
     return None
+
+
+def _within_caps(model_id: str, files: list[tuple[str, int | None]]) -> None:
+    """`TokenizerTooLarge` naming the file, its size and the cap unless every file (name, size in bytes) is within
+    `TOKENIZER_FILE_MAX_BYTES` and all together within `TOKENIZER_MAX_BYTES`."""
+    for name, size in files:
+        if size is None:
+            raise TokenizerTooLarge(f"the Hub gave no size for {model_id}'s {name}, so it was not downloaded (the "
+                                    "control plane downloads tokenizer files of at most "
+                                    f"{_mib(TOKENIZER_FILE_MAX_BYTES)})")
+        if size > TOKENIZER_FILE_MAX_BYTES:
+            raise TokenizerTooLarge(f"{model_id}'s {name} is {_mib(size)}, above the {_mib(TOKENIZER_FILE_MAX_BYTES)} "
+                                    "the control plane downloads of a tokenizer file, so it was not downloaded")
+    total = sum(size or 0 for _, size in files)
+    if total > TOKENIZER_MAX_BYTES:
+        raise TokenizerTooLarge(f"{model_id}'s {len(files)} tokenizer files are {_mib(total)} together, above the "
+                                f"{_mib(TOKENIZER_MAX_BYTES)} the control plane downloads of a tokenizer, so none was "
+                                "downloaded")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB ({size:,} bytes)"
 
 
 def _own_template(tokenizer: Any) -> str | None:

@@ -4,7 +4,9 @@ the model a tool conversation at all.
 
 Each tool must be one that transformers can render into the chat template (`get_json_schema`: a type hint per
 parameter, a docstring with an `Args:` line for each), or TRL fails on the worker after the GPU is paid for. The
-file is the user's code: it is imported in a process of its own (`tool_schemas`), never in the flow's. Where it
+file is the user's code: it is imported in a process of its own (`tool_schemas`), never in the flow's, in a clean
+room: a fresh home and working folder, and of the environment only the run's plain `[worker] env` and what Python
+needs (none of the control plane's keys). Where it
 imports a module this machine lacks (the worker may install it from `worker.extra_packages`), its source is read
 with `ast` instead, and the check says so in its `note`. `check_tools_task` runs both checks for the flow.
 """
@@ -17,7 +19,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,9 @@ IMPORT_TIMEOUT_S = 60
 """How long importing the file and reading its tools may take (transformers' import is a few seconds of it)."""
 
 _READER = Path(__file__).with_name("tool_schemas.py")
+_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH")
+"""This process's variables that the reader gets too: where programs are, how to decode text, and where the worker's
+contract is when this process found it by PYTHONPATH (a checkout run without installing)."""
 
 
 @dataclass(frozen=True)
@@ -62,16 +68,18 @@ class ToolsCheck:
         return "tools: " + ("; ".join(parts) or "none")
 
 
-def check_tools(tools: str | None, environment: str | None, base_dir: Path) -> ToolsCheck:
+def check_tools(tools: str | None, environment: str | None, base_dir: Path,
+                worker_env: Mapping[str, str] | None = None) -> ToolsCheck:
     """Check `grpo.tools` and `grpo.environment` (relative paths start at `base_dir`). ValueError naming the field,
-    the file, the tool and the fix for anything TRL or transformers would refuse on the worker."""
+    the file, the tool and the fix for anything TRL or transformers would refuse on the worker. The file is imported
+    with the run's plain `[worker] env` (`worker_env`) and none of this process's own variables."""
     tools_file = environment_file = class_name = None
     tools_names: list[str] = []
     env_names: list[str] = []
     notes = []
     if tools is not None:
         tools_file = _existing(tools, "grpo.tools", tools, base_dir)
-        tools_names, note = _read("grpo.tools", tools, "tools", tools_file, None, base_dir)
+        tools_names, note = _read("grpo.tools", tools, "tools", tools_file, None, worker_env or {})
         notes += [note] if note else []
     if environment is not None:
         try:
@@ -80,7 +88,8 @@ def check_tools(tools: str | None, environment: str | None, base_dir: Path) -> T
             raise ValueError(f"grpo.environment `{environment}` is not `path/to/file.py:ClassName`: name the file "
                              "and its class so") from e
         environment_file = _existing(path_text, "grpo.environment", environment, base_dir)
-        env_names, note = _read("grpo.environment", environment, "environment", environment_file, class_name, base_dir)
+        env_names, note = _read("grpo.environment", environment, "environment", environment_file, class_name,
+                                worker_env or {})
         notes += [note] if note else []
     if twice := sorted(set(tools_names) & set(env_names)):
         raise ValueError(f"grpo.tools `{tools}` and grpo.environment `{environment}` both have a tool "
@@ -133,24 +142,21 @@ def _existing(path_text: str, field_name: str, value: str, base_dir: Path) -> Pa
 
 
 def _read(field_name: str, value: str, kind: str, path: Path, class_name: str | None,
-          base_dir: Path) -> tuple[list[str], str | None]:
+          worker_env: Mapping[str, str]) -> tuple[list[str], str | None]:
     """The tools' names and a note when the file was read without importing it; ValueError for a problem."""
     command = [sys.executable, str(_READER), kind, str(path), *([class_name] if class_name else [])]
-    # No bytecode beside the user's files; transformers' chatter would only bury an error in stderr.
-    env = os.environ | {"PYTHONDONTWRITEBYTECODE": "1", "TRANSFORMERS_VERBOSITY": "error",
-                        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    # A session of its own, so that whatever the file starts is ended with it and cannot hold the pipes open.
-    process = subprocess.Popen(command, cwd=base_dir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=IMPORT_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        raise ValueError(f"{field_name} `{value}`: importing {path} took more than {IMPORT_TIMEOUT_S} s; a tools file "
-                         "should only define its tools when imported: move slow work into the tools") from e
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+    # A clean room: importing the file runs the user's code, which must not see this process's keys (RunPod, the
+    # Hub, Prefect) nor a home that holds more of them (~/.cache/huggingface/token, Prefect's profiles).
+    with tempfile.TemporaryDirectory(prefix="loraflow-tools-", ignore_cleanup_errors=True) as room:
+        home, work = Path(room, "home"), Path(room, "work")
+        home.mkdir()
+        work.mkdir()
+        process = subprocess.Popen(command, cwd=work, env=_clean_env(home, worker_env), stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                   # A session of its own, so that whatever the file starts is ended with it and
+                                   # cannot hold the pipes open.
+                                   start_new_session=True)
+        stdout, stderr = _communicate(process, field_name, value, path)
     try:
         found = json.loads(stdout)
     except json.JSONDecodeError:
@@ -167,6 +173,28 @@ def _read(field_name: str, value: str, kind: str, path: Path, class_name: str | 
                 "the worker imports it alone (files beside it are not shipped) with the run's `worker.extra_packages` "
                 "installed")
     return found["tools"], note
+
+
+def _clean_env(home: Path, worker_env: Mapping[str, str]) -> dict[str, str]:
+    """What the reader's Python needs and nothing of this process's own: the run's plain `[worker] env` (a tools file
+    may read a variable the worker will have), the search path and locale, a fresh home (transformers' caches go
+    under it)."""
+    kept = {name: os.environ[name] for name in _KEPT_ENV if name in os.environ}
+    # No bytecode beside the user's files; transformers' chatter would only bury an error in stderr.
+    return {**worker_env, **kept, "HOME": str(home), "HF_HOME": str(home / ".cache" / "huggingface"),
+            "PYTHONDONTWRITEBYTECODE": "1", "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+def _communicate(process: subprocess.Popen, field_name: str, value: str, path: Path) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=IMPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise ValueError(f"{field_name} `{value}`: importing {path} took more than {IMPORT_TIMEOUT_S} s; a tools file "
+                         "should only define its tools when imported: move slow work into the tools") from e
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
 
 
 def check_tool_template(folder: Path, model_id: str) -> None:
@@ -191,11 +219,12 @@ def check_tool_template(folder: Path, model_id: str) -> None:
 
 
 @task(name="check-tools", cache_policy=NO_CACHE)
-def check_tools_task(grpo: GrpoSettings, base_dir: str, model: ModelSource,
-                     hub_token_secret: str | None = None) -> ToolsCheck:
-    """A tool-using GRPO run's tools (`check_tools`) and the model's chat template, which must render them."""
+def check_tools_task(grpo: GrpoSettings, base_dir: str, model: ModelSource, hub_token_secret: str | None = None,
+                     worker_env: dict[str, str] | None = None) -> ToolsCheck:
+    """A tool-using GRPO run's tools (`check_tools`, with the run's plain `[worker] env`) and the model's chat
+    template, which must render them."""
     logger = get_run_logger()
-    found = check_tools(grpo.tools, grpo.environment, Path(base_dir))
+    found = check_tools(grpo.tools, grpo.environment, Path(base_dir), worker_env)
     if found.note:
         logger.warning("%s", found.note)
     try:

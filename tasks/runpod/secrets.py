@@ -8,7 +8,9 @@ RunPod puts the value in when a worker boots.
 An account is shared by people whose values differ (each has their own Hub token), and a secret given a
 new value hands every worker that boots later the new one, a teammate's running or retried run included.
 So a secret's name carries its value's fingerprint, `loraflow-<purpose>-<namespace>-<fingerprint>`: two
-values are two secrets, one value is one secret whoever stores it, and no secret ever changes its value.
+values are two secrets, one value is one secret whoever stores it, and no secret ever changes its value. The
+fingerprint is an HMAC of the value keyed per namespace (the caller passes the key: `tasks/lifecycle/secret_key.py`
+keeps it), so that someone who can list the account's secrets cannot test a guess of a value against its name.
 Secrets of a namespace that no endpoint refers to and no run used within the retention are deleted
 (`prune_unused_secrets`); a later run with the same value creates its secret again.
 """
@@ -16,6 +18,7 @@ Secrets of a namespace that no endpoint refers to and no run used within the ret
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
@@ -37,6 +40,7 @@ PURPOSE_PATTERN = r"[a-z0-9]+(?:-[a-z0-9]+)*"
 """What a secret is for, in its name: e.g. `hf-token`."""
 HUB_TOKEN_PURPOSE = "hf-token"
 FINGERPRINT_HEX = 16
+"""Hex digits of the fingerprint kept in a name: 64 bits tell a namespace's values apart."""
 
 LONGEST_RUN = timedelta(seconds=RUNPOD_MAX_JOB_TTL_S)
 """A run stores its secrets when it starts, and its endpoints refer to them until its deadline, at most RunPod's
@@ -59,7 +63,8 @@ class SecretName(NamedTuple):
     purpose: str
     namespace: str
     fingerprint: str | None
-    """None for a name from before one secret per value (`loraflow-hf-token-<namespace>`)."""
+    """None for a name from before one secret per value (`loraflow-hf-token-<namespace>`). Names from before the
+    keyed fingerprint (a plain SHA-256 prefix) look the same: they are recognised, and pruned once unused."""
 
 
 def secret_reference(name: str) -> str:
@@ -72,18 +77,22 @@ def referenced_secrets(env: Mapping[str, str]) -> set[str]:
     return {name for text in env.values() for name in _REFERENCE.findall(text)}
 
 
-def fingerprint(value: str) -> str:
-    """Tells two values apart without revealing either: 16 hex digits of SHA-256."""
-    return hashlib.sha256(value.encode()).hexdigest()[:FINGERPRINT_HEX]
+def fingerprint(value: str, key: bytes) -> str:
+    """Tells two values apart without revealing either, nor letting a guess of one be tested without `key`: 16 hex
+    digits of HMAC-SHA256 of `value` keyed with `key` (the namespace's)."""
+    return hmac.new(key, value.encode(), hashlib.sha256).hexdigest()[:FINGERPRINT_HEX]
 
 
-def value_secret_name(purpose: str, namespace: str, value: str) -> str:
-    """`loraflow-<purpose>-<namespace>-<fingerprint of value>`: the secret that holds `value`."""
+def value_secret_name(purpose: str, namespace: str, value: str, *, key: bytes) -> str:
+    """`loraflow-<purpose>-<namespace>-<fingerprint of value under key>`: the secret that holds `value`."""
     if not re.fullmatch(PURPOSE_PATTERN, purpose):
         raise ValueError(f"secret purpose {purpose!r} must be lowercase letters and digits in dash-separated words")
     if not re.fullmatch(NAMESPACE_PATTERN, namespace):
         raise ValueError(f"namespace {namespace!r} must match {NAMESPACE_PATTERN}")
-    name = f"{SECRET_PREFIX}{purpose}-{namespace}-{fingerprint(value)}"
+    if not key:
+        raise ValueError("the key of the secret names is empty: pass the namespace's key "
+                         "(`tasks.lifecycle.secret_key.secret_name_key`)")
+    name = f"{SECRET_PREFIX}{purpose}-{namespace}-{fingerprint(value, key)}"
     if len(name) > MAX_SECRET_NAME:
         raise ValueError(f"secret purpose {purpose!r} is too long: the name {name!r} exceeds RunPod's "
                          f"{MAX_SECRET_NAME} characters")
@@ -119,13 +128,14 @@ def ensure_value_secret(client: RunpodClient, name: str, value: str, description
         return secret
 
 
-def value_secret_env(client: RunpodClient, env_name: str, value: str, *, purpose: str,
-                     namespace: str) -> dict[str, str]:
+def value_secret_env(client: RunpodClient, env_name: str, value: str, *, purpose: str, namespace: str,
+                     key: bytes) -> dict[str, str]:
     """The worker env entry that gives it `value` under `env_name`: `{env_name: "{{ RUNPOD_SECRET_<name> }}"}`,
-    the secret `loraflow-<purpose>-<namespace>-<fingerprint>` created first when missing."""
-    name = value_secret_name(purpose, namespace, value)
-    ensure_value_secret(client, name, value,
-                        description=f"loraflow {purpose} for {env_name} (sha256 {fingerprint(value)}); never changed")
+    the secret `loraflow-<purpose>-<namespace>-<fingerprint>` (keyed with the namespace's `key`) created first when
+    missing."""
+    name = value_secret_name(purpose, namespace, value, key=key)
+    ensure_value_secret(client, name, value, description=f"loraflow {purpose} for {env_name} (its name's fingerprint: "
+                                                         "HMAC-SHA256 keyed per namespace); never changed")
     return {env_name: secret_reference(name)}
 
 

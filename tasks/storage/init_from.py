@@ -12,14 +12,18 @@ from typing import Any
 
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
-from loraflow_worker.artifacts import ArtifactNotFound, open_store
+from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStoreError, open_store
 from loraflow_worker.contract import LoraSettings, ModelSource
+from loraflow_worker.contract.training_settings import init_from_problem
 
 from tasks.settings import Settings
 
 
 def read_parent_config(init_from: str, store_url: str, settings: Settings) -> dict[str, Any]:
-    """The `adapter_config.json` of `lora.init_from`. ValueError naming the field when it cannot be read."""
+    """The `adapter_config.json` of `lora.init_from`. ValueError naming the field when it cannot be read (the spec
+    refuses a malformed value first, with the same message)."""
+    if problem := init_from_problem(init_from):
+        raise ValueError(problem)
     token = settings.hf_token.get_secret_value() if settings.hf_token else None
     try:
         if init_from.startswith("runs/"):
@@ -34,6 +38,10 @@ def read_parent_config(init_from: str, store_url: str, settings: Settings) -> di
                          "PEFT adapter that the run's token can read") from e
     except HfHubHTTPError as e:
         raise ValueError(f"lora.init_from {init_from!r}: the Hub refused its adapter_config.json: {e}") from e
+    except ArtifactStoreError as e:  # a path the store refuses, no access, the network: the store's own words
+        again = " (a passing failure: try the run again)" if e.transient else ""
+        raise ValueError(f"lora.init_from {init_from!r}: its adapter_config.json cannot be read from artifact_store "
+                         f"{store_url}{again}: {e}") from e
 
 
 def adopt_parent_adapter(lora: LoraSettings, model: ModelSource, config: dict[str, Any]) -> LoraSettings:

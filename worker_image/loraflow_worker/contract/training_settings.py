@@ -72,6 +72,11 @@ REFUSED_OPTIMIZERS = {
     "stable_adamw": "it needs torch-optimi, which the image does not carry",
 }
 """The other `OptimizerNames`, and why a run cannot use them."""
+INIT_FROM_PATTERN = r"^(runs/[A-Za-z0-9_][A-Za-z0-9._-]*|[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$"
+"""`lora.init_from`: an earlier run of the store, `runs/<flow run id>` (one folder name, not `.` or `..`, so that it
+stays inside `runs/`), or a Hub repo `<org>/<name>`. `init_from_problem` adds the Hub's own rules on repo names."""
+INIT_FROM_FORMS = ("an earlier run of this run's artifact store, `runs/<flow run id>`, or a PEFT adapter on the Hub, "
+                   "`<org>/<name>` (letters, digits, `.`, `_` and `-`, without `--` or `..`)")
 
 
 class LoraSettings(_Strict):
@@ -123,7 +128,7 @@ class LoraSettings(_Strict):
     init_from: str | None = Field(
         default=None,
         max_length=200,
-        pattern=r"^(runs/[A-Za-z0-9._-]+|[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$",
+        pattern=INIT_FROM_PATTERN,
         description="Start from a trained adapter instead of a new one, and go on training it: an earlier run's, "
         "`runs/<flow run id>` of this run's artifact store, or a PEFT adapter on the Hub, `<org>/<name>` (read with "
         "the run's Hub token). Checked before renting: it exists and was trained on `model.id`. Its rank, alpha, "
@@ -150,6 +155,14 @@ class LoraSettings(_Strict):
         raise ValueError(f"`lora.init` '{init}' is not an initialisation PEFT knows: use one of "
                          f"{', '.join(LoraInit.__args__)} or pissa_niter_<n> (e.g. pissa_niter_16)")
 
+    @field_validator("init_from", mode="before")
+    @classmethod
+    def _init_from_names_a_run_or_a_hub_adapter(cls, value: object) -> object:
+        # Before the pattern: its own refusal would quote the regex, where this one says what to write.
+        if isinstance(value, str) and (problem := init_from_problem(value)):
+            raise ValueError(problem)
+        return value
+
     @field_validator("modules_to_save")
     @classmethod
     def _each_module_once(cls, names: list[str]) -> list[str]:
@@ -166,9 +179,6 @@ class LoraSettings(_Strict):
             raise ValueError(f"`lora.init` '{self.init}' takes an SVD of the base weights, which PEFT does only in bf16 "
                              f"or fp32, not of a 4-bit base (`lora.quantization` '4bit'): use `olora`, `default`, or "
                              f"quantization 'none'")
-        if self.init_from is not None and ".." in self.init_from.split("/"):
-            raise ValueError(f"`lora.init_from` {self.init_from!r}: name a run (`runs/<flow run id>`) or a Hub repo "
-                             "(`<org>/<name>`), not a relative path")
         if self.init_from is not None and self.init != "default":
             raise ValueError(f"`lora.init` '{self.init}' initialises a new adapter, but `lora.init_from` "
                              f"({self.init_from}) starts from a trained one: remove one of them")
@@ -184,6 +194,28 @@ class LoraSettings(_Strict):
     def rewrites_base(self) -> bool:
         """Whether the init rewrites the base weights (PiSSA, OLoRA), so that the stored adapter must be converted."""
         return self.init.startswith(BASE_REWRITING_INITS)
+
+
+def init_from_problem(value: str) -> str | None:
+    """Why `value` cannot be `lora.init_from` (the whole refusal: the field, the value and the forms it takes), or
+    None when it can."""
+    if value.startswith("runs/"):
+        if re.fullmatch(INIT_FROM_PATTERN, value):
+            return None
+        why = "is not one run of the store (`runs/` and one flow run id, not `.` or `..`)"
+    else:
+        parts = value.split("/")
+        # The Hub's own rules (huggingface_hub `validate_repo_id`), so that a bad id is refused here and not by the
+        # Hub client mid-check: each part at most 96 characters, ending in a letter, digit or `_`; no `--` or `..`;
+        # no `.git` at the end.
+        if (len(parts) == 2 and all(_HUB_NAME.fullmatch(part) for part in parts) and "--" not in value
+                and ".." not in value and not value.endswith(".git")):
+            return None
+        why = "is neither a run of the store nor a Hub repo id"
+    return f"`lora.init_from` {value!r} {why}: give {INIT_FROM_FORMS}"
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 
 
 class TrainingSettings(_Strict):
