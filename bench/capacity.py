@@ -55,7 +55,7 @@ from bench.scale_lib import (  # noqa: E402
     write_hold_run,
     write_json,
 )
-from deployments.team_stack import TeamStack, descendants  # noqa: E402
+from deployments.team_stack import RUN_TOKEN_BLOCK, TeamStack, descendants  # noqa: E402
 
 KNEE_OVERHEAD_GROWTH = 1.5
 KNEE_CPU_SHARE = 0.8
@@ -68,7 +68,8 @@ def run_level(root: Path, level: int, hold_s: float, label: str, eta: bool = Tru
                    runpod_worker_env=hold_env(hold_s, eta)) as team:
         api = team.local.prefect_api_url
         set_endpoint_limit(api, level + 2)
-        spec = tomllib.loads(write_hold_run(root / f"{label}{level}", "capacity", hold_model(root)).read_text())
+        spec = tomllib.loads(write_hold_run(root / f"{label}{level}", "capacity", hold_model(root)).read_text()) | {
+            "hub_token_secret": RUN_TOKEN_BLOCK}  # the team stack requires a token of one's own
         deployment = team.deploy("flows/train.py:train", "capacity", {"spec": spec})
         return _measure(team, deployment, level, hold_s, label)
 

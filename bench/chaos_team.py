@@ -25,7 +25,7 @@ import httpx
 
 from bench.chaos_lib import ENDPOINT_LIMIT, HUB_MODEL, BackgroundWatch, PrefectApi, RunRecord, write_run_file
 from bench.chaos_scenarios import Scenario
-from deployments.team_stack import TeamStack
+from deployments.team_stack import RUN_TOKEN_BLOCK, TeamStack
 from tasks.runpod.endpoints import run_hash
 
 LEASE_S = 60
@@ -99,6 +99,8 @@ class DeploymentFlows:
 
     def run(self, record: RunRecord, argument: Path | dict[str, Any], env: dict[str, str], timeout_s: float) -> None:
         spec = tomllib.loads(argument.read_text()) if isinstance(argument, Path) else argument
+        if record.scenario.flow == "train":  # the team stack requires each run to name a token of its own
+            spec = spec | {"hub_token_secret": RUN_TOKEN_BLOCK}
         # The idempotency key makes a create retried after a lost answer return the same run, not a second one.
         body = {"parameters": {"spec": spec}, "job_variables": {"env": env}, "idempotency_key": record.name}
         created = _retried(lambda: self.prefect.http.post(
@@ -242,7 +244,8 @@ class TeamChaos:
             self.store.mkdir(parents=True, exist_ok=True)
             default_train = tomllib.loads(write_run_file(
                 self.store / "default.toml", Scenario("default", "the deployment's default, never run"),
-                name="chaos-default", model=self.model, store=self.store, max_steps=1).read_text())
+                name="chaos-default", model=self.model, store=self.store, max_steps=1).read_text()) | {
+                "hub_token_secret": RUN_TOKEN_BLOCK}
             default_preload = {"models": [{"id": HUB_MODEL}], "data_centers": ["US-CA-2"]}
             self.flows = DeploymentFlows(api, {
                 "train": team.deploy("flows/train.py:train", DEPLOYMENT, {"spec": default_train}),

@@ -125,6 +125,21 @@ def setup_problem(worker_python: Path = WORKER_PYTHON) -> str | None:
     return None
 
 
+INPUTS_DIR = REPO / "deployments" / "data"
+"""The team stack's inputs folder (`LORAFLOW_INPUTS_DIR`): the shipped data its demo runs read. Every local file a
+run names must lie inside it (docs/team.md, "Trust")."""
+RUN_TOKEN_BLOCK = "team-member-hf-token"
+"""The Prefect Secret block the stack saves as a team member's own Hub token: its runs name it in
+`hub_token_secret`, since the stack requires one (`LORAFLOW_REQUIRE_RUN_TOKEN=1`)."""
+RUN_TOKEN = "hf_local_stack_token"
+"""That member's token: the one the local Hub stand-in accepts."""
+
+
+def team_rules_env(inputs_dir: Path) -> dict[str, str]:
+    """What the workers of a shared server hold every run to: files inside `inputs_dir`, a Hub token of its own."""
+    return {"LORAFLOW_INPUTS_DIR": str(inputs_dir), "LORAFLOW_REQUIRE_RUN_TOKEN": "1"}
+
+
 def team_server_env(database_url: str, redis_url: str) -> dict[str, str]:
     """The Prefect server settings of the team setup (on top of the local stack's PREFECT_SERVER_ENV)."""
     return {
@@ -157,6 +172,8 @@ class TeamStack:
     """Extra environment for localpod and the RunPod workers it starts (a benchmark's hold jobs)."""
     with_hub: bool = False
     """Start the local Hub stand-in too (preload sweeps, runs with a Hub token of their own)."""
+    inputs_dir: Path = INPUTS_DIR
+    """The workers' `LORAFLOW_INPUTS_DIR`."""
     local: LocalStack | None = None
     services: dict[str, Service] = field(default_factory=dict)
     database_url: str = ""
@@ -181,6 +198,7 @@ class TeamStack:
                                     with_hub=self.with_hub,
                                     server_env=team_server_env(self.database_url, self.redis_url)).__enter__()
             self._prefect("work-pool", "create", self.pool, "--type", "process", "--overwrite")
+            self.save_secret(RUN_TOKEN_BLOCK, RUN_TOKEN)
             httpx.post(f"{self.local.prefect_api_url}/automations/", json=CRASH_SILENT_RUNS, timeout=30).raise_for_status()
             for i in range(self.workers):
                 self.start_worker(f"worker-{i + 1}")
@@ -199,7 +217,7 @@ class TeamStack:
             "PREFECT_HOME": str(self.home / name),
             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
             "LORAFLOW_SLOT_LEASE_SECONDS": str(SLOT_LEASE_S),
-        } | self.worker_env
+        } | team_rules_env(self.inputs_dir) | self.worker_env
         log_path = self.home / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         process = subprocess.Popen(
@@ -317,6 +335,14 @@ class TeamStack:
         return httpx.get(f"{self.local.prefect_api_url}/deployments/name/{flow}/{name}",
                          timeout=30).raise_for_status().json()["id"]
 
+    def save_secret(self, name: str, value: str) -> None:
+        """A Prefect Secret block on the team's server, as a team member saves their own token."""
+        from prefect.blocks.system import Secret
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.local.prefect_api_url}):
+            Secret(value=value).save(name, overwrite=True)
+
     def _prefect(self, *args: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", *args], cwd=REPO,
                               env=self._base_env() | self.client_env, capture_output=True, text=True, timeout=300)
@@ -393,7 +419,9 @@ def main() -> int:
         print(f"Prefect UI: {team.local.prefect_ui_url}   pool: {team.pool}, {args.workers} workers\n"
               f"server: {' '.join(f'{k}={v}' for k, v in server.items())}\n"
               f"clients and workers: PREFECT_API_URL={team.local.prefect_api_url} "
-              f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={HEARTBEAT_S} LORAFLOW_SLOT_LEASE_SECONDS={SLOT_LEASE_S}\n"
+              f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={HEARTBEAT_S} LORAFLOW_SLOT_LEASE_SECONDS={SLOT_LEASE_S} "
+              f"{' '.join(f'{k}={v}' for k, v in team_rules_env(team.inputs_dir).items())}\n"
+              f"a team member's Hub token: the Secret block {RUN_TOKEN_BLOCK} (name it in hub_token_secret)\n"
               f"RunPod: localpod at {team.local.localpod_url}", flush=True)
         if args.runs:
             return _demo(team, args.runs, args.quota)
@@ -415,6 +443,7 @@ def _demo(team: TeamStack, runs: int, quota: int) -> int:
     spec["model"]["id"] = str(model)
     spec["artifact_store"] = f"file://{team.home / 'artifacts'}"
     spec["training"]["max_steps"] = 10
+    spec["hub_token_secret"] = RUN_TOKEN_BLOCK  # the stack requires a token of one's own
     # Created only when missing, as the flow itself does: an operator's limit is never overwritten.
     if httpx.get(f"{api}/v2/concurrency_limits/runpod-endpoints", timeout=30).status_code == 404:
         httpx.post(f"{api}/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": quota},

@@ -43,6 +43,7 @@ from tasks.preflight.account import (
 from tasks.preflight.hub import check_dataset, check_dataset_file, check_model, check_store
 from tasks.preflight.recording import RecordingError, recording, recording_transport
 from tasks.preflight.report import Check, failed, guarded, summary, table_rows
+from tasks.preflight.server_rules import operator_rule_problems
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.settings import HubTokenError, Settings
 
@@ -74,7 +75,7 @@ def preflight(
             last named in a refusal stands in, and without any of them the quota line is a warn.
     """
     logger = get_run_logger()
-    checks: list[Check] = []
+    checks: list[Check] = guarded("server rules", lambda: judge_server_rules(spec))
     try:
         settings = Settings().with_hub_token(spec.hub_token_secret)
     except HubTokenError as e:
@@ -99,7 +100,8 @@ def preflight(
         checks += guarded("gpus", lambda: judge_gpus(
             gpus, offers, floors, alternatives=lambda: catalog_alternatives(client, settings.loraflow_image_min_cuda)))
         checks += guarded("cost ceiling", lambda: judge_cost(
-            gpus, offers, floors, spec.compute.gpu_count, spec.deadline_minutes, spec.budget_usd))
+            gpus, offers, floors, spec.compute.gpu_count, spec.deadline_minutes, spec.budget_usd,
+            settings.loraflow_max_run_usd))
         checks += guarded("datacenters with volumes", lambda: check_data_centers(client, settings))
     checks += guarded("hub: model", lambda: check_model(spec.model, settings, spec.compute.disk_gb))
     for field, source in spec.dataset.sources():  # each check runs within its own iteration
@@ -120,6 +122,21 @@ def preflight(
         return Failed(message=f"preflight: {summary(checks)}")
     logger.info("Preflight: %s", summary(checks))
     return checks
+
+
+def judge_server_rules(spec: RunSpec) -> Check:
+    """The operator's rules for every run (`tasks/preflight/server_rules.py`): the inputs folder, a run's own token,
+    the cost cap (judged with the cost ceiling). A folder store or a local model with RunPod's workers is the
+    artifact store's and the model's check."""
+    settings = Settings()
+    problems = operator_rule_problems(spec.local_paths(), hub_token_secret=spec.hub_token_secret, settings=settings)
+    if problems:
+        return Check(name="server rules", status="FAIL", found="; ".join(problems),
+                     fix="fix each field named; a run is refused for them before anything is rented")
+    rules = [f"inputs inside {settings.loraflow_inputs_dir}" if settings.loraflow_inputs_dir else "",
+             "a run's own token required" if settings.loraflow_require_run_token else "",
+             f"at most ${settings.loraflow_max_run_usd:.2f} a run" if settings.loraflow_max_run_usd else ""]
+    return Check(name="server rules", status="ok", found="; ".join(filter(None, rules)) or "no operator rules set")
 
 
 def _quota(text: str) -> int:

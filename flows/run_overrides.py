@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flows.spec import RunSpec, SpecError, load_run_file
+from tasks.preflight.server_rules import check_inside_inputs_dir
+from tasks.settings import Settings
 
 
 class RunOverrides(BaseModel):
@@ -64,6 +66,7 @@ def apply_overrides(spec: RunSpec, overrides: RunOverrides) -> RunSpec:
     refused for grpo) judge the merged spec as they would a run file.
     """
     if overrides.run_file is not None:
+        check_inside_inputs_dir("parameter run_file", overrides.run_file, Settings())
         try:
             spec = load_run_file(overrides.run_file)
         except SpecError as e:

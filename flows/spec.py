@@ -29,9 +29,11 @@ from loraflow_worker.contract import (
     grpo_setting_problems,
     optimisation_problems,
     plain_requirements,
+    secret_reference_problem,
     worker_env_name,
     worker_env_overlap,
 )
+from loraflow_worker.contract.reward_names import reward_kind, split_file_reward
 from pydantic import (
     BeforeValidator,
     Field,
@@ -172,14 +174,15 @@ class WorkerSpec(Section):
     env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(
         default_factory=dict, max_length=MAX_WORKER_ENV,
         description="Plain variables, `NAME = \"value\"`. Visible to anyone who can read the run's parameters or the "
-        "account's endpoints: never a credential (put those in `secrets`).",
+        "account's endpoints: never a credential (put those in `secrets`). A value holding `{{` or `RUNPOD_SECRET_` "
+        "is refused: RunPod would put an account secret in its place.",
     )
     secrets: dict[str, Annotated[str, Field(max_length=100, pattern=BLOCK_NAME_PATTERN)]] = Field(
         default_factory=dict, max_length=MAX_WORKER_ENV,
         description="Secret variables, `NAME = \"<Prefect Secret block name>\"` (the block's name, not the value). "
         "The flow reads each block where it runs and hands the value to the workers through a RunPod account secret: "
         "it is never in the run's parameters, logs or artifacts, the endpoint's env or the stored files, and the worker "
-        "redacts it from its console and errors. A block that cannot be read, or holds fewer than 4 characters, is "
+        "redacts it from its console and errors. A block that cannot be read, or holds fewer than 8 characters, is "
         "refused before anything is rented.",
     )
 
@@ -189,6 +192,14 @@ class WorkerSpec(Section):
         for name in variables:
             worker_env_name(name)
         return variables
+
+    @field_validator("env")
+    @classmethod
+    def _no_secret_references(cls, env: dict[str, str]) -> dict[str, str]:
+        problems = [problem for name, value in env.items() if (problem := secret_reference_problem(name, value))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return env
 
     @model_validator(mode="after")
     def _plain_or_secret_not_both(self) -> WorkerSpec:
@@ -295,6 +306,26 @@ class RunSpec(Section):
     )
 
     _plain_requirements = field_validator("extra_packages")(plain_requirements)
+
+    def local_paths(self) -> list[tuple[str, str]]:
+        """(field, path as written) of every file or folder of this machine the run reads: its local dataset, mix and
+        evaluation files, reward, tools and environment files, a chat template file and a local model."""
+        paths = [(f"{name}.local_file", source.local_file) for name, source in self.dataset.sources()
+                 if source.local_file is not None]
+        if self.evaluation is not None and self.evaluation.local_file is not None:
+            paths.append(("evaluation.local_file", self.evaluation.local_file))
+        if self.grpo is not None:
+            paths += [(f"grpo.rewards[{i}].name", split_file_reward(reward.name)[0])
+                      for i, reward in enumerate(self.grpo.rewards) if reward_kind(reward.name) == "file"]
+            if self.grpo.tools is not None:
+                paths.append(("grpo.tools", self.grpo.tools))
+            if self.grpo.environment is not None and ":" in self.grpo.environment:
+                paths.append(("grpo.environment", self.grpo.environment.rsplit(":", 1)[0]))
+        if self.training.chat_template is not None and self.training.chat_template.endswith((".jinja", ".j2")):
+            paths.append(("training.chat_template", self.training.chat_template))
+        if self.model.id.startswith(("/", ".", "~")) or Path(self.model.id).expanduser().is_dir():
+            paths.append(("model.id", self.model.id))
+        return paths
 
     @field_validator("deadline_minutes")
     @classmethod

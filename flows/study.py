@@ -16,7 +16,7 @@ Cancelling the study cancels its running children (each tears its endpoint down)
 # the flow signature when it loads the entrypoint.
 import sys
 
-from loraflow_worker.contract import TrainMetrics
+from loraflow_worker.contract import JobResult
 from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, wait
@@ -51,8 +51,9 @@ from tasks.reports.study import (
     overlay_png,
     publish_study_report,
 )
+from tasks.preflight.server_rules import check_inside_inputs_dir, check_server_rules
 from tasks.runpod.catalog import resolve_gpu
-from tasks.settings import startup_problem
+from tasks.settings import Settings, startup_problem
 from tasks.storage.artifacts import RunResults
 from tasks.storage.merge import MergedModel, merge_run_adapter
 from tasks.storage.publish import PublishedModel, publish_run_adapter
@@ -79,18 +80,23 @@ def child_ceilings(children: list[Child]) -> dict[str, CostCeiling]:
 
 @task(name="study-inputs", cache_policy=NO_CACHE)
 def check_children_inputs(children: list[Child]) -> None:
-    """The children's local files (dataset, evaluation file, rewards), read as each child's own check would, each
-    distinct set once: a missing file or a bad row refuses the study before any child starts, rather than failing
-    every child that names it. `SpecError` names each child whose files are refused, and why."""
+    """This server's rules (`tasks/preflight/server_rules.py`) and the children's local files (dataset, evaluation
+    file, rewards), read as each child's own check would, each distinct set once: a file outside the inputs folder,
+    a missing file or a bad row refuses the study before any child starts, rather than failing every child that
+    names it. `SpecError` names each child whose files are refused, and why."""
     checked: set[str] = set()
     problems = []
     for child in children:
         inputs = child.spec.model_dump_json(include={"algorithm": True, "dataset": True, "evaluation": True,
-                                                     "grpo": {"rewards"}})
+                                                     "grpo": {"rewards", "tools", "environment"}, "model": True,
+                                                     "training": {"chat_template"}, "artifact_store": True,
+                                                     "hub_token_secret": True})
         if inputs in checked:
             continue
         checked.add(inputs)
         try:
+            check_server_rules(child.spec.local_paths(), artifact_store=child.spec.artifact_store,
+                               hub_token_secret=child.spec.hub_token_secret)
             check_local_inputs(child.spec)
         except ValueError as e:
             problems.append(f"  - {child_label(child.index, child.values)}: {e}")
@@ -101,9 +107,9 @@ def check_children_inputs(children: list[Child]) -> None:
 
 @task(name="study-child", cache_policy=NO_CACHE)
 def run_child(child: Child, study_name: str, study_run_id: str, metric: str,
-              ceiling: float) -> tuple[ChildRow, TrainMetrics | None]:
+              ceiling: float) -> tuple[ChildRow, JobResult | None]:
     """One child as a `train` flow run of its own, tagged with the study; its row of the comparison, and its
-    metrics when it completed. Never raises for the child's own failure: that is the row's state and reason."""
+    result (its metrics, and its adapter's hashes for publishing) when it completed. Never raises for the child's own failure: that is the row's state and reason."""
     row = ChildRow(index=child.index, name=child.spec.name, values=describe_values(child.values),
                    state="not started", cost_ceiling_usd=ceiling)
     if run_cancel_requested():  # the study's own state: this task runs in the study's flow run
@@ -115,9 +121,8 @@ def run_child(child: Child, study_name: str, study_run_id: str, metric: str,
                                  "minutes": child_minutes(child_id), "cost_usd": child_cost_usd(child_id)})
     if final.is_completed():
         results: RunResults = final.result()
-        metrics = results.result.metrics
-        return completed_row(row, metrics, metric).model_copy(
-            update={"state": "completed", "adapter_url": results.adapter_url}), metrics
+        return completed_row(row, results.result.metrics, metric).model_copy(
+            update={"state": "completed", "adapter_url": results.adapter_url}), results.result
     state = "cancelled" if final.is_cancelled() else "failed"
     return row.model_copy(update={"state": state, "reason": (final.message or final.name)[:500]}), None
 
@@ -139,6 +144,7 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     logger = get_run_logger()
     study_run_id = str(flow_run.id)
     if run_file is not None:
+        check_inside_inputs_dir("parameter run_file", run_file, Settings())
         try:
             spec = load_study_file(run_file)
         except SpecError as e:
@@ -148,14 +154,14 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     check_children_inputs(children)
     ceilings = child_ceilings(children)
     ceiling_total = round(sum(c.usd for c in ceilings.values()), 2)
-    check_study_budget(ceilings, settings.budget_usd)
+    check_study_budget(ceilings, settings.budget_usd, Settings().loraflow_max_run_usd)
     logger.info("Study %s: %d children (%s), %d at a time, cost ceilings $%.2f in all%s", spec.name, len(children),
                 ", ".join(describe_values(c.values) or c.spec.name for c in children), settings.parallel,
                 ceiling_total, f" of a ${settings.budget_usd:.2f} budget" if settings.budget_usd else "")
 
-    rows, metrics, cancelled = _run_children(children, spec, study_run_id, ceilings)
+    rows, results, cancelled = _run_children(children, spec, study_run_id, ceilings)
     best = best_child(rows, settings.maximize())
-    published, merged = _publish_best(spec, best)
+    published, merged = _publish_best(spec, best, results.get(best.name) if best is not None else None)
     report = StudyReport(study=spec.name, metric=settings.metric, maximize=settings.maximize(), rows=rows, best=best,
                          cost_usd=round(sum(r.cost_usd or 0.0 for r in rows), 4), cost_ceiling_usd=ceiling_total,
                          budget_usd=settings.budget_usd,
@@ -163,7 +169,7 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
                          publish_error=published.error if published else None,
                          merged=merged.merged_model_id if merged and not merged.error else None,
                          merge_error=merged.error if merged else None)
-    publish_study_report(report, overlay_png(metrics, settings.metric))
+    publish_study_report(report, overlay_png({name: r.metrics for name, r in results.items()}, settings.metric))
     for row in rows:
         logger.info("%s %s (%s): %s %s", "best" if best and row.index == best.index else "    ", row.name, row.values,
                     row.state, f"{settings.metric} {row.metric:.4g}" if row.metric is not None else row.reason[:200])
@@ -178,36 +184,39 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
                      data=report)
 
 
-def _publish_best(spec: StudySpec, best: ChildRow | None) -> tuple[PublishedModel | None, MergedModel | None]:
+def _publish_best(spec: StudySpec, best: ChildRow | None,
+                  result: JobResult | None) -> tuple[PublishedModel | None, MergedModel | None]:
     """With `publish_best`, the best child's adapter published (`publish.hub_model_id`) and merged into its base
-    (`publish.merged_model_id`) as one run's would be; a failure is logged and reported, never raised."""
+    (`publish.merged_model_id`) as one run's would be, checked against the hashes its job returned (`result`); a
+    failure is logged and reported, never raised."""
     logger = get_run_logger()
     if best is None or not spec.study.publish_best or spec.publish is None:
         return None, None
     published = merged = None
     if spec.publish.hub_model_id is not None:
         published = publish_run_adapter(spec.artifact_store, best.flow_run_id, best.name, spec.publish.hub_model_id,
-                                        spec.publish.private, spec.hub_token_secret)
+                                        spec.publish.private, spec.hub_token_secret, result=result)
         if published.error:
             logger.warning("The best adapter was not published to %s: %s", published.hub_model_id, published.error)
     if spec.publish.merged_model_id is not None:
         merged = merge_run_adapter(spec.artifact_store, best.flow_run_id, best.name, spec.publish.merged_model_id,
                                    private=spec.publish.private, hub_token_secret=spec.hub_token_secret,
-                                   adapter_repo=published.hub_model_id if published and not published.error else None)
+                                   adapter_repo=published.hub_model_id if published and not published.error else None,
+                                   result=result)
         if merged.error:
             logger.warning("The best adapter was not merged into %s: %s", merged.merged_model_id, merged.error)
     return published, merged
 
 
 def _run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceilings: dict[str, CostCeiling],
-                  ) -> tuple[list[ChildRow], dict[str, TrainMetrics], bool]:
+                  ) -> tuple[list[ChildRow], dict[str, JobResult], bool]:
     """Run the children `parallel` at a time, watching the study's own state: a cancel cancels the running children
     (each tears its endpoint down) and starts no more. Returns the rows in the study's order, the completed
-    children's metrics by name, and whether the study was cancelled."""
+    children's results by name, and whether the study was cancelled."""
     logger = get_run_logger()
     pending, running = list(children), {}
     rows: dict[int, ChildRow] = {}
-    metrics: dict[str, TrainMetrics] = {}
+    results: dict[str, JobResult] = {}
     cancelled = False
     while pending or running:
         if not cancelled and run_cancel_requested():
@@ -230,17 +239,17 @@ def _run_children(children: list[Child], spec: StudySpec, study_run_id: str, cei
         for future in done:
             child = running.pop(future)
             try:
-                row, child_metrics = future.result()
+                row, child_result = future.result()
             except Exception as e:  # noqa: BLE001 - one child's unreadable outcome is its row, not the study's end
-                row, child_metrics = ChildRow(index=child.index, name=child.spec.name,
+                row, child_result = ChildRow(index=child.index, name=child.spec.name,
                                               values=describe_values(child.values), state="failed",
                                               reason=f"its outcome could not be read: {type(e).__name__}: {e}"[:500],
                                               cost_ceiling_usd=ceilings[child.spec.name].usd), None
             rows[child.index] = row
-            if child_metrics is not None:
-                metrics[row.name] = child_metrics
+            if child_result is not None:
+                results[row.name] = child_result
             logger.info("Child %d/%d %s (%s) ended %s", child.index, len(children), row.name, row.values, row.state)
-    return [rows[c.index] for c in children], metrics, cancelled
+    return [rows[c.index] for c in children], results, cancelled
 
 
 def _counts(rows: list[ChildRow]) -> str:

@@ -113,7 +113,9 @@ def train(
                           * outcome.running_seconds / 3600)
             if outcome.kind == "run_cancelled":
                 return spent.finish(run_id, spec.name, "cancelled", cancelled_during(attempt, outcome, undeleted))
-            results = collect(spec.artifact_store, run_id, spec.hub_token_secret)
+            # The job's own output pins the adapter; the stored result.json must agree with it.
+            results = collect(spec.artifact_store, run_id, spec.hub_token_secret,
+                              job_output=outcome.output if outcome.kind == "completed" else None)
             if results.done:
                 adopt(outcome, undeleted, plan)
                 break

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraflow_worker.artifacts.pins import sha256_hex
 from loraflow_worker.contract import (
     DatasetSource,
     EvaluationSettings,
@@ -30,6 +31,7 @@ from loraflow_worker.contract import (
     LoraSettings,
     MemorySettings,
     ModelSource,
+    StoredInputs,
 )
 from loraflow_worker.contract.dataset_formats import mixed_format
 from loraflow_worker.memory.model_shape import ModelShape
@@ -72,6 +74,7 @@ from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.volumes import volume_name
 from tasks.settings import Settings, make_client
 from tasks.preflight.chats import check_chats_task
+from tasks.preflight.server_rules import check_server_rules
 from tasks.preflight.tools import check_tools_task
 from tasks.storage.artifacts import (
     RunResults,
@@ -136,6 +139,9 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     settings = Settings()
     gpus = [resolve_gpu(gpu_name) for gpu_name in spec.compute.gpu]
     floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
+    # Before any of the run's files is read: whether this server lets the run read them at all.
+    check_server_rules(spec.local_paths(), artifact_store=spec.artifact_store, hub_token_secret=spec.hub_token_secret,
+                       settings=settings)
     # What needs the network, at once: secret blocks (Prefect), the catalog (RunPod), the model (the Hub).
     template_file = check_chat_template_file(spec.training.chat_template)
     secrets = check_secrets.submit(spec)
@@ -149,7 +155,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         running.append(chats)
     uses_tools = spec.grpo is not None and spec.grpo.uses_tools
     if uses_tools:  # the tools imported in a process of their own, and the model's template rendering them
-        tools = check_tools_task.submit(spec.grpo, str(Path.cwd()), model, spec.hub_token_secret)
+        tools = check_tools_task.submit(spec.grpo, str(Path.cwd()), model, spec.hub_token_secret,
+                                        worker_env=spec.worker.env)
         running.append(tools)
     hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
     if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
@@ -170,7 +177,7 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
             logger.warning("Not renting %s: no host runs the worker image (%s)", fit.gpu, fit.describe())
         ceiling = cost_ceiling([offers[g.name] for g in gpus], spec.compute.gpu_count, spec.deadline_minutes)
         spent.ceiling_usd = ceiling.usd
-        check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source)
+        check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source, settings.loraflow_max_run_usd)
         secrets.result()
         model_source = model.result()
         lora = spec.lora  # or the shape of the adapter it goes on training, which must be there and fit the model
@@ -199,10 +206,11 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
                                                 tool_files=tool_files or None)
         shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
         running += [inputs, shape_read]
-        dataset_path, rewards = inputs.result()  # the rewards come back pointing at their copies
+        # The rewards come back pointing at their copies; `stored` pins those copies (their commit and sha256).
+        dataset_path, rewards, stored = inputs.result()
         job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
                                rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
-                               lora=lora, tool_files=tool_files)
+                               lora=lora, tool_files=tool_files, inputs=stored)
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
@@ -231,6 +239,11 @@ def check_secrets(spec: RunSpec) -> None:
     """The run's secret blocks can be read: its Hub token's (a token to publish with, under `[publish]`) and its
     workers' (`worker.secrets`: unreadable or too short → refused)."""
     run_token = Settings().hub_token(spec.hub_token_secret)
+    if spec.hub_token_secret is None and run_token is not None:
+        get_run_logger().warning(
+            "hub_token_secret is unset: this run's workers get the control plane's own Hugging Face token (HF_TOKEN or "
+            "its `hf-token` block). On a shared server name your own in hub_token_secret; LORAFLOW_REQUIRE_RUN_TOKEN=1 "
+            "requires every run to")
     for name, repo in (spec.publish.repos if spec.publish is not None else {}).items():
         check_publish_token(repo, run_token, field=name)
     read_run_secrets(spec.worker.secrets)
@@ -257,7 +270,7 @@ def check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
             examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{name}.local_file",
                                            source.format, source.columns)
             formats[name] = first_row_format(Path(source.local_file), source.format, source.columns)
-            logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, field)
+            logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, name)
     if spec.dataset.mix:
         examples = None  # how many a mix draws is known once it is drawn
     eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
@@ -291,7 +304,7 @@ def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
 
 def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
                rewards: list, chat_template_path: str | None = None, lora: LoraSettings | None = None,
-               tool_files: dict[str, str] | None = None) -> JobInput:
+               tool_files: dict[str, str] | None = None, inputs: StoredInputs | None = None) -> JobInput:
     grpo = None
     if spec.grpo is not None:  # the rewards and tools point at their copies in the store
         grpo = spec.grpo.model_copy(update={"rewards": rewards, **{
@@ -306,7 +319,9 @@ def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, 
                     extra_packages=spec.extra_packages, evaluation=_job_evaluation(spec, run_id),
                     memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None,
                     worker_env_names=sorted(spec.worker.env), worker_secret_names=sorted(spec.worker.secrets),
-                    fast_paths=spec.fast_paths)
+                    # The worker refuses a value that is not the one checked here (a secret RunPod put in its place).
+                    worker_env_sha256={name: sha256_hex(value.encode()) for name, value in spec.worker.env.items()},
+                    fast_paths=spec.fast_paths, inputs=inputs)
 
 
 def _job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
@@ -510,7 +525,7 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
     curve_links = stored.result() if stored is not None and stored.is_completed() else None
     publish = spec.publish
     published = (publish_run_adapter(spec.artifact_store, run.run_id, spec.name, publish.hub_model_id,
-                                     publish.private, spec.hub_token_secret)
+                                     publish.private, spec.hub_token_secret, result=results.result)
                  if publish is not None and publish.hub_model_id is not None else None)
     if published is not None and published.error:
         logger.warning("The adapter was not published to %s: %s", published.hub_model_id, published.error)
@@ -518,7 +533,8 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
     if publish is not None and publish.merged_model_id is not None:
         merged = merge_run_adapter(spec.artifact_store, run.run_id, spec.name, publish.merged_model_id,
                                    private=publish.private, hub_token_secret=spec.hub_token_secret,
-                                   adapter_repo=published.hub_model_id if published and not published.error else None)
+                                   adapter_repo=published.hub_model_id if published and not published.error else None,
+                                   result=results.result)
     offer, billed = run.offers[plan.gpu.name], billed_read.result()
     summary = RunReport(
         run_name=spec.name, run_id=run.run_id, model=run.model.id, model_revision=run.model.revision,

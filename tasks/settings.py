@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import secrets
 import string
+from pathlib import Path
+from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -66,12 +68,36 @@ class Settings(BaseSettings):
         "server or Cloud workspace shares it. Set it on a server whose database was copied from another's (both "
         "would share one tag otherwise), or to keep a tag across a server rebuilt from scratch.",
     )
+    loraflow_inputs_dir: Path | None = Field(
+        default=None,
+        description="On a team server: the folder every local path of a run (dataset, evaluation, mix, reward, "
+        "tools, environment and chat template files, a local model, a run file) must resolve inside, symlinks "
+        "resolved, or the run is refused before anything is rented. Unset: any path this process can read (one "
+        "person's machine).",
+    )
+    loraflow_require_run_token: bool = Field(
+        default=False,
+        description="On a team server (`1`): refuse, before anything is rented, a run that names no "
+        "`hub_token_secret` of its own, rather than run it on this process's Hugging Face token, which would reach "
+        "its workers and open every hf:// store that token can.",
+    )
+    loraflow_max_run_usd: float | None = Field(
+        default=None, gt=0,
+        description="The operator's cap on any run's cost ceiling (price × workers × deadline), a study's children "
+        "and the merge worker included: a run above it is refused before anything is rented, whatever its own "
+        "budget_usd says.",
+    )
     loraflow_slot_lease_seconds: int = Field(
         # Prefect's server refuses leases shorter than 60 s (422).
         default=SLOT_LEASE_SECONDS, ge=60, le=3600,
         description="Lease of a run's endpoint slot: a crashed run's slot frees this long (+ up to 15 s) after its "
         "last renewal. Shorter frees slots sooner; longer survives longer server hiccups.",
     )
+
+    def workers_are_runpods(self) -> bool:
+        """Whether the endpoints are RunPod's (not localpod's), whose workers cannot see this machine's files."""
+        host = urlparse(self.runpod_api_url).hostname or ""
+        return host == "runpod.io" or host.endswith((".runpod.io", ".runpod.ai"))
 
     def worker_image(self) -> str:
         """The worker image; an error naming the setting and the fix when it is not set."""

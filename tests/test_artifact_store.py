@@ -136,6 +136,34 @@ def test_display_url_points_at_the_path(store: ArtifactStore) -> None:
     assert url.startswith("file:///") if store.url.startswith("file:") else "/datasets/org/" in url
 
 
+def test_a_folder_store_has_no_revisions_and_reads_the_latest_content_whatever_is_asked(tmp_path: Path) -> None:
+    store = open_store((tmp_path / "store").as_uri())
+    assert store.put({"runs/r1/rewards/r.py": b"v1"}, message="v1") is None
+    store.put({"runs/r1/rewards/r.py": b"v2"}, message="v2")
+    assert store.read_bytes("runs/r1/rewards/r.py", revision="a" * 40) == b"v2"
+    assert store.exists("runs/r1/rewards/r.py", revision="a" * 40)
+
+
+def test_a_failed_folder_put_leaves_what_was_there(tmp_path: Path) -> None:
+    store = open_store((tmp_path / "store").as_uri())
+    store.put({"runs/r1/adapter/adapter_config.json": b"old config", "runs/r1/adapter/w.bin": b"old"}, message="a1")
+    with pytest.raises(FileNotFoundError):  # the second file's source is gone when it is copied
+        store.put({"runs/r1/adapter/adapter_config.json": b"new config",
+                   "runs/r1/adapter/w.bin": tmp_path / "missing.bin"},
+                  message="a2", delete_prefixes=["runs/r1/adapter"])
+    assert store.list_files("") == ["runs/r1/adapter/adapter_config.json", "runs/r1/adapter/w.bin"]
+    assert store.read_bytes("runs/r1/adapter/adapter_config.json") == b"old config"
+    assert [p.name for p in (tmp_path / "store").iterdir()] == ["runs"]  # no staging folder left behind
+
+
+def test_a_folder_put_in_flight_is_never_listed(tmp_path: Path) -> None:
+    store = open_store((tmp_path / "store").as_uri())
+    staging = tmp_path / "store" / ".put-x.loraflow-partial"
+    staging.mkdir()
+    (staging / "0").write_bytes(b"half written")
+    assert store.list_files("") == []
+
+
 @pytest.mark.parametrize("url", ["s3://bucket/x", "hf://models/org/repo", "hf://datasets/org", "file://relative/x",
                                  "/plain/path", "hf://datasets/org/repo/extra"])
 def test_an_unsupported_url_is_refused_naming_the_accepted_forms(url: str) -> None:
@@ -164,6 +192,31 @@ def test_each_write_is_exactly_one_commit_on_the_hub(hub: HubStandIn, tmp_path: 
     counts.append(len(hub.commits("dataset", repo_id)))
     assert [b - a for a, b in itertools.pairwise(counts)] == [1, 1, 1, 1]
     assert hub.commits("dataset", repo_id)[0]["title"] == "drop"
+
+
+def test_a_hub_put_returns_the_commit_it_made(hub: HubStandIn, tmp_path: Path) -> None:
+    repo_id = _new_repo()
+    revision = _open_hub_store(hub, repo_id, tmp_path).put({"runs/r1/DONE": b""}, message="done")
+    assert revision == hub.commits("dataset", repo_id)[0]["id"]
+
+
+def test_a_hub_read_at_a_revision_sees_the_files_as_that_commit_stored_them(hub: HubStandIn, tmp_path: Path) -> None:
+    store = _open_hub_store(hub, _new_repo(), tmp_path)
+    first = store.put({"runs/r1/rewards/r.py": b"v1", "runs/r1/adapter/w.bin": b"w1"}, message="v1")
+    store.put({"runs/r1/rewards/r.py": b"v2", "runs/r1/adapter/w.bin": b"w2", "runs/r1/adapter/extra.bin": b"x"},
+              message="v2 by someone else")
+    assert store.read_bytes("runs/r1/rewards/r.py", revision=first) == b"v1"
+    assert store.read_bytes("runs/r1/rewards/r.py") == b"v2"
+    assert store.exists("runs/r1/adapter/extra.bin") and not store.exists("runs/r1/adapter/extra.bin", revision=first)
+    dest = store.download("runs/r1/adapter", tmp_path / "at-first", revision=first)
+    assert [p.name for p in dest.iterdir()] == ["w.bin"] and (dest / "w.bin").read_bytes() == b"w1"
+
+
+def test_a_hub_read_at_an_unknown_revision_is_a_store_error_naming_it(hub: HubStandIn, tmp_path: Path) -> None:
+    store = _open_hub_store(hub, _new_repo(), tmp_path)
+    store.put({"runs/r1/DONE": b""}, message="done")
+    with pytest.raises(ArtifactStoreError, match=f"revision '{'f' * 40}' not found"):
+        store.read_bytes("runs/r1/DONE", revision="f" * 40)
 
 
 def test_opening_an_existing_public_repo_makes_it_private(hub: HubStandIn, tmp_path: Path) -> None:

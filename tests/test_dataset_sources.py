@@ -120,7 +120,7 @@ def test_a_renamed_messages_column_that_is_not_a_chat_is_named_as_the_dataset_na
 def test_mix_files_are_published_with_the_dataset_in_one_commit(tmp_path):
     first, second = jsonl(tmp_path / "a.jsonl", ALPACA), jsonl(tmp_path / "s.jsonl", SHAREGPT)
     store = tmp_path / "store"
-    dataset_path, _ = publish_run_inputs(store.as_uri(), "r1", None, [], tmp_path, mix_files={0: first, 2: second})
+    dataset_path, _, _ = publish_run_inputs(store.as_uri(), "r1", None, [], tmp_path, mix_files={0: first, 2: second})
     assert dataset_path is None
     assert (store / mix_store_path("r1", 0)).read_bytes() == first.read_bytes()
     assert (store / mix_store_path("r1", 2)).read_bytes() == second.read_bytes()

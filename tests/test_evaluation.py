@@ -83,12 +83,12 @@ def test_the_evaluation_file_is_stored_with_the_dataset_in_one_commit(tmp_path):
     class Recording(FileStore):
         def put(self, files, *, message, **kwargs):
             commits.append(sorted(files))
-            super().put(files, message=message, **kwargs)
+            return super().put(files, message=message, **kwargs)
 
     store = Recording(tmp_path / "store")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("tasks.storage.artifacts.open_store", lambda url, token=None: store)
-        dataset_path, _ = publish_run_inputs("file:///unused", "r1", dataset, [], tmp_path, eval_file=eval_file)
+        dataset_path, _, _ = publish_run_inputs("file:///unused", "r1", dataset, [], tmp_path, eval_file=eval_file)
     assert commits == [sorted([dataset_path, eval_store_path("r1")])]
     assert (tmp_path / "store" / eval_store_path("r1")).read_bytes() == eval_file.read_bytes()
 

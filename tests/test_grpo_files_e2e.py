@@ -30,6 +30,7 @@ STEPS = 20
 JUDGE_URL = "http://judge.example/v1/score"
 JUDGE_KEY = "judge-e2e-key-7d41c09b"
 JUDGE_KEY_BLOCK = "e2e-judge-key"
+MEMBER_TOKEN_BLOCK = "e2e-member-hf-token"
 REWARD_SOURCE = f'''
 import hashlib
 import os
@@ -82,12 +83,15 @@ rewards = [{{ name = "{reward}" }}]
     return path
 
 
-def run_watching_endpoints(stack, run_file: Path, label: str, log: Path, timeout_s: float) -> tuple[FlowRun, list[str]]:
-    """`python -m flows.train RUN_FILE` against the stack (as `run_train_flow` runs it), reading `GET /v2/serverless`
-    as RunPod answers it while the run goes: (the run, every answer that listed an endpoint of `label`)."""
+def run_watching_endpoints(stack, run_file: Path, label: str, log: Path, timeout_s: float,
+                           **settings: str) -> tuple[FlowRun, list[str]]:
+    """`python -m flows.train RUN_FILE` against the stack (as `run_train_flow` runs it, `settings` in its environment),
+    reading `GET /v2/serverless` as RunPod answers it while the run goes: (the run, every answer that listed an
+    endpoint of `label`)."""
     answers, deadline = [], time.monotonic() + timeout_s
     with log.open("wb") as out:  # a file, not a pipe: a pipe nobody reads while the run goes would block it once full
-        proc = subprocess.Popen([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=flow_env(stack),
+        proc = subprocess.Popen([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO,
+                                env=flow_env(stack, **settings),
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -124,11 +128,13 @@ def prefect_records(stack, flow_run_id: str) -> str:
 
 
 def test_grpo_run_with_a_local_reward_file_and_a_prompt_only_dataset_learns_the_reward(local_stack, tiny_model, tmp_path):
+    """Also a team server's run: its files inside the inputs folder, its own Hub token, under the operator's cap."""
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
         Secret(value=JUDGE_KEY).save(JUDGE_KEY_BLOCK, overwrite=True)
+        Secret(value=local_stack.client_env["HF_TOKEN"]).save(MEMBER_TOKEN_BLOCK, overwrite=True)
     (tmp_path / "my_rewards.py").write_text(REWARD_SOURCE)
     store = tmp_path / "store"
     run_file = write_grpo_run_file(tmp_path / "run.toml", name="e2e-grpo-files", model=tiny_model, store=store,
@@ -136,9 +142,12 @@ def test_grpo_run_with_a_local_reward_file_and_a_prompt_only_dataset_learns_the_
                                    reward=f"{tmp_path}/my_rewards.py:digits_for_numbers")
     with run_file.open("a") as toml:
         toml.write(f'[worker]\nenv = {{ JUDGE_URL = "{JUDGE_URL}" }}\nsecrets = {{ JUDGE_KEY = "{JUDGE_KEY_BLOCK}" }}\n')
+    text = run_file.read_text()
+    run_file.write_text(f'hub_token_secret = "{MEMBER_TOKEN_BLOCK}"\n' + text)
 
     run, endpoint_answers = run_watching_endpoints(local_stack, run_file, "e2e-grpo-files", tmp_path / "flow.log",
-                                                   timeout_s=600)
+                                                   timeout_s=600, LORAFLOW_INPUTS_DIR=str(tmp_path),
+                                                   LORAFLOW_REQUIRE_RUN_TOKEN="1", LORAFLOW_MAX_RUN_USD="5")
 
     assert run.returncode == 0, run.output[-5000:]
     assert flow_run_state(local_stack, run.flow_run_id)["type"] == "COMPLETED"
@@ -146,8 +155,13 @@ def test_grpo_run_with_a_local_reward_file_and_a_prompt_only_dataset_learns_the_
     # Both local files were shipped with the run; the job named the stored reward file.
     assert (run_dir / "rewards" / "my_rewards.py").read_text() == REWARD_SOURCE
     assert (run_dir / "dataset" / "train.jsonl").read_bytes() == (tmp_path / "prompts.jsonl").read_bytes()
-    [reward] = json.loads((run_dir / "manifest.json").read_text())["job"]["grpo"]["rewards"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    [reward] = manifest["job"]["grpo"]["rewards"]
     assert reward["store_path"] == f"runs/{run.flow_run_id}/rewards/my_rewards.py"
+    # The worker read the reward file pinned: the sha256 the control plane committed, checked and recorded.
+    reward_sha256 = hashlib.sha256(REWARD_SOURCE.encode()).hexdigest()
+    assert manifest["input_sha256"][reward["store_path"]] == reward_sha256
+    assert manifest["job"]["inputs"]["sha256"][reward["store_path"]] == reward_sha256
     # The worker imported the reward and gave it the `answer` column: it scored, and the policy learned it.
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["steps"] == STEPS

@@ -2,7 +2,7 @@
 second commit when a run is published again, and a token that cannot write reported, never raised into the run.
 
 The Hub is the local stand-in (tests/hub_fixture.py, a real server); the run is a `file://` store laid out as a
-worker leaves it. huggingface_hub reads HF_ENDPOINT at import, so each call passes the endpoint explicitly.
+worker leaves it (or, where the store's revisions matter, a dataset repo on the stand-in). huggingface_hub reads HF_ENDPOINT at import, so each call passes the endpoint explicitly.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 from huggingface_hub import HfApi
-from loraflow_worker.artifacts import open_store
-from loraflow_worker.contract import TrainMetrics
+from loraflow_worker.artifacts import ArtifactStore, open_store
+from loraflow_worker.artifacts.pins import sha256_hex
+from loraflow_worker.contract import JobResult, TrainMetrics
 from prefect.states import Completed, Failed
 
 from flows.spec import PublishSpec
@@ -34,8 +35,13 @@ from tasks.storage.publish import (
 from tests.hub_fixture import HubStandIn
 
 _runs = itertools.count()
+SWAPPED = b"a teammate's weights"
+"""What someone else who can write the store puts in place of a run's adapter weights."""
 ADAPTER_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "base_model_name_or_path": "/worker/cache/base",
                   "target_modules": ["q_proj"], "task_type": "CAUSAL_LM"}
+ADAPTER_FILES = {"adapter_config.json": json.dumps(ADAPTER_CONFIG).encode(), "adapter_model.safetensors": b"weights",
+                 "README.md": b"PEFT's own card", "tokenizer.json": b"{}"}
+"""A stored run's adapter folder, as the worker saves it."""
 
 
 def card_front_matter(card: str) -> dict:
@@ -52,13 +58,13 @@ def facts(**changes) -> CardFacts:
     return CardFacts(**(base | changes))
 
 
-def stored_run(store_root: Path, *, algorithm: str = "sft", adapter_files: dict[str, bytes] | None = None) -> str:
-    """A completed run in a `file://` store, as the worker leaves it; returns its run id."""
+def stored_run(store_root: Path, *, algorithm: str = "sft", adapter_files: dict[str, bytes] | None = None,
+               store: ArtifactStore | None = None) -> str:
+    """A completed run in the `file://` store at `store_root` (or in `store`), as the worker leaves it; returns its run
+    id."""
     run_id = f"run-{next(_runs)}"
     prefix = f"runs/{run_id}"
-    adapter = adapter_files or {"adapter_config.json": json.dumps(ADAPTER_CONFIG).encode(),
-                                "adapter_model.safetensors": b"weights", "README.md": b"PEFT's own card",
-                                "tokenizer.json": b"{}"}
+    adapter = adapter_files or ADAPTER_FILES
     job = {"run_id": run_id, "algorithm": algorithm, "model": {"id": "acme/tiny-qwen3", "revision": "b" * 40},
            "dataset": {"hub_id": None, "store_path": f"{prefix}/dataset/train.jsonl"},
            "lora": {"rank": 8, "alpha": 16}, "training": {"max_steps": 3}}
@@ -68,10 +74,19 @@ def stored_run(store_root: Path, *, algorithm: str = "sft", adapter_files: dict[
                                                "base_model_revision": "b" * 40}).encode(),
         f"{prefix}/metrics.json": json.dumps({"steps": 3, "losses": [[1, 6.4], [3, 5.8]]}).encode(),
         f"{prefix}/curve.png": b"\x89PNG fake",
+        f"{prefix}/result.json": run_result(run_id, adapter).model_dump_json().encode(),
         f"{prefix}/DONE": b"{}",
     }
-    open_store(store_root.as_uri()).put(files, message="run")
+    (store or open_store(store_root.as_uri())).put(files, message="run")
     return run_id
+
+
+def run_result(run_id: str, adapter: dict[str, bytes]) -> JobResult:
+    """The `JobResult` the worker stores with a run whose adapter files are `adapter`."""
+    return JobResult(run_id=run_id, attempt=1, run_prefix=f"runs/{run_id}", adapter_path=f"runs/{run_id}/adapter",
+                     metrics=TrainMetrics(steps=3, losses=[(1, 6.4), (3, 5.8)], first_loss=6.4, final_loss=5.8,
+                                          tokens=601, wall_seconds=1.2, device="cpu"),
+                     adapter_sha256={name: sha256_hex(data) for name, data in adapter.items()})
 
 
 def _repo_id(stem: str) -> str:
@@ -116,6 +131,16 @@ def test_the_card_lists_the_schedule_optimizer_and_adapter_settings_the_run_trai
                 "| training.optimizer | `adamw_8bit` |", "| training.weight_decay | `0.01` |",
                 "| lora.use_rslora | `true` |", "| lora.loraplus_lr_ratio | `16.0` |"):
         assert row in card, row
+
+
+def test_the_card_names_the_runs_own_files_by_their_file_names_only() -> None:
+    card = model_card(facts(algorithm="grpo", grpo={
+        "rewards": [{"name": "/home/alice/secret-project/reward.py:score", "weight": 1.0},
+                    {"name": "numeric_match", "weight": 0.5}, {"name": "acme_rewards.judge:score", "weight": 1.0}],
+        "tools": "/home/alice/secret-project/tools.py", "environment": "C:\\Users\\alice\\shop.py:Shop"}))
+    assert "| grpo.rewards | `reward.py:score × 1.0, numeric_match × 0.5, acme_rewards.judge:score × 1.0` |" in card
+    assert "| grpo.tools | `tools.py` |" in card and "| grpo.environment | `shop.py:Shop` |" in card
+    assert "alice" not in card and "secret-project" not in card
 
 
 def test_a_pissa_adapter_is_served_at_twice_its_rank_as_stored() -> None:
@@ -181,6 +206,57 @@ def test_a_later_run_replaces_the_earlier_runs_files_in_an_existing_repo(hub: Hu
     assert "tokenizer.json" not in api.list_repo_files(repo_id)  # the first run's, not the second's
     assert api.repo_info(repo_id).private is False  # an existing repo keeps its visibility
     assert len(hub.commits("model", repo_id)) == 3
+
+
+def test_an_adapter_file_replaced_after_the_run_stored_it_is_not_published(hub: HubStandIn, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    run_id = stored_run(store)
+    (store / "runs" / run_id / "adapter" / "adapter_model.safetensors").write_bytes(SWAPPED)
+    repo_id = _repo_id("swapped")
+    with pytest.raises(PublishError) as refused:
+        publish_adapter(store.as_uri(), run_id, "demo", repo_id, private=True, token=hub.token, endpoint=hub.url)
+    assert (f"cannot publish to {repo_id}: the run's adapter is not the one it trained: runs/{run_id}/adapter/"
+            f"adapter_model.safetensors changed after the run stored it: its sha256 was {sha256_hex(b'weights')} then "
+            f"and is {sha256_hex(SWAPPED)} now") in str(refused.value)
+    assert not refused.value.transient
+    assert [c["title"] for c in hub.commits("model", repo_id)] == ["initial commit"]  # nothing published
+
+
+def test_an_adapter_file_added_after_the_run_stored_it_is_not_published(hub: HubStandIn, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    run_id = stored_run(store)
+    (store / "runs" / run_id / "adapter" / "adapter_model.bin").write_bytes(b"weights PEFT would load first")
+    with pytest.raises(PublishError, match=rf"runs/{run_id}/adapter/adapter_model.bin was added after the run "
+                                           "stored it"):
+        publish_adapter(store.as_uri(), run_id, "demo", _repo_id("added"), private=True, token=hub.token,
+                        endpoint=hub.url)
+
+
+def test_the_job_outputs_hashes_pin_the_adapter_whatever_the_stored_result_says(hub: HubStandIn,
+                                                                                 tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    run_id = stored_run(store)
+    swapped = ADAPTER_FILES | {"adapter_model.safetensors": SWAPPED}
+    (store / "runs" / run_id / "adapter" / "adapter_model.safetensors").write_bytes(SWAPPED)
+    (store / "runs" / run_id / "result.json").write_text(run_result(run_id, swapped).model_dump_json())  # covered up
+    with pytest.raises(PublishError, match="adapter_model.safetensors changed after the run stored it"):
+        publish_adapter(store.as_uri(), run_id, "demo", _repo_id("covered-up"), private=True, token=hub.token,
+                        endpoint=hub.url, result=run_result(run_id, ADAPTER_FILES))
+
+
+def test_on_a_hub_store_the_adapter_is_read_at_the_commit_the_run_made(hub: HubStandIn, tmp_path: Path) -> None:
+    store_url = f"hf://datasets/acme/runs-{next(_runs)}"
+    store = open_store(store_url, hub.token, endpoint=hub.url, cache_dir=tmp_path / "cache")
+    run_id = stored_run(tmp_path, store=store)
+    done_commit = hub.commits("dataset", store_url.removeprefix("hf://datasets/"))[0]["id"]
+    store.put({f"runs/{run_id}/adapter/adapter_model.safetensors": SWAPPED}, message="swap")
+    result = run_result(run_id, ADAPTER_FILES).model_copy(update={"revision": done_commit})  # the job's output
+    repo_id = _repo_id("at-revision")
+    publish_adapter(store_url, run_id, "demo", repo_id, private=True, token=hub.token, endpoint=hub.url,
+                    result=result)
+    weights = HfApi(endpoint=hub.url, token=hub.token).hf_hub_download(repo_id, "adapter_model.safetensors",
+                                                                       cache_dir=tmp_path / "published")
+    assert Path(weights).read_bytes() == b"weights"
 
 
 def test_a_token_that_cannot_write_fails_publishing_naming_the_repo_and_the_fix(hub: HubStandIn,

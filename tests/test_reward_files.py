@@ -37,7 +37,7 @@ class CountingStore(FileStore):
 
     def put(self, files, *, message, **kwargs):
         self.commits.append(message)
-        super().put(files, message=message, **kwargs)
+        return super().put(files, message=message, **kwargs)
 
 
 @pytest.fixture
@@ -54,7 +54,8 @@ def test_a_reward_file_is_published_with_the_dataset_in_one_commit_and_rewritten
     monkeypatch.setattr("tasks.storage.artifacts.open_store", lambda url, token=None: store)
     rewards = [RewardSpec(name="rewards/math_rewards.py:boxed", weight=2.0), RewardSpec(name="digit_fraction")]
 
-    dataset_path, published = publish_run_inputs(store_root.as_uri(), "run-1", run_dir / "data.jsonl", rewards, run_dir)
+    dataset_path, published, _ = publish_run_inputs(store_root.as_uri(), "run-1", run_dir / "data.jsonl", rewards,
+                                                    run_dir)
 
     assert dataset_path == "runs/run-1/dataset/train.jsonl"
     assert published == [
@@ -72,7 +73,7 @@ def test_rewards_naming_one_file_share_its_copy_and_different_files_of_one_name_
     rewards = [RewardSpec(name="rewards/math_rewards.py:boxed"), RewardSpec(name="rewards/math_rewards.py:shorter"),
                RewardSpec(name=f"{run_dir}/other/math_rewards.py:boxed")]
 
-    _, published = publish_run_inputs((tmp_path / "store").as_uri(), "r", None, rewards, run_dir)
+    _, published, _ = publish_run_inputs((tmp_path / "store").as_uri(), "r", None, rewards, run_dir)
 
     assert [r.store_path for r in published] == ["runs/r/rewards/math_rewards.py", "runs/r/rewards/math_rewards.py",
                                                  "runs/r/rewards/math_rewards-2.py"]

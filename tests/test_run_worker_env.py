@@ -12,7 +12,7 @@ from flows.spec import RunSpec, SpecError, load_run_file
 from tasks.lifecycle.worker_env import RunSecretError, read_run_secrets, run_secret_env
 from tasks.runpod.secrets import referenced_secrets
 from tests.test_localpod import create_endpoint
-from tests.test_runpod_secrets import booted_env, localpod, runpod, stored_values  # noqa: F401  (fixtures)
+from tests.test_runpod_secrets import KEY, booted_env, localpod, runpod, stored_values  # noqa: F401  (fixtures)
 from tests.test_spec import minimal
 
 JUDGE_KEY = "judge-key-value-0001"
@@ -94,7 +94,7 @@ def test_a_runs_secret_is_stored_as_an_account_secret_the_env_only_refers_to(run
 
     with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
         Secret(value=JUDGE_KEY).save("test-judge-key", overwrite=True)
-        env = run_secret_env(runpod, {"JUDGE_KEY": "test-judge-key"}, "ns1")
+        env = run_secret_env(runpod, {"JUDGE_KEY": "test-judge-key"}, "ns1", KEY)
     [name] = referenced_secrets(env)
     assert name.startswith("loraflow-run-secret-ns1-") and JUDGE_KEY not in str(env)
     assert stored_values(localpod)[name] == JUDGE_KEY
@@ -110,12 +110,12 @@ def test_an_unreadable_or_short_secret_block_is_refused_naming_the_field_and_the
         with pytest.raises(RunSecretError, match=r"^worker.secrets.JUDGE_KEY: the Prefect Secret block 'test-nobody' "
                                                  r"cannot be read"):
             read_run_secrets({"JUDGE_KEY": "test-nobody"})
-        Secret(value="abc").save("test-short-judge-key", overwrite=True)
+        Secret(value="abc1234").save("test-short-judge-key", overwrite=True)
         with pytest.raises(RunSecretError) as short:
             read_run_secrets({"JUDGE_KEY": "test-short-judge-key"})
     assert str(short.value).startswith("worker.secrets.JUDGE_KEY: the Prefect Secret block 'test-short-judge-key' "
-                                       "holds 3 characters, fewer than 4")
-    assert "abc" not in str(short.value).replace("test-short-judge-key", "")
+                                       "holds 7 characters, fewer than 8: a value that short is easily guessed")
+    assert "abc1234" not in str(short.value)
 
 
 @pytest.mark.parametrize("name", ["WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD"])

@@ -34,6 +34,7 @@ from bench.scale_lib import process_usage
 from deployments.team_stack import (
     HEARTBEAT_S,
     LONGEST_RESTART_S,
+    RUN_TOKEN_BLOCK,
     SLOT_LEASE_S,
     ZOMBIE_WITHIN_S,
     TeamStack,
@@ -69,7 +70,8 @@ def team(tmp_path_factory, tiny_model):
                    worker_env={"LORAFLOW_SLOT_LEASE_SECONDS": str(LEASE_S), "LORAFLOW_HEARTBEAT_SECONDS": "10"}) as team:
         prefect_api(team.local, "POST", "/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": LIMIT})
         spec = tomllib.loads(write_run_file(home / "deployment.toml", name="team", model=tiny_model,
-                                            store=home / "store", max_steps=3).read_text())
+                                            store=home / "store", max_steps=3).read_text()) | {
+            "hub_token_secret": RUN_TOKEN_BLOCK}  # the stack requires a token of one's own
         team.deploy("flows/train.py:train", "team-e2e", {"spec": spec})
         team.deploy("flows/reconcile.py:reconcile", "team-interval",
                {"policy": {"silent_after_minutes": SILENT_AFTER_MIN, "min_age_minutes": 0}},
@@ -390,3 +392,15 @@ def test_runs_complete_across_a_server_restart_and_the_quota_holds_through_it(te
     assert list(final.values()) == ["COMPLETED"] * len(ids), final
     assert len(ours) == len(ids) and all(e["deletedAt"] for e in ours) and peak_alive(ours) <= LIMIT
     assert slots_in_use(team) == 0
+
+
+def test_a_run_that_names_no_token_of_its_own_is_refused_by_the_team_stack_before_renting(team):
+    deployment = prefect_api(team.local, "GET", "/deployments/name/train/team-e2e").json()
+    spec = {k: v for k, v in deployment["parameters"]["spec"].items() if k != "hub_token_secret"} | {
+        "name": "team-notoken"}
+
+    [run_id] = start_runs(team, 1, spec=spec)
+
+    state = wait_for(lambda: (s := runs(team, [run_id])[run_id]["state"])["type"] in FINAL and s, 240, "the run's end")
+    assert state["type"] == "FAILED" and "LORAFLOW_REQUIRE_RUN_TOKEN=1" in state["message"], state
+    assert endpoints(team, "team-notoken") == []

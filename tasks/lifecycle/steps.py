@@ -26,9 +26,10 @@ from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from tasks.lifecycle.liveness import beat
+from tasks.lifecycle.secret_key import secret_name_key
 from tasks.lifecycle.secret_retention import secret_used
 from tasks.lifecycle.teardown import delete_attempt_endpoints
-from tasks.lifecycle.worker_env import run_secret_env
+from tasks.lifecycle.worker_env import endpoint_env, run_secret_env
 from tasks.placement.history import record_placement
 from tasks.reports import events
 from tasks.reports.summary import finished_description, progress_description
@@ -77,21 +78,22 @@ def prepare_worker_env(hub_token_secret: str | None = None, env: dict[str, str] 
     references: dict[str, str] = {}
     if secrets or token is not None:
         namespace = settings.control_plane_namespace()
+        key = secret_name_key(namespace)
         with make_client(settings) as client:
             if secrets:
-                references |= run_secret_env(client, secrets, namespace)
+                references |= run_secret_env(client, secrets, namespace, key)
             if token is not None:
                 references |= value_secret_env(client, "HF_TOKEN", token, purpose=HUB_TOKEN_PURPOSE,
-                                               namespace=namespace)
+                                               namespace=namespace, key=key)
                 sources["HF_TOKEN"] = (f"the token in the Secret block {hub_token_secret!r}" if hub_token_secret
-                                       else "the token of this flow's process")
+                                       else "this control plane's own token: the run names no hub_token_secret")
     if token is None:
         logger.info("No Hugging Face token: workers reach public models and file:// stores only")
     for env_name, reference in references.items():
         for name in referenced_secrets({env_name: reference}):
             secret_used(name, env_name=env_name)  # before any endpoint refers to it: pruning keeps it
             logger.info("Workers read %s (%s) from the RunPod account secret %s", env_name, sources[env_name], name)
-    return settings.worker_env() | (env or {}) | references
+    return endpoint_env(settings.worker_env() | (env or {}), references)
 
 
 # Rented nothing yet and looked up by name first (each try is idempotent): a run rides out two and a half minutes of

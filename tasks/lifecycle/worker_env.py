@@ -2,20 +2,24 @@
 the run names, where the flow runs, and reaches the workers as a RunPod account secret that the endpoint's env
 refers to (`tasks/runpod/secrets.py`: one secret per distinct value, never changed). The value is never a
 parameter, a log line, an artifact, an endpoint's env or a stored file; the run's parameters hold only the block's
-name. (Plain `worker.env` values go into the endpoint's env as they are.)"""
+name. (Plain `worker.env` values go into the endpoint's env as they are, never holding a secret reference:
+`endpoint_env`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from loraflow_worker.contract import secret_reference_problem
+
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.secrets import value_secret_env
+from tasks.runpod.secrets import parse_secret_name, referenced_secrets, secret_reference, value_secret_env
 
 RUN_SECRET_PURPOSE = "run-secret"
 """What the account secrets of runs' own secrets are for, in their names: `loraflow-run-secret-<namespace>-<fp>`."""
-MIN_SECRET_CHARS = 4
+MIN_SECRET_CHARS = 8
 """The shortest value a run's secret may have: the worker redacts the run's secrets by value from its console and
-errors (`loraflow_worker.runtime.redaction`), and a value of a few letters would blank out ordinary words there."""
+errors (`loraflow_worker.runtime.redaction`), where a value of a few letters would blank out ordinary words; and a
+value that short can be found by trying, however its name or the account hides it."""
 
 
 class RunSecretError(ValueError):
@@ -46,18 +50,34 @@ def read_run_secrets(secrets: Mapping[str, str]) -> dict[str, str]:
         if len(value) < MIN_SECRET_CHARS:
             raise RunSecretError(
                 f"{field}: the Prefect Secret block {block!r} holds {len(value)} characters, fewer than "
-                f"{MIN_SECRET_CHARS}: the worker removes a secret's value from its console and errors, which would "
-                "blank out ordinary words; a real credential is longer (use `worker.env` for a plain setting)"
+                f"{MIN_SECRET_CHARS}: a value that short is easily guessed, and the worker removes a secret's value "
+                "from its console and errors, which would blank out ordinary words; store the whole credential (a "
+                "real one is longer), or use `worker.env` for a plain setting"
             )
         values[env_name] = value
     return values
 
 
-def run_secret_env(client: RunpodClient, secrets: Mapping[str, str], namespace: str) -> dict[str, str]:
+def run_secret_env(client: RunpodClient, secrets: Mapping[str, str], namespace: str, key: bytes) -> dict[str, str]:
     """The endpoint env entries of a run's secrets: ENV_NAME → `{{ RUNPOD_SECRET_<name> }}`, each value stored in the
-    account secret `loraflow-run-secret-<namespace>-<fingerprint>` (created when missing, never changed). Raises
-    `RunSecretError` as `read_run_secrets` does, before any secret is created."""
+    account secret `loraflow-run-secret-<namespace>-<fingerprint>` (keyed with the namespace's `key`; created when
+    missing, never changed). Raises `RunSecretError` as `read_run_secrets` does, before any secret is created."""
     env: dict[str, str] = {}
     for env_name, value in read_run_secrets(secrets).items():
-        env |= value_secret_env(client, env_name, value, purpose=RUN_SECRET_PURPOSE, namespace=namespace)
+        env |= value_secret_env(client, env_name, value, purpose=RUN_SECRET_PURPOSE, namespace=namespace, key=key)
     return env
+
+
+def endpoint_env(plain: Mapping[str, str], references: Mapping[str, str]) -> dict[str, str]:
+    """The env an endpoint gets: `plain` values (the control plane's settings and the run's `worker.env`) as they
+    are, and loraflow's own `references` (ENV_NAME → `{{ RUNPOD_SECRET_<name> }}`). Checked here, where the env is
+    built, whatever let the values through: RunPod replaces a secret reference anywhere in a value at worker boot, so
+    a plain value holding one is refused, and a reference is only ever a whole value naming a secret loraflow made."""
+    for name, value in plain.items():
+        if problem := secret_reference_problem(name, value):
+            raise ValueError(problem)
+    for name, value in references.items():
+        secrets = referenced_secrets({name: value})
+        if len(secrets) != 1 or value != secret_reference(secret := secrets.pop()) or parse_secret_name(secret) is None:
+            raise ValueError(f"the endpoint env's {name} is not one of loraflow's own secret references")
+    return {**plain, **references}

@@ -58,8 +58,22 @@ def cost_ceiling(offers: Sequence[GpuOffer], gpu_count: int, deadline_minutes: i
                        usd_per_hour=dearest.usd_per_hour, price_source=dearest.source)
 
 
-def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceSource | None = None) -> None:
-    """Refuse a run whose ceiling passes its budget; the message names the price source when given."""
+def check_cost_cap(cost_usd: float, cap_usd: float | None, what: str = "the run") -> None:
+    """Refuse `what` (a run, a study's child, a merge) whose cost ceiling passes the operator's cap
+    (`LORAFLOW_MAX_RUN_USD`), whatever its own budget says."""
+    if cap_usd is not None and cost_usd > cap_usd:
+        raise ValueError(
+            f"{what} may cost up to ${cost_usd:.2f}, above this server's cap of ${cap_usd:.2f} per run "
+            "(LORAFLOW_MAX_RUN_USD, set by its operator): lower deadline_minutes or pick a cheaper GPU, or ask the "
+            "operator"
+        )
+
+
+def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceSource | None = None,
+                 cap_usd: float | None = None) -> None:
+    """Refuse a run whose ceiling passes its budget, or the operator's cap (`cap_usd`); the message names the price
+    source when given."""
+    check_cost_cap(cost_usd, cap_usd)
     if budget_usd is not None and cost_usd > budget_usd:
         source = f", price source: {price_source}" if price_source else ""
         raise ValueError(
@@ -68,9 +82,12 @@ def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceS
         )
 
 
-def check_study_budget(ceilings: dict[str, CostCeiling], budget_usd: float | None) -> None:
+def check_study_budget(ceilings: dict[str, CostCeiling], budget_usd: float | None,
+                       cap_usd: float | None = None) -> None:
     """Refuse a study whose children's cost ceilings (child name → ceiling) add up to more than its budget, naming
-    the totals and the dearest child."""
+    the totals and the dearest child, or any of whose children passes the operator's cap (`cap_usd`)."""
+    for name, ceiling in ceilings.items():
+        check_cost_cap(ceiling.usd, cap_usd, f"the study's child {name}")
     total = round(sum(c.usd for c in ceilings.values()), 2)
     if budget_usd is None or total <= budget_usd:
         return

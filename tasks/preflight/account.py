@@ -17,7 +17,7 @@ from tasks.lifecycle.quota import (
     default_endpoint_slots,
     read_named_quota,
 )
-from tasks.placement.cost import check_budget, cost_ceiling
+from tasks.placement.cost import check_budget, check_cost_cap, cost_ceiling
 from tasks.placement.gpu_fit import CudaFit, cuda_fits
 from tasks.placement.image_contract import ImageContractError, check_image_contract
 from tasks.preflight.report import Check
@@ -291,12 +291,17 @@ def catalog_alternatives(client: RunpodClient | None, image_min_cuda: str) -> li
 
 
 def judge_cost(gpus: Sequence[GpuClass], offers: Sequence[GpuOffer], floors: Sequence[str], gpu_count: int,
-               deadline_minutes: int, budget_usd: float | None) -> Check:
+               deadline_minutes: int, budget_usd: float | None, cap_usd: float | None = None) -> Check:
     """The run's cost ceiling over the GPUs it would rent (those whose hosts meet their floor, else all) against
-    its budget, as the train flow refuses it."""
+    its budget and the operator's cap (`LORAFLOW_MAX_RUN_USD`), as the train flow refuses it."""
     fits = cuda_fits(gpus, {o.gpu: o for o in offers}, floors)
     kept = [o for o, fit in zip(offers, fits, strict=True) if fit.meets] or list(offers)
     ceiling = cost_ceiling(kept, gpu_count, deadline_minutes)
+    try:
+        check_cost_cap(ceiling.usd, cap_usd)
+    except ValueError as e:
+        return Check(name="cost ceiling", status="FAIL", found=f"up to {ceiling.describe()}: {e}",
+                     fix="lower deadline_minutes or drop the dearest GPU from compute.gpu")
     try:
         check_budget(ceiling.usd, budget_usd, ceiling.price_source)
     except ValueError:

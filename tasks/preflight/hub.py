@@ -12,7 +12,6 @@ from loraflow_worker.contract import ModelSource, RowFormat, SourceFields
 
 from tasks.placement.plan import resolve_model
 from tasks.preflight.report import Check
-from tasks.runpod.client import API_URL
 from tasks.settings import Settings
 from tasks.storage.artifacts import check_dataset_jsonl
 from tasks.storage.hub_datasets import check_hub_dataset
@@ -22,11 +21,6 @@ from tasks.storage.hub_datasets import check_hub_dataset
 
 def _hub(settings: Settings) -> HfApi:
     return HfApi(endpoint=settings.hf_endpoint, token=settings.hf_token.get_secret_value() if settings.hf_token else None)
-
-
-def _talks_to_runpod(settings: Settings) -> bool:
-    """Whether the workers are RunPod's (not localpod's): they cannot see this machine's files."""
-    return settings.runpod_api_url.rstrip("/") == API_URL
 
 
 def check_model(model: ModelSource, settings: Settings, disk_gb: int) -> Check:
@@ -40,7 +34,7 @@ def check_model(model: ModelSource, settings: Settings, disk_gb: int) -> Check:
                      fix=f"set model.id to a Hub model the token (HF_TOKEN, or the Secret block '{settings.hf_token_block}') can read, "
                      "with model.revision a branch, tag or commit of it, or to a local model directory in local mode")
     if resolved.revision is None:
-        if _talks_to_runpod(settings):
+        if settings.workers_are_runpods():
             return Check(name=name, status="FAIL", found=f"{resolved.id} is a directory of this machine, which "
                          "RunPod's workers cannot read", fix="push the model to the Hub and set model.id to its id")
         return Check(name=name, status="ok", found=f"local directory {resolved.id} (local mode)")
@@ -147,7 +141,7 @@ def check_store(store: str, settings: Settings) -> Check:
 def _check_folder_store(store: str, settings: Settings) -> Check:
     name = "artifact store"
     path = Path(store.removeprefix("file://"))
-    if _talks_to_runpod(settings):
+    if settings.workers_are_runpods():
         return Check(name=name, status="FAIL", found=f"{store} is a folder of this machine, which RunPod's workers "
                      "cannot write", fix="use hf://datasets/<org>/<repo> (file:// is for local mode, with localpod)")
     existing = path

@@ -1,5 +1,5 @@
 """The run's artifact store, seen from the control plane: check and publish the run's local inputs (dataset
-file, reward files), read the results.
+file, reward files) with the pins the worker checks them against (`StoredInputs`), read the results.
 
 The store itself (`file://` or `hf://datasets/...`) is the worker package's `open_store`, so both
 sides read and write it with the same code.
@@ -12,8 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loraflow_worker.artifacts import ArtifactNotFound, open_store
-from loraflow_worker.contract import TRAJECTORIES_FILE, JobResult, RewardSpec, run_prefix
+from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStore, open_store
+from loraflow_worker.artifacts.pins import file_sha256
+from loraflow_worker.contract import TRAJECTORIES_FILE, JobResult, RewardSpec, StoredInputs, run_prefix
 from loraflow_worker.contract.dataset_formats import (
     ALGORITHM_FORMATS,
     MESSAGE_COLUMNS,
@@ -144,18 +145,20 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
                        base_dir: Path, token: str | None = None, eval_file: Path | None = None,
                        mix_files: Mapping[int, Path] | None = None,
                        chat_template_file: Path | None = None,
-                       tool_files: Mapping[str, Path] | None = None) -> tuple[str | None, list[RewardSpec]]:
+                       tool_files: Mapping[str, Path] | None = None,
+                       ) -> tuple[str | None, list[RewardSpec], StoredInputs]:
     """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
     hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
     train.jsonl`, and each reward file (`path/to/file.py:function`, relative paths from `base_dir`) under
-    `runs/<run_id>/rewards/`. Returns the dataset's store path (None without a file) and `rewards` with each
-    reward file's `store_path` set, for the job. A reward file that is missing or lacks its function is refused
-    (ValueError naming `grpo.rewards[i].name`) before anything is written. `token`: the Hub token. `eval_file`: the
-    run's evaluation examples (checked by the caller), stored in the same commit at `eval_store_path(run_id)`;
-    `mix_files`: the files of the run's `dataset.mix` entries by their index (checked by the caller), each at
-    `mix_store_path(run_id, index)`; `chat_template_file` (`training.chat_template`, checked by the caller) at
-    `chat_template_store_path(run_id)`; `tool_files` (the files of `grpo.tools` and `grpo.environment`, checked by the
-    caller, by `tools_store_path`'s field) at `tools_store_path(run_id, field)`."""
+    `runs/<run_id>/rewards/`. Returns the dataset's store path (None without a file), `rewards` with each
+    reward file's `store_path` set, and the pins of what was stored (the commit, each file's sha256), for the job. A
+    reward file that is missing or lacks its function is refused (ValueError naming `grpo.rewards[i].name`) before
+    anything is written. `token`: the Hub token. `eval_file`: the run's evaluation examples (checked by the caller),
+    stored in the same commit at `eval_store_path(run_id)`; `mix_files`: the files of the run's `dataset.mix` entries
+    by their index (checked by the caller), each at `mix_store_path(run_id, index)`; `chat_template_file`
+    (`training.chat_template`, checked by the caller) at `chat_template_store_path(run_id)`; `tool_files` (the files
+    of `grpo.tools` and `grpo.environment`, checked by the caller, by `tools_store_path`'s field) at
+    `tools_store_path(run_id, field)`."""
     reward_files = check_reward_files(rewards, base_dir)
     store_paths = reward_store_paths(reward_files, run_id)
     files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
@@ -171,19 +174,22 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
         files[chat_template_store_path(run_id)] = chat_template_file
     for field, path in (tool_files or {}).items():
         files[tools_store_path(run_id, field)] = path
+    # Hashed from the local files just before they are committed: a file changed in between fails the run on the
+    # worker, never trains it on something unchecked.
+    stored = StoredInputs(sha256={store_path: file_sha256(path) for store_path, path in files.items()})
     if files:
         what = " and ".join(filter(None, ["dataset" if dataset_file or mix_files else "",
                                           "evaluation file" if eval_file else "",
                                           "chat template" if chat_template_file else "",
                                           "tools" if tool_files else "",
                                           "reward files" if store_paths else ""]))
-        open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
+        stored.revision = open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
     published = [
         RewardSpec.model_validate({**spec.model_dump(exclude_none=True), "store_path": store_paths[reward_files[i]]})
         if i in reward_files else spec
         for i, spec in enumerate(rewards)
     ]
-    return dataset_path, published
+    return dataset_path, published, stored
 
 
 class RunResults(BaseModel):
@@ -201,14 +207,29 @@ class RunResults(BaseModel):
     trajectories_url: str | None = Field(default=None, description="Link to all the trajectories kept; None: none.")
 
 
-def read_run_results(store_url: str, run_id: str, token: str | None = None) -> RunResults:
-    """Read a run's results. Success is decided by `DONE`, written last, not by the job's status."""
+def read_run_results(store_url: str, run_id: str, token: str | None = None,
+                     job_output: Any = None) -> RunResults:
+    """Read a run's results. Success is decided by `DONE`, written last, not by the job's status.
+
+    `job_output`: the completed job's output (a `JobResult`), when the job completed: it is the result (it names the
+    commit that holds the adapter, and no one who can write the store can change it), and a stored `result.json`
+    whose adapter hashes differ from it is refused (`ResultsChanged`). Without it, the stored one is the result."""
     store = open_store(store_url, token)
     prefix = run_prefix(run_id)
     console = _read_text(store, f"{prefix}/console.txt")
     if not store.exists(f"{prefix}/DONE"):
         return RunResults(done=False, console_tail=console[-CONSOLE_TAIL_BYTES:] if console else None)
-    result = JobResult.model_validate(store.read_json(f"{prefix}/result.json"))
+    result = read_job_result(store, run_id)
+    if job_output is not None:
+        reported = JobResult.model_validate(job_output)
+        if reported.adapter_sha256 != result.adapter_sha256:
+            changed = sorted(name for name in reported.adapter_sha256.keys() | result.adapter_sha256.keys()
+                             if reported.adapter_sha256.get(name) != result.adapter_sha256.get(name))
+            raise ResultsChanged(
+                f"{store.display_url(f'{prefix}/result.json')} names other adapter files than the job reported "
+                f"(they differ for {', '.join(changed)}): someone with write access to the store changed the run's "
+                "results after the worker stored them; nothing of the run is trusted, publish nothing from it")
+        result = reported
     try:
         manifest = store.read_json(f"{prefix}/manifest.json")
     except ArtifactNotFound:
@@ -219,6 +240,15 @@ def read_run_results(store_url: str, run_id: str, token: str | None = None) -> R
                                           if t.store_path},
                       trajectories=trajectories,
                       trajectories_url=store.display_url(f"{prefix}/{TRAJECTORIES_FILE}") if trajectories else None)
+
+
+class ResultsChanged(ValueError):
+    """A run's stored `result.json` is not what its job reported: someone changed it in the store."""
+
+
+def read_job_result(store: ArtifactStore, run_id: str) -> JobResult:
+    """The `JobResult` a run stored (`runs/<run_id>/result.json`); ArtifactNotFound when it stored none."""
+    return JobResult.model_validate(store.read_json(f"{run_prefix(run_id)}/result.json"))
 
 
 def _last_step(jsonl: str | None) -> list[dict[str, Any]]:
@@ -260,7 +290,8 @@ def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | Non
                             base_dir: str, eval_file: str | None = None, hub_token_secret: str | None = None,
                             mix_files: dict[int, str] | None = None,
                             chat_template_file: str | None = None,
-                            tool_files: dict[str, str] | None = None) -> tuple[str | None, list[RewardSpec]]:
+                            tool_files: dict[str, str] | None = None,
+                            ) -> tuple[str | None, list[RewardSpec], StoredInputs]:
     return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
                               Path(base_dir), hub_token(store_url, hub_token_secret),
                               eval_file=Path(eval_file) if eval_file else None,
@@ -270,8 +301,8 @@ def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | Non
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
-def collect(store_url: str, run_id: str, hub_token_secret: str | None = None) -> RunResults:
-    return read_run_results(store_url, run_id, hub_token(store_url, hub_token_secret))
+def collect(store_url: str, run_id: str, hub_token_secret: str | None = None, job_output: Any = None) -> RunResults:
+    return read_run_results(store_url, run_id, hub_token(store_url, hub_token_secret), job_output)
 
 
 def hub_token(store_url: str, hub_token_secret: str | None = None) -> str | None:

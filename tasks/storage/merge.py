@@ -30,7 +30,15 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
-from loraflow_worker.contract import CONTRACT_VERSION, LogitsCheck, MergeInput, MergeResult, ModelSource, run_prefix
+from loraflow_worker.contract import (
+    CONTRACT_VERSION,
+    JobResult,
+    LogitsCheck,
+    MergeInput,
+    MergeResult,
+    ModelSource,
+    run_prefix,
+)
 from loraflow_worker.memory.model_shape import shape_from_config
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -53,6 +61,7 @@ from tasks.lifecycle.teardown import (
     keep_undeleted_endpoint,
     take_slot_for_undeleted,
 )
+from tasks.placement.cost import check_cost_cap
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.plan import read_model_config
 from tasks.runpod.client import RunpodClient
@@ -66,6 +75,7 @@ from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
 from tasks.runpod.live_catalog import CatalogCpuType, read_cpu_types, read_data_centers
 from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, RunRequest
 from tasks.settings import Settings, make_client
+from tasks.storage.artifacts import read_job_result
 
 BF16_BYTES = 2
 MERGE_RAM_FACTOR = 1.2
@@ -258,16 +268,24 @@ def merged_of(merged_model_id: str, outcome: JobOutcome | None, compute: MergeCo
 
 @task(name="merge-adapter", cache_policy=NO_CACHE)
 def merge_adapter_task(store_url: str, run_id: str, run_name: str, merged_model_id: str, private: bool,
-                       hub_token_secret: str | None = None, adapter_repo: str | None = None) -> MergedModel:
+                       hub_token_secret: str | None = None, adapter_repo: str | None = None,
+                       result: JobResult | None = None) -> MergedModel:
     """Merge run `run_id`'s stored adapter into its base and publish it to `merged_model_id` (see the module
     docstring): the worker sized, its endpoint rented under one slot of the endpoint limit, the job watched, the
-    endpoint deleted (confirmed) whatever happened. Raises `MergeRefused` before renting; a job that failed is
-    `MergedModel.error`."""
+    endpoint deleted (confirmed) whatever happened. The job pins the adapter to `result`'s commit and hashes (None:
+    the run's stored `result.json`), and the worker refuses one that differs. Raises `MergeRefused` before renting;
+    a job that failed is `MergedModel.error`."""
     logger = get_run_logger()
     settings = Settings()
     token = settings.hub_token(hub_token_secret)
     store = open_store(store_url, token if store_url.startswith("hf://") else None, endpoint=settings.hf_endpoint)
     base, quantization = read_merge_source(store, run_id)
+    if result is None:
+        try:
+            result = read_job_result(store, run_id)
+        except ArtifactNotFound as e:
+            raise MergeRefused(f"run {run_id} has no result.json in {store.url}: only a completed run can be "
+                               "merged") from e
     parameters = shape_from_config(read_model_config(base, settings.with_hub_token(hub_token_secret))).parameters
     image = settings.worker_image()
     check_image_contract(image)  # a stale image would refuse the job only once the worker has started
@@ -276,6 +294,11 @@ def merge_adapter_task(store_url: str, run_id: str, run_name: str, merged_model_
         in_stock = {offered.id for dc in read_data_centers(client, cpus=True) for offered in dc.cpu_availability
                     if offered.availability != "NONE"}
     compute = choose_merge_compute(parameters, cpu_types, in_stock, model=base.id)
+    try:
+        check_cost_cap(compute.usd_per_hour * MERGE_DEADLINE_S / 3600, settings.loraflow_max_run_usd,
+                       f"the merge of run {run_name} ({compute.describe()} for up to {MERGE_DEADLINE_S // 3600} h)")
+    except ValueError as e:
+        raise MergeRefused(str(e)) from None
     owner = flow_run.id or run_id  # the flow run doing the merge: its hooks and the reconciler know it by name
     name = endpoint_name(owner, 1, MERGE_LABEL.format(run_name=run_name), settings.control_plane_namespace())
     logger.info("Merging run %s into %s (%.1f B parameters): renting %s as %s", run_name, base.id, parameters / 1e9,
@@ -284,6 +307,7 @@ def merge_adapter_task(store_url: str, run_id: str, run_name: str, merged_model_
     job_input = MergeInput(contract_version=CONTRACT_VERSION, mode="merge", run_id=run_id, run_name=run_name,
                            artifact_store=store_url, base_model=base, quantization=quantization,
                            merged_model_id=merged_model_id, private=private, adapter_repo=adapter_repo,
+                           adapter_revision=result.revision, adapter_sha256=result.adapter_sha256,
                            deadline_epoch_s=deadline)
     env = prepare_worker_env(hub_token_secret)
     request = merge_request(name=name, compute=compute, image=image, env=env, disk_gb=merge_disk_gb(parameters),
@@ -316,17 +340,20 @@ def merge_adapter_task(store_url: str, run_id: str, run_name: str, merged_model_
 
 
 def merge_run_adapter(store_url: str, run_id: str, run_name: str, merged_model_id: str, *, private: bool = True,
-                      hub_token_secret: str | None = None, adapter_repo: str | None = None) -> MergedModel:
+                      hub_token_secret: str | None = None, adapter_repo: str | None = None,
+                      result: JobResult | None = None) -> MergedModel:
     """Merge a completed stored run's adapter into its base and publish it as the Hub model repo `merged_model_id`,
     from inside a flow; never raises.
 
     `store_url`: the run's artifact store; `run_id`, `run_name`: the run (its id names its files, its name labels the
     card and the endpoint); `private`: create the repo private; `hub_token_secret`: the Prefect Secret block of the
     Hub token the worker writes with (None: the flow's `HF_TOKEN`); `adapter_repo`: the run's published adapter
-    repo, for the card (None: the card names the adapter's URL in the store). The base model and its revision come
-    from the run's stored manifest. A failure, before renting or of the job, comes back as `MergedModel.error`."""
+    repo, for the card (None: the card names the adapter's URL in the store); `result`: the run's result (the
+    flow's `RunResults.result`, from the job's own output), whose commit and hashes pin the adapter the worker merges
+    (None: the run's stored `result.json`). The base model and its revision come from the run's stored manifest. A
+    failure, before renting or of the job, comes back as `MergedModel.error`."""
     state = merge_adapter_task(store_url, run_id, run_name, merged_model_id, private, hub_token_secret, adapter_repo,
-                               return_state=True)
+                               result, return_state=True)
     if state.is_completed():
         return state.result()
     error = state.result(raise_on_failure=False)

@@ -1,6 +1,8 @@
 """Publish a completed run's adapter as a Hugging Face Hub *model* repo, by name (the run's `[publish]`).
 
-The adapter files from the run's store (`runs/<id>/adapter`), a model card (`README.md`), the training curve
+The adapter files from the run's store (`runs/<id>/adapter`, read at the commit the run recorded and each checked
+against the sha256 the worker recorded of it: an adapter someone swapped in the store since is refused, and nothing
+is published), a model card (`README.md`), the training curve
 (`curve.png`, when stored) and a provenance record (`loraflow-run.json`) go to `<org>/<name>` in ONE commit
 (`create_commit` with operations: the Hub counts commits, about 128 per hour per repo). A missing repo is
 created (private unless `private=False`); an existing one gets a new commit and keeps its visibility. Then
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +32,9 @@ from typing import Any
 import httpx2
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
-from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStoreError, open_store
-from loraflow_worker.contract import run_prefix
+from loraflow_worker.artifacts import ArtifactChanged, ArtifactNotFound, ArtifactStoreError, open_store
+from loraflow_worker.artifacts.pins import download_pinned
+from loraflow_worker.contract import JobResult, run_prefix
 from loraflow_worker.contract.training_settings import BASE_REWRITING_INITS
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -38,6 +42,7 @@ from pydantic import BaseModel, Field
 
 from tasks.reports.summary import CURVE_FILE
 from tasks.settings import Settings
+from tasks.storage.artifacts import read_job_result
 
 PUBLISH_TITLE = "loraflow run {run_id}: adapter and model card"
 """Title of the publishing commit; the run id in it is how a retry knows the run is published already."""
@@ -121,14 +126,16 @@ def model_card(facts: CardFacts) -> str:
 
 
 def publish_adapter(store_url: str, run_id: str, run_name: str, hub_model_id: str, *, private: bool,
-                    token: str | None, endpoint: str | None = None) -> PublishedModel:
+                    token: str | None, endpoint: str | None = None, result: JobResult | None = None) -> PublishedModel:
     """Publish the completed run `run_id` of `store_url` to the Hub model repo `hub_model_id`, in one commit (see
     the module docstring): nothing is committed when the repo has this run's commit already. `token`: the run's
-    Hub token (it reads an `hf://` store and writes the model repo); `endpoint`: the Hub (default: HF_ENDPOINT).
-    Raises `PublishError`."""
+    Hub token (it reads an `hf://` store and writes the model repo); `endpoint`: the Hub (default: HF_ENDPOINT);
+    `result`: the run's result (the flow's `RunResults.result`, from the job's own output), whose `revision` and
+    `adapter_sha256` pin the adapter; None: the `result.json` the run stored. Raises `PublishError`."""
     api = HfApi(endpoint=endpoint, token=token, library_name="loraflow")
     with _publish_errors(hub_model_id, token):
         store = open_store(store_url, token if store_url.startswith("hf://") else None, endpoint=endpoint)
+        result = result or read_job_result(store, run_id)
         facts = read_card_facts(store, run_id, run_name, hub_model_id)
         existed = _ensure_repo(api, hub_model_id, private=private)
         page = f"{api.endpoint}/{hub_model_id}"
@@ -139,7 +146,7 @@ def publish_adapter(store_url: str, run_id: str, run_name: str, hub_model_id: st
                 return PublishedModel(hub_model_id=hub_model_id, url=page, already_published=True,
                                       commit_url=f"{page}/commit/{earlier.commit_id}")
         with tempfile.TemporaryDirectory(prefix="loraflow-publish-") as tmp:
-            files = _repo_files(store, facts, Path(tmp))
+            files = _repo_files(store, facts, result, Path(tmp))
             operations: list[CommitOperationAdd | CommitOperationDelete] = [
                 CommitOperationDelete(path) for path in (_stale_files(api, hub_model_id, set(files)) if existed else [])
             ]
@@ -200,18 +207,19 @@ def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
 @task(name="publish-adapter", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[5, 30, 60],
       retry_jitter_factor=0.5, retry_condition_fn=_retry_transient)
 def publish_adapter_task(store_url: str, run_id: str, run_name: str, hub_model_id: str, private: bool,
-                         hub_token_secret: str | None = None) -> PublishedModel:
+                         hub_token_secret: str | None = None, result: JobResult | None = None) -> PublishedModel:
     """`publish_adapter` with the run's Hub token (`hub_token_secret`'s block, else the flow's `HF_TOKEN`)."""
     settings = Settings()
     return publish_adapter(store_url, run_id, run_name, hub_model_id, private=private,
-                           token=settings.hub_token(hub_token_secret), endpoint=settings.hf_endpoint)
+                           token=settings.hub_token(hub_token_secret), endpoint=settings.hf_endpoint, result=result)
 
 
 def publish_run_adapter(store_url: str, run_id: str, run_name: str, hub_model_id: str, private: bool,
-                        hub_token_secret: str | None = None) -> PublishedModel:
+                        hub_token_secret: str | None = None, result: JobResult | None = None) -> PublishedModel:
     """Run the publish task inside a flow; a failure (after its retries) comes back as `PublishedModel.error`,
-    so the run completes whatever the Hub said."""
-    state = publish_adapter_task(store_url, run_id, run_name, hub_model_id, private, hub_token_secret,
+    so the run completes whatever the Hub said. `result`: the run's result, which pins its adapter (see
+    `publish_adapter`)."""
+    state = publish_adapter_task(store_url, run_id, run_name, hub_model_id, private, hub_token_secret, result,
                                  return_state=True)
     return published_or_failed(hub_model_id, state)
 
@@ -228,11 +236,13 @@ def _ensure_repo(api: HfApi, repo_id: str, *, private: bool) -> bool:
         return False
 
 
-def _repo_files(store: Any, facts: CardFacts, tmp: Path) -> dict[str, bytes | Path]:
-    """The commit's files: the adapter folder (PEFT's own README replaced by the card), the card, the curve, the
-    record. `adapter_config.json` names the Hub base model, so `AutoPeftModelForCausalLM` finds it by id."""
+def _repo_files(store: Any, facts: CardFacts, result: JobResult, tmp: Path) -> dict[str, bytes | Path]:
+    """The commit's files: the adapter folder (as the run stored it: `result` pins it; PEFT's own README replaced by
+    the card), the card, the curve, the record. `adapter_config.json` names the Hub base model, so
+    `AutoPeftModelForCausalLM` finds it by id."""
     prefix = run_prefix(facts.run_id)
-    adapter = store.download(f"{prefix}/adapter", tmp / "adapter")
+    adapter = download_pinned(store, f"{prefix}/adapter", tmp / "adapter", revision=result.revision,
+                              sha256=result.adapter_sha256, since="after the run stored it")
     files: dict[str, bytes | Path] = {
         p.relative_to(adapter).as_posix(): p for p in sorted(adapter.rglob("*")) if p.is_file()
     }
@@ -277,6 +287,8 @@ def _publish_errors(repo_id: str, token: str | None) -> Iterator[None]:
         yield
     except PublishError:
         raise
+    except ArtifactChanged as e:
+        raise PublishError(f"cannot publish to {repo_id}: the run's adapter is not the one it trained: {e}") from e
     except RepositoryNotFoundError as e:
         raise PublishError(_scrub(f"cannot publish to {repo_id}: the Hub hides it from this token (HTTP "
                                   f"{_status(e)}); check the token and that it can read and write {org!r} ({e})",
@@ -329,9 +341,12 @@ def _card_body(facts: CardFacts) -> str:
         for key, value in values.items():
             if value is None or key == "rewards":
                 continue
+            if (section, key) in (("grpo", "tools"), ("grpo", "environment")) and isinstance(value, str):
+                value = _file_name_only(value)
             lines.append(f"| {section}.{key} | {_cell(value)} |")
     if facts.grpo and isinstance(facts.grpo.get("rewards"), list):
-        names = [f"{r.get('name')} × {r.get('weight', 1.0)}" for r in facts.grpo["rewards"] if isinstance(r, dict)]
+        names = [f"{_file_name_only(str(r.get('name')))} × {r.get('weight', 1.0)}" for r in facts.grpo["rewards"]
+                 if isinstance(r, dict)]
         lines.append(f"| grpo.rewards | {_cell(', '.join(names))} |")
     lines += ["", "## Results", "", "| metric | first | final |", "|---|---|---|"]
     m = facts.metrics
@@ -391,6 +406,16 @@ def _card_body(facts: CardFacts) -> str:
         "set where vLLM runs.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _file_name_only(name: str) -> str:
+    """A user file's reference (`path/to/reward.py:score`, `path/to/tools.py`) as its file name (`reward.py:score`):
+    the card is public, and the path is the control plane host's (`/home/alice/secret-project/...`). Other names
+    (built-in and module rewards) as they are."""
+    match = re.fullmatch(r"(?P<path>.*\.py)(?P<attribute>:[A-Za-z_][A-Za-z0-9_]*)?", name)
+    if match is None:
+        return name
+    return re.split(r"[\\/]", match["path"])[-1] + (match["attribute"] or "")
 
 
 def _cell(value: Any) -> str:

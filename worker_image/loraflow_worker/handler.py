@@ -9,7 +9,7 @@ On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 Locally, one job through runpod's test mode (no server involved):
 
     python -m loraflow_worker.self_test.tiny_model --out /tmp/tiny-qwen3
-    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 9, "run_id": "demo",
+    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 10, "run_id": "demo",
         "model": {"id": "/tmp/tiny-qwen3"}, "dataset": {"store_path": "runs/demo/dataset/train.jsonl"},
         "training": {"max_steps": 50}, "artifact_store": "file:///tmp/loraflow-store"}}'
 
@@ -53,7 +53,7 @@ from loraflow_worker.runtime.merge import merge_adapter
 from loraflow_worker.runtime.packages import install_extra_packages
 from loraflow_worker.runtime.preload import preload_models
 from loraflow_worker.runtime.redaction import redact_secrets
-from loraflow_worker.runtime.supervisor import JobFailed, run_training
+from loraflow_worker.runtime.supervisor import RESULT_FILE, JobFailed, run_training
 
 CONSOLE_RETRY_BUDGET_S = 60.0
 """How long a failed job's console upload retries a rate-limited or failing Hub before the failure is reported without it."""
@@ -142,6 +142,11 @@ def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]
     if store.exists(f"{prefix}/DONE"):
         if ended.returncode != 0:
             log.warning("training process exited with %s after storing DONE: the run completed", ended.returncode)
+        # The training process's own result names the commit that holds the adapter, and no one who can write the
+        # store can change it; the stored copy is the fallback when the process ended before writing it.
+        local = work_dir / RESULT_FILE
+        if local.is_file():
+            return JobResult.model_validate_json(local.read_text()).model_dump(mode="json")
         return _stored_result(store, prefix)
     message = ended.failure_message()
     try:

@@ -52,6 +52,77 @@ def test_a_named_volume_is_kept_off_the_training_process_too_but_its_name_passes
     assert {name for name in env if name in child_env(JOB, env)} == {"LORAFLOW_VOLUME_PATH"}
 
 
+def test_a_volume_path_with_a_dot_component_is_kept_off_the_training_process():
+    assert not _passes("/./runpod-volume/triton")
+
+
+def test_a_volume_path_that_climbs_out_and_back_in_is_kept_off_the_training_process():
+    assert not _passes("/runpod-volume/../runpod-volume/triton")
+
+
+def test_a_volume_path_with_a_doubled_leading_slash_is_kept_off_the_training_process():
+    assert not _passes("//runpod-volume/triton")
+
+
+def test_the_volume_with_a_trailing_slash_is_kept_off_the_training_process():
+    assert not _passes("/runpod-volume/")
+
+
+def test_a_list_of_paths_with_one_on_the_volume_is_kept_off_the_training_process():
+    assert not _passes("/opt/lib/python:/runpod-volume/site-packages")
+
+
+def test_a_file_url_on_the_volume_is_kept_off_the_training_process():
+    assert not _passes("file:///runpod-volume/wheels")
+
+
+def test_a_flag_naming_a_volume_path_is_kept_off_the_training_process():
+    assert not _passes("--no-index --find-links=/runpod-volume/wheels")
+
+
+def test_a_relative_path_that_climbs_to_the_volume_is_kept_off_the_training_process():
+    assert not _passes("../../../../runpod-volume/triton")
+
+
+def test_a_link_to_the_volume_is_kept_off_the_training_process(tmp_path):
+    volume = _volume(tmp_path)
+    (tmp_path / "cache").symlink_to(volume)
+    assert not _passes(f"{tmp_path}/cache/triton", volume)
+
+
+def test_a_path_through_a_link_on_the_volume_to_elsewhere_is_kept_off_the_training_process(tmp_path):
+    volume = _volume(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (volume / "out").symlink_to(tmp_path / "elsewhere")
+    assert not _passes(f"{volume}/out/triton", volume)
+
+
+def test_a_path_that_climbs_from_a_link_into_the_volume_is_kept_off_the_training_process(tmp_path):
+    volume = _volume(tmp_path)
+    (volume / "sub").mkdir()
+    (tmp_path / "link").symlink_to(volume / "sub")
+    # The kernel follows the link before `..`: this is <volume>/triton, though it reads as <tmp_path>/triton.
+    assert not _passes(f"{tmp_path}/link/../triton", volume)
+
+
+def test_paths_that_only_share_the_volumes_name_reach_the_training_process():
+    for value in ("/srv/runpod-volume/x", "runpod-volume/x", "/runpod-volume-old/x",
+                  "https://hub.example/runpod-volume/x"):
+        assert _passes(value), value
+
+
+def _volume(tmp_path):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    return volume
+
+
+def _passes(value: str, volume=None) -> bool:
+    """Whether the training process gets `TRITON_CACHE_DIR=value` (on the volume at `volume`, else `/runpod-volume`)."""
+    env = {"TRITON_CACHE_DIR": value, **({"LORAFLOW_VOLUME_PATH": str(volume)} if volume else {})}
+    return "TRITON_CACHE_DIR" in child_env(JOB, env)
+
+
 def test_secret_values_from_the_environment_are_redacted():
     text = "token hf_forwardedtokenvalue, wandb wandb-key-value-123, runpod runpod-worker-key at https://hub.example"
     assert redact_secrets(text, WORKER_ENV) == "token ***, wandb ***, runpod *** at https://hub.example"

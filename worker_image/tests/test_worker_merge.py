@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -115,6 +116,22 @@ def test_a_merge_beyond_the_tolerance_fails_and_publishes_nothing(hub, finished_
     assert not HfApi(endpoint=hub.url, token=TOKEN).repo_exists("acme/tiny-merged-strict")
 
 
+def test_an_adapter_changed_after_the_run_stored_it_is_refused_and_nothing_is_published(hub, finished_job,
+                                                                                      tiny_model_dir, tmp_path):
+    store_root = tmp_path / "store"
+    shutil.copytree(finished_job.run_dir, store_root / "runs" / "run-a")
+    swapped = store_root / "runs" / "run-a" / "adapter" / "adapter_model.safetensors"
+    swapped.write_bytes(b"a teammate's weights")
+    job = _merge_job(finished_job, tiny_model_dir, artifact_store=store_root.as_uri(),
+                     merged_model_id="acme/tiny-merged-swapped")
+    done = _run_handler(hub, job, tmp_path)
+    assert done.returncode != 0
+    assert ("ArtifactChanged: runs/run-a/adapter/adapter_model.safetensors changed after the run stored it: its sha256 "
+            f"was {finished_job.result['adapter_sha256']['adapter_model.safetensors']} then") in done.stderr, \
+        done.stderr[-3000:]
+    assert not HfApi(endpoint=hub.url, token=TOKEN).repo_exists("acme/tiny-merged-swapped")
+
+
 def test_the_logits_comparison_refuses_a_perturbed_merge_and_accepts_noise():
     torch.manual_seed(0)
     reference = [torch.randn(1, 6, 50) * 8, torch.randn(1, 4, 50) * 8]
@@ -145,7 +162,10 @@ def test_a_merge_that_left_the_base_as_it_was_fails_though_the_adapter_moves_les
 def _merge_job(finished_job, base: Path, **fields) -> dict:
     job_input = {"contract_version": CONTRACT_VERSION, "mode": "merge", "run_id": "run-a", "run_name": "e2e-merge",
                  "artifact_store": finished_job.run_dir.parent.parent.as_uri(), "base_model": {"id": str(base)},
-                 "merged_model_id": MERGED, "private": True}
+                 "merged_model_id": MERGED, "private": True,
+                 # The run's own result pins the adapter it stored, as the control plane passes it on.
+                 "adapter_revision": finished_job.result["revision"],
+                 "adapter_sha256": finished_job.result["adapter_sha256"]}
     return {"id": "job-merge-1", "input": {**job_input, **fields}}
 
 

@@ -1,6 +1,7 @@
 """A run's own worker variables (`JobInput.worker_env_names`) and secrets (`worker_secret_names`) on the worker: the
-training process gets exactly the listed ones beside what it always gets, and a listed secret's value, whatever its
-name, leaves the worker in nothing it returns or stores."""
+training process gets exactly the listed ones beside what it always gets, a plain variable that is not the value the
+control plane checked (`worker_env_sha256`) refuses the job, and a listed secret's value, whatever its name, leaves the
+worker in nothing it returns or stores."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 from pydantic import ValidationError
 from worker_test_support import stored_files_containing
 
-from loraflow_worker.contract import JobInput
-from loraflow_worker.runtime.environment import child_env
+from loraflow_worker.artifacts.pins import sha256_hex
+from loraflow_worker.contract import CONTRACT_VERSION, JobInput
+from loraflow_worker.runtime.environment import RunEnvRefused, child_env
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
 from loraflow_worker.runtime.redaction import redact_secrets
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
@@ -28,8 +30,16 @@ WORKER_ENV = {
 }
 
 
+def checked(env: dict[str, str]) -> dict:
+    """`worker_env_names` and `worker_env_sha256` of a run whose `[worker] env` is `env`, as the control plane sends
+    them."""
+    return {"worker_env_names": sorted(env), "worker_env_sha256": {name: sha256_hex(value.encode())
+                                                                  for name, value in env.items()}}
+
+
 def test_the_training_process_gets_the_runs_listed_variables_whatever_their_names():
-    job = JobInput(**JOB, worker_env_names=["JUDGE_URL", "JUDGE_TOKEN_BUDGET"], worker_secret_names=["JUDGE_KEY"])
+    job = JobInput(**JOB, **checked({"JUDGE_URL": JUDGE_URL, "JUDGE_TOKEN_BUDGET": "2000"}),
+                   worker_secret_names=["JUDGE_KEY"])
     env = child_env(job, WORKER_ENV)
     assert {name for name in WORKER_ENV if name in env} == {"PATH", "JUDGE_URL", "JUDGE_TOKEN_BUDGET", "JUDGE_KEY"}
     assert env["JUDGE_KEY"] == JUDGE_KEY
@@ -45,6 +55,53 @@ def test_a_listed_secret_is_redacted_whatever_its_name_and_length():
     text = f"auth {JUDGE_AUTH} pin 4321"
     assert redact_secrets(text, env) == text  # neither name looks like a secret's
     assert redact_secrets(text, env, secret_names=["JUDGE_AUTH", "PIN"]) == "auth *** pin ***"
+
+
+def test_a_plain_variable_whose_value_is_not_the_checked_one_refuses_the_job_without_showing_it():
+    job = JobInput(**JOB, **checked({"JUDGE_URL": JUDGE_URL}))
+    with pytest.raises(RunEnvRefused) as refused:
+        child_env(job, WORKER_ENV | {"JUDGE_URL": "http://elsewhere.example/steal"})
+    assert "`worker.env.JUDGE_URL` holds another value than the one the control plane checked" in str(refused.value)
+    assert "elsewhere" not in str(refused.value)
+
+
+def test_a_plain_variable_holding_a_secret_reference_refuses_the_job_naming_it():
+    reference = "{{ RUNPOD_SECRET_someone-elses-key }}"
+    job = JobInput(**JOB, **checked({"JUDGE_URL": reference}))  # even when it is the value that was checked
+    with pytest.raises(RunEnvRefused, match=r"`worker.env.JUDGE_URL` holds `\{\{` or `RUNPOD_SECRET_`"):
+        child_env(job, WORKER_ENV | {"JUDGE_URL": reference})
+
+
+@pytest.mark.parametrize("value", ["prefix runpod_secret_other", "a {{ b"])
+def test_a_secret_reference_is_found_in_any_case_and_anywhere_in_the_value(value):
+    job = JobInput(**JOB, **checked({"JUDGE_URL": value}))
+    with pytest.raises(RunEnvRefused, match="worker.env.JUDGE_URL"):
+        child_env(job, {"JUDGE_URL": value})
+
+
+def test_a_listed_plain_variable_missing_from_the_worker_refuses_the_job():
+    job = JobInput(**JOB, **checked({"JUDGE_URL": JUDGE_URL}))
+    with pytest.raises(RunEnvRefused, match="`worker.env.JUDGE_URL` is not set in the worker's environment"):
+        child_env(job, {"PATH": "/usr/bin"})
+
+
+def test_a_job_without_a_hash_for_each_plain_variable_is_refused():
+    with pytest.raises(ValidationError) as refused:
+        JobInput(**JOB, worker_env_names=["JUDGE_URL", "JUDGE_TOKEN_BUDGET"],
+                 worker_env_sha256={"JUDGE_URL": sha256_hex(JUDGE_URL.encode())})
+    [error] = refused.value.errors()
+    assert error["loc"] == ("worker_env_sha256",) and "give the sha256 of each listed variable" in error["msg"]
+
+
+def test_the_handler_refuses_a_changed_plain_variable_before_training(tmp_path, monkeypatch):
+    store_root = tmp_path / "store"
+    monkeypatch.setenv("JUDGE_URL", "http://elsewhere.example/steal")
+    monkeypatch.setenv(WORK_DIR_ENV, str(tmp_path / "work"))
+    job_input = {**JOB, "contract_version": CONTRACT_VERSION, "artifact_store": store_root.as_uri(),
+                 **checked({"JUDGE_URL": JUDGE_URL})}
+    with pytest.raises(RunEnvRefused, match="worker.env.JUDGE_URL"):
+        handler({"id": "job-1", "input": job_input})
+    assert not (tmp_path / "work").exists()  # refused before its work folder was made
 
 
 @pytest.mark.parametrize("field, name, problem", [
@@ -84,7 +141,7 @@ def test_a_reward_that_prints_and_raises_the_runs_secrets_leaves_them_in_no_erro
     monkeypatch.setenv(WORK_DIR_ENV, str(tmp_path / "work"))
     job = make_job("sec", tiny_model_dir, store_root, algorithm="grpo",
                    dataset={"store_path": "runs/sec/dataset/prompts.jsonl"},
-                   training={"max_steps": 1, "batch_size": 4}, worker_env_names=["JUDGE_URL"],
+                   training={"max_steps": 1, "batch_size": 4}, **checked({"JUDGE_URL": JUDGE_URL}),
                    worker_secret_names=["JUDGE_KEY", "JUDGE_AUTH"],
                    grpo={"num_generations": 4, "max_completion_length": 4,
                          "rewards": [{"name": "rewards/judge.py:score", "store_path": reward_path}]})

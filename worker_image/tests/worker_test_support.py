@@ -56,7 +56,7 @@ class CountingStore(FileStore):
     def put(self, files, *, message, **kwargs):
         self.commits.append(message)
         self.commit_paths.append(list(files))
-        super().put(files, message=message, **kwargs)
+        return super().put(files, message=message, **kwargs)
 
 
 class Clock:

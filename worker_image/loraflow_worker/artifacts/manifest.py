@@ -100,6 +100,12 @@ class RunManifest(BaseModel):
         description="Where the training examples came from: each source (the mix's entries, in order) and how many "
         "examples it gave.",
     )
+    input_sha256: dict[str, str] = Field(
+        default_factory=dict,
+        description="Store path → sha256 of each of the run's own files as training read them from the store (dataset "
+        "files, evaluation file, chat template, reward, tools and environment files): with pins in the job "
+        "(`job.inputs`), checked equal to the hashes the control plane recorded when it stored them.",
+    )
     dataset_sha256: str | None = Field(
         default=None, description="sha256 of the training rows as canonical JSON lines, in order (`rows_sha256`)."
     )

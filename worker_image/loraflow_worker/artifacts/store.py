@@ -11,6 +11,10 @@ Every write (`put`, `put_folder`, `delete_prefix`) is ONE commit on the Hub, bec
 128 commits per hour per repo: batch what belongs together into one call. A Hub store retries a 429, 5xx
 or network error with backoff (writes for `retry_budget_s`, default 10 min; reads up to a minute), then
 raises it as `transient`. Light dependencies only: the control plane imports this without the training stack.
+
+`put` returns the Hub commit it made, and reads take a `revision` to read that commit instead of `main`: what someone
+wrote to the repo since cannot change what is read. A folder has no revisions (FileStore ignores them); there, the
+sha256 a writer recorded is what protects a reader (`artifacts.pins`).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ HUB_GITATTRIBUTES = ".gitattributes"
 
 _HUB_URL = re.compile(r"^hf://datasets/([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)/?$")
 _PARTIAL_SUFFIX = ".loraflow-partial"
-"""Suffix of FileStore's temporary files while a write is in flight; never listed."""
+"""Suffix of FileStore's staging folder while a write is in flight; nothing under it is ever listed."""
 
 
 class ArtifactNotFound(Exception):
@@ -83,27 +87,29 @@ class ArtifactStore:
     url: str
 
     def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = (),
-            retry_budget_s: float | None = None) -> None:
+            retry_budget_s: float | None = None) -> str | None:
         """Store `files` (path -> content or local file) and remove `delete_prefixes` (folders; missing
         ones ignored) in ONE commit. Deletions apply first, so a file may be replaced in its folder.
-        `retry_budget_s`: seconds a Hub store retries this write (None: the store's; 0: none, e.g. heartbeats)."""
+        `retry_budget_s`: seconds a Hub store retries this write (None: the store's; 0: none, e.g. heartbeats).
+        Returns the revision that holds the write (the Hub commit's id); None for a folder, which has no revisions,
+        and when there was nothing to write."""
         raise NotImplementedError
 
-    def read_bytes(self, path: str) -> bytes:
-        """The file's content; ArtifactNotFound if it is not there."""
+    def read_bytes(self, path: str, *, revision: str | None = None) -> bytes:
+        """The file's content at `revision` (None: the latest); ArtifactNotFound if it is not there."""
         raise NotImplementedError
 
-    def exists(self, path: str) -> bool:
-        """Whether a file (not a folder) is stored at `path`."""
+    def exists(self, path: str, *, revision: str | None = None) -> bool:
+        """Whether a file (not a folder) is stored at `path`, at `revision` (None: the latest)."""
         raise NotImplementedError
 
     def list_files(self, prefix: str) -> list[str]:
         """Every file under the folder `prefix` ("" = everything), recursive, repo-relative, sorted."""
         raise NotImplementedError
 
-    def download(self, prefix: str, dest: Path) -> Path:
-        """Copy every file under the folder `prefix` to `dest/<path relative to prefix>`; returns `dest`.
-        ArtifactNotFound if nothing is under `prefix`."""
+    def download(self, prefix: str, dest: Path, *, revision: str | None = None) -> Path:
+        """Copy every file under the folder `prefix` at `revision` (None: the latest) to `dest/<path relative to
+        prefix>`; returns `dest`. ArtifactNotFound if nothing is under `prefix`."""
         raise NotImplementedError
 
     def delete_prefix(self, prefix: str, *, message: str) -> None:
@@ -115,7 +121,7 @@ class ArtifactStore:
         """A link for humans to the store or a path inside it."""
         raise NotImplementedError
 
-    def put_folder(self, local_dir: Path, prefix: str, *, message: str, replace: bool = True) -> None:
+    def put_folder(self, local_dir: Path, prefix: str, *, message: str, replace: bool = True) -> str | None:
         """Store every file under `local_dir` as `prefix/<relative path>`, in one commit. With `replace`,
         what was under `prefix` before is removed in the same commit."""
         local_dir = Path(local_dir)
@@ -127,10 +133,10 @@ class ArtifactStore:
             for p in sorted(local_dir.rglob("*"))
             if p.is_file()
         }
-        self.put(files, message=message, delete_prefixes=[prefix] if replace else ())
+        return self.put(files, message=message, delete_prefixes=[prefix] if replace else ())
 
-    def read_json(self, path: str) -> Any:
-        return json.loads(self.read_bytes(path))
+    def read_json(self, path: str, *, revision: str | None = None) -> Any:
+        return json.loads(self.read_bytes(path, revision=revision))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -159,7 +165,9 @@ def open_store(url: str, token: str | None = None, *, endpoint: str | None = Non
 
 
 class FileStore(ArtifactStore):
-    """A local folder. Each file is written atomically (temporary file + rename)."""
+    """A local folder, without revisions (reads ignore `revision`). A `put` first writes every new file into a
+    staging folder beside them, and only then removes `delete_prefixes` and renames the files into place, in the
+    order given: a write that fails part way (a missing source, a full disk) leaves what was there."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -169,31 +177,33 @@ class FileStore(ArtifactStore):
     def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = (),
             retry_budget_s: float | None = None) -> None:
         targets = {_clean_path(path): content for path, content in files.items()}
-        for prefix in delete_prefixes:
-            shutil.rmtree(self.root / _clean_prefix(prefix, allow_root=False), ignore_errors=True)
-        for path, content in targets.items():
-            target = self.root / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=_PARTIAL_SUFFIX)
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    if isinstance(content, bytes):
-                        out.write(content)
-                    else:
-                        with open(content, "rb") as src:
-                            shutil.copyfileobj(src, out)
-                os.replace(tmp, target)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+        prefixes = [_clean_prefix(prefix, allow_root=False) for prefix in delete_prefixes]
+        # In the store's own folder, so that the renames below stay on one file system (and so atomic).
+        staging = Path(tempfile.mkdtemp(dir=self.root, prefix=".put-", suffix=_PARTIAL_SUFFIX))
+        try:
+            staged = {}
+            for number, (path, content) in enumerate(targets.items()):
+                staged[path] = staging / str(number)
+                if isinstance(content, bytes):
+                    staged[path].write_bytes(content)
+                else:
+                    shutil.copyfile(content, staged[path])
+            for prefix in prefixes:
+                shutil.rmtree(self.root / prefix, ignore_errors=True)
+            for path, source in staged.items():
+                target = self.root / path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(source, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, *, revision: str | None = None) -> bytes:
         try:
             return (self.root / _clean_path(path)).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
             raise ArtifactNotFound(f"{self.url}: no artifact at {path!r}") from e
 
-    def exists(self, path: str) -> bool:
+    def exists(self, path: str, *, revision: str | None = None) -> bool:
         return (self.root / _clean_path(path)).is_file()
 
     def list_files(self, prefix: str) -> list[str]:
@@ -203,10 +213,10 @@ class FileStore(ArtifactStore):
         return sorted(
             p.relative_to(self.root).as_posix()
             for p in base.rglob("*")
-            if p.is_file() and not p.name.endswith(_PARTIAL_SUFFIX)
+            if p.is_file() and not any(part.endswith(_PARTIAL_SUFFIX) for part in p.relative_to(self.root).parts)
         )
 
-    def download(self, prefix: str, dest: Path) -> Path:
+    def download(self, prefix: str, dest: Path, *, revision: str | None = None) -> Path:
         prefix = _clean_prefix(prefix)
         files = self.list_files(prefix)
         if not files:
@@ -253,12 +263,12 @@ class HubStore(ArtifactStore):
         return self._api.endpoint
 
     def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = (),
-            retry_budget_s: float | None = None) -> None:
+            retry_budget_s: float | None = None) -> str | None:
         additions = {_clean_path(path): content if isinstance(content, bytes) else str(content)
                      for path, content in files.items()}
         prefixes = [_clean_prefix(prefix, allow_root=False) for prefix in delete_prefixes]
 
-        def commit() -> None:
+        def commit() -> str | None:
             # Built afresh on each try, so retrying a commit that did land (after a timeout) is harmless: gone
             # folders are not deleted again (that fails with 404), and the client drops unchanged files.
             operations: list[CommitOperationAdd | CommitOperationDelete] = [
@@ -267,24 +277,29 @@ class HubStore(ArtifactStore):
             ]
             operations += [CommitOperationAdd(path_in_repo=path, path_or_fileobj=source)
                            for path, source in additions.items()]
-            if operations:
-                # One create_commit is one commit; upload_folder may split into several (hf-hub-api §6).
-                self._api.create_commit(self.repo_id, operations, commit_message=message,
-                                        repo_type=self.repo_type, revision=HUB_BRANCH)
+            if not operations:
+                return None
+            # One create_commit is one commit; upload_folder may split into several (hf-hub-api §6). A retry whose
+            # files all landed already commits nothing, and the client answers with the branch's head: it holds them.
+            return self._api.create_commit(self.repo_id, operations, commit_message=message,
+                                           repo_type=self.repo_type, revision=HUB_BRANCH).oid
 
-        if additions or prefixes:
-            self._call("commit to", commit, budget_s=self.retry_budget_s if retry_budget_s is None else retry_budget_s)
+        if not (additions or prefixes):
+            return None
+        return self._call("commit to", commit,
+                          budget_s=self.retry_budget_s if retry_budget_s is None else retry_budget_s)
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, *, revision: str | None = None) -> bytes:
         path = _clean_path(path)
         return Path(self._call("read", lambda: self._api.hf_hub_download(
-            self.repo_id, path, repo_type=self.repo_type, revision=HUB_BRANCH, cache_dir=self._cache_dir),
-            path=path, budget_s=self._read_budget_s)).read_bytes()
+            self.repo_id, path, repo_type=self.repo_type, revision=revision or HUB_BRANCH, cache_dir=self._cache_dir),
+            path=path, revision=revision, budget_s=self._read_budget_s)).read_bytes()
 
-    def exists(self, path: str) -> bool:
+    def exists(self, path: str, *, revision: str | None = None) -> bool:
         path = _clean_path(path)
         return self._call("check", lambda: self._api.file_exists(
-            self.repo_id, path, repo_type=self.repo_type, revision=HUB_BRANCH), path=path, budget_s=self._read_budget_s)
+            self.repo_id, path, repo_type=self.repo_type, revision=revision or HUB_BRANCH), path=path,
+            revision=revision, budget_s=self._read_budget_s)
 
     def list_files(self, prefix: str) -> list[str]:
         prefix = _clean_prefix(prefix)
@@ -302,13 +317,13 @@ class HubStore(ArtifactStore):
             if isinstance(e, RepoFile) and _is_under(e.path, prefix) and e.path != HUB_GITATTRIBUTES
         )
 
-    def download(self, prefix: str, dest: Path) -> Path:
+    def download(self, prefix: str, dest: Path, *, revision: str | None = None) -> Path:
         prefix = _clean_prefix(prefix)
         snapshot = Path(self._call("download", lambda: self._api.snapshot_download(
-            self.repo_id, repo_type=self.repo_type, revision=HUB_BRANCH, cache_dir=self._cache_dir,
+            self.repo_id, repo_type=self.repo_type, revision=revision or HUB_BRANCH, cache_dir=self._cache_dir,
             allow_patterns=[glob.escape(prefix) + "/*"] if prefix else None,
             ignore_patterns=None if prefix else [HUB_GITATTRIBUTES],
-        ), path=prefix, budget_s=self._read_budget_s))
+        ), path=prefix, revision=revision, budget_s=self._read_budget_s))
         source = snapshot / prefix if prefix else snapshot
         files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else []
         if not files:
@@ -323,7 +338,8 @@ class HubStore(ArtifactStore):
     def display_url(self, path: str = "") -> str:
         return f"{self.endpoint}/datasets/{self.repo_id}/tree/{HUB_BRANCH}/{path}".rstrip("/")
 
-    def _call(self, action: str, call: Callable[[], _T], *, path: str | None = None, budget_s: float) -> _T:
+    def _call(self, action: str, call: Callable[[], _T], *, path: str | None = None, revision: str | None = None,
+              budget_s: float) -> _T:
         """`call()`, tried again after transient failures until `budget_s` is spent; errors mapped to store errors."""
         def warn(details: dict) -> None:
             status = _status(error := details["exception"])
@@ -338,7 +354,7 @@ class HubStore(ArtifactStore):
             on_backoff=warn, on_giveup=spent.update, logger=None, max_wait_s=HUB_MAX_WAIT_S,
         )(call)
         try:
-            with self._hub_errors(action, path):
+            with self._hub_errors(action, path, revision):
                 return retrying()
         except ArtifactStoreError as e:
             if not e.transient:
@@ -347,7 +363,7 @@ class HubStore(ArtifactStore):
                                      f"(retry budget {budget_s:.0f} s).", transient=True) from e.__cause__
 
     @contextlib.contextmanager
-    def _hub_errors(self, action: str, path: str | None = None) -> Iterator[None]:
+    def _hub_errors(self, action: str, path: str | None = None, revision: str | None = None) -> Iterator[None]:
         """The one place that turns huggingface_hub errors into store errors that say what to check."""
         where = f"{self.url} (endpoint {self.endpoint})"
         try:
@@ -358,9 +374,10 @@ class HubStore(ArtifactStore):
                 f"id, that HF_TOKEN (or the token passed) has write access to it, and HF_ENDPOINT. ({e})"
             )) from e
         except RevisionNotFoundError as e:
-            raise ArtifactStoreError(self._scrub(
-                f"cannot {action} {where}: branch {HUB_BRANCH!r} not found; the repo may be empty or broken. ({e})"
-            )) from e
+            missing = (f"revision {revision!r} not found: the commit the run recorded is not in this repo (was its "
+                       "history rewritten?)" if revision else
+                       f"branch {HUB_BRANCH!r} not found; the repo may be empty or broken")
+            raise ArtifactStoreError(self._scrub(f"cannot {action} {where}: {missing}. ({e})")) from e
         except RemoteEntryNotFoundError as e:
             raise ArtifactNotFound(f"{self.url}: no artifact at {path!r}") from e
         except LocalEntryNotFoundError as e:  # raised when the Hub could not be reached and nothing is cached

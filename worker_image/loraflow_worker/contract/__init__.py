@@ -9,9 +9,10 @@ before a GPU is billed, and a worker refuses a job whose `contract_version` it d
 It owns the version (`version`), what a run trains on (`sources`) and the formats its rows may come in, converted to
 TRL's by one implementation that both sides run (`dataset_formats`), the job's sections (`training_settings`,
 one `<method>_settings` per method with settings of its own, `memory_settings`, `fast_path_settings`), the names
-a run may put in its worker's environment (`env_names`), the job itself (`job`), what comes back (`results`),
-preload jobs (`preload`), merge jobs (`merge`: a run's adapter merged into its base and published), how a reward is named (`reward_names`) and the chat templates the image's TRL
-has training versions of (`chat_templates`). The models are re-exported here:
+a run may put in its worker's environment (`env_names`), the pins on the files the control plane stored for a job
+(`stored_inputs`), the job itself (`job`), what comes back (`results`), preload jobs (`preload`), merge jobs (`merge`:
+a run's adapter merged into its base and published), how a reward is named (`reward_names`) and the chat templates the
+image's TRL has training versions of (`chat_templates`). The models are re-exported here:
 `from loraflow_worker.contract import JobInput`.
 
 It must stay light (pydantic and the standard library only) and import nothing else of the worker: the
@@ -25,6 +26,7 @@ from loraflow_worker.contract.env_names import (
     MAX_WORKER_ENV,
     RESERVED_ENV_NAMES,
     RESERVED_ENV_PREFIXES,
+    secret_reference_problem,
     worker_env_name,
     worker_env_overlap,
 )
@@ -44,6 +46,7 @@ from loraflow_worker.contract.results import (
     run_prefix,
 )
 from loraflow_worker.contract.sources import DatasetSource, MixSource, ModelSource, RowFormat, SourceFields
+from loraflow_worker.contract.stored_inputs import StoredInputs
 from loraflow_worker.contract.training_settings import (
     EvaluationSettings,
     LoraSettings,
@@ -85,6 +88,7 @@ __all__ = [
     "PreloadResult",
     "Progress",
     "RewardSpec",
+    "StoredInputs",
     "TrackerRun",
     "TrainMetrics",
     "TrainingSettings",
@@ -95,6 +99,7 @@ __all__ = [
     "run_prefix",
     "TRAJECTORIES_FILE",
     "trl_training_template",
+    "secret_reference_problem",
     "worker_env_name",
     "worker_env_overlap",
 ]

@@ -52,6 +52,23 @@ def worker_env_name(name: str) -> str:
     return name
 
 
+SECRET_REFERENCE_MARKS = ("{{", "RUNPOD_SECRET_")
+"""What makes an env value a RunPod secret reference: RunPod replaces `{{ RUNPOD_SECRET_<name> }}` anywhere in an
+endpoint's env value with that account secret when a worker boots, so a run's plain variable holding one would hand
+its code another person's secret. Only loraflow's own code writes references (compared without regard to case)."""
+
+
+def secret_reference_problem(name: str, value: str) -> str | None:
+    """Why the run's plain variable `name` cannot hold `value` (it would refer to an account secret); None when it
+    can."""
+    upper = value.upper()
+    if any(mark in upper for mark in SECRET_REFERENCE_MARKS):
+        return (f"`worker.env.{name}` holds `{{{{` or `RUNPOD_SECRET_`: RunPod would put an account secret in its "
+                "place when the worker boots, and a run may only receive its own secrets: name a Prefect Secret block "
+                "of yours in `worker.secrets` instead, or remove the braces")
+    return None
+
+
 def worker_env_overlap(env_names: Iterable[str], secret_names: Iterable[str]) -> str | None:
     """Why the same name cannot be both a plain variable and a secret, or None when no name is both."""
     both = sorted(set(env_names) & set(secret_names))

@@ -13,6 +13,7 @@ from loraflow_worker.contract.fast_path_settings import FastPathSettings
 from loraflow_worker.contract.grpo_settings import GrpoSettings, grpo_setting_problems
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.sources import DatasetSource, ModelSource
+from loraflow_worker.contract.stored_inputs import Sha256, StoredInputs
 from loraflow_worker.contract.training_settings import (
     EvaluationSettings,
     LoraSettings,
@@ -99,6 +100,12 @@ class JobInput(_Strict):
         description="Names of the run's own plain variables in the endpoint's env (`[worker] env`): the worker hands "
         "exactly these, whatever their names look like, to the training process beside what it always hands on.",
     )
+    worker_env_sha256: dict[str, Sha256] = Field(
+        default_factory=dict,
+        description="For each name of `worker_env_names`, the sha256 of the value the control plane checked: the worker "
+        "refuses the job when the value in its environment is another (RunPod puts account secrets in place of "
+        "`{{ RUNPOD_SECRET_<name> }}` anywhere in an env value, which a plain variable must never receive).",
+    )
     worker_secret_names: list[str] = Field(
         default_factory=list,
         max_length=MAX_WORKER_ENV,
@@ -110,6 +117,16 @@ class JobInput(_Strict):
         default_factory=FastPathSettings, validate_default=True,
         description="Fast paths switched on or off for this run (empty: automatic)."
     )
+    inputs: StoredInputs | None = Field(
+        default=None,
+        description="The run's files as the control plane stored them (the commit that holds them, their sha256): the "
+        "worker reads each at that commit and refuses one that changed since. None: nothing pinned (a job written by "
+        "hand).",
+    )
+
+    def input_files(self) -> dict[str, str]:
+        """Store path → the field that names it, for every file of the run that the worker reads from the store."""
+        return _input_files(self.dataset, self.training, self.grpo, self.evaluation)
 
     _plain_requirements = field_validator("extra_packages")(plain_requirements)
 
@@ -136,6 +153,14 @@ class JobInput(_Strict):
     @classmethod
     def _names_a_run_may_set(cls, names: list[str]) -> list[str]:
         return [worker_env_name(name) for name in names]
+
+    @field_validator("worker_env_sha256")
+    @classmethod
+    def _a_hash_for_each_plain_variable(cls, hashes: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        if "worker_env_names" in info.data and set(hashes) != set(info.data["worker_env_names"]):
+            raise ValueError(f"names {sorted(hashes)}, but `worker_env_names` lists {info.data['worker_env_names']}: "
+                             "give the sha256 of each listed variable's value, and of no other")
+        return hashes
 
     @field_validator("worker_secret_names")
     @classmethod
@@ -165,3 +190,33 @@ class JobInput(_Strict):
             if problems:
                 raise ValueError("; ".join(problems))
         return fast_paths
+
+    @field_validator("inputs")
+    @classmethod
+    def _every_file_pinned(cls, inputs: StoredInputs | None, info: ValidationInfo) -> StoredInputs | None:
+        # A file the job names but the pins leave out would be read unchecked.
+        if inputs is not None and all(name in info.data for name in ("dataset", "training", "grpo", "evaluation")):
+            files = _input_files(info.data["dataset"], info.data["training"], info.data["grpo"],
+                                 info.data["evaluation"])
+            missing = [f"{field} ({path})" for path, field in files.items() if path not in inputs.sha256]
+            if missing:
+                raise ValueError(f"no sha256 for {', '.join(missing)}: the control plane pins every file it stores "
+                                 "for the run; give each store path's hash in `inputs.sha256`")
+        return inputs
+
+
+def _input_files(dataset: DatasetSource, training: TrainingSettings, grpo: GrpoSettings | None,
+                 evaluation: EvaluationSettings | None) -> dict[str, str]:
+    files = {source.store_path: field for field, source in
+             [("dataset", dataset), *((f"dataset.mix[{i}]", entry) for i, entry in enumerate(dataset.mix))]
+             if source.store_path is not None}
+    if evaluation is not None and evaluation.store_path is not None:
+        files[evaluation.store_path] = "evaluation"
+    if training.chat_template is not None and training.chat_template.endswith((".jinja", ".j2")):
+        files[training.chat_template] = "training.chat_template"
+    if grpo is not None:
+        files |= {reward.store_path: f"grpo.rewards[{i}]" for i, reward in enumerate(grpo.rewards)
+                  if reward.store_path is not None}
+        files |= {path: field for field, path in (("grpo.tools", grpo.tools_store_path),
+                                                  ("grpo.environment", grpo.environment_store_path)) if path}
+    return files

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from loraflow_worker.contract.sources import ModelSource
+from loraflow_worker.contract.stored_inputs import Sha256
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
 HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -38,6 +39,15 @@ class MergeInput(_Strict):
                                 "`hf://datasets/<org>/<repo>`.")
     base_model: ModelSource = Field(description="The base model the adapter was trained on (the run's manifest: a "
                                     "Hub id pinned to a commit, or a local folder in local mode).")
+    adapter_revision: str | None = Field(
+        default=None, min_length=1, max_length=100,
+        description="The store commit that holds the run's adapter (the run's `JobResult.revision`): the adapter is read "
+        "there, not at `main`. None: the latest (a `file://` store, or a result that names no commit).")
+    adapter_sha256: dict[str, Sha256] = Field(
+        default_factory=dict,
+        description="Path relative to the adapter folder → sha256 of each adapter file, as the run stored it (its "
+        "`JobResult.adapter_sha256`): the merge refuses an adapter that differs. Empty: nothing to check (a run stored "
+        "before contract version 10).")
     quantization: Literal["none", "4bit"] = Field(
         default="none", description="The run's `lora.quantization`. A QLoRA adapter (`4bit`) is merged into the bf16 "
         "base all the same, never into a 4-bit one: merged 4-bit weights would be requantized, and neither "

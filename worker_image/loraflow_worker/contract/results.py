@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from loraflow_worker.contract.stored_inputs import Sha256
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
 
@@ -85,6 +86,15 @@ class JobResult(_Strict):
     metrics: TrainMetrics
     trackers: list[TrackerRun] = Field(
         default_factory=list, description="Where the trackers of `training.report_to` recorded this attempt.")
+    adapter_sha256: dict[str, Sha256] = Field(
+        default_factory=dict,
+        description="Path relative to `adapter_path` → sha256 of each adapter file, as the worker stored it: "
+        "publishing and merging refuse an adapter that differs. Empty: stored by a worker before contract version 10.")
+    revision: str | None = Field(
+        default=None,
+        description="The store commit that holds the adapter and `DONE`, where publishing and merging read the "
+        "adapter. Set in the job's output; None in the stored `result.json` (it is written in that commit, which cannot name "
+        "itself) and for a `file://` store, which has no revisions.")
 
 
 class PartialResult(_Strict):

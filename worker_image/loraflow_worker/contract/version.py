@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-CONTRACT_VERSION = 9
+CONTRACT_VERSION = 10
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
 and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
 `worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
@@ -16,7 +16,10 @@ variants (`training.lr_scheduler`, `warmup_*`, `weight_decay`, `max_grad_norm`, 
 it (`dataset.config`, `revision`, `format`, `columns`, `mix`; the evaluation file's `format` and `columns`). 7:
 `algorithm` "dpo" with its `dpo` section and preference rows; `TrainMetrics.preference`. 8: tools in GRPO
 (`grpo.tools`, `environment`, `max_tool_calls` and their store paths) and the run's `trajectories.jsonl`. 9: merge jobs
-(`MergeInput` with `"mode": "merge"`, `MergeResult`): a stored run's adapter merged into its bf16 base and published."""
+(`MergeInput` with `"mode": "merge"`, `MergeResult`): a stored run's adapter merged into its bf16 base and published.
+10: pinned inputs (`JobInput.inputs`: the store commit and sha256 of the run's files; `worker_env_sha256`: of its
+plain worker variables), the adapter's hashes and commit in `JobResult` (`adapter_sha256`, `revision`) and in
+`MergeInput` (`adapter_sha256`, `adapter_revision`): someone else who can write the store cannot change a run."""
 
 
 class _Strict(BaseModel):

@@ -2,12 +2,13 @@
 
 The control plane sends (on a CPU endpoint, `tasks/storage/merge.py`)
 
-    {"contract_version": 9, "mode": "merge", "run_id": "<flow run id>", "run_name": "capybara",
+    {"contract_version": 10, "mode": "merge", "run_id": "<flow run id>", "run_name": "capybara",
      "artifact_store": "hf://datasets/acme/runs", "base_model": {"id": "Qwen/Qwen3-8B", "revision": "<sha>"},
      "merged_model_id": "acme/qwen3-capybara", "adapter_repo": "acme/qwen3-capybara-lora"}
 
 and the worker: downloads the base (pinned commit; the volume's Hub cache when one is attached) and the adapter
-(`runs/<id>/adapter`); loads the base in bf16 on the CPU, whatever the run trained on (a QLoRA adapter is merged
+(`runs/<id>/adapter`, at the store commit the run recorded, `adapter_revision`, each file checked against the
+`adapter_sha256` the run recorded: an adapter someone changed in the store since is refused, `ArtifactChanged`); loads the base in bf16 on the CPU, whatever the run trained on (a QLoRA adapter is merged
 into the bf16 base, never into a 4-bit one); puts PEFT's unmerged adapter on top and takes its logits on a few
 fixed inputs; `merge_and_unload()`s and takes the merged model's logits on the same inputs; compares them
 (`compare_logits`: beyond the tolerance the job fails and nothing is published); saves the merged model
@@ -37,6 +38,7 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Mo
 from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError
 
 from loraflow_worker.artifacts import open_store
+from loraflow_worker.artifacts.pins import download_pinned
 from loraflow_worker.contract import LogitsCheck, MergeInput, MergeResult, Progress, run_prefix
 from loraflow_worker.contract.merge import DEFAULT_LOGITS_RTOL
 from loraflow_worker.runtime.model_cache import resolve_base_model
@@ -73,8 +75,8 @@ class MergeMismatch(RuntimeError):
 
 def merge_adapter(job: MergeInput, work_dir: Path, report: Callable[[Progress], None]) -> MergeResult:
     """Merge, check, publish (see the module docstring); returns the result, or the earlier commit's when the repo
-    has this run's merge already. Raises `MergeMismatch` when the logits check fails, and the Hub's or the store's
-    errors as they come."""
+    has this run's merge already. Raises `MergeMismatch` when the logits check fails, `ArtifactChanged` when the
+    stored adapter is not the one the run recorded, and the Hub's or the store's errors as they come."""
     import torch
 
     started = time.monotonic()
@@ -86,9 +88,11 @@ def merge_adapter(job: MergeInput, work_dir: Path, report: Callable[[Progress], 
     if earlier is not None:
         log.info("%s already holds run %s's merge: %s", job.merged_model_id, job.run_id, earlier.commit_url)
         return earlier
-    report(Progress(stage="loading", message=f"merge: downloading the base model {job.base_model.id} and the adapter"))
+    report(Progress(stage="loading", message=f"merge: downloading the adapter and the base model {job.base_model.id}"))
+    # The adapter first: one that changed since the run stored it is refused before the base's gigabytes come down.
+    adapter_dir = download_pinned(store, adapter_path, work_dir / "adapter", revision=job.adapter_revision,
+                                  sha256=job.adapter_sha256, since="after the run stored it")
     base_dir, revision = resolve_base_model(job.base_model)
-    adapter_dir = store.download(adapter_path, work_dir / "adapter")
     report(Progress(stage="loading", message="merge: loading the base in bf16 on the CPU, the adapter on top"))
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -42,6 +42,9 @@ PROGRESS_MARKER = "LORAFLOW_PROGRESS "
 """Prefix of the console lines that carry a `Progress` as JSON."""
 SPEC_FILE = "job.json"
 """The validated job input, in the work dir: the training process's only instructions."""
+RESULT_FILE = "result.json"
+"""Written by a training process that completed: its `JobResult`, the job's output (the store's copy cannot name the
+commit that holds it, and anyone who can write the store could change it)."""
 ERROR_FILE = "error.json"
 """Written by a training process that failed with an exception: `{type, message, memory_kind}` (memory_kind:
 a `memory.out_of_memory.MemoryKind`, or null)."""

@@ -7,8 +7,10 @@ The handler's supervisor starts it in the job's (empty) work dir:
 
 `job.json` is the validated job input, the process's only instructions (the run id and the artifact
 store come from it, never from the environment). Progress goes to stdout as `LORAFLOW_PROGRESS {json}`
-lines. On failure it prints the traceback, writes `error.json` (exception type and message, and which memory
-ran out, if any) beside the job file and exits with 1; the supervisor turns that into the job's error.
+lines. On success it writes the run's `JobResult` as `result.json` beside the job file: the job's output, with the
+store commit that holds the adapter, which the stored copy cannot name. On failure it prints the traceback, writes
+`error.json` (exception type and message, and which memory ran out, if any) beside the job file and exits with 1; the
+supervisor turns that into the job's error.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
+from loraflow_worker.artifacts.pins import folder_sha256
 from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
 from loraflow_worker.memory.out_of_memory import exception_memory_kind
-from loraflow_worker.runtime.supervisor import ERROR_FILE, PROGRESS_MARKER
+from loraflow_worker.runtime.supervisor import ERROR_FILE, PROGRESS_MARKER, RESULT_FILE
 from loraflow_worker.training.tracking import finish_tracking, start_tracking
+from loraflow_worker.training.user_files import RunFilesStore
 
 if TYPE_CHECKING:
     from transformers import TrainerCallback
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = Path(args[0])
     try:
         job = JobInput.model_validate_json(spec.read_text())
-        train_and_publish(job, spec.parent)
+        result = train_and_publish(job, spec.parent)
+        (spec.parent / RESULT_FILE).write_text(result.model_dump_json(indent=2))
     except BaseException as exc:  # noqa: BLE001 - every failure must leave its report, even KeyboardInterrupt
         traceback.print_exc()
         report = {"type": type(exc).__name__, "message": str(exc), "memory_kind": exception_memory_kind(exc)}
@@ -56,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     """Train `job` in `work_dir` (resuming from the store's latest checkpoint, if any) and publish the
-    adapter, metrics, manifest, result and `DONE` in one commit. When the job's deadline stops training
-    first, store the adapter trained so far and a checkpoint of its last step instead (one commit, no `DONE`)
-    and raise `DeadlineReached`."""
+    adapter, metrics, manifest, result and `DONE` in one commit; returns the result with the adapter's hashes and that
+    commit. The run's own files are read as the control plane stored them (`RunFilesStore`). When the job's deadline
+    stops training first, store the adapter trained so far and a checkpoint of its last step instead (one commit, no
+    `DONE`) and raise `DeadlineReached`."""
     # The training stack takes seconds to import: after the job file is read, not before.
     from loraflow_worker.training.checkpoints import CheckpointTimer, CheckpointUploader, download_latest_checkpoint
     from loraflow_worker.training.monitor import DeadlineReached
@@ -70,7 +76,7 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     else:
         from loraflow_worker.training.sft import train_sft as train
 
-    store = open_store(job.artifact_store)
+    store = RunFilesStore(open_store(job.artifact_store), job)
     prefix = run_prefix(job.run_id)
     resume_from = download_latest_checkpoint(store, prefix, work_dir / "trainer")
     if resume_from is not None:
@@ -102,10 +108,11 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     report_progress(Progress(stage="saving", step=metrics.steps, total_steps=metrics.steps, loss=metrics.final_loss,
                              reward=metrics.rewards[-1][1] if metrics.rewards else None,
                              message=f"saving adapter to {store.display_url(prefix)}"))
+    outcome.manifest.input_sha256 = store.read_sha256
     result = JobResult(run_id=job.run_id, attempt=job.attempt, run_prefix=prefix, adapter_path=f"{prefix}/adapter",
-                       metrics=outcome.metrics, trackers=trackers)
-    _publish(store, prefix, outcome, result, tracker_files)
-    return result
+                       metrics=outcome.metrics, trackers=trackers, adapter_sha256=folder_sha256(outcome.adapter_dir))
+    revision = _publish(store, prefix, outcome, result, tracker_files)
+    return result.model_copy(update={"revision": revision})
 
 
 def report_progress(progress: Progress) -> None:
@@ -114,16 +121,17 @@ def report_progress(progress: Progress) -> None:
 
 
 def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: JobResult,
-             tracker_files: dict[str, bytes | Path]) -> None:
+             tracker_files: dict[str, bytes | Path]) -> str | None:
     """Adapter, the trackers' files, metrics, manifest, result and `DONE` in ONE commit (the Hub allows about 128 commits per hour
     per repo), `DONE` last: a reader that sees `DONE` sees the rest. A Hub commit is all or nothing; FileStore
-    writes the files one by one in the order given (`FileStore.put`), so there too `DONE` comes after the rest."""
+    moves the files into place one by one in the order given (`FileStore.put`), so there too `DONE` comes after the
+    rest. Returns the commit (None for a folder)."""
     files = _adapter_files(outcome.adapter_dir, f"{prefix}/adapter") | tracker_files | _trajectory_file(prefix, outcome)
     files[f"{prefix}/metrics.json"] = outcome.metrics.model_dump_json(indent=2).encode()
     files[f"{prefix}/manifest.json"] = outcome.manifest.model_dump_json(indent=2).encode()
     files[f"{prefix}/result.json"] = result.model_dump_json(indent=2).encode()
     files[f"{prefix}/DONE"] = json.dumps({"run_id": result.run_id, "attempt": result.attempt}).encode()
-    store.put(
+    return store.put(
         files,
         message=f"run {result.run_id} attempt {result.attempt}: adapter, metrics, manifest, result, DONE",
         # A previous attempt's adapter files must not mix with this one's; its deadline save is superseded.

@@ -1,32 +1,79 @@
-"""Python files a run ships in its artifact store (reward files, a tools file, an environment's file), imported on
-the worker: each read from the store into the job's work dir and imported as a module of its own."""
+"""The files a run ships in its artifact store (its dataset files, evaluation file, chat template, reward files, tools
+and environment files): read exactly as the control plane stored them (`RunFilesStore`), and the Python ones imported
+on the worker, each as a module of its own."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.artifacts import ArtifactChanged, ArtifactNotFound, ArtifactStore
+from loraflow_worker.artifacts.pins import check_sha256, sha256_hex
+from loraflow_worker.contract import JobInput
 
 
 class UserFileError(ValueError):
     """A run's file cannot be read from the store or imported."""
 
 
+class RunFilesStore(ArtifactStore):
+    """The run's store as its training process reads it. The run's own files (`JobInput.input_files`) are read at the
+    commit where the control plane stored them (`JobInput.inputs.revision`), and one whose sha256 is not the one the
+    control plane recorded raises `ArtifactChanged`: a teammate who can write the store cannot change a started run.
+    Everything else (checkpoints, a parent adapter, what the run writes) goes to the store as it is.
+
+    Every such file is read through `read_bytes`, the one place of the check; `read_sha256` keeps the hash of each
+    file read, for the run's manifest."""
+
+    def __init__(self, store: ArtifactStore, job: JobInput):
+        self.store = store
+        self.url = store.url
+        self._files = job.input_files()
+        self._inputs = job.inputs
+        self.read_sha256: dict[str, str] = {}
+
+    def read_bytes(self, path: str, *, revision: str | None = None) -> bytes:
+        if path not in self._files:
+            return self.store.read_bytes(path, revision=revision)
+        pinned = self._inputs
+        data = self.store.read_bytes(path, revision=pinned.revision if pinned else None)
+        found = sha256_hex(data)
+        if pinned is not None:
+            check_sha256(path, found, pinned.sha256[path], since=f"after the control plane stored it for the run "
+                         f"({self._files[path]}): the run was started with the file it stored")
+        self.read_sha256[path] = found
+        return data
+
+    def put(self, files: Mapping[str, bytes | Path], *, message: str, delete_prefixes: Sequence[str] = (),
+            retry_budget_s: float | None = None) -> str | None:
+        return self.store.put(files, message=message, delete_prefixes=delete_prefixes, retry_budget_s=retry_budget_s)
+
+    def exists(self, path: str, *, revision: str | None = None) -> bool:
+        return self.store.exists(path, revision=revision)
+
+    def list_files(self, prefix: str) -> list[str]:
+        return self.store.list_files(prefix)
+
+    def download(self, prefix: str, dest: Path, *, revision: str | None = None) -> Path:
+        return self.store.download(prefix, dest, revision=revision)
+
+    def display_url(self, path: str = "") -> str:
+        return self.store.display_url(path)
+
+
 def import_stored_file(store: ArtifactStore, store_path: str, files_dir: Path) -> ModuleType:
     """The module of the file at `store_path` in `store`, copied into `files_dir` first. UserFileError when the file
-    is not in the store or raises while it is imported."""
-    from loraflow_worker.artifacts import ArtifactNotFound
-
+    is not in the store, changed after the run was started, or raises while it is imported."""
     try:
         source = store.read_bytes(store_path)
     except ArtifactNotFound as e:
         raise UserFileError(f"{store_path} is not in the artifact store ({e})") from e
+    except ArtifactChanged as e:
+        raise UserFileError(str(e)) from e
     local = files_dir / store_path
     local.parent.mkdir(parents=True, exist_ok=True)
     local.write_bytes(source)

@@ -1,0 +1,167 @@
+"""A shared server's rules for every run, tried as a teammate who wants what is not theirs would try them: a run field
+that names the control plane's own files, a run on the control plane's token, a cost past the operator's cap, a
+plain variable that names another person's account secret, a folder store with RunPod's workers. Each is refused
+before anything is rented, naming the field and the setting."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from flows.run_overrides import RunOverrides, apply_overrides
+from flows.spec import RunSpec, SpecError, WorkerSpec
+from tasks.placement.cost import CostCeiling, check_budget, check_study_budget
+from tasks.preflight.server_rules import ServerRuleError, check_server_rules, operator_rule_problems
+from tasks.runpod.client import API_URL
+from tasks.settings import Settings
+
+LOCALPOD_URL = "http://127.0.0.1:8765/v2"
+
+
+def spec(tmp_path: Path, **fields) -> RunSpec:
+    return RunSpec.model_validate({"model": {"id": "Qwen/Qwen3-0.6B"}, "dataset": {"hub_id": "trl-lib/Capybara"},
+                                   "artifact_store": f"file://{tmp_path}/store", **fields})
+
+
+def rules(tmp_path: Path, run: RunSpec, **settings) -> None:
+    check_server_rules(run.local_paths(), artifact_store=run.artifact_store, hub_token_secret=run.hub_token_secret,
+                       settings=Settings(runpod_api_url=LOCALPOD_URL, **settings), base_dir=tmp_path)
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> Path:
+    folder = tmp_path / "inputs"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("{}\n")
+    return folder
+
+
+def test_a_run_lists_every_file_of_this_machine_it_reads(tmp_path):
+    run = spec(tmp_path, algorithm="grpo", dataset={"mix": [{"local_file": "a.jsonl", "fraction": 0.5},
+                                                            {"hub_id": "org/b", "fraction": 0.5}]},
+               evaluation={"local_file": "eval.jsonl"},
+               grpo={"rewards": [{"name": "rewards/mine.py:score"}, {"name": "digit_fraction"}],
+                     "tools": "tools.py", "environment": "env/game.py:Game"}, model={"id": "./models/tiny"})
+    sft = spec(tmp_path, training={"chat_template": "templates/chat.jinja"})
+
+    assert run.local_paths() == [
+        ("dataset.mix[0].local_file", "a.jsonl"), ("evaluation.local_file", "eval.jsonl"),
+        ("grpo.rewards[0].name", "rewards/mine.py"), ("grpo.tools", "tools.py"), ("grpo.environment", "env/game.py"),
+        ("model.id", "./models/tiny")]
+    assert sft.local_paths() == [("training.chat_template", "templates/chat.jinja")]
+
+
+def test_without_an_inputs_folder_any_path_is_the_runs_own_business(tmp_path):
+    rules(tmp_path, spec(tmp_path, dataset={"local_file": "/etc/passwd.jsonl"}))
+
+
+def test_a_file_inside_the_inputs_folder_is_accepted(tmp_path, inputs):
+    rules(tmp_path, spec(tmp_path, dataset={"local_file": str(inputs / "train.jsonl")}), loraflow_inputs_dir=inputs)
+    rules(tmp_path, spec(tmp_path, dataset={"local_file": "inputs/train.jsonl"}), loraflow_inputs_dir=inputs)
+
+
+@pytest.mark.parametrize("path", ["/etc/hostname.jsonl", "inputs/../secrets.jsonl", "~/.ssh/id.jsonl"])
+def test_a_file_outside_the_inputs_folder_is_refused_naming_the_field_and_the_folder(tmp_path, inputs, path):
+    with pytest.raises(ServerRuleError) as refused:
+        rules(tmp_path, spec(tmp_path, dataset={"local_file": path}), loraflow_inputs_dir=inputs)
+    message = str(refused.value)
+    assert "dataset.local_file" in message and str(inputs) in message and "LORAFLOW_INPUTS_DIR" in message
+
+
+def test_a_symlink_inside_the_inputs_folder_that_leads_out_of_it_is_refused(tmp_path, inputs):
+    (tmp_path / "keys.py").write_text("RUNPOD_API_KEY = 'rpa_x'\n")
+    (inputs / "rewards.py").symlink_to(tmp_path / "keys.py")
+    run = spec(tmp_path, algorithm="grpo", grpo={"rewards": [{"name": f"{inputs}/rewards.py:score"}]})
+
+    with pytest.raises(ServerRuleError) as refused:
+        rules(tmp_path, run, loraflow_inputs_dir=inputs)
+    assert "grpo.rewards[0].name" in str(refused.value) and str(tmp_path / "keys.py") in str(refused.value)
+
+
+def test_every_file_outside_the_folder_is_named_at_once(tmp_path, inputs):
+    run = spec(tmp_path, algorithm="grpo", grpo={"rewards": [{"name": "/srv/a.py:f"}], "tools": "/srv/tools.py"},
+               evaluation={"local_file": "/srv/eval.jsonl"})
+    problems = operator_rule_problems(run.local_paths(), hub_token_secret=None,
+                                      settings=Settings(loraflow_inputs_dir=inputs), base_dir=tmp_path)
+    assert [p.split(" ", 1)[0] for p in problems] == ["evaluation.local_file", "grpo.rewards[0].name", "grpo.tools"]
+
+
+def test_a_run_file_outside_the_inputs_folder_is_refused_before_it_is_read(tmp_path, inputs, monkeypatch):
+    secret = tmp_path / "control-plane.toml"
+    secret.write_text('key = "rpa_not_yours"\n')
+    monkeypatch.setenv("LORAFLOW_INPUTS_DIR", str(inputs))
+
+    with pytest.raises(ServerRuleError) as refused:
+        apply_overrides(spec(tmp_path), RunOverrides(run_file=str(secret)))
+    assert "parameter run_file" in str(refused.value) and "rpa_not_yours" not in str(refused.value)
+
+
+def test_a_run_without_its_own_token_is_refused_where_the_server_requires_one(tmp_path):
+    with pytest.raises(ServerRuleError) as refused:
+        rules(tmp_path, spec(tmp_path), loraflow_require_run_token=True)
+    assert "hub_token_secret" in str(refused.value) and "LORAFLOW_REQUIRE_RUN_TOKEN=1" in str(refused.value)
+    rules(tmp_path, spec(tmp_path, hub_token_secret="alice-hf-token"), loraflow_require_run_token=True)
+
+
+def test_the_setting_reads_as_an_operator_writes_it(monkeypatch):
+    monkeypatch.setenv("LORAFLOW_REQUIRE_RUN_TOKEN", "1")
+    monkeypatch.setenv("LORAFLOW_MAX_RUN_USD", "25")
+    assert Settings().loraflow_require_run_token and Settings().loraflow_max_run_usd == 25
+
+
+def test_a_folder_store_and_a_local_model_are_refused_with_runpods_workers(tmp_path):
+    (tmp_path / "model").mkdir()
+    run = spec(tmp_path, model={"id": str(tmp_path / "model")})
+    with pytest.raises(ServerRuleError) as refused:
+        check_server_rules(run.local_paths(), artifact_store=run.artifact_store, hub_token_secret=None,
+                           settings=Settings(runpod_api_url=API_URL))
+    assert "artifact_store" in str(refused.value) and "model.id" in str(refused.value)
+    rules(tmp_path, run)  # localpod's workers run on this machine
+
+
+def test_only_runpods_own_hosts_count_as_runpods_workers():
+    assert Settings(runpod_api_url=API_URL).workers_are_runpods()
+    assert not Settings(runpod_api_url=LOCALPOD_URL).workers_are_runpods()
+    assert not Settings(runpod_api_url="https://api.runpod.io.example.com/v2").workers_are_runpods()
+
+
+def test_a_run_above_the_operators_cap_is_refused_naming_the_setting_whatever_its_budget():
+    with pytest.raises(ValueError, match="LORAFLOW_MAX_RUN_USD") as refused:
+        check_budget(40.0, 1000.0, cap_usd=25.0)
+    assert "$40.00" in str(refused.value) and "$25.00" in str(refused.value)
+    check_budget(20.0, None, cap_usd=25.0)
+
+
+def test_a_study_child_above_the_operators_cap_refuses_the_study():
+    ceilings = {"cheap": CostCeiling(usd=5, gpu="RTX 4090", usd_per_hour=0.7, price_source="catalog"),
+                "dear": CostCeiling(usd=60, gpu="H100", usd_per_hour=4.2, price_source="catalog")}
+    with pytest.raises(ValueError, match="child dear.*LORAFLOW_MAX_RUN_USD"):
+        check_study_budget(ceilings, budget_usd=None, cap_usd=50)
+
+
+@pytest.mark.parametrize("value", ["{{ RUNPOD_SECRET_loraflow-hf-token-ab12cd-0123456789abcdef }}",
+                                   "Bearer {{RUNPOD_SECRET_alice}}", "runpod_secret_alice", "x{{y"])
+def test_a_plain_variable_that_names_an_account_secret_is_refused_naming_worker_env(value):
+    with pytest.raises(ValidationError) as refused:
+        WorkerSpec(env={"JUDGE_URL": value})
+    assert "worker.env.JUDGE_URL" in str(refused.value) and "worker.secrets" in str(refused.value)
+
+
+def test_a_run_file_whose_env_names_an_account_secret_is_refused_naming_the_key(tmp_path):
+    from flows.spec import load_run_file
+
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('artifact_store = "file:///tmp/s"\n[model]\nid = "Qwen/Qwen3-0.6B"\n[dataset]\n'
+                        'hub_id = "trl-lib/Capybara"\n[worker]\n'
+                        'env = { JUDGE_URL = "{{ RUNPOD_SECRET_loraflow-hf-token-ab12cd-0123456789abcdef }}" }\n')
+    with pytest.raises(SpecError, match=r"worker\.env: .*`worker\.env\.JUDGE_URL`"):
+        load_run_file(run_file)
+
+
+def test_the_inputs_folder_is_compared_after_resolving_its_own_symlink(tmp_path, inputs):
+    link = tmp_path / "inputs-link"
+    os.symlink(inputs, link)
+    rules(tmp_path, spec(tmp_path, dataset={"local_file": str(inputs / "train.jsonl")}), loraflow_inputs_dir=link)
