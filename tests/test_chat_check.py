@@ -139,8 +139,8 @@ def test_a_tokenizer_file_above_the_cap_is_refused_naming_it_its_size_and_the_ca
     assert hub.downloads("model", pinned.id) > 0
 
 
-def test_tokenizer_files_above_the_cap_together_are_refused_before_any_download(hub: HubStandIn, tiny_model,
-                                                                               monkeypatch):  # noqa: F811
+def test_tokenizer_files_above_the_cap_together_are_refused_before_any_download(
+        hub: HubStandIn, tiny_model, monkeypatch):  # noqa: F811
     pinned, settings = pinned_hub_model(hub, tiny_model, "org/tiny-many-tokenizer-files")
     monkeypatch.setattr("tasks.preflight.chats.TOKENIZER_MAX_BYTES", (tiny_model / "tokenizer.json").stat().st_size)
     with pytest.raises(TokenizerTooLarge, match=rf"{pinned.id}'s \d+ tokenizer files are .* together, "
@@ -168,8 +168,8 @@ print("FOUND", capped_check())
 """
 
 
-def test_a_tokenizer_above_the_cap_leaves_the_check_to_the_worker_with_a_warning(hub: HubStandIn, tiny_model,
-                                                                                  local_stack):  # noqa: F811
+def test_a_tokenizer_above_the_cap_leaves_the_check_to_the_worker_with_a_warning(
+        hub: HubStandIn, tiny_model, local_stack):  # noqa: F811
     from tests.test_crash_recovery_e2e import flow_env
 
     pinned, _ = pinned_hub_model(hub, tiny_model, "org/tiny-capped-in-flow")

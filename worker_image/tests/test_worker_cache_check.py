@@ -21,14 +21,14 @@ import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.hf_api import BlobLfsInfo, RepoSibling
 
+from worker_test_support import hub_stand_in
 from loraflow_worker.handler import WORK_DIR_ENV, handler
 from loraflow_worker.runtime.cache_check import check_snapshot, file_hash, hub_hash
 from loraflow_worker.runtime.model_cache import VOLUME_PATH_ENV
 
-from tests.hub_fixture import HubStandIn, running_hub
+from tests.hub_fixture import HubStandIn
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTROL_PLANE_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
 TOKEN = "hf_test_token_for_the_stand_in"
 MODEL = "loraflow-test/tiny-chat"
 SERVED_WRONG = "loraflow-test/served-wrong"
@@ -65,11 +65,8 @@ class Resolved:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, tiny_model_dir) -> Hub:
-    if not CONTROL_PLANE_PYTHON.exists():
-        pytest.fail(f"the Hub stand-in runs with the control plane's interpreter, and {CONTROL_PLANE_PYTHON} is "
-                    "missing: run `make install`")
     base = tmp_path_factory.mktemp("hub")
-    with running_hub(base / "data", python=CONTROL_PLANE_PYTHON) as stand_in:
+    with hub_stand_in(base / "data") as stand_in:
         api = HfApi(endpoint=stand_in.url, token=TOKEN)
         api.create_repo(MODEL)
         api.upload_folder(repo_id=MODEL, folder_path=tiny_model_dir, commit_message="tiny model")

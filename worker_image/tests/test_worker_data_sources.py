@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi
 
+from worker_test_support import hub_stand_in
 from loraflow_worker.artifacts import FileStore, open_store
 from loraflow_worker.contract import DatasetSource, JobInput
 from loraflow_worker.contract.dataset_formats import to_trl_row
@@ -20,9 +21,7 @@ from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
 from loraflow_worker.training.sft import train_sft
 
-from tests.hub_fixture import running_hub
 
-CONTROL_PLANE_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
 CHATS = [json.loads(line)["messages"] for line in DEFAULT_CORPUS.read_text().splitlines() if line.strip()]
 SPEAKERS = {"user": "human", "assistant": "gpt", "system": "system"}
 ALPACA = [{"instruction": chat[-2]["content"], "input": "", "output": chat[-1]["content"]} for chat in CHATS]
@@ -136,11 +135,9 @@ def test_a_mix_with_the_same_seed_gives_the_same_rows_and_another_seed_other_row
 def test_a_hub_datasets_config_and_revision_choose_what_load_dataset_loads(tmp_path):
     # The Hub stand-in runs with the control plane's interpreter (the worker's has no FastAPI); huggingface_hub and
     # datasets read HF_ENDPOINT when imported, so the loading runs in a process whose environment names the stand-in.
-    if not CONTROL_PLANE_PYTHON.exists():
-        pytest.fail(f"the Hub stand-in runs with {CONTROL_PLANE_PYTHON}, which is missing: run `make install`")
     card = ("---\nconfigs:\n- config_name: easy\n  data_files: easy/*.jsonl\n- config_name: hard\n  data_files:\n"
             "  - split: train\n    path: hard/train.jsonl\n---\n")
-    with running_hub(tmp_path / "hub", python=CONTROL_PLANE_PYTHON) as hub:
+    with hub_stand_in(tmp_path / "hub") as hub:
         api = HfApi(endpoint=hub.url, token=hub.token)
         api.create_repo("org/levels", repo_type="dataset")
         for path, rows in {"easy/all.jsonl": ALPACA[:4], "hard/train.jsonl": ALPACA[4:10]}.items():

@@ -20,13 +20,13 @@ import pytest
 import torch
 from huggingface_hub import HfApi, snapshot_download
 
+from worker_test_support import hub_stand_in
 from loraflow_worker.contract import CONTRACT_VERSION, MergeResult
 from loraflow_worker.runtime.merge import MERGE_TITLE, RECORD_FILE, compare_logits
 
-from tests.hub_fixture import HubStandIn, running_hub
+from tests.hub_fixture import HubStandIn
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTROL_PLANE_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
 TOKEN = "hf_test_token_for_the_stand_in"
 MERGED = "acme/tiny-merged"
 RUN_HANDLER = (
@@ -51,10 +51,7 @@ print(json.dumps({"logits": logits.flatten().tolist(), "peft": "peft" in sys.mod
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory) -> Iterator[HubStandIn]:
-    if not CONTROL_PLANE_PYTHON.exists():  # `make install` builds both environments: a missing one is a broken setup
-        pytest.fail(f"the Hub stand-in runs with the control plane's interpreter, and {CONTROL_PLANE_PYTHON} is "
-                    "missing: run `make install`")
-    with running_hub(tmp_path_factory.mktemp("hub") / "data", python=CONTROL_PLANE_PYTHON) as stand_in:
+    with hub_stand_in(tmp_path_factory.mktemp("hub") / "data") as stand_in:
         yield stand_in
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from worker_test_support import train_in_process
+from worker_test_support import hub_stand_in, train_in_process
 
 from loraflow_worker.artifacts import ArtifactChanged, FileStore, open_store
 from loraflow_worker.artifacts.pins import folder_sha256, sha256_hex
@@ -27,9 +27,8 @@ from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.rewards import RewardError
 from loraflow_worker.training.user_files import RunFilesStore
 
-from tests.hub_fixture import HubStandIn, running_hub
+from tests.hub_fixture import HubStandIn
 
-CONTROL_PLANE_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
 REWARD_SOURCE = "def score(completions, **kwargs):\n    return [min(len(str(c)), 50) / 50 for c in completions]\n"
 STOLEN_REWARD = "import os\n\ndef score(completions, **kwargs):\n    print(os.environ)\n    return [0.0] * len(completions)\n"
 
@@ -137,10 +136,7 @@ def test_a_job_naming_a_stored_file_without_its_hash_is_refused_naming_the_field
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory) -> Iterator[HubStandIn]:
-    if not CONTROL_PLANE_PYTHON.exists():  # `make install` builds both environments: a missing one is a broken setup
-        pytest.fail(f"the Hub stand-in runs with the control plane's interpreter, and {CONTROL_PLANE_PYTHON} is "
-                    "missing: run `make install`")
-    with running_hub(tmp_path_factory.mktemp("hub") / "data", python=CONTROL_PLANE_PYTHON) as stand_in:
+    with hub_stand_in(tmp_path_factory.mktemp("hub") / "data") as stand_in:
         yield stand_in
 
 

@@ -24,15 +24,14 @@ import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 
+from worker_test_support import hub_stand_in
 from loraflow_worker.contract import CONTRACT_VERSION
 from loraflow_worker.handler import JobRefused, WORK_DIR_ENV, handler
 from loraflow_worker.runtime.model_cache import VOLUME_PATH_ENV, download_ignore_patterns
 from loraflow_worker.runtime.preload import NoVolume
 
-from tests.hub_fixture import running_hub
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTROL_PLANE_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
 TOKEN = "hf_test_token_for_the_stand_in"
 MODEL = "loraflow-test/tiny-chat"
 MISSING = "loraflow-test/no-such-model"
@@ -73,11 +72,8 @@ class Preloads:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, tiny_model_dir) -> Iterator[Hub]:
-    if not CONTROL_PLANE_PYTHON.exists():  # `make install` builds both environments: a missing one is a broken setup
-        pytest.fail(f"the Hub stand-in runs with the control plane's interpreter, and {CONTROL_PLANE_PYTHON} is "
-                    "missing: run `make install`")
     base = tmp_path_factory.mktemp("hub")
-    with running_hub(base / "data", python=CONTROL_PLANE_PYTHON) as stand_in:
+    with hub_stand_in(base / "data") as stand_in:
         api = HfApi(endpoint=stand_in.url, token=TOKEN)
         api.create_repo(MODEL)
         repo_files = base / "repo"

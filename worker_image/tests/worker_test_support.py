@@ -3,7 +3,9 @@ folders use, so tests cannot import from it reliably)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,21 @@ from loraflow_worker.training import train_job
 from loraflow_worker.memory import out_of_memory
 from loraflow_worker.artifacts import FileStore
 from loraflow_worker.contract import JobInput, JobResult, Progress
+
+from tests.hub_fixture import HubStandIn, running_hub
+
+CONTROL_PLANE_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+"""The control plane's interpreter: the Hub stand-in needs FastAPI, which the worker's environment lacks."""
+
+
+@contextlib.contextmanager
+def hub_stand_in(data_dir: Path) -> Iterator[HubStandIn]:
+    """The control-plane tests' local Hub stand-in (tests/hub_fixture.py), serving from `data_dir`."""
+    if not CONTROL_PLANE_PYTHON.exists():  # `make install` builds both environments: a missing one is a broken setup
+        pytest.fail(f"the Hub stand-in runs with the control plane's interpreter, and {CONTROL_PLANE_PYTHON} is "
+                    "missing: run `make install`")
+    with running_hub(data_dir, python=CONTROL_PLANE_PYTHON) as stand_in:
+        yield stand_in
 
 FAULT_INJECTION_DIR = Path(__file__).resolve().parent / "fault_injection"
 """The test-only fault module's folder (its `sitecustomize` plants the failures): on a training
