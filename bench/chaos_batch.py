@@ -18,7 +18,8 @@ from statistics import median
 from typing import Any
 
 from bench.chaos_checks import adapter_changes_the_model, artifact_problems, check_run, live_training_processes, read_back
-from bench.chaos_lib import WORKER_EXIT_WAIT_S, Localpod, PrefectApi, RunRecord, own_token, run_scenario, runpod_api, wait_for
+from bench.chaos_lib import WORKER_EXIT_WAIT_S, Localpod, PrefectApi, RunRecord, own_token, runpod_api, wait_for
+from bench.chaos_run import run_scenario
 from bench.chaos_scenarios import SCENARIOS, Scenario, route
 from localpod.models import Account
 

@@ -1,7 +1,7 @@
-"""Run one chaos scenario (`bench/chaos_scenarios.py`) as a real flow against a local stack: its run file,
-its faults scoped to its endpoint names, the watches that act while it trains, the flow itself as a
-subprocess, and a `RunRecord` of what happened. `bench/chaos_checks.py` judges the record;
-`bench/chaos_batch.py` runs many at once and counts what leaked or was lost.
+"""The parts a chaos scenario's run (`bench/chaos_run.py`) is built of: its run file, the stack's RunPod and Prefect
+seen from outside, the watches that act while it trains, how its flow is started, and the `RunRecord` of what
+happened. `bench/chaos_checks.py` judges the record; `bench/chaos_batch.py` runs many at once and counts what leaked
+or was lost.
 """
 
 from __future__ import annotations
@@ -9,24 +9,22 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
 import httpx
 
-from bench.chaos_scenarios import Scenario, scoped
+from bench.chaos_scenarios import Scenario
 from bench.prefect_rest import PrefectServerClient
 from localpod.models import Account
 from tasks.runpod.endpoints import run_hash
-from tasks.storage.weight_cache import VARIABLE_PREFIX, DataCenterCache, WarmModel, variable_name
+from tasks.placement.weight_cache import VARIABLE_PREFIX, DataCenterCache, WarmModel, variable_name
 
 REPO = Path(__file__).resolve().parent.parent
 DATASET = REPO / "deployments" / "data" / "tiny-chat.jsonl"
@@ -411,89 +409,3 @@ class CliFlows:
             record.output = f"{e.stdout or ''}{e.stderr or ''}\n(the flow ran past {timeout_s:.0f} s and was killed)"
         match = re.search(r"flow run ([0-9a-f-]{36}):", record.output)
         record.flow_run_id = match.group(1) if match else None
-
-
-def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir: Path, model: Path, max_steps: int,
-                 timeout_s: float = 900, flows=None) -> RunRecord:
-    """Inject the scenario's faults for this run's endpoints, then run its flow to its end (`flows`: how flows are
-    started, `CliFlows` when None)."""
-    flows = flows or CliFlows(stack)
-    here = workdir / name
-    here.mkdir(parents=True)
-    if scenario.flow == "volumes":
-        from bench.chaos_volumes import run_volume_race  # it builds on this module
-
-        return run_volume_race(stack, pod, scenario, name=name, here=here, timeout_s=timeout_s)
-    if scenario.flow == "preload":
-        return run_preload_scenario(stack, pod, scenario, name=name, here=here, model=model, timeout_s=timeout_s,
-                                    flows=flows)
-    if scenario.broken_model:
-        model = here / "not-a-model"
-        model.mkdir()
-    if scenario.stale_warm_record:
-        # A copy of its own (the flow resolves links), so that only this run's model is named in the record.
-        model = Path(shutil.copytree(model, here / "model")).resolve()
-    record = RunRecord(scenario, name, here / "store")
-    run_file = write_run_file(here / "run.toml", scenario, name=name, model=model, store=record.store, max_steps=max_steps)
-    with _RECORD_LOCK if scenario.stale_warm_record else nullcontext():
-        if scenario.stale_warm_record:
-            prefect = PrefectApi(stack.prefect_api_url)
-            variable = write_stale_record(stack, prefect, scenario.stale_warm_record, str(model))
-        _run_train(stack, pod, scenario, record, run_file, timeout_s=timeout_s, flows=flows)
-        if scenario.stale_warm_record:
-            record.stale_record_cleared = prefect.get_variable(variable) is None
-    return record
-
-
-def run_preload_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, here: Path, model: Path,
-                         timeout_s: float, flows) -> RunRecord:
-    """A preload sweep of the tiny model (a Hub repo of the stack's Hub stand-in) with the scenario's faults."""
-    record = RunRecord(scenario, name, here / "store")
-    spec = {"models": [{"id": hub_model(stack, model)}], "data_centers": list(scenario.preload_data_centers),
-            "minutes_per_data_center": 10, "queue_minutes": 3}
-    record.volumes_before = [v.id for v in pod.account().volumes if v.data_center in scenario.preload_data_centers]
-    for rule in scenario.route_faults:
-        record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
-    started = time.monotonic()
-    flows.run(record, spec, {}, timeout_s)
-    record.wall_s = time.monotonic() - started
-    if record.flow_run_id:
-        record.sweep_rows = PrefectApi(stack.prefect_api_url).sweep_table(record.flow_run_id)
-    return record
-
-
-def _run_train(stack, pod: Localpod, scenario: Scenario, record: RunRecord, run_file: Path, *,
-               timeout_s: float, flows) -> None:
-    name = record.name
-    if scenario.route_faults_at_step is None:
-        for rule in scenario.route_faults:
-            record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
-    for rule in scenario.worker_faults:
-        record.fault_ids.append(pod.add_worker_fault({**rule, "endpoint_name_prefix": record.endpoint_prefix}))
-    env = {"HF_TOKEN": own_token(name)} if scenario.own_token else {}
-    started = time.monotonic()
-    runpod = runpod_api(stack)
-    deleter = reconciler = tokens = nullcontext()
-    if scenario.own_token:
-        tokens = WorkerTokens(pod, record.endpoint_prefix)
-    if scenario.delete_endpoint_at_step is not None:
-        deleter = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.delete_endpoint_at_step, timeout_s,
-                               lambda endpoint_id: runpod.delete(f"/serverless/{endpoint_id}").raise_for_status())
-    if scenario.tight_reconcile_at_step is not None:
-        reconciler = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.tight_reconcile_at_step, timeout_s,
-                                  tight_reconcile(stack, scenario.tight_reconcile_minutes))
-    faulter = nullcontext()
-    if scenario.route_faults_at_step is not None:
-        faulter = WhenTraining(pod, runpod, record.endpoint_prefix, scenario.route_faults_at_step, timeout_s,
-                               lambda endpoint_id: record.fault_ids.extend(
-                                   pod.add_route_fault(scoped(rule, record.endpoint_prefix))
-                                   for rule in scenario.route_faults))
-    with runpod, deleter, reconciler, tokens, faulter:
-        flows.run(record, run_file, env, timeout_s)
-    record.wall_s = time.monotonic() - started
-    if isinstance(deleter, WhenTraining) and deleter.done:
-        record.endpoint_deleted = deleter.result.request.url.path.rsplit("/", 1)[-1]
-    if isinstance(tokens, WorkerTokens):
-        record.worker_tokens = dict(tokens.tokens)
-    if isinstance(reconciler, WhenTraining) and reconciler.done:
-        record.reconcile = reconciler.result

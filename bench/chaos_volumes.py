@@ -30,7 +30,7 @@ from bench.chaos_scenarios import Scenario, scoped
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
 from tasks.runpod.volumes import volume_name
 from tasks.settings import NAMESPACE_VARIABLE
-from tasks.storage.weight_cache import DataCenterCache, WarmModel, variable_name
+from tasks.placement.weight_cache import DataCenterCache, WarmModel, variable_name
 
 RETAIN_DAYS = 0.0005
 """The flow's retention, about 43 s: a month-old use is past it, and the stack's own events reach back past it

@@ -12,7 +12,7 @@ is), the models no longer swept are removed from the volume, and the endpoint is
 attempt's is. A datacenter whose volume would take this control plane's storage over
 `max_storage_usd_per_month`, or that offers only high-performance storage, is skipped with a line in the
 sweep's table. The sweep ends Failed if any datacenter it ran is not ok, after all of them have finished;
-the record of what is warm where (`tasks/storage/weight_cache.py`) is written either way.
+the record of what is warm where (`tasks/placement/weight_cache.py`) is written either way.
 
     .venv/bin/python -m flows.preload '{"models": [{"id": "Qwen/Qwen3-4B"}], "data_centers": ["EU-RO-1"]}'
     prefect deployment run preload/nightly
@@ -53,7 +53,7 @@ from tasks.runpod.live_catalog import (
 from tasks.runpod.models import NetworkVolume
 from tasks.runpod.volumes import volume_name, volume_size_gb
 from tasks.settings import Settings, make_client, startup_problem
-from tasks.storage.preload import (
+from tasks.jobs.preload import (
     STORAGE_TYPE,
     DataCenterOutcome,
     SweepTarget,
@@ -62,8 +62,8 @@ from tasks.storage.preload import (
     preload_data_center,
     retire_volumes,
 )
-from tasks.storage.prices import documented_usd_per_month
-from tasks.storage.weight_cache import read_cache, record_preload, write_cache
+from tasks.placement.prices import documented_usd_per_month
+from tasks.placement.weight_cache import read_cache, record_preload, write_cache
 
 HISTORY_DAYS = 14.0
 """How far back training placements count, by default: the volumes flow's `retain_days` default, so that a

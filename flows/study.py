@@ -26,7 +26,7 @@ from prefect.states import Cancelled, Completed, Failed, State
 from flows.spec import SpecError
 from flows.study_spec import Child, StudySpec, child_label, describe_values, expand, load_study_file
 from flows.train import train
-from flows.train_phases import check_local_inputs
+from flows.train_check import check_local_inputs
 from tasks.lifecycle.steps import run_cancel_requested
 from tasks.lifecycle.study_children import (
     cancel_children,
@@ -55,7 +55,7 @@ from tasks.preflight.server_rules import check_inside_inputs_dir, check_server_r
 from tasks.runpod.catalog import resolve_gpu
 from tasks.settings import Settings, startup_problem
 from tasks.storage.artifacts import RunResults
-from tasks.storage.merge import MergedModel, merge_run_adapter
+from tasks.jobs.merge import MergedModel, merge_run_adapter
 from tasks.storage.publish import PublishedModel, publish_run_adapter
 
 POLL_SECONDS = 5.0

@@ -24,11 +24,11 @@ from pydantic import ValidationError
 
 from flows.run_overrides import RunOverrides, apply_overrides
 from flows.spec import RunSpec, SpecError, load_run_file
+from flows.train_check import check
 from flows.train_phases import (
     Attempts,
     adopt,
     cancelled_during,
-    check,
     place,
     rent_train_and_tear_down,
     report,
@@ -70,10 +70,11 @@ def train(
     learning_rate: float | None = None,
     hub_token_secret: str | None = None,
 ) -> RunResults | State:
-    """Fine-tune a LoRA adapter on a RunPod serverless GPU, in phases (`flows/train_phases.py`): check (nothing
-    is rented until it passes), then for each attempt: place → rent its endpoint under the `runpod-endpoints` quota
-    → train and watch → tear down (always, confirmed) → collect (results stored completely end the run; otherwise
-    retry from the last checkpoint, or fail); then report, publish and merge (`[publish]`). A cancel from the UI, the
+    """Fine-tune a LoRA adapter on a RunPod serverless GPU, in phases (`flows/train_check.py`,
+    `flows/train_phases.py`): check (nothing is rented until it passes), then for each attempt: place → rent its
+    endpoint under the `runpod-endpoints` quota → train and watch → tear down (always, confirmed) → collect (results
+    stored completely end the run; otherwise retry from the last checkpoint, or fail); then report, publish and merge
+    (`[publish]`). A cancel from the UI, the
     CLI or the API ends the run Cancelled once its endpoint is deleted. Every end sends `loraflow.run.finished`.
 
     Args:

@@ -1,119 +1,48 @@
-"""The phases of a `train` run, each a function the flow calls in order (`flows/train.py`):
+"""The phases of a `train` run after its check (`flows/train_check.py`), each a function the flow calls in order
+(`flows/train.py`):
 
-1. `check` — everything a run needs checked and decided before anything is rented, the checks that do not
-   depend on each other at once: the secrets and tokens, the image's contract, the GPUs whose hosts run its
-   CUDA and the budget, the local inputs, the model and the Hub datasets pinned and the first chats masked by the
-   model's tokenizer; then the inputs published, the GPUs the memory plan fits, the quota's limit and the workers'
-   env.
-2. `place` — one attempt's GPU, warm volume and endpoint request.
-3. `rent_train_and_tear_down` — the attempt's endpoint under one quota slot: created, its job submitted and
-   watched, deleted whatever happened (`tasks/lifecycle/attempt.py`).
-4. `retry_or_fail` — after an attempt that stored no results: the next attempt's GPU and settings, or the
+1. `place` — one attempt's GPU, warm volume and endpoint request.
+2. `rent_train_and_tear_down` — the attempt's endpoint under one quota slot: created, its job submitted and
+   watched, deleted whatever happened (`tasks/jobs/training.py`).
+3. `retry_or_fail` — after an attempt that stored no results: the next attempt's GPU and settings, or the
    run's failure.
-5. `report` — the training curve, the adapter published and the merged model (`[publish]`), the summary, the billed
+4. `report` — the training curve, the adapter published and the merged model (`[publish]`), the summary, the billed
    cost.
 
-`check`, `place` and `report` are Prefect tasks, so the run's graph shows them with the tasks they run.
+`place` and `report` are Prefect tasks, so the run's graph shows them with the tasks they run.
 """
 
 # No `from __future__ import annotations`: Prefect reads these tasks' signatures.
-import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from loraflow_worker.artifacts.pins import sha256_hex
-from loraflow_worker.contract import (
-    DatasetSource,
-    EvaluationSettings,
-    JobInput,
-    LoraSettings,
-    MemorySettings,
-    ModelSource,
-    StoredInputs,
-)
-from loraflow_worker.contract.dataset_formats import mixed_format
-from loraflow_worker.memory.model_shape import ModelShape
-from loraflow_worker.memory.plan import MemoryPlan, plan_job
-from loraflow_worker.dataset.packing import packing_problem
+from loraflow_worker.contract import MemorySettings
+from loraflow_worker.memory.plan import plan_job
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import wait
 from prefect.states import Cancelled
 
-from flows.spec import RunSpec
-from flows.spec_data import DatasetSpec, MixEntrySpec
-from tasks.lifecycle.attempt import existing_volume_ids, run_attempt
+from flows.train_check import CheckedRun
+from tasks.jobs.merge import MergedModel, merge_run_adapter
+from tasks.jobs.training import existing_volume_ids, run_attempt
 from tasks.lifecycle.attempts import EveryGpuRefused, GpuClassRefused, decide_next_attempt, next_unrefused
 from tasks.lifecycle.pending_billing import mark_billing_pending
-from tasks.lifecycle.quota import ensure_endpoint_limit
-from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.teardown import UndeletedEndpoint
-from tasks.lifecycle.worker_env import read_run_secrets
-from tasks.placement.cost import (
-    EVAL_SHARE_WARNING,
-    CostCeiling,
-    check_budget,
-    cost_ceiling,
-    evaluation_cost,
-    read_billed_cost,
-    read_gpu_prices,
-)
-from tasks.placement.gpu_fit import GIB, catalog_fits, gpus_that_fit, placeable_gpus, pooled_gpus
-from tasks.placement.image_contract import check_image_contract
+from tasks.placement.cost import read_billed_cost
+from tasks.placement.gpu_fit import GIB
 from tasks.placement.memory_ladder import MemoryContext
-from tasks.placement.plan import AttemptPlan, plan_attempt, read_model_shape_task, resolve_model_task
+from tasks.placement.plan import AttemptPlan, plan_attempt
+from tasks.placement.weight_cache import DataCenterCache, WarmVolumeGone, forget, warm_cache_for
 from tasks.reports import events
 from tasks.reports.curve import curve_png, load_in_background
 from tasks.reports.summary import RunReport, publish_report, store_curve, summary_key
-from tasks.runpod.catalog import GpuClass, cuda_floor, resolve_gpu
 from tasks.runpod.errors import JobFailedError, RunpodError
 from tasks.runpod.jobs import JobOutcome
-from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.volumes import volume_name
 from tasks.settings import Settings, make_client
-from tasks.preflight.chats import check_chats_task
-from tasks.preflight.server_rules import check_server_rules
-from tasks.preflight.tools import check_tools_task
-from tasks.storage.artifacts import (
-    RunResults,
-    chat_template_store_path,
-    check_chat_template_file,
-    check_dataset_jsonl,
-    eval_store_path,
-    first_row_format,
-    mix_store_path,
-    publish_run_inputs_task,
-    tools_store_path,
-)
-from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
-from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
-from tasks.storage.merge import MergedModel, check_merge_fits, merge_run_adapter
-from tasks.storage.publish import PublishedModel, check_publish_token, publish_run_adapter
-from tasks.storage.rewards import check_reward_files
+from tasks.storage.artifacts import RunResults
+from tasks.storage.publish import PublishedModel, publish_run_adapter
 from tasks.storage.volume_inventory import volume_monthly_cost
-from tasks.storage.weight_cache import DataCenterCache, WarmVolumeGone, forget, warm_cache_for
-
-
-@dataclass(frozen=True)
-class CheckedRun:
-    """What `check` decided: the run as it will be attempted."""
-
-    spec: RunSpec
-    run_id: str
-    deadline: float
-    model: ModelSource
-    job_input: JobInput
-    shape: ModelShape | None
-    gpus: list[GpuClass]
-    offers: dict[str, GpuOffer]
-    ceiling: CostCeiling
-    worker_env: dict[str, str]
-
-    @property
-    def began_at(self) -> float:
-        return self.deadline - self.spec.deadline_minutes * 60
 
 
 @dataclass
@@ -127,240 +56,6 @@ class Attempts:
     earlier: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     """GPU class → RunPod's detail, for each class whose endpoint request RunPod refused (400): never asked again."""
-
-
-@task(name="check", cache_policy=NO_CACHE)
-def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
-    """Nothing is rented until this has passed. `spent` learns the cost ceiling as soon as it is known, for the run's
-    end event even when the budget refuses the run (the flow passes it quoted: Prefect hands the object itself over,
-    without looking into it)."""
-    logger = get_run_logger()
-    deadline = time.time() + spec.deadline_minutes * 60
-    settings = Settings()
-    gpus = [resolve_gpu(gpu_name) for gpu_name in spec.compute.gpu]
-    floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
-    # Before any of the run's files is read: whether this server lets the run read them at all.
-    check_server_rules(spec.local_paths(), artifact_store=spec.artifact_store, hub_token_secret=spec.hub_token_secret,
-                       settings=settings)
-    # What needs the network, at once: secret blocks (Prefect), the catalog (RunPod), the model (the Hub).
-    template_file = check_chat_template_file(spec.training.chat_template)
-    secrets = check_secrets.submit(spec)
-    prices = read_gpu_prices.submit(gpus, floors)
-    model = resolve_model_task.submit(spec.model, disk_gb=spec.compute.disk_gb, hub_token_secret=spec.hub_token_secret)
-    eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
-    running = [secrets, prices, model]
-    if spec.algorithm == "sft":  # the first chats rendered by the model's tokenizer once the model is pinned
-        chats = check_chats_task.submit(model, spec.training, _local_chat_files(spec),
-                                        str(template_file) if template_file else None, spec.hub_token_secret)
-        running.append(chats)
-    uses_tools = spec.grpo is not None and spec.grpo.uses_tools
-    if uses_tools:  # the tools imported in a process of their own, and the model's template rendering them
-        tools = check_tools_task.submit(spec.grpo, str(Path.cwd()), model, spec.hub_token_secret,
-                                        worker_env=spec.worker.env)
-        running.append(tools)
-    hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
-    if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
-        hub_datasets = check_hub_datasets_task.submit(hub_sources, spec.algorithm,
-                                                      hub_token_secret=spec.hub_token_secret)
-        running.append(hub_datasets)
-    try:
-        check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
-        local_formats = check_local_inputs(spec)
-        offers = {offer.gpu: offer for offer in prices.result()}
-        gpus, not_pooled = pooled_gpus(gpus, offers)  # each pinned in its pool as RunPod's catalog lists the cards
-        for reason in not_pooled:
-            logger.warning("Not renting %s", reason)
-        floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
-        gpus, excluded = placeable_gpus(gpus, offers, floors,
-                                        alternatives=lambda: catalog_fits(settings.loraflow_image_min_cuda))
-        for fit in excluded:
-            logger.warning("Not renting %s: no host runs the worker image (%s)", fit.gpu, fit.describe())
-        ceiling = cost_ceiling([offers[g.name] for g in gpus], spec.compute.gpu_count, spec.deadline_minutes)
-        spent.ceiling_usd = ceiling.usd
-        check_budget(ceiling.usd, spec.budget_usd, ceiling.price_source, settings.loraflow_max_run_usd)
-        secrets.result()
-        model_source = model.result()
-        lora = spec.lora  # or the shape of the adapter it goes on training, which must be there and fit the model
-        if spec.lora.init_from is not None:
-            lora = adopt_parent_adapter(spec.lora, model_source, read_parent_config(
-                spec.lora.init_from, spec.artifact_store, settings.with_hub_token(spec.hub_token_secret)))
-            logger.info("Starting from the adapter %s: rank %d, alpha %d", spec.lora.init_from, lora.rank, lora.alpha)
-        pinned = hub_datasets.result() if hub_sources else {}
-        if spec.dataset.mix:  # the sources whose rows were read must mix; the worker judges the others as it mixes
-            mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
-        if spec.algorithm == "sft":
-            chats.result()  # a run whose loss would be on no answer is refused before its inputs are stored
-        tool_files = {}
-        if uses_tools:
-            found = tools.result()
-            tool_files = {field: str(path) for field, path in
-                          (("tools", found.tools_file), ("environment", found.environment_file)) if path is not None}
-        # The dataset files, the evaluation file, the chat template and the reward files, in one commit, while the
-        # model's shape is read.
-        rewards = spec.grpo.rewards if spec.grpo is not None else []
-        mix_files = {i: entry.local_file for i, entry in enumerate(spec.dataset.mix) if entry.local_file is not None}
-        inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, spec.dataset.local_file, rewards,
-                                                str(Path.cwd()), eval_file=eval_file,
-                                                hub_token_secret=spec.hub_token_secret, mix_files=mix_files or None,
-                                                chat_template_file=str(template_file) if template_file else None,
-                                                tool_files=tool_files or None)
-        shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
-        running += [inputs, shape_read]
-        # The rewards come back pointing at their copies; `stored` pins those copies (their commit and sha256).
-        dataset_path, rewards, stored = inputs.result()
-        job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
-                               rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
-                               lora=lora, tool_files=tool_files, inputs=stored)
-        shape = shape_read.result()
-        if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
-            raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
-        if shape is not None:  # the worker's own memory planner, on each GPU: those the run cannot fit are not rented
-            gpus, too_small = gpus_that_fit(gpus, functools.partial(plan_job, job_input, shape),
-                                            quantized_plan_for=_quantized_planner(job_input, shape))
-            for fit in too_small:
-                logger.warning("Not renting %s: the run does not fit it (%s)", fit.gpu, fit.describe())
-            ceiling = cost_ceiling([offers[g.name] for g in gpus], spec.compute.gpu_count, spec.deadline_minutes)
-            spent.ceiling_usd = ceiling.usd
-        if spec.publish is not None and spec.publish.merged_model_id is not None and shape is not None:
-            check_merge_fits(shape.parameters, model_source.id)  # a model no CPU worker can merge: refused now
-        logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling %s", spec.name, model_source.id, spec.compute.gpu,
-                    settings.worker_image(), ceiling.describe())
-        worker_env = prepare_worker_env.submit(spec.hub_token_secret, env=spec.worker.env, secrets=spec.worker.secrets)
-        running.append(worker_env)
-        ensure_endpoint_limit()
-        return CheckedRun(spec=spec, run_id=run_id, deadline=deadline, model=model_source, job_input=job_input,
-                          shape=shape, gpus=gpus, offers=offers, ceiling=ceiling, worker_env=worker_env.result())
-    finally:
-        wait(running)  # whatever refused the run, no check outlives this one
-
-
-@task(name="check-secrets", cache_policy=NO_CACHE)
-def check_secrets(spec: RunSpec) -> None:
-    """The run's secret blocks can be read: its Hub token's (a token to publish with, under `[publish]`) and its
-    workers' (`worker.secrets`: unreadable or too short → refused)."""
-    run_token = Settings().hub_token(spec.hub_token_secret)
-    if spec.hub_token_secret is None and run_token is not None:
-        get_run_logger().warning(
-            "hub_token_secret is unset: this run's workers get the control plane's own Hugging Face token (HF_TOKEN or "
-            "its `hf-token` block). On a shared server name your own in hub_token_secret; LORAFLOW_REQUIRE_RUN_TOKEN=1 "
-            "requires every run to")
-    for name, repo in (spec.publish.repos if spec.publish is not None else {}).items():
-        check_publish_token(repo, run_token, field=name)
-    read_run_secrets(spec.worker.secrets)
-
-
-def _local_chat_files(spec: RunSpec) -> list[tuple[str, str, dict[str, str]]]:
-    """(path, format, columns) of each local file of the run's rows: its dataset's (or mix entries') and its
-    evaluation file."""
-    files = [(source.local_file, source.format, source.columns) for _, source in spec.dataset.sources()
-             if source.local_file is not None]
-    if spec.evaluation is not None and spec.evaluation.local_file is not None:
-        files.append((spec.evaluation.local_file, spec.evaluation.format, spec.evaluation.columns))
-    return files
-
-
-def check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
-    """The dataset files and the evaluation file (those that are local: every line converted from its format and
-    checked) and the reward files. Returns the TRL format of each local dataset file, by its spec field."""
-    logger = get_run_logger()
-    examples = eval_examples = None
-    formats = {}
-    for name, source in spec.dataset.sources():
-        if source.local_file is not None:
-            examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{name}.local_file",
-                                           source.format, source.columns)
-            formats[name] = first_row_format(Path(source.local_file), source.format, source.columns)
-            logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, name)
-    if spec.dataset.mix:
-        examples = None  # how many a mix draws is known once it is drawn
-    eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
-    if eval_file is not None:
-        eval_examples = check_dataset_jsonl(Path(eval_file), spec.algorithm, "evaluation.local_file",
-                                            spec.evaluation.format, spec.evaluation.columns)
-    if spec.evaluation is not None:
-        _log_evaluation_cost(spec, examples, eval_examples)
-    # Relative reward files start where a relative local_file does.
-    check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], Path.cwd())
-    return formats
-
-
-def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
-                pinned: dict[str, HubDataset]) -> DatasetSource:
-    """The job's `dataset`: each local file replaced by its copy in the store (`dataset_path`, or the mix entry's
-    `mix_store_path`), each Hub dataset pinned to the commit its check found (`pinned`, by spec field)."""
-
-    def source(field: str, entry: DatasetSpec | MixEntrySpec, store_path: str | None) -> dict:
-        fields = {"split": entry.split, "format": entry.format, "columns": entry.columns}
-        if entry.hub_id is None:
-            return {**fields, "store_path": store_path}
-        revision = pinned[field].sha if field in pinned else entry.revision
-        return {**fields, "hub_id": entry.hub_id, "config": entry.config, "revision": revision}
-
-    if spec.dataset.mix:
-        return DatasetSource(mix=[{**source(f"dataset.mix[{i}]", entry, mix_store_path(run_id, i)),
-                                   "fraction": entry.fraction} for i, entry in enumerate(spec.dataset.mix)])
-    return DatasetSource(**source("dataset", spec.dataset, dataset_path))
-
-
-def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
-               rewards: list, chat_template_path: str | None = None, lora: LoraSettings | None = None,
-               tool_files: dict[str, str] | None = None, inputs: StoredInputs | None = None) -> JobInput:
-    grpo = None
-    if spec.grpo is not None:  # the rewards and tools point at their copies in the store
-        grpo = spec.grpo.model_copy(update={"rewards": rewards, **{
-            f"{field}_store_path": tools_store_path(run_id, field) for field in tool_files or {}}})
-    # QLoRA GRPO generates with the training model: TRL's merge of an adapter into a 4-bit base for vLLM misbehaves.
-    qlora_grpo = spec.algorithm == "grpo" and spec.lora.quantization == "4bit"
-    # A chat template file is read from its copy in the store (`chat_template_path`), as the dataset is.
-    training = spec.training.model_copy(update={"chat_template": chat_template_path}) if chat_template_path \
-        else spec.training
-    return JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset, lora=lora or spec.lora,
-                    training=training, grpo=grpo, dpo=spec.dpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
-                    extra_packages=spec.extra_packages, evaluation=_job_evaluation(spec, run_id),
-                    memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None,
-                    worker_env_names=sorted(spec.worker.env), worker_secret_names=sorted(spec.worker.secrets),
-                    # The worker refuses a value that is not the one checked here (a secret RunPod put in its place).
-                    worker_env_sha256={name: sha256_hex(value.encode()) for name, value in spec.worker.env.items()},
-                    fast_paths=spec.fast_paths, inputs=inputs)
-
-
-def _job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
-    """The job's `evaluation`: the spec's, its local file replaced by the copy `publish_run_inputs_task` stores."""
-    if spec.evaluation is None:
-        return None
-    if spec.evaluation.local_file is None:
-        return EvaluationSettings(fraction=spec.evaluation.fraction, every_steps=spec.evaluation.every_steps,
-                                  max_samples=spec.evaluation.max_samples)
-    return EvaluationSettings(store_path=eval_store_path(run_id), format=spec.evaluation.format,
-                              columns=spec.evaluation.columns, every_steps=spec.evaluation.every_steps,
-                              max_samples=spec.evaluation.max_samples)
-
-
-def _log_evaluation_cost(spec: RunSpec, examples: int | None, eval_examples: int | None) -> None:
-    """Say what the run's evaluation adds to its work; warn when that is a large share (it shortens the training
-    the deadline allows)."""
-    evaluation, logger = spec.evaluation, get_run_logger()
-    cost = evaluation_cost(spec.algorithm, spec.training, every_steps=evaluation.every_steps,
-                           max_samples=evaluation.max_samples, fraction=evaluation.fraction,
-                           dataset_examples=examples, eval_file_examples=eval_examples)
-    if cost is None:
-        logger.info("Evaluation every %d steps on at most %d examples (its share of the run is not known before it: "
-                    "epochs over a Hub dataset)", evaluation.every_steps, evaluation.max_samples)
-    elif cost.share > EVAL_SHARE_WARNING:
-        logger.warning("Evaluation: %s: more than %.0f%%; raise evaluation.every_steps or lower "
-                       "evaluation.max_samples to leave the deadline to training", cost.describe(),
-                       EVAL_SHARE_WARNING * 100)
-    else:
-        logger.info("Evaluation: %s", cost.describe())
-
-
-def _quantized_planner(job_input: JobInput, shape: ModelShape) -> Callable[[int], MemoryPlan] | None:
-    """The same run's plan in 4 bits (QLoRA), for a refusal to suggest; None when it already is."""
-    if job_input.lora.quantization == "4bit":
-        return None
-    quantized = job_input.model_copy(update={"lora": job_input.lora.model_copy(update={"quantization": "4bit"})})
-    return functools.partial(plan_job, quantized, shape)
-
 
 @task(name="place", cache_policy=NO_CACHE)
 def place(run: CheckedRun, attempt: int, attempts: Attempts) -> tuple[AttemptPlan, DataCenterCache | None]:
@@ -403,7 +98,7 @@ def _volume_used(cache: DataCenterCache, run_id: str) -> None:
 def rent_train_and_tear_down(
     run: CheckedRun, attempt: int, attempts: Attempts, plan: AttemptPlan, cache: DataCenterCache | None,
 ) -> tuple[JobOutcome, UndeletedEndpoint | None, AttemptPlan, DataCenterCache | None]:
-    """The attempt's endpoint, from its create to its confirmed delete (`tasks/lifecycle/attempt.py`); when
+    """The attempt's endpoint, from its create to its confirmed delete (`tasks/jobs/training.py`); when
     RunPod refused it because its warm volume is gone, nothing was created and the same attempt runs cold; when
     RunPod refused the request of its GPU class (400), the refusal is recorded and the same attempt is placed on the
     next class of `compute.gpu` (`EveryGpuRefused` once none is left). Returns the plan and warm volume the attempt

@@ -14,10 +14,12 @@ from urllib.parse import urlparse
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tasks.lifecycle.quota import SLOT_LEASE_SECONDS
 from tasks.runpod.client import API_URL, JOB_URL, RunpodClient
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
 
+SLOT_LEASE_SECONDS = 120
+"""A crashed holder's slot frees after this (+ ≤15 s) once the server's repossessor sees the lease
+expire; the holder renews it in the background while alive."""
 NAMESPACE_VARIABLE = "loraflow-namespace"
 """The Prefect Variable that holds a control plane's endpoint-name tag when LORAFLOW_NAMESPACE is unset."""
 
@@ -182,6 +184,11 @@ class Settings(BaseSettings):
             return str(Secret.load(self.hf_token_block).get())
         except ValueError:  # no such block: public models and file:// stores need no token
             return None
+
+    def store_token(self, store_url: str, run_block: str | None = None) -> str | None:
+        """The Hub token for an artifact store: for an hf:// store `hub_token(run_block)` (on a team server the store
+        may be the starter's private repo, which only their token can write); None for a file:// store."""
+        return self.hub_token(run_block) if store_url.startswith("hf://") else None
 
     def with_hub_token(self, run_block: str | None = None) -> Settings:
         """These settings with `hf_token` set to `hub_token(run_block)` when there is one."""

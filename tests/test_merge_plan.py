@@ -14,7 +14,7 @@ from tasks.reports.summary import RunReport, summary_markdown
 from tasks.runpod.endpoints import endpoint_name, parse_endpoint_name, run_hash
 from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.live_catalog import CatalogCpuType, read_cpu_types
-from tasks.storage.merge import (
+from tasks.jobs.merge import (
     MERGE_LABEL,
     MergeCompute,
     MergeRefused,

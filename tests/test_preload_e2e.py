@@ -204,7 +204,7 @@ def test_a_preload_whose_endpoint_cannot_be_deleted_keeps_its_slot_and_record_un
     one); everything else is the real flow against the stack."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    import tasks.storage.preload as preload_tasks
+    import tasks.jobs.preload as preload_tasks
     from flows.preload import PreloadSpec, preload
     from flows.reconcile import reconcile
     from flows.reconcile import ReconcilePolicy

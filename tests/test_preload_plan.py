@@ -25,7 +25,7 @@ from tasks.runpod.live_catalog import (
     read_data_centers,
 )
 from tasks.runpod.models import CreateNetworkVolume, NetworkVolume
-from tasks.storage.preload import Compute, choose_compute, cpu_worker_vcpus, plan_volume, preload_request
+from tasks.jobs.preload import Compute, choose_compute, cpu_worker_vcpus, plan_volume, preload_request
 from tests.test_live_catalog import client_for, localpod  # noqa: F401  (a fixture)
 from tests.test_localpod import AUTH, wait_for
 

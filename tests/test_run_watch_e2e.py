@@ -234,7 +234,7 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     import flows.train as train_module
-    import tasks.lifecycle.attempt as attempt_module
+    import tasks.jobs.training as attempt_module
     from flows.reconcile import ReconcilePolicy, reconcile
     from flows.spec import load_run_file
     from tasks.lifecycle.teardown import undeleted_endpoints

@@ -20,9 +20,9 @@ from tasks.runpod.volumes import (
     volume_name,
     volume_size_gb,
 )
-from tasks.storage.prices import documented_usd_per_month
+from tasks.placement.prices import documented_usd_per_month
 from tasks.storage.volume_inventory import RetentionRequest, VolumeRow, apply, decide, inventory, totals
-from tasks.storage.weight_cache import DataCenterCache, WarmModel, WarmVolumeGone, gone_volume
+from tasks.placement.weight_cache import DataCenterCache, WarmModel, WarmVolumeGone, gone_volume
 from tests.test_localpod import create_endpoint, endpoint_body
 from tests.test_runpod_secrets import localpod, runpod  # noqa: F401
 
@@ -236,7 +236,7 @@ def test_the_total_line_says_what_the_deletions_save():
     assert "deleted 1, saving $1.40/month; left $0.00/month" in totals([row])
 
 
-# --- a stale warm record never fails a run (tasks/storage/weight_cache.py) --------------------------------------------
+# --- a stale warm record never fails a run (tasks/placement/weight_cache.py) --------------------------------------------
 
 
 def test_an_endpoint_refused_for_a_deleted_warm_volume_reads_as_the_volume_gone(runpod, localpod):  # noqa: F811

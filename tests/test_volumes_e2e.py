@@ -21,7 +21,7 @@ from prefect.events import Event
 from deployments.local_stack import LOCALPOD_API_KEY
 from tasks.reports.events import VOLUME_RESOURCE, VOLUME_USED
 from tasks.runpod.volumes import volume_name
-from tasks.storage.weight_cache import DataCenterCache, WarmModel, read_cache, variable_name, warm_cache_for
+from tasks.placement.weight_cache import DataCenterCache, WarmModel, read_cache, variable_name, warm_cache_for
 from tests.conftest import REPO, prefect_api
 
 pytestmark = pytest.mark.timeout(600)

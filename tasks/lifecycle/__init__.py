@@ -1,4 +1,5 @@
-"""A run's life at RunPod, and its recovery when something fails.
+"""The building blocks of an endpoint's life at RunPod, and recovery when something fails (the jobs that rent one
+are `tasks/jobs/`).
 
 - `steps`: the Prefect tasks of an attempt: create the endpoint, submit the job, watch it, delete the endpoint.
 - `quota`: the endpoint-slot quota, a Prefect global concurrency limit; RunPod's own quota error waits.

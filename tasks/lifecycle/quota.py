@@ -44,9 +44,6 @@ WORKER_QUOTA_ENV = "LORAFLOW_WORKER_QUOTA"
 NAMED_QUOTA_VARIABLE = "runpod-named-worker-quota"
 """The Prefect Variable holding the quota RunPod named in the latest quota refusal a run met
 (`{"quota": N, "at": ISO time}`): the preflight reads it when it is given no quota."""
-SLOT_LEASE_SECONDS = 120
-"""A crashed holder's slot frees after this (+ ≤15 s) once the server's repossessor sees the lease
-expire; the holder renews it in the background while alive."""
 UNDELETED_LEASE_SECONDS = 24 * 3600
 """Lease of the slot kept for an endpoint whose delete is unconfirmed: the longest Prefect's server
 grants. Whoever retries the delete renews it; unrenewed, the slot frees after a day at worst."""

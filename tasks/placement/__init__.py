@@ -6,4 +6,6 @@
 - `memory_ladder`: what the next attempt changes after one ran out of memory.
 - `image_contract`: the job contract a worker image speaks, read from its tag.
 - `history`: where this control plane's training ran (read by the preload sweep).
+- `weight_cache`: the record of which models are warm on which datacenter's volume (a hint: a missing volume means a
+  cold start); `prices`: RunPod's documented storage prices, the fallback when billing has no figure.
 """

@@ -20,7 +20,7 @@ from tasks.runpod.endpoints import build_create_request, endpoint_name
 from tasks.runpod.jobs import WatchLimits
 from tasks.runpod.models import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S, CreateEndpoint, JobPolicy
 from tasks.settings import Settings
-from tasks.storage.weight_cache import DataCenterCache
+from tasks.placement.weight_cache import DataCenterCache
 
 REQUIRE_CUDA_ENV = "LORAFLOW_REQUIRE_CUDA"
 """In a training endpoint's env: the worker fails the job within seconds when CUDA cannot start, instead of

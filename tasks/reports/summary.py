@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from tasks.reports.curve import curve_measure
 from tasks.runpod.live_catalog import CardsSource, PriceSource
-from tasks.storage.artifacts import hub_token
+from tasks.settings import Settings
 
 CURVE_FILE = "curve.png"
 
@@ -400,7 +400,7 @@ class StoredCurve(BaseModel):
 def store_curve(store_url: str, run_id: str, png: bytes, hub_token_secret: str | None = None) -> StoredCurve:
     """Store the curve as `runs/<run_id>/curve.png`, in one commit (the Hub counts commits)."""
     path = f"{run_prefix(run_id)}/{CURVE_FILE}"
-    store = open_store(store_url, hub_token(store_url, hub_token_secret))
+    store = open_store(store_url, Settings().store_token(store_url, hub_token_secret))
     store.put({path: png}, message=f"training curve of run {run_id}")
     return StoredCurve(curve_url=store.display_url(path), run_url=store.display_url(run_prefix(run_id)))
 

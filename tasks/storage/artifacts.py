@@ -293,7 +293,7 @@ def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | Non
                             tool_files: dict[str, str] | None = None,
                             ) -> tuple[str | None, list[RewardSpec], StoredInputs]:
     return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
-                              Path(base_dir), hub_token(store_url, hub_token_secret),
+                              Path(base_dir), Settings().store_token(store_url, hub_token_secret),
                               eval_file=Path(eval_file) if eval_file else None,
                               mix_files={index: Path(path) for index, path in (mix_files or {}).items()},
                               chat_template_file=Path(chat_template_file) if chat_template_file else None,
@@ -302,11 +302,6 @@ def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | Non
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
 def collect(store_url: str, run_id: str, hub_token_secret: str | None = None, job_output: Any = None) -> RunResults:
-    return read_run_results(store_url, run_id, hub_token(store_url, hub_token_secret), job_output)
+    return read_run_results(store_url, run_id, Settings().store_token(store_url, hub_token_secret), job_output)
 
 
-def hub_token(store_url: str, hub_token_secret: str | None = None) -> str | None:
-    """The Hub token for an hf:// store: the run's own (its `hub_token_secret` block), else the flow's
-    (`HF_TOKEN` or the `hf-token` block). On a team server the store may be the starter's private repo, which
-    only their token can write."""
-    return Settings().hub_token(hub_token_secret) if store_url.startswith("hf://") else None

@@ -11,7 +11,7 @@ name) — and deletes this control plane's volumes that no run or sweep used wit
   by default). A volume without a use in the retention window is deleted only when the server's oldest
   event is older than that window (else a use before it cannot be seen, and the volume is kept, saying so).
 - **Cost**: `GET /v2/billing/network-volumes` (the larger of the last two full days × 30) where it has
-  figures for the volume, else RunPod's documented price (`tasks/storage/prices.py`); the row says which.
+  figures for the volume, else RunPod's documented price (`tasks/placement/prices.py`); the row says which.
 - **Never**: a volume an endpoint attaches, or another control plane's volume unless the request names its tag
   (`delete_namespaces`, `adopt_namespaces`) and confirms. RunPod documents no refusal to delete an attached volume
   (the endpoint would keep naming a volume that is gone, and no worker of it could start), so the account's
@@ -47,8 +47,8 @@ from tasks.runpod.live_catalog import read_retried
 from tasks.runpod.models import Endpoint, NetworkVolume, NetworkVolumeBillingRecord
 from tasks.runpod.volumes import VOLUME_PREFIX, delete_unattached_volume, parse_volume_name, volume_name
 from tasks.settings import make_client
-from tasks.storage.prices import DAYS_PER_MONTH, documented_usd_per_month
-from tasks.storage.weight_cache import DataCenterCache, clear_cache, read_all_caches
+from tasks.placement.prices import DAYS_PER_MONTH, documented_usd_per_month
+from tasks.placement.weight_cache import DataCenterCache, clear_cache, read_all_caches
 
 log = logging.getLogger(__name__)
 

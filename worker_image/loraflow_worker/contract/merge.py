@@ -1,7 +1,7 @@
 """A merge job's input and result: a stored run's adapter merged into its base model (bf16) and published as a
 Hub model repo that `transformers` and vLLM load without PEFT.
 
-The control plane runs it on a CPU endpoint sized from the model's bytes (`tasks/storage/merge.py` says why a CPU
+The control plane runs it on a CPU endpoint sized from the model's bytes (`tasks/jobs/merge.py` says why a CPU
 worker and not the training GPU): nothing in a merge needs a GPU.
 """
 

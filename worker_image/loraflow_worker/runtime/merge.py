@@ -1,6 +1,6 @@
 """A merge job: a stored run's LoRA adapter merged into its base model and published as a plain Hub model repo.
 
-The control plane sends (on a CPU endpoint, `tasks/storage/merge.py`)
+The control plane sends (on a CPU endpoint, `tasks/jobs/merge.py`)
 
     {"contract_version": 10, "mode": "merge", "run_id": "<flow run id>", "run_name": "capybara",
      "artifact_store": "hf://datasets/acme/runs", "base_model": {"id": "Qwen/Qwen3-8B", "revision": "<sha>"},
@@ -55,7 +55,7 @@ CARD_FILE = "README.md"
 HUB_BRANCH = "main"
 MAX_SHARD_SIZE = "2GB"
 """Safetensors shard size: the shard being written is held in memory once more, which the CPU worker's sizing
-counts (`tasks/storage/merge.py`)."""
+counts (`tasks/jobs/merge.py`)."""
 PROBE_TEXTS = (
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",

@@ -1,7 +1,8 @@
 """One datacenter's preload: its volume right-sized (used, grown, or replaced by a new STANDARD one), an
 endpoint pinned there with the volume attached — on the cheapest CPU flavor in stock there, a GPU when no
-CPU flavor is — a `preload` job run on it, and the endpoint deleted as a training attempt's is: confirmed,
-retried, its slot and a record kept for the reconciler while unconfirmed.
+CPU flavor is — a `preload` job run on it, on the path every rented job takes (`tasks/jobs/rented.py`): the
+endpoint deleted whatever happened, confirmed, retried, its slot and a record kept for the reconciler while
+unconfirmed.
 
 Plain functions over `RunpodClient` (the choices are pure: `choose_compute`, `plan_volume`), and thin Prefect
 tasks: `preload_data_center`, which the `preload` flow submits once per datacenter so the datacenters run
@@ -12,28 +13,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from loraflow_worker.contract import CONTRACT_VERSION, ModelSource, PreloadInput, PreloadResult
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
-from tasks.lifecycle.liveness import beat
-from tasks.lifecycle.quota import endpoint_slot, remember_named_quota, wait_for_runpod_quota
-from tasks.lifecycle.steps import delete_endpoint, run_cancel_requested
-from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
+from tasks.jobs.rented import Rental, rented_endpoint, run_job
+from tasks.lifecycle.steps import run_cancel_requested
+from tasks.placement.prices import documented_usd_per_month
 from tasks.reports import events
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass
 from tasks.runpod.client import RunpodClient
-from tasks.runpod.endpoints import build_cpu_create_request, build_create_request, endpoint_name, ensure_endpoint
+from tasks.runpod.endpoints import build_cpu_create_request, build_create_request, endpoint_name
 from tasks.runpod.errors import RunpodError
-from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
+from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.live_catalog import CatalogCpuType, CatalogDataCenter, GpuOffer
-from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume, Endpoint, JobPolicy, NetworkVolume, RunRequest
+from tasks.runpod.models import CreateEndpoint, CreateNetworkVolume, NetworkVolume
 from tasks.runpod.volumes import SIZE_STEP_GB, delete_unattached_volume, volume_name
 from tasks.settings import Settings, make_client
-from tasks.storage.prices import documented_usd_per_month
 
 PRELOAD_DISK_GB = 20
 """Container disk of a preload worker: the weights go to the volume, not to this disk."""
@@ -235,9 +234,9 @@ def preload_request(*, name: str, compute: Compute, image: str, env: dict[str, s
 
 def preload_one(
     client: RunpodClient,
+    rental: Rental,
     *,
     run_id: str,
-    endpoint_name: str,
     data_center: str,
     compute: Compute,
     volume: NetworkVolume,
@@ -246,33 +245,26 @@ def preload_one(
     env: dict[str, str],
     deadline_epoch_s: float,
     queue_s: float,
-    created: list[Endpoint],
+    logger: Any,
     cancel_requested: Callable[[], bool] = lambda: False,
 ) -> DataCenterOutcome:
-    """Run a preload job on an endpoint pinned to the datacenter with `volume` attached. The endpoint made
-    is appended to `created`; the caller deletes it, whatever happened."""
+    """Run a preload job on an endpoint (`rental`'s) pinned to the datacenter with `volume` attached; the caller's
+    `rented_endpoint` deletes it, whatever happened."""
     started = time.time()
     remaining = max(int(deadline_epoch_s - started), 60)
-    request = preload_request(name=endpoint_name, compute=compute, image=image, execution_timeout_s=remaining + 300,
+    request = preload_request(name=rental.name, compute=compute, image=image, execution_timeout_s=remaining + 300,
                               env=env | {"LORAFLOW_RUN_DEADLINE_EPOCH_S": f"{deadline_epoch_s:.0f}"},
                               data_center=data_center, volume_id=volume.id)
-    endpoint = wait_for_runpod_quota(lambda: ensure_endpoint(client, request), give_up_at=deadline_epoch_s - 60,
-                                     cancel_requested=cancel_requested, on_quota_named=remember_named_quota)
-    if endpoint is None:
+    # The sweep's list is all the volume should keep: models no longer swept are removed from it.
+    job_input = PreloadInput(contract_version=CONTRACT_VERSION, mode="preload", run_id=run_id, models=models,
+                             deadline_epoch_s=deadline_epoch_s, remove_others=True)
+    outcome = run_job(client, rental, request, job_input, deadline_epoch_s=deadline_epoch_s, queue_s=queue_s,
+                      logger=logger, cancel_requested=cancel_requested)
+    if outcome is None:
         return DataCenterOutcome(data_center=data_center, status="error", compute=compute.describe(),
                                  volume_id=volume.id, volume_gb=volume.size, volume_type=volume.type or STORAGE_TYPE,
                                  error="cancelled, or no room in RunPod's worker quota before the time budget ran out",
                                  seconds=time.time() - started)
-    created.append(endpoint)
-    # The sweep's list is all the volume should keep: models no longer swept are removed from it.
-    job_input = PreloadInput(contract_version=CONTRACT_VERSION, mode="preload", run_id=run_id, models=models,
-                             deadline_epoch_s=deadline_epoch_s, remove_others=True)
-    job = client.run(endpoint.id, RunRequest(input=job_input.model_dump(mode="json"), policy=JobPolicy(
-        execution_timeout=(remaining + 300) * 1000, ttl=(remaining + 600) * 1000)))
-    # A preload reports no training steps: only the queue allowance and the time budget apply.
-    limits = WatchLimits(deadline_epoch_s=deadline_epoch_s, queue_s=queue_s, startup_s=remaining, stall_s=remaining)
-    outcome = watch_job(client, endpoint.id, job.id, limits, on_status=lambda s: beat(endpoint, s.status),
-                        cancel_requested=cancel_requested)
     return outcome_of(data_center, compute, volume, outcome, time.time() - started)
 
 
@@ -288,40 +280,26 @@ class SweepTarget(BaseModel):
 @task(name="preload-datacenter", cache_policy=NO_CACHE, task_run_name="preload-{target.data_center}")
 def preload_data_center(target: SweepTarget, models: list[ModelSource], run_id: str, namespace: str,
                         env: dict[str, str], deadline_epoch_s: float, queue_s: float) -> DataCenterOutcome:
-    """One datacenter, holding one slot of the endpoint limit for as long as its endpoint may exist. The
-    endpoint is deleted as a training attempt's is (`delete-endpoint`, confirmed and retried); when the delete
-    stays unconfirmed, a slot lease of its own and a record (`UndeletedEndpoint`) outlive the task, for the
-    reconciler. Never raises for the datacenter's own trouble: the sweep reports every datacenter, then decides."""
+    """One datacenter, on the path every rented job takes (`tasks/jobs/rented.py`): one slot of the endpoint limit
+    for as long as its endpoint may exist, the endpoint deleted (confirmed and retried), and when the delete stays
+    unconfirmed a slot lease of its own and a record (`UndeletedEndpoint`) outliving the task, for the reconciler.
+    Never raises for the datacenter's own trouble: the sweep reports every datacenter, then decides."""
     logger = get_run_logger()
     settings = Settings()
     data_center, compute = target.data_center, target.compute
     name = endpoint_name(run_id, 1, f"preload-{data_center}", namespace)
-    created: list[Endpoint] = []
-    undeleted: UndeletedEndpoint | None = None
+    rental: Rental | None = None
     volume: NetworkVolume | None = None
     teardown = ""
     try:
-        with endpoint_slot(settings.loraflow_slot_lease_seconds, give_up_at=deadline_epoch_s, logger=logger), \
+        with rented_endpoint(name, run_id, give_up_at=deadline_epoch_s, logger=logger) as rental, \
                 make_client(settings) as client:
             volume = realize_volume(client, target.volume, volume_name(data_center, namespace), data_center)
             events.volume_used(volume.id, volume.name, data_center, by="preload", run_id=run_id)
-            try:
-                outcome = preload_one(client, run_id=run_id, endpoint_name=name, data_center=data_center,
-                                      compute=compute, volume=volume, models=models, image=settings.worker_image(),
-                                      env=env, deadline_epoch_s=deadline_epoch_s, queue_s=queue_s, created=created,
-                                      cancel_requested=run_cancel_requested)
-            finally:
-                endpoint_id = created[0].id if created else None
-                deleted = delete_endpoint(name, endpoint_id, return_state=True)
-                if deleted.is_completed():
-                    teardown = "deleted" if created else ""
-                else:
-                    # Taken while this task still holds its slot, when the limit has room: the endpoint is never
-                    # without one.
-                    undeleted = UndeletedEndpoint(endpoint_name=name, endpoint_id=endpoint_id, run_id=run_id,
-                                                  lease_id=take_slot_for_undeleted(0.0),
-                                                  error=str(deleted.result(raise_on_failure=False))[:500])
-                    teardown = "not confirmed deleted: its slot and record are kept for the reconciler"
+            outcome = preload_one(client, rental, run_id=run_id, data_center=data_center, compute=compute,
+                                  volume=volume, models=models, image=settings.worker_image(), env=env,
+                                  deadline_epoch_s=deadline_epoch_s, queue_s=queue_s, logger=logger,
+                                  cancel_requested=run_cancel_requested)
     except Exception as e:  # noqa: BLE001 - one datacenter's failure is reported in the sweep's table
         logger.exception("Preload in %s failed", data_center)
         outcome = DataCenterOutcome(data_center=data_center, status="error", compute=compute.describe(),
@@ -329,12 +307,14 @@ def preload_data_center(target: SweepTarget, models: list[ModelSource], run_id: 
         if volume is not None:
             outcome = outcome.model_copy(update={"volume_id": volume.id, "volume_gb": volume.size,
                                                  "volume_type": volume.type or STORAGE_TYPE})
-    finally:
-        if undeleted is not None:
-            keep_undeleted_endpoint(undeleted, logger)
+    undeleted = rental is not None and rental.undeleted is not None
+    if undeleted:
+        teardown = "not confirmed deleted: its slot and record are kept for the reconciler"
+    elif rental is not None and rental.endpoint is not None:
+        teardown = "deleted"
     outcome = outcome.model_copy(update={"teardown": teardown})
     if outcome.status in ("error", "no_capacity") and volume is not None and target.volume.action == "create" \
-            and undeleted is None:
+            and not undeleted:
         outcome = _drop_unused_new_volume(outcome, volume, logger)
     logger.info("Preload in %s on %s: %s (%d bytes downloaded)%s", data_center, compute.describe(), outcome.status,
                 outcome.bytes_downloaded, f": {outcome.error}" if outcome.error else "")

@@ -1,7 +1,8 @@
-"""One attempt's endpoint, from rent to teardown, inside one slot of the endpoint quota: create the endpoint
-(RunPod's own quota error waits), submit the job once, watch it to its end, and delete the endpoint whatever
-happened. The slot is the endpoint: it is held until the delete is confirmed, and a delete that stays
-unconfirmed keeps a slot lease and a record of its own for the reconciler.
+"""A training attempt, the job a `train` run rents an endpoint for, on the path every rented job takes
+(`tasks/jobs/rented.py`): inside one slot of the endpoint quota, create the endpoint (RunPod's own quota error waits),
+submit the job once, watch it to its end through the Prefect steps (its progress artifact), and delete the endpoint
+whatever happened. What only training does: a stale warm volume or a refused GPU class said as such, for the flow to
+try again cold or on the next class.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ from collections.abc import Callable
 
 from prefect import get_run_logger
 
+from tasks.jobs.rented import Rental, rented_endpoint
 from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S, GpuClassRefused
-from tasks.lifecycle.quota import endpoint_slot, remember_named_quota, wait_for_runpod_quota
-from tasks.lifecycle.steps import create_endpoint, delete_endpoint, run_cancel_requested, submit_job, wait_for_job
-from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
+from tasks.lifecycle.quota import remember_named_quota, wait_for_runpod_quota
+from tasks.lifecycle.steps import create_endpoint, run_cancel_requested, submit_job, wait_for_job
+from tasks.lifecycle.teardown import UndeletedEndpoint
 from tasks.placement.plan import AttemptPlan
+from tasks.placement.weight_cache import gone_volume
 from tasks.runpod.errors import BadRequestError, NotFoundError, QuotaExceededError, RunpodError, is_transient
 from tasks.runpod.jobs import JobOutcome
-from tasks.runpod.models import Endpoint
-from tasks.settings import Settings, make_client
-from tasks.storage.weight_cache import gone_volume
+from tasks.settings import make_client
 
 
 def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | None = None,
@@ -35,31 +36,17 @@ def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | 
     `GpuClassRefused` when RunPod refused its request otherwise (400, not the quota: the caller moves to the next
     GPU class).
     """
-    created: list[Endpoint] = []
-    undeleted: UndeletedEndpoint | None = None
-    try:
-        with endpoint_slot(Settings().loraflow_slot_lease_seconds, logger=get_run_logger(),
-                           give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S):
-            try:
-                outcome = _create_submit_wait(plan, progress_key, created, on_submitted)
-            finally:
-                endpoint_id = created[0].id if created else None
-                if endpoint_id is not None and endpoint_ids is not None:
-                    endpoint_ids.append(endpoint_id)
-                deleted = delete_endpoint(plan.endpoint_name, endpoint_id, return_state=True)
-                if not deleted.is_completed():
-                    # Taken while this attempt still holds its slot, when the limit has room: the endpoint
-                    # is never without one.
-                    undeleted = UndeletedEndpoint(endpoint_name=plan.endpoint_name, endpoint_id=endpoint_id,
-                                                  run_id=plan.run_id, lease_id=take_slot_for_undeleted(0.0),
-                                                  error=str(deleted.result(raise_on_failure=False))[:500])
-    finally:
-        if undeleted is not None:
-            keep_undeleted_endpoint(undeleted, get_run_logger())
-    return outcome, undeleted
+    with rented_endpoint(plan.endpoint_name, plan.run_id, logger=get_run_logger(),
+                         give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S) as rental:
+        try:
+            outcome = _create_submit_wait(plan, progress_key, rental, on_submitted)
+        finally:
+            if rental.endpoint is not None and endpoint_ids is not None:
+                endpoint_ids.append(rental.endpoint.id)
+    return outcome, rental.undeleted
 
 
-def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endpoint],
+def _create_submit_wait(plan: AttemptPlan, progress_key: str, rental: Rental,
                         on_submitted: Callable[[], None] | None) -> JobOutcome:
     if run_cancel_requested():  # cancelled while it waited for the slot: create nothing
         return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
@@ -80,7 +67,7 @@ def _create_submit_wait(plan: AttemptPlan, progress_key: str, created: list[Endp
     if endpoint is None:
         return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
                           error="the run was cancelled while it waited for room in RunPod's worker quota")
-    created.append(endpoint)
+    rental.endpoint = endpoint
     submitted = submit_job(endpoint, plan.job_input.model_dump(mode="json"), plan.policy, return_state=True)
     if not submitted.is_completed():
         # `/run` is not idempotent: rather than POST again (maybe starting a second job), give this

@@ -14,9 +14,9 @@ refused, naming its size and the largest RAM on offer.
 
 The endpoint is named as every loraflow endpoint (`endpoint_name`), after the flow run that runs the merge with the
 label `merge-<run name>`, so that flow's crash and cancel hooks (`delete_run_endpoints_hook`) and the reconciler
-find it without memory. It holds one slot of the `runpod-endpoints` limit from before its create until its delete is
-confirmed, and is deleted whatever happened (an unconfirmed delete keeps a slot and a record for the reconciler, as
-a training attempt's does).
+find it without memory. It takes the path every rented job takes (`tasks/jobs/rented.py`): one slot of the
+`runpod-endpoints` limit from before its create until its delete is confirmed, deleted whatever happened (an
+unconfirmed delete keeps a slot and a record for the reconciler).
 
 `merge_run_adapter` is the one entry a flow calls, for any completed stored run (the train flow for its own run,
 the study flow for its best child); it never raises: a failed merge is `MergedModel.error`.
@@ -45,35 +45,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import BaseModel, Field
 
-from tasks.lifecycle.liveness import beat
-from tasks.lifecycle.quota import (
-    endpoint_slot,
-    remember_named_quota,
-    wait_for_runpod_quota,
-)
-from tasks.lifecycle.steps import (
-    delete_endpoint,
-    prepare_worker_env,
-    run_cancel_requested,
-)
-from tasks.lifecycle.teardown import (
-    UndeletedEndpoint,
-    keep_undeleted_endpoint,
-    take_slot_for_undeleted,
-)
+from tasks.jobs.rented import rented_endpoint, run_job
+from tasks.lifecycle.steps import prepare_worker_env, run_cancel_requested
 from tasks.placement.cost import check_cost_cap
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.plan import read_model_config
-from tasks.runpod.client import RunpodClient
-from tasks.runpod.endpoints import (
-    build_cpu_create_request,
-    endpoint_name,
-    ensure_endpoint,
-)
+from tasks.runpod.endpoints import build_cpu_create_request, endpoint_name
 from tasks.runpod.errors import RunpodError
-from tasks.runpod.jobs import JobOutcome, WatchLimits, watch_job
+from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.live_catalog import CatalogCpuType, read_cpu_types, read_data_centers
-from tasks.runpod.models import CreateEndpoint, Endpoint, JobPolicy, RunRequest
+from tasks.runpod.models import CreateEndpoint, JobStatus
 from tasks.settings import Settings, make_client
 from tasks.storage.artifacts import read_job_result
 
@@ -220,34 +201,17 @@ def read_merge_source(store: Any, run_id: str) -> tuple[ModelSource, Literal["no
     return base, "4bit" if lora.get("quantization") == "4bit" else "none"
 
 
-def run_merge_job(client: RunpodClient, request: CreateEndpoint, job_input: MergeInput, *, queue_s: float,
-                  created: list[Endpoint], logger: Any,
-                  cancel_requested: Callable[[], bool] = lambda: False) -> JobOutcome | None:
-    """Create the merge's endpoint (waiting out RunPod's quota), run the job on it and watch it to its end, logging
-    the worker's progress. The endpoint made is appended to `created`; the caller deletes it, whatever happened.
-    None: cancelled, or no room in the quota before the deadline."""
-    deadline = job_input.deadline_epoch_s or time.time() + MERGE_DEADLINE_S
-    endpoint = wait_for_runpod_quota(lambda: ensure_endpoint(client, request), give_up_at=deadline - 60,
-                                     cancel_requested=cancel_requested, on_quota_named=remember_named_quota)
-    if endpoint is None:
-        return None
-    created.append(endpoint)
-    remaining = max(int(deadline - time.time()), 60)
-    job = client.run(endpoint.id, RunRequest(input=job_input.model_dump(mode="json"), policy=JobPolicy(
-        execution_timeout=(remaining + 300) * 1000, ttl=(remaining + 600) * 1000)))
-    logger.info("Merge job %s submitted to %s", job.id, endpoint.name)
+def merge_progress_logger(logger: Any) -> Callable[[JobStatus], None]:
+    """An `on_status` that logs each new progress message of the merge worker once."""
     said: list[str] = []
 
-    def on_status(status: Any) -> None:
-        beat(endpoint, status.status)
+    def on_status(status: JobStatus) -> None:
         message = (status.progress or {}).get("message")
         if message and (not said or said[-1] != message):
             said.append(message)
             logger.info("Merge: %s", message)
 
-    # A merge reports no training steps: only the queue allowance and the time budget apply.
-    limits = WatchLimits(deadline_epoch_s=deadline, queue_s=queue_s, startup_s=remaining, stall_s=remaining)
-    return watch_job(client, endpoint.id, job.id, limits, on_status=on_status, cancel_requested=cancel_requested)
+    return on_status
 
 
 def merged_of(merged_model_id: str, outcome: JobOutcome | None, compute: MergeCompute, name: str) -> MergedModel:
@@ -312,24 +276,10 @@ def merge_adapter_task(store_url: str, run_id: str, run_name: str, merged_model_
     env = prepare_worker_env(hub_token_secret)
     request = merge_request(name=name, compute=compute, image=image, env=env, disk_gb=merge_disk_gb(parameters),
                             execution_timeout_s=MERGE_DEADLINE_S + 300)
-    created: list[Endpoint] = []
-    undeleted: UndeletedEndpoint | None = None
-    try:
-        with endpoint_slot(settings.loraflow_slot_lease_seconds, give_up_at=deadline, logger=logger), \
-                make_client(settings) as client:
-            try:
-                outcome = run_merge_job(client, request, job_input, queue_s=MERGE_QUEUE_S, created=created,
-                                        logger=logger, cancel_requested=run_cancel_requested)
-            finally:
-                endpoint_id = created[0].id if created else None
-                deleted = delete_endpoint(name, endpoint_id, return_state=True)
-                if not deleted.is_completed():  # its slot taken while this task still holds one: never without
-                    undeleted = UndeletedEndpoint(endpoint_name=name, endpoint_id=endpoint_id, run_id=owner,
-                                                  lease_id=take_slot_for_undeleted(0.0),
-                                                  error=str(deleted.result(raise_on_failure=False))[:500])
-    finally:
-        if undeleted is not None:
-            keep_undeleted_endpoint(undeleted, logger)
+    with rented_endpoint(name, owner, give_up_at=deadline, logger=logger) as rental, make_client(settings) as client:
+        outcome = run_job(client, rental, request, job_input, deadline_epoch_s=deadline, queue_s=MERGE_QUEUE_S,
+                          logger=logger, cancel_requested=run_cancel_requested,
+                          on_status=merge_progress_logger(logger))
     merged = merged_of(merged_model_id, outcome, compute, name)
     if merged.error:
         logger.warning("The merged model was not published to %s: %s", merged_model_id, merged.error)
