@@ -118,7 +118,7 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     uses_tools = spec.grpo is not None and spec.grpo.uses_tools
     if uses_tools:  # the tools imported in a process of their own, and the model's template rendering them
         tools = check_tools_task.submit(spec.grpo, str(Path.cwd()), model, spec.hub_token_secret,
-                                        worker_env=spec.worker.env)
+                                        worker_env=spec.worker.env, prompt_files=_local_chat_files(spec))
         running.append(tools)
     hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
     if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
@@ -213,7 +213,7 @@ def check_secrets(spec: RunSpec) -> None:
 
 def _local_chat_files(spec: RunSpec) -> list[tuple[str, str, dict[str, str]]]:
     """(path, format, columns) of each local file of the run's rows: its dataset's (or mix entries') and its
-    evaluation file."""
+    evaluation file (the chats an SFT run masks, the prompts a tool GRPO run measures)."""
     files = [(source.local_file, source.format, source.columns) for _, source in spec.dataset.sources()
              if source.local_file is not None]
     if spec.evaluation is not None and spec.evaluation.local_file is not None:

@@ -7,6 +7,7 @@ naming the function."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,19 @@ def test_a_tool_without_type_hints_is_refused_before_any_endpoint_naming_it(loca
     message = prefect_api(local_stack, "GET", f"/flow_runs/{run.flow_run_id}").json()["state"]["message"]
     assert "grpo.tools" in message and "tool `record` cannot be shown to the model" in message, message
     assert not [e for e in localpod_account(local_stack)["endpoints"] if e["name"].startswith("loraflow-e2e-tools-bad-")]
+
+
+def test_prompts_that_the_tools_schemas_push_past_the_limit_are_refused_before_any_endpoint(local_stack, tiny_model,
+                                                                                           tmp_path):
+    files = write_files(tmp_path)
+    run_file = write_tools_run(tmp_path, "e2e-tools-long", tiny_model, files, None, tmp_path / "ledger.txt")
+    run_file.write_text(run_file.read_text().replace("[grpo]\n", "[grpo]\nmax_prompt_length = 32\n"))
+
+    run = run_train_flow(local_stack, run_file)
+
+    assert run.returncode == 1
+    message = prefect_api(local_stack, "GET", f"/flow_runs/{run.flow_run_id}").json()["state"]["message"]
+    assert "grpo.max_prompt_length 32 is below the longest prompt" in message, message
+    assert re.search(r"\): (\d+) tokens with the tools' schemas", message) and "Raise grpo.max_prompt_length to at least" \
+        in message, message
+    assert not [e for e in localpod_account(local_stack)["endpoints"] if e["name"].startswith("loraflow-e2e-tools-long-")]

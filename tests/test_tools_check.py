@@ -323,3 +323,59 @@ def test_a_model_whose_template_drops_tool_calls_is_refused_naming_it(tiny_model
     with pytest.raises(ValueError, match=r"chat template of tiny does not render tool conversations: its text leaves "
                                          r"out the tool call's name"):
         check_tool_template(_tokenizer_files(tiny_model, tmp_path / "tok", plain), "tiny")
+
+
+def _prompt_file(path: Path, words: list[int]) -> Path:
+    """A prompt-only JSONL file, one chat prompt per entry of `words` with that many words."""
+    import json
+
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": " ".join(["weather"] * n)}]}) + "\n"
+                            for n in words))
+    return path
+
+
+def test_the_tools_schemas_come_back_with_the_check(tmp_path):
+    found = check_tools(write(tmp_path, "tools.py", GOOD_TOOLS), None, tmp_path)
+    assert [schema["function"]["name"] for schema in found.schemas] == ["lookup", "add"]
+
+
+def test_a_tool_run_whose_longest_prompt_fits_the_limit_with_the_schemas_passes(tiny_model, tmp_path):
+    from tasks.preflight.tool_prompts import local_prompts, prompt_length_problem
+    from tasks.preflight.tools import check_tool_template
+
+    schemas = check_tools(write(tmp_path, "tools.py", GOOD_TOOLS), None, tmp_path).schemas
+    prompts = local_prompts([(str(_prompt_file(tmp_path / "p.jsonl", [3, 5])), "auto", {})])
+    check_tool_template(_tokenizer_files(tiny_model, tmp_path / "tok"), "tiny",
+                        lambda tokenizer: prompt_length_problem(tokenizer, schemas, prompts, 4096))
+
+
+def test_a_tool_run_whose_prompts_with_the_schemas_pass_the_limit_is_refused_naming_both_numbers(tiny_model,
+                                                                                                   tmp_path):
+    from tasks.preflight.tool_prompts import local_prompts, prompt_length_problem, prompt_tokens
+    from tasks.preflight.tools import check_tool_template
+
+    schemas = check_tools(write(tmp_path, "tools.py", GOOD_TOOLS), None, tmp_path).schemas
+    prompts = local_prompts([(str(_prompt_file(tmp_path / "p.jsonl", [3, 40, 5])), "auto", {})])
+    folder = _tokenizer_files(tiny_model, tmp_path / "tok")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    bare = prompt_tokens(tokenizer, prompts[1][1], None)
+    longest = prompt_tokens(tokenizer, prompts[1][1], schemas)
+    assert bare < longest  # the schemas are what pushes it over
+    with pytest.raises(ValueError) as refused:
+        check_tool_template(folder, "tiny", lambda tok: prompt_length_problem(tok, schemas, prompts, bare))
+    message = str(refused.value)
+    assert f"grpo.max_prompt_length {bare}" in message and f"{longest} tokens" in message, message
+    assert f"line 2 of {tmp_path / 'p.jsonl'}" in message and f"at least {longest}" in message, message
+
+
+def test_a_chat_datasets_prompt_is_its_messages_without_the_last_answer(tmp_path):
+    import json
+
+    from tasks.preflight.tool_prompts import local_prompts
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n\n" + json.dumps({"prompt": "text"}))
+    assert local_prompts([(str(tmp_path / "chats.jsonl"), "auto", {})]) == [
+        (f"line 1 of {tmp_path / 'chats.jsonl'}", chat[:1])]

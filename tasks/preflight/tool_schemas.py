@@ -7,9 +7,10 @@ Run as a script, in a process of its own: the file is the user's code, and impor
     python tool_schemas.py tools PATH
     python tool_schemas.py environment PATH CLASS
 
-It prints one JSON object: `tools` (names), `problem` (what to refuse, without the field's name; null when fine)
-and `unimported` (null, or why the file could not be imported here; its tools were then read from its source with
-`ast`, without running it). Standard library, transformers and the worker's contract only.
+It prints one JSON object: `tools` (names), `problem` (what to refuse, without the field's name; null when fine),
+`unimported` (null, or why the file could not be imported here; its tools were then read from its source with
+`ast`, without running it) and, for a file that imported, `schemas` (each tool's JSON schema as the chat template
+receives it). Standard library, transformers and the worker's contract only.
 """
 
 from __future__ import annotations
@@ -62,14 +63,15 @@ def read_live(kind: str, path: Path, class_name: str | None) -> dict[str, Any] |
                      if name not in ENVIRONMENT_HOOKS and not name.startswith("_")}
         if not functions:
             return _problem(_NO_TOOL_METHOD.format(cls=class_name))
+    schemas = []
     for name, function in functions.items():
         try:
-            get_json_schema(function)
+            schemas.append(get_json_schema(function))
         except Exception as e:  # noqa: BLE001 - the hint parser can also raise NameError etc. on the user's hints
             own = type(e).__name__ in ("TypeHintParsingException", "DocstringParsingException")
             text = " ".join(str(arg) for arg in e.args)  # some carry (message, hint)
             return _problem(schema_problem(name, text if own else f"{type(e).__name__}: {text}"), list(functions))
-    return {"tools": list(functions), "problem": None, "unimported": None}
+    return {"tools": list(functions), "problem": None, "unimported": None, "schemas": schemas}
 
 
 def read_static(kind: str, path: Path, class_name: str | None, why: str) -> dict[str, Any]:

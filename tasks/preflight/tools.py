@@ -34,6 +34,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.preflight.chat_tokenizer import ChatTokenizer
 from tasks.preflight.chats import tokenizer_folder
+from tasks.preflight.tool_prompts import local_prompts, prompt_length_problem
 from tasks.settings import Settings
 
 IMPORT_TIMEOUT_S = 60
@@ -56,6 +57,8 @@ class ToolsCheck:
     tool_names: list[str] = field(default_factory=list)
     tools_file_names: list[str] = field(default_factory=list)
     note: str | None = None
+    schemas: list[dict[str, Any]] | None = None
+    """Each tool's JSON schema as the chat template receives it; None when a file could only be read, not imported."""
 
     def describe(self) -> str:
         """One line for the log: `tools: lookup, add (from tools.py)`."""
@@ -77,10 +80,12 @@ def check_tools(tools: str | None, environment: str | None, base_dir: Path,
     tools_names: list[str] = []
     env_names: list[str] = []
     notes = []
+    schemas: list[dict[str, Any]] | None = []
     if tools is not None:
         tools_file = _existing(tools, "grpo.tools", tools, base_dir)
-        tools_names, note = _read("grpo.tools", tools, "tools", tools_file, None, worker_env or {})
+        tools_names, note, found = _read("grpo.tools", tools, "tools", tools_file, None, worker_env or {})
         notes += [note] if note else []
+        schemas = None if found is None else [*schemas, *found]
     if environment is not None:
         try:
             path_text, class_name = split_file_reward(environment)
@@ -88,15 +93,16 @@ def check_tools(tools: str | None, environment: str | None, base_dir: Path,
             raise ValueError(f"grpo.environment `{environment}` is not `path/to/file.py:ClassName`: name the file "
                              "and its class so") from e
         environment_file = _existing(path_text, "grpo.environment", environment, base_dir)
-        env_names, note = _read("grpo.environment", environment, "environment", environment_file, class_name,
-                                worker_env or {})
+        env_names, note, found = _read("grpo.environment", environment, "environment", environment_file, class_name,
+                                       worker_env or {})
         notes += [note] if note else []
+        schemas = None if found is None or schemas is None else [*schemas, *found]
     if twice := sorted(set(tools_names) & set(env_names)):
         raise ValueError(f"grpo.tools `{tools}` and grpo.environment `{environment}` both have a tool "
                          f"`{twice[0]}`: the model calls tools by name; rename one")
     return ToolsCheck(tools_file=tools_file, environment_file=environment_file, environment_class=class_name,
                       tool_names=tools_names + env_names, tools_file_names=tools_names,
-                      note=" ".join(notes) or None)
+                      note=" ".join(notes) or None, schemas=schemas)
 
 
 def tool_template_problem(render: Callable[[list[dict], list[dict]], str], template_name: str) -> str | None:
@@ -142,8 +148,9 @@ def _existing(path_text: str, field_name: str, value: str, base_dir: Path) -> Pa
 
 
 def _read(field_name: str, value: str, kind: str, path: Path, class_name: str | None,
-          worker_env: Mapping[str, str]) -> tuple[list[str], str | None]:
-    """The tools' names and a note when the file was read without importing it; ValueError for a problem."""
+          worker_env: Mapping[str, str]) -> tuple[list[str], str | None, list[dict[str, Any]] | None]:
+    """The tools' names, a note when the file was read without importing it, and the tools' JSON schemas (None when
+    it was only read); ValueError for a problem."""
     command = [sys.executable, str(_READER), kind, str(path), *([class_name] if class_name else [])]
     # A clean room: importing the file runs the user's code, which must not see this process's keys (RunPod, the
     # Hub, Prefect) nor a home that holds more of them (~/.cache/huggingface/token, Prefect's profiles).
@@ -172,7 +179,7 @@ def _read(field_name: str, value: str, kind: str, path: Path, class_name: str | 
                 f"({', '.join(found['tools']) or 'none seen'}) were checked from its source without running it; "
                 "the worker imports it alone (files beside it are not shipped) with the run's `worker.extra_packages` "
                 "installed")
-    return found["tools"], note
+    return found["tools"], note, found.get("schemas")
 
 
 def _clean_env(home: Path, worker_env: Mapping[str, str]) -> dict[str, str]:
@@ -197,13 +204,14 @@ def _communicate(process: subprocess.Popen, field_name: str, value: str, path: P
         process.communicate()
 
 
-def check_tool_template(folder: Path, model_id: str) -> None:
-    """ValueError (the refusal) unless the chat template of the tokenizer in `folder` renders a tool conversation.
-    Its fast path (`ChatTokenizer`) passes it; a refusal is judged again with transformers' own tokenizer."""
+def check_tool_template(folder: Path, model_id: str, measure: Callable[[Any], str | None] = lambda _: None) -> None:
+    """ValueError (the refusal) unless the chat template of the tokenizer in `folder` renders a tool conversation, and
+    `measure(tokenizer)` (the prompts' lengths: `tool_prompts.prompt_length_problem`) finds nothing to refuse. Its fast
+    path (`ChatTokenizer`) passes it; a refusal is judged again with transformers' own tokenizer."""
     def problem(tokenizer: Any) -> str | None:
         return tool_template_problem(
             lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools, tokenize=False),
-            f"of {model_id}")
+            f"of {model_id}") or measure(tokenizer)
 
     try:
         light = ChatTokenizer.read(folder)
@@ -220,9 +228,11 @@ def check_tool_template(folder: Path, model_id: str) -> None:
 
 @task(name="check-tools", cache_policy=NO_CACHE)
 def check_tools_task(grpo: GrpoSettings, base_dir: str, model: ModelSource, hub_token_secret: str | None = None,
-                     worker_env: dict[str, str] | None = None) -> ToolsCheck:
+                     worker_env: dict[str, str] | None = None,
+                     prompt_files: list[tuple[str, str, dict[str, str]]] | None = None) -> ToolsCheck:
     """A tool-using GRPO run's tools (`check_tools`, with the run's plain `[worker] env`) and the model's chat
-    template, which must render them."""
+    template, which must render them and, with the tools' schemas, fit the run's longest prompt of its local files
+    (`prompt_files`: path, format, columns) in `grpo.max_prompt_length`."""
     logger = get_run_logger()
     found = check_tools(grpo.tools, grpo.environment, Path(base_dir), worker_env)
     if found.note:
@@ -233,6 +243,11 @@ def check_tools_task(grpo: GrpoSettings, base_dir: str, model: ModelSource, hub_
         logger.warning("The chat template was not checked for tools before renting: %s's tokenizer could not be "
                        "read (%s: %s); the worker checks it as it starts", model.id, type(e).__name__, e)
     else:
-        check_tool_template(folder, model.id)
+        prompts = local_prompts(prompt_files or []) if found.schemas is not None else []
+        check_tool_template(folder, model.id, lambda tokenizer: prompt_length_problem(
+            tokenizer, found.schemas or [], prompts, grpo.max_prompt_length))
+        if prompts and found.schemas is not None:
+            logger.info("The longest of %d prompts fits grpo.max_prompt_length (%d tokens) with the tools' schemas",
+                        len(prompts), grpo.max_prompt_length)
     logger.info("GRPO with %s", found.describe())
     return found
