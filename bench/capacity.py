@@ -68,8 +68,10 @@ def run_level(root: Path, level: int, hold_s: float, label: str, eta: bool = Tru
                    runpod_worker_env=hold_env(hold_s, eta)) as team:
         api = team.local.prefect_api_url
         set_endpoint_limit(api, level + 2)
-        spec = tomllib.loads(write_hold_run(root / f"{label}{level}", "capacity", hold_model(root)).read_text()) | {
-            "hub_token_secret": RUN_TOKEN_BLOCK}  # the team stack requires a token of one's own
+        spec = tomllib.loads(write_hold_run(root / f"{label}{level}", "capacity", hold_model(root)).read_text())
+        # The team stack requires a token of one's own and the run's files inside its inputs folder.
+        spec |= {"hub_token_secret": RUN_TOKEN_BLOCK,
+                 "dataset": spec["dataset"] | {"local_file": str(team.input_file(Path(spec["dataset"]["local_file"])))}}
         deployment = team.deploy("flows/train.py:train", "capacity", {"spec": spec})
         return _measure(team, deployment, level, hold_s, label)
 

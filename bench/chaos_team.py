@@ -87,20 +87,28 @@ class HostKill:
         return f"{self.victim} with {len(self.runs)} run(s){first}: {seen}"
 
 
+def team_run_spec(spec: dict[str, Any], inputs_dir: Path) -> dict[str, Any]:
+    """A train run's spec as the team stack takes it: its token block named and its dataset the copy in the stack's
+    inputs folder (the stack requires both)."""
+    dataset = spec["dataset"] | {"local_file": str(inputs_dir / Path(spec["dataset"]["local_file"]).name)}
+    return spec | {"hub_token_secret": RUN_TOKEN_BLOCK, "dataset": dataset}
+
+
 class DeploymentFlows:
     """Starts each scenario's flow as a team does: a run of the flow's deployment (`train/chaos`, `preload/chaos`),
     picked up by whichever Prefect worker polls first; the scenario's environment goes in its job variables."""
 
-    def __init__(self, api_url: str, deployments: dict[str, str]):
+    def __init__(self, api_url: str, deployments: dict[str, str], inputs_dir: Path):
         self.prefect = PrefectApi(api_url)
         self.deployments = deployments
+        self.inputs_dir = inputs_dir
         self.started: list[str] = []
         self._lock = threading.Lock()
 
     def run(self, record: RunRecord, argument: Path | dict[str, Any], env: dict[str, str], timeout_s: float) -> None:
         spec = tomllib.loads(argument.read_text()) if isinstance(argument, Path) else argument
-        if record.scenario.flow == "train":  # the team stack requires each run to name a token of its own
-            spec = spec | {"hub_token_secret": RUN_TOKEN_BLOCK}
+        if record.scenario.flow == "train":
+            spec = team_run_spec(spec, self.inputs_dir)
         # The idempotency key makes a create retried after a lost answer return the same run, not a second one.
         body = {"parameters": {"spec": spec}, "job_variables": {"env": env}, "idempotency_key": record.name}
         created = _retried(lambda: self.prefect.http.post(
@@ -244,13 +252,13 @@ class TeamChaos:
             self.store.mkdir(parents=True, exist_ok=True)
             default_train = tomllib.loads(write_run_file(
                 self.store / "default.toml", Scenario("default", "the deployment's default, never run"),
-                name="chaos-default", model=self.model, store=self.store, max_steps=1).read_text()) | {
-                "hub_token_secret": RUN_TOKEN_BLOCK}
+                name="chaos-default", model=self.model, store=self.store, max_steps=1).read_text())
             default_preload = {"models": [{"id": HUB_MODEL}], "data_centers": ["US-CA-2"]}
             self.flows = DeploymentFlows(api, {
-                "train": team.deploy("flows/train.py:train", DEPLOYMENT, {"spec": default_train}),
+                "train": team.deploy("flows/train.py:train", DEPLOYMENT,
+                                     {"spec": team_run_spec(default_train, team.inputs_dir)}),
                 "preload": team.deploy("flows/preload.py:preload", DEPLOYMENT, {"spec": default_preload}),
-            })
+            }, team.inputs_dir)
             team.deploy("flows/reconcile.py:reconcile", DEPLOYMENT, {"policy": {"silent_after_minutes": SILENT_AFTER_MIN}},
                         "--interval", str(RECONCILE_S), "--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW")
             if self.kill_at_run:

@@ -125,9 +125,10 @@ def setup_problem(worker_python: Path = WORKER_PYTHON) -> str | None:
     return None
 
 
-INPUTS_DIR = REPO / "deployments" / "data"
-"""The team stack's inputs folder (`LORAFLOW_INPUTS_DIR`): the shipped data its demo runs read. Every local file a
-run names must lie inside it (docs/team.md, "Trust")."""
+SHIPPED_DATA = REPO / "deployments" / "data"
+"""The shipped data the stack's runs read, copied into its inputs folder (`TeamStack.inputs_dir`, the workers'
+`LORAFLOW_INPUTS_DIR`: every local file a run names must lie inside it, docs/team.md "Trust"). Copies, not the
+files themselves: the shipped file is a link out of that folder, which the rule refuses as it should."""
 RUN_TOKEN_BLOCK = "team-member-hf-token"
 """The Prefect Secret block the stack saves as a team member's own Hub token: its runs name it in
 `hub_token_secret`, since the stack requires one (`LORAFLOW_REQUIRE_RUN_TOKEN=1`)."""
@@ -172,8 +173,6 @@ class TeamStack:
     """Extra environment for localpod and the RunPod workers it starts (a benchmark's hold jobs)."""
     with_hub: bool = False
     """Start the local Hub stand-in too (preload sweeps, runs with a Hub token of their own)."""
-    inputs_dir: Path = INPUTS_DIR
-    """The workers' `LORAFLOW_INPUTS_DIR`."""
     local: LocalStack | None = None
     services: dict[str, Service] = field(default_factory=dict)
     database_url: str = ""
@@ -185,12 +184,24 @@ class TeamStack:
         return self.local.client_env
 
     @property
+    def inputs_dir(self) -> Path:
+        """The workers' `LORAFLOW_INPUTS_DIR`: the stack's `inputs/`, holding a copy of the shipped data."""
+        return self.home / "inputs"
+
+    def input_file(self, shipped: Path) -> Path:
+        """The copy in the inputs folder of `shipped`, a file of the shipped data."""
+        return self.inputs_dir / shipped.name
+
+    @property
     def worker_names(self) -> list[str]:
         return sorted(name for name in self.services if name.startswith("worker-"))
 
     def __enter__(self) -> TeamStack:
         self.home = self.home.resolve()
         self.home.mkdir(parents=True, exist_ok=True)
+        self.inputs_dir.mkdir(exist_ok=True)
+        for shipped in SHIPPED_DATA.iterdir():
+            shutil.copyfile(shipped, self.input_file(shipped))  # follows the link: a real file in the folder
         try:
             self._start_postgres()
             self._start_redis()
@@ -444,6 +455,7 @@ def _demo(team: TeamStack, runs: int, quota: int) -> int:
     spec["artifact_store"] = f"file://{team.home / 'artifacts'}"
     spec["training"]["max_steps"] = 10
     spec["hub_token_secret"] = RUN_TOKEN_BLOCK  # the stack requires a token of one's own
+    spec["dataset"]["local_file"] = str(team.input_file(SHIPPED_DATA / "tiny-chat.jsonl"))  # inside its inputs folder
     # Created only when missing, as the flow itself does: an operator's limit is never overwritten.
     if httpx.get(f"{api}/v2/concurrency_limits/runpod-endpoints", timeout=30).status_code == 404:
         httpx.post(f"{api}/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": quota},

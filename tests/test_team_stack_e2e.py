@@ -42,7 +42,7 @@ from deployments.team_stack import (
     descendants,
 )
 from tasks.runpod.endpoints import parse_endpoint_name, run_hash
-from tests.conftest import localpod_account, prefect_api
+from tests.conftest import DATASET, localpod_account, prefect_api
 from tests.test_crash_recovery_e2e import wait_for
 from tests.test_train_e2e import write_run_file
 
@@ -69,9 +69,11 @@ def team(tmp_path_factory, tiny_model):
     with TeamStack(home, workers=WORKERS, worker_limit=WORKER_LIMIT,
                    worker_env={"LORAFLOW_SLOT_LEASE_SECONDS": str(LEASE_S), "LORAFLOW_HEARTBEAT_SECONDS": "10"}) as team:
         prefect_api(team.local, "POST", "/v2/concurrency_limits/", json={"name": "runpod-endpoints", "limit": LIMIT})
+        # The stack requires a token of one's own and the run's files inside its inputs folder.
         spec = tomllib.loads(write_run_file(home / "deployment.toml", name="team", model=tiny_model,
-                                            store=home / "store", max_steps=3).read_text()) | {
-            "hub_token_secret": RUN_TOKEN_BLOCK}  # the stack requires a token of one's own
+                                            store=home / "store", max_steps=3,
+                                            dataset=team.input_file(DATASET)).read_text()) | {
+            "hub_token_secret": RUN_TOKEN_BLOCK}
         team.deploy("flows/train.py:train", "team-e2e", {"spec": spec})
         team.deploy("flows/reconcile.py:reconcile", "team-interval",
                {"policy": {"silent_after_minutes": SILENT_AFTER_MIN, "min_age_minutes": 0}},
