@@ -12,13 +12,13 @@ Point a RunPod client at `http://HOST:PORT/v2` for both the control plane and th
 billed worker-seconds. Prints `localpod listening on http://HOST:PORT` once it accepts connections.
 
 GPU hosts: each GPU type's hosts run some CUDA versions per datacenter (the default table is in
-`localpod/catalog.py`; `POST /_localpod/cuda` changes it, `DELETE /_localpod/cuda` restores it). A worker
+`localpod/catalog/tables.py`; `POST /_localpod/cuda` changes it, `DELETE /_localpod/cuda` restores it). A worker
 starts only on hosts that meet its endpoint's `gpu.minCudaVersion` / `gpu.allowedCudaVersions`; where none
 does, its jobs stay IN_QUEUE and `/health` counts the worker as throttled, as on RunPod.
 
 A real account's catalog: `--catalog-from DIR` serves what `python -m flows.preflight RUN_FILE --record DIR` recorded
 from RunPod (GPU types, pools, prices, hosts' CUDA versions, stock, datacenters, CPU flavors when read) in place of
-the built-in table; `localpod/recorded_catalog.py` says how each table is derived from the answers.
+the built-in table; `localpod/catalog/recorded.py` says how each table is derived from the answers.
 
     python -m localpod --port 8765 --catalog-from recordings/my-account
 
@@ -90,11 +90,11 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
-from localpod import catalog, recorded_catalog
+from localpod.catalog import recorded, tables
 from localpod.main import create_app
 from localpod.models import DEFAULT_WORKER_PYTHON, LocalpodConfig
 from localpod.paging import DEFAULT_PAGE_SIZE
-from localpod.state import LocalpodState
+from localpod.state.account import LocalpodState
 
 HOLD_WORKER = Path(__file__).resolve().parent / "hold_worker.py"
 
@@ -118,12 +118,12 @@ def serve_recorded_catalog(folder: Path, parser: argparse.ArgumentParser) -> Non
     """Serve the catalog recorded in `folder` instead of the built-in one, saying what it holds; a folder that is
     not a recording exits with the parser's error."""
     try:
-        recorded = recorded_catalog.load(folder)
-    except recorded_catalog.RecordingError as e:
+        loaded = recorded.load(folder)
+    except recorded.RecordingError as e:
         parser.error(f"--catalog-from: {e}")
-    catalog.serve(recorded.tables)
-    print(f"localpod serves the {recorded.description}", flush=True)
-    for note in recorded.notes:
+    tables.serve(loaded.tables)
+    print(f"localpod serves the {loaded.description}", flush=True)
+    for note in loaded.notes:
         print(f"  {note}", flush=True)
 
 

@@ -8,7 +8,7 @@ import hmac
 from fastapi import Request
 
 from localpod.problems import ProblemError
-from localpod.state import get_state
+from localpod.state.account import get_state
 
 
 def require_api_key(request: Request) -> None:

@@ -13,8 +13,8 @@ from localpod.models import LocalpodConfig
 from localpod.problems import install_problem_handlers
 from localpod.routes import account, answer_shapes, billing, catalog, endpoints, faults, jobs, secrets, volumes, worker
 from localpod.schema import OpenApiSchemas
-from localpod.state import LocalpodState
-from localpod.workers import WorkerSupervisor
+from localpod.state.account import LocalpodState
+from localpod.workers.supervisor import WorkerSupervisor
 
 
 def create_app(config: LocalpodConfig) -> FastAPI:

@@ -16,8 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from localpod import catalog
-from localpod.catalog import WorkerPlacement
+from localpod.catalog import tables
+from localpod.catalog.placement import WorkerPlacement
 from localpod.faults.rules import DeadWorkerJobs
 from localpod.paging import DEFAULT_PAGE_SIZE
 
@@ -138,7 +138,7 @@ class LocalpodConfig(BaseModel):
     @field_validator("volume_create_fails_in")
     @classmethod
     def _volume_data_centers(cls, names: list[str]) -> list[str]:
-        capable = [dc.id for dc in catalog.DATA_CENTERS if dc.network_volume_types]
+        capable = [dc.id for dc in tables.DATA_CENTERS if dc.network_volume_types]
         unknown = [name for name in names if name not in capable]
         if unknown:
             raise ValueError(f"no datacenter with network volumes in localpod's catalog: {unknown}; "

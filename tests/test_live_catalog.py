@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from loraflow_worker.contract import TrainMetrics
 
 from localpod import LocalpodConfig, create_app
-from localpod.catalog import POOL_SERVERLESS_USD_PER_HOUR
+from localpod.catalog.tables import POOL_SERVERLESS_USD_PER_HOUR
 from localpod.models import Account
 from tasks.placement.cost import check_budget, cost_ceiling
 from tasks.reports.summary import RunReport, summary_markdown

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from localpod import LocalpodConfig, catalog, create_app
-from localpod.catalog import POOL_SERVERLESS_USD_PER_HOUR
+from localpod import LocalpodConfig, create_app
+from localpod.catalog.placement import place
+from localpod.catalog.tables import POOL_SERVERLESS_USD_PER_HOUR
 from localpod.models import Account
 from tests.test_localpod import API_KEY, AUTH, SCHEMAS, assert_problem, create_endpoint, endpoint_body, wait_for
 
@@ -207,16 +208,16 @@ def test_the_catalog_needs_the_account_key(pod: TestClient) -> None:
 
 def test_placement_takes_the_first_allowed_datacenter_with_stock_of_a_pool() -> None:
     spec = {"gpu": {"pools": ["ADA_24"]}, "dataCenterIds": ["EU-RO-1", "US-CA-2"]}
-    assert catalog.place(spec, lambda pool, dc: True).data_center_id == "EU-RO-1"
-    out_in_ro = catalog.place(spec, lambda pool, dc: dc != "EU-RO-1")
+    assert place(spec, lambda pool, dc: True).data_center_id == "EU-RO-1"
+    out_in_ro = place(spec, lambda pool, dc: dc != "EU-RO-1")
     assert (out_in_ro.data_center_id, out_in_ro.pool, out_in_ro.gpu_type_id) == ("US-CA-2", "ADA_24", RTX_4090)
-    assert catalog.place(spec, lambda pool, dc: dc == "US-TX-3") is None  # stock only where it is not allowed
+    assert place(spec, lambda pool, dc: dc == "US-TX-3") is None  # stock only where it is not allowed
 
 
 def test_placement_skips_datacenters_that_offer_only_excluded_types() -> None:
     a100_sxm = {"gpu": {"pools": ["AMPERE_80"], "excludedTypes": ["NVIDIA A100 80GB PCIe"]},
                 "dataCenterIds": ["US-CA-2", "EU-CZ-1", "US-KS-2"]}
-    placed = catalog.place(a100_sxm, lambda pool, dc: True)
+    placed = place(a100_sxm, lambda pool, dc: True)
     assert (placed.data_center_id, placed.gpu_type_id) == ("US-KS-2", "NVIDIA A100-SXM4-80GB")
 
 
@@ -245,8 +246,8 @@ def test_a_selection_that_excludes_every_type_of_its_pools_is_refused(pod: TestC
 
 
 def test_a_datacenter_that_does_not_offer_the_pool_places_nothing() -> None:
-    assert catalog.place({"gpu": {"pools": ["ADA_24"]}, "dataCenterIds": ["US-KS-2"]}, lambda p, d: True) is None
-    assert catalog.place({"gpu": {"pools": ["ADA_24"]}, "dataCenterIds": ["US-TX-9"]}, lambda p, d: True) is None
+    assert place({"gpu": {"pools": ["ADA_24"]}, "dataCenterIds": ["US-KS-2"]}, lambda p, d: True) is None
+    assert place({"gpu": {"pools": ["ADA_24"]}, "dataCenterIds": ["US-TX-9"]}, lambda p, d: True) is None
 
 
 def test_a_worker_starts_in_an_allowed_datacenter_with_stock_and_is_told_which(pod: TestClient) -> None:

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from localpod import LocalpodConfig, catalog, create_app
+from localpod import LocalpodConfig, create_app
+from localpod.catalog import tables
 from localpod.models import Account
-from localpod.state import LocalpodState
+from localpod.state.account import LocalpodState
 from tests.test_localpod import API_KEY, AUTH, SCHEMAS, assert_problem, endpoint_body, wait_for
 
 SERVERLESS = {"include": "AVAILABILITY", "product": "SERVERLESS"}
@@ -240,7 +241,7 @@ def test_no_cpu_worker_starts_while_its_flavors_are_out_of_stock(pod: TestClient
 
 
 def test_a_gpu_pool_out_of_stock_does_not_stop_a_cpu_endpoint(pod: TestClient) -> None:
-    for pool in catalog.KNOWN_POOLS:
+    for pool in tables.KNOWN_POOLS:
         pod.post("/_localpod/stock", json={"pool": pool, "available": False}).raise_for_status()
     assert placement(pod, cpu_endpoint(pod)["id"]) == ("US-KS-2", "cpu3c")
 
@@ -260,6 +261,6 @@ def test_a_cpu_worker_is_listed_with_its_datacenter_and_bills_its_vcpus_as_cpu(p
         "cpu5c", 8)
     totals = cpu_billed(pod, endpoint["id"])
     seconds = (worker.ended_at - worker.started_at).total_seconds()
-    price = catalog.cpu_type("cpu5c").serverless_usd_per_vcpu
+    price = tables.cpu_type("cpu5c").serverless_usd_per_vcpu
     assert totals["cpuAmount"] == pytest.approx(seconds * 8 * price / 3600, abs=2e-6)
     assert totals["gpuAmount"] == 0 and totals["totalAmount"] == totals["cpuAmount"] > 0

@@ -14,8 +14,9 @@ from pydantic import ValidationError
 from localpod import LocalpodConfig, create_app
 from localpod.__main__ import _parser, config_from_args, main
 from localpod.models import DEFAULT_WORKER_PYTHON
-from localpod.state import LocalpodState
-from localpod.workers import WorkerSupervisor, docker_run_command
+from localpod.state.account import LocalpodState
+from localpod.workers.containers import docker_run_command
+from localpod.workers.supervisor import WorkerSupervisor
 from tests.test_localpod import API_KEY, REPO_ROOT, failed_job_error
 
 HOST_ONLY = "LOCALPOD_TEST_HOST_ONLY"  # set on this machine only: a docker worker must not see it

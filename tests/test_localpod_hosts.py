@@ -21,8 +21,8 @@ from fastapi.testclient import TestClient
 
 from localpod import LocalpodConfig, create_app
 from localpod.models import Account
-from localpod.state import LocalpodState
-from localpod.workers import WorkerSupervisor
+from localpod.state.account import LocalpodState
+from localpod.workers.supervisor import WorkerSupervisor
 from tests.test_localpod import (
     API_KEY,
     AUTH,

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 
 from localpod import LocalpodConfig, create_app
 from localpod.models import Account
-from localpod.state import LocalpodState
-from localpod.workers import WorkerSupervisor
+from localpod.state.account import LocalpodState
+from localpod.workers.supervisor import WorkerSupervisor
 from tests.test_localpod import API_KEY, AUTH, SCHEMAS, assert_problem, create_endpoint, endpoint_body, wait_for
 from tests.test_localpod_docker import docker_endpoint_spec, option_values, parse, worker_command
 

@@ -19,7 +19,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from localpod import LocalpodConfig, catalog, create_app, recorded_catalog
+from localpod import LocalpodConfig, create_app
+from localpod.catalog import recorded, tables
+from localpod.catalog.documents import best_level
+from localpod.catalog.placement import place
 from localpod.models import DEFAULT_OPENAPI_PATH
 from tasks.preflight.recording import MANIFEST, Recorder, RecordingError, RecordingTransport, scrub
 from tests.test_localpod import API_KEY, AUTH, SCHEMAS
@@ -49,15 +52,15 @@ def record(folder: Path, answers: list[tuple[str, dict[str, str], dict[str, Any]
 def serving() -> Iterator[Any]:
     """`serving(folder)` serves the recording in `folder` (in this process) and answers its `RecordedCatalog`; the
     built-in catalog comes back after the test."""
-    before = catalog.served()
+    before = tables.served()
 
-    def serve(folder: Path) -> recorded_catalog.RecordedCatalog:
-        loaded = recorded_catalog.load(folder)
-        catalog.serve(loaded.tables)
+    def serve(folder: Path) -> recorded.RecordedCatalog:
+        loaded = recorded.load(folder)
+        tables.serve(loaded.tables)
         return loaded
 
     yield serve
-    catalog.serve(before)
+    tables.serve(before)
 
 
 def pod(tmp_path: Path) -> TestClient:
@@ -98,8 +101,8 @@ def test_a_type_whose_hosts_report_no_cuda_version_takes_no_endpoint_with_a_floo
     # The schema's example GPU lists no cudaVersions: RunPod says to read that as none.
     serving(record(tmp_path / "rec", [("/v2/catalog/gpus", SERVERLESS, schema_example("/v2/catalog/gpus"))]))
     gpu = {"pools": ["ADA_24"]}
-    assert catalog.place({"gpu": gpu}, lambda pool, dc: True).data_center_id == "US-KS-2"
-    assert catalog.place({"gpu": {**gpu, "minCudaVersion": "12.8"}}, lambda pool, dc: True) is None
+    assert place({"gpu": gpu}, lambda pool, dc: True).data_center_id == "US-KS-2"
+    assert place({"gpu": {**gpu, "minCudaVersion": "12.8"}}, lambda pool, dc: True) is None
 
 
 # --- what is derived from the reads --------------------------------------------------------------------
@@ -112,7 +115,7 @@ def gpu_doc(levels: dict[str, str], versions: list[str], pool: str = "ADA_24", t
         "memory": 24, "secure": True, "community": True, "price": {"secure": 0.44, "community": 0.31,
                                                                    "serverless": serverless},
         "maxCount": {"secure": 8, "community": 4},
-        "availability": catalog.best_level(levels.values()),
+        "availability": best_level(levels.values()),
         "cudaVersions": [{"version": v, "available": True} for v in versions],
     }
     if doc["availability"] != "NONE":
@@ -132,14 +135,14 @@ def test_a_floor_read_that_finds_no_stock_where_the_unscoped_read_did_puts_that_
         ("/v2/catalog/gpus", {**SERVERLESS, "minCudaVersion": "13.0"},
          {"gpus": [gpu_doc({"US-CA-2": "HIGH", "US-TX-3": "NONE"}, ["13.0"])]}),
     ]))
-    assert catalog.default_host_table()[RTX_4090] == {"US-CA-2": ("12.4", "12.8", "13.0"), "US-TX-3": ("12.4", "12.8")}
+    assert tables.default_host_table()[RTX_4090] == {"US-CA-2": ("12.4", "12.8", "13.0"), "US-TX-3": ("12.4", "12.8")}
     with pod(tmp_path) as client:
         [unscoped] = get(client, "/v2/catalog/gpus", "ListGpuTypesResponse", **SERVERLESS)["gpus"]
         assert levels(unscoped) == {"US-CA-2": "HIGH", "US-TX-3": "HIGH"}
         [floor] = get(client, "/v2/catalog/gpus", "ListGpuTypesResponse", **SERVERLESS, minCudaVersion="13.0")["gpus"]
         assert levels(floor) == {"US-CA-2": "HIGH", "US-TX-3": "NONE"}
     pinned = {"gpu": {"pools": ["ADA_24"], "minCudaVersion": "13.0"}, "dataCenterIds": ["US-TX-3"]}
-    assert catalog.place(pinned, lambda pool, dc: True) is None
+    assert place(pinned, lambda pool, dc: True) is None
 
 
 def test_a_type_without_stock_when_recorded_is_listed_where_offered_but_never_placed(tmp_path, serving):
@@ -156,7 +159,7 @@ def test_a_type_without_stock_when_recorded_is_listed_where_offered_but_never_pl
             "dataCenters"]
     # The serverless read, not the datacenter's (which product it counts is not said), decides the stock.
     assert dc["gpuAvailability"] == [{"id": RTX_4090, "name": "RTX 4090", "availability": "NONE"}]
-    assert catalog.place({"gpu": {"pools": ["ADA_24"]}}, lambda pool, dc: True) is None
+    assert place({"gpu": {"pools": ["ADA_24"]}}, lambda pool, dc: True) is None
 
 
 def test_a_pool_is_billed_at_its_types_serverless_price_and_a_disagreement_is_noted(tmp_path, serving):
@@ -164,24 +167,24 @@ def test_a_pool_is_billed_at_its_types_serverless_price_and_a_disagreement_is_no
         gpu_doc({"US-CA-2": "HIGH"}, ["12.8"], pool="AMPERE_80", type_id="NVIDIA A100 80GB PCIe", serverless=2.7),
         gpu_doc({"US-CA-2": "HIGH"}, ["12.8"], pool="AMPERE_80", type_id="NVIDIA A100-SXM4-80GB", serverless=2.9),
     ]})]))
-    assert catalog.POOL_SERVERLESS_USD_PER_HOUR == {"AMPERE_80": 2.9}
+    assert tables.POOL_SERVERLESS_USD_PER_HOUR == {"AMPERE_80": 2.9}
     assert any("pool AMPERE_80" in note and "[2.7, 2.9]" in note for note in loaded.notes)
 
 
 def test_datacenters_take_their_country_from_their_id():
-    assert [recorded_catalog._country(dc) for dc in ("US-KS-2", "EU-RO-1", "EUR-NO-1", "CA-MTL-1", "LOCAL")] == \
+    assert [recorded._country(dc) for dc in ("US-KS-2", "EU-RO-1", "EUR-NO-1", "CA-MTL-1", "LOCAL")] == \
         ["US", "RO", "NO", "CA", ""]
 
 
 def test_a_folder_that_is_not_a_recording_is_refused_naming_the_command_that_makes_one(tmp_path):
-    with pytest.raises(recorded_catalog.RecordingError, match=r"manifest.json: no such file.*--record DIR"):
-        recorded_catalog.load(tmp_path)
+    with pytest.raises(recorded.RecordingError, match=r"manifest.json: no such file.*--record DIR"):
+        recorded.load(tmp_path)
 
 
 def test_a_recording_without_a_gpu_catalog_read_is_refused(tmp_path):
     folder = record(tmp_path / "rec", [("/v2/serverless", {}, {"endpoints": []})])
-    with pytest.raises(recorded_catalog.RecordingError, match="no answer of GET /v2/catalog/gpus"):
-        recorded_catalog.load(folder)
+    with pytest.raises(recorded.RecordingError, match="no answer of GET /v2/catalog/gpus"):
+        recorded.load(folder)
 
 
 # --- what a recording keeps out ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from localpod import LocalpodConfig, create_app
 from localpod.routes.secrets import resolve_secret_references
-from localpod.workers import WorkerSupervisor
+from localpod.workers.supervisor import WorkerSupervisor
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.secrets import (
     LONGEST_RUN,

@@ -10,8 +10,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from localpod import catalog
-from localpod.catalog import WorkerPlacement
+from localpod.catalog import placement, tables
+from localpod.catalog.cuda import CudaNeed
+from localpod.catalog.placement import WorkerPlacement
 from localpod.faults.rules import (
     ROUTE_ACTIONS,
     WORKER_ACTIONS,
@@ -70,11 +71,11 @@ class FaultBook:
     """Worker id → where it was started (`place`); the account and the billing read it."""
     volume_data_centers: dict[str, str] = field(default_factory=dict)
     """Network volume id → its datacenter, kept by `volumes.VolumeBook`; `place` pins endpoints' workers there."""
-    hosts: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=catalog.default_host_table)
+    hosts: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=tables.default_host_table)
     """GPU type id → datacenter offering it → the CUDA versions its hosts run there (`/_localpod/cuda`)."""
     cpu_out_of_stock: set[tuple[str, str]] = field(default_factory=set)
     """(CPU flavor id, datacenter id) pairs taken out of stock (`/_localpod/cpu-stock`)."""
-    volume_types: dict[str, tuple[str, ...]] = field(default_factory=catalog.default_volume_types)
+    volume_types: dict[str, tuple[str, ...]] = field(default_factory=tables.default_volume_types)
     """Datacenter id → the network volume tiers it offers, primary first (`/_localpod/volume-types`)."""
     injected: Counter[str] = field(default_factory=Counter)
 
@@ -165,7 +166,7 @@ class FaultBook:
     # --- stock -----------------------------------------------------------------------------------
 
     def set_stock(self, change: StockChange) -> Stock:
-        where = [change.data_center_id] if change.data_center_id else catalog.DATA_CENTER_IDS
+        where = [change.data_center_id] if change.data_center_id else tables.DATA_CENTER_IDS
         pairs = {(change.pool, dc) for dc in where}
         if change.available:
             self.out_of_stock -= pairs
@@ -183,8 +184,8 @@ class FaultBook:
     # --- CPU stock -------------------------------------------------------------------------------
 
     def set_cpu_stock(self, change: CpuStockChange) -> CpuStock:
-        flavors = [change.cpu_flavor] if change.cpu_flavor else catalog.CPU_FLAVOR_IDS
-        where = [change.data_center_id] if change.data_center_id else catalog.DATA_CENTER_IDS
+        flavors = [change.cpu_flavor] if change.cpu_flavor else tables.CPU_FLAVOR_IDS
+        where = [change.data_center_id] if change.data_center_id else tables.DATA_CENTER_IDS
         pairs = {(flavor, dc) for flavor in flavors for dc in where}
         if change.available:
             self.cpu_out_of_stock -= pairs
@@ -206,7 +207,7 @@ class FaultBook:
         return self.volume_types_view()
 
     def reset_volume_types(self) -> None:
-        self.volume_types = catalog.default_volume_types()
+        self.volume_types = tables.default_volume_types()
 
     def volume_types_view(self) -> VolumeTypes:
         return VolumeTypes(network_volume_types={dc: list(types) for dc, types in self.volume_types.items()})
@@ -221,27 +222,27 @@ class FaultBook:
         return self.hosts_cuda()
 
     def reset_host_cuda(self) -> None:
-        self.hosts = catalog.default_host_table()
+        self.hosts = tables.default_host_table()
 
     def hosts_cuda(self) -> HostsCuda:
         return HostsCuda(hosts={type_id: {dc: list(versions) for dc, versions in by_dc.items()}
                                 for type_id, by_dc in self.hosts.items()})
 
     def host_cuda(self, gpu_type_id: str, data_center_id: str) -> tuple[str, ...]:
-        """A `catalog.HostCuda`: the versions in force now."""
+        """A `tables.HostCuda`: the versions in force now."""
         return self.hosts.get(gpu_type_id, {}).get(data_center_id, ())
 
     # --- placement -------------------------------------------------------------------------------
 
     def place(self, spec: dict[str, Any], *, ignore_cuda: bool = False) -> WorkerPlacement | None:
-        """Where a worker of this endpoint would start now (`catalog.place`); None: nowhere it allows has stock on
+        """Where a worker of this endpoint would start now (`placement.place`); None: nowhere it allows has stock on
         hosts that meet its CUDA need. An endpoint attaches one network volume at most
         (`VolumeBook.check_endpoint`): its workers start in its datacenter; none start once that volume is
         deleted (`gone_volumes`)."""
         if self.gone_volumes(spec):
             return None
-        return catalog.place(spec, self.in_stock, self._pinned(spec), self.host_cuda, ignore_cuda=ignore_cuda,
-                             cpu_in_stock=self.cpu_in_stock)
+        return placement.place(spec, self.in_stock, self._pinned(spec), self.host_cuda, ignore_cuda=ignore_cuda,
+                               cpu_in_stock=self.cpu_in_stock)
 
     def placeable(self, spec: dict[str, Any]) -> bool:
         """Can a worker of this endpoint start? Not when no datacenter it allows has stock of one of its pools
@@ -256,7 +257,7 @@ class FaultBook:
             return (f"its network volume {', '.join(gone)} was deleted while the endpoint attached it: no worker can "
                     "mount it")
         pinned = self._pinned(spec)
-        allowed = catalog.allowed_data_centers(spec, pinned)
+        allowed = placement.allowed_data_centers(spec, pinned)
         where = ", ".join(allowed) or "no datacenter of localpod's catalog"
         if pinned is not None:
             where += f" (its network volume's datacenter is {pinned})"
@@ -268,11 +269,11 @@ class FaultBook:
         if self.place(spec, ignore_cuda=True) is None:
             return f"no stock of {', '.join(pools) or 'its GPUs'} in {where}"
         # Stock is not what stops it: name the types it could have and the datacenters that have them in stock.
-        stocked = {dc: [g.id for p in pools if self.in_stock(p, dc) for g in catalog.endpoint_gpu_types(gpu, p, dc)]
+        stocked = {dc: [g.id for p in pools if self.in_stock(p, dc) for g in placement.endpoint_gpu_types(gpu, p, dc)]
                    for dc in allowed}
         types = dict.fromkeys(type_id for type_ids in stocked.values() for type_id in type_ids)
         return (f"no host of {', '.join(types)} in {', '.join(dc for dc, ids in stocked.items() if ids)} runs "
-                f"{catalog.CudaNeed.of(gpu).describe()}")
+                f"{CudaNeed.of(gpu).describe()}")
 
     def gone_volumes(self, spec: dict[str, Any]) -> list[str]:
         """The network volumes this endpoint attaches that no longer exist. RunPod lets a volume be deleted while an
@@ -295,7 +296,7 @@ def _stock_view(out_of_stock: set[tuple[str, str]]) -> tuple[list[str], dict[str
     """(what is out of stock in every datacenter, datacenter → what else is out there) of (pool or flavor,
     datacenter) pairs."""
     everywhere = sorted({item for item, _ in out_of_stock
-                         if all((item, dc) in out_of_stock for dc in catalog.DATA_CENTER_IDS)})
+                         if all((item, dc) in out_of_stock for dc in tables.DATA_CENTER_IDS)})
     by_dc: dict[str, list[str]] = {}
     for item, dc in sorted(out_of_stock):
         if item not in everywhere:

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from localpod import catalog
+from localpod.catalog import tables
+from localpod.catalog.cuda import cuda_version
 
 RouteName = Literal[
     "create_endpoint",
@@ -260,8 +261,8 @@ class StockChange(BaseModel):
     @field_validator("data_center_id")
     @classmethod
     def _known_data_center(cls, value: str | None) -> str | None:
-        if value is not None and value not in catalog.DATA_CENTER_IDS:
-            known = ", ".join(catalog.DATA_CENTER_IDS)
+        if value is not None and value not in tables.DATA_CENTER_IDS:
+            known = ", ".join(tables.DATA_CENTER_IDS)
             raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
         return value
 
@@ -304,16 +305,16 @@ class CpuStockChange(BaseModel):
     @field_validator("cpu_flavor")
     @classmethod
     def _known_flavor(cls, value: str | None) -> str | None:
-        if value is not None and catalog.cpu_type(value) is None:
-            known = ", ".join(catalog.CPU_FLAVOR_IDS)
+        if value is not None and tables.cpu_type(value) is None:
+            known = ", ".join(tables.CPU_FLAVOR_IDS)
             raise ValueError(f"no CPU flavor {value!r} in localpod's catalog; known: {known}")
         return value
 
     @field_validator("data_center_id")
     @classmethod
     def _known_data_center(cls, value: str | None) -> str | None:
-        if value is not None and value not in catalog.DATA_CENTER_IDS:
-            known = ", ".join(catalog.DATA_CENTER_IDS)
+        if value is not None and value not in tables.DATA_CENTER_IDS:
+            known = ", ".join(tables.DATA_CENTER_IDS)
             raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
         return value
 
@@ -346,8 +347,8 @@ class VolumeTypesChange(BaseModel):
     @field_validator("data_center_id")
     @classmethod
     def _known_data_center(cls, value: str) -> str:
-        if value not in catalog.DATA_CENTER_IDS:
-            known = ", ".join(catalog.DATA_CENTER_IDS)
+        if value not in tables.DATA_CENTER_IDS:
+            known = ", ".join(tables.DATA_CENTER_IDS)
             raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
         return value
 
@@ -399,23 +400,23 @@ class CudaChange(BaseModel):
     @field_validator("gpu_type_id")
     @classmethod
     def _known_gpu_type(cls, value: str | None) -> str | None:
-        if value is not None and catalog.gpu_type(value) is None:
-            known = ", ".join(g.id for g in catalog.GPU_TYPES)
+        if value is not None and tables.gpu_type(value) is None:
+            known = ", ".join(g.id for g in tables.GPU_TYPES)
             raise ValueError(f"no GPU type {value!r} in localpod's catalog; known: {known}")
         return value
 
     @field_validator("pool")
     @classmethod
     def _known_pool(cls, value: str | None) -> str | None:
-        if value is not None and value not in catalog.KNOWN_POOLS:
-            raise ValueError(f"no pool {value!r} in localpod's catalog; known: {', '.join(catalog.KNOWN_POOLS)}")
+        if value is not None and value not in tables.KNOWN_POOLS:
+            raise ValueError(f"no pool {value!r} in localpod's catalog; known: {', '.join(tables.KNOWN_POOLS)}")
         return value
 
     @field_validator("data_center_id")
     @classmethod
     def _known_data_center(cls, value: str | None) -> str | None:
-        if value is not None and value not in catalog.DATA_CENTER_IDS:
-            known = ", ".join(catalog.DATA_CENTER_IDS)
+        if value is not None and value not in tables.DATA_CENTER_IDS:
+            known = ", ".join(tables.DATA_CENTER_IDS)
             raise ValueError(f"no datacenter {value!r} in localpod's catalog; known: {known}")
         return value
 
@@ -425,7 +426,7 @@ class CudaChange(BaseModel):
         bad = [v for v in versions if not _CUDA_VERSION.match(v)]
         if bad:
             raise ValueError(f"CUDA versions are major.minor, e.g. 12.8; not {bad}")
-        return sorted(set(versions), key=catalog.cuda_version)
+        return sorted(set(versions), key=cuda_version)
 
     @model_validator(mode="after")
     def _one_selector(self) -> CudaChange:
@@ -433,8 +434,8 @@ class CudaChange(BaseModel):
             raise ValueError("give gpu_type_id or pool, not both")
         return self
 
-    def gpu_types(self) -> list[catalog.GpuTypeRow]:
-        return [g for g in catalog.GPU_TYPES
+    def gpu_types(self) -> list[tables.GpuTypeRow]:
+        return [g for g in tables.GPU_TYPES
                 if self.gpu_type_id in (None, g.id) and self.pool in (None, g.pool)]
 
 

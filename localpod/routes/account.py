@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from localpod.models import Account
-from localpod.state import LocalpodState, get_state
+from localpod.state.account import LocalpodState, get_state
 
 router = APIRouter(prefix="/_localpod", tags=["localpod"])
 

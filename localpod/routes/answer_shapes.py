@@ -9,7 +9,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from localpod.state import LocalpodState, get_state
+from localpod.state.account import LocalpodState, get_state
 
 router = APIRouter(prefix="/_localpod", tags=["localpod"])
 

@@ -21,12 +21,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from localpod import catalog
 from localpod.auth import require_api_key
 from localpod.billing import SECONDS_PER_MONTH, billing_window, rfc3339, spread, step_bucket, volume_usd_per_month
+from localpod.catalog import tables
 from localpod.problems import ProblemError
 from localpod.routes.faults import route_fault
-from localpod.state import LocalpodState, get_state
+from localpod.state.account import LocalpodState, get_state
 
 router = APIRouter(prefix="/v2/billing", tags=["billing"], dependencies=[Depends(require_api_key)])
 
@@ -119,11 +119,11 @@ def _serverless_amounts(
         placement = state.faults.placements.get(worker.id)
         if worker.process is None or placement is None or serverless_id not in (None, worker.endpoint_id):
             continue
-        flavor = catalog.cpu_type(placement.cpu_flavor_id or "")
+        flavor = tables.cpu_type(placement.cpu_flavor_id or "")
         if flavor is not None:  # a CPU worker: the flavor's serverless price per vCPU, times its vCPUs
             kind, usd_per_hour = 1, flavor.serverless_usd_per_vcpu * (placement.vcpu_count or 0)
         else:
-            rate = catalog.POOL_SERVERLESS_USD_PER_HOUR.get(placement.pool or "")
+            rate = tables.POOL_SERVERLESS_USD_PER_HOUR.get(placement.pool or "")
             if rate is None:
                 continue
             gpus = int((state.endpoints[worker.endpoint_id].spec.get("gpu") or {}).get("count", 1))

@@ -1,7 +1,7 @@
 """Control plane API v2: the catalog (`/v2/catalog/gpus[/{id}]`, `/v2/catalog/cpus[/{id}]`,
 `/v2/catalog/datacenters[/{id}]`).
 
-The catalog comes from localpod's table (`catalog.py`); its GPU availability follows the stock set through
+The catalog comes from localpod's tables (`localpod.catalog`); its GPU availability follows the stock set through
 `/_localpod/stock`, per datacenter, and its CUDA versions the hosts' versions set through `/_localpod/cuda`;
 its CPU availability follows `/_localpod/cpu-stock`, and each datacenter's network volume tiers
 `/_localpod/volume-types`. Billing is `localpod/routes/billing.py`'s.
@@ -17,12 +17,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from localpod import catalog
 from localpod.auth import require_api_key
 from localpod.billing import positive_int
+from localpod.catalog import documents, tables
+from localpod.catalog.cuda import CudaNeed
 from localpod.problems import ProblemError
 from localpod.routes.faults import route_fault
-from localpod.state import LocalpodState, get_state
+from localpod.state.account import LocalpodState, get_state
 
 router = APIRouter(prefix="/v2", tags=["catalog", "billing"], dependencies=[Depends(require_api_key)])
 
@@ -37,9 +38,9 @@ async def list_gpu_types(request: Request, state: LocalpodState = Depends(get_st
     """`ListGpuTypesResponse`. With countryCodes, a GPU type offered in none of those countries drops out."""
     fault = await route_fault(request, "list_gpu_types")
     query = _availability_query(state, request)
-    rows = [row for row in catalog.GPU_TYPES if query is None or query.country_codes is None
-            or any(row.id in dc.offers and query.scoped(dc) for dc in catalog.DATA_CENTERS)]
-    body = {"gpus": [catalog.gpu_type_document(row, state.faults.in_stock, query, state.faults.host_cuda)
+    rows = [row for row in tables.GPU_TYPES if query is None or query.country_codes is None
+            or any(row.id in dc.offers and query.scoped(dc) for dc in tables.DATA_CENTERS)]
+    body = {"gpus": [documents.gpu_type_document(row, state.faults.in_stock, query, state.faults.host_cuda)
                      for row in rows]}
     fault.after_action()
     return _answer(state, "ListGpuTypesResponse", body)
@@ -50,10 +51,10 @@ async def get_gpu_type(gpu_id: str, request: Request, state: LocalpodState = Dep
     """`GpuType`; 404 only when no such type exists (outside the countries asked for, it answers NONE)."""
     fault = await route_fault(request, "get_gpu_type")
     query = _availability_query(state, request)
-    row = catalog.gpu_type(gpu_id)
+    row = tables.gpu_type(gpu_id)
     if row is None:
         raise ProblemError(404, f"GPU type {gpu_id!r} not found")
-    body = catalog.gpu_type_document(row, state.faults.in_stock, query, state.faults.host_cuda)
+    body = documents.gpu_type_document(row, state.faults.in_stock, query, state.faults.host_cuda)
     fault.after_action()
     return _answer(state, "GpuType", body)
 
@@ -69,8 +70,8 @@ async def list_data_centers(request: Request, state: LocalpodState = Depends(get
     global_network = _boolean(request, "globalNetwork")
     tiers = state.faults.volume_types
     listed = [
-        catalog.data_center_document(dc, state.faults.in_stock, state.faults.cpu_in_stock, tiers[dc.id], include)
-        for dc in catalog.DATA_CENTERS
+        documents.data_center_document(dc, state.faults.in_stock, state.faults.cpu_in_stock, tiers[dc.id], include)
+        for dc in tables.DATA_CENTERS
         if (regions is None or dc.region in regions)
         and volume_types <= set(tiers[dc.id])
         and compliance <= set(dc.compliance)
@@ -86,11 +87,11 @@ async def get_data_center(
 ) -> JSONResponse:
     fault = await route_fault(request, "list_data_centers")
     include = _enum_list(state, request, "include", "DataCenterInclude") or []
-    dc = catalog.data_center(data_center_id)
+    dc = tables.data_center(data_center_id)
     if dc is None:
         raise ProblemError(404, f"data center {data_center_id!r} not found")
-    body = catalog.data_center_document(dc, state.faults.in_stock, state.faults.cpu_in_stock,
-                                        state.faults.volume_types[dc.id], include)
+    body = documents.data_center_document(dc, state.faults.in_stock, state.faults.cpu_in_stock,
+                                          state.faults.volume_types[dc.id], include)
     fault.after_action()
     return _answer(state, "DataCenter", body)
 
@@ -101,8 +102,8 @@ async def list_cpu_types(request: Request, state: LocalpodState = Depends(get_st
     include=AVAILABILITY (and product), its level per datacenter offering it."""
     fault = await route_fault(request, "list_cpu_types")
     availability, vcpu_count = _cpu_availability_query(state, request)
-    body = {"cpus": [catalog.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
-                     for row in catalog.CPU_TYPES]}
+    body = {"cpus": [documents.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
+                     for row in tables.CPU_TYPES]}
     fault.after_action()
     return _answer(state, "ListCpuTypesResponse", body)
 
@@ -112,10 +113,10 @@ async def get_cpu_type(cpu_id: str, request: Request, state: LocalpodState = Dep
     """`CpuType`; 404 naming the known flavors for an unknown one."""
     fault = await route_fault(request, "get_cpu_type")
     availability, vcpu_count = _cpu_availability_query(state, request)
-    row = catalog.cpu_type(cpu_id)
+    row = tables.cpu_type(cpu_id)
     if row is None:
-        raise ProblemError(404, f"CPU type {cpu_id!r} not found; known: {', '.join(catalog.CPU_FLAVOR_IDS)}")
-    body = catalog.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
+        raise ProblemError(404, f"CPU type {cpu_id!r} not found; known: {', '.join(tables.CPU_FLAVOR_IDS)}")
+    body = documents.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
     fault.after_action()
     return _answer(state, "CpuType", body)
 
@@ -123,7 +124,7 @@ async def get_cpu_type(cpu_id: str, request: Request, state: LocalpodState = Dep
 # --- query parameters -------------------------------------------------------------------------------
 
 
-def _availability_query(state: LocalpodState, request: Request) -> catalog.AvailabilityQuery | None:
+def _availability_query(state: LocalpodState, request: Request) -> documents.AvailabilityQuery | None:
     """The availability filters of a GPU request, or None without include=AVAILABILITY; 400/422 as RunPod
     answers a parameter out of place or malformed."""
     params = request.query_params
@@ -148,10 +149,10 @@ def _availability_query(state: LocalpodState, request: Request) -> catalog.Avail
     floor = params.get("minCudaVersion")
     if floor is not None and not _CUDA_FLOOR.match(floor):
         raise ProblemError(422, f"minCudaVersion {floor!r} is not a major or major.minor version")
-    return catalog.AvailabilityQuery(
+    return documents.AvailabilityQuery(
         count=positive_int(params.get("count", "1"), "count"),
         country_codes=frozenset(countries) if countries is not None else None,
-        cuda=catalog.CudaNeed(floor=floor, allowed=frozenset(versions) if versions is not None else None),
+        cuda=CudaNeed(floor=floor, allowed=frozenset(versions) if versions is not None else None),
     )
 
 

@@ -18,12 +18,14 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from localpod import catalog
 from localpod.auth import require_api_key
+from localpod.catalog import tables
+from localpod.catalog.placement import selection_problem
 from localpod.paging import page
 from localpod.problems import PlainError, ProblemError
 from localpod.routes.faults import route_fault
-from localpod.state import EndpointRecord, LocalpodState, WorkerRecord, get_state, iso
+from localpod.state.account import LocalpodState, get_state
+from localpod.state.records import EndpointRecord, WorkerRecord, iso
 
 router = APIRouter(prefix="/v2/serverless", tags=["endpoints"], dependencies=[Depends(require_api_key)])
 
@@ -261,10 +263,10 @@ def _cpu_configs(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (`BaseCpuConfig.vcpuCount`); its memory is derived from the flavor's RAM multiplier, as RunPod does."""
     documents = []
     for n, config in enumerate(configs):
-        flavor = catalog.cpu_type(config["id"])
+        flavor = tables.cpu_type(config["id"])
         if flavor is None:
             raise ProblemError(400, f"cpu[{n}].id: no CPU flavor {config['id']!r}; GET /v2/catalog/cpus lists them: "
-                                    f"{', '.join(catalog.CPU_FLAVOR_IDS)}")
+                                    f"{', '.join(tables.CPU_FLAVOR_IDS)}")
         count = config["vcpuCount"]
         if count & (count - 1) or not flavor.vcpu_min <= count <= flavor.vcpu_max:
             raise ProblemError(400, f"cpu[{n}].vcpuCount: {count} is not valid for {flavor.id}: give a power of two "
@@ -290,5 +292,5 @@ def _check_consistent(spec: dict[str, Any]) -> None:
     gpu = spec.get("gpu")
     if gpu and gpu.get("allowedCudaVersions") and gpu.get("minCudaVersion"):
         raise ProblemError(400, "gpu.allowedCudaVersions (non-empty) and gpu.minCudaVersion are mutually exclusive")
-    if gpu and (problem := catalog.selection_problem(gpu)):
+    if gpu and (problem := selection_problem(gpu)):
         raise ProblemError(400, problem)

@@ -33,7 +33,7 @@ from localpod.faults.rules import (
     WorkerFaultRule,
 )
 from localpod.problems import ProblemError, problem_response
-from localpod.state import LocalpodState, get_state
+from localpod.state.account import LocalpodState, get_state
 
 log = logging.getLogger("localpod.faults")
 router = APIRouter(prefix="/_localpod", tags=["localpod faults"])
@@ -125,7 +125,7 @@ async def get_volume_types(state: LocalpodState = Depends(get_state)) -> VolumeT
 
 @router.delete("/volume-types", status_code=204)
 async def reset_volume_types(state: LocalpodState = Depends(get_state)) -> Response:
-    """Back to the catalog's tiers (`catalog.py`) in every datacenter."""
+    """Back to the catalog's tiers (`localpod.catalog.tables`) in every datacenter."""
     state.faults.reset_volume_types()
     return Response(status_code=204)
 
@@ -168,7 +168,7 @@ async def get_host_cuda(state: LocalpodState = Depends(get_state)) -> HostsCuda:
 
 @router.delete("/cuda", status_code=204)
 async def reset_host_cuda(state: LocalpodState = Depends(get_state)) -> Response:
-    """Back to the catalog's default hosts (`catalog.py`)."""
+    """Back to the catalog's default hosts (`localpod.catalog.tables`)."""
     state.faults.reset_host_cuda()
     return Response(status_code=204)
 

@@ -14,7 +14,8 @@ from localpod.auth import require_api_key
 from localpod.models import Health, JobRef, JobStatus, JobStream, PurgeQueueResult, RunRequest, StreamChunk
 from localpod.problems import ProblemError
 from localpod.routes.faults import route_fault
-from localpod.state import EndpointRecord, JobRecord, LocalpodState, get_state
+from localpod.state.account import LocalpodState, get_state
+from localpod.state.records import EndpointRecord, JobRecord
 
 router = APIRouter(prefix="/v2/{endpoint_id}", tags=["jobs"], dependencies=[Depends(require_api_key)])
 

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from localpod.auth import require_api_key
 from localpod.paging import page
 from localpod.problems import ProblemError
-from localpod.state import LocalpodState, SecretRecord, get_state, iso, new_id
+from localpod.state.account import LocalpodState, get_state
+from localpod.state.records import SecretRecord, iso, new_id
 
 router = APIRouter(prefix="/v2/account/secrets", tags=["secrets"], dependencies=[Depends(require_api_key)])
 

@@ -19,7 +19,7 @@ from localpod.auth import require_api_key
 from localpod.paging import page
 from localpod.problems import ProblemError
 from localpod.routes.faults import route_fault
-from localpod.state import LocalpodState, get_state
+from localpod.state.account import LocalpodState, get_state
 
 router = APIRouter(prefix="/v2/network-volumes", tags=["network volumes"], dependencies=[Depends(require_api_key)])
 

@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse
 from localpod.auth import keys_match, presented_key
 from localpod.models import StopSignals, TakenJob
 from localpod.problems import ProblemError
-from localpod.state import JobRecord, LocalpodState, WorkerRecord, get_state
+from localpod.state.account import LocalpodState, get_state
+from localpod.state.records import JobRecord, WorkerRecord
 
 router = APIRouter(prefix="/v2/{endpoint_id}", tags=["worker protocol"])
 

@@ -4,11 +4,11 @@ time, and notice when they die.
 `WorkerSupervisor.run` is the app's one background task (started by the lifespan, not at import).
 Each pass reads `LocalpodState` and acts on processes; routes never touch processes themselves.
 Workers run in their own process group, so a stop reaches the children a worker forks (runpod's
-heartbeat process) too.
+heartbeat process) too (`processes.py`).
 
 With the docker runtime each worker is a container of its endpoint's image, run by an attached
-`docker run` client that is the worker's process: its exit is the container's exit, and a SIGTERM sent
-to it reaches the container (the client's signal proxy). What a signal cannot reach is done by name
+`docker run` client (`containers.py`) that is the worker's process: its exit is the container's exit, and a
+SIGTERM sent to it reaches the container (the client's signal proxy). What a signal cannot reach is done by name
 (`docker rm -f` after the grace, `docker kill` for a crash, `docker pause` for a hang), through Docker
 commands started without waiting, so a pass never blocks the server.
 """
@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import os
 import secrets
-import shlex
 import shutil
 import signal
 import subprocess
@@ -32,14 +30,16 @@ from pathlib import Path
 import httpx
 
 from localpod.faults.rules import WorkerFaultRule
-from localpod.models import LocalpodConfig
 from localpod.routes.secrets import resolve_secret_references
-from localpod.state import EndpointRecord, JobRecord, LocalpodState, WorkerRecord, new_id
-from localpod.volumes import docker_volume_args, volume_env
+from localpod.state.account import LocalpodState
+from localpod.state.records import EndpointRecord, JobRecord, WorkerRecord, new_id
+from localpod.volumes import volume_env
+from localpod.workers.containers import docker_run_command
+from localpod.workers.processes import die_with_parent, log_tail, signal_group, signal_tree
 
+# The package's name, not this module's: what logs and tests have always filtered the supervisor's lines by.
 log = logging.getLogger("localpod.workers")
 
-_LOG_TAIL_BYTES = 2048
 _WEBHOOK_TIMEOUT = httpx.Timeout(10.0, connect=5.0)
 _GPU_NAME = "localpod-cpu"  # RunPod puts the worker's GPU name in its protocol URLs' `gpu` query
 _DOCKER_RUN_FAILED = 125  # `docker run`'s own failure (no such image, a bad mount), not the container's exit
@@ -105,13 +105,13 @@ class WorkerSupervisor:
                 continue
             expected = worker.stopping
             # Its children go with it: runpod's heartbeat process outlives a worker that died abruptly.
-            _signal_group(worker.process, signal.SIGKILL)
+            signal_group(worker.process, signal.SIGKILL)
             container = self.config.container_name(worker.id)
             if container is not None:
                 # `--rm` removes a container that ran; this also removes one its client created but died before
                 # starting (a SIGTERM that came before the client could pass signals on).
                 self._docker(["rm", "--force", container])
-            tail = _log_tail(worker)
+            tail = log_tail(worker)
             self.state.worker_ended(worker, code, tail)
             shutil.rmtree(self.config.log_dir / "disks" / worker.id, ignore_errors=True)  # the container's disk goes with it
             log.info("worker %s exited with code %s (%s)", worker.id, code, worker.stop_reason or "unexpected")
@@ -170,15 +170,15 @@ class WorkerSupervisor:
                 log.info("stopping worker %s: %s", worker.id, worker.stop_reason)
                 # A docker client passes the SIGTERM on to its container (to a paused one too: the daemon
                 # delivers it once the container runs again).
-                _signal_group(worker.process, signal.SIGTERM)
+                signal_group(worker.process, signal.SIGTERM)
                 if worker.suspended and container is None:  # a stopped process keeps a SIGTERM pending until it runs
-                    _signal_tree(worker.process, signal.SIGCONT)
+                    signal_tree(worker.process, signal.SIGCONT)
                 worker.signalled_at = now
             elif not worker.killed and now - worker.signalled_at >= self.config.kill_grace_s:
                 if container is not None:  # a SIGKILL would end the client only, and leave the container running
                     self._docker(["rm", "--force", container], worker.log_path)
                 else:
-                    _signal_group(worker.process, signal.SIGKILL)
+                    signal_group(worker.process, signal.SIGKILL)
                 worker.killed = True
 
     def _fire_worker_faults(self, now: float) -> None:
@@ -211,7 +211,7 @@ class WorkerSupervisor:
             if container is not None:
                 self._docker(["pause", container], worker.log_path)
             else:
-                _signal_tree(worker.process, signal.SIGSTOP)
+                signal_tree(worker.process, signal.SIGSTOP)
             worker.suspended = True
         elif action == "preempt":
             self.state.requeue_job(job)
@@ -224,7 +224,7 @@ class WorkerSupervisor:
             self._docker(["kill", container], worker.log_path)
         else:
             assert worker.process is not None
-            _signal_group(worker.process, signal.SIGKILL)
+            signal_group(worker.process, signal.SIGKILL)
 
     def _scale(self, endpoint: EndpointRecord, now: float) -> None:
         if now < endpoint.spawn_not_before:
@@ -264,11 +264,11 @@ class WorkerSupervisor:
             # Found on this server's PATH: an endpoint's env may set its own PATH.
             command[0] = shutil.which(command[0]) or command[0]
             # A localpod killed outright: the client's SIGTERM reaches the container, whose worker then exits.
-            die_with_parent = functools.partial(_die_with_parent, signal.SIGTERM)
+            preexec = functools.partial(die_with_parent, signal.SIGTERM)
         else:
             assert self.config.worker_command is not None  # the config fills it in for the process runtime
             command = self.config.worker_command
-            die_with_parent = functools.partial(_die_with_parent, signal.SIGKILL)
+            preexec = functools.partial(die_with_parent, signal.SIGKILL)
         try:
             with open(log_path, "ab") as log_file:
                 process = subprocess.Popen(
@@ -279,7 +279,7 @@ class WorkerSupervisor:
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=die_with_parent,
+                    preexec_fn=preexec,
                 )
         except OSError as e:
             # A broken worker command would leave jobs queued forever: fail them with the reason.
@@ -374,35 +374,6 @@ class WorkerSupervisor:
             log.error("could not remove the worker containers labelled localpod.instance=%s: %s", self.instance, e)
 
 
-def docker_run_command(
-    config: LocalpodConfig, endpoint: EndpointRecord, worker_id: str, env_names: list[str], disk: Path, instance: str
-) -> list[str]:
-    """`docker run` for one worker: a container of the endpoint's image that passes on the variables named in
-    `env_names` from the client's own environment, and nothing else of this machine's environment.
-
-    Host networking lets the worker call localpod back on `config.base_url`; the scratch disk and each
-    `worker_mounts` folder appear at their own paths, the endpoint's network volume at /runpod-volume. Attached (no
-    `-d`), so the client lives as long as the container and relays its output and signals; `--rm` removes it once it
-    exits; `--pull never` makes a missing image fail at once (RunPod pulls; this machine may reach no registry).
-    """
-    container = config.container_name(worker_id)
-    assert container is not None, "docker_run_command needs the docker runtime"
-    command = [
-        *config.docker_command, "run", "--rm", "--pull", "never", "--sig-proxy=true", "--name", container,
-        "--network", "host",
-        "--label", f"localpod.instance={instance}", "--label", f"localpod.endpoint={endpoint.id}",
-        "--label", f"localpod.worker={worker_id}",
-        "--volume", f"{disk}:{disk}",
-    ]  # fmt: skip
-    for mount in config.worker_mounts:
-        command += ["--volume", f"{mount}:{mount}"]
-    command += docker_volume_args(config, endpoint.spec)
-    for name in env_names:
-        command += ["--env", name]
-    # RunPod's `args`: what the container runs instead of the image's command.
-    return [*command, endpoint.spec["image"], *shlex.split(endpoint.spec.get("args") or "")]
-
-
 async def _post_webhook(url: str, payload: dict[str, object]) -> None:
     try:
         async with httpx.AsyncClient(timeout=_WEBHOOK_TIMEOUT) as client:
@@ -427,53 +398,3 @@ def _new_worker_id(state: LocalpodState) -> str:
     while worker_id in state.workers:
         worker_id = new_id()
     return worker_id
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, sig)  # start_new_session made the worker its group's leader
-
-
-def _signal_tree(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    """Signal the worker's process group and every descendant, wherever its session."""
-    _signal_group(process, sig)
-    for pid in _descendants(process.pid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name field may hold spaces and ')'
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _log_tail(worker: WorkerRecord) -> str:
-    if worker.log_path is None or not worker.log_path.exists():
-        return ""
-    with open(worker.log_path, "rb") as f:
-        f.seek(max(0, worker.log_path.stat().st_size - _LOG_TAIL_BYTES))
-        return f.read().decode("utf-8", errors="replace")
-
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_libc = ctypes.CDLL(None, use_errno=True) if os.uname().sysname == "Linux" else None
-
-
-def _die_with_parent(sig: signal.Signals) -> None:
-    """Runs in the child before exec: a worker must not outlive a localpod killed with SIGKILL."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, sig)

@@ -39,15 +39,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from localpod.catalog import (
-    AvailabilityLevel,
-    CatalogTables,
-    CpuTypeRow,
-    CudaNeed,
-    DataCenterRow,
-    GpuTypeRow,
-    cuda_version,
-)
+from localpod.catalog.cuda import CudaNeed, cuda_version
+from localpod.catalog.tables import AvailabilityLevel, CatalogTables, CpuTypeRow, DataCenterRow, GpuTypeRow
 
 MANIFEST = "manifest.json"
 FORMAT = 1
