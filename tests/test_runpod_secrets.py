@@ -314,8 +314,14 @@ def test_callers_racing_to_make_the_key_all_read_back_the_same_one(local_stack):
     from tasks.lifecycle.secret_key import secret_name_key
 
     namespace = fresh_namespace()
-    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}), ThreadPoolExecutor(4) as pool:
-        keys = set(pool.map(lambda _: secret_name_key(namespace), range(4)))
+
+    def read_key(_: int) -> bytes:
+        # Prefect's settings are a context variable, which a pool's thread does not inherit: each sets its own.
+        with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+            return secret_name_key(namespace)
+
+    with ThreadPoolExecutor(4) as pool:
+        keys = set(pool.map(read_key, range(4)))
     assert len(keys) == 1
 
 
