@@ -33,6 +33,7 @@ from tasks.preflight.account import (
     catalog_alternatives,
     check_data_centers,
     check_key_can_list,
+    check_merge_worker,
     check_worker_image,
     check_worker_quota,
     judge_cost,
@@ -64,7 +65,8 @@ def preflight(
     2. The worker quota against the `runpod-endpoints` limit plus the workers of endpoints outside it.
     3. The worker image's tag names this control plane's job contract.
     4. Each GPU of `compute.gpu`: its hosts' CUDA against its floor, its stock there, its price's source; then
-       the run's cost ceiling against `budget_usd`.
+       the run's cost ceiling against `budget_usd`; with `publish.merged_model_id`, the serverless CPU worker the
+       merge would rent, or why none can hold the model.
     5. The datacenters with network volumes, and the account's weight-cache volumes.
     6. The Hub token: it reads the model and the dataset, and may write to (or create) the artifact store.
 
@@ -102,6 +104,10 @@ def preflight(
         checks += guarded("cost ceiling", lambda: judge_cost(
             gpus, offers, floors, spec.compute.gpu_count, spec.deadline_minutes, spec.budget_usd,
             settings.loraflow_max_run_usd))
+        merged_model_id = spec.publish.merged_model_id if spec.publish is not None else None
+        if merged_model_id is not None:
+            checks += guarded("merge worker", lambda: check_merge_worker(client, spec.model, merged_model_id,
+                                                                         settings))
         checks += guarded("datacenters with volumes", lambda: check_data_centers(client, settings))
     checks += guarded("hub: model", lambda: check_model(spec.model, settings, spec.compute.disk_gb))
     for field, source in spec.dataset.sources():  # each check runs within its own iteration

@@ -25,6 +25,7 @@ from loraflow_worker.contract import (
     LoraSettings,
     ModelSource,
     TrainingSettings,
+    colocated_vllm_problems,
     dpo_setting_problems,
     grpo_setting_problems,
     optimisation_problems,
@@ -354,22 +355,25 @@ class RunSpec(Section):
     @field_validator("fast_paths")
     @classmethod
     def _optimisation_fits_the_run(cls, fast_paths: FastPathSettings, info: ValidationInfo) -> FastPathSettings:
-        # Fields validate in order (algorithm, training and evaluation first); validated when unset too.
+        # Fields validate in order (algorithm, lora, training and evaluation first); validated when unset too.
+        problems = []
         if all(name in info.data for name in ("algorithm", "training", "evaluation")):
-            problems = optimisation_problems(info.data["algorithm"], info.data["training"], info.data["evaluation"],
-                                             fast_paths)
-            if problems:
-                raise ValueError("; ".join(problems))
+            problems += optimisation_problems(info.data["algorithm"], info.data["training"], info.data["evaluation"],
+                                              fast_paths)
+        if all(name in info.data for name in ("algorithm", "lora")):
+            problems += colocated_vllm_problems(info.data["algorithm"], info.data["lora"], fast_paths)
+        if problems:
+            raise ValueError("; ".join(problems))
         return fast_paths
 
     @field_validator("grpo")
     @classmethod
     def _knobs_match_the_algorithm(cls, grpo: GrpoSettings | None, info: ValidationInfo) -> GrpoSettings | None:
-        # Fields validate in order (algorithm and training first), so this error carries the field `grpo`.
-        if "algorithm" not in info.data or "training" not in info.data:
+        # Fields validate in order (algorithm, lora and training first), so this error carries the field `grpo`.
+        if any(name not in info.data for name in ("algorithm", "lora", "training")):
             return grpo
         algorithm, training = info.data["algorithm"], info.data["training"]
-        problems = grpo_setting_problems(algorithm, grpo, training)
+        problems = grpo_setting_problems(algorithm, grpo, training, info.data["lora"])
         if algorithm == "grpo" and "max_seq_length" in training.model_fields_set:
             problems.append(
                 "`training.max_seq_length` applies to sft only: for grpo set `grpo.max_prompt_length` and "
@@ -383,8 +387,8 @@ class RunSpec(Section):
     @field_validator("dpo")
     @classmethod
     def _dpo_matches_the_algorithm(cls, dpo: DpoSettings | None, info: ValidationInfo) -> DpoSettings | None:
-        if "algorithm" in info.data and "training" in info.data:
-            problems = dpo_setting_problems(info.data["algorithm"], dpo, info.data["training"])
+        if all(name in info.data for name in ("algorithm", "lora", "training")):
+            problems = dpo_setting_problems(info.data["algorithm"], dpo, info.data["training"], info.data["lora"])
             if problems:
                 raise ValueError("; ".join(problems))
         return dpo

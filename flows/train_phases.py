@@ -236,6 +236,7 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
         gpu=plan.gpu.name, gpu_count=spec.compute.gpu_count, endpoint_name=plan.endpoint_name,
         metrics=results.result.metrics, cost_ceiling_usd=run.ceiling.usd, estimated_cost_usd=round(estimated_usd, 4),
         usd_per_hour=offer.usd_per_hour, price_source=offer.source, price_fallback_reason=offer.fallback_reason,
+        ceiling_price_source=run.ceiling.price_source,
         cards_from=offer.cards_from, refused=refused or {},
         billed_usd=billed.usd if billed else None, billing_pending=billed is None or billed.usd <= 0,
         adapter_url=results.adapter_url or "", store_url=spec.artifact_store, attempts=attempt,

@@ -23,9 +23,11 @@ the built-in table; `localpod/catalog/recorded.py` says how each table is derive
     python -m localpod --port 8765 --catalog-from recordings/my-account
 
 Answers RunPod shapes more than one way: the quota refusal is a 400 `ErrorResponse`, or with
-`--quota-refusal-status 500` (env `LOCALPOD_QUOTA_REFUSAL_STATUS`) REST v1's 500 `{"error": ...}`; the endpoint,
-network volume and secret lists come in pages of `--page-size` items (env `LOCALPOD_PAGE_SIZE`, default 1000 as
-RunPod) with `pagination.nextCursor`. `POST /_localpod/answer-shapes` changes both while the server runs.
+`--quota-refusal-status 500` (env `LOCALPOD_QUOTA_REFUSAL_STATUS`) REST v1's 500 `{"error": ...}`, worded
+`... must not exceed your workers quota (N)` or as `--quota-refusal-text` (env `LOCALPOD_QUOTA_REFUSAL_TEXT`) says,
+`{quota}` replaced by the quota; the endpoint, network volume and secret lists come in pages of `--page-size` items
+(env `LOCALPOD_PAGE_SIZE`, default 1000 as RunPod) with `pagination.nextCursor`. `POST /_localpod/answer-shapes`
+changes each while the server runs.
 
 `LORAFLOW_REQUIRE_CUDA` is lifted: the control plane sets it to 1 in every endpoint's env so a worker on
 a RunPod host refuses to train on a CPU, but localpod's workers (processes and containers alike) run on
@@ -49,7 +51,9 @@ storage time pass so their cost accrues without waiting.
 CPU serverless: the catalog lists CPU flavors (`/v2/catalog/cpus`, `cpuAvailability` of the datacenters), an
 endpoint created with `cpu: [{id, vcpuCount}]` runs its workers in a datacenter offering one of its flavors
 (no CUDA need) and bills their vCPUs as `cpuAmount` in `/v2/billing/serverless`; `POST /_localpod/cpu-stock`
-takes flavors out of stock, as `/_localpod/stock` does GPU pools.
+takes flavors out of stock, as `/_localpod/stock` does GPU pools. A serverless CPU worker has at most 8 vCPUs (the
+catalog says so when asked with product=SERVERLESS) and 10 GB of container disk per vCPU (15 on cpu5c): a create
+asking more is refused.
 
 Workers run one of two ways (`--worker-runtime`):
 
@@ -144,6 +148,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         "volume_create_fails_in": args.volume_create_fails_in,
         "dead_worker_jobs": args.dead_worker_jobs,
     }
+    if args.quota_refusal_text is not None:
+        fields["quota_refusal_text"] = args.quota_refusal_text
     if args.worker_python:
         fields["worker_python"] = Path(args.worker_python).absolute()
     if args.worker_command:
@@ -225,6 +231,10 @@ def _parser() -> argparse.ArgumentParser:
                    default=os.environ.get("LOCALPOD_QUOTA_REFUSAL_STATUS") or "400",
                    help="the status of the quota refusal: 400 (an ErrorResponse) or 500 (REST v1's body, as REST v1 "
                    "answered it); default: env LOCALPOD_QUOTA_REFUSAL_STATUS, else 400")
+    p.add_argument("--quota-refusal-text", default=os.environ.get("LOCALPOD_QUOTA_REFUSAL_TEXT") or None,
+                   metavar="TEXT", help="the quota refusal's message, `{quota}` replaced by the worker quota (RunPod "
+                   "words it more than one way); default: env LOCALPOD_QUOTA_REFUSAL_TEXT, else "
+                   "'... must not exceed your workers quota ({quota})'")
     # String defaults go through `type`, so a bad environment value is refused as the flag's would be.
     p.add_argument("--page-size", type=int, default=os.environ.get("LOCALPOD_PAGE_SIZE") or str(DEFAULT_PAGE_SIZE),
                    help="items per page of the endpoint, network volume and secret lists (later pages through "

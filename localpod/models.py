@@ -25,6 +25,10 @@ DEFAULT_OPENAPI_PATH = Path(__file__).resolve().parent / "runpod-api-v2-openapi.
 """RunPod's official API v2 schema: an unedited copy of `runpod-api/api-v2-openapi.json` from the
 project's shared folder, shipped so a fresh clone runs localpod (a test checks the copy is identical)."""
 
+DEFAULT_QUOTA_REFUSAL_TEXT = "Max workers across all endpoints must not exceed your workers quota ({quota})"
+"""RunPod's quota refusal as seen in the wild (`../shared/runpod-api/README.md`); `{quota}` becomes the quota. RunPod
+has also answered "Max workers across all endpoints will exceed your worker quota of 10 ... at most 9" (issue 37)."""
+
 DEFAULT_WORKER_PYTHON = Path(__file__).resolve().parent.parent / ".venv-worker" / "bin" / "python"
 """The worker environment's interpreter in this checkout (`make install` builds `.venv-worker` from the
 worker image's lock): the control plane's own environment has no training stack."""
@@ -52,9 +56,14 @@ class LocalpodConfig(BaseModel):
     )
     quota_refusal_status: Literal[400, 500] = Field(
         default=400,
-        description="The status of the quota refusal (`... must not exceed your workers quota (N)`): 400, an "
+        description="The status of the quota refusal (`quota_refusal_text`): 400, an "
         "`ErrorResponse`, as an API v2 client recorded; 500 with REST v1's body `{\"error\": \"create endpoint: "
         "...\"}`, as REST v1 answered it. RunPod documents neither.",
+    )
+    quota_refusal_text: str = Field(
+        default=DEFAULT_QUOTA_REFUSAL_TEXT, min_length=1,
+        description="The quota refusal's message, `{quota}` replaced by `worker_quota`: RunPod words it more than one "
+        "way (`... must not exceed your workers quota (30)`, `... will exceed your worker quota of 10 ...`).",
     )
     page_size: int = Field(
         default=DEFAULT_PAGE_SIZE, ge=1,

@@ -78,6 +78,27 @@ def test_other_cpu_flavors_and_another_worker_cap_are_differences():
                                                         "workers.max: asked 1, got 3"]
 
 
+def test_an_answer_without_excluded_types_does_not_say_the_pinned_cards_differ():
+    pinned = gpu_request(excluded_types=["NVIDIA H100 NVL"])
+    assert endpoint_differences(pinned, answer(gpu={"pools": ["ADA_80_PRO"], "allowedCudaVersions": [],
+                                                    "minCudaVersion": "13.0"})) == []
+    assert endpoint_differences(pinned, answer(gpu={"pools": ["ADA_80_PRO"], "excludedTypes": None,
+                                                    "minCudaVersion": "13.0"})) == []
+
+
+def test_an_answer_that_says_no_card_is_excluded_differs_from_a_pinned_request():
+    pinned = gpu_request(excluded_types=["NVIDIA H100 NVL"])
+    assert endpoint_differences(pinned, answer(gpu={"pools": ["ADA_80_PRO"], "excludedTypes": [],
+                                                    "minCudaVersion": "13.0"})) == [
+        "gpu.excludedTypes: asked [NVIDIA H100 NVL], got []"]
+
+
+def test_an_answer_without_a_cuda_floor_does_not_say_it_differs_but_a_null_one_does():
+    assert endpoint_differences(gpu_request(), answer(gpu={"pools": ["ADA_80_PRO"]})) == []
+    assert endpoint_differences(gpu_request(), answer(gpu={"pools": ["ADA_80_PRO"], "minCudaVersion": None})) == [
+        "gpu.minCudaVersion: asked 13.0, got none"]
+
+
 def test_an_answer_that_names_no_compute_is_judged_on_what_it_names():
     assert endpoint_differences(gpu_request(), answer(gpu=None)) == []
 

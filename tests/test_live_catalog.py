@@ -246,16 +246,17 @@ def test_the_ceiling_takes_the_dearest_live_price_and_names_its_source(runpod: R
 def test_the_budget_check_names_the_catalog_as_the_price_source(runpod: RunpodClient) -> None:
     ceiling = cost_ceiling(gpu_offers(runpod, [H100]), gpu_count=1, deadline_minutes=60)
     with pytest.raises(ValueError, match="price source: catalog"):
-        check_budget(ceiling.usd, 4.0, ceiling.price_source)
+        check_budget(ceiling.usd, 3.5, ceiling.price_source)
     check_budget(ceiling.usd, 5.0, ceiling.price_source)
 
 
-def test_the_budget_check_names_the_static_list_price_when_the_catalog_failed(localpod, runpod) -> None:
+def test_the_budget_check_says_plainly_when_the_fallback_list_price_stood_in(localpod, runpod) -> None:
     unreadable(localpod, "list_gpu_types")
     ceiling = cost_ceiling(gpu_offers(runpod, [H100]), gpu_count=1, deadline_minutes=60)
-    assert ceiling.usd == H100.usd_per_hour  # 3.29: within a budget the live price (4.18) would pass
-    with pytest.raises(ValueError, match="price source: static list price"):
-        check_budget(ceiling.usd, 3.0, ceiling.price_source)
+    assert ceiling.usd == H100.usd_per_hour  # 4.18: over a budget of $4.00 that the live price (3.97) is within
+    assert "price source: fallback list price, not the live catalog" in ceiling.describe()
+    with pytest.raises(ValueError, match="price source: fallback list price, not the live catalog"):
+        check_budget(ceiling.usd, 4.0, ceiling.price_source)
 
 
 def report(**cost: object) -> RunReport:

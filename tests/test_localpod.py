@@ -30,7 +30,7 @@ from fastapi.testclient import TestClient
 
 from deployments.local_stack import require_worker_python
 from localpod import LocalpodConfig, create_app
-from localpod.models import DEFAULT_OPENAPI_PATH, Account
+from localpod.models import DEFAULT_OPENAPI_PATH, DEFAULT_QUOTA_REFUSAL_TEXT, Account
 from localpod.schema import OpenApiSchemas
 
 API_KEY = "test-key"
@@ -234,15 +234,25 @@ def test_volumes_and_secrets_are_paged_as_endpoints_are(tmp_path: Path) -> None:
 
 
 def test_answer_shapes_change_while_the_server_runs(client: TestClient) -> None:
-    assert client.get("/_localpod/answer-shapes").json() == {"quota_refusal_status": 400, "page_size": 1000}
+    assert client.get("/_localpod/answer-shapes").json() == {
+        "quota_refusal_status": 400, "quota_refusal_text": DEFAULT_QUOTA_REFUSAL_TEXT, "page_size": 1000}
     changed = client.post("/_localpod/answer-shapes", json={"quota_refusal_status": 500, "page_size": 1})
-    assert changed.json() == {"quota_refusal_status": 500, "page_size": 1}
+    assert changed.json() == {"quota_refusal_status": 500, "quota_refusal_text": DEFAULT_QUOTA_REFUSAL_TEXT,
+                              "page_size": 1}
     create_endpoint(client, name="one", workers={"max": 10})
     create_endpoint(client, name="two")
     assert len(client.get("/v2/serverless", headers=AUTH).json()["endpoints"]) == 1
     refused = client.post("/v2/serverless", json=endpoint_body(workers={"max": 1}), headers=AUTH)
     assert refused.status_code == 500 and QUOTA_TEXT in refused.json()["error"]
     assert client.post("/_localpod/answer-shapes", json={"page_size": 0}).status_code == 400
+
+
+def test_the_quota_refusal_can_come_in_runpods_other_wording(client: TestClient) -> None:
+    other = "Max workers across all endpoints will exceed your worker quota of {quota}"
+    assert client.post("/_localpod/answer-shapes", json={"quota_refusal_text": other}).status_code == 200
+    create_endpoint(client, workers={"max": 10})
+    problem = assert_problem(client.post("/v2/serverless", json=endpoint_body(workers={"max": 1}), headers=AUTH), 400)
+    assert problem["detail"] == "Max workers across all endpoints will exceed your worker quota of 10"
 
 
 def test_quota_exceeded_on_update_gets_runpods_text(client: TestClient) -> None:
@@ -839,10 +849,12 @@ def test_the_answer_shapes_come_from_the_environment_and_a_bad_one_is_refused_na
 
     monkeypatch.setenv("LOCALPOD_PAGE_SIZE", "2")
     monkeypatch.setenv("LOCALPOD_QUOTA_REFUSAL_STATUS", "500")
+    monkeypatch.setenv("LOCALPOD_QUOTA_REFUSAL_TEXT", "Max workers will exceed your worker quota of {quota}")
     argv = ["--log-dir", str(tmp_path), "--worker-command", "python3 handler.py", "--port", "1"]
     parser = _parser()
     config = config_from_args(parser.parse_args(argv), parser)
     assert (config.page_size, config.quota_refusal_status) == (2, 500)
+    assert config.quota_refusal_text == "Max workers will exceed your worker quota of {quota}"
     monkeypatch.setenv("LOCALPOD_PAGE_SIZE", "0")
     with pytest.raises(SystemExit):
         main(argv)

@@ -111,6 +111,19 @@ def test_serverless_availability_lists_the_datacenters_offering_each_flavor(pod:
     assert "EU-CZ-1" not in levels(listed["cpu5c"])  # EU-CZ-1 offers no CPU serverless
 
 
+def test_asked_for_serverless_the_flavors_are_what_runpods_sdk_offers_at_most_8_vcpus(pod: TestClient) -> None:
+    # RunPod's SDK: cpu3g-8-32, cpu3c-8-16, cpu5c-8-16 (issue 37).
+    serverless = cpus(pod, **SERVERLESS)
+    assert {i: (c["vcpu"]["max"], c["ramGbPerVcpu"]) for i, c in serverless.items()} == {
+        "cpu3c": (8, 2.0), "cpu3g": (8, 4.0), "cpu5c": (8, 2.0)}
+    assert all(c["vcpu"]["max"] == 32 for c in cpus(pod, include="AVAILABILITY", product="POD").values())
+
+
+def test_a_vcpu_count_past_a_serverless_workers_leaves_the_flavor_unavailable_to_serverless(pod: TestClient) -> None:
+    assert all(c["availability"] == "NONE" for c in cpus(pod, **SERVERLESS, vcpuCount=16).values())
+    assert cpus(pod, include="AVAILABILITY", product="POD", vcpuCount=16)["cpu3g"]["availability"] == "HIGH"
+
+
 def test_a_vcpu_count_beyond_a_flavors_range_leaves_it_unavailable(pod: TestClient) -> None:
     listed = cpus(pod, **SERVERLESS, vcpuCount=64)
     assert all(c["availability"] == "NONE" and "dataCenters" not in c for c in listed.values())
@@ -194,11 +207,28 @@ def test_a_cpu_endpoints_memory_is_its_vcpus_times_the_flavors_ram_per_vcpu(pod:
 @pytest.mark.parametrize(("cpu", "complaint"), [
     ([{"id": "cpu9x", "vcpuCount": 4}], "no CPU flavor 'cpu9x'"),
     ([{"id": "cpu3c", "vcpuCount": 6}], "power of two"),
-    ([{"id": "cpu3c", "vcpuCount": 64}], "from 2 to 32"),
+    ([{"id": "cpu3c", "vcpuCount": 64}], "from 2 to 8"),
+    # RunPod's serverless CPU workers stop at 8 vCPUs (issue 37), whatever the flavor's range for pods.
+    ([{"id": "cpu3g", "vcpuCount": 16}], "not valid for a serverless cpu3g worker: give a power of two from 2 to 8"),
 ])
 def test_a_cpu_configuration_the_catalog_does_not_offer_is_refused(pod: TestClient, cpu, complaint) -> None:
     answer = pod.post("/v2/serverless", json=cpu_body(cpu), headers=AUTH)
     assert complaint in assert_problem(answer, 400)["detail"]
+
+
+@pytest.mark.parametrize(("cpu", "disk", "fits"), [
+    ({"id": "cpu3c", "vcpuCount": 2}, 20, True), ({"id": "cpu3c", "vcpuCount": 2}, 21, False),
+    ({"id": "cpu3g", "vcpuCount": 8}, 80, True), ({"id": "cpu3g", "vcpuCount": 8}, 81, False),
+    ({"id": "cpu5c", "vcpuCount": 2}, 30, True), ({"id": "cpu5c", "vcpuCount": 2}, 31, False),
+])
+def test_a_cpu_workers_container_disk_is_at_most_its_flavors_gb_per_vcpu(pod: TestClient, cpu, disk, fits) -> None:
+    # 10 GB per vCPU on cpu3c and cpu3g, 15 on cpu5c (issue 37).
+    answer = pod.post("/v2/serverless", json=cpu_body([cpu], disk=disk), headers=AUTH)
+    if fits:
+        assert answer.status_code == 201, answer.text
+    else:
+        assert f"disk: {disk} GB is more than a serverless {cpu['id']} worker of {cpu['vcpuCount']} vCPUs may have" \
+            in assert_problem(answer, 400)["detail"]
 
 
 def test_a_cpu_endpoint_starts_in_the_first_datacenter_offering_its_flavor(pod: TestClient) -> None:

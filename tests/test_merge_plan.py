@@ -1,6 +1,7 @@
-"""The merge's plan, before anything is rented: which CPU worker holds a model of N parameters (sizing from the
-bf16 bytes against the catalog's flavors), a model too large for any refused, the endpoint named so that the
-hooks and the reconciler find it, the base read from the run's manifest, and what the summary says."""
+"""The merge's plan, before anything is rented: which serverless CPU worker holds a model of N parameters (sizing
+from the bf16 bytes against the catalog's flavors, within a serverless worker's 8 vCPUs and its flavor's disk per
+vCPU), a model too large for any refused, the endpoint named so that the hooks and the reconciler find it, the base
+read from the run's manifest, and what the summary says."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from tasks.reports.summary import RunReport, summary_markdown
 from tasks.runpod.endpoints import endpoint_name, parse_endpoint_name, run_hash
 from tasks.runpod.jobs import JobOutcome
 from tasks.runpod.live_catalog import CatalogCpuType, read_cpu_types
+import tasks.jobs.merge as merge_module
 from tasks.jobs.merge import (
     MERGE_LABEL,
     MergeCompute,
     MergeRefused,
+    check_merge_fits,
     choose_merge_compute,
     merge_disk_gb,
     merge_ram_gb,
@@ -57,12 +60,48 @@ def test_a_small_model_takes_the_fewest_vcpus_of_the_cheapest_flavor_that_holds_
         include={"flavor", "vcpu_count", "ram_gb"}) == {"flavor": "cpu3c", "vcpu_count": 4, "ram_gb": 8.0}
 
 
-def test_a_model_too_large_for_every_flavor_is_refused_naming_its_size_and_the_largest_ram():
+def test_a_model_too_large_for_every_flavor_is_refused_naming_its_needs_and_each_flavors_largest_worker():
     with pytest.raises(MergeRefused) as refused:
         choose_merge_compute(70_000_000_000, FLAVORS, model="meta-llama/Llama-3.1-70B")
     assert str(refused.value) == (
-        "the merge of meta-llama/Llama-3.1-70B (70.0 B parameters, 140.0 GB in bf16) needs 172 GB of RAM; the largest "
-        "CPU worker on offer has 128 GB (cpu3g × 32 vCPU): merge it elsewhere, or remove publish.merged_model_id")
+        "the merge of meta-llama/Llama-3.1-70B (70.0 B parameters, 140.0 GB in bf16) needs 172 GB of RAM and 430 GB "
+        "of container disk; a serverless CPU worker has at most 8 vCPUs, and the largest of each flavor on offer "
+        "holds less (cpu3c × 8 vCPU: 16 GB RAM, 80 GB disk; cpu3g × 8 vCPU: 32 GB RAM, 80 GB disk; cpu5c × 8 vCPU: "
+        "16 GB RAM, 120 GB disk): merge it elsewhere, or remove publish.merged_model_id")
+
+
+def test_a_14b_model_is_refused_though_the_catalog_offers_32_vcpus_for_the_flavor():
+    # 14 B: 37.6 GB of RAM. cpu3g × 16 vCPU (64 GB) would hold it, but a serverless CPU worker stops at 8 (32 GB).
+    with pytest.raises(MergeRefused, match=r"needs 38 GB of RAM .* a serverless CPU worker has at most 8 vCPUs.*"
+                                           r"cpu3g × 8 vCPU: 32 GB RAM"):
+        choose_merge_compute(14_000_000_000, FLAVORS, model="Qwen/Qwen3-14B")
+
+
+def test_the_largest_model_that_merges_takes_a_serverless_worker_of_at_most_8_vcpus():
+    compute = choose_merge_compute(11_000_000_000, FLAVORS)
+    assert (compute.flavor, compute.vcpu_count, compute.ram_gb) == ("cpu3g", 8, 32.0)
+
+
+def test_the_container_disk_sizes_the_worker_up_when_its_ram_alone_would_not():
+    # 16 GB of RAM per vCPU holds an 8 B model's 23.2 GB at 2 vCPUs; its 58 GB of disk needs 8 (10 GB per vCPU).
+    compute = choose_merge_compute(8_000_000_000, [flavor("cpu9m", 16.0, 0.02)])
+    assert (compute.flavor, compute.vcpu_count) == ("cpu9m", 8)
+
+
+def test_cpu5c_allows_15_gb_of_disk_per_vcpu_and_cpu3c_10():
+    # 2 B parameters: 8.8 GB of RAM and 22 GB of disk. With RAM to spare, cpu5c's 2 vCPUs hold 30 GB of disk, cpu3c's
+    # 20 GB do not: 4 vCPUs.
+    roomy = [flavor("cpu3c", 8.0, 0.01), flavor("cpu5c", 8.0, 0.01)]
+    sizes = {f.id: choose_merge_compute(2_000_000_000, [f]).vcpu_count for f in roomy}
+    assert sizes == {"cpu3c": 4, "cpu5c": 2}
+
+
+def test_a_catalog_id_in_its_long_form_is_rented_by_the_flavor_id_the_create_takes():
+    compute = choose_merge_compute(600_000_000, [flavor("cpu3c-2-4", 2.0, 0.03)], in_stock={"cpu3c"})
+    assert (compute.flavor, compute.vcpu_count) == ("cpu3c", 4)
+    wire = merge_request(name="loraflow-merge-x", compute=compute, image="i", env={}, disk_gb=14,
+                         execution_timeout_s=600).to_wire()
+    assert wire["cpu"] == [{"id": "cpu3c", "vcpuCount": 4}]
 
 
 def test_with_no_cpu_flavor_in_stock_the_merge_is_refused_saying_so():
@@ -74,8 +113,24 @@ def test_localpods_catalog_sizes_the_merge_as_runpods_would(localpod):  # noqa: 
     cpu_types = read_cpu_types(client_for(localpod))
     compute = choose_merge_compute(8_000_000_000, cpu_types)
     cheapest = min(((f, v) for f in cpu_types for v in (2, 4, 8, 16, 32) if v * f.ram_gb_per_vcpu >= 23.2
-                    and f.vcpu.min <= v <= f.vcpu.max), key=lambda fv: fv[0].price.serverless_per_vcpu * fv[1])
+                    and v * f.disk_gb_per_vcpu >= 58 and f.vcpu.min <= v <= f.vcpu.max),
+                   key=lambda fv: fv[0].price.serverless_per_vcpu * fv[1])
     assert (compute.flavor, compute.vcpu_count) == (cheapest[0].id, cheapest[1])
+
+
+def test_the_cpu_catalog_is_read_as_runpod_offers_it_to_serverless(localpod):  # noqa: F811
+    cpu_types = read_cpu_types(client_for(localpod))
+    assert {(f.id, f.vcpu.max, f.ram_gb_per_vcpu) for f in cpu_types} == {
+        ("cpu3c", 8, 2.0), ("cpu3g", 8, 4.0), ("cpu5c", 8, 2.0)}
+
+
+def test_a_14b_models_merge_is_refused_before_the_training_is_rented_naming_the_limit(
+        localpod, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(merge_module, "make_client", lambda: client_for(localpod))
+    with pytest.raises(MergeRefused, match=r"^publish.merged_model_id: the merge of Qwen/Qwen3-14B .* a serverless "
+                                           r"CPU worker has at most 8 vCPUs"):
+        check_merge_fits(14_000_000_000, "Qwen/Qwen3-14B")
+    check_merge_fits(8_000_000_000, "Qwen/Qwen3-8B")  # fits cpu3g × 8: nothing raised
 
 
 def test_the_merge_endpoint_is_a_cpu_endpoint_named_after_the_flow_run_doing_the_merge():

@@ -21,12 +21,14 @@ import pytest
 import yaml
 from huggingface_hub import HfApi
 
-from tasks.preflight.account import judge_gpus, judge_worker_quota
+from loraflow_worker.contract import ModelSource
+
+from tasks.preflight.account import check_merge_worker, judge_gpus, judge_merge_worker, judge_worker_quota
 from tasks.preflight.hub import check_store, judge_hub_write
 from tasks.preflight.report import guarded
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.client import API_URL
-from tasks.runpod.live_catalog import GpuOffer
+from tasks.runpod.live_catalog import CatalogCpuType, GpuOffer
 from tasks.runpod.models import Endpoint
 from tasks.settings import Settings
 from tests.conftest import DATASET, REPO, localpod_account, prefect_api
@@ -152,6 +154,31 @@ def test_a_run_none_of_whose_gpus_is_in_its_pool_fails_the_preflight():
     h100 = offer("h100", [], {}).model_copy(update={"source": "static list price", "not_in_pool": missing})
     [pool] = judge_gpus([resolve_gpu("h100")], [h100], ["13.0"])
     assert pool.status == "FAIL" and "tasks/runpod/catalog.py" in pool.fix
+
+
+SERVERLESS_CPUS = [CatalogCpuType.model_validate({"id": i, "name": i, "vcpu": {"min": 2, "max": 8}, "ramGbPerVcpu": ram,
+                                                  "price": {"serverlessPerVcpu": usd}})
+                   for i, ram, usd in (("cpu3c", 2.0, 0.03), ("cpu3g", 4.0, 0.04), ("cpu5c", 2.0, 0.05))]
+
+
+def test_the_merge_worker_line_names_the_serverless_cpu_worker_the_merge_would_rent():
+    check = judge_merge_worker(8_000_000_000, SERVERLESS_CPUS, "Qwen/Qwen3-8B", "acme/qwen3-8b-merged")
+    assert check.status == "ok"
+    assert check.found.startswith("CPU cpu3g × 8 vCPU (32 GB RAM, $0.320/hr) with 58 GB of container disk")
+    assert "acme/qwen3-8b-merged" in check.found
+
+
+def test_a_model_no_serverless_cpu_worker_holds_fails_the_merge_worker_line_naming_the_limit():
+    check = judge_merge_worker(14_000_000_000, SERVERLESS_CPUS, "Qwen/Qwen3-14B", "acme/qwen3-14b-merged")
+    assert check.status == "FAIL"
+    assert check.found.startswith("publish.merged_model_id: the merge of Qwen/Qwen3-14B")
+    assert "a serverless CPU worker has at most 8 vCPUs" in check.found
+    assert "remove publish.merged_model_id" in check.fix
+
+
+def test_without_a_runpod_key_the_merge_worker_line_warns():
+    check = check_merge_worker(None, ModelSource(id="Qwen/Qwen3-8B"), "acme/m", Settings())
+    assert check.status == "warn" and "no RunPod key" in check.found
 
 
 def test_a_read_only_token_cannot_write_the_store():

@@ -37,9 +37,28 @@ def refusing(times: int, then="endpoint"):
     return create, calls
 
 
+# RunPod's other wording of the same refusal (issue 37).
+OTHER_QUOTA_TEXT = "Max workers across all endpoints will exceed your worker quota of 10 ... at most 9"
+
+
 def test_the_quota_number_is_read_from_runpods_text():
     assert errors.QuotaExceededError(QUOTA_TEXT, status=400).quota == 5
     assert errors.QuotaExceededError("quota exceeded", status=400).quota is None
+
+
+def test_the_quota_number_is_read_from_runpods_other_wording():
+    assert errors.QuotaExceededError(OTHER_QUOTA_TEXT, status=400).quota == 10
+
+
+@pytest.mark.parametrize("text", [QUOTA_TEXT, OTHER_QUOTA_TEXT, OTHER_QUOTA_TEXT.upper(),
+                                  "max workers across all endpoints must not exceed your workers quota"])
+def test_either_wording_is_runpods_quota_refusal_whatever_its_case(text):
+    assert errors.is_quota_refusal(text)
+
+
+@pytest.mark.parametrize("text", ["gpu pool unknown", "quota exceeded", "workers.max must not exceed 100"])
+def test_other_refusals_are_not_the_quota_refusal(text):
+    assert not errors.is_quota_refusal(text) and errors.named_quota(text) is None
 
 
 def test_a_full_quota_is_waited_out_with_bounded_backoff(caplog):

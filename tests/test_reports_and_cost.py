@@ -15,8 +15,8 @@ METRICS = TrainMetrics(steps=3, losses=[(1, 6.4), (2, 3.0), (3, 1.25)], first_lo
 
 def test_worst_case_cost_uses_the_dearest_fallback_gpu_for_the_whole_deadline():
     gpus = [resolve_gpu("4090"), resolve_gpu("h100")]
-    assert worst_case_cost_usd(gpus, 1, 60) == 3.29
-    assert worst_case_cost_usd(gpus, 2, 30) == 3.29
+    assert worst_case_cost_usd(gpus, 1, 60) == 4.18
+    assert worst_case_cost_usd(gpus, 2, 30) == 4.18
 
 
 def test_run_over_budget_is_refused_with_the_fix():
@@ -76,3 +76,10 @@ def test_the_reconciler_fills_the_billed_figure_into_the_pending_row_only():
     # Settled already, or billed when the run ended: nothing to fill in.
     assert billed_later(filled, 0.02, datetime.now(UTC)) is None
     assert billed_later(summary_markdown(report(billed_usd=0.0007)), 0.02, datetime.now(UTC)) is None
+
+
+def test_the_summary_says_a_colocated_vllm_that_failed_and_why():
+    # The worker's record when the engine could not be built or loaded and the run went on without it.
+    reason = "failed: ImportError: vLLM is not available; completions come from transformers' generate (slower)"
+    text = summary_markdown(report(fast_paths={"vllm_colocate": {"engaged": False, "reason": reason}}))
+    assert f"| vllm_colocate | no | {reason} |" in text

@@ -176,12 +176,22 @@ def test_the_summary_says_the_prices_and_gpu_classes_came_from_runpods_catalog()
     assert "Refused by RunPod" not in text
 
 
-def test_the_summary_says_when_loraflows_static_list_stood_in_and_why():
+def test_the_summary_says_when_loraflows_fallback_list_price_stood_in_and_why():
     reason = "RunPod's catalog could not be read (ServerError: RunPod answered 500 to GET /v2/catalog/gpus)"
-    text = summary_markdown(_report(usd_per_hour=0.69, price_source="static list price", price_fallback_reason=reason,
+    text = summary_markdown(_report(usd_per_hour=1.12, price_source="static list price", price_fallback_reason=reason,
                                     cards_from="static table"))
-    assert f"| Prices | loraflow's static list ({reason}) |" in text
+    assert f"| Prices | fallback list price, not the live catalog ({reason}) |" in text
+    assert ("| Estimated cost | $0.0005 (ceiling $0.35) at $1.12/GPU-hour, price source: fallback list price, not the "
+            "live catalog |") in text
     assert "| GPU classes | pools and cards from loraflow's static table" in text
+
+
+def test_the_summary_says_when_the_budget_was_checked_against_the_fallback_list_price():
+    fallback = summary_markdown(_report(ceiling_price_source="static list price"))
+    assert ("| Cost before (worst case) | $0.35: GPU price × GPUs × deadline, at the fallback list price, not the "
+            "live catalog |") in fallback
+    live = summary_markdown(_report(ceiling_price_source="catalog"))
+    assert "| Cost before (worst case) | $0.35: GPU price × GPUs × deadline |" in live
 
 
 def test_the_summary_names_each_gpu_class_runpod_refused_with_its_detail():

@@ -136,12 +136,20 @@ def test_forty_seconds_of_status_errors_cost_no_attempt(local_stack, tiny_model,
     assert state_of(local_stack, flow_run_of(local_stack, endpoint["name"]))["type"] == "COMPLETED"
 
 
-# RunPod documents no status for its quota refusal: an API v2 client recorded 400, REST v1 answered 500.
-@pytest.mark.parametrize("refusal_status", [400, 500])
-def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_model, tmp_path, refusal_status):
-    prefix = f"loraflow-e2e-quotawait{refusal_status}-"
+# RunPod documents no status for its quota refusal: an API v2 client recorded 400, REST v1 answered 500. Its
+# wording varies too: "... will exceed your worker quota of 10 ..." was once taken as a refused GPU class (issue 37).
+@pytest.mark.parametrize(("refusal_status", "refusal_text"), [
+    (400, None), (500, None),
+    (400, "Max workers across all endpoints will exceed your worker quota of {quota}; set workers.max lower"),
+], ids=["400", "500", "400-other-wording"])
+def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_model, tmp_path, refusal_status,
+                                                            refusal_text):
+    name = f"e2e-quotawait{refusal_status}{'w' if refusal_text else ''}"
+    prefix = f"loraflow-{name}-"
     pod = localpod(local_stack)
-    pod.post("/_localpod/answer-shapes", json={"quota_refusal_status": refusal_status}).raise_for_status()
+    default_text = pod.get("/_localpod/answer-shapes").json()["quota_refusal_text"]
+    pod.post("/_localpod/answer-shapes", json={"quota_refusal_status": refusal_status,
+                                               "quota_refusal_text": refusal_text or default_text}).raise_for_status()
     account = localpod_account(local_stack)
     room = account["workerQuota"] - sum(e["workersMax"] for e in account["liveEndpoints"])
     body = {"name": f"someone-elses-{uuid.uuid4().hex[:6]}", "type": "QUEUE", "image": "x",
@@ -149,7 +157,7 @@ def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_mod
             "workers": {"min": 0, "max": room}}
     blocker = pod.post("/v2/serverless", json=body)
     assert blocker.status_code == 201, blocker.text
-    run_file = write_run_file(tmp_path / "run.toml", name=f"e2e-quotawait{refusal_status}", model=tiny_model,
+    run_file = write_run_file(tmp_path / "run.toml", name=name, model=tiny_model,
                               store=tmp_path / "store", max_steps=4)
     log_path = tmp_path / "flow.log"
     try:
@@ -162,7 +170,7 @@ def test_runpods_quota_error_makes_the_run_wait_then_go_on(local_stack, tiny_mod
             assert process.wait(300) == 0, log_path.read_text()[-5000:]
     finally:
         pod.delete(f"/v2/serverless/{blocker.json()['id']}")
-        pod.post("/_localpod/answer-shapes", json={"quota_refusal_status": 400})
+        pod.post("/_localpod/answer-shapes", json={"quota_refusal_status": 400, "quota_refusal_text": default_text})
     output = log_path.read_text()
     assert "worker quota (30) is full" in output and "prefect gcl update runpod-endpoints --limit 30" in output
     # Kept for the preflight, which reads it when it is given no quota.

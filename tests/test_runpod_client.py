@@ -66,6 +66,9 @@ def test_quota_text_becomes_quota_error_with_a_fix():
                "detail": "Max workers across all endpoints must not exceed your workers quota (5)"}),
         (400, {"title": "Bad Request", "status": 400,
                "detail": "Max workers across all endpoints must not exceed your workers quota (5)"}),
+        # RunPod's other wording of the same refusal (issue 37): taken as a refused GPU class, it failed the run.
+        (400, {"title": "Bad Request", "status": 400,
+               "detail": "Max workers across all endpoints will exceed your worker quota of 5 ... at most 4"}),
     ],
 )
 def test_the_quota_refusal_is_known_by_its_text_at_any_status(status, body):

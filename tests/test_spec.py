@@ -376,6 +376,30 @@ def test_a_dpo_run_takes_an_optional_dpo_section_and_no_sft_loss_settings():
         RunSpec.model_validate(minimal(algorithm="dpo", training={"packing": True}))
 
 
+def test_a_dpo_run_with_a_pissa_adapter_is_refused_naming_lora_init_before_anything_is_rented(tmp_path):
+    # DPO's reference, the model with the adapter off, would be PiSSA's residual base, not the starting model.
+    run_file = tmp_path / "dpo-pissa.toml"
+    run_file.write_text('algorithm = "dpo"\nartifact_store = "hf://datasets/acme/runs"\n[model]\nid = "Qwen/Qwen3-0.6B"\n'
+                        '[dataset]\nhub_id = "trl-lib/ultrafeedback_binarized"\n[lora]\ninit = "pissa"\n')
+    with pytest.raises(SpecError) as refused:
+        load_run_file(run_file)
+    message = str(refused.value)
+    assert "`lora.init` 'pissa' with algorithm 'dpo'" in message and "residual base" in message
+    assert "set `lora.init` to 'default' or 'gaussian'" in message
+
+
+def test_a_grpo_run_training_modules_in_full_beside_a_colocated_vllm_is_refused_naming_both_fields():
+    with pytest.raises(ValidationError) as refused:
+        RunSpec.model_validate(minimal(algorithm="grpo", grpo=GRPO, training={"batch_size": 8},
+                                       lora={"modules_to_save": ["lm_head"]}))
+    assert "fast_paths" in error_fields(refused.value)
+    assert "`lora.modules_to_save` (lm_head)" in str(refused.value) and "`fast_paths.vllm_colocate = false`" in str(
+        refused.value)
+    taken = RunSpec.model_validate(minimal(algorithm="grpo", grpo=GRPO, training={"batch_size": 8},
+                                           lora={"modules_to_save": ["lm_head"]}, fast_paths={"vllm_colocate": False}))
+    assert taken.lora.modules_to_save == ["lm_head"]
+
+
 def test_publish_takes_a_merged_model_without_an_adapter_repo_and_keeps_adapter_only_run_files_valid():
     merged = RunSpec.model_validate(minimal(publish={"merged_model_id": "acme/qwen3-capybara"})).publish
     assert (merged.hub_model_id, merged.merged_model_id) == (None, "acme/qwen3-capybara")
@@ -404,3 +428,10 @@ def test_a_malformed_merged_model_id_is_refused_naming_the_field(bad):
     with pytest.raises(ValidationError) as exc:
         RunSpec.model_validate(minimal(publish={"merged_model_id": bad}))
     assert error_fields(exc.value) == {"publish.merged_model_id"}, exc.value
+
+
+def test_requiring_vllm_in_a_run_that_generates_nothing_is_refused_before_renting():
+    with pytest.raises(ValidationError, match=r"`fast_paths.vllm_colocate` is 'require', but only GRPO generates "
+                                              r"completions \(algorithm is 'sft'\)") as refused:
+        RunSpec.model_validate(minimal(fast_paths={"vllm_colocate": "require"}))
+    assert error_fields(refused.value) == {"fast_paths"}

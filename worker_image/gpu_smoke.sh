@@ -12,6 +12,7 @@
 #   worker_image/gpu_smoke.sh --wheels /path/to/wheels    # a bare GPU box: the whole lock from that wheel folder
 #   worker_image/gpu_smoke.sh --variants all,no-liger,no-vllm --deadline 900   # other runs, 15 minutes at most
 #   PYTHON=.venv-worker/bin/python worker_image/gpu_smoke.sh --cpu --steps 2 --warmup 1 --variants all   # the CPU check the tests run
+#   worker_image/gpu_smoke.sh --list                      # every variant, what it changes or checks; runs nothing
 #
 # Other options go to python -m loraflow_worker.gpu_smoke: --variants A,B,..., --steps N (timed), --warmup N,
 # --deadline S, --out DIR, --variant-timeout S, --allow-busy-gpu.

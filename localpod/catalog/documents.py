@@ -104,19 +104,20 @@ def data_center_document(
     return document
 
 
-def cpu_type_document(row: CpuTypeRow, cpu_in_stock: InStock, availability: bool, vcpu_count: int | None = None
-                      ) -> dict[str, Any]:
+def cpu_type_document(row: CpuTypeRow, cpu_in_stock: InStock, availability: bool, vcpu_count: int | None = None,
+                      serverless: bool = False) -> dict[str, Any]:
     """The `CpuType` document; with `availability` (include=AVAILABILITY), its level in each datacenter offering it
     under the CPU stock (NONE where `vcpu_count` is outside the flavor's range), `dataCenters` omitted when it is
-    available nowhere."""
+    available nowhere. With `serverless` (product=SERVERLESS alone), the range is a serverless worker's."""
+    vcpu_min, vcpu_max = row.vcpu_range(serverless)
     document: dict[str, Any] = {
-        "id": row.id, "name": row.name, "group": row.group, "vcpu": {"min": row.vcpu_min, "max": row.vcpu_max},
+        "id": row.id, "name": row.name, "group": row.group, "vcpu": {"min": vcpu_min, "max": vcpu_max},
         "ramGbPerVcpu": row.ram_gb_per_vcpu,
         "price": {"securePerVcpu": row.secure_usd_per_vcpu, "serverlessPerVcpu": row.serverless_usd_per_vcpu},
     }
     if not availability:
         return document
-    fits = vcpu_count is None or row.vcpu_min <= vcpu_count <= row.vcpu_max
+    fits = vcpu_count is None or vcpu_min <= vcpu_count <= vcpu_max
     levels = {dc.id: (cpu_level_in(dc, row, cpu_in_stock) if fits else "NONE")
               for dc in tables.DATA_CENTERS if row.id in dc.cpu_offers}
     document["availability"] = best_level(levels.values())

@@ -40,7 +40,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from localpod.catalog.cuda import CudaNeed, cuda_version
-from localpod.catalog.tables import AvailabilityLevel, CatalogTables, CpuTypeRow, DataCenterRow, GpuTypeRow
+from localpod.catalog.tables import (
+    SERVERLESS_CPU_DISK_GB_PER_VCPU,
+    AvailabilityLevel,
+    CatalogTables,
+    CpuTypeRow,
+    DataCenterRow,
+    GpuTypeRow,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -253,9 +260,14 @@ def _cpus(cpu_reads: list[tuple[dict[str, str], list[dict[str, Any]]]], dc_docs:
     for _, cpus in cpu_reads:
         for doc in cpus:
             flavors[doc["id"]] = doc
+    # Served as recorded; RunPod's catalog states no serverless disk limit: the flavor's known one (`cpu3c` for
+    # `cpu3c-2-4`), else the least.
     rows = tuple(CpuTypeRow(doc["id"], doc["name"], doc.get("group", ""), doc["vcpu"]["min"], doc["vcpu"]["max"],
                             float(doc["ramGbPerVcpu"]), float(doc["price"]["securePerVcpu"]),
-                            float(doc["price"]["serverlessPerVcpu"])) for doc in flavors.values())
+                            float(doc["price"]["serverlessPerVcpu"]), serverless_vcpu_max=doc["vcpu"]["max"],
+                            serverless_disk_gb_per_vcpu=SERVERLESS_CPU_DISK_GB_PER_VCPU.get(
+                                re.sub(r"-\d+-\d+$", "", doc["id"]), CpuTypeRow.serverless_disk_gb_per_vcpu))
+                 for doc in flavors.values())
     offers: dict[str, dict[str, AvailabilityLevel]] = {}
     if any("cpuAvailability" in dc for dc in dc_docs):
         for dc in dc_docs:

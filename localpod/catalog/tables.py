@@ -40,22 +40,32 @@ HostCuda = Callable[[str, str], tuple[str, ...]]
 (empty: none reported, or the type is not offered there)."""
 
 POOL_SERVERLESS_USD_PER_HOUR: dict[str, float] = {
-    # RunPod quotes one serverless rate per pool (`price.serverless` is "the rate for this GPU's pool").
-    "ADA_24": 1.12,
+    # RunPod quotes one serverless rate per pool (`price.serverless` is "the rate for this GPU's pool"). loraflow's
+    # fallback table holds RunPod's published rates (1.12, 4.18, 5.58, 8.64 here), so these are about 5 % below them
+    # where they would be equal: a test tells a catalog price from a fallback one by its figure.
+    "ADA_24": 1.06,
     "ADA_32_PRO": 1.58,
     "AMPERE_80": 2.72,
-    "ADA_80_PRO": 4.18,
-    "HOPPER_141": 5.58,
+    "ADA_80_PRO": 3.97,
+    "HOPPER_141": 5.30,
     "BLACKWELL_96": 3.02,
-    "BLACKWELL_180": 8.64,
+    "BLACKWELL_180": 8.21,
 }
+
+
+# RunPod's serverless CPU workers stop at 8 vCPUs (its SDK offers cpu3g-8-32, cpu3c-8-16, cpu5c-8-16; issue 37).
+SERVERLESS_CPU_VCPU_MAX = 8
+# RunPod limits a serverless CPU worker's container disk per vCPU: 10 GB on cpu3c and cpu3g, 15 on cpu5c (issue 37).
+SERVERLESS_CPU_DISK_GB_PER_VCPU = {"cpu3c": 10, "cpu3g": 10, "cpu5c": 15}
 
 
 @dataclass(frozen=True)
 class CpuTypeRow:
     """One CPU flavor, as `CpuType` describes it: an endpoint picks a flavor and a vCPU count in its range; its
     RAM is the count times `ram_gb_per_vcpu`, its price the count times the per-vCPU figure (USD per hour, as
-    `GpuType.price` quotes GPUs)."""
+    `GpuType.price` quotes GPUs). Asked with product=SERVERLESS, the catalog answers `serverless_vcpu_max` as its
+    most vCPUs (a recording: what RunPod answered); an endpoint's worker has at most `SERVERLESS_CPU_VCPU_MAX` vCPUs
+    and `serverless_disk_gb_per_vcpu` GB of container disk per vCPU, whatever the catalog says."""
 
     id: str
     name: str
@@ -65,19 +75,33 @@ class CpuTypeRow:
     ram_gb_per_vcpu: float
     secure_usd_per_vcpu: float
     serverless_usd_per_vcpu: float
+    serverless_vcpu_max: int = SERVERLESS_CPU_VCPU_MAX
+    serverless_disk_gb_per_vcpu: int = min(SERVERLESS_CPU_DISK_GB_PER_VCPU.values())  # a flavor not listed: the least
 
     def memory_gb(self, vcpu_count: int) -> int:
         """`CpuConfig.memory`: RunPod derives it from the flavor's RAM multiplier."""
         return max(1, round(vcpu_count * self.ram_gb_per_vcpu))
+
+    def vcpu_range(self, serverless: bool) -> tuple[int, int]:
+        """The fewest and most vCPUs the catalog answers: for serverless (product=SERVERLESS alone), or the flavor's."""
+        return self.vcpu_min, min(self.vcpu_max, self.serverless_vcpu_max) if serverless else self.vcpu_max
+
+    def worker_vcpu_range(self) -> tuple[int, int]:
+        """The fewest and most vCPUs of a serverless endpoint's worker of the flavor."""
+        return self.vcpu_min, min(self.vcpu_max, SERVERLESS_CPU_VCPU_MAX)
 
 
 CPU_TYPES: tuple[CpuTypeRow, ...] = (
     # RAM per vCPU as RunPod's Flash docs list the flavors (cpu3c-2-4, cpu5c-4-8: 2 GB per vCPU; the general-purpose
     # "g" flavors 4 GB). cpu3c's prices are the schema's own example (0.04 secure, 0.03 serverless per vCPU); the
     # search found no published serverless CPU price list, so cpu3g's and cpu5c's are plausible figures above it.
-    CpuTypeRow("cpu3c", "Compute-Optimized", "Gen 3", 2, 32, 2.0, 0.04, 0.03),
-    CpuTypeRow("cpu3g", "General Purpose", "Gen 3", 2, 32, 4.0, 0.05, 0.04),
-    CpuTypeRow("cpu5c", "Compute-Optimized", "Gen 5", 2, 32, 2.0, 0.06, 0.05),
+    # Asked with product=SERVERLESS, each answers what a serverless worker may be (`serverless_vcpu_max`).
+    CpuTypeRow("cpu3c", "Compute-Optimized", "Gen 3", 2, 32, 2.0, 0.04, 0.03,
+               serverless_disk_gb_per_vcpu=SERVERLESS_CPU_DISK_GB_PER_VCPU["cpu3c"]),
+    CpuTypeRow("cpu3g", "General Purpose", "Gen 3", 2, 32, 4.0, 0.05, 0.04,
+               serverless_disk_gb_per_vcpu=SERVERLESS_CPU_DISK_GB_PER_VCPU["cpu3g"]),
+    CpuTypeRow("cpu5c", "Compute-Optimized", "Gen 5", 2, 32, 2.0, 0.06, 0.05,
+               serverless_disk_gb_per_vcpu=SERVERLESS_CPU_DISK_GB_PER_VCPU["cpu5c"]),
 )
 
 _AMPERE_ADA_HOPPER_CUDA = ("12.4", "12.6", "12.8", "12.9", "13.0")

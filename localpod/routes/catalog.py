@@ -101,8 +101,8 @@ async def list_cpu_types(request: Request, state: LocalpodState = Depends(get_st
     """`ListCpuTypesResponse`: every CPU flavor with its vCPU range, RAM per vCPU and prices per vCPU; with
     include=AVAILABILITY (and product), its level per datacenter offering it."""
     fault = await route_fault(request, "list_cpu_types")
-    availability, vcpu_count = _cpu_availability_query(state, request)
-    body = {"cpus": [documents.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
+    availability, vcpu_count, serverless = _cpu_availability_query(state, request)
+    body = {"cpus": [documents.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count, serverless)
                      for row in tables.CPU_TYPES]}
     fault.after_action()
     return _answer(state, "ListCpuTypesResponse", body)
@@ -112,11 +112,11 @@ async def list_cpu_types(request: Request, state: LocalpodState = Depends(get_st
 async def get_cpu_type(cpu_id: str, request: Request, state: LocalpodState = Depends(get_state)) -> JSONResponse:
     """`CpuType`; 404 naming the known flavors for an unknown one."""
     fault = await route_fault(request, "get_cpu_type")
-    availability, vcpu_count = _cpu_availability_query(state, request)
+    availability, vcpu_count, serverless = _cpu_availability_query(state, request)
     row = tables.cpu_type(cpu_id)
     if row is None:
         raise ProblemError(404, f"CPU type {cpu_id!r} not found; known: {', '.join(tables.CPU_FLAVOR_IDS)}")
-    body = documents.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count)
+    body = documents.cpu_type_document(row, state.faults.cpu_in_stock, availability, vcpu_count, serverless)
     fault.after_action()
     return _answer(state, "CpuType", body)
 
@@ -156,9 +156,9 @@ def _availability_query(state: LocalpodState, request: Request) -> documents.Ava
     )
 
 
-def _cpu_availability_query(state: LocalpodState, request: Request) -> tuple[bool, int | None]:
-    """(include=AVAILABILITY asked, its vcpuCount): product is required with include and valid only with it, as is
-    vcpuCount (a power of two, at least 2)."""
+def _cpu_availability_query(state: LocalpodState, request: Request) -> tuple[bool, int | None, bool]:
+    """(include=AVAILABILITY asked, its vcpuCount, product=SERVERLESS alone: the serverless workers' ranges): product
+    is required with include and valid only with it, as is vcpuCount (a power of two, at least 2)."""
     params = request.query_params
     include = _enum_list(state, request, "include", "CatalogInclude")
     if include is not None and len(include) > 1:
@@ -168,15 +168,16 @@ def _cpu_availability_query(state: LocalpodState, request: Request) -> tuple[boo
         stray = [name for name in ("product", "vcpuCount") if name in params]
         if stray:
             raise ProblemError(400, f"{', '.join(stray)} valid only with include=AVAILABILITY")
-        return False, None
+        return False, None, False
     if not product:  # CPU stock differs by product too
         raise ProblemError(400, "include=AVAILABILITY requires product (POD, SERVERLESS)")
+    serverless = set(product) == {"SERVERLESS"}
     if "vcpuCount" not in params:
-        return True, None
+        return True, None, serverless
     vcpu_count = positive_int(params["vcpuCount"], "vcpuCount")
     if vcpu_count < 2 or vcpu_count & (vcpu_count - 1):
         raise ProblemError(400, f"vcpuCount must be a power of two of at least 2, not {vcpu_count}")
-    return True, vcpu_count
+    return True, vcpu_count, serverless
 
 
 def _enum_list(state: LocalpodState, request: Request, name: str, schema: str) -> list[str] | None:

@@ -208,8 +208,8 @@ def _check_quota(state: LocalpodState, workers_max: int, excluding: str | None) 
     quota = state.config.worker_quota
     if state.workers_max_total(excluding=excluding) + workers_max <= quota:
         return
-    # RunPod's own wording, which callers recognise whatever the status.
-    text = f"Max workers across all endpoints must not exceed your workers quota ({quota})"
+    # RunPod's own wording (one of them), which callers recognise whatever the status.
+    text = state.config.quota_refusal_text.replace("{quota}", str(quota))
     if state.config.quota_refusal_status == 500:
         # REST v1's answer to the same refusal: a 500 whose body wraps the GraphQL error.
         raise PlainError(500, {"error": f"create endpoint: graphql: {text}"})
@@ -259,8 +259,9 @@ def _spec_after_update(old: dict[str, Any], patch: dict[str, Any]) -> dict[str, 
 
 
 def _cpu_configs(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`CpuConfig`s: each flavor must be in the catalog and its vCPU count a power of two in the flavor's range
-    (`BaseCpuConfig.vcpuCount`); its memory is derived from the flavor's RAM multiplier, as RunPod does."""
+    """`CpuConfig`s: each flavor must be in the catalog and its vCPU count a power of two in a serverless worker's
+    range of the flavor (`BaseCpuConfig.vcpuCount`); its memory is derived from the flavor's RAM multiplier, as RunPod
+    does."""
     documents = []
     for n, config in enumerate(configs):
         flavor = tables.cpu_type(config["id"])
@@ -268,9 +269,10 @@ def _cpu_configs(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ProblemError(400, f"cpu[{n}].id: no CPU flavor {config['id']!r}; GET /v2/catalog/cpus lists them: "
                                     f"{', '.join(tables.CPU_FLAVOR_IDS)}")
         count = config["vcpuCount"]
-        if count & (count - 1) or not flavor.vcpu_min <= count <= flavor.vcpu_max:
-            raise ProblemError(400, f"cpu[{n}].vcpuCount: {count} is not valid for {flavor.id}: give a power of two "
-                                    f"from {flavor.vcpu_min} to {flavor.vcpu_max}")
+        least, most = flavor.worker_vcpu_range()
+        if count & (count - 1) or not least <= count <= most:
+            raise ProblemError(400, f"cpu[{n}].vcpuCount: {count} is not valid for a serverless {flavor.id} worker: "
+                                    f"give a power of two from {least} to {most}")
         documents.append({**config, "memory": flavor.memory_gb(count)})
     return documents
 
@@ -289,6 +291,17 @@ def _check_consistent(spec: dict[str, Any]) -> None:
     workers = spec["workers"]
     if workers["min"] > workers["max"]:
         raise ProblemError(400, f"workers.min ({workers['min']}) must not exceed workers.max ({workers['max']})")
+    disk = spec.get("disk")
+    for n, config in enumerate(spec.get("cpu") or ()):
+        flavor = tables.cpu_type(config["id"])
+        if disk is None or flavor is None:  # no disk asked: RunPod's default; an unknown flavor: refused before
+            continue
+        limit = config["vcpuCount"] * flavor.serverless_disk_gb_per_vcpu
+        if disk > limit:
+            raise ProblemError(400, f"disk: {disk} GB is more than a serverless {flavor.id} worker of "
+                                    f"{config['vcpuCount']} vCPUs may have (cpu[{n}]: "
+                                    f"{flavor.serverless_disk_gb_per_vcpu} GB per vCPU, {limit} GB): give more vCPUs "
+                                    "or less disk")
     gpu = spec.get("gpu")
     if gpu and gpu.get("allowedCudaVersions") and gpu.get("minCudaVersion"):
         raise ProblemError(400, "gpu.allowedCudaVersions (non-empty) and gpu.minCudaVersion are mutually exclusive")

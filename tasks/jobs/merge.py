@@ -8,9 +8,12 @@ can merge any stored adapter, later. The cost: the CPU worker downloads the base
 
 Sizing (`choose_merge_compute`): the worker holds the base in bf16 (parameters × 2 bytes, the parameters counted from
 the model's `config.json`), the adapter merged into it in place, and one safetensors shard being written; it needs
-`merge_ram_gb` of RAM. Of RunPod's CPU flavors with stock somewhere, each at the fewest vCPUs (a power of two) whose
-RAM (vCPUs × the flavor's RAM per vCPU) holds that, the cheapest per hour is rented; a model no flavor can hold is
-refused, naming its size and the largest RAM on offer.
+`merge_ram_gb` of RAM, and `merge_disk_gb` of container disk. Of RunPod's CPU flavors (read as it offers them to
+serverless) with stock somewhere, each at the fewest vCPUs (a power of two) whose RAM (vCPUs × the flavor's RAM per
+vCPU) and container-disk limit (vCPUs × the flavor's GB per vCPU) hold that, the cheapest per hour is rented. A
+serverless CPU worker has at most 8 vCPUs, whatever the catalog's range (`SERVERLESS_CPU_MAX_VCPUS`), so a model over
+about 11 B parameters fits none: it is refused before the run's training is rented (`check_merge_fits`), naming its
+needs and the largest serverless worker of each flavor.
 
 The endpoint is named as every loraflow endpoint (`endpoint_name`), after the flow run that runs the merge with the
 label `merge-<run name>`, so that flow's crash and cancel hooks (`delete_run_endpoints_hook`) and the reconciler
@@ -50,6 +53,7 @@ from tasks.lifecycle.steps import prepare_worker_env, run_cancel_requested
 from tasks.placement.cost import check_cost_cap
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.plan import read_model_config
+from tasks.runpod.catalog import SERVERLESS_CPU_MAX_VCPUS, cpu_flavor_id
 from tasks.runpod.endpoints import build_cpu_create_request, endpoint_name
 from tasks.runpod.errors import RunpodError
 from tasks.runpod.jobs import JobOutcome
@@ -77,15 +81,15 @@ MERGE_LABEL = "merge-{run_name}"
 
 
 class MergeRefused(ValueError):
-    """The merge cannot run as asked (the model too large for every CPU flavor, no CPU flavor in stock, no stored
-    run): nothing was rented. The message says what to change."""
+    """The merge cannot run as asked (the model too large for every serverless CPU worker, no CPU flavor in stock, no
+    stored run): nothing was rented. The message says what to change."""
 
 
 class MergeCompute(BaseModel):
     """The CPU worker a merge runs on."""
 
-    flavor: str = Field(description="RunPod's CPU flavor id, e.g. `cpu3g`.")
-    vcpu_count: int = Field(description="vCPUs of the worker (a power of two).")
+    flavor: str = Field(description="RunPod's CPU flavor id as an endpoint's `cpu[].id` takes it, e.g. `cpu3g`.")
+    vcpu_count: int = Field(description="vCPUs of the worker (a power of two, at most `SERVERLESS_CPU_MAX_VCPUS`).")
     ram_gb: float = Field(description="Its RAM: vCPUs × the flavor's RAM per vCPU.")
     usd_per_hour: float = Field(description="Its serverless price per hour, USD.")
     needed_ram_gb: float = Field(description="The RAM the merge needs (`merge_ram_gb`).")
@@ -132,39 +136,38 @@ def merge_disk_gb(parameters: int) -> int:
 
 def choose_merge_compute(parameters: int, cpu_types: list[CatalogCpuType], in_stock: set[str] | None = None,
                          model: str = "the model") -> MergeCompute:
-    """The cheapest CPU worker that holds the merge of a model of `parameters`: of each flavor (those in `in_stock`,
-    when given), the fewest vCPUs, a power of two and at least 2 within its range, whose RAM is `merge_ram_gb`.
-    Raises `MergeRefused` naming the model's size and the largest RAM on offer when none holds it."""
+    """The cheapest serverless CPU worker that holds the merge of a model of `parameters`: of each flavor (those whose
+    flavor id is in `in_stock`, when given), the fewest vCPUs (`CatalogCpuType.serverless_vcpus`) whose RAM is
+    `merge_ram_gb` and whose container-disk limit is `merge_disk_gb`. Raises `MergeRefused` naming the model's needs
+    and the largest serverless worker of each flavor on offer when none holds it."""
     needed = merge_ram_gb(parameters)
-    weights_gb = parameters * BF16_BYTES / 1e9
+    disk = merge_disk_gb(parameters)
+    offered = [f for f in cpu_types if in_stock is None or f.flavor in in_stock]
     choices = []
-    for flavor in cpu_types:
-        if in_stock is not None and flavor.id not in in_stock:
-            continue
-        vcpus = 2
-        while vcpus < flavor.vcpu.min or vcpus * flavor.ram_gb_per_vcpu < needed:
-            vcpus *= 2
-        if vcpus <= flavor.vcpu.max:
-            choices.append(MergeCompute(flavor=flavor.id, vcpu_count=vcpus, ram_gb=vcpus * flavor.ram_gb_per_vcpu,
+    for flavor in offered:
+        vcpus = flavor.serverless_vcpus(needed, disk)
+        if vcpus is not None:
+            choices.append(MergeCompute(flavor=flavor.flavor, vcpu_count=vcpus, ram_gb=vcpus * flavor.ram_gb_per_vcpu,
                                         usd_per_hour=round(flavor.price.serverless_per_vcpu * vcpus, 4),
                                         needed_ram_gb=round(needed, 1)))
     if choices:
         return min(choices, key=lambda c: (c.usd_per_hour, c.flavor))
-    offered = [f for f in cpu_types if in_stock is None or f.id in in_stock]
     if not offered:
         raise MergeRefused(f"no CPU flavor of RunPod's catalog is in stock in any datacenter: the merge of {model} "
                            "cannot run now; merge the stored run later (`merge_run_adapter`)")
-    largest = max(offered, key=lambda f: _largest_ram(f))
+    largest = "; ".join(f"{f.flavor} × {f.serverless_vcpu_max} vCPU: {f.serverless_vcpu_max * f.ram_gb_per_vcpu:g} GB "
+                        f"RAM, {f.serverless_vcpu_max * f.disk_gb_per_vcpu} GB disk" for f in offered)
     raise MergeRefused(
-        f"the merge of {model} ({parameters / 1e9:.1f} B parameters, {weights_gb:.1f} GB in bf16) needs "
-        f"{needed:.0f} GB of RAM; the largest CPU worker on offer has {_largest_ram(largest):g} GB ({largest.id} × "
-        f"{largest.vcpu.max} vCPU): merge it elsewhere, or remove publish.merged_model_id")
+        f"the merge of {model} ({parameters / 1e9:.1f} B parameters, {parameters * BF16_BYTES / 1e9:.1f} GB in bf16) "
+        f"needs {needed:.0f} GB of RAM and {disk} GB of container disk; a serverless CPU worker has at most "
+        f"{SERVERLESS_CPU_MAX_VCPUS} vCPUs, and the largest of each flavor on offer holds less ({largest}): merge it "
+        "elsewhere, or remove publish.merged_model_id")
 
 
 def check_merge_fits(parameters: int, model: str) -> None:
-    """Before renting the run: a model no CPU flavor of RunPod's catalog can merge is refused (`MergeRefused`,
-    naming `publish.merged_model_id`), whatever the stock, which may change before the run ends. A catalog that
-    cannot be read leaves the question to the merge itself."""
+    """Before renting the run: a model no serverless CPU worker can merge is refused (`MergeRefused`, naming
+    `publish.merged_model_id`), with the limits the merge itself sizes by (`choose_merge_compute`), whatever the stock,
+    which may change before the run ends. A catalog that cannot be read leaves the question to the merge itself."""
     try:
         with make_client() as client:
             cpu_types = read_cpu_types(client)
@@ -255,8 +258,8 @@ def merge_adapter_task(store_url: str, run_id: str, run_name: str, merged_model_
     check_image_contract(image)  # a stale image would refuse the job only once the worker has started
     with make_client(settings) as client:
         cpu_types = read_cpu_types(client)
-        in_stock = {offered.id for dc in read_data_centers(client, cpus=True) for offered in dc.cpu_availability
-                    if offered.availability != "NONE"}
+        in_stock = {cpu_flavor_id(offered.id) for dc in read_data_centers(client, cpus=True)
+                    for offered in dc.cpu_availability if offered.availability != "NONE"}
     compute = choose_merge_compute(parameters, cpu_types, in_stock, model=base.id)
     try:
         check_cost_cap(compute.usd_per_hour * MERGE_DEADLINE_S / 3600, settings.loraflow_max_run_usd,
@@ -308,7 +311,3 @@ def merge_run_adapter(store_url: str, run_id: str, run_name: str, merged_model_i
         return state.result()
     error = state.result(raise_on_failure=False)
     return MergedModel(merged_model_id=merged_model_id, error=f"{type(error).__name__}: {error}")
-
-
-def _largest_ram(flavor: CatalogCpuType) -> float:
-    return flavor.vcpu.max * flavor.ram_gb_per_vcpu

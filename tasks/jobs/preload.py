@@ -24,7 +24,7 @@ from tasks.jobs.rented import Rental, rented_endpoint, run_job
 from tasks.lifecycle.steps import run_cancel_requested
 from tasks.placement.prices import documented_usd_per_month
 from tasks.reports import events
-from tasks.runpod.catalog import GPU_CLASSES, GpuClass
+from tasks.runpod.catalog import GPU_CLASSES, GpuClass, cpu_flavor_id
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.endpoints import build_cpu_create_request, build_create_request, endpoint_name
 from tasks.runpod.errors import RunpodError
@@ -130,23 +130,20 @@ def choose_gpu(data_center: str, offers: list[GpuOffer]) -> GpuClass | None:
 
 
 def cpu_worker_vcpus(flavor: CatalogCpuType) -> int | None:
-    """The fewest vCPUs a worker of the flavor may have with `PRELOAD_MIN_RAM_GB` of RAM: a power of two
-    (RunPod's rule for `vcpuCount`), at least 2, within the flavor's range; None when none is."""
-    count = 2
-    while count < flavor.vcpu.min or count * flavor.ram_gb_per_vcpu < PRELOAD_MIN_RAM_GB:
-        count *= 2
-    return count if count <= flavor.vcpu.max else None
+    """The fewest vCPUs a serverless worker of the flavor may have with `PRELOAD_MIN_RAM_GB` of RAM and room for
+    `PRELOAD_DISK_GB` of container disk (`CatalogCpuType.serverless_vcpus`); None when none is."""
+    return flavor.serverless_vcpus(PRELOAD_MIN_RAM_GB, PRELOAD_DISK_GB)
 
 
 def choose_cpu(data_center: CatalogDataCenter, cpu_types: list[CatalogCpuType]) -> Compute | None:
     """The cheapest worker of a CPU flavor with stock in the datacenter, or None when it offers none."""
-    by_id = {c.id: c for c in cpu_types}
+    by_id = {c.flavor: c for c in cpu_types}
     choices = []
     for offered in data_center.cpu_availability:
-        flavor = by_id.get(offered.id)
+        flavor = by_id.get(cpu_flavor_id(offered.id))
         vcpus = cpu_worker_vcpus(flavor) if flavor is not None and offered.availability != "NONE" else None
         if flavor is not None and vcpus is not None:
-            choices.append(Compute(kind="cpu", name=flavor.id, vcpu_count=vcpus,
+            choices.append(Compute(kind="cpu", name=flavor.flavor, vcpu_count=vcpus,
                                    usd_per_hour=round(flavor.price.serverless_per_vcpu * vcpus, 4)))
     return min(choices, key=lambda c: (c.usd_per_hour, c.name)) if choices else None
 

@@ -1,7 +1,7 @@
 """What a run may cost, decided before anything is rented, and what it was billed.
 
-Prices come from RunPod's live catalog when it answers, else from loraflow's static table
-(`tasks/runpod/live_catalog.py`); the ceiling and the budget error say which.
+Prices come from RunPod's live catalog when it answers, else from loraflow's fallback list prices (RunPod's published
+serverless rates, `tasks/runpod/catalog.py`); the ceiling and the budget error say which.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from pydantic import BaseModel, Field
 
 from tasks.runpod import errors
 from tasks.runpod.catalog import GpuClass
-from tasks.runpod.live_catalog import BilledAmount, GpuOffer, PriceSource, billed_usd, gpu_offers, static_offer
+from tasks.runpod.live_catalog import (
+    PRICE_SOURCE_WORDS,
+    BilledAmount,
+    GpuOffer,
+    PriceSource,
+    billed_usd,
+    gpu_offers,
+    static_offer,
+)
 from tasks.settings import make_client
 
 
@@ -48,7 +56,8 @@ class CostCeiling(BaseModel):
     price_source: PriceSource = Field(description="Where that price came from.")
 
     def describe(self) -> str:
-        return f"${self.usd:.2f} ({self.gpu} at ${self.usd_per_hour:.2f}/GPU-hour, price source: {self.price_source})"
+        return (f"${self.usd:.2f} ({self.gpu} at ${self.usd_per_hour:.2f}/GPU-hour, price source: "
+                f"{PRICE_SOURCE_WORDS[self.price_source]})")
 
 
 def cost_ceiling(offers: Sequence[GpuOffer], gpu_count: int, deadline_minutes: int) -> CostCeiling:
@@ -75,7 +84,7 @@ def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceS
     source when given."""
     check_cost_cap(cost_usd, cap_usd)
     if budget_usd is not None and cost_usd > budget_usd:
-        source = f", price source: {price_source}" if price_source else ""
+        source = f", price source: {PRICE_SOURCE_WORDS[price_source]}" if price_source else ""
         raise ValueError(
             f"the run may cost up to ${cost_usd:.2f} (GPU price × GPUs × deadline{source}), above budget_usd "
             f"${budget_usd:.2f}: lower deadline_minutes, pick a cheaper GPU, or raise budget_usd"
@@ -171,8 +180,8 @@ def read_gpu_prices(gpus: list[GpuClass], cuda_floors: list[str] | None = None, 
                         offer.usd_per_hour, ", ".join(offer.cuda_versions) or "(none listed)", floor,
                         ", ".join(offer.in_stock_data_centers()) or "no datacenter now")
         else:
-            logger.warning("%s: static list price $%.2f/GPU-hour (%s)", offer.gpu, offer.usd_per_hour,
-                           offer.fallback_reason)
+            logger.warning("%s: $%.2f/GPU-hour, the fallback list price, not the live catalog (%s)", offer.gpu,
+                           offer.usd_per_hour, offer.fallback_reason)
     return offers
 
 

@@ -1,5 +1,6 @@
 """The preflight's checks of the RunPod account: the key's permissions, the worker quota against the
-`runpod-endpoints` limit, the worker image, the run's GPUs and cost against the catalog, datacenters with volumes."""
+`runpod-endpoints` limit, the worker image, the run's GPUs and cost against the catalog, the CPU worker its merge
+would rent, datacenters with volumes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel, Field
 
+from huggingface_hub.errors import HfHubHTTPError
+from loraflow_worker.contract import ModelSource
+from loraflow_worker.memory.model_shape import shape_from_config
+
+from tasks.jobs.merge import MergeRefused, choose_merge_compute, merge_disk_gb
 from tasks.lifecycle.quota import (
     ENDPOINT_LIMIT,
     WORKER_QUOTA_ENV,
@@ -20,12 +26,21 @@ from tasks.lifecycle.quota import (
 from tasks.placement.cost import check_budget, check_cost_cap, cost_ceiling
 from tasks.placement.gpu_fit import CudaFit, cuda_fits
 from tasks.placement.image_contract import ImageContractError, check_image_contract
+from tasks.placement.plan import read_model_config
 from tasks.preflight.report import Check
 from tasks.runpod import errors
 from tasks.runpod.catalog import GPU_CLASSES, GpuClass, cuda_floor
 from tasks.runpod.client import API_URL, RunpodClient
 from tasks.runpod.endpoints import parse_endpoint_name
-from tasks.runpod.live_catalog import CatalogDataCenter, GpuOffer, gpu_offers, read_data_centers, static_offer
+from tasks.runpod.live_catalog import (
+    CatalogCpuType,
+    CatalogDataCenter,
+    GpuOffer,
+    gpu_offers,
+    read_cpu_types,
+    read_data_centers,
+    static_offer,
+)
 from tasks.runpod.models import Endpoint, NetworkVolume
 from tasks.runpod.volumes import VOLUME_PREFIX, volume_name
 from tasks.settings import NAMESPACE_VARIABLE, Settings
@@ -276,9 +291,9 @@ def judge_gpus(gpus: Sequence[GpuClass], offers: Sequence[GpuOffer], floors: Seq
                                 found=f"${offer.usd_per_hour:.2f}/GPU-hour from RunPod's catalog"))
         else:
             checks.append(Check(name=f"{prefix}: price", status="warn",
-                                found=f"${offer.usd_per_hour:.2f}/GPU-hour from loraflow's static table: "
-                                f"{offer.fallback_reason}",
-                                fix="budgets and cost ceilings use the static price until RunPod's catalog "
+                                found=f"${offer.usd_per_hour:.2f}/GPU-hour, the fallback list price, not the live "
+                                f"catalog: {offer.fallback_reason}",
+                                fix="budgets and cost ceilings use the fallback list price until RunPod's catalog "
                                 "(GET /v2/catalog/gpus) answers: check the key and RUNPOD_API_URL"))
     return checks
 
@@ -310,6 +325,41 @@ def judge_cost(gpus: Sequence[GpuClass], offers: Sequence[GpuOffer], floors: Seq
                      fix="lower deadline_minutes, drop the dearest GPU from compute.gpu, or raise budget_usd")
     budget = f"within budget_usd ${budget_usd:.2f}" if budget_usd is not None else "no budget_usd set"
     return Check(name="cost ceiling", status="ok", found=f"at most {ceiling.describe()}; {budget}")
+
+
+def judge_merge_worker(parameters: int, cpu_types: Sequence[CatalogCpuType], model: str,
+                       merged_model_id: str) -> Check:
+    """The serverless CPU worker the run's merge would rent (`choose_merge_compute`, stock aside, as the run's own
+    check before renting), or the FAIL that refuses the run."""
+    name = "merge worker"
+    try:
+        compute = choose_merge_compute(parameters, list(cpu_types), None, model=model)
+    except MergeRefused as e:
+        return Check(name=name, status="FAIL", found=f"publish.merged_model_id: {e}",
+                     fix="a run is refused before renting: merge the model elsewhere, or remove "
+                     "publish.merged_model_id")
+    return Check(name=name, status="ok", found=f"{compute.describe()} with {merge_disk_gb(parameters)} GB of container "
+                 f"disk, renting once the run completes to merge {model} ({parameters / 1e9:.1f} B parameters, "
+                 f"{compute.needed_ram_gb:g} GB of RAM needed) into {merged_model_id}")
+
+
+def check_merge_worker(client: RunpodClient | None, model: ModelSource, merged_model_id: str,
+                       settings: Settings) -> Check:
+    """`judge_merge_worker` on the model's `config.json` and RunPod's CPU catalog; a warn when either cannot be read."""
+    name = "merge worker"
+    if client is None:
+        return Check(name=name, status="warn", found="not checked: no RunPod key", fix="see runpod key: endpoints")
+    try:
+        parameters = shape_from_config(read_model_config(model, settings)).parameters
+    except (OSError, ValueError, HfHubHTTPError) as e:
+        return Check(name=name, status="warn", found=f"not checked: {model.id}'s config.json could not be read "
+                     f"({type(e).__name__}: {e})", fix="see hub: model")
+    try:
+        cpu_types = read_cpu_types(client)
+    except (errors.RunpodError, ValueError) as e:  # ValueError: a catalog document of another shape
+        return Check(name=name, status="warn", found=f"RunPod's CPU catalog not read: {type(e).__name__}: {e}",
+                     fix="the run checks it again before renting; see runpod key: endpoints")
+    return judge_merge_worker(parameters, cpu_types, model.id, merged_model_id)
 
 
 # --- 5. Datacenters with volumes -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field, ValidationError
 
 from tasks.reports.curve import curve_measure
-from tasks.runpod.live_catalog import CardsSource, PriceSource
+from tasks.runpod.live_catalog import PRICE_SOURCE_WORDS, CardsSource, PriceSource
 from tasks.settings import Settings
 
 CURVE_FILE = "curve.png"
@@ -48,8 +48,11 @@ class RunReport(BaseModel):
     usd_per_hour: float | None = Field(default=None, description="The GPU-hour price the estimate used.")
     price_source: PriceSource | None = Field(default=None, description="Where that price came from.")
     price_fallback_reason: str | None = Field(
-        default=None, description="Why loraflow's static list price stood in for RunPod's catalog; None: the "
+        default=None, description="Why loraflow's fallback list price stood in for RunPod's catalog; None: the "
         "catalog's.")
+    ceiling_price_source: PriceSource | None = Field(
+        default=None, description="Where the price of the cost ceiling (the one the budget was checked against) came "
+        "from; None: not known.")
     cards_from: CardsSource | None = Field(
         default=None, description="Where the GPU class's pool and excluded cards came from: RunPod's catalog, or "
         "loraflow's static table when the catalog could not be read; None: not known.")
@@ -178,7 +181,7 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
         *evaluated,
         ("Tokens", f"{m.tokens:,}"),
         ("Training wall time", f"{m.wall_seconds:.1f} s"),
-        ("Cost before (worst case)", f"${report.cost_ceiling_usd:.2f}: GPU price × GPUs × deadline"),
+        ("Cost before (worst case)", _ceiling(report)),
         ("Estimated cost", _estimate(report)),
         *([("Prices", _prices(report))] if report.price_source is not None else []),
         *([("GPU classes", _cards(report))] if report.cards_from is not None else []),
@@ -324,10 +327,17 @@ def _weights(report: RunReport) -> str:
     return text
 
 
+def _ceiling(report: RunReport) -> str:
+    text = f"${report.cost_ceiling_usd:.2f}: GPU price × GPUs × deadline"
+    if report.ceiling_price_source == "static list price":  # the budget was checked against it: say so
+        text += f", at the {PRICE_SOURCE_WORDS['static list price']}"
+    return text
+
+
 def _estimate(report: RunReport) -> str:
     text = f"${report.estimated_cost_usd:.4f} (ceiling ${report.cost_ceiling_usd:.2f})"
     if report.usd_per_hour is not None and report.price_source is not None:
-        text += f" at ${report.usd_per_hour:.2f}/GPU-hour, price source: {report.price_source}"
+        text += f" at ${report.usd_per_hour:.2f}/GPU-hour, price source: {PRICE_SOURCE_WORDS[report.price_source]}"
     return text
 
 
@@ -335,7 +345,7 @@ def _prices(report: RunReport) -> str:
     if report.price_source == "catalog":
         return "RunPod's catalog"
     reason = report.price_fallback_reason or "RunPod's catalog was not read"
-    return f"loraflow's static list ({_cell(reason)})"
+    return f"{PRICE_SOURCE_WORDS['static list price']} ({_cell(reason)})"
 
 
 def _cards(report: RunReport) -> str:

@@ -42,9 +42,6 @@ JOB_URL = "https://api.runpod.ai/v2"
 # Explicit timeouts: short connects, reads long enough for a slow create; long waits are poll loops.
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=10.0)
 
-_QUOTA_TEXT = "must not exceed your workers quota"
-"""RunPod's text when the sum of workers.max over the account's endpoints would pass the quota."""
-
 
 def raise_for_status(response: httpx.Response) -> None:
     """Raise the typed error for a failed response; return quietly for a 2xx."""
@@ -59,7 +56,7 @@ def raise_for_status(response: httpx.Response) -> None:
     kwargs: dict[str, Any] = {"status": status, "body": body, "request_id": request_id}
     # RunPod's quota refusal has no documented status: REST v1 sent it as a 500, a v2 client recorded 400. Its
     # text decides, before any status does, so a 500 is waited out rather than retried and failed.
-    if _QUOTA_TEXT in detail or _QUOTA_TEXT in body:
+    if errors.is_quota_refusal(detail) or errors.is_quota_refusal(body):
         raise errors.QuotaExceededError(
             f"{message}. Delete unused endpoints (every endpoint's workers.max counts, even scaled to zero) "
             "or raise the account balance.",

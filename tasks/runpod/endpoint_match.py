@@ -3,7 +3,9 @@
 REST v1 was reported (RunPod's SDK and CLI trackers) to create GPU endpoints for CPU requests: an endpoint
 unlike its request bills other rates, runs on other cards, or takes more of the worker quota, unnoticed. So
 the create answer is compared with the request on what decides cost and placement: the compute kind, the
-GPU pools and excluded cards, the CUDA floor, the CPU flavors, and `workers.max`.
+GPU pools and excluded cards, the CUDA floor, the CPU flavors, and `workers.max`. Only what the answer says is
+compared: a field it leaves out is not said, never taken as empty (an answer without `excludedTypes` would otherwise
+fail every pinned class as a mismatch).
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ def _gpu_differences(request: CreateEndpoint, created: Endpoint) -> list[str]:
     found = []
     if sorted(asked.pools) != sorted(got.pools):
         found.append(f"gpu.pools: asked {_names(asked.pools)}, got {_names(got.pools)}")
-    if sorted(asked.excluded_types or ()) != sorted(t.strip() for t in got.excluded_types or ()):
+    # The schema does not require `excludedTypes` in an answer (EndpointGpuConfig): absent or null, it is not said.
+    if got.excluded_types is not None and \
+            sorted(asked.excluded_types or ()) != sorted(t.strip() for t in got.excluded_types):
         found.append(f"gpu.excludedTypes: asked {_names(asked.excluded_types)}, got {_names(got.excluded_types)}")
-    if (asked.min_cuda_version or None) != (got.min_cuda_version or None):
+    # `minCudaVersion` is required there and null means "no floor" (EndpointGpuConfig): only a missing one is unsaid.
+    if "min_cuda_version" in got.model_fields_set and \
+            (asked.min_cuda_version or None) != (got.min_cuda_version or None):
         found.append(f"gpu.minCudaVersion: asked {asked.min_cuda_version or 'none'}, "
                      f"got {got.min_cuda_version or 'none'}")
     if got.allowed_cuda_versions:  # loraflow asks for a floor only: a list narrows the hosts it did not narrow

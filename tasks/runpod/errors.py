@@ -62,9 +62,26 @@ class QuotaExceededError(BadRequestError):
 
     @property
     def quota(self) -> int | None:
-        """The quota RunPod named (`... must not exceed your workers quota (30)`), if it did."""
-        match = re.search(r"workers quota \((\d+)\)", f"{self} {self.body}")
-        return int(match.group(1)) if match else None
+        """The quota RunPod named (`... quota (30)` or `... quota of 10`), if it did."""
+        return named_quota(f"{self} {self.body}")
+
+
+# RunPod words its quota refusal two ways (issue 37): "Max workers across all endpoints must not exceed your workers
+# quota (30)" and "Max workers across all endpoints will exceed your worker quota of 10 ... at most 9".
+_QUOTA_REFUSAL = re.compile(r"exceed your workers? quota(?:\s*\((?P<paren>\d+)\)|\s+of\s+(?P<of>\d+))?",
+                            re.IGNORECASE)
+
+
+def is_quota_refusal(text: str) -> bool:
+    """Whether RunPod's answer text is its worker-quota refusal, in either wording."""
+    return _QUOTA_REFUSAL.search(text) is not None
+
+
+def named_quota(text: str) -> int | None:
+    """The quota a quota refusal names, the number after `quota` (`quota (30)`, `quota of 10`); None if none."""
+    match = _QUOTA_REFUSAL.search(text)
+    number = match and (match.group("paren") or match.group("of"))
+    return int(number) if number else None
 
 
 class EndpointMismatchError(RunpodError):

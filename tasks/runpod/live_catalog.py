@@ -27,12 +27,22 @@ from pydantic import AliasGenerator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from tasks.runpod import errors
-from tasks.runpod.catalog import GpuClass
+from tasks.runpod.catalog import (
+    SERVERLESS_CPU_MAX_VCPUS,
+    GpuClass,
+    cpu_flavor_id,
+    serverless_cpu_disk_gb_per_vcpu,
+)
 from tasks.runpod.client import RunpodClient
 
 log = logging.getLogger("loraflow.catalog")
 
 PriceSource = Literal["catalog", "static list price"]
+PRICE_SOURCE_WORDS: dict[PriceSource, str] = {
+    "catalog": "catalog",
+    "static list price": "fallback list price, not the live catalog",
+}
+"""How a cost line names a price's source: a budget checked against the fallback table must say so plainly."""
 CardsSource = Literal["catalog", "static table"]
 AvailabilityLevel = Literal["NONE", "LOW", "MEDIUM", "HIGH"]
 
@@ -148,13 +158,40 @@ class CpuPrice(_Response):
 
 
 class CatalogCpuType(_Response):
-    """One `CpuType` of `GET /v2/catalog/cpus`: a CPU flavor, priced per vCPU."""
+    """One `CpuType` of `GET /v2/catalog/cpus`: a CPU flavor, priced per vCPU, and what a serverless worker of it
+    may be (`serverless_vcpus`)."""
 
-    id: str = Field(description="Flavor id, e.g. `cpu5c` (what a CPU endpoint's `cpu[].id` names).")
+    id: str = Field(description="Catalog id: the flavor (`cpu5c`) or its long form (`cpu3c-2-4`); `flavor` is the "
+                    "one a CPU endpoint's `cpu[].id` takes.")
     name: str = Field(description="Display name.")
     vcpu: CpuVcpuRange
     ram_gb_per_vcpu: float = Field(description="GB of RAM per vCPU.")
     price: CpuPrice
+
+    @property
+    def flavor(self) -> str:
+        """The id an endpoint's `cpu[].id` takes: `cpu3c` for `cpu3c-2-4`."""
+        return cpu_flavor_id(self.id)
+
+    @property
+    def serverless_vcpu_max(self) -> int:
+        """The most vCPUs of a serverless worker of the flavor: the catalog's `vcpu.max`, at most
+        `SERVERLESS_CPU_MAX_VCPUS`."""
+        return min(self.vcpu.max, SERVERLESS_CPU_MAX_VCPUS)
+
+    @property
+    def disk_gb_per_vcpu(self) -> int:
+        """GB of container disk a serverless worker of the flavor may have per vCPU."""
+        return serverless_cpu_disk_gb_per_vcpu(self.flavor)
+
+    def serverless_vcpus(self, ram_gb: float, disk_gb: float = 0) -> int | None:
+        """The fewest vCPUs of a serverless worker of the flavor with `ram_gb` of RAM and room for `disk_gb` of
+        container disk: a power of two (RunPod's rule for `vcpuCount`), at least 2, within `vcpu.min` and
+        `serverless_vcpu_max`; None when none is."""
+        count = 2
+        while count < self.vcpu.min or count * self.ram_gb_per_vcpu < ram_gb or count * self.disk_gb_per_vcpu < disk_gb:
+            count *= 2
+        return count if count <= self.serverless_vcpu_max else None
 
 
 class _CpuTypeList(_Response):
@@ -315,8 +352,11 @@ def read_data_centers(client: RunpodClient, *, cpus: bool = False) -> list[Catal
 
 
 def read_cpu_types(client: RunpodClient) -> list[CatalogCpuType]:
-    """Every CPU flavor with its vCPU range and serverless price per vCPU. Raises as `read_gpu_types`."""
-    return _CpuTypeList.model_validate(read_retried(lambda: client.catalog_cpus({}), "RunPod's CPU catalog")).cpus
+    """Every CPU flavor with its vCPU range and serverless price per vCPU, as RunPod offers them to serverless.
+    Raises as `read_gpu_types`."""
+    # `product` is valid only with include=AVAILABILITY, and a 400 without it (the schema's CpuProductFilter).
+    params = {"include": "AVAILABILITY", "product": "SERVERLESS"}
+    return _CpuTypeList.model_validate(read_retried(lambda: client.catalog_cpus(params), "RunPod's CPU catalog")).cpus
 
 
 _cache: dict[tuple[str, str | None], LiveCatalog] = {}

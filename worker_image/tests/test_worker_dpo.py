@@ -78,14 +78,30 @@ def test_the_dpo_adapter_loads_with_peft(trained, tiny_model_dir):
     assert model.peft_config["default"].r == JobInput.model_fields["lora"].default_factory().rank
 
 
-def test_a_run_going_on_from_an_adapter_is_measured_against_a_frozen_copy_of_it(trained, make_job, tiny_model_dir,
-                                                                                tmp_path):
+@pytest.fixture(scope="module")
+def continued(trained, make_job, tiny_model_dir, tmp_path_factory):
+    """`run-dpo-child`: 2 steps going on from `run-dpo`'s adapter, stored beside it."""
     store, _, _ = trained
     job = dpo_job(make_job, tiny_model_dir, store.root, "run-dpo-child", preference_rows(),
                   training={**TRAINING, "max_steps": 2}, lora={"init_from": "runs/run-dpo"})
-    result = train_in_process(job, store, tmp_path, [])
+    return store, train_in_process(job, store, tmp_path_factory.mktemp("work-child"), [])
+
+
+def test_a_run_going_on_from_an_adapter_is_measured_against_a_frozen_copy_of_it(continued):
+    _, result = continued
     # Against the base, the trained adapter would start far below log 2; against itself it starts at log 2.
     assert result.metrics.first_loss == pytest.approx(math.log(2), abs=1e-3)
+
+
+def test_a_run_going_on_from_an_adapter_stores_only_the_adapter_it_trained(continued, tiny_model_dir):
+    # TRL loads the frozen copy beside it as a second adapter, `ref`; the stored folder holds the trained one alone.
+    store, _ = continued
+    adapter = store.root / "runs/run-dpo-child/adapter"
+    assert sorted(path.name for path in adapter.iterdir() if path.is_dir()) == []
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_model_dir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
+    assert list(model.peft_config) == ["default"]
 
 
 def test_a_pair_without_rejected_is_refused_naming_the_row_and_the_field(make_job, tiny_model_dir, tmp_path):

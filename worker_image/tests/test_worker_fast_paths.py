@@ -4,6 +4,7 @@ a built model, and the CPU manifest. The memory plan's own arithmetic is tested 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -278,7 +279,7 @@ def test_expandable_segments_from_the_environment_keep_vllm_asleep_between_gener
     # vLLM 0.33's sleep-mode pool turns expandable segments off around its own allocations, so sleep mode stays.
     plan = plan_fast_paths(_cuda(algorithm="grpo", alloc_conf=EXPANDABLE, allocator_settings=EXPANDABLE))
     assert plan.trainer_kwargs["use_vllm"] is True and plan.trainer_kwargs["vllm_enable_sleep_mode"] is True
-    assert "asleep between generations" in plan.fast_paths["vllm_colocate"].reason
+    assert "asleep between generation rounds (one weight sync per round" in plan.fast_paths["vllm_colocate"].reason
 
 
 def test_a_gpu_without_bf16_trains_in_fp32():
@@ -323,6 +324,37 @@ def test_the_job_forces_memory_savers_only(tiny_model_dir):
     with pytest.raises(ValueError, match=r"`liger_kernel` cannot be forced on: .* Only gradient_checkpointing and "
                                          r"paged_adamw_8bit can be true"):
         FastPathSettings(liger_kernel=True)
+
+
+def test_a_job_may_require_vllm_in_the_one_vllm_setting():
+    assert FastPathSettings(vllm_colocate="require").required() == {"vllm_colocate"}
+    with pytest.raises(ValueError, match=r"`vllm_colocate` cannot be forced on: .*set false to switch it off \(or "
+                                         r"\"require\" to fail the job where vLLM cannot be used\)"):
+        FastPathSettings(vllm_colocate=True)
+
+
+def test_requiring_vllm_in_a_job_that_generates_nothing_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match=r"`fast_paths.vllm_colocate` is 'require', but only GRPO generates completions "
+                                         r"\(algorithm is 'sft'\): remove it"):
+        JobInput(run_id="r", model={"id": "m"}, dataset={"hub_id": "d"}, artifact_store="file:///s",
+                 fast_paths={"vllm_colocate": "require"})
+
+
+def test_a_required_vllm_that_the_plan_colocates_is_planned_as_an_automatic_one():
+    required = plan_fast_paths(_cuda(algorithm="grpo", required=frozenset({"vllm_colocate"})))
+    assert required == plan_fast_paths(_cuda(algorithm="grpo"))
+
+
+@pytest.mark.parametrize(("facts", "why"), [
+    ({"packages": _without("vllm")}, "vllm not installed"),
+    ({"memory": MemorySettings(vllm_colocate=False)}, "turned off by the job's memory settings"),
+    ({"cuda": False}, "no CUDA device"),
+])
+def test_a_required_vllm_the_plan_does_not_colocate_fails_the_job_with_the_plans_reason(facts, why):
+    facts = dataclasses.replace(_cuda(algorithm="grpo", required=frozenset({"vllm_colocate"})), **facts)
+    with pytest.raises(ValueError, match=rf"`fast_paths.vllm_colocate` is 'require', but it is not used for this run: "
+                                         rf"{why}.*Leave `fast_paths.vllm_colocate` empty to go on without it"):
+        plan_fast_paths(facts)
 
 
 def test_the_control_planes_plan_of_a_job_follows_its_fast_paths():

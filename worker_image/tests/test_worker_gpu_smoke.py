@@ -31,6 +31,7 @@ from loraflow_worker.gpu_smoke.runner import (
     selected_runs,
 )
 from loraflow_worker.gpu_smoke.variants import (
+    CHECK_VARIANTS,
     CPU_SIZE,
     MEMORY_RUNS,
     MEMORY_STEPS,
@@ -136,8 +137,29 @@ def test_each_variant_names_only_real_fast_paths_and_forces_only_memory_savers()
     assert ALL == Variant("all", ("sft", "grpo"))
     assert len({v.name for v in VARIANTS}) == len(VARIANTS)
     for variant in VARIANTS[1:]:
-        assert variant.disabled or variant.forced or variant.quantization, variant.name
+        checks = variant.packing or variant.modules_to_save or variant.tools or variant.full_attention
+        assert variant.disabled or variant.forced or variant.quantization or checks or variant.algorithms == ("dpo",), \
+            variant.name
         assert variant.disabled <= set(FAST_PATHS) and variant.forced <= set(FORCIBLE_FAST_PATHS), variant.name
+
+
+def test_the_list_names_every_variant_with_its_algorithms_model_and_what_it_checks_and_runs_nothing(capsys, tmp_path):
+    assert main(["--list", "--out", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out
+    for variant in VARIANTS:
+        assert re.search(rf"^{re.escape(variant.name)}\s+{','.join(variant.algorithms)}\s", listed, re.MULTILINE), listed
+    assert re.search(r"^packed\s+sft\s+Qwen3\s+checks\s+packed rows: every example's first label -100$", listed,
+                     re.MULTILINE), listed
+    assert re.search(r"^modules-to-save\s+sft\s+the mode's\s+checks\s+modules_to_save lm_head: share of the copy "
+                     r"moved after 4 steps$", listed, re.MULTILINE), listed
+    assert not any(tmp_path.iterdir())  # no model built, nothing trained
+
+
+def test_the_check_variants_are_dpo_grpo_on_qwen3_tool_grpo_packing_and_a_head_copy():
+    assert CHECK_VARIANTS == ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save")
+    assert BY_NAME["dpo"].algorithms == ("dpo",) and BY_NAME["grpo-qwen3"].full_attention
+    assert BY_NAME["tools-grpo"].tools and BY_NAME["packed"].packing and BY_NAME["packed"].full_attention
+    assert BY_NAME["modules-to-save"].modules_to_save == ("lm_head",)
 
 
 def test_a_slot_runs_sft_with_and_without_liger_and_fla_qlora_and_grpo_without_vllm_in_420_s():
@@ -330,6 +352,110 @@ def test_the_memory_table_shows_a_dash_for_what_was_not_measured_and_leaves_out_
     rows = lines[2:-1]  # between the title and header, and the footer
     assert len(rows) == 1, lines
     assert re.fullmatch(r"no-checkpointing-no-liger\s+sft\s+off\s+off\s+off\s+-\s+-\s+-\s+-\s+-", rows[0]), rows
+
+
+@pytest.fixture(scope="module")
+def cpu_checks(tmp_path_factory) -> tuple[str, dict]:
+    """One CPU smoke run of the check variants through gpu_smoke.sh (4 steps: the head copy is read after 4): its
+    output and its results.json."""
+    out = tmp_path_factory.mktemp("checks")
+    done = subprocess.run(
+        ["bash", str(GPU_SMOKE), "--cpu", "--steps", "3", "--warmup", "1", "--variants", ",".join(CHECK_VARIANTS),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=580, env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return done.stdout, {run["variant"]: run for run in json.loads((out / "results.json").read_text())["runs"]}
+
+
+@pytest.mark.timeout(600)
+def test_the_check_variants_train_on_the_cpu_and_build_the_full_attention_model_they_need(cpu_checks):
+    table, runs = cpu_checks
+    assert "(Qwen3.5, vocabulary 1024" in table and "(Qwen3, full attention, vocabulary 1024" in table
+    assert [runs[name]["error"] for name in CHECK_VARIANTS] == [None] * len(CHECK_VARIANTS)
+    assert runs["dpo"]["algorithm"] == "dpo" and runs["dpo"]["tokens_per_second"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_every_packed_examples_first_label_is_masked_where_the_loss_is_computed(cpu_checks):
+    table, runs = cpu_checks
+    found = re.search(r"^check \(packed/sft\): (\d+) packed examples in (\d+) batches, (\d+) of them after another in "
+                      r"their row; position-0 labels other than -100: 0$", table, re.MULTILINE)
+    assert found and int(found[3]) > 0, table
+
+
+@pytest.mark.timeout(600)
+def test_the_share_of_the_head_copy_that_moved_after_4_steps_is_reported(cpu_checks):
+    table, _ = cpu_checks
+    assert re.search(r"^check \(modules-to-save/sft\): \d+\.\d% of the modules_to_save copy's [\d,]+ values moved after 4 "
+                     r"steps \(base_model\.model\.lm_head\.modules_to_save\.default\.weight\)$", table, re.MULTILINE), table
+
+
+@pytest.mark.timeout(600)
+def test_the_tool_grpo_check_teaches_the_call_and_the_grpo_run_calls_the_tool(cpu_checks):
+    table, runs = cpu_checks
+    found = re.search(r"^check \(tools-grpo/grpo\): (\d+) tool calls; no vLLM weight syncs to count \(vllm_colocate off: "
+                      r"no CUDA device\)$", table, re.MULTILINE)
+    assert found and int(found[1]) > 0, table
+    assert runs["tools-grpo"]["vllm_weight_syncs"] is None
+
+
+def _syncs_manifest(per_step: dict, calls: dict) -> SimpleNamespace:
+    from loraflow_worker.artifacts.manifest import FastPath, VllmWeightSyncs
+
+    return SimpleNamespace(fast_paths={"vllm_colocate": FastPath(engaged=True, reason="colocated")},
+                           vllm_weight_syncs=VllmWeightSyncs(per_step=per_step, generate_calls_per_step=calls))
+
+
+def test_the_tool_check_passes_one_weight_sync_per_step_of_rounds_with_tool_turns(tmp_path):
+    from loraflow_worker.gpu_smoke.checks import tool_syncs
+
+    (tmp_path / "ledger").write_text("fig\nplum\n")
+    seen, error = tool_syncs(_syncs_manifest({1: 1, 2: 1}, {1: 2, 2: 2}), tmp_path / "ledger", 2)
+    assert error is None and seen.startswith("vLLM weight syncs per step [1, 1], generate calls per step [2, 2], 2 tool")
+
+
+def test_the_tool_check_fails_a_step_synced_per_tool_turn():
+    from loraflow_worker.gpu_smoke.checks import tool_syncs
+
+    _, error = tool_syncs(_syncs_manifest({1: 2, 2: 2}, {1: 2, 2: 2}), Path("/nonexistent"), 2)
+    assert error == "a step had other than one weight sync into vLLM: one per generation round is expected"
+
+
+def test_the_tool_check_fails_rounds_without_a_tool_turn_as_proving_nothing():
+    from loraflow_worker.gpu_smoke.checks import tool_syncs
+
+    _, error = tool_syncs(_syncs_manifest({1: 1}, {1: 1}), Path("/nonexistent"), 1)
+    assert error.startswith("no round had a tool turn")
+
+
+def test_the_packed_label_check_fails_an_example_start_that_carries_a_label():
+    import torch
+
+    from loraflow_worker.gpu_smoke.checks import PackedLabels
+
+    watcher = PackedLabels.__new__(PackedLabels)  # the watcher's reading alone, without patching TRL in this process
+    watcher.batches = watcher.examples = watcher.following = watcher.unmasked = watcher.without_positions = 0
+    watcher.see({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]]), "labels": torch.tensor([[-100, 5, 6, 7, 8, -100]])})
+    seen, error = watcher.result()
+    assert seen == ("2 packed examples in 1 batches, 1 of them after another in their row; position-0 labels other "
+                    "than -100: 1")
+    assert error == "1 packed example start(s) carry a label: trained from the example before"
+
+
+def test_a_failed_check_or_a_vllm_engine_that_failed_fails_the_run():
+    colocated = {"vllm_colocate": [True, "colocated"]}
+    assert _checked(_result("tools-grpo", "grpo", 100.0, fast_paths=colocated, check="syncs [2]",
+                            check_error="a step had other than one weight sync"))["error"] == (
+        "check: a step had other than one weight sync (syncs [2])")
+    failed = {"vllm_colocate": [False, "failed: ImportError: no vllm; completions come from transformers' generate"]}
+    assert _checked(_result("all", "grpo", 100.0, fast_paths=failed))["error"] == (
+        "vllm_colocate failed: ImportError: no vllm; completions come from transformers' generate")
+
+
+def test_the_report_says_what_each_check_found():
+    table = report([_result("packed", "sft", 900.0, check="12 packed examples in 3 batches")])
+    assert "check (packed/sft): 12 packed examples in 3 batches" in table
 
 
 def test_a_colocated_vllm_that_returned_no_completion_fails_the_run():

@@ -266,7 +266,43 @@ def test_an_lm_head_to_save_is_a_full_trainable_copy_of_vocabulary_by_hidden():
     plain, saved = _plan(QWEN3_4B, 2048), _plan(QWEN3_4B, 2048, modules_to_save=["lm_head"])
     # 151,936 × 2,560 values: bf16 weight and gradient, AdamW's two bf16 states (torch keeps them in the weight's dtype)
     assert saved.breakdown.modules_to_save_bytes == 151_936 * 2560 * 8
-    assert saved.estimate_bytes - plain.estimate_bytes == saved.breakdown.modules_to_save_bytes
+    assert saved.estimate_bytes - plain.estimate_bytes == (saved.breakdown.modules_to_save_bytes
+                                                           + saved.breakdown.head_gradient_bytes)
+
+
+def test_a_trained_head_adds_the_fp32_gradient_buffer_of_trls_fused_head_and_its_bf16_cast_to_the_backward():
+    # ChunkedLogProbFunction.backward accumulates the head's gradient in fp32 (4 bytes a value), then casts it to the
+    # bf16 head's dtype (2 more) while the buffer is alive: both at the start of the backward, with the activations.
+    plan = _plan(QWEN3_4B, 2048, modules_to_save=["lm_head"])
+    assert plan.breakdown.head_gradient_bytes == 151_936 * 2560 * (4 + 2)
+    assert plan.estimate_bytes == (plan.breakdown.weights_bytes + plan.breakdown.adapter_bytes
+                                   + plan.breakdown.modules_to_save_bytes + plan.breakdown.activations_bytes
+                                   + plan.breakdown.logits_bytes + plan.breakdown.head_gradient_bytes)
+
+
+def test_a_trained_head_of_qwen3_8b_on_a_4bit_base_needs_2_3_gib_more_in_the_backward():
+    # Qwen3-8B's head: 151,936 × 4,096, kept in fp32 on a 4-bit base, so the fp32 buffer is the gradient's own dtype.
+    shape = shape_from_config({
+        "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151_936,
+        "tie_word_embeddings": False,
+    })
+    plan = plan_memory(shape, algorithm="sft", batch_size=1, seq_len=2048, lora_rank=16, lora_dropout=0.0,
+                       gpu_memory_bytes=80 * GIB, quantization="4bit", modules_to_save=["lm_head"])
+    assert plan.breakdown.head_gradient_bytes == 151_936 * 4096 * 4
+    assert round(plan.breakdown.head_gradient_bytes / GIB, 2) == 2.32
+
+
+def test_on_a_4bit_base_a_module_to_save_trains_in_fp32_with_fp32_gradient_and_states():
+    # The worker puts the copies TRL casts to bf16 back in fp32: weight, gradient and AdamW's two states, 4 bytes each.
+    plan = _plan(LLAMA_3_1_8B, 2048, quantization="4bit", modules_to_save=["lm_head"])
+    assert plan.breakdown.modules_to_save_bytes == 128_256 * 4096 * 16
+
+
+@pytest.mark.parametrize("modules, fused", [(["embed_tokens"], True), (["lm_head"], False)])
+def test_no_gradient_buffer_is_counted_for_trained_embeddings_or_an_unfused_head(modules, fused):
+    plan = _plan(QWEN3_4B, 2048, modules_to_save=modules, fused_lm_head=fused)
+    assert plan.breakdown.head_gradient_bytes == 0
 
 
 def test_an_embedding_to_save_keeps_32_bit_states_under_an_8bit_optimizer():

@@ -1,4 +1,5 @@
-"""Merge jobs: a stored run's adapter merged into its base (bf16) and published as a plain model repo.
+"""Merge jobs: a stored run's adapter merged into its base (bf16) and published as a plain model repo, checked by its
+logits once merged and again as saved; an adapter that trained the head of a tied model gives an untied merged model.
 
 The run is the shared finished SFT job (`run-a`, its adapter in a file store, its base the tiny model's folder); the
 repo goes to the Hub stand-in (`localpod.hub`), started with the control plane's interpreter. huggingface_hub reads
@@ -19,10 +20,23 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import HfApi, snapshot_download
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker_test_support import hub_stand_in
-from loraflow_worker.contract import CONTRACT_VERSION, MergeResult
-from loraflow_worker.runtime.merge import MERGE_TITLE, RECORD_FILE, compare_logits
+from loraflow_worker.artifacts.pins import folder_sha256
+from loraflow_worker.contract import CONTRACT_VERSION, MergeInput, MergeResult
+from loraflow_worker.runtime.merge import (
+    MERGE_TITLE,
+    RECORD_FILE,
+    compare_logits,
+    merged_card,
+    probe_inputs,
+    probe_logits,
+    saved_logits_check,
+    untie_a_trained_head,
+)
 
 from tests.hub_fixture import HubStandIn
 
@@ -127,6 +141,103 @@ def test_an_adapter_changed_after_the_run_stored_it_is_refused_and_nothing_is_pu
             f"was {finished_job.result['adapter_sha256']['adapter_model.safetensors']} then") in done.stderr, \
         done.stderr[-3000:]
     assert not HfApi(endpoint=hub.url, token=TOKEN).repo_exists("acme/tiny-merged-swapped")
+
+
+HEAD_MERGED = "acme/tiny-head-merged"
+
+
+@pytest.fixture(scope="module")
+def head_adapter(tiny_model_dir, tmp_path_factory) -> Path:
+    """`run-head`'s adapter in a file store: LoRA plus a trained copy of the LM head of the tiny model, whose head is
+    tied to its input embeddings (as Qwen3 up to 4B)."""
+    store = tmp_path_factory.mktemp("head-store")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert base.config.tie_word_embeddings
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["lm_head"],
+                                            task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    with torch.no_grad():  # what training would leave: the head moved away from the embeddings, B away from zero
+        for name, parameter in model.named_parameters():
+            if "modules_to_save" in name or "lora_B" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    model.peft_config["default"].base_model_name_or_path = str(tiny_model_dir)
+    model.save_pretrained(store / "runs/run-head/adapter")
+    return store / "runs/run-head/adapter"
+
+
+@pytest.fixture(scope="module")
+def head_merged(hub, head_adapter, tiny_model_dir, tmp_path_factory) -> tuple[dict, Path]:
+    """`run-head` merged and published to HEAD_MERGED; the result and the published folder."""
+    job = {"id": "job-merge-head", "input": {
+        "contract_version": CONTRACT_VERSION, "mode": "merge", "run_id": "run-head", "run_name": "head",
+        "artifact_store": head_adapter.parents[2].as_uri(), "base_model": {"id": str(tiny_model_dir)},
+        "merged_model_id": HEAD_MERGED, "adapter_sha256": folder_sha256(head_adapter)}}
+    work = tmp_path_factory.mktemp("merge-head")
+    result = _merge_in_a_worker(hub, job, work)
+    return result, Path(snapshot_download(HEAD_MERGED, endpoint=hub.url, token=TOKEN, cache_dir=work / "cache"))
+
+
+def test_a_trained_head_of_a_tied_model_is_published_untied_with_the_trained_weights(head_merged, head_adapter,
+                                                                                   tiny_model_dir):
+    result, folder = head_merged
+    assert MergeResult.model_validate(result).logits_check.passed
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    weights = load_file(folder / "model.safetensors")
+    trained = next(t for name, t in load_file(head_adapter / "adapter_model.safetensors").items() if "lm_head" in name)
+    assert torch.equal(weights["lm_head.weight"], trained.bfloat16())
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    assert torch.equal(weights["model.embed_tokens.weight"], base.get_input_embeddings().weight)
+    card = (folder / "README.md").read_text()
+    assert "the merged model's config unties them (`tie_word_embeddings: false`)" in card
+
+
+def test_a_merged_head_that_differs_from_the_embeddings_unties_the_config_and_saves_both(tiny_model_dir, tmp_path):
+    # Whatever PEFT did to the config: the values decide. A tied head left as it was keeps the config as it was.
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    assert not untie_a_trained_head(tied) and tied.config.tie_word_embeddings
+    trained = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    trained.lm_head.weight = torch.nn.Parameter(trained.lm_head.weight.detach() + 0.25)
+    assert trained.config.tie_word_embeddings and untie_a_trained_head(trained)
+    trained.save_pretrained(tmp_path / "merged")
+    assert json.loads((tmp_path / "merged/config.json").read_text())["tie_word_embeddings"] is False
+    saved = load_file(tmp_path / "merged/model.safetensors")
+    assert torch.equal(saved["lm_head.weight"], trained.lm_head.weight)
+    assert torch.equal(saved["model.embed_tokens.weight"], tied.get_input_embeddings().weight)
+
+
+def test_the_saved_merged_model_is_loaded_back_and_its_logits_checked_again(head_merged, head_adapter, tiny_model_dir,
+                                                                           tmp_path):
+    # What is published is the files: a folder that lost the trained head (the embeddings alone, the config tying the
+    # head to them, as a save of a tied model writes) loads another model than the one merged in memory.
+    _, folder = head_merged
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    inputs = probe_inputs(tokenizer)
+    unmerged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
+                                         head_adapter)
+    reference = probe_logits(unmerged, inputs)
+    with unmerged.disable_adapter():
+        base = probe_logits(unmerged, inputs)
+    assert saved_logits_check(folder, inputs, reference, None, base=base).passed
+    retied = shutil.copytree(folder, tmp_path / "retied")
+    config = json.loads((retied / "config.json").read_text())
+    (retied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    weights = load_file(retied / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, retied / "model.safetensors", metadata={"format": "pt"})
+    check = saved_logits_check(retied, inputs, reference, None, base=base)
+    assert not check.passed and check.max_abs_difference > check.adapter_effect / 2
+
+
+def test_the_card_says_the_check_is_of_the_saved_model_and_what_a_qlora_merges_check_covers(merged, hub):
+    card = Path(HfApi(endpoint=hub.url, token=TOKEN).hf_hub_download(MERGED, "README.md")).read_text()
+    assert "The logits check compares the merged model as published: its saved files, loaded back" in card
+    result = MergeResult.model_validate(merged)
+    qlora = MergeInput.model_validate({"mode": "merge", "run_id": "run-q", "run_name": "q", "quantization": "4bit",
+                                       "artifact_store": "file:///s", "base_model": {"id": "org/base"},
+                                       "merged_model_id": "acme/q-merged"})
+    text = merged_card(qlora, result)
+    assert "The logits check covers that merge's arithmetic" in text
+    assert "It does not compare with the 4-bit model the adapter was trained against" in text
 
 
 def test_the_logits_comparison_refuses_a_perturbed_merge_and_accepts_noise():

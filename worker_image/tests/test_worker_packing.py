@@ -1,7 +1,7 @@
 """Packing (`training.packing`): a batch of packed rows gives each example the loss it has alone and unpadded
-(positions restart per example, so transformers masks attention across them); a packed run completes and its manifest
-says packing was engaged; a Gated-DeltaNet hybrid, whose linear-attention layers would run across examples, is
-refused."""
+(positions restart per example, so transformers masks attention across them); no example's first token is trained
+from the example before it; a packed run completes and its manifest says packing was engaged; a Gated-DeltaNet hybrid,
+whose linear-attention layers would run across examples, is refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput
@@ -109,6 +109,59 @@ def test_a_packed_run_completes_and_its_manifest_says_packing_was_engaged(tiny_m
     assert packing.reason.startswith(f"{len(CHATS)} examples in ") and "rows of at most 128 tokens" in packing.reason
     assert outcome.metrics.steps == 12 and outcome.metrics.final_loss < outcome.metrics.first_loss
     assert 0 < outcome.manifest.loss.token_share < 1  # the loss stays on the answers when packed
+
+
+class FirstBatch(TrainerCallback):
+    """What the model is handed at the first training step, as the trainer feeds it."""
+
+    def __init__(self) -> None:
+        self.batch: dict[str, torch.Tensor] | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        def keep(module, positional, named):
+            if self.batch is None:
+                self.batch = {name: named[name].clone() for name in ("input_ids", "labels", "position_ids")}
+
+        model.register_forward_pre_hook(keep, with_kwargs=True)
+
+
+def first_packed_batch(tiny_model_dir, store_root, rows: list[dict], **training) -> dict[str, torch.Tensor]:
+    """The first batch of a packed SFT run on `rows`."""
+    (store_root / "runs/pk/dataset").mkdir(parents=True)
+    (store_root / "runs/pk/dataset/train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    job = JobInput.model_validate({
+        "run_id": "pk", "model": {"id": str(tiny_model_dir)}, "artifact_store": store_root.as_uri(),
+        "dataset": {"store_path": "runs/pk/dataset/train.jsonl"},
+        "training": {"max_steps": 1, "batch_size": 4, "max_seq_length": 256, "packing": True,
+                     "checkpoint_every_minutes": None, **training},
+    })
+    first = FirstBatch()
+    train_sft(job, open_store(job.artifact_store), store_root / "work", lambda progress: None, callbacks=[first])
+    return first.batch
+
+
+def assert_only_each_examples_first_label_is_masked(batch: dict[str, torch.Tensor]) -> None:
+    """Every token of every example carries its own label, but the first: (row, index) where an example starts is
+    where its position is 0 and the next one's 1 (padding is all 0)."""
+    positions, labels, ids = batch["position_ids"], batch["labels"], batch["input_ids"]
+    starts = (positions[:, :-1] == 0) & (positions[:, 1:] == 1)
+    later_starts = starts[:, 1:].nonzero().tolist()  # an example that follows another in its row
+    assert later_starts, "no row packs two examples: the run tests nothing"
+    assert (labels[:, :-1][starts] == -100).all(), labels[:, :-1][starts]
+    inside = positions > 0
+    assert torch.equal(labels[inside], ids[inside])
+
+
+def test_a_packed_run_trains_no_examples_first_token_from_the_example_before(tiny_model_dir, tmp_path):
+    # loss_on "all": each token's label is the token itself, but the first of an example would be predicted from the
+    # previous example's last token, which it cannot see.
+    rows = [{"messages": messages} for messages in CHATS]
+    assert_only_each_examples_first_label_is_masked(first_packed_batch(tiny_model_dir, tmp_path, rows, loss_on="all"))
+
+
+def test_a_packed_plain_text_run_trains_no_examples_first_token_from_the_example_before(tiny_model_dir, tmp_path):
+    rows = [{"text": " ".join(turn["content"] for turn in messages)} for messages in CHATS]
+    assert_only_each_examples_first_label_is_masked(first_packed_batch(tiny_model_dir, tmp_path, rows))
 
 
 def test_packing_is_refused_for_a_gated_deltanet_hybrid():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from peft import get_peft_model
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput
@@ -102,6 +103,46 @@ def test_a_qlora_adapter_names_its_base_not_a_quantized_copy(qlora_run):
 def test_the_manifest_of_a_qlora_run_records_the_quantization(qlora_run):
     assert qlora_run.manifest.job.lora.quantization == "4bit"
     assert "bitsandbytes" in qlora_run.manifest.libraries
+
+
+BF16_STUCK = 2.0**-4
+"""Above this magnitude bf16's spacing is at least 2^-4 × 2^-7, so an AdamW step of 2e-4 (about the learning rate) is
+under half of it and rounds away."""
+
+
+def test_a_qlora_runs_lm_head_trains_in_fp32_and_moves_where_bf16_could_not(tiny_model_dir, tmp_path):
+    # TRL casts a quantized model's trainable parameters to bf16; the worker keeps the full copies in fp32.
+    (tmp_path / "store/runs/h/dataset").mkdir(parents=True)
+    shutil.copyfile(DEFAULT_CORPUS, tmp_path / "store/runs/h/dataset/train.jsonl")
+    job = JobInput.model_validate({
+        "run_id": "h", "model": {"id": str(tiny_model_dir)}, "dataset": {"store_path": "runs/h/dataset/train.jsonl"},
+        "lora": {"rank": 4, "quantization": "4bit", "modules_to_save": ["lm_head"]},
+        "training": {"max_steps": 2, "batch_size": 4, "learning_rate": 2e-4, "weight_decay": 0.0},
+        "artifact_store": (tmp_path / "store").as_uri(),
+    })
+    (tmp_path / "work").mkdir()
+    outcome = train_sft(job, open_store(job.artifact_store), tmp_path / "work", lambda progress: None)
+    weights = load_file(outcome.adapter_dir / "adapter_model.safetensors")
+    head = next(tensor for name, tensor in weights.items() if "lm_head" in name)
+    assert head.dtype == torch.float32
+    assert {t.dtype for name, t in weights.items() if "lora_" in name} == {torch.bfloat16}  # TRL's QLoRA recipe stays
+    # Training starts from the base's head as TRL's cast left it: rounded to bf16.
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).lm_head.weight.detach().bfloat16()
+    large = start.abs() > BF16_STUCK
+    assert large.sum() > 20
+    moved = (head[large] - start[large].float()).abs()
+    assert (moved > 0).float().mean() > 0.9, moved
+
+
+def test_a_bf16_weight_of_that_magnitude_does_not_move_at_that_learning_rate():
+    # Why the copies must stay fp32: the same AdamW step on bf16 weights rounds back to where they were.
+    weight = torch.nn.Parameter(torch.tensor([0.07, 0.1, -0.3, 0.5], dtype=torch.bfloat16))
+    before = weight.detach().clone()
+    optimizer = torch.optim.AdamW([weight], lr=2e-4, weight_decay=0.0)
+    for _ in range(3):
+        weight.grad = torch.ones_like(weight)
+        optimizer.step()
+    assert torch.equal(weight.detach(), before)
 
 
 def test_a_qlora_grpo_run_generates_with_the_training_model_and_trains(tiny_model_dir, tmp_path):

@@ -147,6 +147,39 @@ def test_a_module_to_save_named_twice_is_refused():
     assert "`lora.modules_to_save`: name each module once" in _lora_refusal(modules_to_save=["lm_head", "lm_head"])
 
 
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora"])
+def test_a_base_rewriting_init_with_dpo_is_refused_naming_the_init_the_algorithm_and_the_fix(init):
+    # DPO's reference is the model with the adapter off: after PiSSA or OLoRA, the residual base.
+    message = _refusal(algorithm="dpo", lora={"init": init})
+    assert f"`lora.init` '{init}' with algorithm 'dpo'" in message and "residual base" in message
+    assert "set `lora.init` to 'default' or 'gaussian'" in message
+
+
+def test_a_base_rewriting_init_with_grpos_kl_term_is_refused_naming_the_init_beta_and_both_fixes():
+    message = _refusal(algorithm="grpo", grpo={**GRPO, "beta": 0.04}, lora={"init": "olora"})
+    assert "`lora.init` 'olora' with algorithm 'grpo' and `grpo.beta` 0.04" in message and "residual base" in message
+    assert "set `lora.init` to 'default' or 'gaussian'" in message and "set `grpo.beta` to 0" in message
+
+
+def test_a_base_rewriting_init_with_grpo_without_a_reference_is_taken():
+    assert _job(algorithm="grpo", grpo=GRPO, lora={"init": "pissa"}).lora.init == "pissa"
+
+
+def test_modules_to_save_with_grpos_colocated_vllm_are_refused_naming_both_fields_and_the_fix():
+    message = _refusal(algorithm="grpo", grpo=GRPO, lora={"modules_to_save": ["lm_head"]})
+    assert "`lora.modules_to_save` (lm_head) with vLLM colocated" in message and "`fast_paths.vllm_colocate`" in message
+    assert "tied to its input embeddings" in message and "set `fast_paths.vllm_colocate = false`" in message
+
+
+@pytest.mark.parametrize("vllm_off", [{"fast_paths": {"vllm_colocate": False}},
+                                      {"memory": {"vllm_colocate": False}},
+                                      {"lora": {"modules_to_save": ["lm_head"], "quantization": "4bit"},
+                                       "memory": {"vllm_colocate": False}}])
+def test_modules_to_save_with_grpo_generating_without_vllm_are_taken(vllm_off):
+    fields = {"algorithm": "grpo", "grpo": GRPO, "lora": {"modules_to_save": ["lm_head"]}, **vllm_off}
+    assert _job(**fields).lora.modules_to_save == ["lm_head"]
+
+
 def _lora_refusal(**fields) -> str:
     with pytest.raises(ValidationError) as refused:
         LoraSettings(**fields)

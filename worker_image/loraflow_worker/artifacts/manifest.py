@@ -61,6 +61,20 @@ class SourceRows(BaseModel):
     rows: int = Field(description="Examples it gave to the training data (before any evaluation share is held out).")
 
 
+class VllmWeightSyncs(BaseModel):
+    """GRPO with a colocated vLLM: how often the training weights were loaded into vLLM. Each sync merges the adapter
+    into the bf16 base and unmerges it (a little drift each time), and costs a full copy of the weights."""
+
+    per_step: dict[int, int] = Field(
+        description="Optimizer step → weight syncs while generating the completions it trained on: 1 for a step that "
+        "had its own generation round, however many tool turns the round took; 0 or absent for a step whose "
+        "completions an earlier round generated (`steps_per_generation`).")
+    generate_calls_per_step: dict[int, int] = Field(
+        description="Optimizer step → vLLM generate calls for its completions: one per round, and one more per tool "
+        "turn.")
+    evaluation_syncs: int = Field(default=0, description="Weight syncs for the evaluation rounds, one per round.")
+
+
 class RunManifest(BaseModel):
     """Everything needed to know how an adapter was made, stored beside it."""
 
@@ -89,6 +103,9 @@ class RunManifest(BaseModel):
         "overrode the plan.",
     )
     loss: LossRecord | None = Field(default=None, description="SFT: which tokens carried the loss; None for GRPO.")
+    vllm_weight_syncs: VllmWeightSyncs | None = Field(
+        default=None, description="GRPO with vLLM colocated: the weight syncs into vLLM per optimizer step; None where "
+        "vLLM did not generate.")
     cuda_version: str | None = Field(default=None, description="CUDA version torch was built with; None on CPU.")
     cuda_allocator_settings: str | None = Field(
         default=None,

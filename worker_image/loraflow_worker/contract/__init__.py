@@ -31,7 +31,12 @@ from loraflow_worker.contract.env_names import (
     worker_env_overlap,
 )
 from loraflow_worker.contract.fast_path_settings import FORCIBLE_FAST_PATHS, FastPathSettings
-from loraflow_worker.contract.grpo_settings import GrpoSettings, RewardSpec, grpo_setting_problems
+from loraflow_worker.contract.grpo_settings import (
+    GrpoSettings,
+    RewardSpec,
+    colocated_vllm_problems,
+    grpo_setting_problems,
+)
 from loraflow_worker.contract.job import MAX_EXTRA_PACKAGES, JobInput, plain_requirements
 from loraflow_worker.contract.merge import LogitsCheck, MergeInput, MergeResult
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
@@ -92,6 +97,7 @@ __all__ = [
     "TrackerRun",
     "TrainMetrics",
     "TrainingSettings",
+    "colocated_vllm_problems",
     "grpo_setting_problems",
     "memory_setting_problems",
     "optimisation_problems",

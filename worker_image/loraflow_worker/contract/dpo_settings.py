@@ -6,7 +6,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
+from loraflow_worker.contract.training_settings import (
+    LoraSettings,
+    TrainingSettings,
+    reference_problems,
+    sft_only_settings,
+)
 from loraflow_worker.contract.version import _Strict
 
 DpoLoss = Literal["sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down",
@@ -32,13 +37,16 @@ class DpoSettings(_Strict):
     )
 
 
-def dpo_setting_problems(algorithm: str, dpo: DpoSettings | None, training: TrainingSettings) -> list[str]:
-    """What is wrong with a job's DPO settings for `algorithm` (empty when nothing); shared by both sides."""
+def dpo_setting_problems(algorithm: str, dpo: DpoSettings | None, training: TrainingSettings,
+                         lora: LoraSettings) -> list[str]:
+    """What is wrong with a job's DPO settings for `algorithm` and its adapter (empty when nothing); shared by both
+    sides."""
     if algorithm != "dpo":
         return [] if dpo is None else [
             f"`dpo` is set but algorithm is '{algorithm}': remove the `dpo` section or set algorithm to 'dpo'"
         ]
+    problems = reference_problems(lora, "algorithm 'dpo'")
     if sft_only := sft_only_settings(training):
-        return [f"{', '.join(sft_only)}: sft only (DPO's loss is on the chosen and rejected answers, rendered with the "
-                "model's own chat template); remove them"]
-    return []
+        problems.append(f"{', '.join(sft_only)}: sft only (DPO's loss is on the chosen and rejected answers, rendered "
+                        "with the model's own chat template); remove them")
+    return problems

@@ -15,7 +15,14 @@ from loraflow_worker.contract.reward_names import (
     TOOLS_FILE_PATTERN,
     reward_kind,
 )
-from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
+from loraflow_worker.contract.fast_path_settings import FastPathSettings
+from loraflow_worker.contract.memory_settings import MemorySettings
+from loraflow_worker.contract.training_settings import (
+    LoraSettings,
+    TrainingSettings,
+    reference_problems,
+    sft_only_settings,
+)
 from loraflow_worker.contract.version import _Strict
 
 _REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")
@@ -124,7 +131,8 @@ class GrpoSettings(_Strict):
         ge=0.0,
         le=100.0,
         description="KL coefficient: how strongly the adapter is held near the base model. 0 (TRL's default) "
-        "skips the reference model entirely.",
+        "skips the reference model entirely. Above 0, not with `lora.init` `pissa` or `olora` (the reference, the "
+        "model with the adapter switched off, would be their residual base).",
     )
     rewards: list[RewardSpec] = Field(min_length=1, max_length=32, description="The reward functions, summed with their weights.")
     tools: str | None = Field(
@@ -184,24 +192,52 @@ class GrpoSettings(_Strict):
         return self.tools is not None or self.environment is not None
 
 
-def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: TrainingSettings) -> list[str]:
-    """What is wrong with a job's GRPO settings for `algorithm` (empty when nothing). Shared by the worker's
-    `JobInput` and the control plane's run spec, so both refuse the same jobs with the same words."""
+def grpo_setting_problems(algorithm: str, grpo: GrpoSettings | None, training: TrainingSettings,
+                          lora: LoraSettings) -> list[str]:
+    """What is wrong with a job's GRPO settings for `algorithm` and its adapter (empty when nothing). Shared by the
+    worker's `JobInput` and the control plane's run spec, so both refuse the same jobs with the same words."""
     if algorithm != "grpo":
         return [] if grpo is None else [
             f"`grpo` is set but algorithm is '{algorithm}': remove the `grpo` section or set algorithm to 'grpo'"
         ]
     if grpo is None:
         return ["algorithm is 'grpo' but `grpo` is not set: add a `grpo` section with at least one reward"]
+    problems = []
+    if grpo.beta > 0:  # TRL builds no reference at beta 0
+        problems += reference_problems(lora, f"algorithm 'grpo' and `grpo.beta` {grpo.beta:g} (its KL term)",
+                                       "set `grpo.beta` to 0 (no reference, no KL term)")
     if sft_only := sft_only_settings(training):
-        return [f"{', '.join(sft_only)}: sft only (GRPO's loss is on the completions it generates from the model's "
-                "own chat template, a group per prompt); remove them"]
+        problems.append(f"{', '.join(sft_only)}: sft only (GRPO's loss is on the completions it generates from the "
+                        "model's own chat template, a group per prompt); remove them")
+        return problems
     completions = training.batch_size * training.gradient_accumulation_steps
     if completions % grpo.num_generations:
-        return [
+        problems.append(
             f"`training.batch_size` × `training.gradient_accumulation_steps` ({training.batch_size} × "
             f"{training.gradient_accumulation_steps} = {completions} completions per step) must be a multiple of "
             f"`grpo.num_generations` ({grpo.num_generations}): every prompt's group must fit in one step; "
             f"e.g. set batch_size to {grpo.num_generations * max(1, round(training.batch_size / grpo.num_generations))}"
-        ]
-    return []
+        )
+    return problems
+
+
+def colocated_vllm_problems(algorithm: str, lora: LoraSettings, fast_paths: FastPathSettings,
+                            memory: MemorySettings | None = None) -> list[str]:
+    """What a GRPO job trains that a colocated vLLM would not generate with (empty when nothing, or when vLLM does not
+    colocate: `fast_paths.vllm_colocate` or `memory.vllm_colocate` false, or a 4-bit base, which never colocates).
+    Shared by the worker's `JobInput` and the control plane's run spec."""
+    if algorithm != "grpo" or not lora.modules_to_save or fast_paths.vllm_colocate is False:
+        return []
+    if lora.quantization == "4bit" or (memory is not None and memory.vllm_colocate is False):
+        return []
+    # vLLM generates from its own copy of the weights, which TRL refreshes before each round under the base's names
+    # (`VLLMGeneration._iter_named_params`). Whether that copy is the model that trains cannot be known before renting:
+    # it depends on whether the model ties its head to its input embeddings, which only its config says.
+    setting = "empty: where it fits" if fast_paths.vllm_colocate is None else repr(fast_paths.vllm_colocate)
+    return [f"`lora.modules_to_save` ({', '.join(lora.modules_to_save)}) with vLLM colocated for GRPO's completions "
+            f"(`fast_paths.vllm_colocate` {setting}): vLLM generates from its own copy of the weights, and on a "
+            "model whose head is tied to its input embeddings (Qwen3 up to 4B, among others) it keeps the two tied, "
+            "so it skips a trained `lm_head` and makes a trained `embed_tokens` its head as well; with `lora.init_from` "
+            "and `grpo.beta` > 0, TRL's reference copies go to vLLM under names it does not know. The completions "
+            "would come from another model than the one training: set `fast_paths.vllm_colocate = false` (the "
+            "training model generates them, more slowly), or leave `lora.modules_to_save` out"]

@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from loraflow_worker.contract.dpo_settings import DpoSettings, dpo_setting_problems
 from loraflow_worker.contract.env_names import MAX_WORKER_ENV, worker_env_name, worker_env_overlap
 from loraflow_worker.contract.fast_path_settings import FastPathSettings
-from loraflow_worker.contract.grpo_settings import GrpoSettings, grpo_setting_problems
+from loraflow_worker.contract.grpo_settings import GrpoSettings, colocated_vllm_problems, grpo_setting_problems
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.sources import DatasetSource, ModelSource
 from loraflow_worker.contract.stored_inputs import Sha256, StoredInputs
@@ -133,9 +133,9 @@ class JobInput(_Strict):
     @field_validator("grpo")
     @classmethod
     def _grpo_settings_match_the_algorithm(cls, grpo: GrpoSettings | None, info: ValidationInfo) -> GrpoSettings | None:
-        # A field validator (fields validate in order: algorithm and training first) so errors carry `grpo`.
-        if "algorithm" in info.data and "training" in info.data:
-            problems = grpo_setting_problems(info.data["algorithm"], grpo, info.data["training"])
+        # A field validator (fields validate in order: algorithm, lora and training first) so errors carry `grpo`.
+        if all(name in info.data for name in ("algorithm", "lora", "training")):
+            problems = grpo_setting_problems(info.data["algorithm"], grpo, info.data["training"], info.data["lora"])
             if problems:
                 raise ValueError("; ".join(problems))
         return grpo
@@ -143,8 +143,8 @@ class JobInput(_Strict):
     @field_validator("dpo")
     @classmethod
     def _dpo_settings_match_the_algorithm(cls, dpo: DpoSettings | None, info: ValidationInfo) -> DpoSettings | None:
-        if "algorithm" in info.data and "training" in info.data:
-            problems = dpo_setting_problems(info.data["algorithm"], dpo, info.data["training"])
+        if all(name in info.data for name in ("algorithm", "lora", "training")):
+            problems = dpo_setting_problems(info.data["algorithm"], dpo, info.data["training"], info.data["lora"])
             if problems:
                 raise ValueError("; ".join(problems))
         return dpo
@@ -184,11 +184,15 @@ class JobInput(_Strict):
     @classmethod
     def _optimisation_fits_the_job(cls, fast_paths: FastPathSettings, info: ValidationInfo) -> FastPathSettings:
         # Validated for unset `fast_paths` too (`validate_default`): the scheduler's needs are the job's other sections.
+        problems = []
         if all(name in info.data for name in ("algorithm", "training", "evaluation")):
-            problems = optimisation_problems(info.data["algorithm"], info.data["training"], info.data["evaluation"],
-                                             fast_paths)
-            if problems:
-                raise ValueError("; ".join(problems))
+            problems += optimisation_problems(info.data["algorithm"], info.data["training"], info.data["evaluation"],
+                                              fast_paths)
+        if all(name in info.data for name in ("algorithm", "lora", "memory")):
+            problems += colocated_vllm_problems(info.data["algorithm"], info.data["lora"], fast_paths,
+                                                info.data["memory"])
+        if problems:
+            raise ValueError("; ".join(problems))
         return fast_paths
 
     @field_validator("inputs")

@@ -115,7 +115,9 @@ class LoraSettings(_Strict):
         "the base keeping the residual. `orthogonal`: A and B orthogonal, the base untouched (an even `rank`). `mica`: B "
         "from the singular vectors of each weight's smallest singular values and frozen, A zero and trained. "
         "PiSSA and OLoRA adapters are stored converted to a plain LoRA of twice the rank, which loads on the "
-        "unchanged base model (so not with `use_dora` or `modules_to_save`, which the conversion would drop).",
+        "unchanged base model (so not with `use_dora` or `modules_to_save`, which the conversion would drop); nor with "
+        "DPO, or GRPO at `grpo.beta` > 0, whose reference (the model with the adapter switched off) they would make "
+        "the residual base instead of the starting model.",
     )
     loraplus_lr_ratio: float | None = Field(
         default=None,
@@ -141,7 +143,8 @@ class LoraSettings(_Strict):
         description="Modules trained in full besides the adapter and stored with it (PEFT `modules_to_save`), e.g. "
         "`[\"lm_head\"]` or `[\"embed_tokens\"]` to learn new tokens. Each is a full trainable copy, with its "
         "gradients and optimizer state: Qwen3-4B's LM head (a 151,936-token vocabulary × 2,560) is 389 million values. "
-        "Empty: only the adapter trains.",
+        "On a 4-bit base the copies train in fp32. GRPO takes them only with `fast_paths.vllm_colocate = false`: a "
+        "colocated vLLM would not generate with them on a tied-embedding model. Empty: only the adapter trains.",
     )
 
     @field_validator("init")
@@ -194,6 +197,22 @@ class LoraSettings(_Strict):
     def rewrites_base(self) -> bool:
         """Whether the init rewrites the base weights (PiSSA, OLoRA), so that the stored adapter must be converted."""
         return self.init.startswith(BASE_REWRITING_INITS)
+
+
+def reference_problems(lora: LoraSettings, measured: str, other_fix: str | None = None) -> list[str]:
+    """Why `lora.init` cannot be measured against TRL's reference (empty when it can). `measured` says what compares
+    the policy with the reference (e.g. "algorithm 'dpo'"), `other_fix` a fix besides another init."""
+    if not lora.rewrites_base:
+        return []
+    # TRL's reference for a new adapter is the policy with the adapter switched off (`use_adapter(model, None)`, i.e.
+    # `disable_adapter`): no second copy of the weights. PiSSA and OLoRA move the adapter's starting value out of the
+    # base weights, so what is left with the adapter off is the residual, not the model training starts from.
+    fixes = "set `lora.init` to 'default' or 'gaussian' (a new adapter that starts as a no-op, so that the base is the "
+    fixes += "starting model)" + (f", or {other_fix}" if other_fix else "")
+    return [f"`lora.init` '{lora.init}' with {measured}: TRL's reference is the model with the adapter switched off, "
+            f"which after '{lora.init}' initialisation is the residual base (the weights less the adapter's starting "
+            f"value), not the model training starts from, so the reference's log-probabilities, and the rewards, "
+            f"margins, KL and loss built on them, would be meaningless; {fixes}"]
 
 
 def init_from_problem(value: str) -> str | None:
@@ -438,7 +457,7 @@ def optimisation_problems(algorithm: str, training: TrainingSettings, evaluation
                           fast_paths: FastPathSettings) -> list[str]:
     """What is wrong with a job's scheduler and optimizer given its other sections (empty when nothing). Shared by the
     worker's `JobInput` and the control plane's run spec, so both refuse the same jobs with the same words."""
-    problems = []
+    problems = fast_paths.problems(algorithm)
     if training.lr_scheduler == "reduce_lr_on_plateau" and (algorithm != "sft" or evaluation is None):
         # transformers steps ReduceLROnPlateau on the eval loss (`metric_for_best_model` defaults to it).
         problems.append("`training.lr_scheduler` 'reduce_lr_on_plateau' lowers the learning rate when the eval loss "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-CONTRACT_VERSION = 10
+CONTRACT_VERSION = 11
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
 and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
 `worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
@@ -19,7 +19,9 @@ it (`dataset.config`, `revision`, `format`, `columns`, `mix`; the evaluation fil
 (`MergeInput` with `"mode": "merge"`, `MergeResult`): a stored run's adapter merged into its bf16 base and published.
 10: pinned inputs (`JobInput.inputs`: the store commit and sha256 of the run's files; `worker_env_sha256`: of its
 plain worker variables), the adapter's hashes and commit in `JobResult` (`adapter_sha256`, `revision`) and in
-`MergeInput` (`adapter_sha256`, `adapter_revision`): someone else who can write the store cannot change a run."""
+`MergeInput` (`adapter_sha256`, `adapter_revision`): someone else who can write the store cannot change a run. 11:
+`fast_paths.vllm_colocate` "require" (vLLM or a failed job; empty now goes on with transformers' generate when the
+colocated engine fails, its fast path saying `failed: <error>`) and the manifest's `vllm_weight_syncs`."""
 
 
 class _Strict(BaseModel):

@@ -3,7 +3,8 @@
 TRL packs tokenized examples into rows of `max_length` tokens (best-fit decreasing); the worker hands the model a
 batch of those rows with each example's positions restarting at 0 and no attention mask (`training.sft.PackedRows`), from
 which transformers builds a block-diagonal causal mask (`masking_utils.find_packed_sequence_indices`), so no token
-attends across examples. A Gated-DeltaNet hybrid's linear-attention layers (their recurrence and short convolution)
+attends across examples; each example's first label is masked, so no token is trained from the example before it. A
+Gated-DeltaNet hybrid's linear-attention layers (their recurrence and short convolution)
 read no positions: they would need the boundaries as `cu_seqlens`/`seq_idx`, which only flash-linear-attention's and
 causal-conv1d's kernels take (TRL passes them with a flattened row, for FlashAttention), and the image lacks
 causal-conv1d (`requirements-gpu.lock`). Such a run is refused.
@@ -27,4 +28,4 @@ def packing_problem(model_type: str) -> str | None:
 
 def packed_rows_reason(examples: int, rows: int, max_length: int) -> str:
     return (f"{examples} examples in {rows} rows of at most {max_length} tokens (TRL's best-fit decreasing), "
-            "positions restarting per example, no attention across them")
+            "positions restarting per example, no attention or loss across them")

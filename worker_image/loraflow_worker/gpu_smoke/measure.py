@@ -1,6 +1,7 @@
-"""One GPU smoke run, in a process of its own: a variant trains through the worker's own SFT or GRPO body, and the
-process prints its figures (tokens/s after the warm-up, torch's and the device's memory peaks beside the worker's
-memory plan of what ran, what engaged, the completions vLLM generated) as one `RESULT_MARKER` line for the runner."""
+"""One GPU smoke run, in a process of its own: a variant trains through the worker's own SFT, DPO or GRPO body, and
+the process prints its figures (tokens/s after the warm-up, torch's and the device's memory peaks beside the worker's
+memory plan of what ran, what engaged, the completions vLLM generated, and a check variant's finding: `checks`) as
+one `RESULT_MARKER` line for the runner."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 from packaging.version import Version
 
 from loraflow_worker.gpu_smoke.machine import GIB, DeviceMemory, installed_versions
-from loraflow_worker.gpu_smoke.variants import Size, by_name
+from loraflow_worker.gpu_smoke.model_and_data import model_dir
+from loraflow_worker.gpu_smoke.variants import HEAD_CHECK_STEP, TOOL_COMPLETION_TOKENS, Size, Variant, by_name
 from loraflow_worker.training.fast_paths import ALLOC_CONF_ENV
 
 RESULT_MARKER = "GPU_SMOKE_RESULT "
@@ -24,9 +26,11 @@ RESULT_MARKER = "GPU_SMOKE_RESULT "
 ALLOCATOR_GETTER_SINCE = Version("2.12")
 
 
-def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: int, steps: int) -> int:
-    """Train `variant_name` for `algorithm` (`warmup` untimed steps, then `steps` timed ones) on the model and data
-    in `out`, print the figures as one `RESULT_MARKER` line; 0."""
+def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: int, steps: int, *,
+            full_attention: bool = False) -> int:
+    """Train `variant_name` for `algorithm` (`warmup` untimed steps, then `steps` timed ones) on the model (the Qwen3
+    one of full-attention layers with `full_attention` or where the variant asks for it) and data in `out`, print the
+    figures as one `RESULT_MARKER` line; 0."""
     import torch
     from transformers import TrainerCallback
 
@@ -56,28 +60,33 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
             self.marks.append((time.perf_counter(), int(state.num_input_tokens_seen)))
 
     run_id = f"{variant.name}-{algorithm}"
-    job_input = {
-        "run_id": run_id,
-        "algorithm": algorithm,
-        "model": {"id": str(out / "model")},
-        "dataset": {"store_path": f"data/{algorithm}.jsonl"},
-        "training": {"max_steps": warmup + steps, "batch_size": size.batch, "learning_rate": 1e-4, "logging_steps": 1},
-        "artifact_store": (out / "store").as_uri(),
-        "fast_paths": {**dict.fromkeys(variant.disabled, False), **dict.fromkeys(variant.forced, True)},
-    }
-    if variant.quantization:
-        job_input["lora"] = {"quantization": variant.quantization}
-    if algorithm == "sft":
-        job_input["training"]["max_seq_length"] = size.seq_len
-    else:
-        job_input["training"]["batch_size"] = size.batch * size.generations // 2
-        job_input["grpo"] = {"num_generations": size.generations, "max_completion_length": size.completion_len,
-                             "rewards": [{"name": "digit_fraction"}]}
-    job = JobInput.model_validate(job_input)
+    model = model_dir(out, full_attention or variant.full_attention)
     work_dir = out / "work" / run_id
     work_dir.mkdir(parents=True, exist_ok=True)
+    job_input = smoke_job(out, model, size, variant, algorithm, warmup + steps)
+    watchers: list = []
+    if variant.tools:
+        from loraflow_worker.gpu_smoke.checks import teach_tool_call
+        from loraflow_worker.self_test.tool_use import LEDGER_ENV
+
+        ledger = work_dir / "ledger.txt"
+        os.environ[LEDGER_ENV] = str(ledger)  # where the tool records each call (`tool_use.TOOLS_SOURCE`)
+        job_input["lora"]["init_from"] = teach_tool_call(out, model, f"{run_id}-teach")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()  # the peaks are the GRPO run's, not the teaching's
+    if variant.packing:
+        from loraflow_worker.gpu_smoke.checks import PackedLabels
+
+        watchers.append(PackedLabels())
+    if variant.modules_to_save:
+        from loraflow_worker.gpu_smoke.checks import HeadMoved
+
+        watchers.append(HeadMoved())
+    job = JobInput.model_validate(job_input)
     if algorithm == "sft":
         from loraflow_worker.training.sft import train_sft as train
+    elif algorithm == "dpo":
+        from loraflow_worker.training.dpo import train_dpo as train
     else:
         from loraflow_worker.training.grpo import train_grpo as train
     # Only a GRPO run that may colocate vLLM counts its completions: the counter imports TRL's vLLM module, which
@@ -88,11 +97,17 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
     if device_memory:
         device_memory.start()
     try:
-        outcome = train(job, open_store(job.artifact_store), work_dir, lambda progress: None, callbacks=[throughput])
+        outcome = train(job, open_store(job.artifact_store), work_dir, lambda progress: None,
+                        callbacks=[throughput, *(w for w in watchers if isinstance(w, TrainerCallback))])
     finally:
         device = device_memory.stop() if device_memory else None
     (t0, n0), (t1, n1) = throughput.marks[warmup - 1], throughput.marks[-1]
     plan = outcome.manifest.memory_plan  # the worker's own plan of what ran (None without CUDA)
+    findings = [watcher.result() for watcher in watchers]
+    if variant.tools:
+        from loraflow_worker.gpu_smoke.checks import tool_syncs
+
+        findings.append(tool_syncs(outcome.manifest, ledger, warmup + steps))
     result = {
         "variant": variant.name,
         "algorithm": algorithm,
@@ -113,10 +128,54 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
         "fla_backends": _fla_backends(),
         "allocator_probe": allocator_probe,
         "fast_paths": {name: [p.engaged, p.reason] for name, p in outcome.manifest.fast_paths.items()},
+        "vllm_weight_syncs": (outcome.manifest.vllm_weight_syncs.model_dump(mode="json")
+                              if outcome.manifest.vllm_weight_syncs else None),
+        "check": "; ".join(seen for seen, _ in findings) or None,
+        "check_error": "; ".join(error for _, error in findings if error) or None,
         "error": None,
     }
     print(RESULT_MARKER + json.dumps(result), flush=True)
     return 0
+
+
+def smoke_job(out: Path, model: Path, size: Size, variant: Variant, algorithm: str, total_steps: int) -> dict:
+    """The job input of `variant`'s `algorithm` run on `model`, reading the data `model_and_data.write_datasets`
+    wrote into `out`'s store."""
+    data = "tools" if variant.tools else "chats" if variant.packing else algorithm
+    job_input: dict = {
+        "run_id": f"{variant.name}-{algorithm}",
+        "algorithm": algorithm,
+        "model": {"id": str(model)},
+        "dataset": {"store_path": f"data/{data}.jsonl"},
+        "training": {"max_steps": max(total_steps, HEAD_CHECK_STEP) if variant.modules_to_save else total_steps,
+                     "batch_size": size.batch, "learning_rate": 1e-4, "logging_steps": 1},
+        "lora": {},
+        "artifact_store": (out / "store").as_uri(),
+        "fast_paths": {**dict.fromkeys(variant.disabled, False), **dict.fromkeys(variant.forced, True)},
+    }
+    if variant.quantization:
+        job_input["lora"]["quantization"] = variant.quantization
+    if variant.modules_to_save:
+        job_input["lora"]["modules_to_save"] = list(variant.modules_to_save)
+    if algorithm in ("sft", "dpo"):
+        job_input["training"]["max_seq_length"] = size.seq_len
+    if variant.packing:
+        job_input["training"]["packing"] = True
+    if algorithm == "dpo":
+        job_input["dpo"] = {"beta": 0.1}
+    if algorithm == "grpo":
+        job_input["training"]["batch_size"] = size.batch * size.generations // 2
+        job_input["grpo"] = {"num_generations": size.generations, "max_completion_length": size.completion_len,
+                             "rewards": [{"name": "digit_fraction"}]}
+    if variant.tools:
+        # The tool and its reward as a run's files in the store (`tool_use`); the adapter that calls it comes from
+        # the teaching run (`checks.teach_tool_call`), whose rank and alpha these are.
+        job_input["lora"] |= {"rank": 8, "alpha": 16}
+        job_input["grpo"] |= {"max_completion_length": max(size.completion_len, TOOL_COMPLETION_TOKENS),
+                              "temperature": 0.3, "max_tool_calls": 1, "tools": "tools.py",
+                              "tools_store_path": "tools/tools.py",
+                              "rewards": [{"name": "reward.py:receipt", "store_path": "rewards/reward.py"}]}
+    return job_input
 
 
 def _fla_backends() -> dict[str, str] | None:

@@ -10,6 +10,11 @@ from pathlib import Path
 from loraflow_worker.gpu_smoke.variants import Size
 
 
+def model_dir(out: Path, full_attention: bool) -> Path:
+    """Where in the working folder `out` the smoke model of that architecture is built."""
+    return out / ("model-qwen3" if full_attention else "model")
+
+
 def build_smoke_model(out_dir: Path, size: Size, *, full_attention: bool = False) -> Path:
     """A random-init Qwen3.5 text model (Gated-DeltaNet layers, one full-attention layer in four) of `size`, or with
     `full_attention` a Qwen3 model of the same size (every layer full attention), with a tokenizer trained on the
@@ -24,7 +29,12 @@ def build_smoke_model(out_dir: Path, size: Size, *, full_attention: bool = False
     common = dict(vocab_size=len(tokenizer), hidden_size=size.hidden, intermediate_size=3 * size.hidden,
                   num_hidden_layers=size.layers, num_attention_heads=size.heads,
                   num_key_value_heads=max(1, size.heads // 4), head_dim=head_dim,
-                  max_position_embeddings=4 * size.seq_len, tie_word_embeddings=True,
+                  # Room for a tool-using prompt (its tools' schemas) and its turns on the CPU's short sequences too.
+                  max_position_embeddings=max(4 * size.seq_len, 1024), tie_word_embeddings=True,
+                  # Logits behind the final norm and a tied head reach about sqrt(hidden) x an embedding's norm: at the
+                  # usual 0.02 a narrow (CPU) model's next-token distribution stays near uniform whatever LoRA learns,
+                  # so `tools-grpo`'s taught call would never be sampled. 0.02 on the GPU's width.
+                  initializer_range=max(0.02, size.hidden ** -0.5),
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     if full_attention:
@@ -41,8 +51,10 @@ def build_smoke_model(out_dir: Path, size: Size, *, full_attention: bool = False
 
 
 def write_datasets(out: Path, size: Size, total_steps: int) -> None:
-    """The artifact store the children train from: long chats for SFT (each fills the sequence length), the
-    shipped chats' questions for GRPO."""
+    """The artifact store the children train from: long chats for SFT (each fills the sequence length), the shipped
+    chats for packed SFT (many to a row), their questions for GRPO, and for DPO long answers (half the sequence length
+    each) preferred to a refusal; for tool-using GRPO, `tool_use`'s teaching chats, prompts, tool and reward."""
+    from loraflow_worker.self_test import tool_use
     from loraflow_worker.self_test.tiny_model import BUILTIN_TEXT, DEFAULT_CORPUS
 
     words = BUILTIN_TEXT.split()
@@ -58,3 +70,18 @@ def write_datasets(out: Path, size: Size, total_steps: int) -> None:
     with (data / "grpo.jsonl").open("w") as f:
         for chat in chats:
             f.write(json.dumps({"messages": chat}) + "\n")
+    with (data / "dpo.jsonl").open("w") as f:
+        for i in range(size.batch * total_steps):
+            answer = " ".join(rng.choice(words) for _ in range(size.seq_len // 2))
+            f.write(json.dumps({"prompt": [chats[i % len(chats)][0]],
+                                "chosen": [{"role": "assistant", "content": answer}],
+                                "rejected": [{"role": "assistant", "content": "I do not know, and I will not guess."}]})
+                    + "\n")
+    with (data / "chats.jsonl").open("w") as f:  # short chats: a packed row of the sequence length holds many
+        for i in range(size.batch * total_steps * max(1, size.seq_len // 32)):
+            f.write(json.dumps({"messages": chats[i % len(chats)]}) + "\n")
+    (data / "tools-teach.jsonl").write_text(tool_use.jsonl(tool_use.teaching_rows()))
+    (data / "tools.jsonl").write_text(tool_use.jsonl(tool_use.prompt_rows()))
+    for path, source in (("tools/tools.py", tool_use.TOOLS_SOURCE), ("rewards/reward.py", tool_use.REWARD_SOURCE)):
+        (out / "store" / path).parent.mkdir(parents=True, exist_ok=True)
+        (out / "store" / path).write_text(source)

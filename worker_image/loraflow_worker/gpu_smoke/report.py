@@ -12,7 +12,8 @@ def report(results: list[dict]) -> str:
     """A table of the runs: timed steps, tokens/s, how much faster `all` is than each run of the same algorithm
     (the speed-up of what the variant removes, or the cost of what it forces on), the peak memory torch reserved
     and the device's own peak, the completions vLLM generated, and what engaged; then the reasons behind `all`'s
-    plan, per algorithm, the memory plan against the peaks (`memory_table`), and what did not run."""
+    plan, per algorithm, what the check variants found, the memory plan against the peaks (`memory_table`), and what
+    did not run."""
     best = {r["algorithm"]: r["tokens_per_second"] for r in results if r["variant"] == "all" and r.get("tokens_per_second")}
     lines = [f"{'variant':<{VARIANT_WIDTH}}{'algorithm':<10}{'steps':>6}{'tokens/s':>12}{'all/this':>9}{'reserved':>9}{'device':>8}"
              f"{'vLLM':>7}  engaged"]
@@ -44,6 +45,9 @@ def report(results: list[dict]) -> str:
                 lines.append("  fla backends: " + ", ".join(f"{op} {backend}" for op, backend in sorted(r["fla_backends"].items())))
             if r.get("allocator_probe"):
                 lines.append(f"  allocator settings: {r['allocator_probe']}")
+    for r in results:
+        if r.get("check") and not r.get("error"):
+            lines.append(f"check ({r['variant']}/{r['algorithm']}): {r['check']}")
     lines.extend(memory_table(results))
     skipped = [r for r in results if r.get("skipped")]
     if skipped:

@@ -8,6 +8,10 @@ Usually started by `worker_image/gpu_smoke.sh`:
     python -m loraflow_worker.gpu_smoke --memory        # on a GPU: the memory plan against the peaks, within 330 s
     python -m loraflow_worker.gpu_smoke --cpu --steps 2 --warmup 1       # the same machinery on CPU (nothing engages)
 
+`--list` lists every variant (its algorithms, model, the selections that run it, what it changes or checks) and runs
+nothing. The check variants (`variants.CHECK_VARIANTS`: `dpo`, `grpo-qwen3`, `tools-grpo`, `packed`,
+`modules-to-save`) are named with `--variants`; each reports what it checked beside the table, and fails on a fault.
+
 By default it fits a lent GPU machine's slot (one command of at most 10 minutes): 420 s for SFT with every fast
 path installed, SFT without Liger and without flash-linear-attention (each skipped, saying so, where the package
 is absent: `all` already ran without it), QLoRA SFT (skipped, not passed, without bitsandbytes), and GRPO without
@@ -50,7 +54,7 @@ from pathlib import Path
 
 from loraflow_worker.gpu_smoke.machine import gpu_refusal, installed_versions, read_gpu, versions_line
 from loraflow_worker.gpu_smoke.measure import RESULT_MARKER, measure
-from loraflow_worker.gpu_smoke.model_and_data import build_smoke_model, write_datasets
+from loraflow_worker.gpu_smoke.model_and_data import build_smoke_model, model_dir, write_datasets
 from loraflow_worker.gpu_smoke.report import report
 from loraflow_worker.gpu_smoke.variants import (
     CPU_SIZE,
@@ -62,6 +66,7 @@ from loraflow_worker.gpu_smoke.variants import (
     VARIANTS,
     Run,
     by_name,
+    list_variants,
     parse_variant_names,
     skip_reason,
 )
@@ -99,8 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant-timeout", type=float, default=600.0, help="Seconds one run may take at most.")
     parser.add_argument("--allow-busy-gpu", action="store_true",
                         help="Run even when NVML lists another process on the GPU (its figures are then not this run's alone).")
+    parser.add_argument("--list", action="store_true",
+                        help="List every variant (its algorithms, model, the selections that run it, what it changes or "
+                             "checks) and run nothing.")
+    parser.add_argument("--full-attention", action="store_true", help=argparse.SUPPRESS)  # a child of --memory
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "ALGORITHM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.list:
+        print(list_variants())
+        return 0
     started = time.monotonic()
     out = args.out or Path(tempfile.mkdtemp(prefix="loraflow-gpu-smoke-"))
     size = CPU_SIZE if args.cpu else GPU_SIZE
@@ -110,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if steps < 1 or warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first step compiles kernels: it is never timed)")
     if args.child:
-        return measure(out, size, args.child[0], args.child[1], warmup, steps)
+        return measure(out, size, args.child[0], args.child[1], warmup, steps, full_attention=args.full_attention)
 
     packages = installed_versions()
     gpu: dict | None = None
@@ -137,17 +149,20 @@ def main(argv: list[str] | None = None) -> int:
 
     # The memory calibration trains full-attention layers: a lent machine has no flash-linear-attention, and
     # transformers' torch fallback for Gated-DeltaNet layers is not what the image runs nor what the plan counts.
-    model_dir = build_smoke_model(out / "model", size, full_attention=args.memory and not args.variants)
+    # Some check variants train the full-attention model whatever the mode (`Variant.full_attention`).
+    full_attention = args.memory and not args.variants
+    for full in sorted({full_attention or run.variant.full_attention for run in planned if not run.skipped}):
+        built = build_smoke_model(model_dir(out, full), size, full_attention=full)
+        print(f"model: {built} ({'Qwen3, full attention' if full else 'Qwen3.5'}, vocabulary {size.vocab}, hidden "
+              f"{size.hidden}, {size.layers} layers); SFT sequences of {size.seq_len} tokens; {warmup} warm-up + "
+              f"{steps} timed steps per run"
+              + (f"; {deadline:.0f} s in all, {time.monotonic() - started:.0f} s of it spent" if deadline is not None
+                 else ""), flush=True)
     write_datasets(out, size, warmup + steps)
-    architecture = "Qwen3, full attention" if args.memory and not args.variants else "Qwen3.5"
-    print(f"model: {model_dir} ({architecture}, vocabulary {size.vocab}, hidden {size.hidden}, {size.layers} layers); "
-          f"SFT sequences of {size.seq_len} tokens; {warmup} warm-up + {steps} timed steps per run"
-          + (f"; {deadline:.0f} s in all, {time.monotonic() - started:.0f} s of it spent" if deadline is not None else ""),
-          flush=True)
     deadline_at = started + deadline if deadline is not None else None
 
     def run_one(run: Run, timeout: float) -> dict:
-        return _run_child(out, run, args.cpu, warmup, steps, timeout)
+        return _run_child(out, run, args.cpu, warmup, steps, timeout, full_attention)
 
     results = run_variants(planned, run_one, args.variant_timeout, deadline_at)
     took = time.monotonic() - started
@@ -200,10 +215,11 @@ def run_variants(runs: Sequence[Run], run_one: Callable[[Run, float], dict], var
     return results
 
 
-def _run_child(out: Path, run: Run, cpu: bool, warmup: int, steps: int, timeout: float) -> dict:
+def _run_child(out: Path, run: Run, cpu: bool, warmup: int, steps: int, timeout: float, full_attention: bool) -> dict:
     variant, algorithm = run.variant, run.algorithm
     command = [sys.executable, "-m", "loraflow_worker.gpu_smoke", "--out", str(out), "--warmup", str(warmup),
-               "--steps", str(steps), "--child", variant.name, algorithm] + (["--cpu"] if cpu else [])
+               "--steps", str(steps), "--child", variant.name, algorithm] + (["--cpu"] if cpu else []) + (
+               ["--full-attention"] if full_attention else [])
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     returncode, stdout, stderr = run_in_session(command, env, timeout)
     if returncode is None:
@@ -244,8 +260,13 @@ def _kill_session(pid: int) -> None:
 
 
 def _checked(result: dict) -> dict:
-    """A child's result, failed when a fast path it reports engaged did not do its work."""
+    """A child's result, failed when a fast path it reports engaged did not do its work, or its check found a fault."""
     vllm_engaged = result["fast_paths"]["vllm_colocate"][0]
     if result["algorithm"] == "grpo" and vllm_engaged and not result["vllm_completions"]:
         return {**result, "error": "vllm_colocate is engaged, but vLLM returned no completion to TRL"}
+    vllm_reason = result["fast_paths"]["vllm_colocate"][1]
+    if vllm_reason.startswith("failed: "):  # the job went on without it; the smoke is where that must show
+        return {**result, "error": f"vllm_colocate {vllm_reason}"}
+    if result.get("check_error"):
+        return {**result, "error": f"check: {result['check_error']} ({result['check']})"}
     return result

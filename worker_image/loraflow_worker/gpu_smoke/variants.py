@@ -13,7 +13,11 @@ from dataclasses import dataclass
 class Variant:
     """One configuration of the worker: `all` less the `disabled` fast paths, plus the `forced` memory savers, with
     the base model loaded in `quantization` bits when set. `needs` is (distribution, why): without it the variant
-    is skipped, not run."""
+    is skipped, not run. The rest are what only a GPU shows of a setting, each with its check (`measure`): `packing`
+    (every packed example's first label is -100 where the loss is computed), `modules_to_save` (the share of the
+    head copy's weights that moved after `HEAD_CHECK_STEP` steps), `tools` (a tool-using GRPO run, after an SFT run
+    that teaches the model the call: vLLM's weight syncs per step). `full_attention`: on the Qwen3 model of full-
+    attention layers whatever the mode (packing refuses Gated-DeltaNet layers; vLLM's Qwen3 path)."""
 
     name: str
     algorithms: tuple[str, ...]
@@ -21,6 +25,22 @@ class Variant:
     forced: frozenset[str] = frozenset()
     quantization: str | None = None
     needs: tuple[str, str] | None = None
+    full_attention: bool = False
+    packing: bool = False
+    modules_to_save: tuple[str, ...] = ()
+    tools: bool = False
+
+    def describe(self) -> str:
+        """What the variant changes from `all`, in a few words (`--list`)."""
+        parts = [f"without {', '.join(sorted(self.disabled))}" if self.disabled else "",
+                 f"{', '.join(sorted(self.forced))} forced on" if self.forced else "",
+                 f"base in {self.quantization}" if self.quantization else "",
+                 "packed rows: every example's first label -100" if self.packing else "",
+                 f"modules_to_save {', '.join(self.modules_to_save)}: share of the copy moved after "
+                 f"{HEAD_CHECK_STEP} steps" if self.modules_to_save else "",
+                 "tools, after an SFT run that teaches the call: vLLM weight syncs per step" if self.tools else "",
+                 "GRPO on it" if self.full_attention and not (self.packing or self.tools) else ""]
+        return "; ".join(part for part in parts if part) or "every fast path installed"
 
 
 KERNELS = frozenset({"liger_kernel", "flash_linear_attention", "causal_conv1d", "fused_adamw", "expandable_segments"})
@@ -47,6 +67,11 @@ VARIANTS = (
     Variant("paged-adamw-8bit", ("sft",), forced=frozenset({"paged_adamw_8bit"}),
             needs=("bitsandbytes", "8-bit paged AdamW is its optimizer")),
     Variant("no-vllm", ("grpo",), disabled=frozenset({"vllm_colocate"})),
+    Variant("dpo", ("dpo",)),
+    Variant("grpo-qwen3", ("grpo",), full_attention=True),
+    Variant("tools-grpo", ("grpo",), full_attention=True, tools=True),
+    Variant("packed", ("sft",), full_attention=True, packing=True),
+    Variant("modules-to-save", ("sft",), modules_to_save=("lm_head",)),
 )
 SLOT_RUNS = (("all", "sft"), ("no-liger", "sft"), ("no-fla", "sft"), ("qlora", "sft"), ("no-vllm", "grpo"))
 """What a GPU run does unless `--variants` says otherwise: what fits a lent machine's slot. GRPO goes without vLLM
@@ -62,10 +87,18 @@ MEMORY_STEPS = (1, 2)
 step on and the batches are all of one length, so each later step repeats the same peak; more steps only cost time."""
 CPU_VARIANTS = ("all", "no-kernels")
 """What `--cpu` runs unless `--variants` says otherwise (on CPU every fast path is off anyway)."""
-ALGORITHM_WEIGHT = {"sft": 1.0, "grpo": 2.0}
+CHECK_VARIANTS = ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save")
+"""The variants that check what only a GPU shows, rather than time a fast path: one command on a lent machine
+(`--variants dpo,grpo-qwen3,tools-grpo,packed,modules-to-save`); the tests run them on the CPU."""
+HEAD_CHECK_STEP = 4
+"""The step after which `modules-to-save` reads how much of the head copy moved (its run takes at least as many)."""
+ALGORITHM_WEIGHT = {"sft": 1.0, "dpo": 1.5, "grpo": 2.0}
 """A run's share of the time left, relative to the other runs still to come. A GRPO step also generates its
-completions token by token (transformers' `generate` without vLLM), so it gets twice an SFT run's share: an
-estimate, not a measurement (no GPU run has been timed yet)."""
+completions token by token (transformers' `generate` without vLLM), so it gets twice an SFT run's share; a DPO step
+runs the policy on a chosen and a rejected answer and the reference on both: estimates, not measurements (no GPU
+run has been timed yet)."""
+TOOL_COMPLETION_TOKENS = 192
+"""`tools-grpo`'s completions at least: a call of the tool, the tool's answer and the model's reply (`tool_use`)."""
 
 
 @dataclass(frozen=True)
@@ -120,3 +153,20 @@ def parse_variant_names(text: str) -> list[str]:
 def by_name(names: Sequence[str]) -> list[Variant]:
     known = {v.name: v for v in VARIANTS}
     return [known[name] for name in names]
+
+
+def list_variants() -> str:
+    """Every variant: its algorithms, the model it trains, which default selections run it, and what it changes or
+    checks (`--list`)."""
+    defaults = {"slot": {name for name, _ in SLOT_RUNS}, "memory": {name for name, _ in MEMORY_RUNS},
+                "cpu": set(CPU_VARIANTS), "checks": set(CHECK_VARIANTS)}
+    lines = [f"{'variant':<27}{'algorithms':<15}{'model':<15}{'run by':<18}what"]
+    for v in VARIANTS:
+        model = "Qwen3" if v.full_attention else "the mode's"
+        runs = ",".join(name for name, members in defaults.items() if v.name in members) or "-"
+        lines.append(f"{v.name:<27}{','.join(v.algorithms):<15}{model:<15}{runs:<18}{v.describe()}"
+                     + (f" (needs {v.needs[0]})" if v.needs else ""))
+    lines.append("model: the mode's is Qwen3.5 (Gated-DeltaNet layers, one full-attention layer in four), or with --memory "
+                 "Qwen3 (full attention only); run by: the selections that include it (slot: a GPU run's default; "
+                 "memory: --memory; cpu: --cpu; checks: CHECK_VARIANTS, named with --variants)")
+    return "\n".join(lines)

@@ -7,13 +7,15 @@ where it is computed; every figure is an estimate until a GPU measures it):
   `peft.prepare_model_for_kbit_training` leaves it;
 - the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`; DoRA's
   magnitudes) with its gradient and the state of the run's optimizer (`OPTIMIZER_STATES`);
-- the full trainable copies of `lora.modules_to_save` (the LM head, the input embeddings), with theirs;
+- the full trainable copies of `lora.modules_to_save` (the LM head, the input embeddings), with theirs (fp32 on a
+  4-bit base, where the worker keeps them in fp32);
 - the activations saved for backward, with and without gradient checkpointing, including the input copy each adapted
   layer keeps for `lora_A(dropout(x))`, the dropout mask, DoRA's kept outputs and weight, and the bf16 copy of the
   attention mask each attention layer hands SDPA; on a 4-bit base the residual stream and the projections' outputs
   in fp32 (`KBIT_STREAM_BYTES`);
 - the LM head as TRL 1.16 computes it: its fused, chunked log-probability head (both trainers add it with
-  `add_fused_lm_head` and never build the `(batch, seq, vocab)` logits), or the full logits when not fused;
+  `add_fused_lm_head` and never build the `(batch, seq, vocab)` logits), or the full logits when not fused; and,
+  when the head trains (`lora.modules_to_save`), the fp32 buffer its backward accumulates the head's gradient in;
 - for GRPO with vLLM colocated, vLLM's share: its weights, the KV cache (and Gated-DeltaNet state) of a whole
   generation round, its runtime, held while it generates; asleep during training, only what its sleep keeps
   (`VLLM_ASLEEP_BYTES`); for GRPO without vLLM, the training model's own generation cache.
@@ -108,15 +110,39 @@ def saved_module_parameters(shape: ModelShape, name: str) -> int:
     return shape.vocab_size * shape.hidden_size if last in HEAD_MODULES | EMBEDDING_MODULES else 0
 
 
+def saved_module_bytes(quantization: str, bf16: bool = True) -> int:
+    """Bytes of a parameter of a `lora.modules_to_save` copy: the base's dtype (bf16, or fp32 without bf16); fp32 on a
+    4-bit base, where `prepare_model_for_kbit_training` leaves the module in fp32, TRL 1.16's trainers cast the
+    trainable copy to bf16, and the worker puts it back in fp32 (`training.run.keep_saved_modules_in_fp32`)."""
+    return 4 if quantization == "4bit" or not bf16 else 2
+
+
 def modules_to_save_bytes(shape: ModelShape, modules: tuple[str, ...] | list[str], *, quantization: str, optimizer: str,
                           bf16: bool = True) -> int:
     """The full trainable copies `lora.modules_to_save` makes (PEFT's `ModulesToSaveWrapper` deep-copies the module;
-    the frozen original stays, counted with the weights): each copy's weights in the base's dtype (bf16, or fp32 on a
-    4-bit base, which `prepare_model_for_kbit_training` left in fp32, or without bf16), their gradients and the
-    optimizer's state."""
-    parameter_bytes = 4 if quantization == "4bit" or not bf16 else 2
+    the frozen original stays, counted with the weights): each copy's weights (`saved_module_bytes`), their gradients
+    in the same dtype and the optimizer's state (torch's optimizers keep it in the weight's dtype: fp32 states for an
+    fp32 copy)."""
+    parameter_bytes = saved_module_bytes(quantization, bf16)
     return sum(saved_module_parameters(shape, name) * trained_parameter_bytes(
         optimizer, parameter_bytes, embedding=name.rsplit(".", 1)[-1] in EMBEDDING_MODULES) for name in modules)
+
+
+def head_gradient_bytes(shape: ModelShape, modules: tuple[str, ...] | list[str], *, fused_lm_head: bool,
+                        quantization: str, bf16: bool = True) -> int:
+    """What the backward of TRL's fused head holds besides the gradient counted with a trained LM head
+    (`lora.modules_to_save` naming it): `ChunkedLogProbFunction.backward` (`trl/kernels/chunked_logprob.py`)
+    accumulates the head's weight gradient over its tiles in an fp32 buffer of the head's whole size (vocabulary ×
+    hidden × 4 bytes: 2.3 GiB for Qwen3-8B's 151,936 × 4,096), then returns it cast to the head's dtype: a bf16 head's
+    cast is a second copy (× 2 bytes) made while the buffer is alive; an fp32 one (a 4-bit base's, or without bf16)
+    is the buffer itself. Counted in full at the start of the model's backward, with every activation held: on the
+    first micro-batch of a step autograd may keep the returned tensor as the gradient, but on the others it comes on
+    top of the gradient accumulated so far. Not fused, autograd writes the head's gradient in its own dtype: nothing
+    besides the gradient. 0 when the head does not train."""
+    if not fused_lm_head or not any(name.rsplit(".", 1)[-1] in HEAD_MODULES for name in modules):
+        return 0
+    cast = 0 if saved_module_bytes(quantization, bf16) == 4 else 2
+    return shape.vocab_size * shape.hidden_size * (4 + cast)
 
 
 # ---- The LM head -----------------------------------------------------------------------------------------------------
@@ -167,6 +193,9 @@ class MemoryBreakdown(BaseModel):
         "with the gradients of the layer being back-propagated."
     )
     logits_bytes: int = Field(description="The LM head's working memory (TRL's fused head, or the full logits).")
+    head_gradient_bytes: int = Field(
+        default=0, description="A trained LM head (`lora.modules_to_save`): the fp32 buffer TRL's fused head accumulates "
+        "its gradient in during backward, and the cast to a bf16 head's dtype.")
     generation_bytes: int = Field(
         default=0,
         description="GRPO without vLLM: the training model's KV cache and logits while it generates a round (held at a "
@@ -182,8 +211,8 @@ class MemoryBreakdown(BaseModel):
         """The peak: what stays (weights, adapter, modules to save) plus the largest of what comes and goes, training's
         backward (with what vLLM keeps asleep), the training model's own generation, or vLLM's share generating."""
         stays = self.weights_bytes + self.adapter_bytes + self.modules_to_save_bytes
-        return stays + max(self.activations_bytes + self.logits_bytes + self.vllm_asleep_bytes, self.generation_bytes,
-                           self.vllm_bytes)
+        backward = self.activations_bytes + self.logits_bytes + self.head_gradient_bytes + self.vllm_asleep_bytes
+        return stays + max(backward, self.generation_bytes, self.vllm_bytes)
 
 
 class VllmBreakdown(BaseModel):

@@ -40,6 +40,7 @@ from loraflow_worker.memory.estimates import (
     activations_bytes,
     adapter_bytes,
     generation_bytes,
+    head_gradient_bytes,
     logits_bytes,
     lora_parameters,
     modules_to_save_bytes,
@@ -198,6 +199,9 @@ def plan_memory(
                                                 quantization=quantization),
             logits_bytes=logits_bytes(shape, batch_size=sequences, seq_len=seq_len, fused_lm_head=fused_lm_head,
                                       quantization=quantization) * (2 if algorithm == "dpo" else 1),
+            # One backward per micro-batch, DPO's reference forward having none.
+            head_gradient_bytes=head_gradient_bytes(shape, modules_to_save, fused_lm_head=fused_lm_head,
+                                                    quantization=quantization, bf16=bf16),
             generation_bytes=generation_bytes(shape, num_generations=generations, seq_len=seq_len) if grpo and not colocated else 0,
             vllm_bytes=share_bytes if colocated else 0,
             # TRL 1.16 puts a colocated vLLM to sleep after each round when `vllm_enable_sleep_mode` is on (fast_paths sets it).

@@ -2,7 +2,7 @@
 
 The control plane sends (on a CPU endpoint, `tasks/jobs/merge.py`)
 
-    {"contract_version": 10, "mode": "merge", "run_id": "<flow run id>", "run_name": "capybara",
+    {"contract_version": 11, "mode": "merge", "run_id": "<flow run id>", "run_name": "capybara",
      "artifact_store": "hf://datasets/acme/runs", "base_model": {"id": "Qwen/Qwen3-8B", "revision": "<sha>"},
      "merged_model_id": "acme/qwen3-capybara", "adapter_repo": "acme/qwen3-capybara-lora"}
 
@@ -11,9 +11,12 @@ and the worker: downloads the base (pinned commit; the volume's Hub cache when o
 `adapter_sha256` the run recorded: an adapter someone changed in the store since is refused, `ArtifactChanged`); loads the base in bf16 on the CPU, whatever the run trained on (a QLoRA adapter is merged
 into the bf16 base, never into a 4-bit one); puts PEFT's unmerged adapter on top and takes its logits on a few
 fixed inputs; `merge_and_unload()`s and takes the merged model's logits on the same inputs; compares them
-(`compare_logits`: beyond the tolerance the job fails and nothing is published); saves the merged model
-(safetensors) and the tokenizer; and commits them with a model card and a record (`loraflow-merge.json`) to the repo
-in ONE commit titled with the run id, with the worker's `HF_TOKEN` (the run's token, from a RunPod account secret).
+(`compare_logits`: beyond the tolerance the job fails and nothing is published); unties the head from the input
+embeddings in the config when the adapter trained either (`lora.modules_to_save`), so that transformers and vLLM load
+the trained one; saves the merged model (safetensors) and the tokenizer; loads what it saved back, as a user would,
+and compares its logits again (what is published is the files, not the model in memory); and commits them with a
+model card and a record (`loraflow-merge.json`) to the repo in ONE commit titled with the run id, with the worker's
+`HF_TOKEN` (the run's token, from a RunPod account secret).
 
 Why a CPU worker of its own rather than the training GPU before teardown: merging and uploading (16 GB for an 8B
 model) are CPU- and network-bound, and on the training worker they would bill minutes at a GPU's rate (~20-50× a
@@ -26,6 +29,7 @@ record without merging again. The job runs in the handler's process: the endpoin
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -100,6 +104,7 @@ def merge_adapter(job: MergeInput, work_dir: Path, report: Callable[[Progress], 
     tokenizer_dir = adapter_dir if all((adapter_dir / f).is_file() for f in _TOKENIZER_FILES) else base_dir
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16, device_map="cpu")
+    base_ties_head = ties_head_to_embeddings(base)
     inputs = probe_inputs(tokenizer)
     unmerged = PeftModel.from_pretrained(base, adapter_dir)
     reference = probe_logits(unmerged, inputs)
@@ -116,19 +121,80 @@ def merge_adapter(job: MergeInput, work_dir: Path, report: Callable[[Progress], 
             f"{check.inputs} fixed inputs, beyond the tolerance {check.tolerance:.4g} or half the adapter's own effect "
             f"{check.adapter_effect:.4g} (logits' scale {check.reference_max_abs:.4g}): the merge is wrong, and "
             f"nothing was published to {job.merged_model_id}")
+    untied_head = untie_a_trained_head(merged) and base_ties_head
     out = work_dir / "merged"
     merged.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
     tokenizer.save_pretrained(out)
-    del merged, unmerged, base  # the upload needs the memory no more
+    del merged, unmerged, base  # the saved model is loaded back next, and the upload needs the memory no more
+    gc.collect()
+    report(Progress(stage="saving", message="merge: loading the saved model back to check its logits again"))
+    check = saved_logits_check(out, inputs, reference, job.logits_tolerance, base=base_only)
+    log.info("merge: logits check of the saved model: max |difference| %.3g, tolerance %.3g",
+             check.max_abs_difference, check.tolerance)
+    if not check.passed:
+        raise MergeMismatch(
+            f"the merged model as saved, loaded back from its files, gives logits that differ from base + adapter's by "
+            f"up to {check.max_abs_difference:.4g} on {check.inputs} fixed inputs, beyond the tolerance "
+            f"{check.tolerance:.4g} or half the adapter's own effect {check.adapter_effect:.4g}, though the model in "
+            f"memory matched: the saved files are not the merged model (e.g. a trained head missing from them, the "
+            f"config tying the head to the input embeddings), and nothing was published to {job.merged_model_id}")
     weights = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     result = MergeResult(
         run_id=job.run_id, merged_model_id=job.merged_model_id, url=f"{api.endpoint}/{job.merged_model_id}",
         commit_url="", base_model=job.base_model.id, base_model_revision=revision, adapter=adapter,
         logits_check=check, merged_bytes=weights, seconds=0.0, data_center=os.environ.get(DATA_CENTER_ENV))
-    (out / CARD_FILE).write_text(merged_card(job, result))
+    (out / CARD_FILE).write_text(merged_card(job, result, untied_head=untied_head))
     report(Progress(stage="saving", message=f"merge: uploading {weights / 1e9:.2f} GB to {job.merged_model_id}"))
     commit_url = upload(api, job, out, result)
     return result.model_copy(update={"commit_url": commit_url, "seconds": round(time.monotonic() - started, 1)})
+
+
+def ties_head_to_embeddings(model: Any) -> bool:
+    """Whether `model`'s config ties its LM head to its input embeddings (`tie_word_embeddings`, on the model's config
+    or, for a model with a text part, on the text config)."""
+    return any(getattr(config, "tie_word_embeddings", False) for config in _configs(model))
+
+
+def untie_a_trained_head(merged: Any) -> bool:
+    """Whether the merged model's LM head differs from its input embeddings, and if so, its config made to say so
+    (`tie_word_embeddings` false), so that both weights are saved and loaded as they are. An adapter that trained the
+    head or the embeddings (`lora.modules_to_save`) of a tied model leaves two different weights; with a config that
+    still ties them, vLLM skips `lm_head.weight` and serves the embeddings as the head (transformers 5.20 keeps the two
+    apart only when it finds both in the files, and warns): the trained head would be lost where it is served. PEFT
+    0.21 unties when the two tensors are not the same memory; this checks the values, on every config of the
+    model."""
+    import torch
+
+    head, embeddings = merged.get_output_embeddings(), merged.get_input_embeddings()
+    if head is None or embeddings is None:
+        return False
+    if head.weight.shape == embeddings.weight.shape and torch.equal(head.weight, embeddings.weight):
+        return False
+    for config in _configs(merged):
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = False
+    return True
+
+
+def _configs(model: Any) -> list[Any]:
+    config = model.config
+    text = config.get_text_config()
+    return [config] if text is config else [config, text]
+
+
+def saved_logits_check(folder: Path, inputs: Sequence[Any], reference: Sequence[Any], tolerance: float | None,
+                       base: Sequence[Any] | None = None) -> LogitsCheck:
+    """`compare_logits` for the merged model as saved in `folder`: loaded back as a user loads it (transformers, bf16,
+    on the CPU), its logits on `inputs` against `reference` (base + unmerged adapter's on the same inputs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cpu")
+    try:
+        return compare_logits(reference, probe_logits(model, inputs), tolerance, base=base)
+    finally:
+        del model
+        gc.collect()
 
 
 def probe_inputs(tokenizer: Any) -> list[Any]:
@@ -169,9 +235,10 @@ def compare_logits(reference: Sequence[Any], merged: Sequence[Any], tolerance: f
                        adapter_effect=effect, passed=difference <= allowed and carried_over)
 
 
-def merged_card(job: MergeInput, result: MergeResult) -> str:
+def merged_card(job: MergeInput, result: MergeResult, *, untied_head: bool = False) -> str:
     """The repo's `README.md`: front matter (`base_model`, `library_name: transformers`), and what was merged, from
-    which run, the logits check, and how to load and serve it."""
+    which run, the logits check (and what a QLoRA adapter's covers), whether the head was untied from the input
+    embeddings (`untied_head`), and how to load and serve it."""
     base, repo, check = result.base_model, job.merged_model_id, result.logits_check
     hub_base = not base.startswith("/")  # a local folder in local mode: named in the text only
     data = ModelCardData(base_model=base if hub_base else None, base_model_relation="merge" if hub_base else None,
@@ -194,10 +261,19 @@ def merged_card(job: MergeInput, result: MergeResult) -> str:
         + (f"; the adapter moves the base's logits by up to {check.adapter_effect:.4g}"
            if check.adapter_effect is not None else "") + ": "
         f"{verdict} |", "",
+        "The logits check compares the merged model as published: its saved files, loaded back with transformers.", "",
     ]
     if job.quantization == "4bit":
         lines += ["The adapter was trained on the base quantized to 4 bits (QLoRA); it is merged into the bf16 base, "
-                  "as QLoRA adapters are meant to be served.", ""]
+                  "as QLoRA adapters are meant to be served. The logits check covers that merge's arithmetic: the "
+                  "merged model against the bf16 base with the adapter on top. It does not compare with the 4-bit "
+                  "model the adapter was trained against, whose outputs differ from the bf16 base's by the "
+                  "quantization's error: the merged model can answer a little differently from the model the run "
+                  "evaluated.", ""]
+    if untied_head:
+        lines += ["The adapter trained the LM head or the input embeddings (`modules_to_save`) of a base that ties the "
+                  "two: the merged model's config unties them (`tie_word_embeddings: false`) and holds both weights, "
+                  "so that transformers and vLLM load the trained ones.", ""]
     lines += ["## Load it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
               f'tokenizer = AutoTokenizer.from_pretrained("{repo}")', "```", "",

@@ -13,8 +13,11 @@ needs more of the image than the defaults (bitsandbytes' 8-bit AdamW, DoRA, rsLo
 Needs no network and no GPU (without CUDA the jobs take the CPU branch, under this environment's own library
 versions) unless `LORAFLOW_REQUIRE_CUDA=1` says CUDA is required: then, when CUDA cannot start, it runs no job
 and says why (runtime/cuda_check.py). Prints one line per fast-path package (version, or why it does not import), one
-on CUDA, and one per job (steps, first and final loss or reward, device, what engaged); exits non-zero when
-anything failed.
+on CUDA, and one per job (steps, first and final loss or reward, device, what engaged), and for each GRPO job how it
+generated (vLLM colocated or not, and why; vLLM's weight syncs and generate calls per step); exits non-zero when
+anything failed, a GRPO job whose colocated vLLM failed (the job itself goes on without it) or synced the weights
+other than once per step included. On a GPU with vLLM the two GRPO jobs (the tool-using one's rounds take two vLLM
+calls each) are where the image's vLLM is proven.
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
         engaged = sorted(path for path, state in manifest.get("fast_paths", {}).items() if state.get("engaged"))
         print(f"{name} job completed in {time.monotonic() - started:.0f} s: {metrics['steps']} steps, "
               f"{_trend(metrics)}, device {metrics.get('device')}, engaged: {', '.join(engaged) or 'none'}", flush=True)
+        if settings.get("algorithm") == "grpo":
+            _check_vllm(name, manifest)
         if settings["training"].get("packing") and "packing" not in engaged:
             raise RuntimeError(f"the {name} job asked for packing and its manifest says packing did not engage")
         accuracies = metrics.get("reward_accuracies") or []
@@ -149,6 +154,24 @@ def run_jobs(root: Path, steps: int) -> dict[str, dict]:
 
 TEACHING_STEPS = 150
 """SFT steps that teach the tiny model to call the tool (`tool_use`)."""
+
+
+def _check_vllm(name: str, manifest: dict) -> None:
+    """Print how a GRPO job generated; fail where its colocated vLLM failed (the job went on without it: here is
+    where that must show) or synced the weights other than once per step (`training.vllm_colocate`)."""
+    vllm = manifest["fast_paths"]["vllm_colocate"]
+    syncs = manifest.get("vllm_weight_syncs")
+    line = f"{name} job: vllm_colocate {'on' if vllm['engaged'] else 'off'} ({vllm['reason']})"
+    if syncs:
+        line += (f"; weight syncs per step {syncs['per_step']}, vLLM generate calls per step "
+                 f"{syncs['generate_calls_per_step']}")
+    print(line, flush=True)
+    if vllm["reason"].startswith("failed: "):
+        raise RuntimeError(f"the {name} job's colocated vLLM engine failed (the job went on with transformers' "
+                           f"generate): {vllm['reason']}")
+    if syncs and any(count != 1 for count in syncs["per_step"].values()):
+        raise RuntimeError(f"the {name} job synced its weights into vLLM other than once per step: "
+                           f"{syncs['per_step']}")
 
 
 def _stored(store: Path, path: str, text: str) -> str:

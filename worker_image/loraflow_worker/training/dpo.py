@@ -76,6 +76,9 @@ def dpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> DPOConfig:
         **shared_trainer_args(job, work_dir),
         # Prompt and answer together, as SFT's `max_seq_length`; TRL keeps the prompt's start and cuts the answers.
         max_length=job.training.max_seq_length,
+        # Counted as SFT counts them (the Trainer's default counts none): the metrics' tokens and the progress's
+        # tokens/s, which the GPU smoke's `dpo` variant reads.
+        include_num_input_tokens_seen="non_padding",
         beta=settings.beta,
         loss_type=[settings.loss_type],
         **plan.trainer_kwargs,

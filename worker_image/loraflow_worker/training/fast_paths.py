@@ -101,6 +101,8 @@ class Facts:
     """Fast paths the job switches off (`fast_paths`: false)."""
     forced: frozenset[str] = frozenset()
     """Memory savers the job switches on whatever the estimate says (`fast_paths`: true)."""
+    required: frozenset[str] = frozenset()
+    """Fast paths the job demands (`fast_paths`: "require"): the plan refuses to go without them."""
     memory: MemorySettings | None = None
     """The job's forced memory settings (`JobInput.memory`), which override the memory plan's choices."""
 
@@ -119,7 +121,18 @@ class FastPathPlan:
 
 def plan_fast_paths(facts: Facts) -> FastPathPlan:
     """Decide every fast path from `facts` alone (no probing), with the reason for each decision. Raises `ValueError`
-    when the job's `training.optimizer` is bitsandbytes' and bitsandbytes is not installed."""
+    when the job's `training.optimizer` is bitsandbytes' and bitsandbytes is not installed, or when a fast path the
+    job demands (`Facts.required`) is not planned."""
+    plan = _plan(facts)
+    missing = sorted(name for name in facts.required if not plan.fast_paths[name].engaged)
+    if missing:
+        raise ValueError("; ".join(
+            f"`fast_paths.{name}` is 'require', but it is not used for this run: {plan.fast_paths[name].reason}. Leave "
+            f"`fast_paths.{name}` empty to go on without it" for name in missing))
+    return plan
+
+
+def _plan(facts: Facts) -> FastPathPlan:
     four_bit = facts.workload.quantization == "4bit"
     chosen = facts.workload.optimizer
     if chosen in BITSANDBYTES_OPTIMIZERS and "bitsandbytes" not in facts.packages:
@@ -228,7 +241,8 @@ def plan_fast_paths(facts: Facts) -> FastPathPlan:
         settle("vllm_colocate", False, memory.reasons["vllm_colocate"])
     else:
         settle("vllm_colocate", True, f"vllm {facts.packages['vllm']} colocated with training, asleep between "
-                                      f"generations: {memory.reasons['vllm_colocate']}")
+                                      f"generation rounds (one weight sync per round, tool turns included: "
+                                      f"`vllm_colocate.py`): {memory.reasons['vllm_colocate']}")
     settle("gradient_checkpointing", memory.gradient_checkpointing, memory.reasons["gradient_checkpointing"])
     settle("paged_adamw_8bit", memory.paged_adamw_8bit, eight_bit_reason)
     if chosen is not None:
@@ -285,7 +299,7 @@ def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: Me
     from transformers import AutoConfig
 
     fast_paths = fast_paths or FastPathSettings()
-    disabled, forced = fast_paths.switched_off(), fast_paths.switched_on()
+    disabled, forced, required = fast_paths.switched_off(), fast_paths.switched_on(), fast_paths.required()
     for name in disabled & set(_KERNEL_MODULES):
         sys.modules.setdefault(_KERNEL_MODULES[name], None)  # `import fla` now raises ImportError
     packages = {}
@@ -320,6 +334,7 @@ def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: Me
         allocator_settings=cuda_allocator_settings() if cuda else None,
         disabled=disabled,
         forced=forced,
+        required=required,
         memory=memory,
     )
 

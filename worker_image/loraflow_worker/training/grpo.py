@@ -3,7 +3,8 @@
 Straight-line, like `trl/scripts/grpo.py`: load data (holding evaluation prompts out, when asked) → prompts →
 rewards by name → `GRPOTrainer` with a PEFT `LoraConfig` → train, evaluating the mean reward on the held-out
 prompts → save the adapter. On a GPU with vLLM installed the completions come from a
-vLLM engine colocated with training; elsewhere from transformers' `generate`. The manifest records which
+vLLM engine colocated with training, synced once per generation round; elsewhere, or where that engine fails to
+build or to load the weights, from transformers' `generate` (`vllm_colocate.py`). The manifest records which
 fast paths were in effect. A job selects this with `algorithm: grpo` and a `grpo` section, e.g.
 
     {"algorithm": "grpo", "training": {"max_steps": 200, "learning_rate": 1e-5, "batch_size": 16},
@@ -32,7 +33,7 @@ from typing import Any
 
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
@@ -48,6 +49,7 @@ from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training.tools import RunTools, check_tool_template, resolve_tools
 from loraflow_worker.training.trajectories import TRAJECTORIES_FILE, TrajectorySampler
+from loraflow_worker.training.vllm_colocate import RoundSyncGRPOTrainer, build_grpo_trainer
 from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.run import (
     TrainOutcome,
@@ -104,33 +106,41 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
         check_reward_columns(settings.rewards, eval_dataset.column_names)
     reward_funcs, _ = resolve_rewards(settings.rewards, store, work_dir / "run-files")
     plan = plan_fast_paths(gather_facts(model_path, "grpo", job_workload(job), job.memory, job.fast_paths))
-    model, peft_config = model_and_adapter(model_path, job, plan, store, work_dir)
-
-    args = grpo_config(job, plan, work_dir)
     monitor = TrainingMonitor(report, job.deadline_epoch_s,
                               eval_key="eval_reward" if eval_dataset is not None else None)
     reward_log = RewardLog()
     sampler = TrajectorySampler(work_dir / TRAJECTORIES_FILE, job.worker_secret_names)
-    with text_only_vllm() if args.use_vllm else contextlib.nullcontext():  # GRPOTrainer builds the vLLM engine
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            callbacks=[monitor, reward_log, sampler, *callbacks],
-            tools=run_tools.tools or None,
-            environment_factory=run_tools.environment,
-        )
+
+    def build(plan: FastPathPlan) -> RoundSyncGRPOTrainer:
+        # The model is loaded afresh for each build: a trainer given up after a failed vLLM sync may have left the
+        # adapter merged into its base (`vllm_colocate.build_grpo_trainer`).
+        model, peft_config = model_and_adapter(model_path, job, plan, store, work_dir)
+        args = grpo_config(job, plan, work_dir)
+        with text_only_vllm() if args.use_vllm else contextlib.nullcontext():  # GRPOTrainer builds the vLLM engine
+            return RoundSyncGRPOTrainer(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=dataset,
+                eval_dataset=eval_dataset,
+                processing_class=tokenizer,
+                peft_config=peft_config,
+                callbacks=[monitor, reward_log, sampler, *callbacks],
+                tools=run_tools.tools or None,
+                environment_factory=run_tools.environment,
+            )
+
+    trainer, plan = build_grpo_trainer(build, plan, "vllm_colocate" in job.fast_paths.required(), report)
     sampler.trainer = trainer
     fast_paths = engage_fast_paths(plan, trainer.model)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
-    return package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
-                           wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=rows,
-                           sources=loaded.sources,
-                           rewards=reward_log.rewards, trajectories=sampler.path if sampler.path.is_file() else None)
+    outcome = package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
+                              wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=rows,
+                              sources=loaded.sources, rewards=reward_log.rewards,
+                              trajectories=sampler.path if sampler.path.is_file() else None)
+    if trainer.use_vllm:
+        outcome.manifest.vllm_weight_syncs = trainer.weight_syncs.record()
+    return outcome
 
 
 def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig:
@@ -167,7 +177,10 @@ def text_only_vllm() -> Iterator[None]:
     TODO: pass `limit_mm_per_prompt` through GRPOConfig once TRL forwards vLLM engine arguments."""
     from trl.generation import vllm_generation
 
-    build = vllm_generation.LLM
+    build = getattr(vllm_generation, "LLM", None)
+    if build is None:  # vLLM did not import: TRL refuses `use_vllm` itself (`VLLMGeneration._init_vllm`)
+        yield
+        return
     vllm_generation.LLM = functools.partial(build, **VLLM_TEXT_ONLY)
     try:
         yield

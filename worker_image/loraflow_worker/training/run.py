@@ -54,6 +54,11 @@ class TrainOutcome:
     """GRPO: the sample of trajectories kept at each logging step (`trajectories.TRAJECTORIES_FILE`), if any."""
 
 
+TRAINED_ADAPTER = "default"
+"""The adapter a run trains, by PEFT's name: a new one (TRL's `get_peft_model`) or `lora.init_from`'s
+(`PeftModel.from_pretrained`), both PEFT's default name."""
+
+
 def use_device() -> bool:
     """Whether CUDA is there; on CPU (tests, demos beside other processes) one thread is fastest for a tiny model."""
     cuda = torch.cuda.is_available()
@@ -80,6 +85,21 @@ def load_model(model_path: Path, job: JobInput, plan: FastPathPlan) -> str | Pre
         return str(model_path)
     model = create_model_from_path(str(model_path), **plan.model_init_kwargs, quantization_config=quantization)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.trainer_kwargs["gradient_checkpointing"])
+
+
+def keep_saved_modules_in_fp32(model: torch.nn.Module) -> None:
+    """Put the trained copies of `lora.modules_to_save` (PEFT's `ModulesToSaveWrapper`) of a 4-bit base back in fp32.
+    TRL 1.16's trainers cast every trainable parameter of a quantized model to bf16 when they are built (the QLoRA
+    paper's recipe for the LoRA matrices; PEFT upcasts only its tuner layers), and a full weight in bf16 does not move under a small learning rate: at 2e-4, AdamW's step is below half
+    of bf16's spacing for every |w| > 0.0625 (2^-4 × 2^-8). The copies start from their values as TRL's cast rounded
+    them (a `lora.init_from` adapter's copies hold its trained values, which the frozen originals do not). The LoRA
+    matrices stay as TRL leaves them; the forward still computes in bf16 under autocast. Call it after the trainer is
+    built and before it trains (the optimizer is built then, from these parameters)."""
+    for wrapper in model.modules():
+        if isinstance(wrapper, ModulesToSaveWrapper):
+            for parameter in wrapper.modules_to_save.parameters():
+                if parameter.requires_grad and parameter.dtype != torch.float32:
+                    parameter.data = parameter.data.float()
 
 
 def model_and_adapter(model_path: Path, job: JobInput, plan: FastPathPlan, store: ArtifactStore,
@@ -224,6 +244,8 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
     When the job's deadline stopped training first (`TrainingMonitor.deadline_hit`), the adapter saved is the
     one trained so far, and the Trainer has checkpointed the last step (see `package_outcome`)."""
     check_modules_to_save(trainer.model, job.lora.modules_to_save)
+    if job.lora.quantization == "4bit":
+        keep_saved_modules_in_fp32(trainer.model)
     if job.lora.loraplus_lr_ratio is not None:
         # GRPOTrainer (TRL 1.16) takes no `optimizer_cls_and_kwargs` argument; the Trainer reads the attribute when it
         # builds the optimizer (`Trainer.create_optimizer`), for SFT and GRPO alike.
@@ -234,22 +256,25 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
         # before any checkpoint is loaded into it) lets PEFT convert the trained one into a plain LoRA of the
         # unchanged base (`save_pretrained(path_initial_model_for_weight_conversion=...)`).
         initial_adapter = work_dir / "initial-adapter"
-        trainer.model.peft_config["default"].init_lora_weights = True  # PEFT's recipe: it must not re-initialise
+        trainer.model.peft_config[TRAINED_ADAPTER].init_lora_weights = True  # PEFT's recipe: it must not re-initialise
         trainer.model.save_pretrained(initial_adapter)
-        trainer.model.peft_config["default"].init_lora_weights = job.lora.init
+        trainer.model.peft_config[TRAINED_ADAPTER].init_lora_weights = job.lora.init
     started = time.monotonic()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     wall_seconds = time.monotonic() - started
     adapter_dir = work_dir / "adapter"
     # Point the adapter at the Hub model and commit, not at this worker's download folder.
-    trainer.model.peft_config["default"].base_model_name_or_path = job.model.id
-    trainer.model.peft_config["default"].revision = revision
+    trainer.model.peft_config[TRAINED_ADAPTER].base_model_name_or_path = job.model.id
+    trainer.model.peft_config[TRAINED_ADAPTER].revision = revision
     # PEFT's default ("auto") fetches the base model's config.json from the Hub, at its main branch, to see
     # whether the vocabulary was resized: a download even when the model came from the volume. loraflow
     # never resizes it, so the embeddings are saved exactly when LoRA targets them, as "auto" would.
     targets = job.lora.target_modules
     trainer.model.save_pretrained(
-        adapter_dir, save_embedding_layers=targets != "all-linear" and any(n in EMBEDDING_LAYER_NAMES for n in targets),
+        # Only the trained adapter: with `lora.init_from`, DPO and GRPO (beta > 0) load their frozen reference beside
+        # it as a second adapter, `ref`, which PEFT would save into `ref/`, pointing at this worker's base folder.
+        adapter_dir, selected_adapters=[TRAINED_ADAPTER],
+        save_embedding_layers=targets != "all-linear" and any(n in EMBEDDING_LAYER_NAMES for n in targets),
         path_initial_model_for_weight_conversion=str(initial_adapter) if initial_adapter else None,
     )
     tokenizer.save_pretrained(adapter_dir)

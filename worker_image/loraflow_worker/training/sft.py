@@ -106,11 +106,14 @@ class PackedRows(DataCollatorForLanguageModeling):
     free, for FlashAttention's variable-length kernels, which the image lacks); under SDPA attention then spans
     batch_size × max_seq_length tokens at once, its cost growing with that length squared. Here each row keeps its
     examples' positions, restarting at 0, and no attention mask is passed: from the positions transformers masks
-    attention across the examples of a row (a short row's padding becomes one-token sequences without loss)."""
+    attention across the examples of a row (a short row's padding becomes one-token sequences without loss). Each
+    example's first token carries no label: the loss shifts the labels by one, so that label would be predicted from
+    the previous example's last token (TRL masks it in its padding-free path only)."""
 
     def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super().torch_call(examples)
         del batch["attention_mask"]  # with one, transformers would not read the positions' boundaries
+        batch["labels"][batch["position_ids"] == 0] = -100
         return batch
 
 
