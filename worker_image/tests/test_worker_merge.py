@@ -153,9 +153,9 @@ def head_adapter(tiny_model_dir, tmp_path_factory) -> Path:
     store = tmp_path_factory.mktemp("head-store")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert base.config.tie_word_embeddings
+    torch.manual_seed(0)  # before PEFT draws the A matrices: the adapter is the same whatever ran before in the session
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["lm_head"],
                                             task_type="CAUSAL_LM"))
-    torch.manual_seed(0)
     with torch.no_grad():  # what training would leave: the head moved away from the embeddings, B away from zero
         for name, parameter in model.named_parameters():
             if "modules_to_save" in name or "lora_B" in name:
@@ -171,7 +171,11 @@ def head_merged(hub, head_adapter, tiny_model_dir, tmp_path_factory) -> tuple[di
     job = {"id": "job-merge-head", "input": {
         "contract_version": CONTRACT_VERSION, "mode": "merge", "run_id": "run-head", "run_name": "head",
         "artifact_store": head_adapter.parents[2].as_uri(), "base_model": {"id": str(tiny_model_dir)},
-        "merged_model_id": HEAD_MERGED, "adapter_sha256": folder_sha256(head_adapter)}}
+        "merged_model_id": HEAD_MERGED, "adapter_sha256": folder_sha256(head_adapter),
+        # A bf16 merge of this random tiny model (rank-4 LoRA on every linear layer) rounds its logits by about 2 % of
+        # their scale, the default tolerance, whatever the adapter's size: 0.066-0.086 against 0.068-0.078 were seen.
+        # This test is about the head, not the tolerance.
+        "logits_tolerance": 0.15}}
     work = tmp_path_factory.mktemp("merge-head")
     result = _merge_in_a_worker(hub, job, work)
     return result, Path(snapshot_download(HEAD_MERGED, endpoint=hub.url, token=TOKEN, cache_dir=work / "cache"))
