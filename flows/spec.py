@@ -27,6 +27,7 @@ from loraflow_worker.contract import (
     TrainingSettings,
     colocated_vllm_problems,
     dpo_setting_problems,
+    early_stopping_problems,
     grpo_setting_problems,
     optimisation_problems,
     plain_requirements,
@@ -258,7 +259,7 @@ class RunSpec(Section):
         "otherwise. The reference is the base model (the adapter switched off), or the adapter of `lora.init_from`.",
     )
     evaluation: EvaluationSpec | None = Field(
-        default=None,
+        default=None, validate_default=True,
         description="Held-out evaluation: the eval loss (SFT; DPO with the held-out pairs' reward accuracy and margin) "
         "or mean eval reward (GRPO) at the start, every N steps and at the end, on a seeded share of the dataset or a "
         "file of its own. Empty: no evaluation.",
@@ -341,6 +342,17 @@ class RunSpec(Section):
                     f"{max_deadline_minutes()}"
                 )
         return minutes
+
+    @field_validator("evaluation")
+    @classmethod
+    def _early_stopping_has_its_evaluation(cls, evaluation: EvaluationSpec | None,
+                                           info: ValidationInfo) -> EvaluationSpec | None:
+        # Validated when unset too: `training.early_stopping` without an `[evaluation]` is the refusal.
+        if all(name in info.data for name in ("algorithm", "training")):
+            problems = early_stopping_problems(info.data["algorithm"], info.data["training"], evaluation)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return evaluation
 
     @field_validator("worker")
     @classmethod

@@ -134,14 +134,14 @@ def _rent_train_and_tear_down(
     try:
         # What drawing the curve needs is imported while the job runs.
         outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids,
-                                         on_submitted=load_in_background)
+                                         on_submitted=load_in_background, run_name=run.spec.name)
     except WarmVolumeGone as gone:
         get_run_logger().warning("Attempt %d: %s; its weight-cache record is cleared and the attempt runs cold",
                                  attempt, gone)
         forget(cache, get_run_logger())
         cache, plan = None, plan_for(run, attempt, attempts, None)
         outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids,
-                                         on_submitted=load_in_background)
+                                         on_submitted=load_in_background, run_name=run.spec.name)
     return outcome, undeleted, plan, cache
 
 

@@ -1,6 +1,7 @@
 """A run on the local stack leaves the Prefect events automations match on (`tasks/reports/events.py`), read
 back through the events API (`POST /events/filter`), and docs/what-a-run-shows.md's example automation is accepted
-by the server and fires for a run that gave up."""
+by the server and fires for a run that gave up. Which evaluations an attempt's watch announces, from the worker's
+progress and its result, is checked without the stack."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ import subprocess
 import sys
 
 import pytest
+from loraflow_worker.contract import TrainMetrics
 
-from tasks.reports.events import ATTEMPT_GIVEN_UP, ENDPOINT_CREATED, ENDPOINT_DELETED, RUN_FINISHED
+from tasks.reports.events import (
+    ATTEMPT_GIVEN_UP,
+    ENDPOINT_CREATED,
+    ENDPOINT_DELETED,
+    RUN_EVALUATED,
+    RUN_FINISHED,
+    Evaluation,
+    Evaluations,
+)
 from tests.conftest import REPO, prefect_api, run_train_flow
 from tests.test_crash_recovery_e2e import flow_env, wait_for
 from tests.test_train_e2e import run_endpoints, write_run_file
@@ -47,11 +57,19 @@ def readme_automation() -> dict:
     return automation
 
 
+EVALUATION = "[evaluation]\nfraction = 0.2\nevery_steps = 2\n"
+
+
 @pytest.fixture(scope="module")
-def completed_run(local_stack, tiny_model, tmp_path_factory):
-    home = tmp_path_factory.mktemp("events-ok")
-    run = run_train_flow(local_stack, write_run_file(home / "run.toml", name="e2e-events", model=tiny_model,
-                                                     store=home / "store", max_steps=4))
+def completed_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("events-ok")
+
+
+@pytest.fixture(scope="module")
+def completed_run(local_stack, tiny_model, completed_home):
+    """4 steps, evaluated before the first, at step 2 and at step 4."""
+    run = run_train_flow(local_stack, write_run_file(completed_home / "run.toml", name="e2e-events", model=tiny_model,
+                                                     store=completed_home / "store", max_steps=4, extra=EVALUATION))
     assert run.returncode == 0, run.output
     return run.flow_run_id
 
@@ -102,6 +120,53 @@ def test_a_completed_run_announces_its_end_with_its_cost(local_stack, completed_
     assert payload["attempts"] == 1 and payload["cost_usd"] >= 0 and payload["cost_ceiling_usd"] > 0, payload
     assert payload["adapter_url"].endswith(f"runs/{completed_run}/adapter")
     assert f"prefect.flow-run.{completed_run}" in related_ids(finished)
+
+
+def test_a_run_announces_each_evaluation_once_with_its_step_and_eval_loss(local_stack, completed_run, completed_home):
+    stored = TrainMetrics.model_validate_json(
+        (completed_home / "store" / "runs" / completed_run / "metrics.json").read_text())
+    assert [step for step, _ in stored.eval_loss] == [0, 2, 4]
+    evaluated = wait_for_events(local_stack, RUN_EVALUATED, count=3, resource={"id": [f"loraflow.run.{completed_run}"]})
+    assert sorted((event["payload"]["step"], event["payload"]["eval_loss"]) for event in evaluated) == stored.eval_loss
+    for event in evaluated:
+        assert event["resource"]["prefect.resource.name"] == "e2e-events"
+        assert event["payload"]["total_steps"] == 4
+        assert f"prefect.flow-run.{completed_run}" in related_ids(event)  # shown on the flow run's page
+
+
+def job_output(eval_loss: list[tuple[int, float]], resumed_from_step: int = 0) -> dict:
+    metrics = TrainMetrics(steps=8, losses=[], eval_loss=eval_loss, first_loss=None, final_loss=None, tokens=0,
+                           wall_seconds=1.0, device="cpu")
+    return {"run_id": "r1", "attempt": 1, "run_prefix": "runs/r1", "adapter_path": "runs/r1/adapter",
+            "metrics": metrics.model_dump(mode="json"), "resumed_from_step": resumed_from_step}
+
+
+def test_each_evaluation_is_announced_once_as_the_progress_shows_it_or_else_from_the_result():
+    seen = Evaluations()
+    first = {"stage": "training", "step": 0, "total_steps": 8, "eval_step": 0, "eval_loss": 6.9}
+    assert seen.from_progress(first) == [Evaluation(0, {"eval_loss": 6.9}, 8)]
+    assert seen.from_progress(first | {"step": 1, "loss": 6.4}) == []  # the same evaluation, still the latest
+    assert seen.from_progress({"stage": "training", "step": 4, "total_steps": 8, "eval_step": 4,
+                               "eval_loss": 3.1}) == [Evaluation(4, {"eval_loss": 3.1}, 8)]
+    # Step 2's came and went between two polls, step 8's as the job ended.
+    assert seen.from_result(job_output([(0, 6.9), (2, 4.4), (4, 3.1), (6, 2.5), (8, 2.0)])) == [
+        Evaluation(2, {"eval_loss": 4.4}, 8), Evaluation(6, {"eval_loss": 2.5}, 8),
+        Evaluation(8, {"eval_loss": 2.0}, 8)]
+
+
+def test_a_resumed_attempt_announces_none_of_the_evaluations_before_its_checkpoint():
+    announced = Evaluations().from_result(job_output([(0, 6.9), (2, 4.4), (4, 3.1), (6, 2.5)], resumed_from_step=4))
+    assert [evaluation.step for evaluation in announced] == [4, 6]
+
+
+def test_a_dpo_evaluation_names_its_held_out_accuracy_and_margin_as_metrics_json_does():
+    [evaluation] = Evaluations().from_progress({"stage": "training", "step": 8, "eval_step": 8, "eval_loss": 0.5,
+                                                "eval_reward_accuracy": 0.75, "eval_reward_margin": 1.5})
+    assert evaluation.values == {"eval_loss": 0.5, "eval_reward_accuracies": 0.75, "eval_reward_margins": 1.5}
+
+
+def test_no_evaluation_is_announced_before_the_worker_evaluates():
+    assert Evaluations().from_progress({"stage": "training", "step": 3, "total_steps": 8, "loss": 2.0}) == []
 
 
 def test_a_completed_run_gives_up_no_attempt(local_stack, completed_run):

@@ -4,7 +4,7 @@ curve (what the curve draws: tests/test_curve.py) and, when the run evaluated, i
 import base64
 import re
 
-from loraflow_worker.contract import TrainMetrics
+from loraflow_worker.contract import EarlyStopped, TrainMetrics
 
 from tasks.reports.curve import curve_png
 from tasks.reports.summary import (
@@ -93,6 +93,38 @@ def test_the_summary_shows_the_eval_loss_from_the_start_to_the_end_beside_the_tr
     assert "| Loss (first → final) | 6.4000 → 1.2500 |" in text
     assert "| Eval loss, held-out (start → final) | 6.9000 (step 0) → 2.0500 (step 4) |" in text
     assert "## Training and eval loss by step" in text
+
+
+STOPPED = EVALUATED.model_copy(update={"early_stopping": EarlyStopped(
+    metric="eval_loss", patience=1, min_delta=0.5, stopped=True, step=4, total_steps=40, best_step=2, best_value=3.4,
+    reason="eval_loss did not improve by more than 0.5 for 1 evaluation")})
+
+
+def test_the_summary_of_an_early_stopped_run_says_where_it_stopped_why_and_which_adapter_it_kept():
+    report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                       endpoint_name="loraflow-demo-abc-a1", metrics=STOPPED, cost_ceiling_usd=0.35,
+                       estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter", store_url="file:///s")
+    assert "| Early stopping | stopped at step 4 of 40: eval_loss did not improve by more than 0.5 for 1 evaluation; " \
+           "adapter from step 2 (eval_loss 3.4000, the best evaluation) |" in summary_markdown(report)
+
+
+def test_the_summary_of_a_run_that_trained_to_the_end_under_early_stopping_names_the_adapter_it_kept():
+    to_the_end = STOPPED.early_stopping.model_copy(update={"stopped": False, "step": 4, "total_steps": 4,
+                                                           "reason": None})
+    report = RunReport(run_name="demo", run_id="r1", model="tiny", model_revision=None, gpu="RTX 4090", gpu_count=1,
+                       endpoint_name="loraflow-demo-abc-a1", metrics=STOPPED.model_copy(update={"early_stopping":
+                                                                                                to_the_end}),
+                       cost_ceiling_usd=0.35, estimated_cost_usd=0.0005, adapter_url="file:///s/runs/r1/adapter",
+                       store_url="file:///s")
+    assert "| Early stopping | trained to step 4 of 4; adapter from step 2 (eval_loss 3.4000, the best evaluation) |" \
+        in summary_markdown(report)
+
+
+def test_an_early_stopped_jobs_progress_line_gives_the_steps_planned_and_where_it_stopped():
+    output = {"run_id": "r1", "attempt": 1, "run_prefix": "runs/r1", "adapter_path": "runs/r1/adapter",
+              "metrics": STOPPED.model_dump(mode="json")}
+    assert finished_description(output).startswith("completed: step 4/40 · loss 1.2500 · eval loss 2.0500 · "
+                                                   "494 tokens/s · ETA 0s · stopped at step 4 of 40: ")
 
 
 def test_the_metrics_table_gives_the_eval_loss_at_the_evaluated_steps():

@@ -267,6 +267,35 @@ def test_reduce_on_plateau_without_evaluation_is_refused_before_anything_is_rent
     assert "an `evaluation` section" in str(e.value)
 
 
+def test_early_stopping_without_evaluation_is_refused_naming_both_before_anything_is_rented(tmp_path):
+    run_file = tmp_path / "run.toml"
+    run_file.write_text('artifact_store = "hf://datasets/acme/runs"\n[model]\nid = "Qwen/Qwen3-0.6B"\n'
+                        '[dataset]\nhub_id = "trl-lib/Capybara"\n[training.early_stopping]\npatience = 2\n')
+    with pytest.raises(SpecError) as e:
+        load_run_file(run_file)
+    assert "  - evaluation: Value error, `training.early_stopping` stops when held-out evaluation stops improving, " \
+           "and the run has no `[evaluation]` section: add one" in str(e.value)
+
+
+def test_early_stopping_watches_the_algorithms_own_metric_unless_told():
+    spec = RunSpec.model_validate(minimal(training={"early_stopping": {"patience": 2, "min_delta": 0.01}},
+                                          evaluation={"fraction": 0.1}))
+    assert spec.training.early_stopping.metric_for(spec.algorithm) == "eval_loss"
+    grpo = RunSpec.model_validate(minimal(algorithm="grpo", grpo={"rewards": [{"name": "digit_fraction"}]},
+                                          training={"early_stopping": {}}, evaluation={"fraction": 0.1}))
+    assert grpo.training.early_stopping.metric_for(grpo.algorithm) == "eval_reward"
+
+
+def test_early_stopping_on_a_metric_the_algorithm_does_not_record_is_refused_with_the_ones_it_does():
+    with pytest.raises(ValidationError) as e:
+        RunSpec.model_validate(minimal(algorithm="grpo", grpo={"rewards": [{"name": "digit_fraction"}]},
+                                       training={"early_stopping": {"metric": "eval_loss"}},
+                                       evaluation={"fraction": 0.1}))
+    assert "evaluation" in error_fields(e.value)
+    assert "`training.early_stopping.metric` 'eval_loss' is recorded by sft and dpo runs only, not by algorithm " \
+           "'grpo': use eval_reward" in str(e.value)
+
+
 def test_an_optimizer_and_an_8bit_fast_path_switch_together_are_refused_naming_both():
     with pytest.raises(ValidationError) as e:
         RunSpec.model_validate(minimal(training={"optimizer": "adamw_torch"}, fast_paths={"paged_adamw_8bit": True}))

@@ -24,10 +24,12 @@ from tasks.settings import make_client
 
 
 def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | None = None,
-                on_submitted: Callable[[], None] | None = None) -> tuple[JobOutcome, UndeletedEndpoint | None]:
+                on_submitted: Callable[[], None] | None = None,
+                run_name: str | None = None) -> tuple[JobOutcome, UndeletedEndpoint | None]:
     """One endpoint's life, inside one quota slot: create → submit → wait → delete (always). The id of the
     endpoint it created is appended to `endpoint_ids`; `on_submitted` is called once the job is submitted (work
-    the flow can do while the job runs, off the path from the slot to the submit).
+    the flow can do while the job runs, off the path from the slot to the submit); `run_name` labels the run's
+    evaluation events (`wait_for_job`).
 
     When the delete stays unconfirmed after its retries, a slot lease of its own and a record
     (`UndeletedEndpoint`, returned) outlive the attempt, for the reconciler; the attempt's outcome, or the
@@ -39,7 +41,7 @@ def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | 
     with rented_endpoint(plan.endpoint_name, plan.run_id, logger=get_run_logger(),
                          give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S) as rental:
         try:
-            outcome = _create_submit_wait(plan, progress_key, rental, on_submitted)
+            outcome = _create_submit_wait(plan, progress_key, rental, on_submitted, run_name)
         finally:
             if rental.endpoint is not None and endpoint_ids is not None:
                 endpoint_ids.append(rental.endpoint.id)
@@ -47,7 +49,7 @@ def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | 
 
 
 def _create_submit_wait(plan: AttemptPlan, progress_key: str, rental: Rental,
-                        on_submitted: Callable[[], None] | None) -> JobOutcome:
+                        on_submitted: Callable[[], None] | None, run_name: str | None) -> JobOutcome:
     if run_cancel_requested():  # cancelled while it waited for the slot: create nothing
         return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
                           error="the run was cancelled while it waited for an endpoint slot")
@@ -81,7 +83,7 @@ def _create_submit_wait(plan: AttemptPlan, progress_key: str, rental: Rental,
         return JobOutcome(kind="submit_failed", job_id="", status="UNKNOWN", error=str(error))
     if on_submitted is not None:
         on_submitted()
-    return wait_for_job(endpoint, submitted.result(), plan.limits, progress_key=progress_key)
+    return wait_for_job(endpoint, submitted.result(), plan.limits, progress_key=progress_key, run_name=run_name)
 
 
 def existing_volume_ids() -> set[str] | None:

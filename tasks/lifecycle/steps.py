@@ -122,9 +122,11 @@ def submit_job(endpoint: Endpoint, job_input: dict[str, Any], policy: JobPolicy)
 
 @task(name="wait-for-job", cache_policy=NO_CACHE)
 def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_interval_s: float = 2.0,
-                 progress_key: str | None = None) -> JobOutcome:
+                 progress_key: str | None = None, run_name: str | None = None) -> JobOutcome:
     """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log,
-    and sending the endpoint's heartbeat event (`tasks/lifecycle/liveness.py`) the reconciler reads.
+    sending the endpoint's heartbeat event (`tasks/lifecycle/liveness.py`) the reconciler reads, and
+    `loraflow.run.evaluated` for each held-out evaluation the worker reports (`run_name`: the run's, for the event's
+    labels).
 
     Reads this flow run's state from the Prefect API as it goes: a cancel (UI, CLI or API) cancels the
     job here, whether a worker, `serve` or a plain `python -m flows.train` runs the flow.
@@ -134,6 +136,11 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
     artifact_id = create_progress_artifact(progress=0.0, key=progress_key, description="Training progress")
     last: dict[str, Any] = {"status": None, "progress": None, "logged": time.monotonic(), "error_logged": None,
                             "percent": 0.0, "shown": {}, "placement_reads": 0}
+    evaluations = events.Evaluations()
+
+    def announce(seen: list[events.Evaluation]) -> None:
+        for evaluation in seen if flow_run.id else []:
+            events.run_evaluated(flow_run.id, run_name, evaluation)
 
     def on_status(status: JobStatus) -> None:
         beat(endpoint, status.status)
@@ -161,6 +168,7 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
                 last["percent"] = min(100.0, 100.0 * step / total)
             # The bar says how far; the description says how fast, how well and how long still.
             update_progress_artifact(artifact_id=artifact_id, progress=last["percent"], description=line)
+            announce(evaluations.from_progress(progress))
         elif now - last["logged"] >= heartbeat_s:
             logger.info("Job %s still %s", job_id, status.status)
             last["logged"] = now
@@ -188,6 +196,7 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
         # Polls may miss the last updates of a short run: the result's metrics give the final line.
         update_progress_artifact(artifact_id=artifact_id, progress=100.0,
                                  description=finished_description(outcome.output))
+        announce(evaluations.from_result(outcome.output))
     logger.info("Job %s ended: %s%s", job_id, outcome.kind, f" ({outcome.error})" if outcome.error else "")
     return outcome
 

@@ -5,6 +5,7 @@
 | `loraflow.endpoint.created` | `loraflow.endpoint.<endpoint id>` | an attempt's endpoint exists (made, or found by name) |
 | `loraflow.endpoint.deleted` | `loraflow.endpoint.<endpoint id>` | its deletion is confirmed |
 | `loraflow.attempt.given-up` | `loraflow.run.<flow run id>` | an attempt ended without stored results |
+| `loraflow.run.evaluated` | `loraflow.run.<flow run id>` | an attempt's worker evaluated on the held-out examples |
 | `loraflow.run.finished` | `loraflow.run.<flow run id>` | the run ended: completed, failed or cancelled |
 | `loraflow.volume.used` | `loraflow.volume.<volume id>` | a run attached a warm volume, or a preload sweep used one |
 | `loraflow.run.placed` | `loraflow.data-center.<datacenter id>` | a training run's worker started its job there |
@@ -25,16 +26,18 @@ placements back, for the preload sweep's default datacenters.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from loraflow_worker.contract import TrainMetrics
+from loraflow_worker.contract import EVAL_METRICS, PROGRESS_EVAL_FIELDS, JobResult, TrainMetrics
+from pydantic import ValidationError
 from prefect.events import Event, emit_event
 
 ENDPOINT_CREATED = "loraflow.endpoint.created"
 ENDPOINT_DELETED = "loraflow.endpoint.deleted"
 ATTEMPT_GIVEN_UP = "loraflow.attempt.given-up"
 RUN_FINISHED = "loraflow.run.finished"
+RUN_EVALUATED = "loraflow.run.evaluated"
 VOLUME_USED = "loraflow.volume.used"
 RUN_PLACED = "loraflow.run.placed"
 STUDY_FINISHED = "loraflow.study.finished"
@@ -77,6 +80,63 @@ def attempt_given_up(run_id: str, run_name: str, *, attempt: int, outcome: str, 
     return emit_event(event=ATTEMPT_GIVEN_UP, resource=resource, related=related,
                       payload={"attempt": attempt, "outcome": outcome, "reason": reason, "retry": retry,
                                "error": (error or "")[:_MAX_TEXT]})
+
+
+@dataclass
+class Evaluation:
+    """One held-out evaluation of a run: its step (of `total_steps`, when known) and the metrics, by their names in
+    `metrics.json` (`eval_loss`, `eval_reward`, `eval_reward_accuracies`, `eval_reward_margins`)."""
+
+    step: int
+    values: dict[str, float]
+    total_steps: int | None = None
+
+
+def run_evaluated(run_id: str, run_name: str | None, evaluation: Evaluation) -> Event | None:
+    """Send `loraflow.run.evaluated`: the run's worker evaluated on the held-out examples; the payload holds `step`,
+    `total_steps` and each metric by its name."""
+    return emit_event(event=RUN_EVALUATED, resource=_run(run_id, None, run_name),
+                      payload={"step": evaluation.step, "total_steps": evaluation.total_steps} | evaluation.values)
+
+
+@dataclass
+class Evaluations:
+    """The evaluations one attempt's watch has seen, each handed out once (to be sent as `loraflow.run.evaluated`):
+    as the worker's progress shows them (`Progress.eval_step` names the step of the values it carries), and, when the
+    job completed, those of its result that no progress showed (two evaluations between two polls, a short run's
+    last ones), leaving out those before the checkpoint the attempt resumed from (an earlier attempt's)."""
+
+    seen: set[int] = field(default_factory=set)
+
+    def from_progress(self, progress: dict[str, Any]) -> list[Evaluation]:
+        """The new evaluation a worker progress update (`Progress`, as a dict) shows, if any."""
+        step = progress.get("eval_step")
+        values = {metric: float(progress[name]) for name, metric in PROGRESS_EVAL_FIELDS.items()
+                  if isinstance(progress.get(name), (int, float))}
+        total = progress.get("total_steps")
+        if not isinstance(step, int) or not values:
+            return []
+        return self._new([Evaluation(step, values, total if isinstance(total, int) else None)])
+
+    def from_result(self, output: Any) -> list[Evaluation]:
+        """The evaluations of a completed job's result (`JobResult`) that no progress update showed."""
+        try:
+            result = JobResult.model_validate(output)
+        except ValidationError:
+            return []  # the run is judged by what its store holds, not by this
+        metrics = result.metrics
+        by_step: dict[int, dict[str, float]] = {}
+        for metric in EVAL_METRICS:
+            for step, value in getattr(metrics, metric):
+                by_step.setdefault(step, {})[metric] = value
+        total = metrics.early_stopping.total_steps if metrics.early_stopping else metrics.steps
+        return self._new([Evaluation(step, values, total) for step, values in sorted(by_step.items())
+                          if step >= result.resumed_from_step])
+
+    def _new(self, evaluations: list[Evaluation]) -> list[Evaluation]:
+        new = [evaluation for evaluation in evaluations if evaluation.step not in self.seen]
+        self.seen.update(evaluation.step for evaluation in new)
+        return new
 
 
 def run_finished(run_id: str, run_name: str, *, status: RunStatus, attempts: int, cost_usd: float | None,

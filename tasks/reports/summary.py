@@ -140,19 +140,22 @@ def progress_description(progress: dict[str, Any]) -> str:
 
 
 def finished_description(job_output: Any) -> str:
-    """The progress line of a completed job, from its result (`JobResult`): steps, final loss, tokens/s."""
+    """The progress line of a completed job, from its result (`JobResult`): steps (of those planned, and where it
+    stopped, when early stopping ended it), final loss, tokens/s."""
     try:
         metrics = JobResult.model_validate(job_output).metrics
     except ValidationError:
         return "completed"  # the run is judged by what its store holds (`collect`), not by this line
+    stopping = metrics.early_stopping
     return progress_description({
-        "stage": "completed", "step": metrics.steps, "total_steps": metrics.steps, "loss": metrics.final_loss,
+        "stage": "completed", "step": metrics.steps, "total_steps": stopping.total_steps if stopping else metrics.steps,
+        "loss": metrics.final_loss,
         "reward": metrics.rewards[-1][1] if metrics.rewards else None,
         "eval_loss": metrics.eval_loss[-1][1] if metrics.eval_loss else None,
         "eval_reward": metrics.eval_reward[-1][1] if metrics.eval_reward else None,
         "reward_accuracy": (metrics.eval_reward_accuracies or metrics.reward_accuracies or [(0, None)])[-1][1],
         "tokens_per_second": metrics.tokens / metrics.wall_seconds if metrics.wall_seconds > 0 else None,
-        "eta_seconds": 0})
+        "eta_seconds": 0, "message": stopping.summary() if stopping and stopping.stopped else ""})
 
 
 def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
@@ -175,6 +178,7 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
           if report.forced_memory else []),
         ("Device (worker)", m.device),
         ("Steps", str(m.steps)),
+        *([("Early stopping", m.early_stopping.summary())] if m.early_stopping else []),
         ("Loss (first → final)", loss),
         *([("Loss on", _loss_on(report.loss))] if report.loss else []),
         *([("Mean reward (first → final)", rewards)] if rewards else []),

@@ -141,10 +141,11 @@ def test_sft_stores_an_eval_loss_series_from_the_start_to_the_last_step_that_fal
     assert stored.eval_reward == [] and stored.eval_loss == sft_run.result.metrics.eval_loss
 
 
-def test_sft_progress_carries_the_latest_eval_loss(sft_run):
+def test_sft_progress_carries_the_latest_eval_loss_and_its_step(sft_run):
     evaluated = [update for update in sft_run.progress if update.eval_loss is not None]
-    assert evaluated and evaluated[0].step == 0  # the evaluation before the first step goes out at once
+    assert evaluated and evaluated[0].step == evaluated[0].eval_step == 0  # the first evaluation goes out at once
     assert evaluated[-1].eval_loss == sft_run.result.metrics.eval_loss[-1][1]
+    assert {update.eval_step: update.eval_loss for update in evaluated} == dict(sft_run.result.metrics.eval_loss)
 
 
 def test_grpo_stores_the_mean_eval_reward_at_the_start_every_n_steps_and_the_end(grpo_run):
@@ -154,9 +155,11 @@ def test_grpo_stores_the_mean_eval_reward_at_the_start_every_n_steps_and_the_end
     assert metrics.eval_loss == []  # GRPO's eval loss says nothing a user needs
 
 
-def test_grpo_progress_carries_the_latest_eval_reward(grpo_run):
+def test_grpo_progress_carries_the_latest_eval_reward_and_its_step(grpo_run):
     evaluated = [update for update in grpo_run.progress if update.eval_reward is not None]
     assert evaluated and evaluated[-1].eval_reward == grpo_run.outcome.metrics.eval_reward[-1][1]
+    assert {update.eval_step: update.eval_reward for update in evaluated} == dict(grpo_run.outcome.metrics.eval_reward)
+    assert all(update.eval_loss is None for update in evaluated)  # GRPO's eval loss is not its evaluation
 
 
 def test_grpo_trains_on_the_rows_left_after_the_held_out_ones(grpo_run, tmp_path):

@@ -43,6 +43,8 @@ from loraflow_worker.contract.memory_settings import MemorySettings, memory_sett
 from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
 from loraflow_worker.contract.results import (
     TRAJECTORIES_FILE,
+    PROGRESS_EVAL_FIELDS,
+    EarlyStopped,
     JobResult,
     PartialResult,
     Progress,
@@ -53,9 +55,12 @@ from loraflow_worker.contract.results import (
 from loraflow_worker.contract.sources import DatasetSource, MixSource, ModelSource, RowFormat, SourceFields
 from loraflow_worker.contract.stored_inputs import StoredInputs
 from loraflow_worker.contract.training_settings import (
+    EVAL_METRICS,
+    EarlyStoppingSettings,
     EvaluationSettings,
     LoraSettings,
     TrainingSettings,
+    early_stopping_problems,
     optimisation_problems,
 )
 from loraflow_worker.contract.version import CONTRACT_VERSION
@@ -76,6 +81,10 @@ __all__ = [
     "MixSource",
     "RowFormat",
     "SourceFields",
+    "EVAL_METRICS",
+    "PROGRESS_EVAL_FIELDS",
+    "EarlyStopped",
+    "EarlyStoppingSettings",
     "EvaluationSettings",
     "FastPathSettings",
     "GrpoSettings",
@@ -98,6 +107,7 @@ __all__ = [
     "TrainMetrics",
     "TrainingSettings",
     "colocated_vllm_problems",
+    "early_stopping_problems",
     "grpo_setting_problems",
     "memory_setting_problems",
     "optimisation_problems",

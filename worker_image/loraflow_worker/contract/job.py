@@ -18,6 +18,7 @@ from loraflow_worker.contract.training_settings import (
     EvaluationSettings,
     LoraSettings,
     TrainingSettings,
+    early_stopping_problems,
     optimisation_problems,
 )
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
@@ -68,7 +69,7 @@ class JobInput(_Strict):
         description="DPO settings when `algorithm` is `dpo` (None: their defaults), refused otherwise.",
     )
     evaluation: EvaluationSettings | None = Field(
-        default=None, description="Held-out evaluation while training; None: no evaluation."
+        default=None, validate_default=True, description="Held-out evaluation while training; None: no evaluation."
     )
     artifact_store: str = Field(
         min_length=1,
@@ -148,6 +149,17 @@ class JobInput(_Strict):
             if problems:
                 raise ValueError("; ".join(problems))
         return dpo
+
+    @field_validator("evaluation")
+    @classmethod
+    def _early_stopping_has_its_evaluation(cls, evaluation: EvaluationSettings | None,
+                                           info: ValidationInfo) -> EvaluationSettings | None:
+        # Validated when unset too (`validate_default`): early stopping without an evaluation is the refusal.
+        if all(name in info.data for name in ("algorithm", "training")):
+            problems = early_stopping_problems(info.data["algorithm"], info.data["training"], evaluation)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return evaluation
 
     @field_validator("worker_env_names", "worker_secret_names")
     @classmethod

@@ -11,6 +11,35 @@ from loraflow_worker.contract.stored_inputs import Sha256
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
 
+class EarlyStopped(_Strict):
+    """What `training.early_stopping` did in a run: where training ended, of how many steps, and which
+    evaluation's adapter was kept."""
+
+    metric: str = Field(description="The evaluation metric watched, by its name here (e.g. `eval_loss`).")
+    patience: int = Field(description="Evaluations in a row without an improvement that stop training.")
+    min_delta: float = Field(description="The least change that counts as an improvement.")
+    stopped: bool = Field(description="True: training stopped before its last step; False: it trained to the end.")
+    step: int = Field(description="The step training ended at (`steps`).")
+    total_steps: int = Field(description="Optimizer steps the run was to take.")
+    best_step: int | None = Field(
+        description="The step of the best evaluation, whose adapter is the run's adapter (None: no evaluation gave a "
+        "number, and the adapter is the last step's).")
+    best_value: float | None = Field(description="`metric` at `best_step`.")
+    reason: str | None = Field(
+        description="Why training stopped, e.g. `eval_loss did not improve by more than 0.01 for 3 evaluations`; None "
+        "when it trained to the end.")
+
+    def summary(self) -> str:
+        """One line for people: where training ended and which step's adapter the run keeps."""
+        if self.best_step is None:
+            kept = f"adapter from step {self.step}: no evaluation gave a {self.metric}"
+        else:
+            kept = f"adapter from step {self.best_step} ({self.metric} {self.best_value:.4f}, the best evaluation)"
+        if self.stopped:
+            return f"stopped at step {self.step} of {self.total_steps}: {self.reason}; {kept}"
+        return f"trained to step {self.step} of {self.total_steps}; {kept}"
+
+
 class TrainMetrics(_Strict):
     """Summary of a finished training run, as stored in `metrics.json`."""
 
@@ -57,6 +86,11 @@ class TrainMetrics(_Strict):
     tokens: int = Field(description="Training tokens processed (non-padding).")
     wall_seconds: float = Field(description="Seconds spent in training.")
     device: str = Field(description="Device trained on, e.g. `cpu` or `cuda:0 (NVIDIA H100 80GB HBM3)`.")
+    early_stopping: EarlyStopped | None = Field(
+        default=None,
+        description="With `training.early_stopping`: where training ended, of how many steps, why, and the step whose "
+        "adapter the run stored (its best evaluation); None otherwise.",
+    )
 
 
 class TrackerRun(_Strict):
@@ -84,6 +118,9 @@ class JobResult(_Strict):
     run_prefix: str = Field(description="Path of this run's folder inside the artifact store, e.g. `runs/<run_id>`.")
     adapter_path: str = Field(description="Path of the adapter folder inside the artifact store.")
     metrics: TrainMetrics
+    resumed_from_step: int = Field(
+        default=0, description="The step of the checkpoint this attempt resumed from (0: it trained from the start): "
+        "what `metrics` holds of the steps before it, an earlier attempt trained.")
     trackers: list[TrackerRun] = Field(
         default_factory=list, description="Where the trackers of `training.report_to` recorded this attempt.")
     adapter_sha256: dict[str, Sha256] = Field(
@@ -129,9 +166,24 @@ class Progress(_Strict):
         default=None, description="Latest loss on the held-out examples (SFT with evaluation).")
     eval_reward: float | None = Field(
         default=None, description="Latest mean reward on the held-out prompts (GRPO with evaluation).")
+    eval_reward_accuracy: float | None = Field(
+        default=None, description="Latest reward accuracy on the held-out pairs (DPO with evaluation: "
+        "`eval_reward_accuracies`' latest value).")
+    eval_reward_margin: float | None = Field(
+        default=None, description="Latest reward margin on the held-out pairs (DPO with evaluation: "
+        "`eval_reward_margins`' latest value).")
+    eval_step: int | None = Field(
+        default=None, description="The step of the latest evaluation, whose values the `eval_*` fields hold: a new "
+        "one tells the control plane that an evaluation happened (None: none yet).")
     tokens_per_second: float | None = Field(default=None, description="Training tokens per second in this attempt so far.")
     eta_seconds: float | None = Field(default=None, description="Estimated seconds until training ends.")
     message: str = Field(default="", max_length=2000, description="Free text for the log.")
+
+
+PROGRESS_EVAL_FIELDS = {"eval_loss": "eval_loss", "eval_reward": "eval_reward",
+                        "eval_reward_accuracy": "eval_reward_accuracies", "eval_reward_margin": "eval_reward_margins"}
+"""`Progress`' evaluation fields → the metric each is the latest value of (its name in `TrainMetrics` and in
+`training.early_stopping.metric`)."""
 
 
 TRAJECTORIES_FILE = "trajectories.jsonl"

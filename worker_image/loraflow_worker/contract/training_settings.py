@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -237,6 +237,56 @@ def init_from_problem(value: str) -> str | None:
 _HUB_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")
 
 
+EvalMetric = Literal["eval_loss", "eval_reward", "eval_reward_accuracies", "eval_reward_margins"]
+"""The held-out evaluation metrics a run records, by their names in `TrainMetrics` (`metrics.json`)."""
+class EvalMetricInfo(NamedTuple):
+    algorithms: tuple[str, ...]
+    """The algorithms whose runs record it."""
+    better: Literal["lower", "higher"]
+    log_key: str
+    """The key TRL's trainer logs it under."""
+
+
+EVAL_METRICS: dict[str, EvalMetricInfo] = {
+    "eval_loss": EvalMetricInfo(("sft", "dpo"), "lower", "eval_loss"),
+    "eval_reward": EvalMetricInfo(("grpo",), "higher", "eval_reward"),
+    "eval_reward_accuracies": EvalMetricInfo(("dpo",), "higher", "eval_rewards/accuracies"),
+    "eval_reward_margins": EvalMetricInfo(("dpo",), "higher", "eval_rewards/margins"),
+}
+"""Each evaluation metric: who records it, which way is better, and where TRL logs it."""
+
+
+def default_eval_metric(algorithm: str) -> str:
+    """The evaluation metric an algorithm records first: the held-out loss (SFT, DPO) or mean reward (GRPO)."""
+    return "eval_reward" if algorithm == "grpo" else "eval_loss"
+
+
+class EarlyStoppingSettings(_Strict):
+    """The rule of transformers' `EarlyStoppingCallback` (`early_stopping_patience`, `early_stopping_threshold`),
+    with the best evaluation's adapter kept as `load_best_model_at_end` keeps it."""
+
+    metric: EvalMetric | None = Field(
+        default=None,
+        description="The evaluation metric watched: `eval_loss` (SFT, DPO; lower is better), `eval_reward` (GRPO; "
+        "higher is better), `eval_reward_accuracies` or `eval_reward_margins` (DPO's held-out pairs; higher is "
+        "better). Empty: `eval_loss`, or `eval_reward` for GRPO.",
+    )
+    patience: int = Field(
+        default=3, ge=1, le=10_000,
+        description="Stop after this many evaluations in a row (every `evaluation.every_steps` steps) that did not "
+        "improve on the best by more than `min_delta`.",
+    )
+    min_delta: float = Field(
+        default=0.0, ge=0.0, le=1_000_000.0,
+        description="How much better than the best so far an evaluation must be to count as an improvement (0: any "
+        "better value).",
+    )
+
+    def metric_for(self, algorithm: str) -> str:
+        """The metric watched in a run of `algorithm`."""
+        return self.metric or default_eval_metric(algorithm)
+
+
 class TrainingSettings(_Strict):
     """Optimisation settings shared by every algorithm."""
 
@@ -337,6 +387,14 @@ class TrainingSettings(_Strict):
     keep_checkpoints: int = Field(
         default=1, ge=1, le=100,
         description="Checkpoints kept in the artifact store; older ones are deleted in the commit that adds a new one.",
+    )
+    early_stopping: EarlyStoppingSettings | None = Field(
+        default=None,
+        description="Stop training once held-out evaluation (`[evaluation]`, which it needs) stops improving: after "
+        "`patience` evaluations in a row without an improvement of more than `min_delta` in `metric`. The adapter "
+        "stored is the one of the best evaluation (the last that improved), whether the run stopped early or trained "
+        "to its last step; the metrics and the summary say where it stopped, of how many steps, and which step's "
+        "adapter was kept. Empty: train every step, keep the last step's adapter.",
     )
     report_to: list[Literal["wandb", "mlflow"]] = Field(
         default_factory=list,
@@ -451,6 +509,25 @@ def sft_only_settings(training: TrainingSettings) -> list[str]:
     return [f"`training.{name}`" for name, default in
             (("loss_on", "completion"), ("chat_template", None), ("packing", False))
             if getattr(training, name) != default]
+
+
+def early_stopping_problems(algorithm: str, training: TrainingSettings, evaluation: object | None) -> list[str]:
+    """What is wrong with a job's `training.early_stopping` given its algorithm and evaluation (empty when nothing).
+    Shared by the worker's `JobInput` and the control plane's run spec."""
+    stopping = training.early_stopping
+    if stopping is None:
+        return []
+    problems = []
+    if evaluation is None:
+        problems.append("`training.early_stopping` stops when held-out evaluation stops improving, and the run has no "
+                        "`[evaluation]` section: add one (e.g. `fraction = 0.1`) or remove `training.early_stopping`")
+    metric = stopping.metric_for(algorithm)
+    algorithms = EVAL_METRICS[metric].algorithms
+    if algorithm not in algorithms:
+        recorded = [name for name, info in EVAL_METRICS.items() if algorithm in info.algorithms]
+        problems.append(f"`training.early_stopping.metric` '{metric}' is recorded by {' and '.join(algorithms)} runs "
+                        f"only, not by algorithm '{algorithm}': use {' or '.join(recorded)}")
+    return problems
 
 
 def optimisation_problems(algorithm: str, training: TrainingSettings, evaluation: object | None,

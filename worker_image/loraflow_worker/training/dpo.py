@@ -51,7 +51,8 @@ def train_dpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model, peft_config = model_and_adapter(model_path, job, plan, store, work_dir)
-    monitor = TrainingMonitor(report, job.deadline_epoch_s, eval_key="eval_loss" if held_out is not None else None)
+    monitor = TrainingMonitor(report, job.deadline_epoch_s, eval_key="eval_loss" if held_out is not None else None,
+                              eval_extras=("eval_reward_accuracies", "eval_reward_margins"))
     trainer = DPOTrainer(
         model=model,
         args=dpo_config(job, plan, work_dir),

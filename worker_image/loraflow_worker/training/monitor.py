@@ -8,10 +8,14 @@ from typing import Literal
 
 from transformers import TrainerCallback
 
-from loraflow_worker.contract import Progress
+from loraflow_worker.contract import EVAL_METRICS, PROGRESS_EVAL_FIELDS, Progress
 
 PROGRESS_INTERVAL_S = 2.0
 """Least time between two training progress updates (the first and last are always sent)."""
+
+
+EVAL_PROGRESS = {EVAL_METRICS[metric].log_key: field for field, metric in PROGRESS_EVAL_FIELDS.items()}
+"""The key TRL's trainer logs each evaluation metric under → the `Progress` field of its latest value."""
 
 
 class DeadlineReached(RuntimeError):
@@ -28,7 +32,8 @@ def check_deadline(deadline_epoch_s: float | None) -> None:
 
 class TrainingMonitor(TrainerCallback):
     """Collects (step, loss) and (step, learning rate) pairs, the latest mean reward (GRPO logs one) and, given `eval_key`, the (step, value)
-    pairs of that evaluation metric (`eval_loss` for SFT, `eval_reward` for GRPO); sends progress at most every
+    pairs of that evaluation metric (`eval_loss` for SFT, `eval_reward` for GRPO); sends progress, with the latest
+    evaluation's values (`eval_key`'s and `eval_extras`') and its step, at most every
     `PROGRESS_INTERVAL_S` (plus the first logged loss, each evaluation and the end), and stops training once the
     deadline passes (`deadline_hit` tells), having the Trainer checkpoint that last step first, and not evaluate
     it, so that the run can resume there within the supervisor's grace.
@@ -37,10 +42,15 @@ class TrainingMonitor(TrainerCallback):
     history from the checkpoint's `trainer_state.json` before training begins."""
 
     def __init__(self, report: Callable[[Progress], None], deadline_epoch_s: float | None,
-                 eval_key: Literal["eval_loss", "eval_reward"] | None = None):
+                 eval_key: Literal["eval_loss", "eval_reward"] | None = None, eval_extras: tuple[str, ...] = ()):
         self.report = report
         self.deadline_epoch_s = deadline_epoch_s
         self.eval_key = eval_key
+        # What each update carries of the latest evaluation: `eval_key`'s value and the extras' (`EVAL_METRICS`
+        # names: DPO's held-out reward accuracy and margin), by their progress fields, and its step.
+        self._eval_logs = {EVAL_METRICS[metric].log_key for metric in (eval_key, *eval_extras) if metric}
+        self._latest_eval: dict[str, float] = {}
+        self._eval_step: int | None = None
         self.losses: list[tuple[int, float]] = []
         self.learning_rates: list[tuple[int, float]] = []
         self._evaluations: dict[int, float] = {}  # by step: a resumed run evaluates its first step again
@@ -63,6 +73,8 @@ class TrainingMonitor(TrainerCallback):
                                if "learning_rate" in entry]
         self._evaluations = {entry["step"]: float(entry[self.eval_key]) for entry in state.log_history
                              if self.eval_key in entry and entry[self.eval_key] is not None}
+        for entry in state.log_history:
+            self._note_evaluation(entry["step"], entry)
         self._started = (time.monotonic(), state.global_step, state.num_input_tokens_seen)
         # The first update goes out with the first logged loss (on_log), not before it.
         self._last_sent = time.monotonic()
@@ -82,10 +94,18 @@ class TrainingMonitor(TrainerCallback):
             if not self._logged:  # the first loss of this attempt goes out at once
                 self._logged = True
                 self._send(state)
-        # TRL logs None for a metric no batch had a value for (a reward that returned None for every prompt).
         if logs and self.eval_key is not None and logs.get(self.eval_key) is not None:
             self._evaluations[state.global_step] = float(logs[self.eval_key])
+        if logs and self._note_evaluation(state.global_step, logs):
             self._send(state)  # an evaluation is rare news: out at once
+
+    def _note_evaluation(self, step: int, logs: dict) -> bool:
+        """Keep the evaluation metrics `logs` holds (none: False) as the latest, at `step`."""
+        # TRL logs None for a metric no batch had a value for (a reward that returned None for every prompt).
+        values = {EVAL_PROGRESS[key]: float(logs[key]) for key in self._eval_logs if logs.get(key) is not None}
+        if values:
+            self._latest_eval, self._eval_step = values, step
+        return bool(values)
 
     def on_step_end(self, args, state, control, **kwargs):
         passed = self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s
@@ -108,7 +128,6 @@ class TrainingMonitor(TrainerCallback):
     def _send(self, state) -> None:
         self._last_sent = time.monotonic()
         loss = self.losses[-1][1] if self.losses else None
-        latest = {self.eval_key: self.evaluations[-1][1]} if self.eval_key and self._evaluations else {}
         started_at, first_step, first_tokens = self._started
         elapsed, steps_done = self._last_sent - started_at, state.global_step - first_step
         tokens_per_second = eta_seconds = None
@@ -117,4 +136,5 @@ class TrainingMonitor(TrainerCallback):
             eta_seconds = round(max(state.max_steps - state.global_step, 0) * elapsed / steps_done, 1)
         self.report(Progress(stage="training", step=state.global_step, total_steps=state.max_steps, loss=loss,
                              reward=self.reward, reward_accuracy=self.reward_accuracy,
-                             tokens_per_second=tokens_per_second, eta_seconds=eta_seconds, **latest))
+                             tokens_per_second=tokens_per_second, eta_seconds=eta_seconds,
+                             eval_step=self._eval_step, **self._latest_eval))

@@ -30,6 +30,7 @@ from loraflow_worker.artifacts.manifest import (
 )
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, TrainMetrics
 from loraflow_worker.training.checkpoints import save_settings
+from loraflow_worker.training.early_stopping import EarlyStopping
 from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
 from loraflow_worker.training.monitor import TrainingMonitor
 from loraflow_worker.training.tracking import tracker_run_name
@@ -242,7 +243,8 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
                    work_dir: Path, resume_from: Path | None) -> tuple[Path, float]:
     """Train (from `resume_from` when given) and save the adapter; returns (adapter folder, wall seconds).
     When the job's deadline stopped training first (`TrainingMonitor.deadline_hit`), the adapter saved is the
-    one trained so far, and the Trainer has checkpointed the last step (see `package_outcome`)."""
+    one trained so far, and the Trainer has checkpointed the last step (see `package_outcome`). With early stopping
+    (an `EarlyStopping` among the trainer's callbacks), the adapter saved is the best evaluation's."""
     check_modules_to_save(trainer.model, job.lora.modules_to_save)
     if job.lora.quantization == "4bit":
         keep_saved_modules_in_fp32(trainer.model)
@@ -262,6 +264,9 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
     started = time.monotonic()
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     wall_seconds = time.monotonic() - started
+    if (stopping := EarlyStopping.of(trainer)) is not None:
+        # `training.early_stopping`: the run keeps its best evaluation's adapter, saved below like any other.
+        stopping.restore_best(trainer.model, trainer.state.global_step)
     adapter_dir = work_dir / "adapter"
     # Point the adapter at the Hub model and commit, not at this worker's download folder.
     trainer.model.peft_config[TRAINED_ADAPTER].base_model_name_or_path = job.model.id
@@ -292,6 +297,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
     evaluations = {monitor.eval_key: monitor.evaluations} if monitor.eval_key else {}
     if job.algorithm == "dpo":
         evaluations |= preference_series(trainer.state.log_history)
+    stopping = EarlyStopping.of(trainer)
     metrics = TrainMetrics(
         steps=trainer.state.global_step,
         losses=monitor.losses,
@@ -303,6 +309,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         tokens=int(trainer.state.num_input_tokens_seen),
         wall_seconds=wall_seconds,
         device=device,
+        early_stopping=stopping.record(trainer.state.global_step, trainer.state.max_steps) if stopping else None,
     )
     manifest = RunManifest(
         contract_version=CONTRACT_VERSION,

@@ -80,8 +80,15 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     prefix = run_prefix(job.run_id)
     resume_from = download_latest_checkpoint(store, prefix, work_dir / "trainer")
     if resume_from is not None:
-        report_progress(Progress(stage="loading", message=f"resuming from the checkpoint at step {resume_from.name.rpartition('-')[2]}"))
+        report_progress(Progress(stage="loading",
+                                 message=f"resuming from the checkpoint at step {_checkpoint_step(resume_from)}"))
     callbacks: list[TrainerCallback] = [CheckpointUploader(store, prefix, job.training.keep_checkpoints)]
+    if job.training.early_stopping is not None:
+        from loraflow_worker.training.early_stopping import EarlyStopping
+        from loraflow_worker.training.run import TRAINED_ADAPTER
+
+        # Before the uploader: its `on_save` puts the best evaluation's adapter into the checkpoint the uploader stores.
+        callbacks.insert(0, EarlyStopping(job.training.early_stopping, job.algorithm, work_dir, TRAINED_ADAPTER))
     if job.training.checkpoint_every_minutes is not None:
         callbacks.append(CheckpointTimer(job.training.checkpoint_every_minutes * 60.0))
     start_tracking(job, work_dir)
@@ -105,14 +112,21 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     # The final loss (and reward) go with it: a short run may end between two of the control plane's polls, and
     # this is then the only update it sees after the first.
     metrics = outcome.metrics
+    stopping = f"{metrics.early_stopping.summary()}; " if metrics.early_stopping else ""
     report_progress(Progress(stage="saving", step=metrics.steps, total_steps=metrics.steps, loss=metrics.final_loss,
                              reward=metrics.rewards[-1][1] if metrics.rewards else None,
-                             message=f"saving adapter to {store.display_url(prefix)}"))
+                             message=f"{stopping}saving adapter to {store.display_url(prefix)}"))
     outcome.manifest.input_sha256 = store.read_sha256
     result = JobResult(run_id=job.run_id, attempt=job.attempt, run_prefix=prefix, adapter_path=f"{prefix}/adapter",
-                       metrics=outcome.metrics, trackers=trackers, adapter_sha256=folder_sha256(outcome.adapter_dir))
+                       metrics=outcome.metrics, trackers=trackers, adapter_sha256=folder_sha256(outcome.adapter_dir),
+                       resumed_from_step=_checkpoint_step(resume_from) if resume_from else 0)
     revision = _publish(store, prefix, outcome, result, tracker_files)
     return result.model_copy(update={"revision": revision})
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    """The step of a Trainer checkpoint folder, `checkpoint-<step>`."""
+    return int(checkpoint.name.rpartition("-")[2])
 
 
 def report_progress(progress: Progress) -> None:
