@@ -65,7 +65,10 @@ Workers run one of two ways (`--worker-runtime`):
   endpoint's `env` and RunPod's worker variables. `--hold-jobs SECONDS` (env `LOCALPOD_HOLD_JOBS`) runs
   `localpod/hold_worker.py` instead, with the same interpreter: a real `runpod.serverless` worker whose
   jobs hold it for that long, report progress and store a result labelled as a hold job, training
-  nothing (the benchmarks measure the control plane with it).
+  nothing (the benchmarks measure the control plane with it). An endpoint of RunPod's vLLM worker image
+  (`runpod/worker-v1-vllm:<tag>`) runs that image's local stand-in whatever the command is
+  (`localpod/vllm_worker/`, with the same interpreter: an OpenAI-compatible server of the base model and its
+  LoRA adapters on the CPU), and `/v2/<id>/openai/v1/...` answers through it.
 - `docker`: each worker is a container of the endpoint's `image`, as the control plane sent it (it must
   exist locally: nothing is pulled; a missing image fails the endpoint's queued jobs with Docker's
   reason). The container runs the image's command, or the endpoint's `args` when set. As on RunPod it

@@ -11,7 +11,19 @@ from fastapi import FastAPI
 from localpod import request_counts
 from localpod.models import LocalpodConfig
 from localpod.problems import install_problem_handlers
-from localpod.routes import account, answer_shapes, billing, catalog, endpoints, faults, jobs, secrets, volumes, worker
+from localpod.routes import (
+    account,
+    answer_shapes,
+    billing,
+    catalog,
+    endpoints,
+    faults,
+    jobs,
+    openai_route,
+    secrets,
+    volumes,
+    worker,
+)
 from localpod.schema import OpenApiSchemas
 from localpod.state.account import LocalpodState
 from localpod.workers.supervisor import WorkerSupervisor
@@ -47,6 +59,7 @@ def create_app(config: LocalpodConfig) -> FastAPI:
     app.include_router(billing.router)
     app.include_router(worker.router)
     app.include_router(jobs.router)
+    app.include_router(openai_route.router)
     app.include_router(account.router)
     app.include_router(answer_shapes.router)
     app.include_router(faults.router)

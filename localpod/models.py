@@ -73,14 +73,17 @@ class LocalpodConfig(BaseModel):
     )
     worker_runtime: WorkerRuntime = Field(
         default="process",
-        description="process: each worker is a local process running `worker_command`. docker: each worker is a "
+        description="process: each worker is a local process running `worker_command`, or, for an endpoint of "
+        "RunPod's vLLM worker image (`runpod/worker-v1-vllm:<tag>`), the image's local stand-in "
+        "(`localpod/vllm_worker/`) with `worker_python`. docker: each worker is a "
         "container of the endpoint's `image` (its `args`, when set, replace the image's command), given only the "
         "endpoint's env and RunPod's worker variables, on the host network.",
     )
     worker_python: Path = Field(
         default=DEFAULT_WORKER_PYTHON,
         description="process runtime: the worker environment's interpreter; the default `worker_command` is "
-        f"`<worker_python> -m {WORKER_MODULE}`. Must exist unless `worker_command` is given.",
+        f"`<worker_python> -m {WORKER_MODULE}`, and the vLLM worker image's stand-in runs with it too. Must exist "
+        "unless `worker_command` is given (then a vLLM endpoint's jobs fail, naming the missing interpreter).",
     )
     worker_command: list[str] | None = Field(
         default=None,

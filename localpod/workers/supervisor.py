@@ -4,7 +4,9 @@ time, and notice when they die.
 `WorkerSupervisor.run` is the app's one background task (started by the lifespan, not at import).
 Each pass reads `LocalpodState` and acts on processes; routes never touch processes themselves.
 Workers run in their own process group, so a stop reaches the children a worker forks (runpod's
-heartbeat process) too (`processes.py`).
+heartbeat process; the vLLM stand-in's server) too (`processes.py`). With the process runtime, an endpoint of
+RunPod's vLLM worker image runs the image's local stand-in (`localpod/vllm_worker/`); every other endpoint runs
+`worker_command`.
 
 With the docker runtime each worker is a container of its endpoint's image, run by an attached
 `docker run` client (`containers.py`) that is the worker's process: its exit is the container's exit, and a
@@ -33,6 +35,8 @@ from localpod.faults.rules import WorkerFaultRule
 from localpod.routes.secrets import resolve_secret_references
 from localpod.state.account import LocalpodState
 from localpod.state.records import EndpointRecord, JobRecord, WorkerRecord, new_id
+from localpod.vllm_worker import is_vllm_worker_image
+from localpod.vllm_worker import worker_command as vllm_worker_command
 from localpod.volumes import volume_env
 from localpod.workers.containers import docker_run_command
 from localpod.workers.processes import die_with_parent, log_tail, signal_group, signal_tree
@@ -266,8 +270,13 @@ class WorkerSupervisor:
             # A localpod killed outright: the client's SIGTERM reaches the container, whose worker then exits.
             preexec = functools.partial(die_with_parent, signal.SIGTERM)
         else:
-            assert self.config.worker_command is not None  # the config fills it in for the process runtime
-            command = self.config.worker_command
+            if is_vllm_worker_image(endpoint.spec.get("image")):
+                # RunPod's official vLLM worker image: its local stand-in, whatever `worker_command` says (that command
+                # stands in for loraflow's own worker image).
+                command = vllm_worker_command(self.config.worker_python)
+            else:
+                assert self.config.worker_command is not None  # the config fills it in for the process runtime
+                command = self.config.worker_command
             preexec = functools.partial(die_with_parent, signal.SIGKILL)
         try:
             with open(log_path, "ab") as log_file:
