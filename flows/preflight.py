@@ -168,8 +168,8 @@ if __name__ == "__main__":
             children = expand(load_study_file(args.run_file))
             run_spec = children[0].spec
             print(f"A study of {len(children)} runs, each valid; checking its first, {run_spec.name} "
-                  f"({describe_values(children[0].values) or 'the run spec'}). The children's cost ceilings are summed "
-                  "against study.budget_usd when the study starts.", flush=True)
+                  f"({describe_values(children[0].values) or 'the run spec'}). study.budget_usd is kept as the study "
+                  "starts its children, each within it alone.", flush=True)
         else:
             run_spec = load_run_file(args.run_file)
     except SpecError as e:

@@ -1,41 +1,41 @@
 """The `study` flow: many train runs of one spec, varied by a grid and seeds, under one budget, compared.
 
     .venv/bin/python -m flows.study deployments/qwen-study.toml
+    .venv/bin/python -m flows.study deployments/qwen-study.toml --resume <study flow run id>
     prefect deployment run study/qwen-lr
 
-A run file with a `[study]` section (`flows/study_spec.py`). Before anything is rented, every child is validated
-and the sum of the children's cost ceilings is checked against `study.budget_usd`. Then the children run,
-`study.parallel` at a time: each is an ordinary `train` flow run (its own page, name, summary, endpoint, teardown
-and `loraflow.run.finished`), tagged `study:<name>`. A child that fails is a row of the comparison, not a failed
-study (unless every child fails). At the end: the comparison (a table artifact, a summary with the children's
+A run file with a `[study]` section (`flows/study_spec.py`). Before anything is rented, every child is validated,
+and refused: a child whose cost ceiling alone passes `study.budget_usd`, a `parallel` above the account's worker
+quota, a `deployment` that does not exist. Then the children run (`flows/study_run.py`), `study.parallel` at a time,
+each starting only when the budget has room for its ceiling: each is an ordinary `train` flow run (its own page,
+name, summary, endpoint, teardown and `loraflow.run.finished`), tagged `study:<name>`, a run of `study.deployment`
+on the team's workers or a subflow in this process. A child that fails is a row of the comparison, not a failed
+study (unless every child fails). At the end: the comparison (a paged table, a summary with the best children's
 curves overlaid), the best child named, with `publish_best` its adapter published, and `loraflow.study.finished`.
-Cancelling the study cancels its running children (each tears its endpoint down) and starts no more.
+Cancelling the study cancels its running children (each tears its endpoint down) and starts no more. A study
+started again in its own flow run (`--resume`, a Prefect retry) adopts what completed or still runs.
 """
 
 # No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
 # the flow signature when it loads the entrypoint.
+import argparse
 import sys
 
 from loraflow_worker.contract import JobResult
-from prefect import flow, get_run_logger, tags, task
+from prefect import flow, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture, wait
+from prefect.client.schemas.objects import FlowRun
+from prefect.exceptions import ObjectNotFound
+from prefect.flow_engine import run_flow
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, Completed, Failed, State
+from prefect.states import Cancelled, Completed, Failed, Pending, State
 
 from flows.spec import SpecError
-from flows.study_spec import Child, StudySpec, child_label, describe_values, expand, load_study_file
-from flows.train import train
+from flows.study_run import run_children
+from flows.study_spec import Child, StudySettings, StudySpec, child_label, describe_values, expand, load_study_file
 from flows.train_check import check_local_inputs
-from tasks.lifecycle.steps import run_cancel_requested
-from tasks.lifecycle.study_children import (
-    cancel_children,
-    cancel_children_hook,
-    child_cost_usd,
-    child_minutes,
-    flow_run_page,
-    study_tags,
-)
+from tasks.lifecycle.quota import WORKER_QUOTA_ENV, worker_quota_in_force
+from tasks.lifecycle.study_children import cancel_children_hook
 from tasks.placement.cost import (
     CostCeiling,
     check_study_budget,
@@ -47,19 +47,16 @@ from tasks.reports.study import (
     ChildRow,
     StudyReport,
     best_child,
-    completed_row,
     overlay_png,
+    plotted_children,
     publish_study_report,
 )
 from tasks.preflight.server_rules import check_inside_inputs_dir, check_server_rules
 from tasks.runpod.catalog import resolve_gpu
 from tasks.settings import Settings, startup_problem
-from tasks.storage.artifacts import RunResults
+from tasks.storage.artifacts import read_run_results
 from tasks.jobs.merge import MergedModel, merge_run_adapter
 from tasks.storage.publish import PublishedModel, publish_run_adapter
-
-POLL_SECONDS = 5.0
-"""How often the study looks at its own state (a cancel) and its children while they run."""
 
 
 def _flow_run_name() -> str:
@@ -105,36 +102,38 @@ def check_children_inputs(children: list[Child]) -> None:
                         + "\n".join(problems))
 
 
-@task(name="study-child", cache_policy=NO_CACHE)
-def run_child(child: Child, study_name: str, study_run_id: str, metric: str,
-              ceiling: float) -> tuple[ChildRow, JobResult | None]:
-    """One child as a `train` flow run of its own, tagged with the study; its row of the comparison, and its
-    result (its metrics, and its adapter's hashes for publishing) when it completed. Never raises for the child's own failure: that is the row's state and reason."""
-    row = ChildRow(index=child.index, name=child.spec.name, values=describe_values(child.values),
-                   state="not started", cost_ceiling_usd=ceiling)
-    if run_cancel_requested():  # the study's own state: this task runs in the study's flow run
-        return row.model_copy(update={"reason": "the study was cancelled first"}), None
-    with tags(*study_tags(study_name, study_run_id)):
-        final: State = train(child.spec, return_state=True)
-    child_id = str(final.state_details.flow_run_id)
-    row = row.model_copy(update={"flow_run_id": child_id, "summary_url": flow_run_page(child_id),
-                                 "minutes": child_minutes(child_id), "cost_usd": child_cost_usd(child_id)})
-    if final.is_completed():
-        results: RunResults = final.result()
-        return completed_row(row, results.result.metrics, metric).model_copy(
-            update={"state": "completed", "adapter_url": results.adapter_url}), results.result
-    state = "cancelled" if final.is_cancelled() else "failed"
-    return row.model_copy(update={"state": state, "reason": (final.message or final.name)[:500]}), None
+@task(name="study-room", cache_policy=NO_CACHE)
+def check_study_room(settings: StudySettings) -> None:
+    """Before anything is rented: `parallel` within the account's worker quota (children past it would only wait
+    for a slot, each holding a worker's process), and `deployment`, when set, a deployment this server has.
+    `SpecError` names the field and the fix."""
+    quota, source = worker_quota_in_force()
+    if settings.parallel > quota:
+        raise SpecError(f"study.parallel {settings.parallel} is above the account's worker quota {quota} ({source}): "
+                        f"at most {quota} children can hold an endpoint at once. Lower study.parallel to {quota} or "
+                        f"less, or, if the account's quota is higher, set {WORKER_QUOTA_ENV} to it (and the "
+                        "runpod-endpoints limit: prefect gcl update runpod-endpoints --limit N)")
+    if settings.deployment is None:
+        return
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(settings.deployment)
+        except ObjectNotFound:
+            raise SpecError(f"study.deployment {settings.deployment!r} is not a deployment of this Prefect server: "
+                            "deploy the train flow under that name (prefect deploy, see docs/team.md), or remove "
+                            "study.deployment to run the children in the study's own process") from None
 
 
-# Each hook reaches the children that have not ended (a study that stops stops them) and the study's own endpoint.
+# Each hook reaches the children that have not ended (a cancelled study cancels them; one that crashed or failed
+# leaves its deployment children running, for a resume to adopt) and the study's own endpoint.
 @flow(name="study", log_prints=True, flow_run_name=_flow_run_name, on_cancellation=[cancel_children_hook],
       on_crashed=[cancel_children_hook], on_failure=[cancel_children_hook])
 def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     """Train several LoRA adapters from one run spec, varied by `[study]`'s grid and seeds, at most `parallel` at a
-    time, within one budget, and compare them by `metric`: a table of the children, their curves on one plot, the
-    best child named (and, with `publish_best`, its adapter published and merged as `[publish]` says). Every child
-    is checked, and the children's cost ceilings summed against `budget_usd`, before anything is rented.
+    time, within one budget, and compare them by `metric`: a table of the children, the best ones' curves on one
+    plot, the best child named (and, with `publish_best`, its adapter published and merged as `[publish]` says).
+    Every child is checked before anything is rented; the budget is kept as children start. Started again in the
+    same flow run (a retry), the study adopts the children that completed or still run and starts the rest.
 
     Args:
         spec: The children's common run spec, with the `[study]` section.
@@ -153,35 +152,58 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     children = expand(spec)  # every child valid, or nothing starts
     check_children_inputs(children)
     ceilings = child_ceilings(children)
-    ceiling_total = round(sum(c.usd for c in ceilings.values()), 2)
     check_study_budget(ceilings, settings.budget_usd, Settings().loraflow_max_run_usd)
-    logger.info("Study %s: %d children (%s), %d at a time, cost ceilings $%.2f in all%s", spec.name, len(children),
-                ", ".join(describe_values(c.values) or c.spec.name for c in children), settings.parallel,
-                ceiling_total, f" of a ${settings.budget_usd:.2f} budget" if settings.budget_usd else "")
+    check_study_room(settings)
+    logger.info("Study %s, flow run %s: %d children (%s), %d at a time, %s%s; should this process stop, `python -m "
+                "flows.study RUN_FILE --resume %s` (or a retry of this flow run) adopts what ran", spec.name,
+                study_run_id, len(children), ", ".join(describe_values(c.values) or c.spec.name for c in children[:20])
+                + (", ..." if len(children) > 20 else ""), settings.parallel,
+                f"as runs of {settings.deployment}" if settings.deployment else "in this process",
+                f", within a ${settings.budget_usd:.2f} budget" if settings.budget_usd else "", study_run_id)
 
-    rows, results, cancelled = _run_children(children, spec, study_run_id, ceilings)
+    outcome = run_children(children, spec, study_run_id, ceilings)
+    rows = outcome.rows
     best = best_child(rows, settings.maximize())
-    published, merged = _publish_best(spec, best, results.get(best.name) if best is not None else None)
+    published, merged = _publish_best(spec, best, outcome.pins.get(best.index) if best is not None else None)
     report = StudyReport(study=spec.name, metric=settings.metric, maximize=settings.maximize(), rows=rows, best=best,
-                         cost_usd=round(sum(r.cost_usd or 0.0 for r in rows), 4), cost_ceiling_usd=ceiling_total,
+                         cost_usd=round(sum(r.cost_usd or 0.0 for r in rows), 4),
+                         cost_ceiling_usd=round(sum(r.cost_ceiling_usd or 0.0 for r in rows if r.flow_run_id), 2),
                          budget_usd=settings.budget_usd,
                          published=published.hub_model_id if published and not published.error else None,
                          publish_error=published.error if published else None,
                          merged=merged.merged_model_id if merged and not merged.error else None,
                          merge_error=merged.error if merged else None)
-    publish_study_report(report, overlay_png({name: r.metrics for name, r in results.items()}, settings.metric))
+    publish_study_report(report, overlay_png(_plotted_metrics(spec, rows), settings.metric))
     for row in rows:
         logger.info("%s %s (%s): %s %s", "best" if best and row.index == best.index else "    ", row.name, row.values,
                     row.state, f"{settings.metric} {row.metric:.4g}" if row.metric is not None else row.reason[:200])
+    cancelled = outcome.cancelled
     status = "cancelled" if cancelled else "completed" if any(r.state == "completed" for r in rows) else "failed"
     events.study_finished(study_run_id, spec.name, status=status, report=report)
     if cancelled:
         return Cancelled(message=f"Study {spec.name} cancelled: {_counts(rows)}")
     if status == "failed":
-        return Failed(message=f"Every child of study {spec.name} failed: "
-                      + "; ".join(f"{r.name}: {r.reason[:200]}" for r in rows))
+        return Failed(message=f"No child of study {spec.name} completed: "
+                      + "; ".join(f"{r.name}: {r.reason[:200]}" for r in rows[:20]))
     return Completed(message=f"Study {spec.name}: {_counts(rows)}; best {best.name if best else 'none'}",
                      data=report)
+
+
+def _plotted_metrics(spec: StudySpec, rows: list[ChildRow]) -> dict:
+    """The metrics of the children the plot overlays (the best ten and the median), read from what each stored
+    under its own run id; a child whose results cannot be read is left out of the plot, not the study."""
+    by_index = {r.index: r for r in rows}
+    token = Settings().store_token(spec.artifact_store, spec.hub_token_secret)
+    metrics = {}
+    for index, label in plotted_children(rows, spec.study.maximize()).items():
+        try:
+            results = read_run_results(spec.artifact_store, by_index[index].flow_run_id, token)
+        except Exception as e:  # noqa: BLE001 - the plot is a view, not the comparison
+            get_run_logger().warning("Child %s's curve is left out of the plot: %s: %s", label, type(e).__name__, e)
+            continue
+        if results.result is not None:
+            metrics[label] = results.result.metrics
+    return metrics
 
 
 def _publish_best(spec: StudySpec, best: ChildRow | None,
@@ -208,50 +230,6 @@ def _publish_best(spec: StudySpec, best: ChildRow | None,
     return published, merged
 
 
-def _run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceilings: dict[str, CostCeiling],
-                  ) -> tuple[list[ChildRow], dict[str, JobResult], bool]:
-    """Run the children `parallel` at a time, watching the study's own state: a cancel cancels the running children
-    (each tears its endpoint down) and starts no more. Returns the rows in the study's order, the completed
-    children's results by name, and whether the study was cancelled."""
-    logger = get_run_logger()
-    pending, running = list(children), {}
-    rows: dict[int, ChildRow] = {}
-    results: dict[str, JobResult] = {}
-    cancelled = False
-    while pending or running:
-        if not cancelled and run_cancel_requested():
-            cancelled = True
-            logger.warning("Study cancelled: cancelling its running children, starting no more")
-            for child in pending:
-                rows[child.index] = ChildRow(index=child.index, name=child.spec.name,
-                                             values=describe_values(child.values), state="not started",
-                                             reason="the study was cancelled first",
-                                             cost_ceiling_usd=ceilings[child.spec.name].usd)
-            pending = []
-        if cancelled:
-            cancel_children(study_run_id)  # again each round: a child that had just started is caught too
-        while pending and len(running) < spec.study.parallel:
-            child = pending.pop(0)
-            future: PrefectFuture = run_child.submit(child, spec.name, study_run_id, spec.study.metric,
-                                                     ceilings[child.spec.name].usd)
-            running[future] = child
-        done, _ = wait(list(running), timeout=POLL_SECONDS)
-        for future in done:
-            child = running.pop(future)
-            try:
-                row, child_result = future.result()
-            except Exception as e:  # noqa: BLE001 - one child's unreadable outcome is its row, not the study's end
-                row, child_result = ChildRow(index=child.index, name=child.spec.name,
-                                              values=describe_values(child.values), state="failed",
-                                              reason=f"its outcome could not be read: {type(e).__name__}: {e}"[:500],
-                                              cost_ceiling_usd=ceilings[child.spec.name].usd), None
-            rows[child.index] = row
-            if child_result is not None:
-                results[row.name] = child_result
-            logger.info("Child %d/%d %s (%s) ended %s", child.index, len(children), row.name, row.values, row.state)
-    return [rows[c.index] for c in children], results, cancelled
-
-
 def _counts(rows: list[ChildRow]) -> str:
     counts: dict[str, int] = {}
     for row in rows:
@@ -259,15 +237,45 @@ def _counts(rows: list[ChildRow]) -> str:
     return ", ".join(f"{n} {state}" for state, n in counts.items())
 
 
+def start_or_resume(spec: StudySpec, resume: str | None) -> FlowRun:
+    """The flow run the study runs in: a new one, or (`resume`) the study's own earlier one, so that its children,
+    found by their tag and keys, are its own. `SpecError` when `resume` names no study flow run."""
+    with get_client(sync_client=True) as client:
+        if resume is None:
+            return client.create_flow_run(study, parameters=study.serialize_parameters({"spec": spec}),
+                                          state=Pending())
+        try:
+            run = client.read_flow_run(resume)
+        except (ObjectNotFound, ValueError):
+            raise SpecError(f"--resume {resume}: no flow run with that id on this Prefect server") from None
+        if client.read_flow(run.flow_id).name != study.name:
+            raise SpecError(f"--resume {resume}: flow run {run.name} is not a study (resume a study's own flow run "
+                            "id, which it prints when it starts)")
+        # The page shows what this process runs (a resume may change study.parallel and study.budget_usd).
+        client.update_flow_run(run.id, parameters=study.serialize_parameters({"spec": spec, "run_file": None}))
+        return run
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m flows.study RUN_FILE.toml   (a run file with a [study] section)")
+    parser = argparse.ArgumentParser(prog="python -m flows.study", description="Run a study: a run file with a "
+                                     "[study] section.")
+    parser.add_argument("run_file", metavar="RUN_FILE", help="a run file with a [study] section")
+    parser.add_argument("--resume", metavar="STUDY_FLOW_RUN_ID", help="start the study again in its own flow run "
+                        "(the id it printed when it started): what completed or still runs is adopted, the rest run")
+    args = parser.parse_args()
     try:
-        study_spec = load_study_file(sys.argv[1])
+        study_spec = load_study_file(args.run_file)
     except SpecError as e:
         sys.exit(str(e))
     if problem := startup_problem(worker_image=True):
         sys.exit(problem)
-    final = study(study_spec, return_state=True)
-    print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
+    try:
+        study_run = start_or_resume(study_spec, args.resume)
+    except SpecError as e:
+        sys.exit(str(e))
+    print(f"study flow run {study_run.id}: {'resuming' if args.resume else 'starting'} (resume it with "
+          f"python -m flows.study {args.run_file} --resume {study_run.id})", flush=True)
+    final = run_flow(study, flow_run=study_run, parameters={"spec": study_spec, "run_file": None},
+                     return_type="state")
+    print(f"flow run {study_run.id}: {final.name}", flush=True)
     sys.exit(0 if final.is_completed() else 1)

@@ -8,6 +8,7 @@
     parallel = 2
     metric = "eval_loss"
     budget_usd = 20
+    deployment = "train/qwen"             # optional: the children as runs of this deployment, on its pool's workers
 
 One child train run per combination of the grid's values and the seeds, each a run spec of its own, named after
 the study and the values that differ. Every child is validated here, before the first one starts: a grid value that
@@ -35,8 +36,9 @@ from pydantic import (
 
 from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
 
-MAX_CHILDREN = 64
-"""The most child runs one study starts: a grid beyond that is a mistake more often than a plan."""
+MAX_CHILDREN = 1000
+"""The most child runs one study starts: a grid beyond that is a mistake more often than a plan (and a search of a
+space that large is Optuna's work, not a grid's)."""
 Metric = Literal["eval_loss", "eval_reward", "eval_reward_accuracy", "train_loss"]
 METRIC_NEEDS: dict[str, tuple[tuple[str, ...], bool]] = {
     "eval_loss": (("sft", "dpo"), True),
@@ -67,9 +69,11 @@ class StudySettings(BaseModel):
         "one sample). Empty: the run spec's own seed.",
     )
     parallel: int = Field(
-        default=2, ge=1, le=28,
-        description="The most children running at once. Each holds one slot of the account-wide `runpod-endpoints` "
-        "limit while it rents, as every run does, so other runs of the account also bound it.",
+        default=2, ge=1, le=MAX_CHILDREN,
+        description="The most children running at once, up to the account's worker quota (`LORAFLOW_WORKER_QUOTA`, "
+        "else the `runpod-endpoints` limit's slots): a study asking for more is refused before anything is rented. "
+        "Each child holds one slot of that account-wide limit while it rents, as every run does, so other runs of "
+        "the account also bound it.",
     )
     metric: Metric = Field(
         default="eval_loss",
@@ -90,9 +94,19 @@ class StudySettings(BaseModel):
     )
     budget_usd: float | None = Field(
         default=None, gt=0, le=1_000_000,
-        description="The most the whole study may cost: the sum of its children's cost ceilings (GPU price × GPUs × "
-        "deadline, each) is checked against it before anything is rented, and a study that cannot fit is refused "
-        "naming the totals. Empty: no study budget (each child's own `budget_usd` still holds).",
+        description="The most the whole study may cost, kept as children start: a child starts only when what the "
+        "ended children cost, the cost ceilings (GPU price × GPUs × deadline) of those running and its own ceiling fit "
+        "it; else it waits for a running child to end, or, with none running, is skipped (a row of the table, with "
+        "the reason). A child whose ceiling alone passes it refuses the study before anything is rented. Empty: no "
+        "study budget (each child's own `budget_usd` still holds).",
+    )
+    deployment: str | None = Field(
+        default=None, pattern=r"^train/[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200,
+        description="A deployment of the train flow (`train/<name>`) that runs the children: each child is a run of "
+        "it, started by the study with the child's whole spec, so children run on whichever workers serve its pool, "
+        "each in its own process, and outlive the study's own process (a resumed study adopts them). Its default "
+        "parameters never replace a child's spec. Empty: the children run inside the study's own process (one "
+        "machine: the local demo).",
     )
 
     @field_validator("grid")
@@ -121,7 +135,7 @@ class StudySettings(BaseModel):
             raise ValueError("`study.seeds` and `study.grid` \"training.seed\" both vary the seed: keep one")
         if self.children() > MAX_CHILDREN:
             raise ValueError(f"the study would start {self.children()} child runs (grid values × seeds), more than "
-                             f"{MAX_CHILDREN}: split it into smaller studies")
+                             f"{MAX_CHILDREN}: try fewer grid values or seeds, or split it into smaller studies")
         return self
 
     def children(self) -> int:
@@ -277,6 +291,26 @@ def _value_text(value: Any) -> str:
 def describe_values(values: dict[str, Any]) -> str:
     """`training.learning_rate=0.0001, training.seed=2`: a child's values as the study's table and log show them."""
     return ", ".join(f"{path}={_value_text(value)}" for path, value in values.items())
+
+
+def spec_difference(ran: dict[str, Any], child: RunSpec) -> str | None:
+    """How the spec a child's earlier run was given (`ran`: its flow run's `spec` parameter) differs from `child`,
+    field by field (`training.max_steps: 8 then, 10 now`); None when every field it was given has the value `child`
+    has. A resumed study adopts an earlier run only when it is the same child: the same run file."""
+    now = _flatten(child.model_dump(mode="json"))
+    then = _flatten(ran)
+    changed = [f"{path}: {then[path]!r} then, {now.get(path)!r} now" for path in then if now.get(path) != then[path]]
+    return "; ".join(changed[:5]) or None
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def child_label(index: int, values: dict[str, Any]) -> str:

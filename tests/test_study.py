@@ -1,24 +1,32 @@
-"""A study's spec, its children, its budget and its comparison, without a flow (the study end to end:
-`tests/test_study_e2e.py`)."""
+"""A study's spec, its children, its budget kept as children start, which earlier runs a resumed study adopts, and
+its comparison, without a flow (the study end to end: `tests/test_study_e2e.py`)."""
 
 from __future__ import annotations
 
 import tomllib
+import uuid
 
 import pytest
 from loraflow_worker.contract import TrainMetrics
+from prefect.client.schemas.objects import FlowRun, StateType
 from pydantic import ValidationError
 
 from flows.spec import SpecError
-from flows.study_spec import StudySpec, expand, load_study_file
-from tasks.placement.cost import CostCeiling, check_study_budget
+from flows.study_spec import MAX_CHILDREN, StudySpec, expand, load_study_file, spec_difference
+from tasks.lifecycle.study_children import FoundChild, adoption_plan, child_key, found_child, on_study_end
+from tasks.placement.cost import CostCeiling, check_study_budget, study_budget_decision
 from tasks.reports.study import (
+    PAGE_ROWS,
     ChildRow,
     StudyReport,
     best_child,
     completed_row,
     overlay_png,
+    page_key,
+    plotted_children,
+    ranked,
     study_markdown,
+    table_pages,
     table_rows,
 )
 
@@ -115,17 +123,159 @@ def ceiling(usd: float) -> CostCeiling:
     return CostCeiling(usd=usd, gpu="RTX 4090", usd_per_hour=0.69, price_source="static list price")
 
 
-def test_a_study_whose_ceilings_add_up_to_more_than_its_budget_is_refused_naming_the_totals():
+def test_a_study_with_a_child_whose_ceiling_alone_passes_its_budget_is_refused_naming_it():
     with pytest.raises(ValueError) as refused:
-        check_study_budget({"a": ceiling(1.38), "b": ceiling(1.38), "c": ceiling(2.0)}, budget_usd=4.0)
+        check_study_budget({"a": ceiling(1.38), "b": ceiling(1.38), "c": ceiling(5.0)}, budget_usd=4.0)
     message = str(refused.value)
-    assert "3 children may cost up to $4.76 in all" in message and "above study.budget_usd $4.00" in message
-    assert "the dearest, c: $2.00" in message and "nothing was rented" in message
+    assert "1 of the study's 3 children may each cost more than study.budget_usd $4.00 alone" in message
+    assert "the dearest, c: $5.00" in message and "nothing was rented" in message
+    assert "raise study.budget_usd" in message
 
 
-def test_a_study_within_its_budget_or_without_one_passes():
-    check_study_budget({"a": ceiling(1.0), "b": ceiling(1.0)}, budget_usd=2.0)
+def test_a_study_whose_ceilings_add_up_to_more_than_its_budget_passes_the_check_as_the_budget_is_kept_live():
+    check_study_budget({"a": ceiling(1.38), "b": ceiling(1.38), "c": ceiling(2.0)}, budget_usd=4.0)
     check_study_budget({"a": ceiling(100.0)}, budget_usd=None)
+
+
+def test_a_child_starts_when_the_spent_the_running_ceilings_and_its_own_fit_the_budget():
+    assert study_budget_decision(10.0, spent_usd=3.0, running_ceilings_usd=[2.0, 2.0], ceiling_usd=3.0) == ("start", "")
+    assert study_budget_decision(None, spent_usd=300.0, running_ceilings_usd=[2.0], ceiling_usd=3.0) == ("start", "")
+
+
+def test_a_child_that_does_not_fit_waits_while_others_run_and_is_skipped_when_none_does():
+    decision, why = study_budget_decision(10.0, spent_usd=3.0, running_ceilings_usd=[2.0, 2.0], ceiling_usd=3.5)
+    assert decision == "wait" and "2 running may cost up to $4.00" in why
+    decision, why = study_budget_decision(10.0, spent_usd=7.0, running_ceilings_usd=[], ceiling_usd=3.5)
+    assert decision == "skip"
+    assert why == "study.budget_usd $10.00 reached: $7.00 spent by the children before it, $3.00 left, below its " \
+        "cost ceiling $3.50"
+
+
+def simulate_budget(budget: float, ceilings: list[float], costs: list[float], parallel: int) -> list[str]:
+    """The study's loop in miniature: each round the children that fit start, then the one that started first ends
+    having cost what `costs` says. Returns each child's fate."""
+    fate, running, spent, pending = {}, [], 0.0, list(range(len(ceilings)))
+    while pending or running:
+        while pending and len(running) < parallel:
+            decision, _ = study_budget_decision(budget, spent, [ceilings[i] for i in running], ceilings[pending[0]])
+            if decision == "wait":
+                break
+            child = pending.pop(0)
+            if decision == "skip":
+                fate[child] = "skipped"
+            else:
+                running.append(child)
+        if running:
+            child = running.pop(0)
+            spent += costs[child]
+            fate[child] = "ran"
+    return [fate[i] for i in range(len(ceilings))]
+
+
+def test_a_budget_below_the_ceilings_summed_runs_children_while_what_they_really_cost_leaves_room():
+    # Ten children of a $1 ceiling that each cost $0.30: a $4 budget (less than half their ceilings) runs them two at
+    # a time until $3.30 is spent, then the room left ($0.70) fits no ceiling: the rest are skipped.
+    assert simulate_budget(4.0, [1.0] * 10, [0.3] * 10, parallel=2) == ["ran"] * 10
+    assert simulate_budget(2.5, [1.0] * 10, [0.3] * 10, parallel=2) == ["ran"] * 6 + ["skipped"] * 4
+    # Never more committed than the budget: with room for one ceiling only, children run one at a time.
+    assert simulate_budget(1.0, [1.0] * 3, [1.0] * 3, parallel=3) == ["ran", "skipped", "skipped"]
+
+
+def test_up_to_a_thousand_children_are_accepted_and_parallel_up_to_as_many():
+    spec = study('grid = {"training.learning_rate" = [' + ", ".join(f"{i}e-6" for i in range(1, 101))
+                 + ']}\nseeds = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\nparallel = 1000')
+    assert spec.study.children() == MAX_CHILDREN == 1000 and spec.study.parallel == 1000
+    with pytest.raises(ValidationError, match="1001 child runs .* more than 1000"):
+        study('grid = {"training.learning_rate" = [' + ", ".join(f"{i}e-6" for i in range(1, 78))
+              + ']}\nseeds = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]')
+
+
+def test_a_deployment_must_name_a_deployment_of_the_train_flow():
+    assert study('deployment = "train/qwen"').study.deployment == "train/qwen"
+    with pytest.raises(ValidationError, match="study.deployment"):
+        study('deployment = "study/qwen-lr"')
+
+
+def test_a_deployment_child_is_given_its_whole_spec_and_every_other_train_parameter_none():
+    from flows.study_run import child_parameters
+    from flows.train import train
+
+    (child,) = expand(study('grid = {"training.max_steps" = [7]}'))
+    parameters = child_parameters(child.spec)
+    # Every parameter the train flow has: a deployment's default `run_file` or `max_steps` cannot replace the spec.
+    assert set(parameters) == set(train.parameters.properties)
+    assert {k: v for k, v in parameters.items() if k != "spec"} == dict.fromkeys(set(parameters) - {"spec"})
+    assert parameters["spec"]["training"] == {"max_steps": 7} and parameters["spec"]["name"] == "sweep-c1"
+
+
+STUDY = "6f1c1d1e-0000-4000-8000-000000000001"
+
+
+def found(index: int, state: str, *, start: int = 1, deployment: bool = True) -> FoundChild:
+    return FoundChild(index=index, start=start, flow_run_id=f"run-{index}-{start}-{state}", state=state,
+                      deployment=deployment)
+
+
+def test_a_resumed_study_adopts_what_completed_or_still_runs_and_starts_only_the_rest():
+    plans = adoption_plan([1, 2, 3, 4, 5], [
+        found(1, "COMPLETED"),
+        found(2, "RUNNING"),
+        found(3, "FAILED"),
+        found(4, "SCHEDULED"),  # started, no worker has taken it yet: it will run, so it is not started again
+    ])
+    assert {i: (p.action, p.run.flow_run_id if p.run else p.start) for i, p in plans.items()} == {
+        1: ("adopt", "run-1-1-COMPLETED"), 2: ("adopt", "run-2-1-RUNNING"), 3: ("start", 2),
+        4: ("adopt", "run-4-1-SCHEDULED"), 5: ("start", 1)}
+
+
+def test_a_child_started_again_gets_a_key_of_its_own_and_a_completed_start_is_never_repeated():
+    plans = adoption_plan([1, 2], [found(1, "FAILED"), found(1, "CRASHED", start=2),
+                                   found(2, "FAILED"), found(2, "COMPLETED", start=2)])
+    assert (plans[1].action, plans[1].start) == ("start", 3)
+    assert child_key(STUDY, 1, plans[1].start) == f"{STUDY}:1:3" and child_key(STUDY, 1) == f"{STUDY}:1"
+    assert plans[2].action == "adopt" and plans[2].run.start == 2
+
+
+def test_a_subflow_child_left_running_by_a_dead_study_process_is_torn_down_and_run_again():
+    plans = adoption_plan([1, 2], [found(1, "RUNNING", start=0, deployment=False),
+                                   found(2, "COMPLETED", start=0, deployment=False)])
+    assert plans[1].action == "start" and plans[1].stale == ["run-1-0-RUNNING"]
+    assert plans[2].action == "adopt"
+
+
+def flow_run(*, key: str | None = None, spec: dict | None = None, deployment: bool = True,
+             state: StateType = StateType.RUNNING) -> FlowRun:
+    return FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="x", idempotency_key=key,
+                   deployment_id=uuid.uuid4() if deployment else None, parameters={"spec": spec or {}},
+                   state_type=state)
+
+
+def test_a_childs_run_is_known_by_its_key_or_else_by_its_spec_name():
+    names = {"sweep-s1": 1, "sweep-s2": 2}
+    by_key = found_child(flow_run(key=f"{STUDY}:2:3"), STUDY, names)
+    assert (by_key.index, by_key.start, by_key.deployment) == (2, 3, True)
+    by_name = found_child(flow_run(spec={"name": "sweep-s1"}, deployment=False), STUDY, names)
+    assert (by_name.index, by_name.start, by_name.deployment) == (1, 0, False)
+    assert found_child(flow_run(spec={"name": "sweep-merge"}), STUDY, names) is None  # the study's merge, not a child
+
+
+def test_an_earlier_run_of_a_child_given_another_spec_is_named_with_the_fields_that_differ():
+    from flows.train import train
+
+    (child,) = expand(study('grid = {"training.max_steps" = [7]}'))
+    ran = child.spec.model_dump(mode="json", exclude_unset=True)  # a deployment child's `spec` parameter
+    assert spec_difference(ran, child.spec) is None
+    assert spec_difference(train.serialize_parameters({"spec": child.spec})["spec"], child.spec) is None  # a subflow's
+    ran["training"]["max_steps"] = 8
+    assert spec_difference(ran, child.spec) == "training.max_steps: 8 then, 7 now"
+
+
+def test_a_cancelled_study_cancels_its_deployment_children_and_a_crashed_one_leaves_them_to_a_resume():
+    assert on_study_end(True, StateType.CANCELLING) == on_study_end(True, StateType.CANCELLED) == "cancel"
+    assert on_study_end(True, StateType.CRASHED) == on_study_end(True, StateType.FAILED) == "leave running"
+    # A subflow child ran in the study's process, gone or going: its endpoints are deleted whatever the study's end.
+    assert {on_study_end(False, s) for s in (StateType.CANCELLED, StateType.CRASHED, StateType.FAILED)} == {
+        "tear down"}
 
 
 def metrics(eval_losses: list[float], final_loss: float = 1.0) -> TrainMetrics:
@@ -143,9 +293,9 @@ def test_the_best_child_has_the_lowest_loss_and_a_failed_child_is_a_row_not_a_ca
             completed_row(row(3), metrics([2.0, 1.2]), "eval_loss")]
     best = best_child(rows, maximize=False)
     assert best.index == 3 and best.metric == 1.2
-    table = table_rows(rows, "eval_loss", best)
-    assert [r["child"] for r in table] == ["c1", "c2", "c3 (best)"]
-    assert table[1]["state"] == "failed" and table[1]["reason"] == "out of memory" and table[1]["eval_loss"] == ""
+    table = table_rows(ranked(rows, maximize=False), "eval_loss", best)
+    assert [r["child"] for r in table] == ["c3 (best)", "c1", "c2"]  # by the metric, then those without it
+    assert table[2]["state"] == "failed" and table[2]["reason"] == "out of memory" and table[2]["eval_loss"] == ""
 
 
 def test_a_maximized_metric_picks_the_highest_and_a_tie_the_earlier_child():
@@ -171,3 +321,40 @@ def test_the_summary_names_the_best_child_lists_every_child_and_overlays_their_c
         in markdown
     assert "Children: 1 completed, 1 failed" in markdown and "of a $5.00 budget" in markdown
     assert "data:image/png;base64," in markdown
+
+
+def scored(index: int, metric: float | None, state: str = "completed") -> ChildRow:
+    return row(index, state).model_copy(update={"metric": metric})
+
+
+def test_the_table_of_many_children_is_paged_best_first_each_page_an_artifact():
+    rows = [scored(i, 1000.0 - i) for i in range(1, 119)] + [row(119, "failed", "x"), row(120, "skipped", "budget")]
+    best = best_child(rows, maximize=False)
+    pages = table_pages(rows, "eval_loss", best, maximize=False)
+    assert [len(p) for p in pages] == [PAGE_ROWS, PAGE_ROWS, 20]
+    assert pages[0][0]["child"] == "c118 (best)" and pages[0][1]["child"] == "c117"
+    assert [r["state"] for r in pages[2][-2:]] == ["failed", "skipped"]
+    assert [page_key("sweep", n) for n in (1, 2, 3)] == ["study-sweep-table", "study-sweep-table-2",
+                                                         "study-sweep-table-3"]
+    markdown = study_markdown(StudyReport(study="sweep", metric="eval_loss", maximize=False, rows=rows, best=best,
+                                          cost_usd=1.0, cost_ceiling_usd=2.0), None)
+    shown = [line.split(" |")[0] for line in markdown.splitlines() if line.startswith("| c") and "child" not in line]
+    assert len(shown) == PAGE_ROWS and shown[0] == "| c118 **(best)**"  # the summary shows the first page
+    assert "The best 50 of 120 children; every child, ranked, is in the table artifacts `study-sweep-table` to " \
+        "`study-sweep-table-3`" in markdown
+
+
+def test_the_plot_draws_the_ten_best_children_and_the_median_one():
+    rows = [scored(i, float(i)) for i in range(1, 32)] + [row(32, "failed", "x")]
+    chosen = plotted_children(rows, maximize=False)
+    assert list(chosen)[:10] == list(range(1, 11)) and chosen[16] == "c16 (median)" and len(chosen) == 11
+    few = plotted_children([scored(1, 2.0), scored(2, 1.0), scored(3, 3.0)], maximize=True)
+    assert few == {3: "c3", 1: "c1", 2: "c2"}  # all of them: the median is among the best
+
+
+def test_a_skipped_child_is_a_row_with_its_reason_and_no_cost():
+    rows = [completed_row(row(1), metrics([2.0, 1.5]), "eval_loss"),
+            row(2, "skipped", "study.budget_usd $1.00 reached")]
+    markdown = study_markdown(StudyReport(study="sweep", metric="eval_loss", maximize=False, rows=rows, best=rows[0],
+                                          cost_usd=0.5, cost_ceiling_usd=1.0, budget_usd=1.0), None)
+    assert "| c2 | training.seed=2 | skipped |  |  |  | study.budget_usd $1.00 reached |" in markdown

@@ -1,11 +1,13 @@
 """A study end to end on the local stack: `python -m flows.study` as a user starts it, its children real train runs
 of the tiny model on localpod; refused over its budget before anything is rented; cancelled from the CLI while its
-children train, served the Prefect way (`study.serve`, the runner a Prefect worker uses)."""
+children train, served the Prefect way (`study.serve`, the runner a Prefect worker uses); its children as runs of a
+served `train` deployment, the study's own process killed midway and the study resumed, each child trained once."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import tomllib
@@ -114,13 +116,14 @@ def test_two_learning_rates_by_two_seeds_run_as_four_children_two_at_a_time_and_
     assert best_run_id in Path(card).read_text() and "acme/e2e-study-best" in Path(card).read_text()
 
 
-def test_a_study_whose_ceilings_add_up_to_more_than_its_budget_is_refused_before_any_endpoint_exists(
+def test_a_study_whose_children_each_cost_more_than_its_budget_is_refused_before_any_endpoint_exists(
         local_stack, tiny_model, tmp_path):
     run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-budget", tiny_model=tiny_model,
                                 store=tmp_path / "store", study="seeds = [1, 2, 3]\nbudget_usd = 0.2\n")
     code, output, study_id = run_study(local_stack, run_file)
     assert code == 1, output[-4000:]
-    assert re.search(r"the study's 3 children may cost up to \$[0-9.]+ in all .* above study.budget_usd \$0.20", output)
+    assert re.search(r"3 of the study's 3 children may each cost more than study.budget_usd \$0.20 alone .*could "
+                     r"never start: nothing was rented", output), output[-4000:]
     assert study_endpoints(local_stack, "e2e-study-budget") == []
     assert children_of(local_stack, study_id) == []
 
@@ -178,10 +181,10 @@ def test_cancelling_a_served_study_cancels_its_training_children_and_leaks_nothi
         stop_process_group(proc)
 
 
-def _deployment(stack) -> str | None:
+def _deployment(stack, name: str = "study/e2e") -> str | None:
     import httpx
 
-    response = httpx.get(f"{stack.prefect_api_url}/deployments/name/study/e2e", timeout=10)
+    response = httpx.get(f"{stack.prefect_api_url}/deployments/name/{name}", timeout=10)
     return response.json()["id"] if response.status_code == 200 else None
 
 
@@ -222,3 +225,74 @@ def test_the_local_demo_runs_the_shipped_study_file_and_checks_the_best_adapter(
     (best,) = [row for row in rows if row[0] == "best"]
     assert best[1].startswith("local-study-lr0p005-"), rows  # the higher rate learns the tiny data in 30 steps
     assert "best adapter:" in demo.stdout and "(loads with PEFT onto" in demo.stdout
+
+
+def test_a_study_of_deployment_children_killed_midway_and_resumed_adopts_them_and_trains_each_child_once(
+        local_stack, tiny_model, tmp_path, figures):
+    # `train` served the Prefect way (the runner a worker uses): the children are its runs, each in a process of its
+    # own. One at a time, so that the kill finds one child completed, one training and one not started.
+    serve_log = tmp_path / "serve.log"
+    server = subprocess.Popen([sys.executable, "-c", "from flows.train import train; train.serve(name='e2e-study')"],
+                              cwd=REPO, env=flow_env(local_stack), stdout=serve_log.open("wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    study_log, study = tmp_path / "study.log", None
+    try:
+        deployment = wait_for(lambda: _deployment(local_stack, "train/e2e-study") or server.poll() is not None, 120,
+                              "the served train deployment")
+        assert server.poll() is None, serve_log.read_text()
+        run_file = write_run_file(
+            tmp_path / "study.toml", name="e2e-resume", model=tiny_model, store=tmp_path / "store",
+            extra='[evaluation]\nfraction = 0.2\nevery_steps = 100\n[study]\n'
+                  'grid = { "training.max_steps" = [4, 400, 6] }\nparallel = 1\nbudget_usd = 50\n'
+                  'deployment = "train/e2e-study"\n')
+        study = subprocess.Popen([sys.executable, "-m", "flows.study", str(run_file)], cwd=REPO,
+                                 env=flow_env(local_stack), stdout=study_log.open("wb"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        started = wait_for(lambda: re.search(r"study flow run ([0-9a-f-]{36}): starting", study_log.read_text())
+                           or study.poll() is not None, 120, "the study to print its flow run id")
+        assert study.poll() is None, study_log.read_text()[-4000:]
+        study_id = started.group(1)
+
+        def second_child_training():
+            runs = {c["idempotency_key"]: c for c in children_of(local_stack, study_id)}
+            first, second = runs.get(f"{study_id}:1"), runs.get(f"{study_id}:2")
+            if first is None or second is None or first["state"]["type"] != "COMPLETED":
+                return None
+            endpoints = {e["id"] for e in study_endpoints(local_stack, "e2e-resume-ms400")}
+            return second if running_job(local_stack, endpoints) else None
+
+        second = wait_for(second_child_training, 300, "the first child to complete and the second to train")
+        study.send_signal(signal.SIGTERM)  # the study's process stops (its host, say): the study ends Crashed
+        assert study.wait(timeout=120) != 0, study_log.read_text()[-4000:]
+        assert state_of(local_stack, study_id)["type"] == "CRASHED"
+        # Its crash is not the children's: the deployment child trains on in its own process.
+        assert state_of(local_stack, second["id"])["type"] in {"RUNNING", "COMPLETED"}, second
+        assert len(children_of(local_stack, study_id)) == 2  # the third never started
+
+        resumed = subprocess.run([sys.executable, "-m", "flows.study", str(run_file), "--resume", study_id], cwd=REPO,
+                                 env=flow_env(local_stack), capture_output=True, text=True, timeout=600)
+        output = resumed.stdout + resumed.stderr
+        assert resumed.returncode == 0, output[-6000:]
+        adopted = re.search(r"Resumed: 2 child run\(s\) found; adopting [12] completed and [01] still running; 1 to "
+                            r"start", output)
+        assert adopted, output[-6000:]
+        figures(f"study resumed after its process was killed: {adopted.group(0)}")
+    finally:
+        stop_process_group(server)
+        if study is not None:
+            stop_process_group(study)
+
+    assert state_of(local_stack, study_id)["type"] == "COMPLETED"
+    children = children_of(local_stack, study_id)
+    # One run per child, each a run of the deployment, a subflow of the study, keyed by the study and its place.
+    assert sorted(c["idempotency_key"] for c in children) == [f"{study_id}:{i}" for i in (1, 2, 3)], children
+    assert all(c["state"]["type"] == "COMPLETED" and c["deployment_id"] == deployment and c["parent_task_run_id"]
+               and f"study-run:{study_id}" in c["tags"] for c in children), children
+    # No child trained twice: localpod ran one job per child, and every endpoint is gone.
+    endpoints = study_endpoints(local_stack, "e2e-resume")
+    jobs = [j for j in localpod_account(local_stack)["jobs"] if j["endpointId"] in {e["id"] for e in endpoints}]
+    assert len(jobs) == 3 and len(endpoints) == 3 and all(e["deletedAt"] for e in endpoints), (jobs, endpoints)
+    table = json.loads(artifact(local_stack, "study-e2e-resume-table")["data"])
+    assert sorted(row["child"].removesuffix(" (best)") for row in table) == [
+        "e2e-resume-ms4", "e2e-resume-ms400", "e2e-resume-ms6"], table
+    assert all(row["state"] == "completed" and row["eval_loss"] != "" for row in table), table

@@ -79,6 +79,19 @@ def default_endpoint_slots() -> int:
     return configured_worker_quota() or NEW_ACCOUNT_WORKER_QUOTA
 
 
+def worker_quota_in_force(name: str = ENDPOINT_LIMIT) -> tuple[int, str]:
+    """The most endpoints this control plane's runs hold at once, and where the figure comes from:
+    `LORAFLOW_WORKER_QUOTA` (the account's quota) when set, else the limit's slots, else the slots a run would create
+    the limit with (a new account's quota)."""
+    if (quota := configured_worker_quota()) is not None:
+        return quota, WORKER_QUOTA_ENV
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).limit, f"the {name} limit's slots"
+        except ObjectNotFound:
+            return NEW_ACCOUNT_WORKER_QUOTA, f"a new account's: neither {WORKER_QUOTA_ENV} nor the {name} limit is set"
+
+
 def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int | None = None) -> int:
     """Create the limit if it is missing, with `slots` (default: `default_endpoint_slots()`); never change one
     that exists (an operator may have tuned it).

@@ -1,26 +1,34 @@
-"""A study's children as Prefect knows them: found by the study's tag, cancelled with it, and read back for the
-comparison (wall time, cost, page).
+"""A study's children as Prefect knows them: found by the study's tag, started as deployment runs, adopted by a
+resumed study, cancelled with it, and read back for the comparison (state, wall time, cost, page).
 
 Children are found by tag (`study-run:<study flow run id>`), not by a list in the study's memory: the study's
 cancellation and crash hooks run in another process when a runner kills the study's (Prefect's runner runs the
-hooks itself), and they must still reach every child.
+hooks itself), and they must still reach every child; a study started again (`--resume`, a Prefect retry) finds
+what its earlier process started the same way. A child that runs as a deployment run carries an idempotency key,
+`<study flow run id>:<child index>` (`:<n>` after it for the child's n-th start), so that starting it twice makes one
+run.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import re
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
 
 import httpx
 from prefect import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
+    FlowRunFilterId,
     FlowRunFilterState,
     FlowRunFilterStateType,
     FlowRunFilterTags,
 )
-from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.sorting import FlowRunSort
+from prefect.deployments import run_deployment
 from prefect.events.filters import (
     EventFilter,
     EventNameFilter,
@@ -29,7 +37,8 @@ from prefect.events.filters import (
 )
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
-from prefect.states import Cancelled, Cancelling
+from prefect.states import Cancelled, Cancelling, Crashed
+from pydantic import BaseModel, Field
 
 from tasks.lifecycle.teardown import delete_run_endpoints, start_reconcile
 from tasks.reports import events
@@ -39,6 +48,11 @@ log = logging.getLogger("loraflow.study")
 EVENT_WAIT_S = 30.0
 """How long a finished child's `loraflow.run.finished` may take to be readable (the server stores events in batches)."""
 NOT_FINAL = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
+PAGE = 200
+"""Flow runs per read (the Prefect server's default limit)."""
+EVENTS_PAGE = 50
+"""Events per read (the most the server's `/events/filter` returns at once)."""
+_KEY = re.compile(r"^(?P<study>[0-9a-f-]{36}):(?P<index>[0-9]+)(?::(?P<start>[0-9]+))?$")
 
 
 def study_tags(study_name: str, study_run_id: str) -> list[str]:
@@ -46,11 +60,143 @@ def study_tags(study_name: str, study_run_id: str) -> list[str]:
     return ["study", f"study:{study_name}", f"study-run:{study_run_id}"]
 
 
-def unfinished_children(client, study_run_id: str) -> list:
+def unfinished_children(client, study_run_id: str) -> list[FlowRun]:
     """The study's child flow runs that have not ended (`client`: a sync Prefect client)."""
-    return client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        tags=FlowRunFilterTags(all_=[f"study-run:{study_run_id}"]),
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=NOT_FINAL))))
+    return _read_all(client, FlowRunFilter(tags=FlowRunFilterTags(all_=[f"study-run:{study_run_id}"]),
+                                           state=FlowRunFilterState(type=FlowRunFilterStateType(any_=NOT_FINAL))))
+
+
+def study_child_runs(study_run_id: str) -> list[FlowRun]:
+    """Every flow run the study started, ended or not, in any earlier process of it."""
+    with get_client(sync_client=True) as client:
+        return _read_all(client, FlowRunFilter(tags=FlowRunFilterTags(all_=[f"study-run:{study_run_id}"])))
+
+
+def read_runs(flow_run_ids: Sequence[str]) -> dict[str, FlowRun]:
+    """The flow runs by id, in one read per `PAGE` (the study's poll of its running children)."""
+    with get_client(sync_client=True) as client:
+        found: dict[str, FlowRun] = {}
+        for start in range(0, len(flow_run_ids), PAGE):
+            ids = list(flow_run_ids[start:start + PAGE])
+            for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)),
+                                             limit=len(ids)):
+                found[str(run.id)] = run
+        return found
+
+
+def _read_all(client, flow_run_filter: FlowRunFilter) -> list[FlowRun]:
+    runs: list[FlowRun] = []
+    while True:
+        page = client.read_flow_runs(flow_run_filter=flow_run_filter, sort=FlowRunSort.ID_DESC, limit=PAGE,
+                                     offset=len(runs))
+        runs += page
+        if len(page) < PAGE:
+            return runs
+
+
+def child_key(study_run_id: str, index: int, start: int = 1) -> str:
+    """The idempotency key of the child's `start`-th deployment run: `<study>:<index>`, then `<study>:<index>:<n>`."""
+    return f"{study_run_id}:{index}" if start == 1 else f"{study_run_id}:{index}:{start}"
+
+
+class FoundChild(BaseModel):
+    """A flow run an earlier process of the study started for one of its children."""
+
+    index: int = Field(description="The child's place in the study, from 1.")
+    start: int = Field(description="Which start of the child it was (its key's `:<n>`; 1 for the first; 0 for an "
+                       "in-process run, which has no key).")
+    flow_run_id: str = Field(description="The flow run.")
+    state: str = Field(description="Its state type (`COMPLETED`, `RUNNING`, ...).")
+    deployment: bool = Field(description="A deployment run (its own process, on a worker) rather than a subflow in "
+                             "the study's own process.")
+    spec: dict[str, Any] = Field(default_factory=dict, description="The `spec` parameter it was given.")
+
+
+def found_child(run: FlowRun, study_run_id: str, index_by_name: dict[str, int]) -> FoundChild | None:
+    """Which child `run` was: by its idempotency key (a deployment run), else by its spec's name (a subflow); None
+    for a run of the study's that is not a child (its merge of the best adapter, say)."""
+    spec = run.parameters.get("spec") if isinstance(run.parameters, dict) else None
+    spec = spec if isinstance(spec, dict) else {}
+    key = _KEY.match(run.idempotency_key or "")
+    if key and key["study"] == study_run_id:
+        index, start = int(key["index"]), int(key["start"] or 1)
+    elif spec.get("name") in index_by_name:
+        index, start = index_by_name[spec["name"]], 0
+    else:
+        return None
+    return FoundChild(index=index, start=start, flow_run_id=str(run.id), state=run.state_type.value if run.state_type
+                      else "PENDING", deployment=run.deployment_id is not None, spec=spec)
+
+
+class ChildPlan(BaseModel):
+    """What a (re)started study does with one child, given the runs its earlier processes left."""
+
+    index: int = Field(description="The child's place in the study.")
+    action: Literal["adopt", "start"] = Field(description="`adopt`: wait on (or read) `run`; `start`: start it.")
+    run: FoundChild | None = Field(default=None, description="The run adopted: completed, or a deployment run "
+                                   "still going.")
+    start: int = Field(default=1, description="For `start`: which start of the child this is (its key's `:<n>`).")
+    stale: list[str] = Field(default_factory=list, description="Subflow runs left unfinished by the study's earlier "
+                             "process: they died with it, and are torn down and marked Crashed before it starts again.")
+
+
+_FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def adoption_plan(indices: Iterable[int], found: Sequence[FoundChild]) -> dict[int, ChildPlan]:
+    """Per child: adopt its completed run, else its deployment run still going (on a worker, it outlived the study's
+    process), else start it (again): its earlier runs failed, were cancelled, or were subflows of a study process
+    that is gone. No child that completed or is running starts twice."""
+    by_index: dict[int, list[FoundChild]] = {}
+    for run in found:
+        by_index.setdefault(run.index, []).append(run)
+    plans = {}
+    for index in indices:
+        runs = sorted(by_index.get(index, []), key=lambda r: r.start)
+        completed = [r for r in runs if r.state == "COMPLETED"]
+        going = [r for r in runs if r.state not in _FINAL and r.deployment]
+        if completed or going:
+            plans[index] = ChildPlan(index=index, action="adopt", run=(completed or going)[-1])
+            continue
+        starts = [r.start for r in runs if r.deployment]
+        plans[index] = ChildPlan(index=index, action="start", start=max(starts, default=0) + 1,
+                                 stale=[r.flow_run_id for r in runs if r.state not in _FINAL and not r.deployment])
+    return plans
+
+
+def start_deployment_child(deployment: str, parameters: dict[str, Any], tags: list[str], key: str) -> str:
+    """Start one child as a run of `deployment` (a subflow of the study, so its page links it) and return at once
+    (`timeout=0`: the study polls its state with the others'); the key makes a second start return the first run."""
+    run = run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=True, tags=tags,
+                         idempotency_key=key)
+    return str(run.id)
+
+
+def end_stale_children(flow_run_ids: Sequence[str]) -> None:
+    """Subflows a study's earlier process left unfinished died with it: delete their endpoints (confirmed) and mark
+    them Crashed, before the resumed study runs the children again. A delete that fails is the reconcile flow's."""
+    with get_client(sync_client=True) as client:
+        for flow_run_id in flow_run_ids:
+            try:
+                delete_run_endpoints(flow_run_id)
+            except Exception as e:  # noqa: BLE001 - the reconcile flow deletes what is left
+                log.error("Child %s's endpoints could not be deleted (%s: %s); reconcile will retry", flow_run_id,
+                          type(e).__name__, e)
+            client.set_flow_run_state(flow_run_id, Crashed(message="its study's process ended while it ran; the "
+                                                                     "resumed study runs it again"), force=True)
+
+
+StudyEnd = Literal["cancel", "tear down", "leave running"]
+
+
+def on_study_end(deployment_child: bool, study_state: StateType) -> StudyEnd:
+    """What the study's hook does with a child still going when the study ends `study_state`. A deployment child runs
+    in a process of its own: cancelled with its study (it tears its own endpoint down), left running when the study
+    crashed or failed of its own (a resumed study adopts it). A subflow ran in the study's process, which is gone or
+    going: its endpoints are deleted here and it is marked Cancelled."""
+    if not deployment_child:
+        return "tear down"
+    return "cancel" if study_state in (StateType.CANCELLING, StateType.CANCELLED) else "leave running"
 
 
 def cancel_children(study_run_id: str) -> list[str]:
@@ -70,14 +216,24 @@ def cancel_children(study_run_id: str) -> list[str]:
 
 
 def cancel_children_hook(flow, flow_run, state) -> None:
-    """The study's cancellation and crash hook. When a runner kills the study's process its children die with it,
-    so their own hooks never run: delete each unfinished child's endpoints here (confirmed) and mark it Cancelled,
-    then those of the study itself (the merge of its best adapter rents one, named after the study), and start the
-    reconcile deployment as a train run's hook does. Never raises."""
+    """The study's cancellation, crash and failure hook (`on_study_end` decides per child). When a runner kills the
+    study's process its subflow children die with it, so their own hooks never run: delete each one's endpoints here
+    (confirmed) and mark it Cancelled. Deployment children are asked to cancel when the study was cancelled, and left
+    running when it crashed or failed. Then the study's own endpoints (the merge of its best adapter rents one, named
+    after the study) are deleted, and the reconcile deployment started, as a train run's hook does. Never raises."""
     try:
         with get_client(sync_client=True) as client:
             children = unfinished_children(client, str(flow_run.id))
             for child in children:
+                action = on_study_end(child.deployment_id is not None, state.type)
+                if action == "leave running":
+                    log.warning("Study %s ended %s: child %s runs on (resume the study to adopt it)", flow_run.id,
+                                state.name, child.name)
+                    continue
+                if action == "cancel":
+                    if child.state is not None and not child.state.is_cancelling():
+                        client.set_flow_run_state(child.id, Cancelling(message="its study was cancelled"), force=True)
+                    continue
                 try:
                     deleted = delete_run_endpoints(str(child.id))
                     log.warning("Study %s ended %s: deleted child %s's endpoints %s", flow_run.id, state.name,
@@ -105,40 +261,36 @@ def flow_run_page(flow_run_id: str) -> str | None:
     return f"{ui_url.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui_url else None
 
 
-def child_minutes(flow_run_id: str) -> float | None:
-    """The child flow run's wall time, in minutes; None when it cannot be read."""
-    try:
-        with get_client(sync_client=True) as client:
-            run = client.read_flow_run(flow_run_id)
-    except (httpx.HTTPError, ObjectNotFound):
-        return None
+def run_minutes(run: FlowRun) -> float | None:
+    """A flow run's wall time, in minutes (to now while it runs); None before it started."""
     if run.start_time is None:
         return None
     end = run.end_time or datetime.now(UTC)
     return round((end - run.start_time).total_seconds() / 60, 2)
 
 
-def child_cost_usd(flow_run_id: str, wait_s: float = EVENT_WAIT_S) -> float | None:
-    """What the child's workers ran, × the GPU price, as its `loraflow.run.finished` says; None when the event is
-    not readable within `wait_s` (a lost event is possible: events are notifications)."""
+def read_child_costs(flow_run_ids: Sequence[str]) -> dict[str, float | None]:
+    """What each ended child's workers ran × the GPU price, as its `loraflow.run.finished` says, for the children
+    whose event is readable now (None: the event names no cost); a child missing from the answer has no readable
+    event yet (the server stores events in batches; a lost one is possible: events are notifications). One read per
+    `EVENTS_PAGE` children: the study asks again each round, never waits on one child."""
     since = datetime.now(UTC) - timedelta(days=8)  # a run lives at most 7 days
-    event_filter = EventFilter(occurred=EventOccurredFilter(since=since, until=datetime.now(UTC) + timedelta(hours=1)),
-                               event=EventNameFilter(name=[events.RUN_FINISHED]),
-                               resource=EventResourceFilter(id=[f"{events.RUN_RESOURCE}{flow_run_id}"]))
-    deadline = time.monotonic() + wait_s
-    while True:
+    costs: dict[str, float | None] = {}
+    for start in range(0, len(flow_run_ids), EVENTS_PAGE):
+        ids = list(flow_run_ids[start:start + EVENTS_PAGE])
+        event_filter = EventFilter(
+            occurred=EventOccurredFilter(since=since, until=datetime.now(UTC) + timedelta(hours=1)),
+            event=EventNameFilter(name=[events.RUN_FINISHED]),
+            resource=EventResourceFilter(id=[f"{events.RUN_RESOURCE}{i}" for i in ids]))
         try:
             with get_client(sync_client=True) as client:
                 found = client.request("POST", "/events/filter", json={
-                    "filter": event_filter.model_dump(mode="json"), "limit": 1}).json()["events"]
+                    "filter": event_filter.model_dump(mode="json"), "limit": EVENTS_PAGE}).json()["events"]
         except httpx.HTTPError as e:
-            log.warning("Could not read child %s's loraflow.run.finished (%s)", flow_run_id, e)
-            found = []
-        if found:
-            cost = found[0].get("payload", {}).get("cost_usd")
-            return float(cost) if cost is not None else None
-        if time.monotonic() > deadline:
-            log.warning("Child %s's loraflow.run.finished was not readable after %.0f s: its cost is unknown",
-                        flow_run_id, wait_s)
-            return None
-        time.sleep(2.0)
+            log.warning("Could not read the children's loraflow.run.finished yet (%s)", e)
+            continue
+        for event in found:
+            run_id = event["resource"]["prefect.resource.id"].removeprefix(events.RUN_RESOURCE)
+            cost = event.get("payload", {}).get("cost_usd")
+            costs[run_id] = float(cost) if cost is not None else None
+    return costs

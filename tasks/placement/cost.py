@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Literal, Protocol
 
 from loraflow_worker.contract import TrainingSettings
 from prefect import get_run_logger, task
@@ -93,20 +93,49 @@ def check_budget(cost_usd: float, budget_usd: float | None, price_source: PriceS
 
 def check_study_budget(ceilings: dict[str, CostCeiling], budget_usd: float | None,
                        cap_usd: float | None = None) -> None:
-    """Refuse a study whose children's cost ceilings (child name → ceiling) add up to more than its budget, naming
-    the totals and the dearest child, or any of whose children passes the operator's cap (`cap_usd`)."""
+    """Refuse, before anything is rented, a study with a child (child name → its ceiling) that could never start: one
+    whose ceiling alone passes the study's budget, or the operator's cap (`cap_usd`). The budget as a whole is kept
+    as children start (`study_budget_decision`): a study may hold more children than its budget covers at their
+    ceilings, as most end well below them."""
     for name, ceiling in ceilings.items():
         check_cost_cap(ceiling.usd, cap_usd, f"the study's child {name}")
-    total = round(sum(c.usd for c in ceilings.values()), 2)
-    if budget_usd is None or total <= budget_usd:
+    if budget_usd is None or not ceilings:
         return
     name, dearest = max(ceilings.items(), key=lambda item: item[1].usd)
-    raise ValueError(
-        f"the study's {len(ceilings)} children may cost up to ${total:.2f} in all (each child's GPU price × GPUs × "
-        f"deadline; the dearest, {name}: {dearest.describe()}), above study.budget_usd ${budget_usd:.2f}: nothing was "
-        "rented. Lower deadline_minutes, try fewer grid values or seeds, pick a cheaper GPU, or raise "
-        "study.budget_usd"
-    )
+    if dearest.usd > budget_usd:
+        too_dear = sum(1 for c in ceilings.values() if c.usd > budget_usd)
+        raise ValueError(
+            f"{too_dear} of the study's {len(ceilings)} children may each cost more than study.budget_usd "
+            f"${budget_usd:.2f} alone (GPU price × GPUs × deadline; the dearest, {name}: {dearest.describe()}), so "
+            "they could never start: nothing was rented. Lower deadline_minutes, pick a cheaper GPU, or raise "
+            "study.budget_usd"
+        )
+
+
+BudgetDecision = Literal["start", "wait", "skip"]
+
+
+def study_budget_decision(budget_usd: float | None, spent_usd: float, running_ceilings_usd: Sequence[float],
+                          ceiling_usd: float) -> tuple[BudgetDecision, str]:
+    """Whether the study's next child may start now, and why not.
+
+    `spent_usd`: what the children that ended cost (their `loraflow.run.finished`; a child whose cost is unknown
+    counts at its ceiling); `running_ceilings_usd`: the ceilings of the children still running (or ended with their
+    cost not yet read). The child starts when the spent, the running children's ceilings and its own ceiling fit the
+    budget: then no combination of outcomes passes it. Otherwise it waits while any child runs (their real cost, below
+    their ceilings, may leave room), and is skipped when none does (the room left is final)."""
+    if budget_usd is None:
+        return "start", ""
+    committed = spent_usd + sum(running_ceilings_usd)
+    if committed + ceiling_usd <= budget_usd + 1e-9:
+        return "start", ""
+    left = max(0.0, budget_usd - spent_usd)
+    if running_ceilings_usd:
+        return "wait", (f"waits for room in study.budget_usd ${budget_usd:.2f}: ${spent_usd:.2f} spent, "
+                        f"{len(running_ceilings_usd)} running may cost up to ${sum(running_ceilings_usd):.2f}, its "
+                        f"ceiling ${ceiling_usd:.2f}")
+    return "skip", (f"study.budget_usd ${budget_usd:.2f} reached: ${spent_usd:.2f} spent by the children before it, "
+                    f"${left:.2f} left, below its cost ceiling ${ceiling_usd:.2f}")
 
 
 EVAL_COST_PER_EXAMPLE = {"sft": 1 / 3, "grpo": 1 / 2, "dpo": 1 / 3}

@@ -2,7 +2,10 @@
 plot, and the study's summary and table artifacts.
 
 Pure functions over plain data (the rows, each child's `TrainMetrics`), so that the comparison is tested without a
-flow; `publish_study_report` writes the artifacts from inside the study flow.
+flow; `publish_study_report` writes the artifacts from inside the study flow. A study may have up to 1,000 children:
+the table is paged (the best children first, `PAGE_ROWS` a page, each page an artifact of its own) and the plot
+draws the best `PLOTTED_BEST` and the median child, as a table or a plot of every child is unreadable long before
+that (and a Prefect table artifact past a few hundred rows is slow to open).
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from pydantic import BaseModel, Field
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-ChildState = Literal["completed", "failed", "cancelled", "not started"]
+ChildState = Literal["completed", "failed", "cancelled", "skipped", "not started"]
+"""How a child ended: `skipped` when the study's budget had no room left for it, `not started` when the study was
+cancelled before its turn."""
+PAGE_ROWS = 50
+"""Rows per page of the study's table (each page one table artifact; the summary shows the first)."""
+PLOTTED_BEST = 10
+"""The children whose curves the summary's plot overlays, best first; the median child is drawn beside them."""
 SERIES_OF_METRIC = {
     "eval_loss": ("eval_loss", "eval loss (held-out)"),
     "eval_reward": ("eval_reward", "eval mean reward (held-out)"),
@@ -81,8 +90,47 @@ def best_child(rows: list[ChildRow], maximize: bool) -> ChildRow | None:
     return min(scored, key=lambda r: (r.metric, r.index))
 
 
+def ranked(rows: list[ChildRow], maximize: bool) -> list[ChildRow]:
+    """The rows in the order the table shows them: the children with the metric, best first (the earlier child on a
+    tie), then the others (failed, cancelled, skipped, completed without the metric) in the study's order."""
+    scored = [r for r in rows if r.state == "completed" and r.metric is not None]
+    scored.sort(key=lambda r: (-r.metric if maximize else r.metric, r.index))
+    chosen = {r.index for r in scored}
+    return scored + [r for r in rows if r.index not in chosen]
+
+
+def median_child(rows: list[ChildRow], maximize: bool) -> ChildRow | None:
+    """The child in the middle of those with the metric (the better of the two middle ones for an even count);
+    None when none has it."""
+    scored = [r for r in ranked(rows, maximize) if r.state == "completed" and r.metric is not None]
+    return scored[(len(scored) - 1) // 2] if scored else None
+
+
+def plotted_children(rows: list[ChildRow], maximize: bool, best: int = PLOTTED_BEST) -> dict[int, str]:
+    """The children whose curves the plot overlays, child index → its label: the `best` best by the metric, and the
+    median child (labelled so) when it is not one of them."""
+    scored = [r for r in ranked(rows, maximize) if r.state == "completed" and r.metric is not None]
+    chosen = {r.index: r.name for r in scored[:best]}
+    median = median_child(rows, maximize)
+    if median is not None and median.index not in chosen:
+        chosen[median.index] = f"{median.name} (median)"
+    return chosen
+
+
+def page_key(study: str, page: int) -> str:
+    """The artifact key of the table's `page` (from 1): `study-<name>-table`, then `study-<name>-table-2`, ..."""
+    return f"{study_key(study)}-table" if page == 1 else f"{study_key(study)}-table-{page}"
+
+
+def table_pages(rows: list[ChildRow], metric: str, best: ChildRow | None, maximize: bool,
+                page_rows: int = PAGE_ROWS) -> list[list[dict[str, object]]]:
+    """The study's table, ranked (`ranked`), in pages of `page_rows`: one table artifact each."""
+    table = table_rows(ranked(rows, maximize), metric, best)
+    return [table[start:start + page_rows] for start in range(0, len(table), page_rows)] or [[]]
+
+
 def table_rows(rows: list[ChildRow], metric: str, best: ChildRow | None) -> list[dict[str, object]]:
-    """The study's table artifact: one dict per child, the columns people compare first."""
+    """The rows of the study's table, in the order given: one dict per child, the columns people compare first."""
     def figure(value: float | None, digits: int = 4) -> object:
         return round(value, digits) if value is not None else ""
 
@@ -146,7 +194,7 @@ class StudyReport(BaseModel):
     best: ChildRow | None = Field(default=None, description="The best child; None when none completed with the "
                                   "metric.")
     cost_usd: float = Field(description="The children's costs summed (those known).")
-    cost_ceiling_usd: float = Field(description="The children's cost ceilings summed, as checked before renting.")
+    cost_ceiling_usd: float = Field(description="The cost ceilings of the children that started, summed.")
     budget_usd: float | None = Field(default=None, description="The study's budget; None: none.")
     published: str | None = Field(default=None, description="Where the best adapter was published (publish_best).")
     publish_error: str | None = Field(default=None, description="Why publishing the best adapter failed.")
@@ -178,18 +226,26 @@ def study_markdown(report: StudyReport, plot: bytes | None) -> str:
         lines.append(f"- Best adapter merged into its base, published to `{report.merged}`")
     if report.merge_error:
         lines.append(f"- Best adapter not merged: {report.merge_error}")
+    shown = ranked(report.rows, report.maximize)[:PAGE_ROWS]
     lines += ["", f"| child | values | state | {report.metric} | cost (USD) | minutes | reason |",
               "|---|---|---|---|---|---|---|"]
-    for row in report.rows:
+    for row in shown:
         name = f"[{row.name}]({row.summary_url})" if row.summary_url else row.name
         mark = " **(best)**" if best is not None and row.index == best.index else ""
         metric = f"{row.metric:.4g}" if row.metric is not None else ""
-        cost = f"{row.cost_usd:.4f}" if row.cost_usd is not None else "unknown"
+        # A child that never started cost nothing; one that ran without a readable cost is "unknown".
+        cost = (f"{row.cost_usd:.4f}" if row.cost_usd is not None
+                else "" if row.state in ("skipped", "not started") else "unknown")
         minutes = f"{row.minutes:.1f}" if row.minutes is not None else ""
         lines.append(f"| {name}{mark} | {row.values} | {row.state} | {metric} | {cost} | {minutes} | "
                      f"{row.reason.replace('|', '/')[:200]} |")
+    pages = -(-len(report.rows) // PAGE_ROWS)
+    if pages > 1:
+        lines += ["", f"The best {PAGE_ROWS} of {len(report.rows)} children; every child, ranked, is in the table "
+                  f"artifacts `{page_key(report.study, 1)}` to `{page_key(report.study, pages)}` ({PAGE_ROWS} a page)."]
     if plot is not None:
-        lines += ["", f"![{report.metric} of every child](data:image/png;base64,{base64.b64encode(plot).decode()})"]
+        image = base64.b64encode(plot).decode()
+        lines += ["", f"![{report.metric} of the best children and the median child](data:image/png;base64,{image})"]
     return "\n".join(lines)
 
 
@@ -201,6 +257,9 @@ def study_key(study: str) -> str:
 def publish_study_report(report: StudyReport, plot: bytes | None) -> None:
     create_markdown_artifact(markdown=study_markdown(report, plot), key=study_key(report.study),
                              description=f"Study {report.study}: its children compared")
-    create_table_artifact(table=table_rows(report.rows, report.metric, report.best),
-                          key=f"{study_key(report.study)}-table",
-                          description=f"Study {report.study}: one row per child run")
+    pages = table_pages(report.rows, report.metric, report.best, report.maximize)
+    for page, table in enumerate(pages, start=1):
+        first = (page - 1) * PAGE_ROWS + 1
+        create_table_artifact(table=table, key=page_key(report.study, page),
+                              description=f"Study {report.study}: children {first}-{first + len(table) - 1} of "
+                              f"{len(report.rows)}, best {report.metric} first (page {page} of {len(pages)})")
