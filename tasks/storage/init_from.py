@@ -14,7 +14,7 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
 from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStoreError, open_store
 from loraflow_worker.contract import LoraSettings, ModelSource
-from loraflow_worker.contract.training_settings import init_from_problem
+from loraflow_worker.contract.lora_settings import init_from_problem
 
 from tasks.settings import Settings
 

@@ -35,7 +35,7 @@ from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, Rep
 from loraflow_worker.artifacts import ArtifactChanged, ArtifactNotFound, ArtifactStoreError, open_store
 from loraflow_worker.artifacts.pins import download_pinned
 from loraflow_worker.contract import JobResult, run_prefix
-from loraflow_worker.contract.training_settings import BASE_REWRITING_INITS
+from loraflow_worker.contract.lora_settings import BASE_REWRITING_INITS
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field

@@ -15,11 +15,10 @@ from transformers.trainer_utils import SchedulerType
 from transformers.training_args import OptimizerNames
 
 from loraflow_worker.contract import JobInput, LoraSettings
+from loraflow_worker.contract.lora_settings import REFUSED_LORA_INITS, LoraInit
 from loraflow_worker.contract.training_settings import (
-    REFUSED_LORA_INITS,
     REFUSED_LR_SCHEDULERS,
     REFUSED_OPTIMIZERS,
-    LoraInit,
     LrScheduler,
     Optimizer,
 )

@@ -7,7 +7,7 @@ The control plane builds a `JobInput`, sends it as the RunPod job's `input`, and
 before a GPU is billed, and a worker refuses a job whose `contract_version` it does not understand.
 
 It owns the version (`version`), what a run trains on (`sources`) and the formats its rows may come in, converted to
-TRL's by one implementation that both sides run (`dataset_formats`), the job's sections (`training_settings`,
+TRL's by one implementation that both sides run (`dataset_formats`), the job's sections (`lora_settings`, `training_settings`,
 one `<method>_settings` per method with settings of its own, `memory_settings`, `fast_path_settings`), the names
 a run may put in its worker's environment (`env_names`), the pins on the files the control plane stored for a job
 (`stored_inputs`), the job itself (`job`), what comes back (`results`), preload jobs (`preload`), merge jobs (`merge`:
@@ -38,6 +38,7 @@ from loraflow_worker.contract.grpo_settings import (
     grpo_setting_problems,
 )
 from loraflow_worker.contract.job import MAX_EXTRA_PACKAGES, JobInput, plain_requirements
+from loraflow_worker.contract.lora_settings import LoraSettings
 from loraflow_worker.contract.merge import LogitsCheck, MergeInput, MergeResult
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.preload import MAX_PRELOAD_MODELS, PreloadInput, PreloadModelResult, PreloadResult
@@ -58,7 +59,6 @@ from loraflow_worker.contract.training_settings import (
     EVAL_METRICS,
     EarlyStoppingSettings,
     EvaluationSettings,
-    LoraSettings,
     TrainingSettings,
     early_stopping_problems,
     optimisation_problems,

@@ -6,12 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from loraflow_worker.contract.training_settings import (
-    LoraSettings,
-    TrainingSettings,
-    reference_problems,
-    sft_only_settings,
-)
+from loraflow_worker.contract.lora_settings import LoraSettings, reference_problems
+from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
 from loraflow_worker.contract.version import _Strict
 
 DpoLoss = Literal["sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down",

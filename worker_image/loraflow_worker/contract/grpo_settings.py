@@ -17,12 +17,8 @@ from loraflow_worker.contract.reward_names import (
 )
 from loraflow_worker.contract.fast_path_settings import FastPathSettings
 from loraflow_worker.contract.memory_settings import MemorySettings
-from loraflow_worker.contract.training_settings import (
-    LoraSettings,
-    TrainingSettings,
-    reference_problems,
-    sft_only_settings,
-)
+from loraflow_worker.contract.lora_settings import LoraSettings, reference_problems
+from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
 from loraflow_worker.contract.version import _Strict
 
 _REWARD_PARAMS = ("column", "pattern", "target_length", "tolerance")

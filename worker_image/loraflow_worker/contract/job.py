@@ -14,9 +14,9 @@ from loraflow_worker.contract.grpo_settings import GrpoSettings, colocated_vllm_
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.sources import DatasetSource, ModelSource
 from loraflow_worker.contract.stored_inputs import Sha256, StoredInputs
+from loraflow_worker.contract.lora_settings import LoraSettings
 from loraflow_worker.contract.training_settings import (
     EvaluationSettings,
-    LoraSettings,
     TrainingSettings,
     early_stopping_problems,
     optimisation_problems,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from loraflow_worker.contract.training_settings import LoraSettings, TrainingSettings
+from loraflow_worker.contract.lora_settings import LoraSettings
+from loraflow_worker.contract.training_settings import TrainingSettings
 from loraflow_worker.contract.version import _Strict
 
 
