@@ -204,7 +204,7 @@ def test_a_preload_whose_endpoint_cannot_be_deleted_keeps_its_slot_and_record_un
     one); everything else is the real flow against the stack."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    import tasks.jobs.preload as preload_tasks
+    import tasks.jobs.rented as rented
     from flows.preload import PreloadSpec, preload
     from flows.reconcile import reconcile
     from flows.reconcile import ReconcilePolicy
@@ -213,8 +213,8 @@ def test_a_preload_whose_endpoint_cannot_be_deleted_keeps_its_slot_and_record_un
     from tests.test_run_watch_e2e import leave_nothing_behind, localpod
 
     prefix = "loraflow-preload-eu-ro-1-"
-    monkeypatch.setattr(preload_tasks, "delete_endpoint",
-                        preload_tasks.delete_endpoint.with_options(retries=1, retry_delay_seconds=[0]))
+    # The path every rented job takes deletes its endpoint (tasks/jobs/rented.py).
+    monkeypatch.setattr(rented, "delete_endpoint", rented.delete_endpoint.with_options(retries=1, retry_delay_seconds=[0]))
     for key, value in local_stack.client_env.items():
         if not key.startswith("PREFECT_"):
             monkeypatch.setenv(key, value)

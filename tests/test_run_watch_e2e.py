@@ -242,15 +242,15 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     import flows.train as train_module
-    import tasks.jobs.training as attempt_module
+    import tasks.jobs.rented as rented
     from flows.reconcile import ReconcilePolicy, reconcile
     from flows.spec import load_run_file
     from tasks.lifecycle.teardown import undeleted_endpoints
     from tasks.runpod.client import RunpodClient
 
     prefix = "loraflow-e2e-nodelete-"
-    monkeypatch.setattr(attempt_module, "delete_endpoint",
-                        attempt_module.delete_endpoint.with_options(retries=1, retry_delay_seconds=[0]))
+    # The path every rented job takes deletes its endpoint (tasks/jobs/rented.py).
+    monkeypatch.setattr(rented, "delete_endpoint", rented.delete_endpoint.with_options(retries=1, retry_delay_seconds=[0]))
     for key, value in local_stack.client_env.items():
         if not key.startswith("PREFECT_"):
             monkeypatch.setenv(key, value)
