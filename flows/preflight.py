@@ -27,6 +27,7 @@ from prefect.states import Failed, State
 from pydantic import Field
 
 from flows.spec import RunSpec, SpecError, load_run_file, read_run_file
+from flows.study_search import space_corners
 from flows.study_spec import describe_values, expand, load_study_file
 from tasks.preflight.account import (
     PERMISSIONS,
@@ -164,12 +165,16 @@ if __name__ == "__main__":
     args = parser.parse_args()
     try:
         if "study" in read_run_file(Path(args.run_file)):
-            # A study's checks are its children's: every child is valid, and the first stands for them here.
-            children = expand(load_study_file(args.run_file))
+            # A study's checks are its children's: every child is valid (a search's, those at its space's corners),
+            # and the first stands for them here.
+            study_spec = load_study_file(args.run_file)
+            search = study_spec.study.search == "tpe"
+            children = space_corners(study_spec) if search else expand(study_spec)
             run_spec = children[0].spec
-            print(f"A study of {len(children)} runs, each valid; checking its first, {run_spec.name} "
-                  f"({describe_values(children[0].values) or 'the run spec'}). study.budget_usd is kept as the study "
-                  "starts its children, each within it alone.", flush=True)
+            print(f"A study of {study_spec.study.children()} runs"
+                  f"{f', picked by Optuna: the {len(children)} at its space corners' if search else ''}, each valid; "
+                  f"checking its first, {run_spec.name} ({describe_values(children[0].values) or 'the run spec'}). "
+                  "study.budget_usd is kept as the study starts its children, each within it alone.", flush=True)
         else:
             run_spec = load_run_file(args.run_file)
     except SpecError as e:

@@ -1,16 +1,19 @@
-"""The `study` flow: many train runs of one spec, varied by a grid and seeds, under one budget, compared.
+"""The `study` flow: many train runs of one spec, varied by a grid and seeds or picked by Optuna, under one budget,
+compared.
 
     .venv/bin/python -m flows.study deployments/qwen-study.toml
     .venv/bin/python -m flows.study deployments/qwen-study.toml --resume <study flow run id>
     prefect deployment run study/qwen-lr
 
-A run file with a `[study]` section (`flows/study_spec.py`). Before anything is rented, every child is validated,
+A run file with a `[study]` section (`flows/study_spec.py`). Before anything is rented, every child is validated
+(with `search = "tpe"`, the children at the space's corners, and the Optuna storage opened: `flows/study_search.py`),
 and refused: a child whose cost ceiling alone passes `study.budget_usd`, a `parallel` above the account's worker
 quota, a `deployment` that does not exist. Then the children run (`flows/study_run.py`), `study.parallel` at a time,
 each starting only when the budget has room for its ceiling: each is an ordinary `train` flow run (its own page,
 name, summary, endpoint, teardown and `loraflow.run.finished`), tagged `study:<name>`, a run of `study.deployment`
 on the team's workers or a subflow in this process. A child that fails is a row of the comparison, not a failed
-study (unless every child fails). At the end: the comparison (a paged table, a summary with the best children's
+study (unless every child fails); with `prune`, a child losing to the others' median is cancelled as it runs
+(`tasks/lifecycle/study_pruning.py`). At the end: the comparison (a paged table, a summary with the best children's
 curves overlaid), the best child named, with `publish_best` its adapter published, and `loraflow.study.finished`.
 Cancelling the study cancels its running children (each tears its endpoint down) and starts no more. A study
 started again in its own flow run (`--resume`, a Prefect retry) adopts what completed or still runs.
@@ -32,6 +35,7 @@ from prefect.states import Cancelled, Completed, Failed, Pending, State
 
 from flows.spec import SpecError
 from flows.study_run import run_children
+from flows.study_search import Search, space_corners
 from flows.study_spec import Child, StudySettings, StudySpec, child_label, describe_values, expand, load_study_file
 from flows.train_check import check_local_inputs
 from tasks.lifecycle.quota import WORKER_QUOTA_ENV, worker_quota_in_force
@@ -53,6 +57,7 @@ from tasks.reports.study import (
 )
 from tasks.preflight.server_rules import check_inside_inputs_dir, check_server_rules
 from tasks.runpod.catalog import resolve_gpu
+from tasks.runpod.live_catalog import GpuOffer
 from tasks.settings import Settings, startup_problem
 from tasks.storage.artifacts import read_run_results
 from tasks.jobs.merge import MergedModel, merge_run_adapter
@@ -65,14 +70,20 @@ def _flow_run_name() -> str:
 
 
 @task(name="study-costs", cache_policy=NO_CACHE)
-def child_ceilings(children: list[Child]) -> dict[str, CostCeiling]:
-    """Each child's cost ceiling (its GPUs' dearest price × GPUs × deadline), from one read of the prices. An upper
-    bound of what the child's own check works out: that may leave out GPUs the run does not fit, never add one."""
+def gpu_offers(children: list[Child]) -> dict[str, GpuOffer]:
+    """The prices of every GPU the children name, from one read (a search's children name those of its corners)."""
     names = list(dict.fromkeys(gpu for child in children for gpu in child.spec.compute.gpu))
-    offers = {offer.gpu: offer for offer in read_gpu_prices.fn([resolve_gpu(name) for name in names])}
-    return {child.spec.name: cost_ceiling([offers[gpu] for gpu in child.spec.compute.gpu],
-                                          child.spec.compute.gpu_count, child.spec.deadline_minutes)
-            for child in children}
+    return {offer.gpu: offer for offer in read_gpu_prices.fn([resolve_gpu(name) for name in names])}
+
+
+def child_ceiling(child: Child, offers: dict[str, GpuOffer]) -> CostCeiling:
+    """The child's cost ceiling (its GPUs' dearest price × GPUs × deadline). An upper bound of what the child's own
+    check works out: that may leave out GPUs the run does not fit, never add one. A GPU `offers` lacks is read."""
+    missing = [gpu for gpu in child.spec.compute.gpu if gpu not in offers]
+    if missing:
+        offers |= {offer.gpu: offer for offer in read_gpu_prices.fn([resolve_gpu(name) for name in missing])}
+    return cost_ceiling([offers[gpu] for gpu in child.spec.compute.gpu], child.spec.compute.gpu_count,
+                        child.spec.deadline_minutes)
 
 
 @task(name="study-inputs", cache_policy=NO_CACHE)
@@ -124,16 +135,24 @@ def check_study_room(settings: StudySettings) -> None:
                             "study.deployment to run the children in the study's own process") from None
 
 
+@task(name="study-search", cache_policy=NO_CACHE)
+def open_search(spec: StudySpec, study_run_id: str) -> Search:
+    """The study's Optuna study, created or (resumed) loaded, before anything is rented: `SpecError` names
+    `LORAFLOW_OPTUNA_STORAGE` when its storage cannot be opened."""
+    return Search(spec, study_run_id)
+
+
 # Each hook reaches the children that have not ended (a cancelled study cancels them; one that crashed or failed
 # leaves its deployment children running, for a resume to adopt) and the study's own endpoint.
 @flow(name="study", log_prints=True, flow_run_name=_flow_run_name, on_cancellation=[cancel_children_hook],
       on_crashed=[cancel_children_hook], on_failure=[cancel_children_hook])
 def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
-    """Train several LoRA adapters from one run spec, varied by `[study]`'s grid and seeds, at most `parallel` at a
-    time, within one budget, and compare them by `metric`: a table of the children, the best ones' curves on one
-    plot, the best child named (and, with `publish_best`, its adapter published and merged as `[publish]` says).
-    Every child is checked before anything is rented; the budget is kept as children start. Started again in the
-    same flow run (a retry), the study adopts the children that completed or still run and starts the rest.
+    """Train several LoRA adapters from one run spec, varied by `[study]`'s grid and seeds (or picked by Optuna from
+    its `space`, `search = "tpe"`), at most `parallel` at a time, within one budget, the losers cancelled as they
+    train (`prune`), and compare them by `metric`: a table of the children, the best ones' curves on one plot, the
+    best child named (and, with `publish_best`, its adapter published and merged as `[publish]` says). Every child
+    is checked before anything is rented; the budget is kept as children start. Started again in the same flow run
+    (a retry), the study adopts the children that completed, were pruned or still run, and starts the rest.
 
     Args:
         spec: The children's common run spec, with the `[study]` section.
@@ -149,19 +168,29 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
         except SpecError as e:
             raise SpecError(f"parameter run_file: {e}") from e
     settings = spec.study
-    children = expand(spec)  # every child valid, or nothing starts
-    check_children_inputs(children)
-    ceilings = child_ceilings(children)
-    check_study_budget(ceilings, settings.budget_usd, Settings().loraflow_max_run_usd)
+    # Every child valid, or nothing starts; a search's values all lie between its corners'.
+    checked = space_corners(spec) if settings.search == "tpe" else expand(spec)
+    check_children_inputs(checked)
+    offers = gpu_offers(checked)
+    check_study_budget({c.spec.name: child_ceiling(c, offers) for c in checked}, settings.budget_usd,
+                       Settings().loraflow_max_run_usd)
     check_study_room(settings)
-    logger.info("Study %s, flow run %s: %d children (%s), %d at a time, %s%s; should this process stop, `python -m "
-                "flows.study RUN_FILE --resume %s` (or a retry of this flow run) adopts what ran", spec.name,
-                study_run_id, len(children), ", ".join(describe_values(c.values) or c.spec.name for c in children[:20])
-                + (", ..." if len(children) > 20 else ""), settings.parallel,
-                f"as runs of {settings.deployment}" if settings.deployment else "in this process",
-                f", within a ${settings.budget_usd:.2f} budget" if settings.budget_usd else "", study_run_id)
+    search = open_search(spec, study_run_id) if settings.search == "tpe" else None
+    children = [c for _, _, c in search.asked() if c is not None] if search is not None else checked
+    if search is not None:
+        what = (f"a TPE search of {settings.trials} trials over {', '.join(settings.space)} (Optuna study "
+                f"{search.name} in {search.storage_shown}; optuna-dashboard {search.storage_shown})")
+    else:
+        shown = ", ".join(describe_values(c.values) or c.spec.name for c in children[:20])
+        what = f"{len(children)} children ({shown}{', ...' if len(children) > 20 else ''})"
+    logger.info("Study %s, flow run %s: %s, %d at a time, %s%s%s; should this process stop, `python -m flows.study "
+                "RUN_FILE --resume %s` (or a retry of this flow run) adopts what ran", spec.name, study_run_id, what,
+                settings.parallel, f"as runs of {settings.deployment}" if settings.deployment else "in this process",
+                f", within a ${settings.budget_usd:.2f} budget" if settings.budget_usd else "",
+                f", pruning by the {settings.prune.rule} rule after {settings.prune.after_evals} evaluation(s)"
+                if settings.prune else "", study_run_id)
 
-    outcome = run_children(children, spec, study_run_id, ceilings)
+    outcome = run_children(children, spec, study_run_id, lambda child: child_ceiling(child, offers).usd, search)
     rows = outcome.rows
     best = best_child(rows, settings.maximize())
     published, merged = _publish_best(spec, best, outcome.pins.get(best.index) if best is not None else None)
@@ -176,7 +205,8 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     publish_study_report(report, overlay_png(_plotted_metrics(spec, rows), settings.metric))
     for row in rows:
         logger.info("%s %s (%s): %s %s", "best" if best and row.index == best.index else "    ", row.name, row.values,
-                    row.state, f"{settings.metric} {row.metric:.4g}" if row.metric is not None else row.reason[:200])
+                    row.state, f"{settings.metric} {row.metric:.4g}" if row.metric is not None
+                    else row.reason.removeprefix(f"{row.state} ")[:200])
     cancelled = outcome.cancelled
     status = "cancelled" if cancelled else "completed" if any(r.state == "completed" for r in rows) else "failed"
     events.study_finished(study_run_id, spec.name, status=status, report=report)

@@ -9,18 +9,23 @@ A child is a `train` flow run either way:
 - without, a subflow in the study's own process (one thread per running child: one machine, the local demo).
 
 The study may be started again in the same flow run (`python -m flows.study RUN_FILE --resume <id>`, or a Prefect
-retry): it finds the runs its earlier process started by their tag and adopts those that completed, and the
-deployment runs still going; only the rest start (`adoption_plan`).
+retry): it finds the runs its earlier process started by their tag and adopts those that completed or were pruned,
+and the deployment runs still going; only the rest start (`adoption_plan`).
+
+With `prune`, each round also reads the running children's new evaluations and cancels a loser
+(`tasks/lifecycle/study_pruning.py`); with `search = "tpe"`, the children are not known in advance: each is asked of
+Optuna when a slot frees, and its trial told how it ended (`flows/study_search.py`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 from loraflow_worker.contract import JobResult
-from prefect import get_run_logger, tags, task
+from prefect import get_client, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.exceptions import ObjectNotFound
@@ -29,6 +34,7 @@ from prefect.runtime import flow_run
 
 from flows.run_overrides import RunOverrides
 from flows.spec import RunSpec, SpecError
+from flows.study_search import InvalidTrial, Search
 from flows.study_spec import Child, StudySpec, child_label, describe_values, spec_difference
 from flows.train import train
 from tasks.lifecycle.steps import run_cancel_requested
@@ -47,8 +53,10 @@ from tasks.lifecycle.study_children import (
     start_deployment_child,
     study_child_runs,
     study_tags,
+    unfinished_children,
 )
-from tasks.placement.cost import CostCeiling, study_budget_decision
+from tasks.lifecycle.study_pruning import Pruning, pruned_step
+from tasks.placement.cost import study_budget_decision
 from tasks.reports.study import ChildRow, best_child, completed_row
 from tasks.settings import Settings
 from tasks.storage.artifacts import RunResults, read_run_results
@@ -101,38 +109,63 @@ def run_child(child: Child, study_name: str, study_run_id: str) -> tuple[str | N
     return str(final.state_details.flow_run_id), final.result() if final.is_completed() else None
 
 
-def run_children(children: list[Child], spec: StudySpec, study_run_id: str,
-                 ceilings: dict[str, CostCeiling]) -> Outcome:
+def run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceiling_of: Callable[[Child], float],
+                 search: Search | None = None) -> Outcome:
     """Adopt, start and wait on the children until each has a row; a cancel of the study cancels the running
-    children (each tears its endpoint down) and starts no more. Rows in the study's order."""
+    children (each tears its endpoint down) and starts no more. `ceiling_of`: a child's cost ceiling (USD). With
+    `search`, `children` are those its trials asked before (a resumed study's), and the rest are asked as slots free.
+    Rows in the study's order."""
     logger = get_run_logger()
     settings = spec.study
-    plans = _plan(children, study_run_id)
+    total = settings.children()
+    told = search.told() if search is not None else {}
+    plans = _plan(children, study_run_id, told)
+    pruning = (Pruning(after_evals=settings.prune.after_evals, metric=settings.metric, maximize=settings.maximize(),
+                       search=search) if settings.prune is not None else None)
     rows: dict[int, ChildRow] = {}
     going: dict[int, Going] = {}
     pending: list[tuple[Child, int]] = []
     for child in children:
         plan = plans[child.index]
-        ceiling = ceilings[child.spec.name].usd
         if plan.action == "adopt":
-            going[child.index] = Going(child, ceiling, flow_run_id=plan.run.flow_run_id)
+            going[child.index] = Going(child, ceiling_of(child), flow_run_id=plan.run.flow_run_id)
+        elif plan.action == "told":  # a trial told how it ended, with no run: its row is what it was told with
+            state, reason = told[child.index]
+            known = state in ("failed", "skipped", "not started", "cancelled")  # those a child with no run ends as
+            rows[child.index] = _row(child, state=state if known else "failed", reason=reason,
+                                     ceiling=ceiling_of(child))
         else:
             pending.append((child, plan.start))
+    for index, values, child in search.asked() if search is not None else []:
+        if child is None:  # values that made no valid run: told FAIL when asked
+            rows[index] = _trial_row(spec, index, values, told.get(index, ("failed", ""))[1])
+    if pruning is not None:
+        pruning.adopt({g.child.index: g.flow_run_id for g in going.values() if g.flow_run_id})
     run_tags = list(dict.fromkeys([*study_tags(spec.name, study_run_id), *(flow_run.tags or [])]))
     spent, pins, cancelled = 0.0, {}, False
-    while pending or going:
+    while pending or going or (search is not None and search.left() and not cancelled):
         if not cancelled and run_cancel_requested():
             cancelled = True
             logger.warning("Study cancelled: cancelling its running children, starting no more")
             for child, _ in pending:
                 rows[child.index] = _row(child, state="not started", reason="the study was cancelled first",
-                                         ceiling=ceilings[child.spec.name].usd)
+                                         ceiling=ceiling_of(child))
+                _tell(search, rows[child.index])
             pending = []
         if cancelled:
             cancel_children(study_run_id)  # again each round: a child that had just started is caught too
-        while pending and sum(g.ended is None for g in going.values()) < settings.parallel:
+        while not cancelled and sum(g.ended is None for g in going.values()) < settings.parallel:
+            if not pending and search is not None and search.left():
+                try:
+                    pending.append((search.ask(), 1))
+                except InvalidTrial as invalid:
+                    rows[invalid.index] = _trial_row(spec, invalid.index, invalid.values, invalid.problem)
+                    logger.warning("Trial %d's values make no valid run: %s", invalid.index - 1, invalid.problem)
+                continue
+            if not pending:
+                break
             child, start = pending[0]
-            ceiling = ceilings[child.spec.name].usd
+            ceiling = ceiling_of(child)
             decision, why = study_budget_decision(settings.budget_usd, spent, [g.ceiling for g in going.values()],
                                                   ceiling)
             if decision == "wait":
@@ -140,35 +173,57 @@ def run_children(children: list[Child], spec: StudySpec, study_run_id: str,
             pending.pop(0)
             if decision == "skip":
                 rows[child.index] = _row(child, state="skipped", reason=why, ceiling=ceiling)
-                logger.warning("Child %d/%d %s skipped: %s", child.index, len(children), child.spec.name, why)
+                _tell(search, rows[child.index])
+                logger.warning("Child %d/%d %s skipped: %s", child.index, total, child.spec.name, why)
                 continue
             started = _start(child, ceiling, spec, study_run_id, run_tags, start)
             if isinstance(started, ChildRow):
                 rows[child.index] = started
+                _tell(search, started)
             else:
                 going[child.index] = started
         _wait_a_round(going)
-        for index, ended in _settled(going, spec):
+        if pruning is not None and not cancelled:
+            _find_subflow_runs(going, study_run_id)
+            pruning.round({i: g.flow_run_id for i, g in going.items() if g.flow_run_id and g.ended is None},
+                          [g.flow_run_id for g in going.values() if g.flow_run_id])
+        for index, ended in _settled(going, spec, pruning.reasons if pruning is not None else {}):
             child_row, results = ended
             rows[index] = child_row
             if child_row.state != "not started":  # a child that ran with no readable cost counts at its ceiling
                 spent += child_row.cost_usd if child_row.cost_usd is not None else child_row.cost_ceiling_usd or 0.0
             if results is not None and results.result is not None:
                 pins[index] = results.result
+            if pruning is not None:
+                pruning.ended(index, child_row.flow_run_id, results.result.metrics
+                              if results is not None and results.result is not None else None)
+            _tell(search, child_row)
             best = best_child(list(rows.values()), settings.maximize())
             pins = {i: r for i, r in pins.items() if best is not None and i == best.index}
-            logger.info("Child %d/%d %s (%s) ended %s", index, len(children), child_row.name, child_row.values,
+            logger.info("Child %d/%d %s (%s) ended %s", index, total, child_row.name, child_row.values,
                         child_row.state)
-    return Outcome(rows=[rows[c.index] for c in children], pins=pins, cancelled=cancelled)
+    return Outcome(rows=[rows[i] for i in sorted(rows)], pins=pins, cancelled=cancelled)
 
 
-def _plan(children: list[Child], study_run_id: str) -> dict[int, ChildPlan]:
-    """What to do with each child, from the runs an earlier process of this study left (none on a first start).
-    A resumed study given another run file than its own would adopt other children's runs: refused, naming them."""
+def _trial_row(spec: StudySpec, index: int, values: dict, problem: str) -> ChildRow:
+    """The row of a search's trial whose values make no valid run: it never ran."""
+    return ChildRow(index=index, name=f"{spec.name} trial {index - 1}", values=describe_values(values), state="failed",
+                    reason=problem[:500])
+
+
+def _tell(search: Search | None, row: ChildRow) -> None:
+    if search is not None:
+        search.tell(row)
+
+
+def _plan(children: list[Child], study_run_id: str, told: dict[int, tuple[str, str]]) -> dict[int, ChildPlan]:
+    """What to do with each child, from the runs an earlier process of this study left (none on a first start);
+    `told`: a search's trials told how they ended, never started again. A resumed study given another run file than
+    its own would adopt other children's runs: refused, naming them."""
     logger = get_run_logger()
     by_name = {c.spec.name: c.index for c in children}
     found = [f for run in study_child_runs(study_run_id) if (f := found_child(run, study_run_id, by_name))]
-    plans = adoption_plan([c.index for c in children], found)
+    plans = adoption_plan([c.index for c in children], found, final=told)
     differ = [f"  - {child_label(c.index, c.values)}: {why}" for c in children
               if (plan := plans[c.index]).run is not None and (why := spec_difference(plan.run.spec, c.spec))]
     if differ:
@@ -180,11 +235,13 @@ def _plan(children: list[Child], study_run_id: str) -> dict[int, ChildPlan]:
         logger.warning("%d child subflow(s) died with the study's earlier process: tearing them down, to run again",
                        len(stale))
         end_stale_children(stale)
-    if found:
-        adopted = [p for p in plans.values() if p.action == "adopt"]
-        logger.info("Resumed: %d child run(s) found; adopting %d completed and %d still running; %d to start",
-                    len(found), sum(p.run.state == "COMPLETED" for p in adopted),
-                    sum(p.run.state != "COMPLETED" for p in adopted), len(plans) - len(adopted))
+    if found or told:
+        adopted = [p.run for p in plans.values() if p.action == "adopt"]
+        logger.info("Resumed: %d child run(s) found; adopting %d completed, %d pruned and %d still running; %d to "
+                    "start", len(found), sum(r.state == "COMPLETED" for r in adopted),
+                    sum(r.pruned_at is not None and r.state != "COMPLETED" for r in adopted),
+                    sum(r.state not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and r.pruned_at is None
+                        for r in adopted), sum(p.action == "start" for p in plans.values()))
     return plans
 
 
@@ -219,9 +276,27 @@ def _wait_a_round(going: dict[int, Going]) -> None:
         g.future = None
 
 
-def _settled(going: dict[int, Going], spec: StudySpec) -> list[tuple[int, tuple[ChildRow, RunResults | None]]]:
+def _find_subflow_runs(going: dict[int, Going], study_run_id: str) -> None:
+    """The flow runs of the subflow children still running, which their tasks return only when they end: found by
+    the study's tag and their names, in one request (pruning judges a child by its run's evaluations)."""
+    missing = {g.child.spec.name: index for index, g in going.items() if g.future is not None and not g.flow_run_id}
+    if not missing:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            runs = unfinished_children(client, study_run_id)
+    except (httpx.HTTPError, ObjectNotFound):
+        return  # found next round
+    for run in runs:
+        if (found := found_child(run, study_run_id, missing)) is not None and not found.deployment:
+            going[found.index].flow_run_id = found.flow_run_id
+
+
+def _settled(going: dict[int, Going], spec: StudySpec,
+             pruned: dict[int, str]) -> list[tuple[int, tuple[ChildRow, RunResults | None]]]:
     """The children whose run ended and whose cost is read (or not readable within `EVENT_WAIT_S`), each with its
-    row and, for a subflow that completed, what it returned; taken out of `going`."""
+    row and, for a subflow that completed, what it returned; taken out of `going`. `pruned`: why the study pruned
+    the children it pruned, by index."""
     done = []
     for index, g in list(going.items()):
         if g.error is not None:
@@ -232,7 +307,8 @@ def _settled(going: dict[int, Going], spec: StudySpec) -> list[tuple[int, tuple[
         else:
             continue
         del going[index]
-    watched = [g.flow_run_id for g in going.values() if g.flow_run_id and g.ended is None]
+    # A subflow is read once its task returned (with its results); its run id may be known before (pruning).
+    watched = [g.flow_run_id for g in going.values() if g.flow_run_id and g.ended is None and g.future is None]
     try:
         runs = read_runs(watched) if watched else {}
     except (httpx.HTTPError, ObjectNotFound):
@@ -254,19 +330,23 @@ def _settled(going: dict[int, Going], spec: StudySpec) -> list[tuple[int, tuple[
         g = going[index]
         if run_id not in costs and now - g.ended_at < EVENT_WAIT_S:
             continue  # its loraflow.run.finished may not be stored yet
-        done.append((index, (_ended_row(g, costs.get(run_id), spec), g.results)))
+        done.append((index, (_ended_row(g, costs.get(run_id), spec, pruned.get(index)), g.results)))
         del going[index]
     return done
 
 
-def _ended_row(g: Going, cost: float | None, spec: StudySpec) -> ChildRow:
+def _ended_row(g: Going, cost: float | None, spec: StudySpec, pruned: str | None = None) -> ChildRow:
     """An ended child's row, from its flow run, its cost and (completed) its results: those it returned as a
-    subflow, else those it stored under its own run id."""
+    subflow, else those it stored under its own run id. A cancelled run the study pruned (`pruned`: why; else its
+    `study-pruned:` tag, after a resume) is `pruned`."""
     run = g.ended
     run_id = str(run.id)
     row = _row(g.child, state="failed", ceiling=g.ceiling).model_copy(update={
         "flow_run_id": run_id, "summary_url": flow_run_page(run_id), "minutes": run_minutes(run), "cost_usd": cost})
     message = (run.state.message if run.state is not None else "") or (run.state_name or "")
+    step = pruned_step(run.tags)
+    if run.state_type == StateType.CANCELLED and (pruned or step is not None):
+        return row.model_copy(update={"state": "pruned", "reason": (pruned or f"pruned at step {step}")[:500]})
     if run.state_type == StateType.CANCELLED:
         return row.model_copy(update={"state": "cancelled", "reason": message[:500]})
     if run.state_type != StateType.COMPLETED:

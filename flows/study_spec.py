@@ -10,16 +10,18 @@
     budget_usd = 20
     deployment = "train/qwen"             # optional: the children as runs of this deployment, on its pool's workers
 
+    prune = { rule = "median", after_evals = 2 }   # optional: cancel a child losing to the others' median
+
 One child train run per combination of the grid's values and the seeds, each a run spec of its own, named after
 the study and the values that differ. Every child is validated here, before the first one starts: a grid value that
-makes any child invalid refuses the whole study, naming the child and the field.
+makes any child invalid refuses the whole study, naming the child and the field. With `search = "tpe"`, Optuna
+picks each next child's values from `space` (`flows/study_search.py`), `trials` of them.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import re
 import types
 import typing
 from pathlib import Path
@@ -35,6 +37,10 @@ from pydantic import (
 )
 
 from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
+from tasks.reports.study_names import child_label, child_name, describe_values
+
+__all__ = ["Child", "StudySettings", "StudySpec", "child_label", "describe_values", "expand", "load_study_file",
+           "make_child", "spec_difference"]
 
 MAX_CHILDREN = 1000
 """The most child runs one study starts: a grid beyond that is a mistake more often than a plan (and a search of a
@@ -49,7 +55,53 @@ METRIC_NEEDS: dict[str, tuple[tuple[str, ...], bool]] = {
 """Metric → (the algorithms that record it, whether it needs `[evaluation]`)."""
 MAXIMIZED = {"eval_reward", "eval_reward_accuracy"}
 NOT_VARIED = {"name": "each child is named after the study and its values", "study": "the study itself"}
-_NAME_PART = re.compile(r"[^a-z0-9]+")
+
+
+class PruneRule(BaseModel):
+    """When the study cancels a running child that is losing to the others."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: Literal["median"] = Field(
+        default="median",
+        description="`median`: Optuna's median rule. A child whose best `metric` by an evaluation step is worse than "
+        "the median of the other children's values at that same step is cancelled (`pruned`). A grid compares with "
+        "every other child that reached the step, running or ended; a search passes the rule to Optuna's "
+        "`MedianPruner`, which compares with the trials that completed.",
+    )
+    after_evals: int = Field(
+        default=2, ge=1, le=10_000,
+        description="Evaluations a child has had since its first step before it may be pruned (the one before the "
+        "first step, the base model's, does not count: it says nothing of the child's settings).",
+    )
+
+
+class SearchRange(BaseModel):
+    """A range of `space` for Optuna to pick a value from: whole numbers when `low` and `high` (and `step`) are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    low: int | float = Field(description="The lowest value.")
+    high: int | float = Field(description="The highest value (with `step`, the last step at or below it).")
+    log: bool = Field(default=False, description="Pick on a log scale (a learning rate): needs `low` above 0.")
+    step: int | float | None = Field(default=None, gt=0, description="Only values `low + k × step`; not with "
+                                     "`log`.")
+
+    @model_validator(mode="after")
+    def _a_range_optuna_takes(self) -> SearchRange:
+        if not self.low < self.high:
+            raise ValueError(f"low {self.low} is not below high {self.high}")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log = true needs low above 0 (low is {self.low})")
+        if self.log and self.step is not None:
+            raise ValueError("log and step together: Optuna picks on a log scale or in steps, not both; keep one")
+        return self
+
+    def is_int(self) -> bool:
+        return all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high, self.step or 1))
+
+
+SpaceValues = SearchRange | list[Any]
 
 
 class StudySettings(BaseModel):
@@ -100,6 +152,31 @@ class StudySettings(BaseModel):
         "the reason). A child whose ceiling alone passes it refuses the study before anything is rented. Empty: no "
         "study budget (each child's own `budget_usd` still holds).",
     )
+    prune: PruneRule | None = Field(
+        default=None,
+        description="Cancel a running child that is losing, e.g. `{ rule = \"median\", after_evals = 2 }`: the study "
+        "reads each child's evaluations (`loraflow.run.evaluated`) as it runs, and a child worse than the median of "
+        "the others at the same step is cancelled (its job, its endpoint), a `pruned` row of the table, its cost "
+        "counted. Needs an eval `metric` and `[evaluation]` with `every_steps`. Empty: every child runs to its end.",
+    )
+    search: Literal["grid", "tpe"] = Field(
+        default="grid",
+        description="`grid`: one child per combination of `grid` × `seeds`. `tpe`: Optuna's TPE sampler picks each "
+        "next child's values from `space`, `trials` children in all, told each child's final `metric` as it ends; the "
+        "Optuna study is stored in `LORAFLOW_OPTUNA_STORAGE` (an SQLAlchemy URL; else `.local/optuna.db` in the "
+        "flow's working directory), named `<name>-<study flow run id>`.",
+    )
+    trials: int | None = Field(
+        default=None, ge=1, le=MAX_CHILDREN,
+        description="With `search = \"tpe\"`: how many children Optuna picks, in all (a resumed study asks only for "
+        "those it has not asked yet).",
+    )
+    space: dict[str, SpaceValues] = Field(
+        default_factory=dict, max_length=12,
+        description="With `search = \"tpe\"`: run fields by their dotted names (as `grid`'s), each a range "
+        "`{ low = 1e-5, high = 1e-3, log = true }` (whole numbers when `low` and `high` are; `step` for a grid of "
+        "steps) or a list of values to choose from (`[8, 16, 32]`: numbers, text or true/false).",
+    )
     deployment: str | None = Field(
         default=None, pattern=r"^train/[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200,
         description="A deployment of the train flow (`train/<name>`) that runs the children: each child is a run of "
@@ -122,6 +199,24 @@ class StudySettings(BaseModel):
                 raise ValueError(f"study.grid {path!r}: a value is listed twice ({values}); list each once")
         return grid
 
+    @field_validator("space")
+    @classmethod
+    def _space_of_run_fields(cls, space: dict[str, SpaceValues]) -> dict[str, SpaceValues]:
+        for path, values in space.items():
+            field_problem = run_field_problem(path)
+            if field_problem:
+                raise ValueError(f"study.space {path!r}: {field_problem}")
+            if isinstance(values, SearchRange):
+                continue
+            if not values:
+                raise ValueError(f"study.space {path!r}: give at least one value to choose from")
+            if len({repr(v) for v in values}) < len(values):
+                raise ValueError(f"study.space {path!r}: a value is listed twice ({values}); list each once")
+            if any(not isinstance(v, (str, int, float, bool)) for v in values):
+                raise ValueError(f"study.space {path!r}: Optuna chooses among single values (text, numbers, "
+                                 "true/false), not lists or tables; vary such a field with `grid` instead")
+        return space
+
     @field_validator("seeds")
     @classmethod
     def _distinct_seeds(cls, seeds: list[int]) -> list[int]:
@@ -133,12 +228,26 @@ class StudySettings(BaseModel):
     def _seeds_or_a_seed_grid(self) -> StudySettings:
         if self.seeds and "training.seed" in self.grid:
             raise ValueError("`study.seeds` and `study.grid` \"training.seed\" both vary the seed: keep one")
+        if self.search == "tpe":
+            if self.trials is None or not self.space:
+                raise ValueError("study.search \"tpe\" needs `study.trials` (how many children Optuna picks) and "
+                                 "`study.space` (the fields it picks them for, e.g. { \"training.learning_rate\" = "
+                                 "{ low = 1e-5, high = 1e-3, log = true } })")
+            if self.grid or self.seeds:
+                raise ValueError("study.search \"tpe\" picks every child's values from `study.space`: remove "
+                                 "`study.grid` and `study.seeds` (a seed to vary is a list in the space: "
+                                 "\"training.seed\" = [1, 2])")
+        elif self.trials is not None or self.space:
+            raise ValueError("`study.trials` and `study.space` are for a search: add `search = \"tpe\"`, or vary the "
+                             "fields with `study.grid`")
         if self.children() > MAX_CHILDREN:
             raise ValueError(f"the study would start {self.children()} child runs (grid values × seeds), more than "
                              f"{MAX_CHILDREN}: try fewer grid values or seeds, or split it into smaller studies")
         return self
 
     def children(self) -> int:
+        if self.search == "tpe":
+            return self.trials or 0
         return math.prod(len(v) for v in self.grid.values()) * max(1, len(self.seeds))
 
     def maximize(self) -> bool:
@@ -161,6 +270,16 @@ class StudySpec(RunSpec):
                              "`[evaluation]` section (e.g. `fraction = 0.1`), or use `train_loss`")
         if self.study.publish_best and self.publish is None:
             raise ValueError("study.publish_best needs the run file's `[publish]` (where to publish the best adapter)")
+        prune = self.study.prune
+        if prune is not None and not METRIC_NEEDS[self.study.metric][1]:
+            raise ValueError(f"study.prune compares children's held-out evaluations, and study.metric "
+                             f"{self.study.metric!r} is not one: pick {_eval_metrics_for(self.algorithm)}, or remove "
+                             "study.prune")
+        if prune is not None and (self.evaluation is None or "every_steps" not in self.evaluation.model_fields_set):
+            raise ValueError("study.prune judges children at their evaluations while they train: set "
+                             "`[evaluation]` `every_steps` (e.g. `every_steps = 50`: a child may be pruned "
+                             f"after {prune.after_evals} of them, so several before training.max_steps), or "
+                             "remove study.prune")
         if self.publish is not None and not self.study.publish_best:
             raise ValueError("`[publish]` without study.publish_best would have every child publish to the same repo: "
                              "set `study.publish_best = true` to publish the best child's adapter, or remove "
@@ -170,6 +289,10 @@ class StudySpec(RunSpec):
 
 def _metrics_for(algorithm: str) -> str:
     return ", ".join(m for m, (algorithms, _) in METRIC_NEEDS.items() if algorithm in algorithms)
+
+
+def _eval_metrics_for(algorithm: str) -> str:
+    return " or ".join(m for m, (algorithms, held_out) in METRIC_NEEDS.items() if algorithm in algorithms and held_out)
 
 
 class Child(BaseModel):
@@ -209,28 +332,44 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def expand(spec: StudySpec) -> list[Child]:
-    """Every child run of the study, validated. `SpecError` names each child that is not a valid run, with its
+    """Every child run of a grid study, validated. `SpecError` names each child that is not a valid run, with its
     values and the field."""
     study = spec.study
-    base = spec.model_dump(mode="json", exclude_unset=True, exclude={"study"})
-    if study.publish_best:
-        base.pop("publish", None)  # published once, from the study, for the best child only
+    base = children_base(spec)
     axes = list(study.grid.items()) + ([("training.seed", study.seeds)] if study.seeds else [])
     varied = [path for path, values in axes if len(values) > 1]
     children, problems, names = [], [], set()
     for index, combination in enumerate(itertools.product(*(values for _, values in axes)), start=1):
         values = dict(zip((path for path, _ in axes), combination, strict=True))
-        data = _with_values(base, values)
-        data["name"] = _child_name(spec.name, {p: values[p] for p in varied}, index, names)
-        names.add(data["name"])
         try:
-            children.append(Child(index=index, values=values, spec=RunSpec.model_validate(data)))
+            child = make_child(spec.name, base, index, values, varied, names)
         except ValidationError as e:
             problems.append(describe_validation_error(e, child_label(index, values)))
+            continue
+        names.add(child.spec.name)
+        children.append(child)
     if problems:
         raise SpecError(f"study {spec.name}: {len(problems)} of {study.children()} child run(s) would be invalid, so "
                         "nothing was started:\n" + "\n".join(problems))
     return children
+
+
+def children_base(spec: StudySpec) -> dict[str, Any]:
+    """The fields every child has: those the run file set, without `[study]` (and `[publish]`, with
+    `publish_best`: the study publishes once, for the best child only)."""
+    base = spec.model_dump(mode="json", exclude_unset=True, exclude={"study"})
+    if spec.study.publish_best:
+        base.pop("publish", None)
+    return base
+
+
+def make_child(study_name: str, base: dict[str, Any], index: int, values: dict[str, Any],
+               varied: list[str] | tuple[str, ...] = (), taken: set[str] | frozenset[str] = frozenset()) -> Child:
+    """The child at `index` trying `values` (dotted field → value) on `base`, named after the `varied` fields'
+    values (numbered when none). `ValidationError` when the values make an invalid run."""
+    data = _with_values(base, values)
+    data["name"] = child_name(study_name, {p: values[p] for p in varied}, index, set(taken))
+    return Child(index=index, values=values, spec=RunSpec.model_validate(data))
 
 
 def _with_values(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
@@ -254,45 +393,6 @@ def _copy(value: Any) -> Any:
     return value
 
 
-NAME_MAX = 40  # RunSpec.name's limit: it is part of the endpoint names
-
-
-def _child_name(study: str, varied: dict[str, Any], index: int, taken: set[str]) -> str:
-    """`<study>-<field><value>-...`, each varied field by its last part's initials (`training.learning_rate` is
-    `lr`, `training.seed` `s`); `<study>-c<index>` when that is longer than a run name may be, or taken."""
-    parts = [study]
-    for path, value in varied.items():
-        parts.append(_short_field(path) + _name_value(value))
-    name = "-".join(parts)
-    if len(name) > NAME_MAX or name in taken or not varied:
-        name = f"{study[:NAME_MAX - len(str(index)) - 2]}-c{index}"
-    return name
-
-
-def _short_field(path: str) -> str:
-    last = path.split(".")[-1]
-    return "".join(word[0] for word in last.split("_") if word)
-
-
-def _name_value(value: Any) -> str:
-    if isinstance(value, float):  # 0.0003 → 0p0003, 1e-05 → 1em05: no dot in a run name, and no two values alike
-        return f"{value:g}".replace(".", "p").replace("e-", "em").replace("e+", "e")
-    return _NAME_PART.sub("-", _value_text(value).lower()).strip("-") or "x"
-
-
-def _value_text(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}".replace("+", "")
-    if isinstance(value, list):
-        return "-".join(_value_text(v) for v in value)
-    return str(value)
-
-
-def describe_values(values: dict[str, Any]) -> str:
-    """`training.learning_rate=0.0001, training.seed=2`: a child's values as the study's table and log show them."""
-    return ", ".join(f"{path}={_value_text(value)}" for path, value in values.items())
-
-
 def spec_difference(ran: dict[str, Any], child: RunSpec) -> str | None:
     """How the spec a child's earlier run was given (`ran`: its flow run's `spec` parameter) differs from `child`,
     field by field (`training.max_steps: 8 then, 10 now`); None when every field it was given has the value `child`
@@ -311,11 +411,6 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def child_label(index: int, values: dict[str, Any]) -> str:
-    """`child 2 (training.learning_rate=0.0001)`: a child as the study's refusals name it."""
-    return f"child {index} ({describe_values(values) or 'the run spec'})"
 
 
 def load_study_file(path: str | Path) -> StudySpec:

@@ -109,9 +109,10 @@ def train(
                                     Cancelled(message=f"Cancelled before attempt {attempt}"))
             plan, cache = place(run, attempt, attempts)
             spent.attempts, endpoints_before = attempt, len(attempts.endpoint_ids)
+            spent.attempt_began(run.offers[plan.gpu.name].usd_per_hour * spec.compute.gpu_count)
             outcome, undeleted, plan, cache = rent_train_and_tear_down(run, attempt, attempts, plan, cache)
-            spent.usd += (run.offers[plan.gpu.name].usd_per_hour * spec.compute.gpu_count
-                          * outcome.running_seconds / 3600)
+            spent.attempt_ended(run.offers[plan.gpu.name].usd_per_hour * spec.compute.gpu_count
+                                * outcome.running_seconds / 3600)
             if outcome.kind == "run_cancelled":
                 return spent.finish(run_id, spec.name, "cancelled", cancelled_during(attempt, outcome, undeleted))
             # The job's own output pins the adapter; the stored result.json must agree with it.

@@ -89,6 +89,13 @@ class Settings(BaseSettings):
         "and the merge worker included: a run above it is refused before anything is rented, whatever its own "
         "budget_usd says.",
     )
+    loraflow_optuna_storage: SecretStr | None = Field(
+        default=None,
+        description="Where a study's search (`search = \"tpe\"`) keeps its Optuna study: an SQLAlchemy URL, on a team "
+        "a database of its own on the team's PostgreSQL (`postgresql+psycopg://USER:PASSWORD@HOST:5432/optuna`; "
+        "not the Prefect server's database, whose schema is Prefect's). Unset: `.local/optuna.db`, an SQLite file "
+        "in the study's working directory. A secret: the URL may hold a password.",
+    )
     loraflow_slot_lease_seconds: int = Field(
         # Prefect's server refuses leases shorter than 60 s (422).
         default=SLOT_LEASE_SECONDS, ge=60, le=3600,

@@ -1,5 +1,6 @@
-"""A study's spec, its children, its budget kept as children start, which earlier runs a resumed study adopts, and
-its comparison, without a flow (the study end to end: `tests/test_study_e2e.py`)."""
+"""A study's spec, its children, its budget kept as children start, which earlier runs a resumed study adopts, how it
+prunes a losing child, how Optuna picks a search's children (a real Optuna study, on SQLite), and its comparison,
+without a flow (the study end to end: `tests/test_study_e2e.py`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import uuid
 
 import pytest
 from loraflow_worker.contract import TrainMetrics
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from prefect.client.schemas.objects import FlowRun, StateType
 from pydantic import ValidationError
 
 from flows.spec import SpecError
+from flows.study_search import Search, distributions, space_corners
 from flows.study_spec import MAX_CHILDREN, StudySpec, expand, load_study_file, spec_difference
 from tasks.lifecycle.study_children import FoundChild, adoption_plan, child_key, found_child, on_study_end
+from tasks.lifecycle.study_pruning import Verdict, median_rule, pruned_step
 from tasks.placement.cost import CostCeiling, check_study_budget, study_budget_decision
 from tasks.reports.study import (
     PAGE_ROWS,
@@ -358,3 +362,206 @@ def test_a_skipped_child_is_a_row_with_its_reason_and_no_cost():
     markdown = study_markdown(StudyReport(study="sweep", metric="eval_loss", maximize=False, rows=rows, best=rows[0],
                                           cost_usd=0.5, cost_ceiling_usd=1.0, budget_usd=1.0), None)
     assert "| c2 | training.seed=2 | skipped |  |  |  | study.budget_usd $1.00 reached |" in markdown
+
+
+# Pruning: the median rule (Optuna's MedianPruner's comparison, over every other child that reached the step).
+
+def test_a_child_below_the_median_of_the_others_is_not_pruned_and_one_above_it_is():
+    others = [{0: 7.0, 4: 6.0, 8: 5.0}, {0: 7.0, 4: 6.4, 8: 5.6}, {0: 7.0, 4: 6.8, 8: 6.2}]
+    assert median_rule({0: 7.0, 4: 5.9, 8: 5.1}, others, after_evals=2, maximize=False) is None
+    verdict = median_rule({0: 7.0, 4: 6.9, 8: 6.7}, others, after_evals=2, maximize=False)
+    assert verdict == Verdict(step=8, value=6.7, median=5.6, others=3)
+    assert verdict.reason("eval_loss") == ("pruned at step 8: eval_loss 6.7 (its best by then) was worse than the "
+                                           "median 5.6 of 3 other child(ren) at that step")
+
+
+def test_a_child_is_not_judged_before_after_evals_evaluations_since_its_first_step():
+    others = [{0: 7.0, 4: 5.0, 8: 4.0}]
+    # The evaluation before the first step (the base model's) does not count: one evaluation since is too few.
+    assert median_rule({0: 7.0, 4: 6.9}, others, after_evals=2, maximize=False) is None
+    assert median_rule({0: 7.0, 4: 6.9}, others, after_evals=1, maximize=False).step == 4
+
+
+def test_a_child_ahead_of_the_others_is_judged_at_its_latest_step_another_child_reached():
+    # The loser has evaluated at step 12 already; the other child, still running, only at 8: step 8 decides.
+    verdict = median_rule({4: 6.9, 8: 6.8, 12: 6.7}, [{4: 6.0, 8: 5.0}], after_evals=2, maximize=False)
+    assert (verdict.step, verdict.value, verdict.median) == (8, 6.8, 5.0)
+    # With no other child at any of its steps yet, nothing is decided.
+    assert median_rule({4: 6.9, 8: 6.8}, [{}, {2: 1.0}], after_evals=2, maximize=False) is None
+
+
+def test_the_best_value_by_the_step_is_what_is_compared_and_a_reward_is_maximized():
+    # A child that was better than the median at an earlier step keeps its best, as Optuna's pruner does.
+    assert median_rule({4: 5.0, 8: 6.0}, [{8: 5.5}], after_evals=2, maximize=False) is None
+    assert median_rule({4: 0.2, 8: 0.3}, [{8: 0.5}, {8: 0.6}], after_evals=2, maximize=True).median == 0.55
+    assert median_rule({4: 0.7, 8: 0.3}, [{8: 0.5}, {8: 0.6}], after_evals=2, maximize=True) is None
+
+
+def test_another_child_with_no_evaluation_at_the_step_counts_with_its_latest_before_it_once_it_reached_it():
+    # The events hold the evaluations a poll saw: the other child's step 8 was missed, its step 12 seen.
+    verdict = median_rule({4: 6.9, 8: 6.8}, [{4: 6.0, 12: 5.0}], after_evals=2, maximize=False)
+    assert (verdict.step, verdict.median) == (8, 6.0)
+    # A child that has not reached the step yet does not count there.
+    assert median_rule({4: 6.9, 8: 6.8}, [{4: 6.0}], after_evals=2, maximize=False) is None
+
+
+def test_a_child_whose_metric_is_nan_is_pruned():
+    assert median_rule({4: 6.0, 8: float("nan")}, [{8: 5.0}], after_evals=2, maximize=False).step == 8
+
+
+def test_a_pruned_childs_step_is_read_from_its_tag():
+    assert pruned_step(["study", "study-pruned:8"]) == 8
+    assert pruned_step(["study"]) is None and pruned_step(None) is None
+
+
+def test_prune_needs_an_eval_metric_and_evaluation_every_steps_and_names_both():
+    spec = study('seeds = [1, 2]\nprune = { rule = "median", after_evals = 2 }',
+                 BASE.replace("fraction = 0.1\n", "fraction = 0.1\nevery_steps = 4\n"))
+    assert spec.study.prune.after_evals == 2
+    with pytest.raises(ValidationError, match=r"set `\[evaluation\]` `every_steps`"):
+        study('seeds = [1, 2]\nprune = { after_evals = 2 }')
+    with pytest.raises(ValidationError, match=r"study.metric 'train_loss' is not one: pick eval_loss"):
+        study('seeds = [1, 2]\nmetric = "train_loss"\nprune = { after_evals = 2 }',
+              BASE.replace("fraction = 0.1\n", "fraction = 0.1\nevery_steps = 4\n"))
+
+
+def test_a_resumed_study_adopts_a_pruned_child_and_never_starts_it_again():
+    pruned = found(1, "CANCELLED").model_copy(update={"pruned_at": 8})
+    plans = adoption_plan([1, 2], [pruned, found(2, "CANCELLED")])
+    assert plans[1].action == "adopt" and plans[1].run.pruned_at == 8
+    assert (plans[2].action, plans[2].start) == ("start", 2)  # an ordinary cancel runs again
+
+
+def test_a_searchs_told_trial_is_adopted_however_its_run_ended_and_one_with_no_run_is_left_as_told():
+    plans = adoption_plan([1, 2, 3], [found(1, "FAILED"), found(3, "FAILED")], final={1, 2})
+    assert plans[1].action == "adopt" and plans[1].run.state == "FAILED"
+    assert plans[2].action == "told" and plans[3].action == "start"
+
+
+def test_a_pruned_child_is_a_row_after_the_completed_ones_with_its_step():
+    rows = [completed_row(row(1), metrics([2.0, 1.5]), "eval_loss"),
+            row(2, "pruned", "pruned at step 8: eval_loss 6.7 (its best by then) was worse than the median 5.6")]
+    table = table_rows(ranked(rows, maximize=False), "eval_loss", best_child(rows, maximize=False))
+    assert [(r["child"], r["state"]) for r in table] == [("c1 (best)", "completed"), ("c2", "pruned")]
+    assert table[1]["reason"].startswith("pruned at step 8")
+    markdown = study_markdown(StudyReport(study="sweep", metric="eval_loss", maximize=False, rows=rows, best=rows[0],
+                                          cost_usd=0.5, cost_ceiling_usd=1.0), None)
+    assert "Children: 1 completed, 1 pruned" in markdown
+
+
+def test_a_run_stopped_within_an_attempt_counts_the_attempts_time_so_far(monkeypatch):
+    from tasks.reports import events
+
+    clock = iter([100.0, 130.0])
+    sent = {}
+    monkeypatch.setattr(events, "run_finished", lambda *a, **kw: sent.update(kw))
+    spent = events.RunSpend(usd=0.25, clock=lambda: next(clock))
+    spent.attempt_began(usd_per_hour=36.0)  # a cent a second
+    spent.finish("run", "r", "cancelled", None)  # a cancel's signal, 30 s into the attempt
+    assert sent["cost_usd"] == 0.55
+    finished = events.RunSpend()
+    finished.attempt_began(usd_per_hour=3.6)
+    finished.attempt_ended(0.1)  # an attempt that ended counts what its worker ran, not its wall time
+    assert finished.usd == 0.1 and finished._attempt is None
+
+
+# Search: Optuna picks the children's values from the space.
+
+SPACE = 'search = "tpe"\ntrials = 4\nspace = { "training.learning_rate" = { low = 1e-5, high = 1e-3, log = true }, ' \
+    '"lora.rank" = [8, 16, 32], "training.max_steps" = { low = 4, high = 20, step = 4 } }'
+
+
+def test_a_search_space_is_ranges_and_choices_as_optuna_takes_them():
+    spec = study(SPACE)
+    assert spec.study.children() == 4
+    space = distributions(spec.study.space)
+    assert space["training.learning_rate"] == FloatDistribution(1e-5, 1e-3, log=True)
+    assert space["lora.rank"] == CategoricalDistribution([8, 16, 32])
+    assert space["training.max_steps"] == IntDistribution(4, 20, step=4)
+
+
+@pytest.mark.parametrize(("section", "says"), [
+    ('search = "tpe"\ntrials = 3', "needs `study.trials`"),
+    ('search = "tpe"\nspace = { "lora.rank" = [8] }', "needs `study.trials`"),
+    ('trials = 3\nspace = { "lora.rank" = [8] }', 'add `search = "tpe"`'),
+    ('search = "tpe"\ntrials = 3\nspace = { "lora.rank" = [8] }\nseeds = [1, 2]', "remove `study.grid` and"),
+    ('search = "tpe"\ntrials = 3\nspace = { "training.lr" = [1] }', "`training` has no field `lr`"),
+    ('search = "tpe"\ntrials = 3\nspace = { "training.learning_rate" = { low = 0.0, high = 1e-3, log = true } }',
+     "log = true needs low above 0"),
+    ('search = "tpe"\ntrials = 3\nspace = { "training.learning_rate" = { low = 1e-3, high = 1e-5 } }',
+     "low 0.001 is not below high 1e-05"),
+    ('search = "tpe"\ntrials = 3\nspace = { "lora.rank" = { low = 8, high = 64, log = true, step = 8 } }',
+     "log and step together"),
+    ('search = "tpe"\ntrials = 3\nspace = { "lora.target_modules" = [["q_proj"], ["v_proj"]] }',
+     "Optuna chooses among single values"),
+])
+def test_a_search_without_what_it_needs_or_with_a_range_optuna_refuses_is_refused_naming_the_field(section, says):
+    with pytest.raises(ValidationError) as refused:
+        study(section)
+    assert says in str(refused.value)
+
+
+def test_the_space_corners_stand_for_the_search_before_anything_is_rented_and_a_bad_one_refuses_it():
+    corners = space_corners(study(SPACE))
+    assert [c.values for c in corners] == [
+        {"training.learning_rate": 1e-5, "lora.rank": 8, "training.max_steps": 4},
+        {"training.learning_rate": 1e-3, "lora.rank": 8, "training.max_steps": 4},
+        {"training.learning_rate": 1e-5, "lora.rank": 16, "training.max_steps": 4},
+        {"training.learning_rate": 1e-5, "lora.rank": 32, "training.max_steps": 4},
+        {"training.learning_rate": 1e-5, "lora.rank": 8, "training.max_steps": 20}]
+    with pytest.raises(SpecError) as refused:
+        space_corners(study('search = "tpe"\ntrials = 3\nspace = { "lora.rank" = [8, 4096] }'))
+    assert "1 of the space's 2 corner values would make invalid children" in str(refused.value)
+    assert "values lora.rank=4096" in str(refused.value)
+
+
+def test_optuna_asks_for_children_inside_the_space_and_is_told_how_each_ended(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    search = Search(study(SPACE), STUDY, storage)
+    children = [search.ask() for _ in range(3)]
+    assert [c.index for c in children] == [1, 2, 3] and [c.spec.name for c in children] == [
+        "sweep-c1", "sweep-c2", "sweep-c3"]
+    for child in children:
+        assert 1e-5 <= child.spec.training.learning_rate <= 1e-3 and child.spec.lora.rank in (8, 16, 32)
+        assert child.spec.training.max_steps in (4, 8, 12, 16, 20)
+        assert child.values == {path: child.values[path] for path in study(SPACE).study.space}
+    search.tell(row(1).model_copy(update={"metric": 1.5, "flow_run_id": "run-1"}))
+    search.tell(row(2, "failed", "out of memory"))
+    trials = search.study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "FAIL", "RUNNING"] and trials[0].value == 1.5
+    assert trials[0].user_attrs == {"child": "sweep-c1", "row_state": "completed", "reason": "",
+                                    "flow_run_id": "run-1"}
+    assert search.left() == 1
+
+
+def test_a_resumed_search_keeps_its_trials_and_asks_only_for_those_never_asked(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    first = Search(study(SPACE), STUDY, storage)
+    asked = [first.ask() for _ in range(2)]
+    first.tell(row(1).model_copy(update={"metric": 1.5}))
+    resumed = Search(study(SPACE), STUDY, storage)  # the same study flow run: the same Optuna study
+    assert [(index, child.spec) for index, _, child in resumed.asked()] == [(c.index, c.spec) for c in asked]
+    assert resumed.told() == {1: ("completed", "")} and resumed.left() == 2
+    assert resumed.ask().index == 3 and resumed.ask().index == 4 and resumed.left() == 0
+    assert Search(study(SPACE), "another-study-run", storage).left() == 4  # another study, another Optuna study
+
+
+def test_a_search_prunes_through_optunas_median_pruner_after_after_evals_reports(tmp_path):
+    search = Search(study(SPACE), STUDY, f"sqlite:///{tmp_path / 'optuna.db'}")
+    winner, loser = search.ask(), search.ask()
+    search.report(winner.index, {0: 7.0, 4: 5.0, 8: 4.0})
+    assert search.should_prune(winner.index, after_evals=2) is None  # no trial completed: Optuna prunes none
+    search.tell(row(winner.index).model_copy(update={"metric": 4.0}))
+    search.report(loser.index, {0: 7.0, 4: 6.5})
+    assert search.should_prune(loser.index, after_evals=2) is None  # one evaluation since its first step
+    search.report(loser.index, {0: 7.0, 4: 6.5, 8: 6.2})
+    verdict = search.should_prune(loser.index, after_evals=2)
+    assert verdict == Verdict(step=8, value=6.2, median=4.0, others=1)
+    search.tell_pruned(loser.index, verdict.reason("eval_loss", "completed trial(s)"), "run-2")
+    assert search.study.get_trials()[1].state.name == "PRUNED" and search.told()[2][0] == "pruned"
+
+
+def test_an_optuna_storage_that_cannot_be_opened_refuses_the_study_naming_the_setting(tmp_path):
+    with pytest.raises(SpecError, match="could not be opened .*set LORAFLOW_OPTUNA_STORAGE") as refused:
+        Search(study(SPACE), STUDY, "postgresql+psycopg://someone:secret@127.0.0.1:1/optuna")
+    assert "secret" not in str(refused.value) and "someone:***@127.0.0.1:1" in str(refused.value)

@@ -1,7 +1,8 @@
 """A study end to end on the local stack: `python -m flows.study` as a user starts it, its children real train runs
 of the tiny model on localpod; refused over its budget before anything is rented; cancelled from the CLI while its
 children train, served the Prefect way (`study.serve`, the runner a Prefect worker uses); its children as runs of a
-served `train` deployment, the study's own process killed midway and the study resumed, each child trained once."""
+served `train` deployment, the study's own process killed midway and the study resumed, each child trained once; a
+losing child pruned at an evaluation; a TPE search whose children Optuna picks, in an Optuna study on SQLite."""
 
 from __future__ import annotations
 
@@ -30,14 +31,14 @@ from tests.test_train_e2e import most_live_at_once, write_run_file
 pytestmark = pytest.mark.timeout(900)
 
 
-def write_study_file(path, *, name, tiny_model, store, study: str, max_steps: int = 8):
+def write_study_file(path, *, name, tiny_model, store, study: str, max_steps: int = 8, every_steps: int = 4):
     return write_run_file(path, name=name, model=tiny_model, store=store, max_steps=max_steps,
-                          extra="[evaluation]\nfraction = 0.2\nevery_steps = 4\n[study]\n" + study)
+                          extra=f"[evaluation]\nfraction = 0.2\nevery_steps = {every_steps}\n[study]\n" + study)
 
 
-def run_study(stack, run_file, timeout_s: float = 600) -> tuple[int, str, str | None]:
+def run_study(stack, run_file, timeout_s: float = 600, **env) -> tuple[int, str, str | None]:
     proc = subprocess.run([sys.executable, "-m", "flows.study", str(run_file)], check=False, cwd=REPO,
-                          env=flow_env(stack), capture_output=True, text=True, timeout=timeout_s)
+                          env=flow_env(stack, **env), capture_output=True, text=True, timeout=timeout_s)
     output = proc.stdout + proc.stderr
     match = re.search(r"flow run ([0-9a-f-]{36}):", output)
     return proc.returncode, output, match.group(1) if match else None
@@ -273,8 +274,8 @@ def test_a_study_of_deployment_children_killed_midway_and_resumed_adopts_them_an
                                  env=flow_env(local_stack), capture_output=True, text=True, timeout=600)
         output = resumed.stdout + resumed.stderr
         assert resumed.returncode == 0, output[-6000:]
-        adopted = re.search(r"Resumed: 2 child run\(s\) found; adopting [12] completed and [01] still running; 1 to "
-                            r"start", output)
+        adopted = re.search(r"Resumed: 2 child run\(s\) found; adopting [12] completed, 0 pruned and [01] still running; "
+                            r"1 to start", output)
         assert adopted, output[-6000:]
         figures(f"study resumed after its process was killed: {adopted.group(0)}")
     finally:
@@ -296,3 +297,85 @@ def test_a_study_of_deployment_children_killed_midway_and_resumed_adopts_them_an
     assert sorted(row["child"].removesuffix(" (best)") for row in table) == [
         "e2e-resume-ms4", "e2e-resume-ms400", "e2e-resume-ms6"], table
     assert all(row["state"] == "completed" and row["eval_loss"] != "" for row in table), table
+
+
+def study_finished_event(stack, study_id: str) -> dict:
+    def found():
+        return prefect_api(stack, "POST", "/events/filter", json={"filter": {
+            "event": {"name": ["loraflow.study.finished"]},
+            "resource": {"id": [f"loraflow.study.{study_id}"]}}, "limit": 1}).json()["events"]
+
+    (event,) = wait_for(found, 60, "loraflow.study.finished")
+    return event
+
+
+def test_a_study_that_prunes_cancels_its_losing_child_at_an_evaluation_and_counts_what_it_cost(
+        local_stack, tiny_model, tmp_path, figures):
+    # A learning rate of 1e-7 leaves the tiny model where it started; 5e-3 learns it: after two evaluations since the
+    # first step the loser is plainly above the other child's loss, and is cancelled long before its last step. The
+    # tiny model trains ~20 steps a second here alone: 1,200 steps give the study's 5 s polls time to see it.
+    max_steps, every_steps = 1200, 40
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-prune", tiny_model=tiny_model,
+                                store=tmp_path / "store", max_steps=max_steps, every_steps=every_steps,
+                                study='grid = { "training.learning_rate" = [5e-3, 1e-7] }\nparallel = 2\n'
+                                      'prune = { rule = "median", after_evals = 2 }\n')
+    code, output, study_id = run_study(local_stack, run_file)
+    assert code == 0, output[-6000:]
+
+    table = {row["child"].removesuffix(" (best)"): row
+             for row in json.loads(artifact(local_stack, "study-e2e-prune-table")["data"])}
+    winner, loser = table["e2e-prune-lr0p005"], table["e2e-prune-lr1em07"]
+    assert winner["state"] == "completed" and loser["state"] == "pruned", table
+    step = int(re.match(r"pruned at step (\d+): eval_loss [0-9.]+ \(its best by then\) was worse than the median "
+                        r"[0-9.]+ of 1 other child\(ren\) at that step", loser["reason"]).group(1))
+    # Pruned before its end; how early depends on this machine's load (the study sees evaluations as the child's
+    # polls send them): what it saved is the cost below.
+    assert 2 * every_steps <= step < max_steps, loser
+    children = {c["name"].split("-tiny-model")[0]: c for c in children_of(local_stack, study_id)}
+    pruned_run = children["e2e-prune-lr1em07"]
+    assert pruned_run["state"]["type"] == "CANCELLED" and f"study-pruned:{step}" in pruned_run["tags"], pruned_run
+    assert children["e2e-prune-lr0p005"]["state"]["type"] == "COMPLETED"
+    # Its job cancelled and its endpoint deleted; what it ran is counted, less than the child that trained to the end.
+    endpoints = study_endpoints(local_stack, "e2e-prune")
+    assert len(endpoints) == 2 and all(e["deletedAt"] for e in endpoints), endpoints
+    assert slots_in_use(local_stack) == 0
+    assert 0 < loser["cost (USD)"] < winner["cost (USD)"], table
+    event = study_finished_event(local_stack, study_id)
+    assert event["payload"]["states"] == {"completed": 1, "pruned": 1}, event["payload"]
+    assert event["payload"]["cost_usd"] == round(loser["cost (USD)"] + winner["cost (USD)"], 4), event["payload"]
+    figures(f"study prune: the loser pruned at step {step} of {max_steps}, cost ${loser['cost (USD)']} against the "
+            f"winner's ${winner['cost (USD)']}")
+
+
+def test_a_tpe_search_asks_optuna_for_each_child_and_tells_it_how_each_ended(local_stack, tiny_model, tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-tpe", tiny_model=tiny_model,
+                                store=tmp_path / "store", max_steps=4,
+                                study='search = "tpe"\ntrials = 3\nparallel = 3\nspace = { '
+                                      '"training.learning_rate" = { low = 1e-4, high = 1e-2, log = true }, '
+                                      '"lora.rank" = [4, 8] }\n')
+    code, output, study_id = run_study(local_stack, run_file, LORAFLOW_OPTUNA_STORAGE=storage)
+    assert code == 0, output[-6000:]
+
+    children = {c["name"].split("-tiny-model")[0]: c for c in children_of(local_stack, study_id)}
+    assert sorted(children) == ["e2e-tpe-c1", "e2e-tpe-c2", "e2e-tpe-c3"], children
+    assert all(c["state"]["type"] == "COMPLETED" for c in children.values()), children
+    for child in children.values():
+        spec = child["parameters"]["spec"]
+        assert 1e-4 <= spec["training"]["learning_rate"] <= 1e-2 and spec["lora"]["rank"] in (4, 8), spec
+    # A real Optuna study, named after the study and its flow run: each trial told its child's final eval loss.
+    search = optuna.load_study(study_name=f"e2e-tpe-{study_id}", storage=storage)
+    rows = json.loads(artifact(local_stack, "study-e2e-tpe-table")["data"])
+    table = {row["child"].removesuffix(" (best)"): row for row in rows}
+    trials = {t.user_attrs["child"]: t for t in search.get_trials()}
+    assert sorted(trials) == sorted(children) and all(t.state.name == "COMPLETE" for t in trials.values()), trials
+    for name, trial in trials.items():
+        assert trial.user_attrs["flow_run_id"] == children[name]["id"]
+        assert round(trial.value, 4) == table[name]["eval_loss"], (trial, table[name])
+        spec = children[name]["parameters"]["spec"]
+        assert trial.params == {"training.learning_rate": spec["training"]["learning_rate"],
+                                "lora.rank": spec["lora"]["rank"]}
+    (best,) = [row["child"].removesuffix(" (best)") for row in rows if row["child"].endswith("(best)")]
+    assert search.best_trial.user_attrs["child"] == best

@@ -10,4 +10,5 @@ are `tasks/jobs/`).
   `secret_key`: the per-namespace key that fingerprints secret values in their names.
 - `pending_billing`: billed cost that RunPod settles after the run ended.
 - `study_children`: a study's child runs, found by its tag: cancelled with it, read back for its comparison.
+- `study_pruning`: a study's losing children found from their evaluations (the median rule) and cancelled.
 """

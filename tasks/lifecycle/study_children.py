@@ -40,6 +40,7 @@ from prefect.settings import get_current_settings
 from prefect.states import Cancelled, Cancelling, Crashed
 from pydantic import BaseModel, Field
 
+from tasks.lifecycle.study_pruning import pruned_step
 from tasks.lifecycle.teardown import delete_run_endpoints, start_reconcile
 from tasks.reports import events
 
@@ -110,6 +111,8 @@ class FoundChild(BaseModel):
     deployment: bool = Field(description="A deployment run (its own process, on a worker) rather than a subflow in "
                              "the study's own process.")
     spec: dict[str, Any] = Field(default_factory=dict, description="The `spec` parameter it was given.")
+    pruned_at: int | None = Field(default=None, description="The step its study pruned it at (its `study-pruned:` "
+                                  "tag); None when it was not pruned.")
 
 
 def found_child(run: FlowRun, study_run_id: str, index_by_name: dict[str, int]) -> FoundChild | None:
@@ -125,14 +128,17 @@ def found_child(run: FlowRun, study_run_id: str, index_by_name: dict[str, int]) 
     else:
         return None
     return FoundChild(index=index, start=start, flow_run_id=str(run.id), state=run.state_type.value if run.state_type
-                      else "PENDING", deployment=run.deployment_id is not None, spec=spec)
+                      else "PENDING", deployment=run.deployment_id is not None, spec=spec,
+                      pruned_at=pruned_step(run.tags))
 
 
 class ChildPlan(BaseModel):
     """What a (re)started study does with one child, given the runs its earlier processes left."""
 
     index: int = Field(description="The child's place in the study.")
-    action: Literal["adopt", "start"] = Field(description="`adopt`: wait on (or read) `run`; `start`: start it.")
+    action: Literal["adopt", "start", "told"] = Field(
+        description="`adopt`: wait on (or read) `run`; `start`: start it; `told`: nothing (a search's trial told how "
+        "it ended, with no run: the budget skipped it, or the study was cancelled before its turn).")
     run: FoundChild | None = Field(default=None, description="The run adopted: completed, or a deployment run "
                                    "still going.")
     start: int = Field(default=1, description="For `start`: which start of the child this is (its key's `:<n>`).")
@@ -143,17 +149,23 @@ class ChildPlan(BaseModel):
 _FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-def adoption_plan(indices: Iterable[int], found: Sequence[FoundChild]) -> dict[int, ChildPlan]:
-    """Per child: adopt its completed run, else its deployment run still going (on a worker, it outlived the study's
-    process), else start it (again): its earlier runs failed, were cancelled, or were subflows of a study process
-    that is gone. No child that completed or is running starts twice."""
+def adoption_plan(indices: Iterable[int], found: Sequence[FoundChild],
+                  final: Iterable[int] = ()) -> dict[int, ChildPlan]:
+    """Per child: adopt its completed or pruned run, else its deployment run still going (on a worker, it outlived
+    the study's process), else start it (again): its earlier runs failed, were cancelled, or were subflows of a study
+    process that is gone. No child that completed, was pruned or is running starts twice. The children in `final`
+    (a search's trials told how they ended) never start again: their latest run is adopted, however it ended."""
     by_index: dict[int, list[FoundChild]] = {}
     for run in found:
         by_index.setdefault(run.index, []).append(run)
+    final = set(final)
     plans = {}
     for index in indices:
         runs = sorted(by_index.get(index, []), key=lambda r: r.start)
-        completed = [r for r in runs if r.state == "COMPLETED"]
+        if index in final:
+            plans[index] = ChildPlan(index=index, action="adopt" if runs else "told", run=runs[-1] if runs else None)
+            continue
+        completed = [r for r in runs if r.state == "COMPLETED" or r.pruned_at is not None]
         going = [r for r in runs if r.state not in _FINAL and r.deployment]
         if completed or going:
             plans[index] = ChildPlan(index=index, action="adopt", run=(completed or going)[-1])

@@ -26,6 +26,8 @@ placements back, for the preload sweep's default datacenters.)
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -210,6 +212,17 @@ class RunSpend:
     usd: float = 0.0
     ceiling_usd: float | None = None
     sent: bool = False
+    clock: Callable[[], float] = time.monotonic
+    _attempt: tuple[float, float] | None = None  # the attempt in progress: when it began (`clock`), USD per second
+
+    def attempt_began(self, usd_per_hour: float) -> None:
+        """An attempt rents its endpoint now, at `usd_per_hour` (its GPUs' price)."""
+        self._attempt = (self.clock(), usd_per_hour / 3600)
+
+    def attempt_ended(self, usd: float) -> None:
+        """The attempt ended, having cost `usd` (its worker's running seconds × the price)."""
+        self._attempt = None
+        self.usd += usd
 
     def finish(self, run_id: str, run_name: str, status: RunStatus, value: _T, *, message: str = "",
                adapter_url: str | None = None, published_model: str | None = None,
@@ -219,6 +232,11 @@ class RunSpend:
         flow can `return spent.finish(..., its_result)`."""
         if not self.sent:
             self.sent = True
+            if self._attempt is not None:
+                # Stopped within an attempt (its process told to stop: a cancel on a worker, a study pruning it):
+                # the attempt's time so far at its price, more than its worker ran (the create is in it), never less.
+                began, usd_per_s = self._attempt
+                self.attempt_ended((self.clock() - began) * usd_per_s)
             run_finished(run_id, run_name, status=status, attempts=self.attempts, cost_usd=round(self.usd, 4),
                          cost_ceiling_usd=self.ceiling_usd, message=message, adapter_url=adapter_url,
                          published_model=published_model, publish_error=publish_error, metrics=metrics,

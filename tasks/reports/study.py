@@ -21,9 +21,9 @@ from pydantic import BaseModel, Field
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-ChildState = Literal["completed", "failed", "cancelled", "skipped", "not started"]
-"""How a child ended: `skipped` when the study's budget had no room left for it, `not started` when the study was
-cancelled before its turn."""
+ChildState = Literal["completed", "pruned", "failed", "cancelled", "skipped", "not started"]
+"""How a child ended: `pruned` when the study cancelled it for losing (`[study] prune`), `skipped` when the study's
+budget had no room left for it, `not started` when the study was cancelled before its turn."""
 PAGE_ROWS = 50
 """Rows per page of the study's table (each page one table artifact; the summary shows the first)."""
 PLOTTED_BEST = 10
