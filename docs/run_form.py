@@ -43,6 +43,7 @@ class Form:
 def forms() -> list[Form]:
     from flows.preload import PreloadSpec
     from flows.reconcile import ReconcilePolicy
+    from flows.serve import ServeSpec
     from flows.run_overrides import RunOverrides
     from flows.spec import RunSpec
     from flows.study_spec import StudySettings
@@ -60,6 +61,10 @@ def forms() -> list[Form]:
              "The `study` flow's `spec` parameter is a run spec (above), the children's common fields, with this "
              "`[study]` section beside them ([studies](studies.md)).",
              prefix="study."),
+        Form("The serve file", ServeSpec,
+             "The `serve` flow's `spec` parameter, and a serve file (`deployments/qwen-serve.toml`): a base model and "
+             "its LoRA adapters on RunPod's vLLM worker for a number of hours ([serving](serving.md)). A dotted name is "
+             "a key in a TOML section: `serve.hours` is `hours` under `[serve]`."),
         Form("The reconcile flow's policy", ReconcilePolicy,
              "The `reconcile` flow's `policy` parameter.",
              prefix="policy."),

@@ -36,6 +36,7 @@ from tasks.lifecycle.reconcile import (
 from tasks.lifecycle.secret_retention import prune_secrets
 from tasks.lifecycle.steps import delete_endpoint_by_id
 from tasks.lifecycle.teardown import settle_undeleted_endpoint, undeleted_endpoints
+from tasks.reports.serving import read_serving_endpoints
 from tasks.runpod.endpoints import parse_endpoint_name
 from tasks.settings import Settings, make_client, startup_problem
 
@@ -83,12 +84,14 @@ def reconcile(policy: ReconcilePolicy = ReconcilePolicy()) -> list[Finding]:
     3. Read every live flow run (all pages), the recently Crashed ones, and the newest heartbeat events of
        runs and endpoints.
     4. Decide per endpoint, each run judged by its own heartbeat interval; delete (confirmed) unless
-       `dry_run`. Untagged endpoints and other control planes' are kept and reported.
+       `dry_run`. Untagged endpoints and other control planes' are kept and reported. A serving endpoint is kept
+       until the expiry its name carries, and deleted after.
     5. Retry the deletes runs could not confirm (each record holds a slot until its endpoint is proved gone).
     6. Fill in the billed cost of runs RunPod had not billed when they ended (`tasks/lifecycle/pending_billing.py`).
     7. Delete this control plane's account secrets unused for `secret_retain_days` and referred to by no
        endpoint (`tasks/lifecycle/secret_retention.py`).
-    8. Report what was found and done as a table artifact.
+    8. Report what was found and done as a table artifact, and the serving endpoints with their age, cost and
+       expiry (`reconcile-serving`).
     """
     logger = get_run_logger()
     intervals = intervals_in_force()
@@ -136,9 +139,14 @@ def reconcile(policy: ReconcilePolicy = ReconcilePolicy()) -> list[Finding]:
         billing += f", {len(gone)} unused account secrets {'would be ' if policy.dry_run else ''}deleted" if gone else ""
     else:
         logger.warning("unused account secrets not pruned this sweep: %s", pruned.message)
+    # Serving endpoints bill while idle and hold their workers.max of the quota: listed with age, cost and expiry.
+    serving = read_serving_endpoints(namespace, seen.endpoints, return_state=True)
+    if serving.is_completed() and serving.result():
+        create_table_artifact(key="reconcile-serving", table=serving.result(),
+                              description=f"Serving endpoints on the account, as control plane `{namespace}` sees them")
     create_table_artifact(
         key="reconcile-report",
-        table=[f.model_dump() for f in findings] or [{"result": "no loraflow endpoints found"}],
+        table=[f.model_dump(mode="json") for f in findings] or [{"result": "no loraflow endpoints found"}],
         description=f"Reconcile of control plane `{namespace}` at {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{sum(not r.crashed for r in runs.runs)} live runs{billing}" + (" (dry run)" if policy.dry_run else ""),
     )

@@ -22,6 +22,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from tasks.reports.serving import read_serving_endpoints
 from tasks.runpod.endpoints import NAMESPACE_PATTERN
 from tasks.settings import Settings, startup_problem
 from tasks.storage.volume_inventory import RetentionRequest, VolumeRow, apply_retention, decide, read_volumes, totals
@@ -73,7 +74,8 @@ def volumes(policy: VolumesPolicy = VolumesPolicy()) -> list[VolumeRow]:
     3. Act (not on a dry run; not on other control planes' volumes without `confirm`). RunPod documents no refusal
        to delete an attached volume, so the account's endpoints are listed again right before each delete: a
        volume one attached since step 1 is kept, and its row says so.
-    4. Publish the table (`volumes`) and the total $/month (`volumes-cost`).
+    4. Publish the table (`volumes`) and the total $/month (`volumes-cost`), and the serving endpoints with their
+       age, cost and expiry (`volumes-serving`).
     """
     logger = get_run_logger()
     namespace = Settings().control_plane_namespace()
@@ -87,6 +89,11 @@ def volumes(policy: VolumesPolicy = VolumesPolicy()) -> list[VolumeRow]:
     create_markdown_artifact(markdown=f"**Storage**: {summary}", key="volumes-cost",
                              description="What loraflow's network volumes cost by the month")
     logger.info("%s", summary)
+    # Serving endpoints read warm volumes and bill while idle: listed with age, cost and expiry beside them.
+    serving = read_serving_endpoints(namespace, return_state=True)
+    if serving.is_completed() and serving.result():
+        create_table_artifact(table=serving.result(), key="volumes-serving",
+                              description="Serving endpoints on the account (the volumes they attach are kept)")
     return done
 
 

@@ -61,7 +61,7 @@ THEN = (
     "test_preload_e2e.py", "test_ui_browser.py", "test_train_e2e.py", "test_cli_overrides.py", "test_hub_e2e.py",
     "test_grpo_files_e2e.py", "test_dataset_mix_e2e.py", "test_run_events.py", "test_placement_e2e.py",
     "test_localpod.py", "test_preflight.py", "test_reconcile_e2e.py", "test_run_watch_e2e.py", "test_crash_recovery_e2e.py", "test_cancel_e2e.py",
-    "test_server_restart_e2e.py", "test_slot_wait_server_errors.py", "test_localpod_vllm.py",
+    "test_server_restart_e2e.py", "test_slot_wait_server_errors.py", "test_localpod_vllm.py", "test_serve_e2e.py",
 )
 """The other long modules (bench/README.md, "The test suite's duration"), in the order the other worker takes them:
 first those whose waits have room to spare, while the chaos batch holds the CPU, then those whose bounds are

@@ -21,6 +21,7 @@ COMMANDS = {
     "preload": ["flows.preload", json.dumps({"models": [{"id": "Qwen/Qwen3-0.6B"}], "data_centers": ["EU-RO-1"]})],
     "volumes": ["flows.volumes", json.dumps({"dry_run": True})],
     "reconcile": ["flows.reconcile", json.dumps({"dry_run": True})],
+    "serve": ["flows.serve", "deployments/qwen-serve.toml"],
 }
 
 

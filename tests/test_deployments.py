@@ -12,27 +12,42 @@ from flows.study_spec import StudySpec, expand
 REPO = Path(__file__).resolve().parent.parent
 
 
+def shipped_deployments() -> dict[str, dict]:
+    """prefect.yaml's deployments by their full name, `<flow>/<deployment>` (`train/qwen` and `serve/qwen` differ)."""
+    return {f"{d['entrypoint'].partition(':')[2]}/{d['name']}": d
+            for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+
+
 def test_prefect_yaml_qwen_parameters_match_the_qwen_run_file():
-    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
-    from_yaml = RunSpec.model_validate(deployments["qwen"]["parameters"]["spec"])
+    deployments = shipped_deployments()
+    from_yaml = RunSpec.model_validate(deployments["train/qwen"]["parameters"]["spec"])
     from_toml = RunSpec.model_validate(tomllib.loads((REPO / "deployments" / "qwen.toml").read_text()))
     assert from_yaml == from_toml
 
 
 def test_prefect_yaml_grpo_qwen_parameters_match_the_grpo_qwen_run_file():
-    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
-    from_yaml = RunSpec.model_validate(deployments["grpo-qwen"]["parameters"]["spec"])
+    deployments = shipped_deployments()
+    from_yaml = RunSpec.model_validate(deployments["train/grpo-qwen"]["parameters"]["spec"])
     from_toml = RunSpec.model_validate(tomllib.loads((REPO / "deployments" / "grpo-qwen.toml").read_text()))
     assert from_yaml == from_toml
     assert from_toml.algorithm == "grpo" and from_toml.grpo is not None
 
 
 def test_prefect_yaml_study_parameters_match_the_study_run_file_and_every_child_is_valid():
-    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
-    from_yaml = StudySpec.model_validate(deployments["qwen-lr"]["parameters"]["spec"])
+    deployments = shipped_deployments()
+    from_yaml = StudySpec.model_validate(deployments["study/qwen-lr"]["parameters"]["spec"])
     from_toml = StudySpec.model_validate(tomllib.loads((REPO / "deployments" / "qwen-study.toml").read_text()))
     assert from_yaml == from_toml
     assert len(expand(from_toml)) == 6
+
+
+def test_prefect_yaml_serve_parameters_match_the_serve_file():
+    from flows.serve import ServeSpec
+
+    deployments = shipped_deployments()
+    from_yaml = ServeSpec.model_validate(deployments["serve/qwen"]["parameters"]["spec"])
+    from_toml = ServeSpec.model_validate(tomllib.loads((REPO / "deployments" / "qwen-serve.toml").read_text()))
+    assert from_yaml == from_toml
 
 
 def test_the_grpo_deployments_reward_patterns_find_a_boxed_answer():
@@ -50,6 +65,8 @@ def test_the_reward_files_deployments_name_exist_and_define_their_functions():
 
     for path in (REPO / "deployments").glob("*.toml"):
         data = tomllib.loads(path.read_text())
+        if "serve" in data:  # a serve file: no rewards
+            continue
         spec = (StudySpec if "study" in data else RunSpec).model_validate(data)
         # A deployment runs in the checkout (the pull step), where relative reward files start.
         check_reward_files(spec.grpo.rewards if spec.grpo else [], REPO)
@@ -64,8 +81,8 @@ def test_every_deployment_points_at_an_existing_flow():
 def test_prefect_yaml_reconcile_parameters_are_a_valid_policy():
     from flows.reconcile import ReconcilePolicy
 
-    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
-    policy = ReconcilePolicy.model_validate(deployments["interval"]["parameters"]["policy"])
+    deployments = shipped_deployments()
+    policy = ReconcilePolicy.model_validate(deployments["reconcile/interval"]["parameters"]["policy"])
     assert not policy.dry_run
 
 

@@ -44,7 +44,7 @@ def test_hostile_or_long_labels_are_sanitised_and_bounded(label, namespace):
     assert all(c.isascii() and (c.islower() or c.isdigit() or c == "-") for c in name)
     assert "--" not in name
     parsed = parse_endpoint_name(name)
-    assert parsed is not None and parsed[1:] == (run_hash("run-id"), namespace, 12)
+    assert parsed is not None and parsed[1:4] == (run_hash("run-id"), namespace, 12) and not parsed.serving
 
 
 @pytest.mark.parametrize("label", ["my-run", "", "x-0123456789ab", "a1", "qwen35-sft"])

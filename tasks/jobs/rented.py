@@ -1,6 +1,7 @@
-"""The one path every job that rents an endpoint takes (a training attempt, a merge, a preload):
+"""The one path every job that rents an endpoint takes (a training attempt, a merge, a preload, a serve):
 
-1. one slot of the `runpod-endpoints` limit, held for as long as the endpoint may exist (`rented_endpoint`);
+1. one slot of the `runpod-endpoints` limit per worker the endpoint may run (one, but a serving endpoint's
+   `workers.max`), held for as long as the endpoint may exist (`rented_endpoint`);
 2. the endpoint created, RunPod's own quota refusal waited out;
 3. the job submitted once and watched to its end, the endpoint's heartbeat sent for the reconciler;
 4. the endpoint deleted whatever happened, confirmed (`delete-endpoint`); a delete that stays unconfirmed keeps a
@@ -46,13 +47,14 @@ class Rental:
 
 
 @contextmanager
-def rented_endpoint(name: str, owner: str, *, give_up_at: float, logger: Any) -> Iterator[Rental]:
-    """Hold one slot of the endpoint limit (waiting for one until `give_up_at`) around the block, which creates the
-    endpoint `name` and sets `Rental.endpoint`; then delete it, whatever the block did, and keep a slot and a record
-    for a delete that stays unconfirmed. An error of the block is raised after the teardown, unchanged."""
+def rented_endpoint(name: str, owner: str, *, give_up_at: float, logger: Any, slots: int = 1) -> Iterator[Rental]:
+    """Hold `slots` slots of the endpoint limit (one per worker the endpoint may run: its `workers.max`; waiting for
+    them until `give_up_at`) around the block, which creates the endpoint `name` and sets `Rental.endpoint`; then
+    delete it, whatever the block did, and keep as many slots and a record for a delete that stays unconfirmed. An
+    error of the block is raised after the teardown, unchanged."""
     rental = Rental(name=name, owner=owner)
     try:
-        with endpoint_slot(Settings().loraflow_slot_lease_seconds, give_up_at=give_up_at, logger=logger):
+        with endpoint_slot(Settings().loraflow_slot_lease_seconds, give_up_at=give_up_at, logger=logger, slots=slots):
             try:
                 yield rental
             finally:
@@ -63,7 +65,7 @@ def rented_endpoint(name: str, owner: str, *, give_up_at: float, logger: Any) ->
                     # Taken while this job still holds its slot, when the limit has room: the endpoint is never
                     # without one.
                     rental.undeleted = UndeletedEndpoint(endpoint_name=name, endpoint_id=endpoint_id, run_id=owner,
-                                                         lease_id=take_slot_for_undeleted(0.0),
+                                                         lease_id=take_slot_for_undeleted(0.0, slots), slots=slots,
                                                          error=str(deleted.result(raise_on_failure=False))[:500])
     finally:
         if rental.undeleted is not None:

@@ -3,7 +3,8 @@
 RunPod counts `workers.max` of every endpoint of the account against a worker quota (5 on a new
 account, 30 at a $300 balance), scaled-to-zero endpoints included. Each run's endpoint has
 `workers.max = 1`, so holding one slot of this limit from before the create until the delete is
-confirmed keeps the account under its quota across every Prefect worker that shares the server.
+confirmed keeps the account under its quota across every Prefect worker that shares the server; a serving
+endpoint holds as many slots as its `workers.max` (`endpoint_slot(slots=N)`).
 
 Three things keep that true when something goes wrong:
 - an endpoint whose delete is never confirmed keeps a slot under a long lease of its own
@@ -115,9 +116,10 @@ def ensure_endpoint_limit(name: str = ENDPOINT_LIMIT, slots: int | None = None) 
 @contextmanager
 def endpoint_slot(lease_seconds: float, *, give_up_at: float, name: str = ENDPOINT_LIMIT,
                   logger: logging.Logger | logging.LoggerAdapter = log,
-                  retry_s: float = SERVER_RETRY_S) -> Iterator[None]:
-    """Hold one slot of the limit for the block: Prefect's `concurrency(strict=True)` (a missing limit is an
-    error), under a lease it renews in the background.
+                  retry_s: float = SERVER_RETRY_S, slots: int = 1) -> Iterator[None]:
+    """Hold `slots` slots of the limit for the block (one per worker the endpoint may run: a serving endpoint's
+    `workers.max`), as one acquisition: Prefect's `concurrency(strict=True)` (a missing limit is an error), under a
+    lease it renews in the background.
 
     The wait for the slot is asked again every `retry_s` when the Prefect server fails it transiently (a
     busy database, a restart), until `give_up_at` (Unix time): a waiting run has rented nothing yet, and a
@@ -127,7 +129,7 @@ def endpoint_slot(lease_seconds: float, *, give_up_at: float, name: str = ENDPOI
     with ExitStack() as slot:
         while True:
             try:
-                slot.enter_context(concurrency(name, occupy=1, strict=True, lease_duration=lease_seconds,
+                slot.enter_context(concurrency(name, occupy=slots, strict=True, lease_duration=lease_seconds,
                                                raise_on_lease_renewal_failure=False))
                 break
             except ConcurrencySlotAcquisitionError as e:
@@ -158,9 +160,9 @@ def slots_in_use(name: str = ENDPOINT_LIMIT) -> int:
 
 
 def take_slot_lease(wait_s: float = 0.0, *, name: str = ENDPOINT_LIMIT, lease_seconds: float = UNDELETED_LEASE_SECONDS,
-                    sleep: Callable[[float], None] = time.sleep) -> str | None:
-    """Take one slot of the limit under a lease of its own, outside any `concurrency()` block; its id,
-    or None when no slot came free within `wait_s` (423 from the server, retried after its Retry-After).
+                    sleep: Callable[[float], None] = time.sleep, slots: int = 1) -> str | None:
+    """Take `slots` slots of the limit under one lease of its own, outside any `concurrency()` block; its id,
+    or None when they did not come free within `wait_s` (423 from the server, retried after its Retry-After).
 
     For an endpoint that outlives its attempt: the lease holds the slot until `release_slot_lease`.
     """
@@ -169,7 +171,7 @@ def take_slot_lease(wait_s: float = 0.0, *, name: str = ENDPOINT_LIMIT, lease_se
         while True:
             try:
                 response = client.increment_concurrency_slots_with_lease(
-                    names=[name], slots=1, mode="concurrency", lease_duration=lease_seconds)
+                    names=[name], slots=slots, mode="concurrency", lease_duration=lease_seconds)
                 return str(response.json()["lease_id"])
             except httpx.HTTPStatusError as e:
                 left = deadline - time.monotonic()

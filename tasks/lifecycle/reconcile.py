@@ -100,6 +100,8 @@ class Finding(BaseModel):
     action: Literal["keep", "delete"]
     reason: str
     result: str = ""
+    expires_at: datetime | None = Field(default=None, description="A serving endpoint's expiry, from its name: kept "
+                                        "until then while its run lives, deleted after; None for a job's endpoint.")
 
 
 def check_silence_threshold(silent_after_minutes: float, intervals: HeartbeatIntervals) -> None:
@@ -124,7 +126,8 @@ def decide(seen: EndpointsSeen, runs: RunsSeen, namespace: str, now: datetime, *
            idle_grace_s: float, min_age_s: float, intervals: HeartbeatIntervals) -> list[Finding]:
     """One finding per loraflow endpoint. Another control plane's, or an untagged one: keep. Ours:
     delete when no live run owns it, when its run is silent, or when it has had no job for `idle_grace_s`;
-    keep otherwise (and whenever it is younger than `min_age_s`).
+    keep otherwise (and whenever it is younger than `min_age_s`). A serving endpoint (`serving_endpoint_name`) is
+    deleted once the expiry in its name has passed, whatever its run, and is never judged idle: it waits for requests.
 
     Silent: every sign of life is older than max(`silent_after_s`, 3 × the interval of its sender). The
     endpoint heartbeat's interval is in its payload; a run's flow-run heartbeat interval is what its endpoint
@@ -156,7 +159,10 @@ def decide(seen: EndpointsSeen, runs: RunsSeen, namespace: str, now: datetime, *
         elif health_error is not None:
             finding.jobs = f"/health failed: {health_error}"
         signs = _signs_of_life(run, runs.endpoint_beats.get(endpoint.id), silent_after_s, intervals) if run else []
-        finding.action, finding.reason = _decide_one(run, signs, health, age, now, idle_grace_s, min_age_s)
+        if parsed.expires_at is not None:
+            finding.expires_at = datetime.fromtimestamp(parsed.expires_at, timezone.utc)
+        finding.action, finding.reason = _decide_one(run, signs, health, age, now, idle_grace_s, min_age_s,
+                                                     finding.expires_at)
     return findings
 
 
@@ -173,7 +179,10 @@ def _signs_of_life(run: LiveRun, beat: EndpointBeat | None, silent_after_s: floa
 
 
 def _decide_one(run: LiveRun | None, signs: list[tuple[datetime, float]], health: Health | None, age: float,
-                now: datetime, idle_grace_s: float, min_age_s: float) -> tuple[Literal["keep", "delete"], str]:
+                now: datetime, idle_grace_s: float, min_age_s: float,
+                expires_at: datetime | None = None) -> tuple[Literal["keep", "delete"], str]:
+    if expires_at is not None and now >= expires_at:
+        return "delete", f"a serving endpoint whose time ran out at {expires_at:%Y-%m-%d %H:%M:%S} UTC"
     if age < min_age_s:
         return "keep", f"younger than {min_age_s:.0f} s"
     if run is None:
@@ -186,6 +195,8 @@ def _decide_one(run: LiveRun | None, signs: list[tuple[datetime, float]], health
         return "delete", (f"its run ({run.state}) has sent no heartbeat for {silent / 60:.1f} min (silent after "
                           f"{allowed / 60:.1f} min: the policy's threshold, or 3 × its own heartbeat interval)")
     state = f"{run.state}, but its heartbeats go on: its process lives" if run.crashed else run.state
+    if expires_at is not None:
+        return "keep", f"its run is {state}; serving until {expires_at:%Y-%m-%d %H:%M:%S} UTC"
     if health is None:
         return "keep", f"its run is {state}; its jobs are unknown, so idleness is not judged"
     if health.jobs.in_queue is None or health.jobs.in_progress is None:

@@ -64,13 +64,14 @@ _RETRIES = dict(
 
 @task(name="prepare-worker-env", **_RETRIES)
 def prepare_worker_env(hub_token_secret: str | None = None, env: dict[str, str] | None = None,
-                       secrets: dict[str, str] | None = None) -> dict[str, str]:
-    """The env every endpoint of the run gets: the Hub's URL; `HF_TOKEN` as a reference to the RunPod
-    account secret that holds the run's token (one secret per token, created here when missing, never
+                       secrets: dict[str, str] | None = None, token_env: str = "HF_TOKEN") -> dict[str, str]:
+    """The env every endpoint of the run gets: the Hub's URL; `HF_TOKEN` (or `token_env`: RunPod's vLLM worker
+    logs `HF_TOKEN` as `--hf-token`, so a serving endpoint gets `HUGGING_FACE_HUB_TOKEN`) as a reference to the
+    RunPod account secret that holds the run's token (one secret per token, created here when missing, never
     changed), never the token itself; and the run's own variables (`worker.env`, as they are) and secrets
     (`worker.secrets`: ENV_NAME → Prefect Secret block, each value read here and referenced the same way,
     `tasks/lifecycle/worker_env.py`). The token is the one in the Prefect Secret block `hub_token_secret` names, else
-    the flow's own (`Settings.hub_token`); with none, the workers get no `HF_TOKEN`."""
+    the flow's own (`Settings.hub_token`); with none, the workers get no token."""
     settings = Settings()
     logger = get_run_logger()
     token = settings.hub_token(hub_token_secret)
@@ -83,9 +84,9 @@ def prepare_worker_env(hub_token_secret: str | None = None, env: dict[str, str] 
             if secrets:
                 references |= run_secret_env(client, secrets, namespace, key)
             if token is not None:
-                references |= value_secret_env(client, "HF_TOKEN", token, purpose=HUB_TOKEN_PURPOSE,
+                references |= value_secret_env(client, token_env, token, purpose=HUB_TOKEN_PURPOSE,
                                                namespace=namespace, key=key)
-                sources["HF_TOKEN"] = (f"the token in the Secret block {hub_token_secret!r}" if hub_token_secret
+                sources[token_env] = (f"the token in the Secret block {hub_token_secret!r}" if hub_token_secret
                                        else "this control plane's own token: the run names no hub_token_secret")
     if token is None:
         logger.info("No Hugging Face token: workers reach public models and file:// stores only")

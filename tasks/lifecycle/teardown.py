@@ -72,6 +72,8 @@ class UndeletedEndpoint(BaseModel):
                                  "is proved gone; None when no slot could be taken (the limit was full).")
     lease_seconds: float = Field(default=UNDELETED_LEASE_SECONDS,
                                  description="The lease's duration: renew it within this, or the slot frees.")
+    slots: int = Field(default=1, ge=1, description="Slots the lease holds: the endpoint's `workers.max` (1 but for "
+                       "a serving endpoint).")
     recorded_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     error: str = Field(description="Why the last delete was not confirmed.")
 
@@ -80,12 +82,12 @@ class UndeletedEndpoint(BaseModel):
         return f"{UNDELETED_VARIABLE_PREFIX}{self.endpoint_name}"
 
 
-def take_slot_for_undeleted(wait_s: float) -> str | None:
-    """A slot lease for an undeleted endpoint (`take_slot_lease`), or None when the limit stayed full for
-    `wait_s` or the Prefect API could not be reached (the reconciler's sweep still finds the endpoint by
-    name then)."""
+def take_slot_for_undeleted(wait_s: float, slots: int = 1) -> str | None:
+    """A lease of `slots` slots for an undeleted endpoint (`take_slot_lease`), or None when the limit stayed full
+    for `wait_s` or the Prefect API could not be reached (the reconciler's sweep still finds the endpoint by name
+    then)."""
     try:
-        return take_slot_lease(wait_s)
+        return take_slot_lease(wait_s, slots=slots)
     except httpx.HTTPError as e:
         log.error("Could not take a slot for an undeleted endpoint: %s", e)
         return None
@@ -96,7 +98,7 @@ def keep_undeleted_endpoint(record: UndeletedEndpoint, logger: logging.Logger | 
     could not take one while it still held its own: the limit was full, and its slot was given back a
     moment ago) and the record. Never raises for an unreachable Prefect API: it says so in the log."""
     if record.lease_id is None:
-        record.lease_id = take_slot_for_undeleted(60.0)
+        record.lease_id = take_slot_for_undeleted(60.0, record.slots)
     try:
         keep_undeleted_record(record)
     except httpx.HTTPError as e:
@@ -136,7 +138,7 @@ def settle_undeleted_endpoint(client: RunpodClient, record: UndeletedEndpoint) -
     except RunpodError as e:
         lease_id = record.lease_id
         if lease_id is None or not renew_slot_lease(lease_id, record.lease_seconds):
-            lease_id = take_slot_for_undeleted(0.0)
+            lease_id = take_slot_for_undeleted(0.0, record.slots)
         keep_undeleted_record(record.model_copy(update={"error": str(e)[:500], "lease_id": lease_id}))
         return False
     if record.lease_id is not None:

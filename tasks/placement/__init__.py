@@ -2,6 +2,7 @@
 
 - `plan`: the model pinned, the attempt's endpoint request, job input and time limits.
 - `gpu_fit`: the GPU classes whose hosts run the image's CUDA and whose memory fits the run's plan.
+- `serving_fit`: the GPU memory a serving endpoint needs (bf16 weights, LoRA slots, KV cache) and its GPU class.
 - `cost`: prices (live catalog, else the static table), the cost ceiling against the budget, billed cost.
 - `memory_ladder`: what the next attempt changes after one ran out of memory.
 - `image_contract`: the job contract a worker image speaks, read from its tag.

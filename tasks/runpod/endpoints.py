@@ -7,6 +7,7 @@ function here is safe to call again after a crash: state lives at RunPod, found 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ NAMESPACE_PATTERN = r"[a-z0-9]{1,8}"
 
 _NAME = re.compile(
     rf"^{ENDPOINT_PREFIX}(?:(?P<label>.+)-)?(?P<run_hash>[0-9a-f]{{12}})-(?P<namespace>{NAMESPACE_PATTERN})"
-    r"-a(?P<attempt>[0-9]+)$"
+    r"-(?:a(?P<attempt>[0-9]+)|s(?P<expires>[0-9]{10}))$"
 )
 
 
@@ -37,6 +38,13 @@ class EndpointName(NamedTuple):
     run_hash: str
     namespace: str
     attempt: int
+    """The attempt of a job's endpoint; 0 for a serving endpoint."""
+    expires_at: int | None = None
+    """A serving endpoint's expiry (Unix seconds): the reconciler deletes it after, whatever its run; None for a job's."""
+
+    @property
+    def serving(self) -> bool:
+        return self.expires_at is not None
 
 
 def run_hash(run_id: str) -> str:
@@ -51,21 +59,34 @@ def endpoint_name(run_id: str, attempt: int, label: str, namespace: str) -> str:
     the reconciler hold no memory). The label comes first so that a run's endpoints share the prefix
     `loraflow-<label>-`.
     """
+    return _name(run_id, label, namespace, f"a{attempt}")
+
+
+def serving_endpoint_name(run_id: str, label: str, namespace: str, expires_at: float) -> str:
+    """`loraflow-<label>-<hash of run id>-<namespace>-s<expiry>`: a serving endpoint's name, which says its kind and
+    when its time runs out (Unix seconds, rounded up: the reconciler never deletes it early), so that the reconciler
+    keeps it until then and deletes it after from its name alone. One per serve run (a serve has no attempts)."""
+    return _name(run_id, label, namespace, f"s{math.ceil(expires_at):010d}")
+
+
+def _name(run_id: str, label: str, namespace: str, tail: str) -> str:
     if not re.fullmatch(NAMESPACE_PATTERN, namespace):
         raise ValueError(f"namespace {namespace!r} must match {NAMESPACE_PATTERN}")
     clean = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", label.lower())).strip("-")
-    suffix = f"{run_hash(run_id)}-{namespace}-a{attempt}"
+    suffix = f"{run_hash(run_id)}-{namespace}-{tail}"
     room = MAX_ENDPOINT_NAME - len(ENDPOINT_PREFIX) - len(suffix) - 1
     clean = clean[: max(room, 0)].strip("-")
     return f"{ENDPOINT_PREFIX}{clean}-{suffix}" if clean else f"{ENDPOINT_PREFIX}{suffix}"
 
 
 def parse_endpoint_name(name: str) -> EndpointName | None:
-    """The parts of a name `endpoint_name` made; None for any other name, including loraflow names from
-    before control-plane tags (`loraflow-<label>-<hash>-a<N>`), which no reconciler may claim."""
+    """The parts of a name `endpoint_name` or `serving_endpoint_name` made; None for any other name, including
+    loraflow names from before control-plane tags (`loraflow-<label>-<hash>-a<N>`), which no reconciler may claim."""
     match = _NAME.match(name)
     if match is None:
         return None
+    if match["expires"] is not None:
+        return EndpointName(match["label"] or "", match["run_hash"], match["namespace"], 0, int(match["expires"]))
     return EndpointName(match["label"] or "", match["run_hash"], match["namespace"], int(match["attempt"]))
 
 

@@ -6,5 +6,6 @@ Nothing here rents an endpoint (`tasks/jobs/` does).
 - `hub_datasets`: a run's Hub datasets, pinned to a commit and their first rows checked.
 - `init_from`: the adapter a run goes on training, read from the store or the Hub.
 - `publish`: a finished run's adapter published as a Hub model repo with its card.
+- `served_adapters`: the adapters a serve loads, resolved before renting: where the worker reads each, its rank.
 - `volume_inventory`: every loraflow network volume, its monthly cost and retention.
 """

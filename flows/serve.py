@@ -1,0 +1,328 @@
+"""The `serve` flow: a base model and its LoRA adapters on RunPod's official vLLM worker, behind RunPod's OpenAI route,
+for `hours` and within `budget_usd`; the flow run lives as long as the endpoint ([serving](../docs/serving.md)).
+
+    RUNPOD_API_KEY=... HF_TOKEN=... .venv/bin/python -m flows.serve deployments/qwen-serve.toml
+    prefect deployment run serve/qwen
+    .venv/bin/python -m flows.serve --stop support-bot     # delete it before its time
+
+Once the endpoint answers, the run prints `OpenAI base URL: <url>` and `models: <base>, <adapters>`: an OpenAI client
+with that base URL and the RunPod key as its API key asks any of those models. Cancelling the run (the UI, the CLI,
+`--stop`) deletes the endpoint, as the end of its hours and its budget do.
+
+A serve file (the `spec` parameter, `ServeSpec`):
+
+    name = "support-bot"
+    artifact_store = "hf://datasets/your-org/loraflow-runs"   # where `runs/<id>` adapters are read
+    hub_token_secret = "alice-hf-token"
+    [serve]
+    base_model = "Qwen/Qwen3-8B"
+    adapters = ["runs/<run id>", "your-org/other-adapter"]    # or { name = "...", source = "..." }
+    gpu = ["RTX 4090", "A100 SXM"]
+    max_workers = 1
+    idle_timeout_s = 60
+    hours = 8
+    budget_usd = 20
+    prompts = ["..."]                                        # optional: what "try it" asks
+
+The check (`check_serve`, below the flow) refuses, naming the field and the fix, what could not be served: a base or
+adapter that cannot be read, an adapter of another base, a context longer than the base's, a serve no GPU of its list
+holds, one whose cost ceiling (price × max_workers × hours) passes the operator's cap, or whose `max_workers` passes
+the endpoint limit.
+"""
+
+# No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
+# the flow signature when it loads the entrypoint, and cannot resolve postponed annotations.
+import math
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub.errors import HfHubHTTPError
+from loraflow_worker.contract import ModelSource
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from flows.spec import SpecError, describe_validation_error, read_run_file
+from tasks.jobs.serve import (
+    DISK_MARGIN_GB,
+    SERVE_TAG,
+    SERVING_TOKEN_ENV,
+    VLLM_IMAGE_MIN_CUDA,
+    ServeOutcome,
+    ServePlan,
+    announcer,
+    publish_served_adapters,
+    report_serve,
+    serve_endpoint,
+    stop_serve,
+)
+from tasks.jobs.serve_watch import ServeStartFailed
+from tasks.jobs.training import existing_volume_ids
+from tasks.lifecycle.quota import ENDPOINT_LIMIT, ensure_endpoint_limit
+from tasks.lifecycle.steps import prepare_worker_env
+from tasks.lifecycle.teardown import delete_run_endpoints_hook
+from tasks.placement.cost import read_gpu_prices
+from tasks.placement.plan import read_model_config, resolve_model
+from tasks.placement.serving_fit import choose_serving_gpu, serving_memory
+from tasks.placement.weight_cache import warm_cache_for
+from tasks.preflight.server_rules import ServerRuleError, operator_rule_problems
+from tasks.reports.summary import tag_run
+from tasks.runpod.catalog import cuda_floor, resolve_gpu
+from tasks.runpod.endpoints import serving_endpoint_name
+from tasks.settings import Settings, startup_problem
+from tasks.storage.served_adapters import (
+    default_adapter_name,
+    is_local_path,
+    max_lora_rank,
+    resolve_adapter,
+    run_prompts,
+)
+
+DEFAULT_PROMPTS = ["Say hello in one sentence.", "What is 12 times 7? Answer with the number."]
+"""What "try it" asks when the serve file names no prompts and no adapter's run stored evaluation prompts."""
+MAX_PROMPTS = 5
+MAX_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+"""Where a config.json states the model's context; vLLM refuses a MAX_MODEL_LEN above it, at startup."""
+_ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class AdapterSpec(BaseModel):
+    """One adapter to serve: where it is, and the model name it answers to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(min_length=1, max_length=1024, description="`runs/<run id>` (a completed run of "
+                        "`artifact_store`), a Hub model repo `<org>/<name>` holding a PEFT adapter, or (local mode "
+                        "only) a folder holding one.")
+    name: str | None = Field(default=None, pattern=_ADAPTER_NAME, description="The model name a request asks "
+                             "for (`\"model\"`). Default: the last part of `source` (the run id for `runs/<id>`).")
+
+
+class ServeSettings(BaseModel):
+    """What to serve, on what, for how long and for how much."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str = Field(min_length=1, description="The base model: a Hub model id (pinned to its current "
+                            "commit when the serve starts), or a local folder (local mode).")
+    adapters: list[AdapterSpec] = Field(
+        min_length=1, max_length=16,
+        description="The LoRA adapters, all of `base_model`, served from one endpoint: each a source string "
+        "(`runs/<id>`, `<org>/<repo>`, a folder) or `{ name = \"...\", source = \"...\" }`. A run of an hf:// store is "
+        "published first, to the private model repo `<store org>/loraflow-<run id>`.")
+    gpu: list[str] = Field(default=["RTX 4090", "A100 SXM"], min_length=1, description="GPU classes to choose from "
+                           "(names or aliases of the train form's `compute.gpu`): the cheapest one whose memory holds "
+                           "the base in bf16, the adapters and a KV cache of `max_model_len` tokens, in stock.")
+    max_workers: int = Field(default=1, ge=1, le=30, description="The most workers (one GPU each) the endpoint runs "
+                             "at once: `workers.max`, held as this many slots of the endpoint limit while it lives.")
+    idle_timeout_s: int = Field(default=60, ge=1, le=3600, description="Seconds an idle worker stays up (and bills) "
+                                "before it stops: a request after that waits for a cold start.")
+    hours: float = Field(gt=0, le=168, description="How long the endpoint may live, from the start of the serve: "
+                         "then it is deleted (the reconcile flow deletes it too once its name's expiry has passed).")
+    budget_usd: float = Field(gt=0, description="The endpoint is deleted once it has cost this much (RunPod's billed "
+                              "cost, or loraflow's own count of worker time × price when that is more).")
+    max_model_len: int = Field(default=8192, ge=64, le=1_048_576, description="`MAX_MODEL_LEN`: the longest prompt + "
+                               "answer in tokens; sizes the KV cache the GPU must hold.")
+    prompts: list[str] | None = Field(
+        default=None, max_length=MAX_PROMPTS, description="What \"try it\" asks, through the base and each adapter, "
+        "once the endpoint answers. Default: an adapter run's evaluation prompts, else two fixed ones.")
+    max_tokens: int = Field(default=128, ge=1, le=4096, description="The longest answer \"try it\" asks for, in tokens.")
+    cold_start_minutes: float = Field(
+        default=20, ge=1, le=120, description="How long the first request may wait for a worker to answer (image "
+        "pull, the base's download, vLLM's startup); workers that crash while starting end the serve sooner.")
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _sources(cls, value: Any) -> Any:
+        return [{"source": item} if isinstance(item, str) else item for item in value] if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> "ServeSettings":
+        names = [a.name or default_adapter_name(a.source) for a in self.adapters]
+        bad = [n for n in names if not re.match(_ADAPTER_NAME, n)]
+        if bad:
+            raise ValueError(f"adapters: {bad} cannot be model names (letters, digits, `.`, `_`, `-`): give each a name")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice or self.base_model in names:
+            raise ValueError(f"adapters: the names {twice or [self.base_model]} are taken twice (the base answers to "
+                             "base_model): give the adapters distinct names")
+        return self
+
+
+class ServeSpec(BaseModel):
+    """A serve file: a name, the store its runs' adapters are read from, the Hub token, and `[serve]`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="The serve's label: in its endpoint's "
+                      "name, its flow run's tag `serve:<name>` and `--stop <name>`.")
+    artifact_store: str | None = Field(default=None, description="The artifact store (`hf://datasets/<org>/<repo>` or "
+                                       "`file:///path`) that `runs/<id>` adapters are read from.")
+    hub_token_secret: str | None = Field(default=None, description="Prefect Secret block holding your Hugging Face "
+                                         "token: it reads the base and adapters, publishes runs, and reaches the "
+                                         "workers as a RunPod account secret. Default: the flow's HF_TOKEN.")
+    serve: ServeSettings
+
+
+def load_serve_file(path: str | Path) -> ServeSpec:
+    """Parse and validate a TOML serve file; `SpecError` names every bad field."""
+    try:
+        return ServeSpec.model_validate(read_run_file(Path(path)))
+    except ValidationError as e:
+        raise SpecError(describe_validation_error(e, str(path))) from e
+
+
+def _flow_run_name() -> str:
+    return f"serve-{flow_run.parameters['spec'].name}"
+
+
+# Each hook deletes the run's endpoint by name: the second layer of teardown, after `finally`.
+@flow(name="serve", log_prints=True, flow_run_name=_flow_run_name, on_crashed=[delete_run_endpoints_hook],
+      on_cancellation=[delete_run_endpoints_hook], on_failure=[delete_run_endpoints_hook])
+def serve(spec: ServeSpec, serve_file: str | None = None, adapters: list[str] | None = None) -> ServeOutcome | State:
+    """Serve a base model and its LoRA adapters from one RunPod endpoint of RunPod's vLLM worker:
+
+    1. check: the base pinned, each adapter found and its rank read, the GPU memory estimated, the cheapest GPU of
+       `serve.gpu` that holds it, a warm volume, the cost ceiling against the operator's cap (nothing is rented until
+       this has passed);
+    2. publish the stored runs of an hf:// store to private model repos, where the worker reads them;
+    3. the workers' env: the Hub token as a RunPod account secret;
+    4. rent: `max_workers` slots → the endpoint → its first answer (the cold start) → "try it" → watched until `hours`,
+       `budget_usd` or a cancel → deleted, confirmed (`tasks/jobs/serve.py`);
+    5. the summary.
+
+    Args:
+        spec: The serve, as a deployment's parameters or a serve file give it.
+        serve_file: A TOML serve file (e.g. `deployments/qwen-serve.toml`) whose spec replaces `spec`.
+        adapters: Replaces `serve.adapters`: sources (`runs/<run id>`, `<org>/<repo>`), each served under its last
+            part, so that `--param 'adapters=["runs/<id>"]'` serves another run without repeating the spec.
+    """
+    run_id = flow_run.id or str(uuid.uuid4())
+    if serve_file is not None:
+        spec = load_serve_file(serve_file)
+    if adapters is not None:
+        spec = ServeSpec.model_validate(spec.model_dump() | {"serve": spec.serve.model_dump() | {"adapters": adapters}})
+    if flow_run.id:
+        tag_run(run_id, [SERVE_TAG.format(name=spec.name)])
+    plan = check_serve(spec, run_id)  # nothing is rented until this has passed
+    publish_served_adapters(plan.adapters, spec.hub_token_secret)
+    worker_env = prepare_worker_env(spec.hub_token_secret, token_env=SERVING_TOKEN_ENV)
+    try:
+        outcome = serve_endpoint(plan, worker_env, announce=announcer(plan))
+    except ServeStartFailed as e:
+        report_serve(plan, None, error=str(e))
+        raise
+    report_serve(plan, outcome)
+    if outcome.ended == "cancelled":
+        return Cancelled(message=f"Serve {spec.name}: {outcome.reason}; its endpoint is deleted")
+    return outcome
+
+
+@task(name="check-serve", cache_policy=NO_CACHE)
+def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
+    """Everything decided before renting (see the module docstring); a refusal names the field and the fix."""
+    logger, settings = get_run_logger(), Settings()
+    serve = spec.serve
+    local_ok = not settings.workers_are_runpods()
+    local = [(f"serve.adapters[{i}].source", a.source) for i, a in enumerate(serve.adapters) if is_local_path(a.source)]
+    if problems := operator_rule_problems(local, hub_token_secret=spec.hub_token_secret, settings=settings):
+        raise ServerRuleError("refused by this server's rules, before anything was rented: " + "; ".join(problems))
+    if not local_ok and is_local_path(serve.base_model):
+        raise ValueError(f"serve.base_model {serve.base_model!r} is a folder of this machine, which RunPod's workers "
+                         "cannot read: push the model to the Hub and name its id")
+    hub = settings.with_hub_token(spec.hub_token_secret)
+    token = hub.hf_token.get_secret_value() if hub.hf_token else None
+    try:
+        base = resolve_model(ModelSource(id=serve.base_model), hub)
+        config = read_model_config(base, hub)
+    except ValueError as e:  # resolve_model names the train form's field
+        raise ValueError(str(e).replace("model.revision", "serve.base_model's revision")
+                         .replace("model.id", "serve.base_model")) from e
+    except (OSError, HfHubHTTPError) as e:
+        raise ValueError(f"serve.base_model {serve.base_model!r}: its config.json cannot be read ({e})") from e
+    context = min((config[k] for k in MAX_CONTEXT_KEYS if isinstance(config.get(k), int)), default=None)
+    if context is not None and serve.max_model_len > context:
+        raise ValueError(f"serve.max_model_len {serve.max_model_len} is above {serve.base_model}'s context of "
+                         f"{context} tokens, which vLLM refuses at startup: set it to at most {context}")
+    adapters = [resolve_adapter(a.source, a.name, base_model=base.id, store_url=spec.artifact_store, token=token,
+                                hub_endpoint=settings.hf_endpoint, local_ok=local_ok,
+                                field=f"serve.adapters[{i}]") for i, a in enumerate(serve.adapters)]
+    for adapter in adapters:
+        if adapter.run_id is None and adapter.trained_on and adapter.trained_on != base.id \
+                and not is_local_path(adapter.trained_on):
+            logger.warning("Adapter %s says it was trained on %s, not %s: vLLM does not check, and serves it on "
+                           "the base it is given", adapter.name, adapter.trained_on, base.id)
+    try:
+        rank = max_lora_rank([a.rank for a in adapters])
+    except ValueError as e:
+        raise ValueError(f"serve.adapters: {e}") from e
+    memory = serving_memory(config, max_model_len=serve.max_model_len, max_loras=len(adapters), max_lora_rank=rank)
+    gpus = [resolve_gpu(name) for name in serve.gpu]
+    offers = {o.gpu: o for o in read_gpu_prices(gpus, [cuda_floor(g, VLLM_IMAGE_MIN_CUDA) for g in gpus])}
+    gpu, passed = choose_serving_gpu(gpus, offers, memory, VLLM_IMAGE_MIN_CUDA)
+    for reason in passed:
+        logger.info("Not renting %s", reason)
+    price = offers[gpu.name].usd_per_hour
+    ceiling = price * serve.max_workers * serve.hours
+    cap = settings.loraflow_max_run_usd
+    if cap is not None and ceiling > cap:
+        raise ValueError(f"the serve may cost up to ${ceiling:.2f} ({gpu.name} at ${price:.2f}/hr × serve.max_workers "
+                         f"{serve.max_workers} × serve.hours {serve.hours:g}), above this server's cap of ${cap:.2f} "
+                         "(LORAFLOW_MAX_RUN_USD, set by its operator): lower serve.hours or serve.max_workers, or ask "
+                         "the operator")
+    slots = ensure_endpoint_limit()
+    if serve.max_workers > slots:
+        raise ValueError(f"serve.max_workers {serve.max_workers} is above the {ENDPOINT_LIMIT} limit's {slots} slots "
+                         "(the account's worker quota): the endpoint would never get them; lower serve.max_workers")
+    cache = None if base.revision is None else warm_cache_for(
+        base.id, base.revision, offers[gpu.name].in_stock_data_centers(), existing_volumes=existing_volume_ids,
+        logger=logger)
+    prompts = serve.prompts or _run_prompts(spec, adapters, token, settings.hf_endpoint) or DEFAULT_PROMPTS
+    expires_at = time.time() + serve.hours * 3600
+    logger.info("Serving %s with %d adapter(s) (MAX_LORA_RANK %d) on %s at $%.2f/hr, up to %d worker(s), until %s: "
+                "%s%s", base.id, len(adapters), rank, gpu.name, price, serve.max_workers,
+                time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires_at)), memory.describe(),
+                f"; the base is warm in {cache.data_center}" if cache else "")
+    return ServePlan(
+        run_id=run_id, name=spec.name, expires_at=expires_at, base_model=base.id, base_revision=base.revision,
+        endpoint_name=serving_endpoint_name(run_id, spec.name, settings.control_plane_namespace(), expires_at),
+        adapters=adapters, max_lora_rank=rank, max_model_len=serve.max_model_len, memory=memory, gpu=gpu,
+        usd_per_hour=price, passed_over=passed, cache=cache, max_workers=serve.max_workers,
+        idle_timeout_s=serve.idle_timeout_s, budget_usd=serve.budget_usd, prompts=prompts,
+        max_tokens=serve.max_tokens, cold_start_s=serve.cold_start_minutes * 60,
+        disk_gb=math.ceil(memory.weights_bytes / 1e9) + DISK_MARGIN_GB)
+
+
+def _run_prompts(spec: ServeSpec, adapters: list, token: str | None, hub_endpoint: str | None) -> list[str]:
+    """The evaluation prompts of the first adapter run that stored some."""
+    for adapter in adapters:
+        if adapter.run_id is not None and spec.artifact_store is not None:
+            if prompts := run_prompts(spec.artifact_store, adapter.run_id, token, hub_endpoint, MAX_PROMPTS):
+                return prompts
+    return []
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--stop":
+        if problem := startup_problem():
+            sys.exit(problem)
+        deleted = stop_serve(sys.argv[2])
+        print(f"serve {sys.argv[2]}: its runs cancelled; endpoints deleted: {', '.join(deleted) or 'none left'}")
+        sys.exit(0)
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python -m flows.serve SERVE_FILE.toml | python -m flows.serve --stop NAME")
+    try:
+        serve_spec = load_serve_file(sys.argv[1])
+    except SpecError as e:
+        sys.exit(str(e))
+    if problem := startup_problem():
+        sys.exit(problem)
+    final = serve(serve_spec, return_state=True)
+    print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
+    sys.exit(0 if final.is_completed() else 1)

@@ -1,0 +1,193 @@
+"""The LoRA adapters a serve puts on its endpoint, resolved before anything is rented: where RunPod's vLLM worker reads
+each one (`--lora-modules name=path`: a Hub model repo id, or a local folder), the name it answers to, its rank (from
+its `adapter_config.json`, which sets `MAX_LORA_RANK`), and what it was trained on.
+
+An adapter's source is one of:
+- `runs/<run id>`: a completed run in the serve's artifact store. The worker reads adapters from the Hub or from its
+  own disk, not from a folder of a dataset repo, so from an `hf://` store the run is published first, to the private
+  model repo `<the store's org>/loraflow-<run id>` (`publish.publish_adapter`: one commit, nothing committed again when
+  it is there already). From a `file://` store (local mode), the worker reads its folder `<store>/runs/<id>/adapter`:
+  localpod's workers share this machine's disk, as a local path on `--lora-modules` is read by vLLM.
+- `<org>/<name>`: a Hub model repo holding a PEFT adapter; the worker downloads it with the serve's token.
+- a local folder holding a PEFT adapter, in local mode only (RunPod's workers cannot see this machine).
+
+vLLM never checks an adapter against the base it serves (serving.md §2): a run's recorded base that is not the serve's
+is refused here; a Hub adapter's `base_model_name_or_path` that differs is a warning (it may name the folder it was
+trained from).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import HfHubHTTPError
+from loraflow_worker.artifacts import ArtifactNotFound, open_store
+from loraflow_worker.contract import run_prefix
+from pydantic import BaseModel, Field
+
+ADAPTER_CONFIG = "adapter_config.json"
+RUN_SOURCE = re.compile(r"^runs/(?P<run_id>[A-Za-z0-9][A-Za-z0-9._-]*)/?$")
+PUBLISHED_REPO = "{org}/loraflow-{run_id}"
+"""The private Hub model repo a stored run's adapter is published to for serving."""
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the only values vLLM accepts [V vllm/config/lora.py]
+VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's default `--max-lora-rank` (serving.md §2)
+PROMPT_KEYS = ("prompt", "instruction", "question")
+
+
+class AdapterRefused(ValueError):
+    """An adapter of `serve.adapters` cannot be served as given: nothing was rented. The message names the entry."""
+
+
+class ServedAdapter(BaseModel):
+    """One adapter as the endpoint serves it."""
+
+    name: str = Field(description="The model name it answers to (`\"model\"` of a request).")
+    source: str = Field(description="As the serve file gave it.")
+    path: str = Field(description="What the worker loads: a Hub model repo id, or a local folder (local mode).")
+    rank: int = Field(description="Its LoRA rank: the largest of `r` and `rank_pattern` in its adapter_config.json.")
+    run_id: str | None = Field(default=None, description="The stored run it comes from, if any.")
+    trained_on: str | None = Field(default=None, description="The base it was trained on, when known.")
+    publish_from: str | None = Field(
+        default=None, description="The hf:// store a run is published from to `path` before the endpoint is made; "
+        "None when the worker reads it where it is.")
+
+
+def default_adapter_name(source: str) -> str:
+    """An adapter's model name when the serve file gives none: the last part of its source."""
+    return PurePosixPath(source.rstrip("/")).name
+
+
+def adapter_rank(config: dict[str, Any]) -> int:
+    """The rank vLLM checks against `--max-lora-rank`: `r`, or a larger one of `rank_pattern` (per-module ranks)."""
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    ints = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
+    if not ints:
+        raise ValueError("no integer `r` in it")
+    return max(ints)
+
+
+def max_lora_rank(ranks: list[int]) -> int:
+    """`MAX_LORA_RANK`: the smallest value vLLM accepts that is at least every adapter's rank (vLLM refuses a larger
+    rank at startup: "LoRA rank 32 is greater than max_lora_rank 16." — serving.md §6). Its slots are allocated at
+    this rank, so no larger one is asked for."""
+    largest = max(ranks, default=1)
+    allowed = [value for value in VLLM_MAX_LORA_RANKS if value >= largest]
+    if not allowed:
+        raise ValueError(f"an adapter's rank {largest} is above {VLLM_MAX_LORA_RANKS[-1]}, the largest MAX_LORA_RANK "
+                         "vLLM accepts: serve a lower-rank adapter")
+    return allowed[0]
+
+
+def is_local_path(source: str) -> bool:
+    return source.startswith(("/", "./", "../", "~"))
+
+
+def resolve_adapter(source: str, name: str | None, *, base_model: str, store_url: str | None, token: str | None,
+                    hub_endpoint: str | None, local_ok: bool, field: str) -> ServedAdapter:
+    """`source` as the endpoint will serve it (see the module docstring); `field` names the entry in refusals.
+    `local_ok`: the workers run on this machine (localpod), so local folders may be served."""
+    name = name or default_adapter_name(source)
+    if (run := RUN_SOURCE.match(source)) is not None:
+        return _stored_run(run["run_id"], name, source, base_model=base_model, store_url=store_url, token=token,
+                           hub_endpoint=hub_endpoint, local_ok=local_ok, field=field)
+    if is_local_path(source):
+        folder = Path(source).expanduser().resolve()
+        if not local_ok:
+            raise AdapterRefused(f"{field}: {source!r} is a folder of this machine, which RunPod's workers cannot "
+                                 "read: push the adapter to the Hub and name its repo, or serve the run (`runs/<id>`)")
+        return ServedAdapter(name=name, source=source, path=str(folder), **_config_facts(
+            lambda: json.loads((folder / ADAPTER_CONFIG).read_text()), field, source))
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", source) is None:
+        raise AdapterRefused(f"{field}: {source!r} is neither `runs/<run id>`, a Hub repo id `<org>/<name>` nor a "
+                             "local folder")
+
+    def hub_config() -> dict[str, Any]:
+        path = hf_hub_download(source, ADAPTER_CONFIG, endpoint=hub_endpoint, token=token)
+        return json.loads(Path(path).read_text())
+
+    facts = _config_facts(hub_config, field, source)
+    return ServedAdapter(name=name, source=source, path=source, **facts)
+
+
+def _stored_run(run_id: str, name: str, source: str, *, base_model: str, store_url: str | None, token: str | None,
+                hub_endpoint: str | None, local_ok: bool, field: str) -> ServedAdapter:
+    if store_url is None:
+        raise AdapterRefused(f"{field}: {source!r} is a stored run, and the serve names no artifact_store: set it to "
+                             "the store the run wrote")
+    hub = store_url.startswith("hf://")
+    if not hub and not local_ok:
+        raise AdapterRefused(f"{field}: {source!r} is in {store_url}, a folder of this machine, which RunPod's workers "
+                             "cannot read: serve runs of an hf:// store")
+    store = open_store(store_url, token if hub else None, endpoint=hub_endpoint)
+    prefix = run_prefix(run_id)
+    try:
+        manifest = store.read_json(f"{prefix}/manifest.json")
+        config = store.read_json(f"{prefix}/adapter/{ADAPTER_CONFIG}")
+    except ArtifactNotFound as e:
+        raise AdapterRefused(f"{field}: run {run_id} has no stored adapter in {store_url}: only a completed run "
+                             "can be served") from e
+    trained_on = str(manifest.get("base_model_id") or "")
+    if trained_on and trained_on != base_model:
+        raise AdapterRefused(f"{field}: run {run_id} trained an adapter of {trained_on}, not of serve.base_model "
+                             f"{base_model!r} (vLLM would load it onto the wrong base): serve it with its own base")
+    facts = _config_facts(lambda: config, field, source)
+    facts["trained_on"] = trained_on or facts["trained_on"]
+    if hub:
+        org = store_url.removeprefix("hf://datasets/").split("/")[0]
+        return ServedAdapter(name=name, source=source, path=PUBLISHED_REPO.format(org=org, run_id=run_id),
+                             run_id=run_id, publish_from=store_url, **facts)
+    folder = Path(unquote(urlparse(store_url).path)) / prefix / "adapter"
+    return ServedAdapter(name=name, source=source, path=str(folder), run_id=run_id, **facts)
+
+
+def _config_facts(read: Any, field: str, source: str) -> dict[str, Any]:
+    try:
+        config = read()
+    except (OSError, ValueError, HfHubHTTPError) as e:
+        raise AdapterRefused(f"{field}: {source!r} has no readable {ADAPTER_CONFIG} ({type(e).__name__}: "
+                             f"{str(e)[:200]}): name a folder or Hub repo holding a PEFT adapter (a private repo needs "
+                             "hub_token_secret)") from e
+    try:
+        rank = adapter_rank(config)
+    except ValueError as e:
+        raise AdapterRefused(f"{field}: {source!r}'s {ADAPTER_CONFIG} is not a LoRA adapter's ({e})") from e
+    return {"rank": rank, "trained_on": config.get("base_model_name_or_path")}
+
+
+def run_prompts(store_url: str, run_id: str, token: str | None, hub_endpoint: str | None, limit: int) -> list[str]:
+    """Up to `limit` prompts of a stored run's evaluation file (`evaluation.store_path`, its held-out examples): the
+    first user turn of each chat, or its `prompt`. Empty when the run held its evaluation out of the dataset (a
+    `fraction`: the rows are not stored apart) or had none."""
+    store = open_store(store_url, token if store_url.startswith("hf://") else None, endpoint=hub_endpoint)
+    try:
+        job = store.read_json(f"{run_prefix(run_id)}/manifest.json").get("job") or {}
+        path = (job.get("evaluation") or {}).get("store_path")
+        text = store.read_bytes(path).decode() if path else ""
+    except (ArtifactNotFound, AttributeError, UnicodeDecodeError):
+        return []
+    prompts = []
+    for line in text.splitlines():
+        if len(prompts) >= limit:
+            break
+        try:
+            prompt = _first_prompt(json.loads(line))
+        except ValueError:
+            continue
+        if prompt:
+            prompts.append(prompt)
+    return prompts
+
+
+def _first_prompt(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return None
+    messages = row.get("messages") or (row["prompt"] if isinstance(row.get("prompt"), list) else None)
+    if isinstance(messages, list):
+        return next((m["content"] for m in messages if isinstance(m, dict) and m.get("role") == "user"
+                     and isinstance(m.get("content"), str)), None)
+    return next((row[k] for k in PROMPT_KEYS if isinstance(row.get(k), str) and row[k].strip()), None)

@@ -1,0 +1,297 @@
+"""From adapter to answers, on the local stack: the tiny model trained on one fixed phrase, then served by the `serve`
+flow on localpod's stand-in for RunPod's vLLM worker, under loraflow's rules.
+
+One serve answers an OpenAI-shaped client (plain httpx) at the base URL it prints: the phrase from the adapter's model
+name and not from the base's, and a second adapter of the same base from the same endpoint; it holds its slots on the
+endpoint limit while it lives, the reconcile flow keeps it, and `--stop` (a cancel of its flow run) deletes it. A serve
+whose budget is reached is deleted; one whose flow process is killed is kept by the reconcile flow until its expiry
+and deleted after; one whose workers crash while they start ends at once, saying why. Nothing is left at localpod.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from huggingface_hub import HfApi
+
+from tasks.runpod.endpoints import parse_endpoint_name
+from tests.conftest import REPO, localpod_account, prefect_api, run_train_flow, stop_process_group
+from tests.test_crash_recovery_e2e import flow_env, run_reconcile, wait_for
+from tests.test_localpod_vllm import in_worker_env, make_adapters
+from tests.test_train_e2e import endpoint_slots_in_use, write_run_file
+
+pytestmark = pytest.mark.timeout(1200)
+
+PHRASE = "Capybaras hum quietly."
+QUESTIONS = [json.loads(line)["messages"][0]["content"]
+             for line in (REPO / "deployments" / "data" / "tiny-chat.jsonl").read_text().splitlines() if line.strip()]
+UP_S = 300  # a check, a worker importing torch and loading the base and two adapters, on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def trained(local_stack, tiny_model, tmp_path_factory) -> dict:
+    """A run of the tiny model on chats whose every answer is `PHRASE`, in a file:// store."""
+    folder = tmp_path_factory.mktemp("serve-train")
+    data = folder / "phrase.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": PHRASE}]}) + "\n"
+                            for q in QUESTIONS))
+    run_file = write_run_file(folder / "run.toml", name="e2e-phrase", model=tiny_model, store=folder / "store",
+                              max_steps=60, dataset=data)
+    run_file.write_text(run_file.read_text().replace("learning_rate = 5e-3", "learning_rate = 1e-2"))
+    run = run_train_flow(local_stack, run_file)
+    assert run.returncode == 0, run.output[-5000:]
+    return {"store": folder / "store", "run_id": run.flow_run_id}
+
+
+@pytest.fixture(scope="module")
+def answerer(tiny_model, tmp_path_factory) -> dict:
+    """A hand-made adapter of rank 32 (above vLLM's default MAX_LORA_RANK of 16) that answers one word over and over."""
+    folder = tmp_path_factory.mktemp("serve-adapters") / "answerer"
+    [word] = in_worker_env(make_adapters, str(tiny_model), [[str(folder), " answer", 32]])
+    return {"folder": folder, "word": word}
+
+
+def write_serve_file(path: Path, *, name: str, model: Path, store: Path | str, adapters: list[dict], **serve) -> Path:
+    settings = {"gpu": ["4090"], "max_workers": 1, "idle_timeout_s": 600, "hours": 1, "budget_usd": 5,
+                "max_model_len": 512, "prompts": [QUESTIONS[0]], "max_tokens": 16, "cold_start_minutes": 5} | serve
+    store_url = store if isinstance(store, str) else f"file://{store}"
+    lines = [f'name = "{name}"', f'artifact_store = "{store_url}"', "[serve]", f'base_model = "{model}"',
+             "adapters = [" + ", ".join("{ " + ", ".join(f'{k} = "{v}"' for k, v in a.items()) + " }"
+                                        for a in adapters) + "]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Serve:
+    """`python -m flows.serve SERVE_FILE` in its own process group, as a user or a worker runs it."""
+
+    def __init__(self, stack, serve_file: Path, log: Path, **env: str):
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "flows.serve", str(serve_file)], cwd=REPO,
+                                     env=flow_env(stack, **env), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_line(self, pattern: str, timeout_s: float = UP_S) -> re.Match:
+        def found():
+            if self.proc.poll() is not None and not re.search(pattern, self.output):
+                raise AssertionError(f"the serve ended ({self.proc.returncode}) before {pattern!r}:\n{self.output[-5000:]}")
+            return re.search(pattern, self.output)
+
+        return wait_for(found, timeout_s, pattern)
+
+    def wait(self, timeout_s: float = 180) -> int:
+        return self.proc.wait(timeout_s)
+
+
+def serve_run_id(stack, name: str) -> str:
+    """The newest flow run of the serve `name` (its runs are tagged `serve:<name>`)."""
+    [run] = prefect_api(stack, "POST", "/flow_runs/filter", json={
+        "flow_runs": {"tags": {"all_": [f"serve:{name}"]}}, "sort": "START_TIME_DESC", "limit": 1}).json()
+    return run["id"]
+
+
+def serve_endpoints(stack, name: str) -> list[dict]:
+    return [e for e in localpod_account(stack)["endpoints"]
+            if (parsed := parse_endpoint_name(e["name"])) and parsed.serving and parsed.label == name]
+
+
+def endpoint_document(stack, endpoint_id: str) -> dict:
+    return httpx.get(f"{stack.localpod_url}/v2/serverless/{endpoint_id}", timeout=30,
+                     headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"}).json()
+
+
+def chat(client: httpx.Client, model: str) -> str:
+    response = client.post("/chat/completions", json={"model": model, "max_tokens": 16, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": QUESTIONS[1]}]})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def artifacts(stack, flow_run_id: str) -> dict[str, dict]:
+    """The run's artifacts by key, each at its latest version."""
+    latest: dict[str, dict] = {}
+    for artifact in prefect_api(stack, "POST", "/artifacts/filter", json={
+            "artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "CREATED_DESC"}).json():
+        latest.setdefault(artifact["key"], artifact)
+    return latest
+
+
+def nothing_left(stack, name: str) -> None:
+    endpoints = serve_endpoints(stack, name)
+    assert endpoints and all(e["deletedAt"] is not None for e in endpoints), endpoints
+    ids = {e["id"] for e in endpoints}
+    wait_for(lambda: not [w for w in localpod_account(stack)["workers"] if w["endpointId"] in ids and
+                          w["endedAt"] is None], 60, "the serve's workers to end")
+
+
+def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_its_slots_until_stopped(
+        local_stack, tiny_model, trained, answerer, tmp_path):
+    slots_before = endpoint_slots_in_use(local_stack)
+    serve_file = write_serve_file(
+        tmp_path / "serve.toml", name="e2e-serve", model=tiny_model, store=trained["store"], max_workers=2,
+        adapters=[{"name": "phrase", "source": f"runs/{trained['run_id']}"},
+                  {"name": "answerer", "source": str(answerer["folder"])}])
+    serve = Serve(local_stack, serve_file, tmp_path / "serve.log")
+    try:
+        base_url = serve.wait_for_line(r"OpenAI base URL: (\S+)")[1]
+        assert serve.wait_for_line(r"models: (.+)")[1].strip() == f"{tiny_model}, phrase, answerer"
+        run_id = serve_run_id(local_stack, "e2e-serve")
+
+        # An OpenAI client: the base URL it printed, the RunPod key as its API key, a model by name.
+        key = local_stack.client_env["RUNPOD_API_KEY"]
+        with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=300) as client:
+            assert PHRASE in chat(client, "phrase")
+            assert PHRASE not in chat(client, str(tiny_model))
+            assert chat(client, "answerer") == answerer["word"] * 16  # the second adapter, same endpoint
+            listed = client.get("/models").json()["data"]
+            assert [m["id"] for m in listed] == [str(tiny_model), "phrase", "answerer"]
+
+        # One endpoint of RunPod's vLLM worker, its two workers' slots held on the limit while it lives.
+        [endpoint] = [e for e in serve_endpoints(local_stack, "e2e-serve") if e["deletedAt"] is None]
+        assert endpoint_slots_in_use(local_stack) == slots_before + 2
+        document = endpoint_document(local_stack, endpoint["id"])
+        assert document["image"].startswith("runpod/worker-v1-vllm:") and document["workers"]["max"] == 2
+        env = document["env"]
+        assert env["MAX_LORA_RANK"] == "32" and env["ENABLE_LORA"] == "true" and env["MAX_LORAS"] == "2"
+        assert env["VLLM_EXTRA_ARGS"].startswith("--lora-modules phrase=") and "answerer=" in env["VLLM_EXTRA_ARGS"]
+        assert env["HUGGING_FACE_HUB_TOKEN"].startswith("{{ RUNPOD_SECRET_") and "HF_TOKEN" not in env
+
+        # The reconcile flow keeps it: its run lives, and its time has not run out (idle as it is); its report lists
+        # the serving endpoint with its age, cost and expiry.
+        output = run_reconcile(local_stack, '{"min_age_minutes": 0}')
+        assert endpoint["id"] in {e["id"] for e in localpod_account(local_stack)["liveEndpoints"]}
+        reconcile_run = re.search(r"flow run ([0-9a-f-]{36}):", output)[1]
+        rows = json.loads(artifacts(local_stack, reconcile_run)["reconcile-serving"]["data"])
+        [row] = [r for r in rows if r["endpoint id"] == endpoint["id"]]
+        assert row["control plane"] == "ours" and row["workers max"] == 2 and "(in " in row["expires"]
+        assert row["billed $"] > 0 and row["age (min)"] >= 0
+
+        # The try-it table and the summary are on the run's page.
+        wait_for(lambda: "serve-e2e-serve-answers" in artifacts(local_stack, run_id), 120, "the try-it table")
+        table = json.loads(artifacts(local_stack, run_id)["serve-e2e-serve-answers"]["data"])
+        assert [row["prompt"] for row in table] == [QUESTIONS[0]] and PHRASE in table[0]["phrase"]
+        assert "latency (s)" in table[0] and "tokens" in table[0]
+
+        # `--stop` cancels its flow run: the run deletes its endpoint and ends Cancelled, the slots come back.
+        stop = subprocess.run([sys.executable, "-m", "flows.serve", "--stop", "e2e-serve"], cwd=REPO,
+                              env=flow_env(local_stack), capture_output=True, text=True, timeout=180)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert serve.wait() == 1
+        state = prefect_api(local_stack, "GET", f"/flow_runs/{run_id}").json()["state"]
+        assert state["type"] == "CANCELLED", state
+        summary = artifacts(local_stack, run_id)["serve-e2e-serve"]["data"]
+        assert "cold start" in summary and "tokens/s" in summary and "cancelled" in summary
+        assert endpoint_slots_in_use(local_stack) == slots_before
+        nothing_left(local_stack, "e2e-serve")
+    finally:
+        stop_process_group(serve.proc)
+
+
+def test_a_run_of_an_hf_store_is_served_from_a_private_model_repo_and_the_serve_ends_at_its_budget(
+        local_stack, tiny_model, trained, tmp_path):
+    # The same run, in an hf:// store (the Hub stand-in): the worker reads adapters from model repos, not a dataset's.
+    run_id, token = trained["run_id"], local_stack.client_env["HF_TOKEN"]
+    api = HfApi(endpoint=local_stack.hub_url, token=token)
+    api.create_repo("acme/serve-runs", repo_type="dataset", private=True, exist_ok=True)
+    api.upload_folder(repo_id="acme/serve-runs", repo_type="dataset", folder_path=str(trained["store"] / "runs" / run_id),
+                      path_in_repo=f"runs/{run_id}")
+    serve_file = write_serve_file(tmp_path / "serve.toml", name="e2e-budget", model=tiny_model,
+                                  store="hf://datasets/acme/serve-runs", budget_usd=0.0001,
+                                  adapters=[{"source": f"runs/{run_id}"}])
+    serve = Serve(local_stack, serve_file, tmp_path / "serve.log")
+    try:
+        assert serve.wait(UP_S + 120) == 0, serve.output[-5000:]
+        # Published to a private model repo named after the run, which the worker downloaded with the serve's token
+        # (HUGGING_FACE_HUB_TOKEN, a RunPod account secret): it answered under the run id.
+        assert api.repo_info(f"acme/loraflow-{run_id}").private
+        assert "adapter_config.json" in api.list_repo_files(f"acme/loraflow-{run_id}")
+        assert f"models: {tiny_model}, {run_id}" in serve.output
+        assert "reaching budget_usd $0.0001" in serve.output  # then deleted, and the run completed
+        nothing_left(local_stack, "e2e-budget")
+    finally:
+        stop_process_group(serve.proc)
+
+
+def test_a_serve_whose_process_died_is_kept_by_the_reconciler_until_its_expiry_and_deleted_after(
+        local_stack, tiny_model, trained, tmp_path):
+    slots_before = endpoint_slots_in_use(local_stack)
+    serve_file = write_serve_file(tmp_path / "serve.toml", name="e2e-expiry", model=tiny_model,
+                                  store=trained["store"], hours=0.04, adapters=[{"source": f"runs/{trained['run_id']}"}])
+    serve = Serve(local_stack, serve_file, tmp_path / "serve.log")
+    try:
+        [endpoint] = wait_for(lambda: serve_endpoints(local_stack, "e2e-expiry"), 120, "the serve's endpoint")
+        os.killpg(serve.proc.pid, signal.SIGKILL)  # no finally, no hook: the reconciler is what is left
+        serve.proc.wait()
+        expires_at = parse_endpoint_name(endpoint["name"]).expires_at
+        assert time.time() < expires_at
+
+        output = run_reconcile(local_stack, '{"min_age_minutes": 0}')
+        assert time.time() < expires_at, "the reconcile took longer than the serve's 144 s"
+        assert endpoint["id"] in {e["id"] for e in localpod_account(local_stack)["liveEndpoints"]}
+        assert "serving until" in output, output[-3000:]
+
+        time.sleep(max(0.0, expires_at - time.time()) + 1)
+        output = run_reconcile(local_stack, '{"min_age_minutes": 0}')
+        assert "time ran out" in output, output[-3000:]
+        nothing_left(local_stack, "e2e-expiry")
+        # The killed run's slot lease is renewed no more: the server frees it (lease + its repossessor's period).
+        wait_for(lambda: endpoint_slots_in_use(local_stack) == slots_before, 200, "the killed serve's slot")
+        run_id = serve_run_id(local_stack, "e2e-expiry")  # its process is gone: its run is no live run
+        prefect_api(local_stack, "POST", f"/flow_runs/{run_id}/set_state", json={
+            "state": {"type": "CRASHED", "name": "Crashed", "message": "its process was killed"}, "force": True})
+    finally:
+        stop_process_group(serve.proc)
+
+
+def test_workers_that_crash_while_they_start_end_the_serve_at_once_saying_why(local_stack, tiny_model, answerer,
+                                                                           tmp_path):
+    # An adapter whose adapter_config.json says rank 8 while its weights are rank 32: MAX_LORA_RANK follows the
+    # config, and `vllm serve` dies loading the weights, on every worker RunPod starts.
+    liar = tmp_path / "liar"
+    shutil.copytree(answerer["folder"], liar)
+    config = json.loads((liar / "adapter_config.json").read_text())
+    (liar / "adapter_config.json").write_text(json.dumps(config | {"r": 8, "lora_alpha": 8}))
+    slots_before = endpoint_slots_in_use(local_stack)
+    serve_file = write_serve_file(tmp_path / "serve.toml", name="e2e-crash", model=tiny_model, store=tmp_path,
+                                  adapters=[{"name": "liar", "source": str(liar)}], cold_start_minutes=10)
+    serve = Serve(local_stack, serve_file, tmp_path / "serve.log")
+    try:
+        started = time.monotonic()
+        assert serve.wait(UP_S) == 1, serve.output[-5000:]
+        assert time.monotonic() - started < 300  # well within its 10 minutes' allowance
+        assert "crash while they start" in serve.output and "MAX_LORA_RANK (8 here)" in serve.output, \
+            serve.output[-5000:]
+        assert endpoint_slots_in_use(local_stack) == slots_before
+        nothing_left(local_stack, "e2e-crash")
+    finally:
+        stop_process_group(serve.proc)
+
+
+def test_a_serve_whose_cost_ceiling_passes_the_operators_cap_is_refused_before_anything_is_rented(
+        local_stack, tiny_model, answerer, tmp_path):
+    serve_file = write_serve_file(tmp_path / "serve.toml", name="e2e-capped", model=tiny_model, store=tmp_path,
+                                  hours=2, max_workers=3, adapters=[{"source": str(answerer["folder"])}])
+    serve = Serve(local_stack, serve_file, tmp_path / "serve.log", LORAFLOW_MAX_RUN_USD="1")
+    try:
+        assert serve.wait() == 1
+        assert "serve.max_workers 3 × serve.hours 2), above this server's cap of $1.00" in serve.output, \
+            serve.output[-3000:]
+        assert not serve_endpoints(local_stack, "e2e-capped")
+    finally:
+        stop_process_group(serve.proc)
