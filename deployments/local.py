@@ -4,6 +4,7 @@
     .venv/bin/python deployments/local.py          # run it again
     .venv/bin/python deployments/local.py --keep   # leave the Prefect UI up afterwards (Ctrl-C stops it)
     .venv/bin/python deployments/local.py --run-file deployments/local-study.toml   # a study instead (`[study]`)
+    .venv/bin/python deployments/local.py --serve  # then serve the adapter and ask it and the base a question
 
 It starts a Prefect server (SQLite) and localpod, builds a tiny Qwen3-architecture model offline,
 runs the `train` flow for a short LoRA SFT run through localpod, checks that the adapter loads with
@@ -11,15 +12,20 @@ PEFT, prints where everything is (adapter, artifact store, the run's summary) an
 started; with `--keep` it leaves the Prefect server up, prints the run's page, and stops everything on
 Ctrl-C or SIGTERM. Exit code 0 only if the run completed and its adapter loads. A run file with a `[study]`
 section runs the `study` flow instead: its children, their comparison, and the best child's adapter checked the
-same way. A run file with `[publish]` also starts the local Hub stand-in, which it publishes to.
+same way. A run file with `[publish]` also starts the local Hub stand-in, which it publishes to. With `--serve`, the
+adapter is then served by the `serve` flow on localpod's stand-in for RunPod's vLLM worker, asked one question of
+the dataset through the base and through the adapter at the OpenAI base URL the serve printed, and stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import tomllib
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,6 +46,8 @@ def main() -> int:
     parser.add_argument("--home", default=str(REPO / ".local"), help="Folder for the stack's state, the model and artifacts.")
     parser.add_argument("--keep", action="store_true", help="Keep the Prefect server running after the run, for the UI.")
     parser.add_argument("--port", type=int, default=0, help="Port of the Prefect server and its UI (default: a free one).")
+    parser.add_argument("--serve", action="store_true", help="Then serve the adapter and print an answer of the base "
+                        "and one of the adapter.")
     args = parser.parse_args()
     home = Path(args.home).resolve()
     os.chdir(REPO)
@@ -57,8 +65,10 @@ def main() -> int:
         with phase("Starting the local Prefect server and localpod", "starting the Prefect server and localpod"):
             stack.__enter__()  # stops what it started if it fails
         os.environ.update(stack.client_env)
-        run = study_and_report if "study" in plan else train_and_report
-        code = run(stack, args.run_file, home, model_dir, links=args.keep)
+        if "study" in plan:
+            code = study_and_report(stack, args.run_file, home, model_dir, links=args.keep)
+        else:
+            code = train_and_report(stack, args.run_file, home, model_dir, links=args.keep, serve=args.serve)
         if args.keep:
             print(f"\nThe Prefect UI stays up at {stack.prefect_ui_url} (the links above work) until you press "
                   f"Ctrl-C or run `kill {os.getpid()}`.", flush=True)
@@ -79,9 +89,10 @@ def main() -> int:
         print("Stopped.", flush=True)
 
 
-def train_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Path, links: bool) -> int:
+def train_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Path, links: bool,
+                     serve: bool = False) -> int:
     """Run the flow, check its adapter, print where its artifacts are (`links`: and its pages in the Prefect
-    UI, which work while the server runs); the exit code."""
+    UI, which work while the server runs), and with `serve` serve it and ask it; the exit code."""
     # Prefect reads its settings when first imported: import it only now that the env points at the stack.
     from flows.spec import load_run_file
     from flows.train import train
@@ -127,7 +138,60 @@ def train_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Pa
         *pages,
     ]
     print(*lines, sep="\n", flush=True)
-    return 0
+    return serve_and_ask(spec, run_id, home, model_dir) if serve else 0
+
+
+def serve_and_ask(spec, run_id: str, home: Path, model_dir: Path) -> int:
+    """Serve the run's adapter on the tiny model (`python -m flows.serve`, as a user starts it), ask the dataset's first
+    question of the base and of the adapter at the printed OpenAI base URL, print both answers, stop the serve; the
+    exit code."""
+    import httpx
+
+    question = "Say hello in one sentence."  # a run file whose data is not a local chat file
+    if spec.dataset.local_file is not None:
+        first = json.loads(Path(spec.dataset.local_file).read_text().splitlines()[0])
+        question = next((m["content"] for m in first.get("messages", []) if m["role"] == "user"), question)
+    serve_file, log = home / "serve.toml", home / "serve.log"
+    serve_file.write_text("\n".join([
+        f"name = {json.dumps(spec.name)}", f"artifact_store = {json.dumps(spec.artifact_store)}", "[serve]",
+        f"base_model = {json.dumps(str(model_dir))}", f'adapters = [{{ name = "adapter", source = "runs/{run_id}" }}]',
+        'gpu = ["RTX 4090"]', "hours = 1", "budget_usd = 1", f"max_model_len = {spec.training.max_seq_length}",
+        f"prompts = [{json.dumps(question)}]", "max_tokens = 24", "cold_start_minutes = 10"]) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.serve", str(serve_file)], cwd=REPO, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with phase("Serving the adapter on the tiny model (localpod's stand-in for RunPod's vLLM worker); the serve's "
+                   f"log: {log}", "starting the endpoint"):
+            base_url = None
+            while base_url is None and proc.poll() is None:
+                time.sleep(1)
+                found = re.search(r"OpenAI base URL: (\S+)", log.read_text(errors="replace"))
+                base_url = found[1] if found else None
+        if base_url is None:
+            print(f"\nThe serve ended before it answered:\n{log.read_text(errors='replace')[-3000:]}",
+                  file=sys.stderr, flush=True)
+            return 1
+        headers = {"Authorization": f"Bearer {os.environ['RUNPOD_API_KEY']}"}
+        answers = {}
+        with httpx.Client(base_url=base_url, headers=headers, timeout=300) as client:
+            for label, model in (("base", str(model_dir)), ("adapter", "adapter")):
+                response = client.post("/chat/completions", json={
+                    "model": model, "max_tokens": 24, "temperature": 0,
+                    "messages": [{"role": "user", "content": question}]}).raise_for_status()
+                answers[label] = response.json()["choices"][0]["message"]["content"]
+        print(f"\nServed at {base_url} (an OpenAI client's base URL; the RunPod key is its API key)",
+              f"  question:      {question}", f"  base answers:    {answers['base']!r}",
+              f"  adapter answers: {answers['adapter']!r}", sep="\n", flush=True)
+        return 0
+    finally:
+        with phase("Stopping the serve (its endpoint deleted)", "stopping the serve"):
+            subprocess.run([sys.executable, "-m", "flows.serve", "--stop", spec.name], cwd=REPO, capture_output=True,
+                           timeout=300)
+            try:
+                proc.wait(300)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def study_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Path, links: bool) -> int:

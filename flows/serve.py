@@ -48,7 +48,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from flows.spec import SpecError, describe_validation_error, read_run_file
+from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
 from tasks.jobs.serve import (
     DISK_MARGIN_GB,
     SERVE_TAG,
@@ -76,6 +76,7 @@ from tasks.reports.summary import tag_run
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.runpod.endpoints import serving_endpoint_name
 from tasks.settings import Settings, startup_problem
+from tasks.storage.publish import PublishedModel
 from tasks.storage.served_adapters import (
     default_adapter_name,
     is_local_path,
@@ -148,6 +149,10 @@ class ServeSettings(BaseModel):
         bad = [n for n in names if not re.match(_ADAPTER_NAME, n)]
         if bad:
             raise ValueError(f"adapters: {bad} cannot be model names (letters, digits, `.`, `_`, `-`): give each a name")
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(f"max_tokens {self.max_tokens} leaves no room for a prompt within max_model_len "
+                             f"{self.max_model_len} (vLLM refuses a request whose prompt and max_tokens pass it): "
+                             "lower max_tokens or raise max_model_len")
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice or self.base_model in names:
             raise ValueError(f"adapters: the names {twice or [self.base_model]} are taken twice (the base answers to "
@@ -297,6 +302,39 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
         idle_timeout_s=serve.idle_timeout_s, budget_usd=serve.budget_usd, prompts=prompts,
         max_tokens=serve.max_tokens, cold_start_s=serve.cold_start_minutes * 60,
         disk_gb=math.ceil(memory.weights_bytes / 1e9) + DISK_MARGIN_GB)
+
+
+def serve_trained(spec: RunSpec, run_id: str, name: str, published: PublishedModel | None) -> State | None:
+    """`[publish.serve]` of a completed run (or of a study's best child, `run_id` and `name` its own): its adapter
+    served on its base by this flow, as a subflow, until the serve ends. The adapter is read from the repo it was
+    just published to, else from the run's store; it answers to `name`. Never raises: the run's adapter is stored
+    (and published) already, so a serve that cannot start is logged, not the run's failure. The serve's end state."""
+    logger = get_run_logger()
+    wanted = spec.publish.serve if spec.publish is not None else None
+    if wanted is None:
+        return None
+    source = published.hub_model_id if published is not None and not published.error else f"runs/{run_id}"
+    length = (spec.grpo.max_prompt_length + spec.grpo.max_completion_length if spec.grpo is not None
+              else spec.training.max_seq_length)
+    try:
+        serve_spec = ServeSpec(
+            name=name, artifact_store=spec.artifact_store, hub_token_secret=spec.hub_token_secret,
+            serve=ServeSettings(base_model=spec.model.id, adapters=[AdapterSpec(source=source, name=name)],
+                                gpu=wanted.gpu or spec.compute.gpu, max_workers=wanted.max_workers,
+                                idle_timeout_s=wanted.idle_timeout_s, hours=wanted.hours,
+                                budget_usd=wanted.budget_usd or spec.budget_usd,
+                                max_model_len=(max_model_len := wanted.max_model_len or max(length, 64)),
+                                max_tokens=min(128, max_model_len // 2)))
+    except ValidationError as e:
+        logger.warning("The adapter is not served: %s", describe_validation_error(e, "publish.serve"))
+        return None
+    print(f"Serving {name} ({source}) on {spec.model.id} for {wanted.hours:g} h: `python -m flows.serve --stop "
+          f"{name}` ends it sooner", flush=True)
+    state = serve(serve_spec, return_state=True)
+    if not (state.is_completed() or state.is_cancelled()):
+        logger.warning("The adapter was not served: %s (the run's adapter is stored%s)", state.message,
+                       f" and published to {published.hub_model_id}" if source != f"runs/{run_id}" else "")
+    return state
 
 
 def _run_prompts(spec: ServeSpec, adapters: list, token: str | None, hub_endpoint: str | None) -> list[str]:

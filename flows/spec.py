@@ -113,6 +113,28 @@ HUB_MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9.
 `-`, at most 96 characters (the Hub's rule; it also refuses `--` and `..` and a trailing `-` or `.`)."""
 
 
+class PublishServe(Section):
+    """`[publish.serve]`: once the run has completed and published, serve its adapter on its base with the `serve`
+    flow ([serving](serving.md)), as a subflow of the run: the run prints the OpenAI base URL and lives on until the
+    serve ends (its `hours`, its budget, a cancel, `python -m flows.serve --stop <run name>`). The adapter answers
+    to the run's name; it is read from `hub_model_id` once published there, else from the run's store. A failed serve
+    leaves the run completed and says why. `serve = true` takes every default."""
+
+    hours: float = Field(default=1, gt=0, le=168, description="How long the endpoint may live, from the start of the "
+                         "serve: then it is deleted.")
+    budget_usd: float | None = Field(default=None, gt=0, le=100_000, description="The endpoint is deleted once it "
+                                     "has cost this much. Empty: the run's `budget_usd` (one of the two is needed).")
+    gpu: list[str] | None = Field(default=None, min_length=1, description="GPU classes to serve on, the cheapest "
+                                  "that holds the model first. Empty: `compute.gpu`.")
+    max_workers: int = Field(default=1, ge=1, le=30, description="The most workers the endpoint runs at once, held "
+                             "as slots of the endpoint limit while it lives.")
+    idle_timeout_s: int = Field(default=60, ge=1, le=3600, description="Seconds an idle worker stays up (and bills) "
+                                "before it stops.")
+    max_model_len: int | None = Field(default=None, ge=64, le=1_048_576, description="The longest prompt + answer "
+                                      "in tokens. Empty: `training.max_seq_length` (for GRPO, its prompt and "
+                                      "completion lengths together).")
+
+
 class PublishSpec(Section):
     """Publish the run once it has completed, by name, to Hub model repos: the adapter (`hub_model_id`: the adapter
     files and a model card — base model, training settings, final metrics, curve, how to load and serve it — in one
@@ -139,6 +161,16 @@ class PublishSpec(Section):
         default=True,
         description="Create the repos private (only their owners see them). An existing repo keeps its visibility.",
     )
+    serve: PublishServe | None = Field(
+        default=None,
+        description="Serve the adapter once published (`serve = true`, or its settings: `{ hours = 2, budget_usd = 5 "
+        "}`): the run prints the OpenAI base URL and ends when the serve does. Empty: nothing is served.",
+    )
+
+    @field_validator("serve", mode="before")
+    @classmethod
+    def _true_takes_the_defaults(cls, value: object) -> object:
+        return {} if value is True else None if value is False else value
 
     @field_validator("hub_model_id", "merged_model_id")
     @classmethod
@@ -151,9 +183,9 @@ class PublishSpec(Section):
 
     @model_validator(mode="after")
     def _one_repo_at_least(self) -> PublishSpec:
-        if self.hub_model_id is None and self.merged_model_id is None:
-            raise ValueError("[publish] names no repo: set publish.hub_model_id (the adapter) or "
-                             "publish.merged_model_id (the merged model), or both, or remove [publish]")
+        if self.hub_model_id is None and self.merged_model_id is None and self.serve is None:
+            raise ValueError("[publish] names no repo and serves nothing: set publish.hub_model_id (the adapter), "
+                             "publish.merged_model_id (the merged model) or publish.serve, or remove [publish]")
         if self.hub_model_id is not None and self.hub_model_id == self.merged_model_id:
             raise ValueError(f"publish.hub_model_id and publish.merged_model_id are both {self.hub_model_id!r}: the "
                              "adapter and the merged model need repos of their own; rename one")
@@ -308,6 +340,14 @@ class RunSpec(Section):
     )
 
     _plain_requirements = field_validator("extra_packages")(plain_requirements)
+
+    @model_validator(mode="after")
+    def _a_serve_has_a_budget(self) -> RunSpec:
+        if self.publish is not None and self.publish.serve is not None and self.publish.serve.budget_usd is None \
+                and self.budget_usd is None:
+            raise ValueError("publish.serve needs a budget: set publish.serve.budget_usd (e.g. `serve = { hours = 1, "
+                             "budget_usd = 5 }`) or the run's budget_usd, which it then takes")
+        return self
 
     def local_paths(self) -> list[tuple[str, str]]:
         """(field, path as written) of every file or folder of this machine the run reads: its local dataset, mix and

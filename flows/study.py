@@ -33,6 +33,7 @@ from prefect.flow_engine import run_flow
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed, Failed, Pending, State
 
+from flows.serve import serve_trained
 from flows.spec import SpecError
 from flows.study_run import run_children
 from flows.study_search import Search, space_corners
@@ -215,6 +216,12 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     if status == "failed":
         return Failed(message=f"No child of study {spec.name} completed: "
                       + "; ".join(f"{r.name}: {r.reason[:200]}" for r in rows[:20]))
+    if best is not None and spec.study.publish_best and spec.publish is not None and spec.publish.serve is not None:
+        # The best child's own spec (its base, its lengths), with the study's `[publish]`; a search's later children
+        # were asked as it ran, and share the study's base.
+        child = next((c.spec for c in children if c.index == best.index), None)
+        serve_trained(child.model_copy(update={"publish": spec.publish}) if child else spec, best.flow_run_id,
+                      best.name, published)
     return Completed(message=f"Study {spec.name}: {_counts(rows)}; best {best.name if best else 'none'}",
                      data=report)
 

@@ -23,6 +23,7 @@ from prefect.utilities.annotations import quote
 from pydantic import ValidationError
 
 from flows.run_overrides import RunOverrides, apply_overrides
+from flows.serve import serve_trained
 from flows.spec import RunSpec, SpecError, load_run_file
 from flows.train_check import check
 from flows.train_phases import (
@@ -124,17 +125,19 @@ def train(
             retry_or_fail(run, attempt, attempts, plan, cache, outcome, results, endpoints_before)
         published, merged = report(run, plan, cache, results, attempt, attempts.endpoint_ids, spent.usd,
                                    attempts.refused)
-        return spent.finish(run_id, spec.name, "completed", results, adapter_url=results.adapter_url,
-                            metrics=results.result.metrics,
-                            published_model=published.hub_model_id if published else None,
-                            publish_error=published.error if published else None,
-                            merged_model=merged.merged_model_id if merged else None,
-                            merge_error=merged.error if merged else None)
+        finished = spent.finish(run_id, spec.name, "completed", results, adapter_url=results.adapter_url,
+                                metrics=results.result.metrics,
+                                published_model=published.hub_model_id if published else None,
+                                publish_error=published.error if published else None,
+                                merged_model=merged.merged_model_id if merged else None,
+                                merge_error=merged.error if merged else None)
     except BaseException as e:
         # Every failure ends here: refused before renting (0 attempts), out of attempts, or an error.
         spent.finish(run_id, spec.name, "cancelled" if run_cancel_requested() else "failed", None,
                      message=f"{type(e).__name__}: {e}")
         raise
+    serve_trained(spec, run_id, spec.name, published)  # `[publish.serve]`: the completed run's adapter, served
+    return finished
 
 
 if __name__ == "__main__":

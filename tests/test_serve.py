@@ -15,6 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from flows.serve import ServeSpec
+from flows.spec import PublishServe, RunSpec
 from tasks.jobs.serve import (
     SERVING_TOKEN_ENV,
     VLLM_IMAGE_MIN_CUDA,
@@ -37,6 +38,7 @@ from tasks.runpod.endpoints import MAX_ENDPOINT_NAME, endpoint_name, parse_endpo
 from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.models import Endpoint, EndpointWorker, Health
 from tasks.storage.served_adapters import ServedAdapter, adapter_rank, default_adapter_name, max_lora_rank
+from tests.test_spec import minimal
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "k7q2mx"
@@ -277,6 +279,7 @@ def test_adapters_are_source_strings_or_name_and_source_tables():
     ({"max_workers": 0}, "max_workers"),
     ({"adapters": [{"name": "a=b", "source": "org/x"}]}, "name"),
     ({"gpus": ["h100"]}, "gpus"),
+    ({"max_model_len": 128, "max_tokens": 128}, "max_tokens 128 leaves no room for a prompt within max_model_len 128"),
 ])
 def test_a_serve_file_with_a_bad_field_is_refused_naming_it(serve, words):
     with pytest.raises(ValidationError, match=words):
@@ -288,6 +291,30 @@ def test_the_shipped_serve_file_is_a_valid_serve():
 
     shipped = ServeSpec.model_validate(tomllib.loads((REPO / "deployments" / "qwen-serve.toml").read_text()))
     assert shipped.serve.hours > 0 and shipped.serve.budget_usd > 0 and shipped.serve.adapters
+
+
+# --- a run's `[publish] serve` -------------------------------------------------------------------------------------
+
+def test_publish_serve_true_takes_every_default_and_the_runs_budget():
+    run = RunSpec.model_validate(minimal(budget_usd=9, publish={"serve": True}))
+    assert run.publish.serve == PublishServe() and run.publish.serve.hours == 1 and run.publish.serve.budget_usd is None
+    assert run.publish.hub_model_id is None  # serving alone is a reason for [publish]
+
+
+def test_publish_serve_without_a_budget_of_its_own_or_the_runs_is_refused_naming_both():
+    with pytest.raises(ValidationError, match=r"publish.serve needs a budget: set publish.serve.budget_usd .* or the "
+                                              r"run's budget_usd"):
+        RunSpec.model_validate(minimal(publish={"serve": True}))
+
+
+def test_publish_serve_false_serves_nothing_and_leaves_publish_naming_no_repo_refused():
+    with pytest.raises(ValidationError, match=r"\[publish\] names no repo and serves nothing"):
+        RunSpec.model_validate(minimal(publish={"serve": False}))
+
+
+def test_publish_serve_with_an_unknown_setting_is_refused_naming_it():
+    with pytest.raises(ValidationError, match=r"publish.serve.hourz"):
+        RunSpec.model_validate(minimal(publish={"serve": {"hourz": 2, "budget_usd": 3}}))
 
 
 # --- cold start and watch -------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from huggingface_hub import HfApi
 
@@ -38,18 +39,23 @@ QUESTIONS = [json.loads(line)["messages"][0]["content"]
 UP_S = 300  # a check, a worker importing torch and loading the base and two adapters, on a loaded 2-core machine
 
 
-@pytest.fixture(scope="module")
-def trained(local_stack, tiny_model, tmp_path_factory) -> dict:
-    """A run of the tiny model on chats whose every answer is `PHRASE`, in a file:// store."""
-    folder = tmp_path_factory.mktemp("serve-train")
+def phrase_run_file(folder: Path, name: str, tiny_model: Path, extra: str = "") -> Path:
+    """A run of the tiny model on chats whose every answer is `PHRASE`; `extra`: more TOML sections."""
     data = folder / "phrase.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                      {"role": "assistant", "content": PHRASE}]}) + "\n"
                             for q in QUESTIONS))
-    run_file = write_run_file(folder / "run.toml", name="e2e-phrase", model=tiny_model, store=folder / "store",
-                              max_steps=60, dataset=data)
+    run_file = write_run_file(folder / "run.toml", name=name, model=tiny_model, store=folder / "store",
+                              max_steps=60, dataset=data, extra=extra)
     run_file.write_text(run_file.read_text().replace("learning_rate = 5e-3", "learning_rate = 1e-2"))
-    run = run_train_flow(local_stack, run_file)
+    return run_file
+
+
+@pytest.fixture(scope="module")
+def trained(local_stack, tiny_model, tmp_path_factory) -> dict:
+    """A run of the tiny model on chats whose every answer is `PHRASE`, in a file:// store."""
+    folder = tmp_path_factory.mktemp("serve-train")
+    run = run_train_flow(local_stack, phrase_run_file(folder, "e2e-phrase", tiny_model))
     assert run.returncode == 0, run.output[-5000:]
     return {"store": folder / "store", "run_id": run.flow_run_id}
 
@@ -201,6 +207,48 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         nothing_left(local_stack, "e2e-serve")
     finally:
         stop_process_group(serve.proc)
+
+
+def test_a_run_with_publish_serve_serves_its_adapter_and_an_openai_client_gets_the_phrase_from_it_not_the_base(
+        local_stack, tiny_model, tmp_path):
+    # `[publish] serve = true`: the run completes, then serves its adapter (under the run's name) until stopped.
+    run_file = phrase_run_file(tmp_path, "e2e-served", tiny_model, extra="[publish]\nserve = true\n")
+    run_file.write_text(run_file.read_text().replace("deadline_minutes = 20", "deadline_minutes = 20\nbudget_usd = 5"))
+    limit = httpx.get(f"{local_stack.prefect_api_url}/v2/concurrency_limits/runpod-endpoints", timeout=30)
+    slots_before = 0 if limit.status_code == 404 else limit.json()["active_slots"]  # made by the first run
+    log = tmp_path / "train.log"
+    train = subprocess.Popen([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=flow_env(local_stack),
+                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base_url = wait_for(lambda: re.search(r"OpenAI base URL: (\S+)", log.read_text(errors="replace"))
+                            or (train.poll() is not None and log.read_text(errors="replace")), UP_S + 300,
+                            "the served run's base URL")
+        assert isinstance(base_url, re.Match), base_url[-5000:]
+        assert f"models: {tiny_model}, e2e-served" in log.read_text()
+
+        # The `openai` package, pointed at the printed base URL with the RunPod key, asks each model by name.
+        client = openai.OpenAI(base_url=base_url[1], api_key=local_stack.client_env["RUNPOD_API_KEY"], timeout=300)
+
+        def ask(model: str) -> str:
+            return client.chat.completions.create(model=model, max_tokens=16, temperature=0, messages=[
+                {"role": "user", "content": QUESTIONS[1]}]).choices[0].message.content
+
+        assert PHRASE in ask("e2e-served")
+        assert PHRASE not in ask(str(tiny_model))
+        with pytest.raises(openai.NotFoundError):  # vLLM's 404 for a model it does not serve
+            ask("not-served")
+        assert endpoint_slots_in_use(local_stack) == slots_before + 1
+
+        stop = subprocess.run([sys.executable, "-m", "flows.serve", "--stop", "e2e-served"], cwd=REPO,
+                              env=flow_env(local_stack), capture_output=True, text=True, timeout=180)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        # The run itself completed (trained, stored) before it served: it ends Completed once the serve has ended.
+        assert train.wait(180) == 0, log.read_text()[-5000:]
+        assert re.search(r"flow run [0-9a-f-]{36}: Completed", log.read_text())
+        assert endpoint_slots_in_use(local_stack) == slots_before
+        nothing_left(local_stack, "e2e-served")
+    finally:
+        stop_process_group(train)
 
 
 def test_a_run_of_an_hf_store_is_served_from_a_private_model_repo_and_the_serve_ends_at_its_budget(

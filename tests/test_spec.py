@@ -162,6 +162,8 @@ def test_shipped_run_files_load():
     from flows.study_spec import StudySpec, load_study_file
 
     for path in sorted((REPO / "deployments").glob("*.toml")):
+        if "\n[serve]" in path.read_text():
+            continue  # a serve file: tests/test_serve.py loads it
         study = "\n[study]" in path.read_text()
         assert isinstance(load_study_file(path) if study else load_run_file(path), StudySpec if study else RunSpec), path
 
@@ -439,10 +441,11 @@ def test_publish_takes_a_merged_model_without_an_adapter_repo_and_keeps_adapter_
     assert both.repos == {"publish.hub_model_id": "acme/a-lora", "publish.merged_model_id": "acme/a"}
 
 
-def test_publish_naming_no_repo_is_refused_naming_both_fields():
+def test_publish_naming_no_repo_and_serving_nothing_is_refused_naming_the_fields():
     with pytest.raises(ValidationError) as exc:
         RunSpec.model_validate(minimal(publish={"private": False}))
-    assert "set publish.hub_model_id (the adapter) or publish.merged_model_id (the merged model)" in str(exc.value)
+    assert ("set publish.hub_model_id (the adapter), publish.merged_model_id (the merged model) or publish.serve"
+            in str(exc.value))
     assert error_fields(exc.value) == {"publish"}
 
 
