@@ -1,7 +1,7 @@
 """Studies on the team setup: many children through several workers with a worker host killed, and what pruning saves.
 
     .venv/bin/python bench/study.py                          # 100 hold-job children, then the pruning grid twice
-    .venv/bin/python bench/study.py --children 12            # a small version (~20 minutes on 2 cores)
+    .venv/bin/python bench/study.py --children 12            # a small version (~10 minutes on 2 cores)
     .venv/bin/python bench/study.py --children 12 --search   # the children picked by Optuna, stored in PostgreSQL
     .venv/bin/python bench/study.py --skip-scale --steps 2400 --json study.json
 
