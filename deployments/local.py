@@ -162,11 +162,14 @@ def serve_and_ask(spec, run_id: str, home: Path, model_dir: Path) -> int:
     try:
         with phase("Serving the adapter on the tiny model (localpod's stand-in for RunPod's vLLM worker); the serve's "
                    f"log: {log}", "starting the endpoint"):
-            base_url = None
-            while base_url is None and proc.poll() is None:
+            base_url = models = None
+            while models is None and proc.poll() is None:
                 time.sleep(1)
-                found = re.search(r"OpenAI base URL: (\S+)", log.read_text(errors="replace"))
-                base_url = found[1] if found else None
+                said = log.read_text(errors="replace")
+                # The flow prints them, and Prefect logs its prints: each is the end of a log line.
+                url, names = re.search(r"OpenAI base URL: (\S+)$", said, re.M), re.search(r"models: (.+), adapter$",
+                                                                                         said, re.M)
+                base_url, models = (url[1], names[1]) if url and names else (None, None)
         if base_url is None:
             print(f"\nThe serve ended before it answered:\n{log.read_text(errors='replace')[-3000:]}",
                   file=sys.stderr, flush=True)
@@ -174,14 +177,14 @@ def serve_and_ask(spec, run_id: str, home: Path, model_dir: Path) -> int:
         headers = {"Authorization": f"Bearer {os.environ['RUNPOD_API_KEY']}"}
         answers = {}
         with httpx.Client(base_url=base_url, headers=headers, timeout=300) as client:
-            for label, model in (("base", str(model_dir)), ("adapter", "adapter")):
+            for label, model in (("base", models), ("adapter", "adapter")):  # the base by the name the serve gave it
                 response = client.post("/chat/completions", json={
                     "model": model, "max_tokens": 24, "temperature": 0,
                     "messages": [{"role": "user", "content": question}]}).raise_for_status()
                 answers[label] = response.json()["choices"][0]["message"]["content"]
         print(f"\nServed at {base_url} (an OpenAI client's base URL; the RunPod key is its API key)",
-              f"  question:      {question}", f"  base answers:    {answers['base']!r}",
-              f"  adapter answers: {answers['adapter']!r}", sep="\n", flush=True)
+              f"  question:        {question}", f"  base answers:    {json.dumps(answers['base'], ensure_ascii=False)}",
+              f"  adapter answers: {json.dumps(answers['adapter'], ensure_ascii=False)}", sep="\n", flush=True)
         return 0
     finally:
         with phase("Stopping the serve (its endpoint deleted)", "stopping the serve"):

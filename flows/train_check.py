@@ -187,6 +187,10 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
             check_merge_fits(shape.parameters, model_source.id)  # a model no CPU worker can merge: refused now
         logger.info("Run %s: %s, GPUs %s, image %s, cost ceiling %s", spec.name, model_source.id, spec.compute.gpu,
                     settings.worker_image(), ceiling.describe())
+        if spec.publish is not None and (serving := spec.publish.serve) is not None:
+            logger.info("Then served (publish.serve) for %g h within $%.2f, beside this ceiling: the serve checks its "
+                        "own GPU and cost once the run has completed", serving.hours,
+                        serving.budget_usd or spec.budget_usd)
         worker_env = prepare_worker_env.submit(spec.hub_token_secret, env=spec.worker.env, secrets=spec.worker.secrets)
         running.append(worker_env)
         ensure_endpoint_limit()

@@ -58,10 +58,11 @@ ONE_AFTER_THE_OTHER = ("test_chaos_e2e.py", "test_team_stack_e2e.py")
 """The two batches that keep both cores busy for minutes (23 chaos runs at once; the team stack's PostgreSQL,
 Redis, server and 3 Prefect workers, then 12 runs): one pytest-xdist worker runs them, one after the other."""
 THEN = (
-    "test_preload_e2e.py", "test_ui_browser.py", "test_train_e2e.py", "test_cli_overrides.py", "test_hub_e2e.py",
+    "test_preload_e2e.py", "test_ui_browser.py", "test_study_e2e.py", "test_serve_e2e.py", "test_train_e2e.py",
+    "test_cli_overrides.py", "test_hub_e2e.py",
     "test_grpo_files_e2e.py", "test_dataset_mix_e2e.py", "test_run_events.py", "test_placement_e2e.py",
     "test_localpod.py", "test_preflight.py", "test_reconcile_e2e.py", "test_run_watch_e2e.py", "test_crash_recovery_e2e.py", "test_cancel_e2e.py",
-    "test_server_restart_e2e.py", "test_slot_wait_server_errors.py", "test_localpod_vllm.py", "test_serve_e2e.py",
+    "test_server_restart_e2e.py", "test_slot_wait_server_errors.py", "test_localpod_vllm.py",
 )
 """The other long modules (bench/README.md, "The test suite's duration"), in the order the other worker takes them:
 first those whose waits have room to spare, while the chaos batch holds the CPU, then those whose bounds are

@@ -205,10 +205,11 @@ def test_the_metrics_table_lists_the_loss_of_every_step(pages):
     assert all(float(loss) > 0 for _, loss in rows[1:])
 
 
-def test_the_kept_demo_says_where_its_results_are_serves_its_run_page_and_stops_every_server(
+def test_the_kept_demo_says_where_its_results_are_serves_its_adapter_and_run_page_and_stops_every_server(
         chromium, tiny_model, tmp_path, figures):
-    """`make demo ARGS=--keep`: it prints where the adapter, the store and the summary are; the printed run page
-    opens while the demo runs; SIGTERM (as `kill PID`) stops it and every server it started."""
+    """`make demo ARGS="--keep --serve"`: it prints where the adapter, the store and the summary are, then serves the
+    adapter and prints an answer of the base and one of the adapter; the printed run page opens while the demo runs;
+    SIGTERM (as `kill PID`) stops it and every server it started."""
     home = tmp_path / "demo"
     home.mkdir()
     (home / "tiny-model").symlink_to(tiny_model)  # the demo builds it only when missing
@@ -216,8 +217,8 @@ def test_the_kept_demo_says_where_its_results_are_serves_its_run_page_and_stops_
                               max_steps=5)
     log = tmp_path / "demo.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_", "HF_"))}
-    demo = subprocess.Popen([sys.executable, "deployments/local.py", "--keep", "--home", str(home), "--run-file",
-                             str(run_file)], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    demo = subprocess.Popen([sys.executable, "deployments/local.py", "--keep", "--serve", "--home", str(home),
+                             "--run-file", str(run_file)], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         wait_for(lambda: "stays up" in log.read_text() or demo.poll() is not None, 600, "the demo's run to end")
@@ -226,6 +227,11 @@ def test_the_kept_demo_says_where_its_results_are_serves_its_run_page_and_stops_
         assert (Path(printed["adapter"]) / "adapter_config.json").exists(), printed
         assert Path(printed["store"]).is_dir(), printed
         assert "data:image/png;base64," in Path(printed["summary"]).read_text(), printed
+        # Served on localpod's stand-in for RunPod's vLLM worker, asked through the base and the adapter, stopped.
+        answers = {who: json.loads(said) for who, said in
+                   re.findall(r"^  (base|adapter) answers: +(\".*\")$", log.read_text(), re.M)}
+        assert set(answers) == {"base", "adapter"}, log.read_text()[-5000:]
+        assert re.search(r"^Served at http://\S+/openai/v1 ", log.read_text(), re.M), log.read_text()[-5000:]
         run_page = printed["run page"]
         page = open_page(run_page, OUT / "demo-run.png", until="Completed")
         figures(f"UI demo --keep run page: {page.screenshot}  ({run_page})")

@@ -13,7 +13,7 @@
    endpoint's heartbeat for the reconciler);
 4. the endpoint deleted whatever happened, confirmed.
 
-`plan_serving` holds what the check decided (`flows/serve_spec.py`); `serve_endpoint` is steps 1-4.
+`ServePlan` holds what the check decided (`flows/serve.py`, `check_serve`); `serve_endpoint` is steps 1-4.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ DISK_MARGIN_GB = 20
 
 
 class ServePlan(BaseModel):
-    """Everything a serve decided before renting (`flows/serve_spec.py` `check_serve`)."""
+    """Everything a serve decided before renting (`flows/serve.py` `check_serve`)."""
 
     run_id: str = Field(description="The serve's flow run id: its endpoint's name carries its hash.")
     name: str = Field(description="The serve's name (`name` of the serve file).")
