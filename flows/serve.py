@@ -149,14 +149,18 @@ class ServeSettings(BaseModel):
         bad = [n for n in names if not re.match(_ADAPTER_NAME, n)]
         if bad:
             raise ValueError(f"adapters: {bad} cannot be model names (letters, digits, `.`, `_`, `-`): give each a name")
-        if self.max_tokens >= self.max_model_len:
-            raise ValueError(f"max_tokens {self.max_tokens} leaves no room for a prompt within max_model_len "
-                             f"{self.max_model_len} (vLLM refuses a request whose prompt and max_tokens pass it): "
-                             "lower max_tokens or raise max_model_len")
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice or self.base_model in names:
             raise ValueError(f"adapters: the names {twice or [self.base_model]} are taken twice (the base answers to "
                              "base_model): give the adapters distinct names")
+        return self
+
+    @model_validator(mode="after")
+    def _answers_fit_the_context(self) -> "ServeSettings":
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError(f"max_tokens {self.max_tokens} leaves no room for a prompt within max_model_len "
+                             f"{self.max_model_len} (vLLM refuses a request whose prompt and max_tokens pass it): "
+                             "lower max_tokens or raise max_model_len")
         return self
 
 

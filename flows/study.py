@@ -216,7 +216,7 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     if status == "failed":
         return Failed(message=f"No child of study {spec.name} completed: "
                       + "; ".join(f"{r.name}: {r.reason[:200]}" for r in rows[:20]))
-    if best is not None and spec.study.publish_best and spec.publish is not None and spec.publish.serve is not None:
+    if best is not None and spec.study.publish_best:  # `[publish.serve]`, when it has one
         # The best child's own spec (its base, its lengths), with the study's `[publish]`; a search's later children
         # were asked as it ran, and share the study's base.
         child = next((c.spec for c in children if c.index == best.index), None)

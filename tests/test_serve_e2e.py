@@ -214,8 +214,7 @@ def test_a_run_with_publish_serve_serves_its_adapter_and_an_openai_client_gets_t
     # `[publish] serve = true`: the run completes, then serves its adapter (under the run's name) until stopped.
     run_file = phrase_run_file(tmp_path, "e2e-served", tiny_model, extra="[publish]\nserve = true\n")
     run_file.write_text(run_file.read_text().replace("deadline_minutes = 20", "deadline_minutes = 20\nbudget_usd = 5"))
-    limit = httpx.get(f"{local_stack.prefect_api_url}/v2/concurrency_limits/runpod-endpoints", timeout=30)
-    slots_before = 0 if limit.status_code == 404 else limit.json()["active_slots"]  # made by the first run
+    slots_before = endpoint_slots_in_use(local_stack)
     log = tmp_path / "train.log"
     train = subprocess.Popen([sys.executable, "-m", "flows.train", str(run_file)], cwd=REPO, env=flow_env(local_stack),
                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -8,6 +8,7 @@ import threading
 from datetime import datetime
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deployments.local_stack import check_adapter
@@ -45,7 +46,10 @@ def flow_run_state(stack, flow_run_id: str) -> dict:
 
 
 def endpoint_slots_in_use(stack) -> int:
-    return prefect_api(stack, "GET", "/v2/concurrency_limits/runpod-endpoints").json()["active_slots"]
+    limit = httpx.get(f"{stack.prefect_api_url}/v2/concurrency_limits/runpod-endpoints", timeout=30)
+    if limit.status_code == 404:
+        return 0  # the first run (or serve) makes the limit
+    return limit.raise_for_status().json()["active_slots"]
 
 
 def run_endpoints(stack, name: str) -> list[dict]:
