@@ -312,9 +312,11 @@ def test_publish_serve_false_serves_nothing_and_leaves_publish_naming_no_repo_re
         RunSpec.model_validate(minimal(publish={"serve": False}))
 
 
-def test_publish_serve_with_an_unknown_setting_is_refused_naming_it():
-    with pytest.raises(ValidationError, match=r"publish.serve.hourz"):
-        RunSpec.model_validate(minimal(publish={"serve": {"hourz": 2, "budget_usd": 3}}))
+@pytest.mark.parametrize("field", ["hourz", "adapters", "base_model", "source"])
+def test_publish_serve_takes_no_other_setting_and_so_serves_only_the_runs_own_adapter(field):
+    # A teammate cannot point a run's serve at someone else's adapter or base: it serves what the run trained.
+    with pytest.raises(ValidationError, match=rf"publish.serve.{field}"):
+        RunSpec.model_validate(minimal(publish={"serve": {field: "runs/someone-elses-run", "budget_usd": 3}}))
 
 
 # --- cold start and watch -------------------------------------------------------------------------------------------
