@@ -138,3 +138,31 @@ def test_an_endpoint_made_unlike_the_request_is_deleted_and_the_attempt_fails_na
 def test_the_create_as_gpu_fault_is_refused_on_any_route_but_create(pod):
     refused = pod.post("/_localpod/faults", json={"route": "run", "action": "create_as_gpu"})
     assert refused.status_code == 400 and "create_endpoint route only" in refused.text
+
+
+def test_a_difference_stays_a_failure_when_the_delete_of_the_unlike_endpoint_meets_a_transient_error(pod):
+    # Chaos seed 31: the confirming GET of that delete answered 500, the error was taken for the create's and
+    # retried, and a second create made the attempt a second endpoint of its name, which it then ran on.
+    for rule in ({"route": "create_endpoint", "action": "create_patched", "times": 1,
+                  "create_patch": {"workers": {"max": 0}}},
+                 {"route": "get_endpoint", "action": "status_500", "times": 1}):
+        assert pod.post("/_localpod/faults", json=rule).status_code == 201
+    client = runpod_client(pod)
+    with pytest.raises(errors.EndpointMismatchError, match="workers.max: asked 1, got 0") as e:
+        ensure_endpoint(client, gpu_request())
+    assert not errors.is_transient(e.value)
+    assert "teardown deletes it by name" in str(e.value)
+    assert pod.get("/_localpod/account").json()["faultsInjected"]["status_500"] == 1
+    assert len(client.list_endpoints()) <= 1  # never a second endpoint of the name
+
+
+def test_of_two_endpoints_of_one_name_the_one_as_asked_is_kept_and_the_other_deleted(pod):
+    # A create the client gave up on that RunPod carried out later leaves a second endpoint of the attempt's name.
+    client = runpod_client(pod)
+    assert pod.post("/_localpod/faults", json={"route": "create_endpoint", "action": "create_patched", "times": 1,
+                                               "create_patch": {"workers": {"max": 0}}}).status_code == 201
+    unlike = client.create_endpoint(gpu_request())
+    as_asked = client.create_endpoint(gpu_request())
+    assert ensure_endpoint(client, gpu_request()).id == as_asked.id
+    assert [e.id for e in client.list_endpoints()] == [as_asked.id]
+    assert unlike.id != as_asked.id

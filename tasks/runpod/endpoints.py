@@ -154,32 +154,48 @@ def build_cpu_create_request(
 
 
 def ensure_endpoint(client: RunpodClient, request: CreateEndpoint) -> Endpoint:
-    """The endpoint named `request.name`, created if missing, and as asked.
+    """The endpoint named `request.name`, created if missing, and as asked: the one endpoint of that name.
 
     A create that errors may still have created the endpoint (a timeout or 5xx after RunPod acted), so
-    on a transient error the name is looked up before the error is passed on to the retry layer. An endpoint
-    unlike the request (found or created: `endpoint_differences`) is deleted at once, confirmed, and
-    `EndpointMismatchError` names the differences.
+    on a transient error the name is looked up before the error is passed on to the retry layer. More than one
+    endpoint of the name (a create the client gave up on that RunPod carried out later) keeps the one as asked
+    and deletes the others, confirmed. An endpoint unlike the request (found or created: `endpoint_differences`)
+    is deleted at once and `EndpointMismatchError` names the differences, even when that delete is not yet
+    confirmed (the attempt's teardown deletes by name): a difference is never retried as if it were transient.
     """
-    existing = client.find_endpoint(request.name)
-    if existing is not None:
-        return _as_asked(client, request, existing)
-    try:
-        return _as_asked(client, request, client.create_endpoint(request))
-    except errors.TRANSIENT_ERRORS:
-        existing = client.find_endpoint(request.name)
-        if existing is not None:
-            return _as_asked(client, request, existing)
-        raise
+    endpoint = _the_one_named(client, request)
+    if endpoint is None:
+        try:
+            endpoint = client.create_endpoint(request)
+        except errors.TRANSIENT_ERRORS:
+            endpoint = _the_one_named(client, request)
+            if endpoint is None:
+                raise
+    return _as_asked(client, request, endpoint)
+
+
+def _the_one_named(client: RunpodClient, request: CreateEndpoint) -> Endpoint | None:
+    named = [e for e in client.list_endpoints() if e.name == request.name]
+    if len(named) <= 1:
+        return named[0] if named else None
+    keep = next((e for e in named if not endpoint_differences(request, e)), named[0])
+    for extra in named:
+        if extra.id != keep.id:
+            delete_endpoint_confirmed(client, extra.id)
+    return keep
 
 
 def _as_asked(client: RunpodClient, request: CreateEndpoint, endpoint: Endpoint) -> Endpoint:
     differences = endpoint_differences(request, endpoint)
     if not differences:
         return endpoint
-    delete_endpoint_confirmed(client, endpoint.id)
+    try:
+        delete_endpoint_confirmed(client, endpoint.id)
+        deleted = "so it was deleted at once"
+    except errors.TRANSIENT_ERRORS as e:
+        deleted = f"and its delete is not yet confirmed ({e}): the attempt's teardown deletes it by name"
     raise errors.EndpointMismatchError(
-        f"RunPod made endpoint {endpoint.name} ({endpoint.id}) unlike the request, so it was deleted at once: "
+        f"RunPod made endpoint {endpoint.name} ({endpoint.id}) unlike the request, {deleted}: "
         f"{'; '.join(differences)}. RunPod's API answered a create with another endpoint than asked (REST v1 made "
         "GPU endpoints for CPU requests); check RUNPOD_API_URL is API v2, and report it to RunPod if it is.",
         endpoint_id=endpoint.id, differences=differences)
