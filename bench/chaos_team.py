@@ -17,13 +17,15 @@ import math
 import threading
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.chaos_lib import ENDPOINT_LIMIT, HUB_MODEL, BackgroundWatch, PrefectApi, RunRecord, write_run_file
+from bench.chaos_lib import (ENDPOINT_LIMIT, HUB_MODEL, BackgroundWatch, PrefectApi, RunRecord, own_token,
+                             write_run_file)
 from bench.chaos_scenarios import Scenario
 from deployments.team_stack import RUN_TOKEN_BLOCK, TeamStack
 from tasks.runpod.endpoints import run_hash
@@ -87,19 +89,27 @@ class HostKill:
         return f"{self.victim} with {len(self.runs)} run(s){first}: {seen}"
 
 
-def team_run_spec(spec: dict[str, Any], inputs_dir: Path) -> dict[str, Any]:
-    """A train run's spec as the team stack takes it: its token block named and its dataset the copy in the stack's
-    inputs folder (the stack requires both)."""
+def team_run_spec(spec: dict[str, Any], inputs_dir: Path, token_block: str = RUN_TOKEN_BLOCK) -> dict[str, Any]:
+    """A train run's spec as the team stack takes it: its token block named (the team member's, unless the run's
+    person has one of their own) and its dataset the copy in the stack's inputs folder (the stack requires both)."""
     dataset = spec["dataset"] | {"local_file": str(inputs_dir / Path(spec["dataset"]["local_file"]).name)}
-    return spec | {"hub_token_secret": RUN_TOKEN_BLOCK, "dataset": dataset}
+    return spec | {"hub_token_secret": token_block, "dataset": dataset}
+
+
+def own_token_block(run_name: str) -> str:
+    """The Secret block a second person saved their own Hub token in (an `own_token` scenario on the team stack,
+    where every run names its token block: an `HF_TOKEN` in the job's environment is not what the stack uses)."""
+    return f"{run_name}-hf-token"
 
 
 class DeploymentFlows:
     """Starts each scenario's flow as a team does: a run of the flow's deployment (`train/chaos`, `preload/chaos`),
     picked up by whichever Prefect worker polls first; the scenario's environment goes in its job variables."""
 
-    def __init__(self, api_url: str, deployments: dict[str, str], inputs_dir: Path):
+    def __init__(self, api_url: str, deployments: dict[str, str], inputs_dir: Path,
+                 save_secret: Callable[[str, str], None]):
         self.prefect = PrefectApi(api_url)
+        self.save_secret = save_secret
         self.deployments = deployments
         self.inputs_dir = inputs_dir
         self.started: list[str] = []
@@ -107,7 +117,10 @@ class DeploymentFlows:
 
     def run(self, record: RunRecord, argument: Path | dict[str, Any], env: dict[str, str], timeout_s: float) -> None:
         spec = tomllib.loads(argument.read_text()) if isinstance(argument, Path) else argument
-        if record.scenario.flow == "train":
+        if record.scenario.flow == "train" and record.scenario.own_token:
+            self.save_secret(own_token_block(record.name), own_token(record.name))
+            spec = team_run_spec(spec, self.inputs_dir, own_token_block(record.name))
+        elif record.scenario.flow == "train":
             spec = team_run_spec(spec, self.inputs_dir)
         # The idempotency key makes a create retried after a lost answer return the same run, not a second one.
         body = {"parameters": {"spec": spec}, "job_variables": {"env": env}, "idempotency_key": record.name}
@@ -258,7 +271,7 @@ class TeamChaos:
                 "train": team.deploy("flows/train.py:train", DEPLOYMENT,
                                      {"spec": team_run_spec(default_train, team.inputs_dir)}),
                 "preload": team.deploy("flows/preload.py:preload", DEPLOYMENT, {"spec": default_preload}),
-            }, team.inputs_dir)
+            }, team.inputs_dir, team.save_secret)
             team.deploy("flows/reconcile.py:reconcile", DEPLOYMENT, {"policy": {"silent_after_minutes": SILENT_AFTER_MIN}},
                         "--interval", str(RECONCILE_S), "--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW")
             if self.kill_at_run:

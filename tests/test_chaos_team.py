@@ -81,3 +81,16 @@ def test_the_command_refuses_team_options_that_cannot_work(argv, refusal, capsys
         main(argv)
     assert exited.value.code == 2
     assert refusal in capsys.readouterr().err
+
+
+def test_an_own_token_run_on_the_team_stack_names_its_person_s_own_token_block(tmp_path):
+    # The stack requires every run to name its token block: the person's own, not the team member's every other
+    # run names (a token in the job's environment is not what the stack's runs use).
+    from bench.chaos_team import own_token_block, team_run_spec
+    from deployments.team_stack import RUN_TOKEN_BLOCK
+
+    spec = {"name": "b09-own-token", "dataset": {"local_file": "deployments/data/local.jsonl"}}
+    assert team_run_spec(spec, tmp_path)["hub_token_secret"] == RUN_TOKEN_BLOCK
+    own = team_run_spec(spec, tmp_path, own_token_block("b09-own-token"))
+    assert own["hub_token_secret"] == "b09-own-token-hf-token" != RUN_TOKEN_BLOCK
+    assert own["dataset"]["local_file"] == str(tmp_path / "local.jsonl")
