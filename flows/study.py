@@ -99,13 +99,13 @@ def check_children_inputs(children: list[Child]) -> None:
         inputs = child.spec.model_dump_json(include={"algorithm": True, "dataset": True, "evaluation": True,
                                                      "grpo": {"rewards", "tools", "environment"}, "model": True,
                                                      "training": {"chat_template"}, "artifact_store": True,
-                                                     "hub_token_secret": True})
+                                                     "hub_token_secret": True, "worker": {"secrets"}})
         if inputs in checked:
             continue
         checked.add(inputs)
         try:
             check_server_rules(child.spec.local_paths(), artifact_store=child.spec.artifact_store,
-                               hub_token_secret=child.spec.hub_token_secret)
+                               hub_token_secret=child.spec.hub_token_secret, worker_secrets=child.spec.worker.secrets)
             check_local_inputs(child.spec)
         except ValueError as e:
             problems.append(f"  - {child_label(child.index, child.values)}: {e}")
