@@ -94,6 +94,11 @@ class Settings(BaseSettings):
         "and the merge worker included: a run above it is refused before anything is rented, whatever its own "
         "budget_usd says.",
     )
+    loraflow_max_study_usd: float | None = Field(
+        default=None, gt=0,
+        description="The operator's cap on a whole study's spend: its `study.budget_usd`, or where it names none (or "
+        "a larger one) its children's cost ceilings together. A study above it is refused before any child starts.",
+    )
     loraflow_optuna_storage: SecretStr | None = Field(
         default=None,
         description="Where a study's search (`search = \"tpe\"`) keeps its Optuna study: an SQLAlchemy URL, on a team "
