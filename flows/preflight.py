@@ -144,7 +144,8 @@ def judge_server_rules(spec: RunSpec) -> Check:
                      fix="fix each field named; a run is refused for them before anything is rented")
     rules = [f"inputs inside {settings.loraflow_inputs_dir}" if settings.loraflow_inputs_dir else "",
              "a run's own token required" if settings.loraflow_require_run_token else "",
-             f"at most ${settings.loraflow_max_run_usd:.2f} a run" if settings.loraflow_max_run_usd else ""]
+             f"at most ${settings.loraflow_max_run_usd:.2f} a run" if settings.loraflow_max_run_usd else "",
+             f"at most ${settings.loraflow_max_study_usd:.2f} a study" if settings.loraflow_max_study_usd else ""]
     return Check(name="server rules", status="ok", found="; ".join(filter(None, rules)) or "no operator rules set")
 
 

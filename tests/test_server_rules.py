@@ -226,3 +226,15 @@ def test_the_worker_secrets_read_refuses_a_server_block_before_reading_any_block
         read_run_secrets({"JUDGE_KEY": "alice-judge", "RP_KEY": "runpod-api-key"})
     assert str(refused.value).startswith("worker.secrets.RP_KEY: the Prefect Secret block 'runpod-api-key' is this "
                                          "server's own (the RunPod API key"), refused.value
+
+
+def test_preflight_says_which_rules_the_server_holds_runs_and_studies_to(tmp_path, monkeypatch):
+    from flows.preflight import judge_server_rules
+
+    monkeypatch.setenv("LORAFLOW_MAX_RUN_USD", "50")
+    monkeypatch.setenv("LORAFLOW_MAX_STUDY_USD", "500")
+    check = judge_server_rules(spec(tmp_path))
+    assert check.status == "ok" and check.found == "at most $50.00 a run; at most $500.00 a study"
+    failed = judge_server_rules(spec(tmp_path, worker={"secrets": {"JUDGE_KEY": "runpod-api-key"}}))
+    assert failed.status == "FAIL" and failed.found.startswith("worker.secrets.JUDGE_KEY: the Prefect Secret block "
+                                                               "'runpod-api-key' is this server's own")
