@@ -84,8 +84,8 @@ def preflight(
     except HubTokenError as e:
         # The run would be refused before renting; the other checks go on with the flow's own token.
         checks.append(Check(name="hub token: hub_token_secret", status="FAIL", found=str(e),
-                            fix="name a Secret block of your own that holds your token (create it if "
-                            "missing), or unset hub_token_secret to use HF_TOKEN"))
+                            fix="create the Secret block under a name of your own, holding your own "
+                            "token, or unset hub_token_secret to use HF_TOKEN"))
         settings = Settings().with_hub_token()
     with ExitStack() as stack:
         client, no_key = open_runpod(settings, transport=recording_transport(settings))
