@@ -11,8 +11,9 @@ naming the run's field and the operator's setting.
   whole spend passes the operator's cap for a study.
 - Whatever the settings: no field that names a Prefect Secret block (`hub_token_secret`, `worker.secrets`) names one
   the control plane reads for itself (`Settings.server_blocks`: the RunPod key's, its own Hub token's, the key of
-  secret names'), which the run would otherwise hand its workers; and with RunPod's workers, a `file://` store or a local model is refused, since the workers
-  cannot see this machine (the adapter would be written inside a container and lost with it).
+  secret names'), which the run would otherwise hand its workers; and with RunPod's workers, a `file://` store or a
+  local model is refused, since the workers cannot see this machine (the adapter would be written inside a container
+  and lost with it).
 """
 
 from __future__ import annotations
