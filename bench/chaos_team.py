@@ -122,6 +122,8 @@ class DeploymentFlows:
             spec = team_run_spec(spec, self.inputs_dir, own_token_block(record.name))
         elif record.scenario.flow == "train":
             spec = team_run_spec(spec, self.inputs_dir)
+        else:  # a preload sweep names its token block as a run does: the stack requires one
+            spec = spec | {"hub_token_secret": RUN_TOKEN_BLOCK}
         # The idempotency key makes a create retried after a lost answer return the same run, not a second one.
         body = {"parameters": {"spec": spec}, "job_variables": {"env": env}, "idempotency_key": record.name}
         created = _retried(lambda: self.prefect.http.post(
@@ -266,7 +268,8 @@ class TeamChaos:
             default_train = tomllib.loads(write_run_file(
                 self.store / "default.toml", Scenario("default", "the deployment's default, never run"),
                 name="chaos-default", model=self.model, store=self.store, max_steps=1).read_text())
-            default_preload = {"models": [{"id": HUB_MODEL}], "data_centers": ["US-CA-2"]}
+            default_preload = {"models": [{"id": HUB_MODEL}], "data_centers": ["US-CA-2"],
+                               "hub_token_secret": RUN_TOKEN_BLOCK}
             self.flows = DeploymentFlows(api, {
                 "train": team.deploy("flows/train.py:train", DEPLOYMENT,
                                      {"spec": team_run_spec(default_train, team.inputs_dir)}),

@@ -132,8 +132,9 @@ files themselves: the shipped file is a link out of that folder, which the rule 
 RUN_TOKEN_BLOCK = "team-member-hf-token"
 """The Prefect Secret block the stack saves as a team member's own Hub token: its runs name it in
 `hub_token_secret`, since the stack requires one (`LORAFLOW_REQUIRE_RUN_TOKEN=1`)."""
-RUN_TOKEN = "hf_local_stack_token"
-"""That member's token: the one the local Hub stand-in accepts."""
+RUN_TOKEN = "hf_team_member_token"
+"""That member's token (the local Hub stand-in accepts any): not the control plane's own `HF_TOKEN`, which the stack's
+rule refuses a run to borrow (`LORAFLOW_REQUIRE_RUN_TOKEN=1`)."""
 
 
 def team_rules_env(inputs_dir: Path) -> dict[str, str]:

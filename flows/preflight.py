@@ -84,7 +84,8 @@ def preflight(
     except HubTokenError as e:
         # The run would be refused before renting; the other checks go on with the flow's own token.
         checks.append(Check(name="hub token: hub_token_secret", status="FAIL", found=str(e),
-                            fix="create the Secret block, or unset hub_token_secret to use HF_TOKEN"))
+                            fix="create the Secret block under a name of your own, holding your own "
+                            "token, or unset hub_token_secret to use HF_TOKEN"))
         settings = Settings().with_hub_token()
     with ExitStack() as stack:
         client, no_key = open_runpod(settings, transport=recording_transport(settings))
@@ -136,13 +137,15 @@ def judge_server_rules(spec: RunSpec) -> Check:
     the cost cap (judged with the cost ceiling). A folder store or a local model with RunPod's workers is the
     artifact store's and the model's check."""
     settings = Settings()
-    problems = operator_rule_problems(spec.local_paths(), hub_token_secret=spec.hub_token_secret, settings=settings)
+    problems = operator_rule_problems(spec.local_paths(), hub_token_secret=spec.hub_token_secret, settings=settings,
+                                      worker_secrets=spec.worker.secrets)
     if problems:
         return Check(name="server rules", status="FAIL", found="; ".join(problems),
                      fix="fix each field named; a run is refused for them before anything is rented")
     rules = [f"inputs inside {settings.loraflow_inputs_dir}" if settings.loraflow_inputs_dir else "",
              "a run's own token required" if settings.loraflow_require_run_token else "",
-             f"at most ${settings.loraflow_max_run_usd:.2f} a run" if settings.loraflow_max_run_usd else ""]
+             f"at most ${settings.loraflow_max_run_usd:.2f} a run" if settings.loraflow_max_run_usd else "",
+             f"at most ${settings.loraflow_max_study_usd:.2f} a study" if settings.loraflow_max_study_usd else ""]
     return Check(name="server rules", status="ok", found="; ".join(filter(None, rules)) or "no operator rules set")
 
 

@@ -35,11 +35,14 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flows.spec import BLOCK_NAME_PATTERN
 from tasks.lifecycle.quota import ensure_endpoint_limit
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
+from tasks.placement.cost import check_cost_cap
 from tasks.placement.history import recent_training_data_centers
 from tasks.placement.image_contract import check_image_contract
+from tasks.preflight.server_rules import ServerRuleError, operator_rule_problems
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
 from tasks.runpod.errors import RunpodError
 from tasks.runpod.live_catalog import (
@@ -100,6 +103,11 @@ class PreloadSpec(BaseModel):
                                          "preload, queueing included.")
     queue_minutes: int = Field(default=10, ge=1, le=240, description="A datacenter whose worker has not started "
                                "after this long is reported as no capacity.")
+    hub_token_secret: str | None = Field(
+        default=None, max_length=100, pattern=BLOCK_NAME_PATTERN,
+        description="Name of a Prefect Secret block holding the Hugging Face token that reads the models (a private "
+        "or gated one needs it) and reaches the preload workers. Unset: the HF_TOKEN of the process running the flow "
+        "(else its `hf-token` Secret block), which a server with LORAFLOW_REQUIRE_RUN_TOKEN=1 refuses.")
 
 
 class SweepPlan(BaseModel):
@@ -174,6 +182,33 @@ def plan_sweep(spec: PreloadSpec, data_centers: list[CatalogDataCenter], offers:
     return SweepPlan(targets=targets, skipped=skipped, chosen_by=chosen_by, storage_usd_per_month=round(total, 2))
 
 
+def check_preload_rules(spec: PreloadSpec, settings: Settings) -> None:
+    """This server's rules for a sweep, as for a run (`tasks/preflight/server_rules.py`): its token block none of the
+    server's own, and one named where the server runs nothing on its own token (`LORAFLOW_REQUIRE_RUN_TOKEN=1`).
+    `ServerRuleError` naming the field and the fix, before anything is read or rented."""
+    if problems := operator_rule_problems([], hub_token_secret=spec.hub_token_secret, settings=settings):
+        raise ServerRuleError("the preload sweep is refused by this server's rules, before anything was rented: "
+                              + "; ".join(problems))
+
+
+def sweep_cost_ceiling(plan: SweepPlan, minutes_per_data_center: int) -> float:
+    """The most the sweep's workers can be billed: each datacenter's worker at its price for the whole of
+    `minutes_per_data_center` (each stops at its deadline, as a training worker does). Storage is the volumes'
+    budget (`max_storage_usd_per_month`), not this."""
+    return round(sum(t.compute.usd_per_hour for t in plan.targets) * minutes_per_data_center / 60, 2)
+
+
+def check_sweep_cap(plan: SweepPlan, spec: PreloadSpec, cap_usd: float | None) -> None:
+    """Refuse, before anything is rented, a sweep whose cost ceiling (`sweep_cost_ceiling`) passes the operator's
+    cap on a run (`LORAFLOW_MAX_RUN_USD`), as a run's is refused."""
+    workers = ", ".join(f"{t.data_center} on {t.compute.describe()} at ${t.compute.usd_per_hour:.2f}/hr"
+                        for t in plan.targets)
+    check_cost_cap(sweep_cost_ceiling(plan, spec.minutes_per_data_center), cap_usd,
+                   f"the preload sweep ({workers}; minutes_per_data_center {spec.minutes_per_data_center} each)",
+                   fix="lower minutes_per_data_center, name fewer data_centers, or leave cpu true (a download needs "
+                   "no GPU)")
+
+
 def _nothing_to_do(spec: PreloadSpec, recent: list[str]) -> str:
     if spec.data_centers is not None:
         return "every datacenter in data_centers is in deny_data_centers: name others"
@@ -185,9 +220,10 @@ def _nothing_to_do(spec: PreloadSpec, recent: list[str]) -> str:
 
 @task(name="size-models", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 20],
       retry_condition_fn=lambda task, run, state: not isinstance(state.data, ValueError))
-def size_models(models: list[ModelSource]) -> list[int]:
-    """Bytes of the files a preload keeps of each model; ValueError naming a model the Hub does not have."""
-    settings = Settings().with_hub_token()
+def size_models(models: list[ModelSource], hub_token_secret: str | None = None) -> list[int]:
+    """Bytes of the files a preload keeps of each model, read with the sweep's token (`hub_token_secret`'s block,
+    `Settings.hub_token`); ValueError naming a model the Hub does not have, or a token block not the sweep's to use."""
+    settings = Settings().with_hub_token(hub_token_secret)
     api = HfApi(endpoint=settings.hf_endpoint, token=settings.hf_token.get_secret_value() if settings.hf_token else None)
     sizes = []
     for model in models:
@@ -260,10 +296,11 @@ def sweep_table(outcomes: list[DataCenterOutcome], removed: dict[str, list[str]]
 def preload(spec: PreloadSpec) -> list[DataCenterOutcome] | State:
     """Warm `spec.models` in a network volume in each chosen datacenter, concurrently, within the storage budget.
 
-    1. Check the image's contract; size the models; read the catalog (volume tiers, GPU and CPU stock), this
-       control plane's volumes and records, and (with no datacenters named) where its training ran lately.
+    1. Check this server's rules (the token) and the image's contract; size the models; read the catalog (volume
+       tiers, GPU and CPU stock), this control plane's volumes and records, and (with no datacenters named) where
+       its training ran lately.
     2. Plan: datacenters, each one's worker (CPU first) and volume (used, grown or replaced), within
-       `max_storage_usd_per_month`.
+       `max_storage_usd_per_month`; the workers' cost ceiling within the operator's `LORAFLOW_MAX_RUN_USD`.
     3. Preload each datacenter, one endpoint slot each, the endpoint deleted as a training attempt's is.
     4. Record what is warm where (models no longer swept forgotten); delete the volumes replaced, once
        nothing attaches them.
@@ -272,10 +309,11 @@ def preload(spec: PreloadSpec) -> list[DataCenterOutcome] | State:
     logger = get_run_logger()
     run_id = str(flow_run.id)
     settings = Settings()
+    check_preload_rules(spec, settings)
     namespace = settings.control_plane_namespace()
     # Refused before anything is created when unset, or when the image would refuse this contract's jobs.
     check_image_contract(settings.worker_image())
-    sizes = size_models(spec.models)
+    sizes = size_models(spec.models, spec.hub_token_secret)
     volume_gb = volume_size_gb(sizes)
     data_centers, offers, cpu_types = read_catalog(spec.gpu, spec.cpu)
     volumes = read_namespace_volumes(namespace)
@@ -285,6 +323,7 @@ def preload(spec: PreloadSpec) -> list[DataCenterOutcome] | State:
                       recorded={dc: r.volume_id for dc, r in records.items() if r is not None})
     if plan.nothing_to_do:
         logger.warning("Nothing to preload: %s", plan.nothing_to_do)
+    check_sweep_cap(plan, spec, settings.loraflow_max_run_usd)
     logger.info("Preloading %s (%.1f GB, volumes of %d GB) in %s (datacenters %s); storage after the sweep $%.2f/month "
                 "of $%.2f", ", ".join(m.id for m in spec.models), sum(sizes) / 1e9, volume_gb,
                 ", ".join(f"{t.data_center} on {t.compute.describe()} ({t.volume.action} volume)" for t in plan.targets)
@@ -293,7 +332,7 @@ def preload(spec: PreloadSpec) -> list[DataCenterOutcome] | State:
     removed: dict[str, list[str]] = {}
     if plan.targets:
         ensure_endpoint_limit()
-        env = prepare_worker_env()
+        env = prepare_worker_env(spec.hub_token_secret)
         deadline = time.time() + spec.minutes_per_data_center * 60
         futures = [preload_data_center.submit(target, spec.models, run_id, namespace, env, deadline,
                                               spec.queue_minutes * 60) for target in plan.targets]

@@ -67,11 +67,11 @@ from tasks.jobs.training import existing_volume_ids
 from tasks.lifecycle.quota import ENDPOINT_LIMIT, ensure_endpoint_limit
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
-from tasks.placement.cost import read_gpu_prices
+from tasks.placement.cost import check_cost_cap, read_gpu_prices
 from tasks.placement.plan import read_model_config, resolve_model
 from tasks.placement.serving_fit import choose_serving_gpu, serving_memory
 from tasks.placement.weight_cache import warm_cache_for
-from tasks.preflight.server_rules import ServerRuleError, operator_rule_problems
+from tasks.preflight.server_rules import ServerRuleError, check_inside_inputs_dir, operator_rule_problems
 from tasks.reports.summary import tag_run
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.runpod.endpoints import serving_endpoint_name
@@ -214,6 +214,8 @@ def serve(spec: ServeSpec, serve_file: str | None = None, adapters: list[str] | 
     """
     run_id = flow_run.id or str(uuid.uuid4())
     if serve_file is not None:
+        # Before it is read: a path outside the inputs folder could name the control plane's own files.
+        check_inside_inputs_dir("parameter serve_file", serve_file, Settings())
         spec = load_serve_file(serve_file)
     if adapters is not None:
         spec = ServeSpec.model_validate(spec.model_dump() | {"serve": spec.serve.model_dump() | {"adapters": adapters}})
@@ -278,13 +280,7 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
     for reason in passed:
         logger.info("Not renting %s", reason)
     price = offers[gpu.name].usd_per_hour
-    ceiling = price * serve.max_workers * serve.hours
-    cap = settings.loraflow_max_run_usd
-    if cap is not None and ceiling > cap:
-        raise ValueError(f"the serve may cost up to ${ceiling:.2f} ({gpu.name} at ${price:.2f}/hr × serve.max_workers "
-                         f"{serve.max_workers} × serve.hours {serve.hours:g}), above this server's cap of ${cap:.2f} "
-                         "(LORAFLOW_MAX_RUN_USD, set by its operator): lower serve.hours or serve.max_workers, or ask "
-                         "the operator")
+    check_serve_cap(serve, gpu.name, price, settings.loraflow_max_run_usd)
     slots = ensure_endpoint_limit()
     if serve.max_workers > slots:
         raise ValueError(f"serve.max_workers {serve.max_workers} is above the {ENDPOINT_LIMIT} limit's {slots} slots "
@@ -306,6 +302,14 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
         idle_timeout_s=serve.idle_timeout_s, budget_usd=serve.budget_usd, prompts=prompts,
         max_tokens=serve.max_tokens, cold_start_s=serve.cold_start_minutes * 60,
         disk_gb=math.ceil(memory.weights_bytes / 1e9) + DISK_MARGIN_GB)
+
+
+def check_serve_cap(serve: ServeSettings, gpu: str, usd_per_hour: float, cap_usd: float | None) -> None:
+    """Refuse a serve whose cost ceiling (price × `max_workers` × `hours`) passes the operator's cap on a run
+    (`LORAFLOW_MAX_RUN_USD`), as a run's is refused: its `budget_usd` ends it only once spent."""
+    check_cost_cap(usd_per_hour * serve.max_workers * serve.hours, cap_usd,
+                   f"the serve ({gpu} at ${usd_per_hour:.2f}/hr × serve.max_workers {serve.max_workers} × serve.hours "
+                   f"{serve.hours:g})", fix="lower serve.hours or serve.max_workers")
 
 
 def serve_trained(spec: RunSpec, run_id: str, name: str, published: PublishedModel | None) -> State | None:

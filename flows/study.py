@@ -7,11 +7,12 @@ compared.
 
 A run file with a `[study]` section (`flows/study_spec.py`). Before anything is rented, every child is validated
 (with `search = "tpe"`, the children at the space's corners, and the Optuna storage opened: `flows/study_search.py`),
-and refused: a child whose cost ceiling alone passes `study.budget_usd`, a `parallel` above the account's worker
-quota, a `deployment` that does not exist. Then the children run (`flows/study_run.py`), `study.parallel` at a time,
-each starting only when the budget has room for its ceiling: each is an ordinary `train` flow run (its own page,
-name, summary, endpoint, teardown and `loraflow.run.finished`), tagged `study:<name>`, a run of `study.deployment`
-on the team's workers or a subflow in this process. A child that fails is a row of the comparison, not a failed
+and refused: a child whose cost ceiling alone passes `study.budget_usd`, a study whose whole spend passes the
+operator's `LORAFLOW_MAX_STUDY_USD`, a `parallel` above the account's worker quota, a `deployment` that does not
+exist. Then the children run (`flows/study_run.py`), `study.parallel` at a time, each starting only when the budget
+has room for its ceiling: each is an ordinary `train` flow run (its own page, name, summary, endpoint, teardown and
+`loraflow.run.finished`), tagged `study:<name>`, a run of `study.deployment` on the team's workers or a subflow in
+this process. A child that fails is a row of the comparison, not a failed
 study (unless every child fails); with `prune`, a child losing to the others' median is cancelled as it runs
 (`tasks/lifecycle/study_pruning.py`). At the end: the comparison (a paged table, a summary with the best children's
 curves overlaid), the best child named, with `publish_best` its adapter published, and `loraflow.study.finished`.
@@ -44,8 +45,10 @@ from tasks.lifecycle.study_children import cancel_children_hook
 from tasks.placement.cost import (
     CostCeiling,
     check_study_budget,
+    check_study_cap,
     cost_ceiling,
     read_gpu_prices,
+    worst_case_cost_usd,
 )
 from tasks.reports import events
 from tasks.reports.study import (
@@ -87,6 +90,20 @@ def child_ceiling(child: Child, offers: dict[str, GpuOffer]) -> CostCeiling:
                         child.spec.deadline_minutes)
 
 
+def children_ceilings_usd(spec: StudySpec, checked: list[Child], offers: dict[str, GpuOffer]) -> list[float]:
+    """The cost ceiling of each child the whole study may start: a grid's children (`checked`) each; a search's
+    `study.trials` children each at the most any of them may cost, the dearest GPU, the most GPUs and the longest
+    deadline among its corners (`checked`: every value Optuna may pick lies between theirs)."""
+    if spec.study.search != "tpe":
+        return [child_ceiling(child, offers).usd for child in checked]
+    for child in checked:
+        child_ceiling(child, offers)  # reads the price of any GPU `offers` lacks
+    most = worst_case_cost_usd([offers[gpu] for child in checked for gpu in child.spec.compute.gpu],
+                               max(child.spec.compute.gpu_count for child in checked),
+                               max(child.spec.deadline_minutes for child in checked))
+    return [most] * spec.study.children()
+
+
 @task(name="study-inputs", cache_policy=NO_CACHE)
 def check_children_inputs(children: list[Child]) -> None:
     """This server's rules (`tasks/preflight/server_rules.py`) and the children's local files (dataset, evaluation
@@ -99,13 +116,13 @@ def check_children_inputs(children: list[Child]) -> None:
         inputs = child.spec.model_dump_json(include={"algorithm": True, "dataset": True, "evaluation": True,
                                                      "grpo": {"rewards", "tools", "environment"}, "model": True,
                                                      "training": {"chat_template"}, "artifact_store": True,
-                                                     "hub_token_secret": True})
+                                                     "hub_token_secret": True, "worker": {"secrets"}})
         if inputs in checked:
             continue
         checked.add(inputs)
         try:
             check_server_rules(child.spec.local_paths(), artifact_store=child.spec.artifact_store,
-                               hub_token_secret=child.spec.hub_token_secret)
+                               hub_token_secret=child.spec.hub_token_secret, worker_secrets=child.spec.worker.secrets)
             check_local_inputs(child.spec)
         except ValueError as e:
             problems.append(f"  - {child_label(child.index, child.values)}: {e}")
@@ -175,6 +192,8 @@ def study(spec: StudySpec, run_file: str | None = None) -> StudyReport | State:
     offers = gpu_offers(checked)
     check_study_budget({c.spec.name: child_ceiling(c, offers) for c in checked}, settings.budget_usd,
                        Settings().loraflow_max_run_usd)
+    check_study_cap(children_ceilings_usd(spec, checked, offers), settings.budget_usd,
+                    Settings().loraflow_max_study_usd)
     check_study_room(settings)
     search = open_search(spec, study_run_id) if settings.search == "tpe" else None
     children = [c for _, _, c in search.asked() if c is not None] if search is not None else checked

@@ -103,7 +103,7 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
     # Before any of the run's files is read: whether this server lets the run read them at all.
     check_server_rules(spec.local_paths(), artifact_store=spec.artifact_store, hub_token_secret=spec.hub_token_secret,
-                       settings=settings)
+                       settings=settings, worker_secrets=spec.worker.secrets)
     # What needs the network, at once: secret blocks (Prefect), the catalog (RunPod), the model (the Hub).
     template_file = check_chat_template_file(spec.training.chat_template)
     secrets = check_secrets.submit(spec)

@@ -5,9 +5,11 @@ Secrets are never run parameters: the run spec is shown in the UI and stored wit
 
 from __future__ import annotations
 
+import hmac
 import re
 import secrets
 import string
+from fnmatch import fnmatchcase
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,10 +24,13 @@ SLOT_LEASE_SECONDS = 120
 expire; the holder renews it in the background while alive."""
 NAMESPACE_VARIABLE = "loraflow-namespace"
 """The Prefect Variable that holds a control plane's endpoint-name tag when LORAFLOW_NAMESPACE is unset."""
+KEY_BLOCK_PREFIX = "loraflow-secret-key-"
+"""The Prefect Secret block of a namespace's key of secret names is this prefix and the namespace
+(`tasks/lifecycle/secret_key.py`): `loraflow-secret-key-ab12cd`."""
 
 
 class HubTokenError(ValueError):
-    """The Prefect Secret block a run names for its Hugging Face token cannot be read."""
+    """The Prefect Secret block a run names for its Hugging Face token cannot be read, or is not the run's to use."""
 
 
 class Settings(BaseSettings):
@@ -88,6 +93,11 @@ class Settings(BaseSettings):
         description="The operator's cap on any run's cost ceiling (price × workers × deadline), a study's children "
         "and the merge worker included: a run above it is refused before anything is rented, whatever its own "
         "budget_usd says.",
+    )
+    loraflow_max_study_usd: float | None = Field(
+        default=None, gt=0,
+        description="The operator's cap on a whole study's spend: its `study.budget_usd`, or where it names none (or "
+        "a larger one) its children's cost ceilings together. A study above it is refused before any child starts.",
     )
     loraflow_optuna_storage: SecretStr | None = Field(
         default=None,
@@ -164,33 +174,74 @@ class Settings(BaseSettings):
             )
         return value
 
-    def hub_token(self, run_block: str | None = None) -> str | None:
-        """The Hugging Face token: from the Prefect Secret block a run names (`run_block`, the run field
-        `hub_token_secret`) when it names one, else from the environment, else from the Secret block
-        `hf_token_block`, else None. A named block that cannot be read raises `HubTokenError`, naming the
-        field and the block: a run must not fall back to another person's token."""
-        from prefect.blocks.system import Secret
+    def server_blocks(self) -> dict[str, str]:
+        """The Prefect Secret blocks this control plane reads for itself, by name (a `*` pattern for a family), each
+        with what it holds: no run, serve, study or preload may name one for its own use (`server_block_problem`).
+        The configured names and their defaults both: the defaults are what the docs tell an operator to create, and
+        a process started without the workers' settings reads them."""
+        blocks = {KEY_BLOCK_PREFIX + "*": "the key of this server's secret names, which keeps the account's "
+                                          "secrets from telling whose token is whose"}
+        for field, holds in (("runpod_api_key_block", "the RunPod API key"),
+                             ("hf_token_block", "this control plane's own Hugging Face token")):
+            for name in (type(self).model_fields[field].default, getattr(self, field)):
+                blocks[name] = f"{holds} ({field.upper()})"
+        return blocks
 
-        if run_block is not None:
-            try:
-                token = str(Secret.load(run_block).get())
-            except Exception as e:  # missing (ValueError), not a Secret block, or the Prefect API unreachable
-                raise HubTokenError(
-                    f"hub_token_secret: the Prefect Secret block {run_block!r} cannot be read ({type(e).__name__}: "
-                    f"{str(e)[:300]}): create it (Prefect UI: Blocks → Secret, or `Secret(value=...).save("
-                    f"{run_block!r})` from `prefect.blocks.system`) on the Prefect server this run uses, or unset "
-                    "hub_token_secret to use the HF_TOKEN of the process running the flow"
-                ) from e
-            if not token:
-                raise HubTokenError(f"hub_token_secret: the Prefect Secret block {run_block!r} holds an empty value: "
-                                    "store the Hugging Face token in it")
-            return token
+    def server_block_problem(self, field: str, block: str) -> str | None:
+        """Why the Secret block `block`, named by the run field `field`, is not the run's to use (one of
+        `server_blocks`); None when it may be."""
+        for pattern, holds in self.server_blocks().items():
+            if fnmatchcase(block, pattern):
+                return (f"{field}: the Prefect Secret block {block!r} is this server's own ({holds}), which no run "
+                        "may hand its workers or use: save your own value in a Secret block of another name and name "
+                        "that one")
+        return None
+
+    def own_hub_token(self) -> str | None:
+        """This control plane's own Hugging Face token: the environment's, else the Secret block `hf_token_block`'s,
+        else None."""
         if self.hf_token is not None:
             return self.hf_token.get_secret_value()
+        from prefect.blocks.system import Secret
+
         try:
             return str(Secret.load(self.hf_token_block).get())
         except ValueError:  # no such block: public models and file:// stores need no token
             return None
+
+    def hub_token(self, run_block: str | None = None) -> str | None:
+        """The Hugging Face token: from the Prefect Secret block a run names (`run_block`, the run field
+        `hub_token_secret`) when it names one, else `own_hub_token`. A named block that cannot be read, that is one
+        of the server's own (`server_blocks`), or (with `loraflow_require_run_token`) that holds the control plane's
+        own token raises `HubTokenError`, naming the field and the block: a run must not fall back to, or borrow,
+        another person's token."""
+        if run_block is None:
+            return self.own_hub_token()
+        if problem := self.server_block_problem("hub_token_secret", run_block):
+            raise HubTokenError(problem)
+        from prefect.blocks.system import Secret
+
+        try:
+            token = str(Secret.load(run_block).get())
+        except Exception as e:  # missing (ValueError), not a Secret block, or the Prefect API unreachable
+            raise HubTokenError(
+                f"hub_token_secret: the Prefect Secret block {run_block!r} cannot be read ({type(e).__name__}: "
+                f"{str(e)[:300]}): create it (Prefect UI: Blocks → Secret, or `Secret(value=...).save("
+                f"{run_block!r})` from `prefect.blocks.system`) on the Prefect server this run uses, or unset "
+                "hub_token_secret to use the HF_TOKEN of the process running the flow"
+            ) from e
+        if not token:
+            raise HubTokenError(f"hub_token_secret: the Prefect Secret block {run_block!r} holds an empty value: "
+                                "store the Hugging Face token in it")
+        # Compared in constant time, and neither value is ever shown.
+        if self.loraflow_require_run_token and (own := self.own_hub_token()) \
+                and hmac.compare_digest(token.encode(), own.encode()):
+            raise HubTokenError(
+                f"hub_token_secret: the Prefect Secret block {run_block!r} holds this control plane's own Hugging "
+                "Face token, and this server runs no run on it (LORAFLOW_REQUIRE_RUN_TOKEN=1): store your own token "
+                "in the block"
+            )
+        return token
 
     def store_token(self, store_url: str, run_block: str | None = None) -> str | None:
         """The Hub token for an artifact store: for an hf:// store `hub_token(run_block)` (on a team server the store

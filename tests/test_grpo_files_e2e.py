@@ -134,7 +134,8 @@ def test_grpo_run_with_a_local_reward_file_and_a_prompt_only_dataset_learns_the_
 
     with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
         Secret(value=JUDGE_KEY).save(JUDGE_KEY_BLOCK, overwrite=True)
-        Secret(value=local_stack.client_env["HF_TOKEN"]).save(MEMBER_TOKEN_BLOCK, overwrite=True)
+        # A token of the member's own: the control plane's (the stack's HF_TOKEN) is refused under the rule.
+        Secret(value="hf_e2e_member_token").save(MEMBER_TOKEN_BLOCK, overwrite=True)
     (tmp_path / "my_rewards.py").write_text(REWARD_SOURCE)
     store = tmp_path / "store"
     run_file = write_grpo_run_file(tmp_path / "run.toml", name="e2e-grpo-files", model=tiny_model, store=store,

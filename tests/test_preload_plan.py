@@ -3,14 +3,24 @@ CPU flavor in stock, a GPU where none is), into which volume (used, grown, or re
 will do), within the storage budget, skipping datacenters that offer only high-performance storage.
 
 `plan_sweep` is pure; the catalog it plans from is read from an in-process localpod through the real client,
-so the documents are the ones RunPod's schema describes."""
+so the documents are the ones RunPod's schema describes. A sweep is held to a team server's rules as a run is: the
+operator's cap on its workers' cost, and a Hub token of its own."""
 
 from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
 
-from flows.preload import PreloadSpec, SweepPlan, plan_sweep, sweep_table
+from flows.preload import (
+    PreloadSpec,
+    SweepPlan,
+    SweepTarget,
+    check_preload_rules,
+    check_sweep_cap,
+    plan_sweep,
+    sweep_cost_ceiling,
+    sweep_table,
+)
 from tasks.placement.history import placed_worker
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
 from tasks.runpod.client import RunpodClient
@@ -25,7 +35,9 @@ from tasks.runpod.live_catalog import (
     read_data_centers,
 )
 from tasks.runpod.models import CreateNetworkVolume, NetworkVolume
-from tasks.jobs.preload import Compute, choose_compute, cpu_worker_vcpus, plan_volume, preload_request
+from tasks.jobs.preload import Compute, VolumePlan, choose_compute, cpu_worker_vcpus, plan_volume, preload_request
+from tasks.preflight.server_rules import ServerRuleError
+from tasks.settings import Settings
 from tests.test_live_catalog import client_for, localpod  # noqa: F401  (a fixture)
 from tests.test_localpod import AUTH, wait_for
 
@@ -261,3 +273,52 @@ def test_a_placement_names_the_datacenter_runpod_placed_the_worker_in(localpod, 
     localpod.post(f"/v2/{endpoint.id}/run", json={"input": {}}, headers=AUTH).raise_for_status()
     worker = wait_for(lambda: placed_worker(runpod.list_endpoint_workers(endpoint.id), None), "the worker's placement")
     assert worker.data_center_id == "EU-RO-1"
+
+
+# --- a team server's rules -----------------------------------------------------------------------------------------
+
+
+def h200_sweep(data_centers: list[str]) -> SweepPlan:
+    h200 = resolve_gpu("H200")
+    return SweepPlan(targets=[SweepTarget(data_center=dc, compute=Compute(kind="gpu", name=h200.name,
+                                                                          usd_per_hour=h200.usd_per_hour),
+                                          volume=VolumePlan(action="create", size_gb=GB), usd_per_month=1.40)
+                              for dc in data_centers], skipped=[], chosen_by="named in the spec",
+                     storage_usd_per_month=7.0)
+
+
+def test_a_day_on_h200s_in_five_datacenters_is_refused_by_the_operators_cap_naming_the_figures():
+    data_centers = ["EU-RO-1", "US-CA-2", "US-KS-2", "EU-CZ-1", "EU-SE-1"]
+    spec = PreloadSpec(models=MODEL, data_centers=data_centers, cpu=False, gpu="H200", minutes_per_data_center=1440)
+    sweep = h200_sweep(data_centers)
+    price = resolve_gpu("H200").usd_per_hour
+    assert sweep_cost_ceiling(sweep, 1440) == round(5 * price * 24, 2)
+    with pytest.raises(ValueError) as refused:
+        check_sweep_cap(sweep, spec, cap_usd=50)
+    message = str(refused.value)
+    assert message.startswith(f"the preload sweep (EU-RO-1 on GPU {resolve_gpu('H200').name} at ${price:.2f}/hr, ")
+    assert f"minutes_per_data_center 1440 each) may cost up to ${5 * price * 24:.2f}, above this server's cap of " \
+           "$50.00 per run (LORAFLOW_MAX_RUN_USD, set by its operator): lower minutes_per_data_center" in message
+    check_sweep_cap(sweep, spec, cap_usd=None)  # no cap set
+
+
+def test_a_sweep_on_cpu_workers_within_the_cap_passes(catalog):
+    result = plan(catalog, data_centers=["EU-RO-1", "US-CA-2"])
+    assert {t.compute.kind for t in result.targets} == {"cpu"}
+    check_sweep_cap(result, PreloadSpec(models=MODEL), cap_usd=5)
+
+
+def test_a_sweep_on_the_control_planes_token_is_refused_where_a_token_of_ones_own_is_required():
+    with pytest.raises(ServerRuleError) as refused:
+        check_preload_rules(PreloadSpec(models=MODEL), Settings(loraflow_require_run_token=True))
+    assert "the preload sweep is refused by this server's rules, before anything was rented: hub_token_secret is " \
+           "empty" in str(refused.value) and "LORAFLOW_REQUIRE_RUN_TOKEN=1" in str(refused.value)
+    check_preload_rules(PreloadSpec(models=MODEL, hub_token_secret="ops-preload-token"),
+                        Settings(loraflow_require_run_token=True))
+
+
+@pytest.mark.parametrize("block", ["hf-token", "runpod-api-key", "loraflow-secret-key-t1"])
+def test_a_sweep_naming_one_of_the_servers_own_blocks_as_its_token_is_refused_naming_the_field(block):
+    with pytest.raises(ServerRuleError, match=f"hub_token_secret: the Prefect Secret block '{block}' is this server's "
+                                              "own"):
+        check_preload_rules(PreloadSpec(models=MODEL, hub_token_secret=block), Settings())

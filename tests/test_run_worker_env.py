@@ -118,6 +118,24 @@ def test_an_unreadable_or_short_secret_block_is_refused_naming_the_field_and_the
     assert "abc1234" not in str(short.value)
 
 
+def test_a_token_block_holding_the_control_planes_own_token_is_refused_where_a_run_token_is_required(local_stack):
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.settings import HubTokenError, Settings
+
+    own = "hf_the_operators_own_token_0001"
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        Secret(value=own).save("test-copied-hf-token", overwrite=True)  # the operator's token, under another name
+        with pytest.raises(HubTokenError) as refused:
+            Settings(hf_token=own, loraflow_require_run_token=True).hub_token("test-copied-hf-token")
+        assert Settings(hf_token="hf_another_token_0002", loraflow_require_run_token=True).hub_token(
+            "test-copied-hf-token") == own  # a teammate's own token in it is theirs to use
+    assert str(refused.value) == (
+        "hub_token_secret: the Prefect Secret block 'test-copied-hf-token' holds this control plane's own Hugging Face "
+        "token, and this server runs no run on it (LORAFLOW_REQUIRE_RUN_TOKEN=1): store your own token in the block")
+
+
 @pytest.mark.parametrize("name", ["WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD"])
 def test_a_trackers_credential_as_a_plain_variable_is_refused_pointing_at_secrets(name):
     where, message = refusal(env={name: "a-credential-value"})

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.serve import ServeSpec
+from flows.serve import ServeSpec, check_serve_cap, serve
 from flows.spec import PublishServe, RunSpec
 from tasks.jobs.serve import (
     SERVING_TOKEN_ENV,
@@ -32,6 +32,7 @@ from tasks.lifecycle.reconcile import EndpointsSeen, LiveRun, RunsSeen, decide
 from tasks.placement.gpu_fit import GIB
 from tasks.placement.serving_fit import ServingGpuRefused, choose_serving_gpu, serving_memory
 from tasks.placement.weight_cache import DataCenterCache
+from tasks.preflight.server_rules import ServerRuleError
 from tasks.runpod.catalog import GPU_CLASSES, resolve_gpu
 from tasks.runpod.endpoints import MAX_ENDPOINT_NAME, endpoint_name, parse_endpoint_name, run_hash, \
     serving_endpoint_name
@@ -284,6 +285,41 @@ def test_adapters_are_source_strings_or_name_and_source_tables():
 def test_a_serve_file_with_a_bad_field_is_refused_naming_it(serve, words):
     with pytest.raises(ValidationError, match=words):
         spec(**serve)
+
+
+def test_a_serve_file_outside_the_inputs_folder_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    secret = tmp_path / "control-plane.toml"
+    secret.write_text('key = "rpa_not_yours"\n')
+    monkeypatch.setenv("LORAFLOW_INPUTS_DIR", str(inputs))
+
+    with pytest.raises(ServerRuleError) as refused:  # the flow's body, as a deployment run's `serve_file` starts it
+        serve.fn(spec(), serve_file=str(secret))
+    message = str(refused.value)
+    assert message.startswith(f"parameter serve_file {str(secret)!r} is outside this server's inputs folder {inputs} "
+                              "(LORAFLOW_INPUTS_DIR)") and "rpa_not_yours" not in message
+
+
+def test_a_serve_above_the_operators_cap_is_refused_as_a_run_is_naming_the_figures_and_the_setting():
+    with pytest.raises(ValueError) as refused:
+        check_serve_cap(spec(hours=24, max_workers=5).serve, "H200", 4.0, cap_usd=50)
+    assert str(refused.value) == (
+        "the serve (H200 at $4.00/hr × serve.max_workers 5 × serve.hours 24) may cost up to $480.00, above this "
+        "server's cap of $50.00 per run (LORAFLOW_MAX_RUN_USD, set by its operator): lower serve.hours or "
+        "serve.max_workers, or ask the operator")
+    check_serve_cap(spec(hours=10).serve, "H200", 4.0, cap_usd=50)
+
+
+@pytest.mark.parametrize("block", ["hf-token", "runpod-api-key", "loraflow-secret-key-k7q2mx"])
+def test_a_serve_naming_one_of_the_servers_own_blocks_as_its_token_is_refused_naming_the_field(block):
+    from prefect.logging import disable_run_logger
+
+    from flows.serve import check_serve
+
+    with pytest.raises(ServerRuleError, match=f"hub_token_secret: the Prefect Secret block '{block}' is this server's "
+                                              "own"), disable_run_logger():  # the check's first step, before any read
+        check_serve.fn(ServeSpec.model_validate(spec().model_dump() | {"hub_token_secret": block}), "serve-run-1")
 
 
 def test_the_shipped_serve_file_is_a_valid_serve():

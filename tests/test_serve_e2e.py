@@ -337,8 +337,8 @@ def test_a_serve_whose_cost_ceiling_passes_the_operators_cap_is_refused_before_a
     serve = Serve(local_stack, serve_file, tmp_path / "serve.log", LORAFLOW_MAX_RUN_USD="1")
     try:
         assert serve.wait() == 1
-        assert "serve.max_workers 3 × serve.hours 2), above this server's cap of $1.00" in serve.output, \
-            serve.output[-3000:]
+        assert re.search(r"serve.max_workers 3 × serve.hours 2\) may cost up to \$[\d.]+, above this server's cap "
+                         r"of \$1.00 per run \(LORAFLOW_MAX_RUN_USD", serve.output), serve.output[-3000:]
         assert not serve_endpoints(local_stack, "e2e-capped")
     finally:
         stop_process_group(serve.proc)

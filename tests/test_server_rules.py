@@ -1,7 +1,8 @@
 """A shared server's rules for every run, tried as a teammate who wants what is not theirs would try them: a run field
-that names the control plane's own files, a run on the control plane's token, a cost past the operator's cap, a
-plain variable that names another person's account secret, a folder store with RunPod's workers. Each is refused
-before anything is rented, naming the field and the setting."""
+that names the control plane's own files, a run on the control plane's token, a run field that names the control
+plane's own Secret blocks, a cost past the operator's cap, a plain variable that names another person's account
+secret, a folder store with RunPod's workers. Each is refused before anything is rented, naming the field and the
+setting."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from pydantic import ValidationError
 from flows.run_overrides import RunOverrides, apply_overrides
 from flows.spec import RunSpec, SpecError, WorkerSpec
 from tasks.placement.cost import CostCeiling, check_budget, check_study_budget
+from tasks.lifecycle.worker_env import RunSecretError, read_run_secrets
 from tasks.preflight.server_rules import ServerRuleError, check_server_rules, operator_rule_problems
 from tasks.runpod.client import API_URL
-from tasks.settings import Settings
+from tasks.settings import HubTokenError, Settings
 
 LOCALPOD_URL = "http://127.0.0.1:8765/v2"
 
@@ -28,7 +30,8 @@ def spec(tmp_path: Path, **fields) -> RunSpec:
 
 def rules(tmp_path: Path, run: RunSpec, **settings) -> None:
     check_server_rules(run.local_paths(), artifact_store=run.artifact_store, hub_token_secret=run.hub_token_secret,
-                       settings=Settings(runpod_api_url=LOCALPOD_URL, **settings), base_dir=tmp_path)
+                       settings=Settings(runpod_api_url=LOCALPOD_URL, **settings), base_dir=tmp_path,
+                       worker_secrets=run.worker.secrets)
 
 
 @pytest.fixture
@@ -165,3 +168,73 @@ def test_the_inputs_folder_is_compared_after_resolving_its_own_symlink(tmp_path,
     link = tmp_path / "inputs-link"
     os.symlink(inputs, link)
     rules(tmp_path, spec(tmp_path, dataset={"local_file": str(inputs / "train.jsonl")}), loraflow_inputs_dir=link)
+
+
+# --- the server's own Secret blocks ----------------------------------------------------------------------------------
+
+
+def test_a_run_naming_the_operators_hub_token_block_is_refused_naming_the_field_where_a_run_token_is_required(
+        tmp_path):
+    with pytest.raises(ServerRuleError) as refused:
+        rules(tmp_path, spec(tmp_path, hub_token_secret="hf-token"), loraflow_require_run_token=True)
+    message = str(refused.value)
+    assert message.startswith("refused by this server's rules, before anything was rented: hub_token_secret: the "
+                              "Prefect Secret block 'hf-token' is this server's own (this control plane's own Hugging "
+                              "Face token (HF_TOKEN_BLOCK))"), message
+    assert "save your own value in a Secret block of another name" in message
+
+
+@pytest.mark.parametrize("block, holds", [
+    ("runpod-api-key", "the RunPod API key (RUNPOD_API_KEY_BLOCK)"),
+    ("loraflow-secret-key-ab12cd", "the key of this server's secret names"),
+    ("hf-token", "this control plane's own Hugging Face token (HF_TOKEN_BLOCK)"),
+    ("ops-hub-token", "this control plane's own Hugging Face token (HF_TOKEN_BLOCK)"),
+])
+def test_a_worker_secret_naming_one_of_the_servers_own_blocks_is_refused_naming_the_entry(tmp_path, block, holds):
+    run = spec(tmp_path, worker={"secrets": {"JUDGE_KEY": block}})
+    with pytest.raises(ServerRuleError) as refused:
+        rules(tmp_path, run, hf_token_block="ops-hub-token")  # whatever the operator's other settings
+    assert f"worker.secrets.JUDGE_KEY: the Prefect Secret block {block!r} is this server's own ({holds}" in \
+        str(refused.value), refused.value
+
+
+def test_a_run_naming_blocks_of_its_own_passes_and_every_server_block_it_names_is_named_at_once(tmp_path):
+    rules(tmp_path, spec(tmp_path, hub_token_secret="alice-hf-token", worker={"secrets": {"JUDGE_KEY": "alice-judge"}}),
+          loraflow_require_run_token=True)
+    problems = operator_rule_problems([], hub_token_secret="runpod-api-key", settings=Settings(),
+                                      worker_secrets={"A_KEY": "alice-judge", "B_KEY": "loraflow-secret-key-x1"})
+    assert [p.split(":", 1)[0] for p in problems] == ["hub_token_secret", "worker.secrets.B_KEY"]
+
+
+def test_the_servers_own_blocks_are_the_ones_its_settings_read():
+    settings = Settings(runpod_api_key_block="ops-runpod", hf_token_block="ops-hub")
+    assert set(settings.server_blocks()) == {"runpod-api-key", "ops-runpod", "hf-token", "ops-hub",
+                                             "loraflow-secret-key-*"}
+    assert settings.server_block_problem("hub_token_secret", "loraflow-secret-keys") is None  # no dash: not the family
+
+
+def test_the_token_read_refuses_a_server_block_before_reading_any_block():
+    # Where every token is read (the flows' checks, publish, merge, serve, preload): the rule holds there too, by the
+    # name alone, before the block is asked for.
+    with pytest.raises(HubTokenError, match=r"^hub_token_secret: the Prefect Secret block 'runpod-api-key' is this "
+                                            r"server's own \(the RunPod API key"):
+        Settings(runpod_api_url=LOCALPOD_URL).hub_token("runpod-api-key")
+
+
+def test_the_worker_secrets_read_refuses_a_server_block_before_reading_any_block():
+    with pytest.raises(RunSecretError) as refused:
+        read_run_secrets({"JUDGE_KEY": "alice-judge", "RP_KEY": "runpod-api-key"})
+    assert str(refused.value).startswith("worker.secrets.RP_KEY: the Prefect Secret block 'runpod-api-key' is this "
+                                         "server's own (the RunPod API key"), refused.value
+
+
+def test_preflight_says_which_rules_the_server_holds_runs_and_studies_to(tmp_path, monkeypatch):
+    from flows.preflight import judge_server_rules
+
+    monkeypatch.setenv("LORAFLOW_MAX_RUN_USD", "50")
+    monkeypatch.setenv("LORAFLOW_MAX_STUDY_USD", "500")
+    check = judge_server_rules(spec(tmp_path))
+    assert check.status == "ok" and check.found == "at most $50.00 a run; at most $500.00 a study"
+    failed = judge_server_rules(spec(tmp_path, worker={"secrets": {"JUDGE_KEY": "runpod-api-key"}}))
+    assert failed.status == "FAIL" and failed.found.startswith("worker.secrets.JUDGE_KEY: the Prefect Secret block "
+                                                               "'runpod-api-key' is this server's own")

@@ -18,7 +18,10 @@ from flows.study_search import Search, distributions, space_corners
 from flows.study_spec import MAX_CHILDREN, StudySpec, expand, load_study_file, spec_difference
 from tasks.lifecycle.study_children import FoundChild, adoption_plan, child_key, found_child, on_study_end
 from tasks.lifecycle.study_pruning import Verdict, median_rule, pruned_step
-from tasks.placement.cost import CostCeiling, check_study_budget, study_budget_decision
+from flows.study import children_ceilings_usd
+from tasks.placement.cost import CostCeiling, check_study_budget, check_study_cap, study_budget_decision
+from tasks.runpod.catalog import resolve_gpu
+from tasks.runpod.live_catalog import static_offer
 from tasks.reports.study import (
     PAGE_ROWS,
     ChildRow,
@@ -139,6 +142,42 @@ def test_a_study_with_a_child_whose_ceiling_alone_passes_its_budget_is_refused_n
 def test_a_study_whose_ceilings_add_up_to_more_than_its_budget_passes_the_check_as_the_budget_is_kept_live():
     check_study_budget({"a": ceiling(1.38), "b": ceiling(1.38), "c": ceiling(2.0)}, budget_usd=4.0)
     check_study_budget({"a": ceiling(100.0)}, budget_usd=None)
+
+
+def test_a_thousand_children_each_under_the_run_cap_are_refused_together_by_the_study_cap_naming_it():
+    # Each child at $49.99 passes a $50 LORAFLOW_MAX_RUN_USD; together, with no study budget, they may cost $49,990.
+    check_study_budget({f"c{i}": ceiling(49.99) for i in range(1000)}, budget_usd=None, cap_usd=50)
+    with pytest.raises(ValueError) as refused:
+        check_study_cap([49.99] * 1000, budget_usd=None, cap_usd=500)
+    assert str(refused.value) == (
+        "the study may cost up to $49990.00 (its 1000 children's cost ceilings together, GPU price × GPUs × deadline "
+        "each; it names no study.budget_usd), above this server's cap of $500.00 per study (LORAFLOW_MAX_STUDY_USD, "
+        "set by its operator), so no child was started: set study.budget_usd to at most $500.00 (children start only "
+        "while it has room), run fewer children, or ask the operator")
+
+
+def test_a_study_budget_within_the_study_cap_holds_its_children_whatever_their_ceilings_add_up_to():
+    check_study_cap([49.99] * 1000, budget_usd=500, cap_usd=500)
+    check_study_cap([1.0] * 3, budget_usd=10_000, cap_usd=500)  # the children cannot spend the budget
+    check_study_cap([49.99] * 1000, budget_usd=None, cap_usd=None)  # no cap set: one person's machine
+    with pytest.raises(ValueError, match=r"up to \$600.00 \(its study.budget_usd\), above .* \$500.00 per study"):
+        check_study_cap([49.99] * 1000, budget_usd=600, cap_usd=500)
+
+
+def offers_for(*gpus: str) -> dict:
+    return {(g := resolve_gpu(name)).name: static_offer(g, "a test's prices") for name in gpus}
+
+
+def test_a_grids_spend_is_each_childs_ceiling_and_a_searchs_is_its_trials_at_the_dearest_corner_values():
+    grid = study('grid = { "compute.gpu" = ["4090", "H100"] }\nseeds = [1, 2]', "deadline_minutes = 60\n" + BASE)
+    offers = offers_for("4090", "H100")
+    cheap, dear = offers[resolve_gpu("4090").name].usd_per_hour, offers[resolve_gpu("H100").name].usd_per_hour
+    assert children_ceilings_usd(grid, expand(grid), offers) == [round(cheap, 2), round(cheap, 2), round(dear, 2),
+                                                                  round(dear, 2)]
+    # Optuna may pair the dearest GPU with the longest deadline, which no single corner does.
+    search = study('search = "tpe"\ntrials = 7\nspace = { "compute.gpu" = ["4090", "H100"], "deadline_minutes" = '
+                   '{ low = 30, high = 120 } }')
+    assert children_ceilings_usd(search, space_corners(search), offers) == [round(dear * 2, 2)] * 7
 
 
 def test_a_child_starts_when_the_spent_the_running_ceilings_and_its_own_fit_the_budget():

@@ -1,8 +1,9 @@
 """A study end to end on the local stack: `python -m flows.study` as a user starts it, its children real train runs
-of the tiny model on localpod; refused over its budget before anything is rented; cancelled from the CLI while its
-children train, served the Prefect way (`study.serve`, the runner a Prefect worker uses); its children as runs of a
-served `train` deployment, the study's own process killed midway and the study resumed, each child trained once; a
-losing child pruned at an evaluation; a TPE search whose children Optuna picks, in an Optuna study on SQLite."""
+of the tiny model on localpod; refused over its budget, or over the operator's cap on a study, before anything is
+rented; cancelled from the CLI while its children train, served the Prefect way (`study.serve`, the runner a Prefect
+worker uses); its children as runs of a served `train` deployment, the study's own process killed midway and the
+study resumed, each child trained once; a losing child pruned at an evaluation; a TPE search whose children Optuna
+picks, in an Optuna study on SQLite."""
 
 from __future__ import annotations
 
@@ -127,6 +128,20 @@ def test_a_study_whose_children_each_cost_more_than_its_budget_is_refused_before
                      r"never start: nothing was rented", output), output[-4000:]
     assert study_endpoints(local_stack, "e2e-study-budget") == []
     assert children_of(local_stack, study_id) == []
+
+
+def test_a_study_whose_children_each_pass_the_run_cap_but_together_pass_the_study_cap_starts_no_child(
+        local_stack, tiny_model, tmp_path):
+    # Each child passes LORAFLOW_MAX_RUN_USD; the study names no budget, and sixteen of them pass the study's cap.
+    run_file = write_study_file(tmp_path / "study.toml", name="e2e-study-cap", tiny_model=tiny_model,
+                                store=tmp_path / "store", study=f"seeds = {list(range(1, 17))}\nparallel = 2\n")
+    code, output, study_id = run_study(local_stack, run_file, LORAFLOW_MAX_RUN_USD="100", LORAFLOW_MAX_STUDY_USD="1")
+    assert code == 1, output[-4000:]
+    assert re.search(r"the study may cost up to \$[\d.]+ \(its 16 children's cost ceilings together.* above this "
+                     r"server's cap of \$1.00 per study \(LORAFLOW_MAX_STUDY_USD", output), output[-4000:]
+    assert children_of(local_stack, study_id) == []  # no child flow run was created
+    assert study_endpoints(local_stack, "e2e-study-cap") == []
+    assert not (tmp_path / "store").exists()
 
 
 def test_a_study_naming_a_field_a_child_cannot_take_is_refused_naming_the_child(local_stack, tiny_model, tmp_path):

@@ -74,3 +74,19 @@ def test_a_run_above_the_operators_cap_is_refused_naming_the_setting(local_stack
     message = flow_run_state(local_stack, run.flow_run_id)["message"]
     assert "LORAFLOW_MAX_RUN_USD" in message and "$0.01" in message, message
     assert run_endpoints(local_stack, "e2e-over-cap") == []
+
+
+def test_a_run_naming_the_servers_own_token_and_key_blocks_is_refused_naming_both_fields(local_stack, tiny_model,
+                                                                                       tmp_path):
+    run_file = write_run_file(tmp_path / "run.toml", name="e2e-server-blocks", model=tiny_model,
+                              store=tmp_path / "store", extra='[worker]\nsecrets = { JUDGE_KEY = "runpod-api-key" }\n')
+    run_file.write_text('hub_token_secret = "hf-token"\n' + run_file.read_text())
+
+    run = run_with(local_stack, run_file, LORAFLOW_REQUIRE_RUN_TOKEN="1")
+
+    assert run.returncode == 1, run.output[-3000:]
+    message = flow_run_state(local_stack, run.flow_run_id)["message"]
+    assert "hub_token_secret: the Prefect Secret block 'hf-token' is this server's own" in message, message
+    assert "worker.secrets.JUDGE_KEY: the Prefect Secret block 'runpod-api-key' is this server's own" in message
+    assert run_endpoints(local_stack, "e2e-server-blocks") == []
+    assert not (tmp_path / "store").exists()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import secrets
 
-KEY_BLOCK_PREFIX = "loraflow-secret-key-"
-"""The Prefect Secret block of a namespace's key is this prefix and the namespace: `loraflow-secret-key-ab12cd`."""
+from tasks.settings import KEY_BLOCK_PREFIX
+
 KEY_BYTES = 32
 """The random bytes of a key made here (stored as 64 hex digits): SHA-256's output length, the key length RFC 2104
 asks of an HMAC."""

@@ -13,6 +13,7 @@ from loraflow_worker.contract import secret_reference_problem
 
 from tasks.runpod.client import RunpodClient
 from tasks.runpod.secrets import parse_secret_name, referenced_secrets, secret_reference, value_secret_env
+from tasks.settings import Settings
 
 RUN_SECRET_PURPOSE = "run-secret"
 """What the account secrets of runs' own secrets are for, in their names: `loraflow-run-secret-<namespace>-<fp>`."""
@@ -29,10 +30,15 @@ class RunSecretError(ValueError):
 
 def read_run_secrets(secrets: Mapping[str, str]) -> dict[str, str]:
     """ENV_NAME → the value of the Prefect Secret block `secrets` names for it (the run's `worker.secrets`). Raises
-    `RunSecretError` for a block that cannot be read (missing, not a Secret block, the Prefect API unreachable), that
-    holds JSON rather than text, or a value shorter than `MIN_SECRET_CHARS`. Reads the Prefect API once per block."""
+    `RunSecretError` for one of the server's own blocks (`Settings.server_blocks`: refused before any block is read),
+    a block that cannot be read (missing, not a Secret block, the Prefect API unreachable), that holds JSON rather
+    than text, or a value shorter than `MIN_SECRET_CHARS`. Reads the Prefect API once per block."""
     from prefect.blocks.system import Secret
 
+    settings = Settings()
+    if problems := [problem for env_name, block in secrets.items()
+                    if (problem := settings.server_block_problem(f"worker.secrets.{env_name}", block))]:
+        raise RunSecretError("; ".join(problems))
     values = {}
     for env_name, block in secrets.items():
         field = f"worker.secrets.{env_name}"

@@ -67,14 +67,14 @@ def cost_ceiling(offers: Sequence[GpuOffer], gpu_count: int, deadline_minutes: i
                        usd_per_hour=dearest.usd_per_hour, price_source=dearest.source)
 
 
-def check_cost_cap(cost_usd: float, cap_usd: float | None, what: str = "the run") -> None:
-    """Refuse `what` (a run, a study's child, a merge) whose cost ceiling passes the operator's cap
-    (`LORAFLOW_MAX_RUN_USD`), whatever its own budget says."""
+def check_cost_cap(cost_usd: float, cap_usd: float | None, what: str = "the run",
+                   fix: str = "lower deadline_minutes or pick a cheaper GPU") -> None:
+    """Refuse `what` (a run, a study's child, a merge, a serve, a preload sweep) whose cost ceiling passes the
+    operator's cap (`LORAFLOW_MAX_RUN_USD`), whatever its own budget says; `fix` names the fields that lower it."""
     if cap_usd is not None and cost_usd > cap_usd:
         raise ValueError(
             f"{what} may cost up to ${cost_usd:.2f}, above this server's cap of ${cap_usd:.2f} per run "
-            "(LORAFLOW_MAX_RUN_USD, set by its operator): lower deadline_minutes or pick a cheaper GPU, or ask the "
-            "operator"
+            f"(LORAFLOW_MAX_RUN_USD, set by its operator): {fix}, or ask the operator"
         )
 
 
@@ -110,6 +110,32 @@ def check_study_budget(ceilings: dict[str, CostCeiling], budget_usd: float | Non
             "they could never start: nothing was rented. Lower deadline_minutes, pick a cheaper GPU, or raise "
             "study.budget_usd"
         )
+
+
+def study_spend_ceiling(children_ceilings_usd: Sequence[float], budget_usd: float | None) -> float:
+    """The most a whole study can spend: its children's cost ceilings together, or its `study.budget_usd` where that
+    is less (children start only while the budget has room for their ceilings: `study_budget_decision`)."""
+    together = round(sum(children_ceilings_usd), 2)
+    return together if budget_usd is None else min(together, budget_usd)
+
+
+def check_study_cap(children_ceilings_usd: Sequence[float], budget_usd: float | None, cap_usd: float | None) -> None:
+    """Refuse, before any child starts, a study whose whole spend (`study_spend_ceiling`) passes the operator's cap
+    for a study (`LORAFLOW_MAX_STUDY_USD`): each child below `LORAFLOW_MAX_RUN_USD` is not enough when there are
+    many of them."""
+    if cap_usd is None:
+        return
+    spend = study_spend_ceiling(children_ceilings_usd, budget_usd)
+    if spend <= cap_usd + 1e-9:
+        return
+    what = ("its study.budget_usd" if budget_usd is not None and spend >= budget_usd else
+            f"its {len(children_ceilings_usd)} children's cost ceilings together, GPU price × GPUs × deadline each"
+            + ("; it names no study.budget_usd" if budget_usd is None else ""))
+    raise ValueError(
+        f"the study may cost up to ${spend:.2f} ({what}), above this server's cap of ${cap_usd:.2f} per study "
+        f"(LORAFLOW_MAX_STUDY_USD, set by its operator), so no child was started: set study.budget_usd to at most "
+        f"${cap_usd:.2f} (children start only while it has room), run fewer children, or ask the operator"
+    )
 
 
 BudgetDecision = Literal["start", "wait", "skip"]

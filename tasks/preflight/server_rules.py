@@ -7,14 +7,18 @@ naming the run's field and the operator's setting.
 - `LORAFLOW_REQUIRE_RUN_TOKEN`: a run names its own Hub token (`hub_token_secret`) rather than run on the control
   plane's, which would reach its workers and open every `hf://` store that token can.
 - `LORAFLOW_MAX_RUN_USD`: no run's cost ceiling passes the operator's cap, whatever its own budget says
-  (`tasks/placement/cost.py` applies it).
-- Whatever the settings: with RunPod's workers, a `file://` store or a local model is refused, since the workers
-  cannot see this machine (the adapter would be written inside a container and lost with it).
+  (`tasks/placement/cost.py` applies it; a serve's and a preload sweep's too); `LORAFLOW_MAX_STUDY_USD`: no study's
+  whole spend passes the operator's cap for a study.
+- Whatever the settings: no field that names a Prefect Secret block (`hub_token_secret`, `worker.secrets`) names one
+  the control plane reads for itself (`Settings.server_blocks`: the RunPod key's, its own Hub token's, the key of
+  secret names'), which the run would otherwise hand its workers; and with RunPod's workers, a `file://` store or a
+  local model is refused, since the workers cannot see this machine (the adapter would be written inside a container
+  and lost with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tasks.settings import Settings
@@ -44,11 +48,22 @@ def check_inside_inputs_dir(field: str, path_text: str, settings: Settings, base
             raise ServerRuleError(problem)
 
 
+def server_block_problems(hub_token_secret: str | None, worker_secrets: Mapping[str, str],
+                          settings: Settings) -> list[str]:
+    """Why the Secret blocks a run names (its token's, its `worker.secrets`) are not the run's to use: each one of
+    this control plane's own (`Settings.server_blocks`), by field. Empty when none is."""
+    named = [("hub_token_secret", hub_token_secret)] if hub_token_secret is not None else []
+    named += [(f"worker.secrets.{env_name}", block) for env_name, block in worker_secrets.items()]
+    return [problem for field, block in named if (problem := settings.server_block_problem(field, block))]
+
+
 def operator_rule_problems(local_paths: Sequence[tuple[str, str]], *, hub_token_secret: str | None,
-                           settings: Settings, base_dir: Path | None = None) -> list[str]:
-    """Why the operator's settings refuse a run with these local paths ((field, path) pairs: `RunSpec.local_paths`)
-    and token block; empty when they do not."""
-    problems = []
+                           settings: Settings, base_dir: Path | None = None,
+                           worker_secrets: Mapping[str, str] | None = None) -> list[str]:
+    """Why this server refuses a run with these local paths ((field, path) pairs: `RunSpec.local_paths`), token
+    block and `worker_secrets` (ENV_NAME → block): the operator's settings, and the server's own Secret blocks
+    (`server_block_problems`); empty when it does not."""
+    problems = server_block_problems(hub_token_secret, worker_secrets or {}, settings)
     if settings.loraflow_inputs_dir is not None:
         # A local model is read where it lies by localpod's workers, never copied into a store, and RunPod's are
         # refused it (`host_only_problems`): the folder holds what a run ships.
@@ -76,11 +91,12 @@ def host_only_problems(local_paths: Sequence[tuple[str, str]], *, artifact_store
 
 
 def check_server_rules(local_paths: Sequence[tuple[str, str]], *, artifact_store: str, hub_token_secret: str | None,
-                       settings: Settings | None = None, base_dir: Path | None = None) -> None:
+                       settings: Settings | None = None, base_dir: Path | None = None,
+                       worker_secrets: Mapping[str, str] | None = None) -> None:
     """`ServerRuleError` naming every problem of `operator_rule_problems` and `host_only_problems`."""
     settings = settings or Settings()
     problems = (operator_rule_problems(local_paths, hub_token_secret=hub_token_secret, settings=settings,
-                                       base_dir=base_dir)
+                                       base_dir=base_dir, worker_secrets=worker_secrets)
                 + host_only_problems(local_paths, artifact_store=artifact_store, settings=settings))
     if problems:
         raise ServerRuleError("refused by this server's rules, before anything was rented: " + "; ".join(problems))
