@@ -35,7 +35,7 @@ from prefect.states import Cancelled, Completed, Failed, Pending, State
 
 from flows.serve import serve_trained
 from flows.spec import SpecError
-from flows.study_run import run_children
+from flows.study_run import rebuild_trials, run_children
 from flows.study_search import Search, space_corners
 from flows.study_spec import Child, StudySettings, StudySpec, child_label, describe_values, expand, load_study_file
 from flows.train_check import check_local_inputs
@@ -138,9 +138,12 @@ def check_study_room(settings: StudySettings) -> None:
 
 @task(name="study-search", cache_policy=NO_CACHE)
 def open_search(spec: StudySpec, study_run_id: str) -> Search:
-    """The study's Optuna study, created or (resumed) loaded, before anything is rented: `SpecError` names
-    `LORAFLOW_OPTUNA_STORAGE` when its storage cannot be opened."""
-    return Search(spec, study_run_id)
+    """The study's Optuna study, created or (resumed) loaded, with the trials its children ran and it lacks rebuilt,
+    before anything is rented: `SpecError` names `LORAFLOW_OPTUNA_STORAGE` when its storage cannot be opened, and
+    both when a resume changes the study's metric or direction."""
+    search = Search(spec, study_run_id)
+    rebuild_trials(search, study_run_id)
+    return search
 
 
 # Each hook reaches the children that have not ended (a cancelled study cancels them; one that crashed or failed

@@ -65,14 +65,23 @@ class PruneRule(BaseModel):
     rule: Literal["median"] = Field(
         default="median",
         description="`median`: Optuna's median rule. A child whose best `metric` by an evaluation step is worse than "
-        "the median of the other children's values at that same step is cancelled (`pruned`). A grid compares with "
-        "every other child that reached the step, running or ended; a search passes the rule to Optuna's "
-        "`MedianPruner`, which compares with the trials that completed.",
+        "the median of the other children's values at that same step is cancelled (`pruned`). A grid compares "
+        "settings, not seeds: a setting's value is the mean over its seeds that reached the step, it is compared "
+        "with the other settings that reached it (running or ended), and a setting worse than their median is pruned "
+        "as a whole, its seeds with it. A search passes the rule to Optuna's `MedianPruner`, which compares with the "
+        "trials that completed.",
     )
     after_evals: int = Field(
         default=2, ge=1, le=10_000,
         description="Evaluations a child has had since its first step before it may be pruned (the one before the "
         "first step, the base model's, does not count: it says nothing of the child's settings).",
+    )
+    startup_children: int = Field(
+        default=5, ge=0, le=MAX_CHILDREN,
+        description="Children that must have completed (every evaluation reported) before any child is pruned "
+        "(Optuna's `MedianPruner` `n_startup_trials`, whose default this is): a median of the first few children "
+        "running side by side is noise, and a slow starter would be cancelled before it shows what it learns. 0: "
+        "judge from the first evaluations, against every other setting that reached the step.",
     )
 
 
@@ -129,7 +138,8 @@ class StudySettings(BaseModel):
     )
     metric: Metric = Field(
         default="eval_loss",
-        description="What picks the best child, at its last value: `eval_loss` (SFT, DPO: needs `[evaluation]`), "
+        description="What picks the best child, at its last value (with `training.early_stopping`, at the evaluation "
+        "whose adapter the child kept): `eval_loss` (SFT, DPO: needs `[evaluation]`), "
         "`eval_reward` (GRPO: needs `[evaluation]`), `eval_reward_accuracy` (DPO's held-out reward accuracy: needs "
         "`[evaluation]`) or `train_loss`.",
     )
@@ -163,13 +173,20 @@ class StudySettings(BaseModel):
         default="grid",
         description="`grid`: one child per combination of `grid` × `seeds`. `tpe`: Optuna's TPE sampler picks each "
         "next child's values from `space`, `trials` children in all, told each child's final `metric` as it ends; the "
-        "Optuna study is stored in `LORAFLOW_OPTUNA_STORAGE` (an SQLAlchemy URL; else `.local/optuna.db` in the "
-        "flow's working directory), named `<name>-<study flow run id>`.",
+        "Optuna study is stored in `LORAFLOW_OPTUNA_STORAGE` (an SQLAlchemy URL, which a Prefect server on another "
+        "machine needs; else `loraflow/optuna.db` under Prefect's home), named `<name>-<study flow run id>`.",
     )
     trials: int | None = Field(
         default=None, ge=1, le=MAX_CHILDREN,
         description="With `search = \"tpe\"`: how many children Optuna picks, in all (a resumed study asks only for "
         "those it has not asked yet).",
+    )
+    startup_trials: int = Field(
+        default=10, ge=0, le=MAX_CHILDREN,
+        description="With `search = \"tpe\"`: trials whose values are picked at random before TPE models the "
+        "results (Optuna's `TPESampler` `n_startup_trials`, whose default this is). The sampler is seeded with the run "
+        "file's `training.seed` and, as children run `parallel` at once, lies about the running ones "
+        "(`constant_liar`) so that they are not asked alike.",
     )
     space: dict[str, SpaceValues] = Field(
         default_factory=dict, max_length=12,
@@ -237,9 +254,9 @@ class StudySettings(BaseModel):
                 raise ValueError("study.search \"tpe\" picks every child's values from `study.space`: remove "
                                  "`study.grid` and `study.seeds` (a seed to vary is a list in the space: "
                                  "\"training.seed\" = [1, 2])")
-        elif self.trials is not None or self.space:
-            raise ValueError("`study.trials` and `study.space` are for a search: add `search = \"tpe\"`, or vary the "
-                             "fields with `study.grid`")
+        elif self.trials is not None or self.space or "startup_trials" in self.model_fields_set:
+            raise ValueError("`study.trials`, `study.space` and `study.startup_trials` are for a search: add "
+                             "`search = \"tpe\"`, or vary the fields with `study.grid`")
         if self.children() > MAX_CHILDREN:
             raise ValueError(f"the study would start {self.children()} child runs (grid values × seeds), more than "
                              f"{MAX_CHILDREN}: try fewer grid values or seeds, or split it into smaller studies")
