@@ -206,7 +206,8 @@ def run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceil
                 pins[index] = results.result
             if pruning is not None:
                 pruning.ended(index, child_row.flow_run_id, results.result.metrics
-                              if results is not None and results.result is not None else None)
+                              if results is not None and results.result is not None else None,
+                              completed=child_row.state == "completed")
             _tell(search, child_row)
             best = best_child(list(rows.values()), settings.maximize())
             pins = {i: r for i, r in pins.items() if best is not None and i == best.index}

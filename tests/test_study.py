@@ -715,6 +715,20 @@ def test_six_children_a_hundredth_apart_in_lockstep_are_not_pruned_before_the_st
     slow = lockstep[5]
     assert median_rule(slow, lockstep[:5], after_evals=2, maximize=False, completed=4, startup=5) is None
     assert median_rule(slow, lockstep[:5], after_evals=2, maximize=False, completed=5, startup=5).step == 12
+    # A study counts the children that completed as they end, deployment children (whose metrics it never holds)
+    # as much as its subflows.
+    from tasks.lifecycle.study_pruning import Pruning
+
+    pruning = Pruning(after_evals=2, metric="eval_loss", maximize=False, startup=5)
+    pruning.log.by_run = {f"run-{k}": series for k, series in enumerate(lockstep)}
+    for k in range(4):
+        pruning.ended(k, f"run-{k}", None, completed=True)
+    pruning.run_of[4] = "run-4"
+    pruning.ended(4, "run-4", None, completed=False)  # failed: not a completed child
+    pruning.run_of[5] = "run-5"
+    assert pruning._judge(5, "run-5")[0] is None
+    pruning.ended(4, "run-4", None, completed=True)
+    assert pruning._judge(5, "run-5")[0].step == 12
     assert study("seeds = [1]\nprune = { after_evals = 2 }",
                  BASE.replace("fraction = 0.1\n", "fraction = 0.1\nevery_steps = 4\n")).study.prune.startup_children == 5
 

@@ -268,15 +268,16 @@ class Pruning:
                 pruned.append(index)
         return pruned
 
-    def ended(self, index: int, run_id: str | None, metrics: TrainMetrics | None) -> None:
-        """A child ended: the evaluations of a completed one are all in its metrics (some were never events: see the
-        module's docstring), for the children judged after it (a search's trial is reported them before it is
-        told)."""
+    def ended(self, index: int, run_id: str | None, metrics: TrainMetrics | None, *, completed: bool) -> None:
+        """A child ended (`completed`: it completed, which counts towards `startup`): the evaluations of a completed
+        one are all in its metrics when the study has them (a subflow's; some were never events: see the module's
+        docstring), for the children judged after it (a search's trial is reported them before it is told)."""
+        if completed:
+            self.completed.add(index)
         if run_id is None:
             return
         self.run_of[index] = run_id
         if metrics is not None:
-            self.completed.add(index)
             self.log.add(run_id, getattr(metrics, self.log.series))
             if self.search is not None:  # the completed trial's every step, for the trials judged against it
                 self.search.report(index, self.log.of(run_id))
