@@ -37,7 +37,16 @@ from flows.serve import serve_trained
 from flows.spec import SpecError
 from flows.study_run import rebuild_trials, run_children
 from flows.study_search import Search, space_corners
-from flows.study_spec import Child, StudySettings, StudySpec, child_label, describe_values, expand, load_study_file
+from flows.study_spec import (
+    Child,
+    StudySettings,
+    StudySpec,
+    child_label,
+    describe_values,
+    expand,
+    judging_change,
+    load_study_file,
+)
 from flows.train_check import check_local_inputs
 from tasks.lifecycle.quota import WORKER_QUOTA_ENV, worker_quota_in_force
 from tasks.lifecycle.study_children import cancel_children_hook
@@ -291,6 +300,12 @@ def start_or_resume(spec: StudySpec, resume: str | None) -> FlowRun:
         if client.read_flow(run.flow_id).name != study.name:
             raise SpecError(f"--resume {resume}: flow run {run.name} is not a study (resume a study's own flow run "
                             "id, which it prints when it starts)")
+        # Its `spec` is what ran, unless a `run_file` replaced it (then a search's Optuna study still says).
+        earlier = (run.parameters or {}).get("spec") if not (run.parameters or {}).get("run_file") else None
+        if isinstance(earlier, dict) and (changed := judging_change(earlier.get("study") or {}, spec.study)):
+            raise SpecError(f"--resume {resume}: {changed}: the study ranked, pruned and told Optuna its children "
+                            "by what it was started with, so nothing was started. Resume it with its own study.metric "
+                            "and study.direction, or start a new study")
         # The page shows what this process runs (a resume may change study.parallel and study.budget_usd).
         client.update_flow_run(run.id, parameters=study.serialize_parameters({"spec": spec, "run_file": None}))
         return run

@@ -39,8 +39,8 @@ from pydantic import (
 from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
 from tasks.reports.study_names import child_label, child_name, describe_values
 
-__all__ = ["Child", "StudySettings", "StudySpec", "child_label", "describe_values", "expand", "load_study_file",
-           "make_child", "spec_difference"]
+__all__ = ["Child", "StudySettings", "StudySpec", "child_label", "describe_values", "expand", "judging_change",
+           "load_study_file", "make_child", "spec_difference"]
 
 MAX_CHILDREN = 1000
 """The most child runs one study starts: a grid beyond that is a mistake more often than a plan (and a search of a
@@ -408,6 +408,19 @@ def _copy(value: Any) -> Any:
     if isinstance(value, list):
         return [_copy(v) for v in value]
     return value
+
+
+def judging_change(earlier: dict[str, Any], now: StudySettings) -> str | None:
+    """How a resumed study's `[study]` (`now`) judges its children otherwise than its earlier process did (`earlier`:
+    the `study` section of the spec that process was given), e.g. `study.metric eval_loss then, train_loss now`; None
+    when its metric and direction are the same. The children that ended were ranked, pruned and told to Optuna by
+    those: a resume may not change them."""
+    then_metric = earlier.get("metric") or "eval_loss"
+    then_direction = earlier.get("direction") or ("maximize" if then_metric in MAXIMIZED else "minimize")
+    now_direction = "maximize" if now.maximize() else "minimize"
+    changed = [f"study.{name} {then} then, {new} now" for name, then, new in
+               (("metric", then_metric, now.metric), ("direction", then_direction, now_direction)) if then != new]
+    return "; ".join(changed) or None
 
 
 def spec_difference(ran: dict[str, Any], child: RunSpec) -> str | None:

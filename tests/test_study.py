@@ -655,6 +655,20 @@ def test_a_resume_that_changes_the_metric_or_the_direction_is_refused_naming_bot
     Search(study(SPACE), STUDY, storage)  # its own run file resumes it
 
 
+
+def test_a_resumed_grid_or_search_that_judges_by_another_metric_or_direction_is_named_with_both():
+    from flows.study import study as study_flow
+    from flows.study_spec import judging_change
+
+    started = study_flow.serialize_parameters({"spec": study("seeds = [1, 2]")})["spec"]["study"]  # what its page holds
+    assert judging_change(started, study("seeds = [1, 2, 3]\nparallel = 3").study) is None
+    assert judging_change(started, study('seeds = [1, 2]\nmetric = "train_loss"').study) == (
+        "study.metric eval_loss then, train_loss now")
+    assert judging_change(started, study('seeds = [1, 2]\ndirection = "maximize"').study) == (
+        "study.direction minimize then, maximize now")
+    assert judging_change({}, study('seeds = [1, 2]\ndirection = "minimize"').study) is None  # the defaults, spelt out
+
+
 def test_a_search_samples_with_a_seeded_tpe_that_lies_about_running_trials_and_a_settable_startup(tmp_path):
     search = Search(study(SPACE + "\nstartup_trials = 3"), STUDY, f"sqlite:///{tmp_path / 'optuna.db'}")
     sampler = search.study.sampler
