@@ -304,8 +304,8 @@ def pruning(root: Path, steps: int, every: int) -> tuple[StudyOutcome, StudyOutc
         deploy(team, tomllib.loads(run_spec(team, "bench-default", model, root / "prune-store", max_steps=1,
                                             evaluation=evaluation)))
         outcomes = []
-        for name, prune in (("bench-unpruned", ""), ("bench-pruned",
-                                                  'prune = { rule = "median", after_evals = 2, startup_children = 0 }\n')):
+        pruned = 'prune = { rule = "median", after_evals = 2, startup_children = 0 }\n'
+        for name, prune in (("bench-unpruned", ""), ("bench-pruned", pruned)):
             run_file = root / f"{name}.toml"
             rates = ", ".join(map(str, LEARNING_RATES))
             store = root / "prune-store"

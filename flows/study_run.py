@@ -3,9 +3,9 @@ within its budget, waits on them by polling Prefect, and reads each one's outcom
 
 A child is a `train` flow run either way:
 - with `study.deployment`, a run of that deployment (`run_deployment`, `timeout=0`, a subflow of the study with its
-  tags and the idempotency key `<study>:<index>:v<its values' fingerprint>`): it runs on whichever worker serves the deployment's pool, in a
-  process of its own, and the study holds nothing for it but a flow run id, read back with every other running
-  child's in one request a round;
+  tags and the idempotency key `<study>:<index>:v<its values' fingerprint>`): it runs on whichever worker serves the
+  deployment's pool, in a process of its own, and the study holds nothing for it but a flow run id, read back with
+  every other running child's in one request a round;
 - without, a subflow in the study's own process (one thread per running child: one machine, the local demo).
 
 The study may be started again in the same flow run (`python -m flows.study RUN_FILE --resume <id>`, or a Prefect
@@ -300,8 +300,9 @@ def _start(child: Child, ceiling: float, spec: StudySpec, study_run_id: str, run
     if deployment is None:
         return Going(child, ceiling, future=run_child.submit(child, spec.name, study_run_id))
     try:
-        return Going(child, ceiling, flow_run_id=start_deployment_child(
-            deployment, child_parameters(child.spec), run_tags, child_key(study_run_id, child.index, child.values, start)))
+        key = child_key(study_run_id, child.index, child.values, start)
+        return Going(child, ceiling, flow_run_id=start_deployment_child(deployment, child_parameters(child.spec),
+                                                                        run_tags, key))
     except (httpx.HTTPError, ObjectNotFound) as e:
         return _row(child, state="failed", ceiling=ceiling,
                     reason=f"could not be started as a run of {deployment}: {type(e).__name__}: {e}"[:500])

@@ -743,8 +743,9 @@ def test_six_children_a_hundredth_apart_in_lockstep_are_not_pruned_before_the_st
     assert pruning._judge(5, "run-5")[0] is None
     pruning.ended(4, "run-4", None, completed=True)
     assert pruning._judge(5, "run-5")[0].step == 12
-    assert study("seeds = [1]\nprune = { after_evals = 2 }",
-                 BASE.replace("fraction = 0.1\n", "fraction = 0.1\nevery_steps = 4\n")).study.prune.startup_children == 5
+    defaults = study("seeds = [1]\nprune = { after_evals = 2 }",
+                     BASE.replace("fraction = 0.1\n", "fraction = 0.1\nevery_steps = 4\n"))
+    assert defaults.study.prune.startup_children == 5
 
 
 def test_of_two_seeds_per_setting_and_a_useless_learning_rate_only_the_useless_setting_is_pruned():

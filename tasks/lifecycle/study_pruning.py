@@ -10,12 +10,12 @@ side is noise); then a child's setting (its values but the seed) is compared, by
 best value by an evaluation step, with the median of the other settings' means at that same step (running or ended,
 their seeds that reached it), so that two seeds of one setting never prune each other and a setting is pruned as a
 whole; otherwise as Optuna: a NaN is pruned, one other setting at the step is enough, and the judged step is the
-latest of the child's that another setting reached. One difference the events
-make: a running child's events hold the evaluations a poll of its job saw (the worker's progress carries the latest
-one, so evaluations that come faster than the polls are seen only in its final metrics), so another child that
-reached the step but has no value at it counts with its latest one before it (a loss that has only fallen since:
-the rule errs towards keeping the child). A search (`search = "tpe"`) passes the rule to Optuna's own
-`MedianPruner` instead (`flows/study_search.py`), each completed trial reported with all its evaluations.
+latest of the child's that another setting reached. One difference the events make: a running child's events hold
+the evaluations a poll of its job saw (the worker's progress carries the latest one, so evaluations that come faster
+than the polls are seen only in its final metrics), so another child that reached the step but has no value at it
+counts with its latest one before it (a loss that has only fallen since: the rule errs towards keeping the child). A
+search (`search = "tpe"`) passes the rule to Optuna's own `MedianPruner` instead (`flows/study_search.py`), each
+completed trial reported with all its evaluations.
 
 A pruned child is cancelled as a study cancels its children (CANCELLING: its train flow cancels its job and deletes
 its endpoint, in the study's process or on a worker alike) and tagged `study-pruned:<step>` first, so that a resumed

@@ -48,8 +48,8 @@ class ChildRow(BaseModel):
     metric: float | None = Field(default=None, description="The study's metric of the adapter the child kept: at its "
                                  "last step, or at `kept_step`.")
     kept_step: int | None = Field(default=None, description="With `training.early_stopping`, the step of the best "
-                                  "evaluation, whose adapter the child stored: every figure of the row is at that step. "
-                                  "None: the last step's.")
+                                  "evaluation, whose adapter the child stored: every figure of the row is at that "
+                                  "step. None: the last step's.")
     train_loss: float | None = Field(default=None, description="Training loss at the last logged step.")
     eval_loss: float | None = Field(default=None, description="Held-out loss at the last evaluation (SFT, DPO).")
     train_reward: float | None = Field(default=None, description="GRPO: mean reward at the last logged step.")
