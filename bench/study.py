@@ -18,7 +18,8 @@ study started as a user starts one (`python -m flows.study RUN_FILE`), its child
    ran on at least 2 workers (Prefect's `prefect.worker.submitted-flow-run` events say which).
 2. **Pruning**: one grid of the tiny model, learning rates 1e-7 / 1e-5 / 5e-3 (two that leave the model where it
    started, one that learns it), `--steps` steps, evaluated every `--every` steps, 3 at a time, run twice: without
-   and with `prune = { rule = "median", after_evals = 2 }`. Printed: each study's billed worker seconds at localpod
+   and with `prune = { rule = "median", after_evals = 2, startup_children = 0 }` (side by side, no child completes
+   before the others are judged). Printed: each study's billed worker seconds at localpod
    (worker process lifetimes, what RunPod would bill), its cost as loraflow counted it, its best child, and the
    ratios of the two.
 
@@ -303,7 +304,8 @@ def pruning(root: Path, steps: int, every: int) -> tuple[StudyOutcome, StudyOutc
         deploy(team, tomllib.loads(run_spec(team, "bench-default", model, root / "prune-store", max_steps=1,
                                             evaluation=evaluation)))
         outcomes = []
-        for name, prune in (("bench-unpruned", ""), ("bench-pruned", 'prune = { rule = "median", after_evals = 2 }\n')):
+        pruned = 'prune = { rule = "median", after_evals = 2, startup_children = 0 }\n'
+        for name, prune in (("bench-unpruned", ""), ("bench-pruned", pruned)):
             run_file = root / f"{name}.toml"
             rates = ", ".join(map(str, LEARNING_RATES))
             store = root / "prune-store"

@@ -36,9 +36,18 @@ from prefect.states import Cancelled, Completed, Failed, Pending, State
 
 from flows.serve import serve_trained
 from flows.spec import SpecError
-from flows.study_run import run_children
+from flows.study_run import rebuild_trials, run_children
 from flows.study_search import Search, space_corners
-from flows.study_spec import Child, StudySettings, StudySpec, child_label, describe_values, expand, load_study_file
+from flows.study_spec import (
+    Child,
+    StudySettings,
+    StudySpec,
+    child_label,
+    describe_values,
+    expand,
+    judging_change,
+    load_study_file,
+)
 from flows.train_check import check_local_inputs
 from tasks.lifecycle.quota import WORKER_QUOTA_ENV, worker_quota_in_force
 from tasks.lifecycle.study_children import cancel_children_hook
@@ -155,9 +164,12 @@ def check_study_room(settings: StudySettings) -> None:
 
 @task(name="study-search", cache_policy=NO_CACHE)
 def open_search(spec: StudySpec, study_run_id: str) -> Search:
-    """The study's Optuna study, created or (resumed) loaded, before anything is rented: `SpecError` names
-    `LORAFLOW_OPTUNA_STORAGE` when its storage cannot be opened."""
-    return Search(spec, study_run_id)
+    """The study's Optuna study, created or (resumed) loaded, with the trials its children ran and it lacks rebuilt,
+    before anything is rented: `SpecError` names `LORAFLOW_OPTUNA_STORAGE` when its storage cannot be opened, and
+    both when a resume changes the study's metric or direction."""
+    search = Search(spec, study_run_id)
+    rebuild_trials(search, study_run_id)
+    return search
 
 
 # Each hook reaches the children that have not ended (a cancelled study cancels them; one that crashed or failed
@@ -307,6 +319,12 @@ def start_or_resume(spec: StudySpec, resume: str | None) -> FlowRun:
         if client.read_flow(run.flow_id).name != study.name:
             raise SpecError(f"--resume {resume}: flow run {run.name} is not a study (resume a study's own flow run "
                             "id, which it prints when it starts)")
+        # Its `spec` is what ran, unless a `run_file` replaced it (then a search's Optuna study still says).
+        earlier = (run.parameters or {}).get("spec") if not (run.parameters or {}).get("run_file") else None
+        if isinstance(earlier, dict) and (changed := judging_change(earlier.get("study") or {}, spec.study)):
+            raise SpecError(f"--resume {resume}: {changed}: the study ranked, pruned and told Optuna its children "
+                            "by what it was started with, so nothing was started. Resume it with its own study.metric "
+                            "and study.direction, or start a new study")
         # The page shows what this process runs (a resume may change study.parallel and study.budget_usd).
         client.update_flow_run(run.id, parameters=study.serialize_parameters({"spec": spec, "run_file": None}))
         return run

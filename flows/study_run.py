@@ -3,9 +3,9 @@ within its budget, waits on them by polling Prefect, and reads each one's outcom
 
 A child is a `train` flow run either way:
 - with `study.deployment`, a run of that deployment (`run_deployment`, `timeout=0`, a subflow of the study with its
-  tags and the idempotency key `<study>:<index>`): it runs on whichever worker serves the deployment's pool, in a
-  process of its own, and the study holds nothing for it but a flow run id, read back with every other running
-  child's in one request a round;
+  tags and the idempotency key `<study>:<index>:v<its values' fingerprint>`): it runs on whichever worker serves the
+  deployment's pool, in a process of its own, and the study holds nothing for it but a flow run id, read back with
+  every other running child's in one request a round;
 - without, a subflow in the study's own process (one thread per running child: one machine, the local demo).
 
 The study may be started again in the same flow run (`python -m flows.study RUN_FILE --resume <id>`, or a Prefect
@@ -44,6 +44,7 @@ from tasks.lifecycle.study_children import (
     adoption_plan,
     cancel_children,
     child_key,
+    earlier_cost,
     end_stale_children,
     flow_run_page,
     found_child,
@@ -58,6 +59,7 @@ from tasks.lifecycle.study_children import (
 from tasks.lifecycle.study_pruning import Pruning, pruned_step
 from tasks.placement.cost import study_budget_decision
 from tasks.reports.study import ChildRow, best_child, completed_row
+from tasks.reports.study_names import child_name
 from tasks.settings import Settings
 from tasks.storage.artifacts import RunResults, read_run_results
 
@@ -120,8 +122,13 @@ def run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceil
     total = settings.children()
     told = search.told() if search is not None else {}
     plans = _plan(children, study_run_id, told)
+    # The seeds of one setting are judged as one (a search's trials are Optuna's to judge, one by one).
+    setting_of = {c.index: describe_values({p: v for p, v in c.values.items() if p != "training.seed"})
+                  for c in children} if search is None else {}
     pruning = (Pruning(after_evals=settings.prune.after_evals, metric=settings.metric, maximize=settings.maximize(),
-                       search=search) if settings.prune is not None else None)
+                       startup=settings.prune.startup_children, setting_of=setting_of, search=search)
+               if settings.prune is not None else None)
+    earlier = _earlier_costs(children, plans, ceiling_of)
     rows: dict[int, ChildRow] = {}
     going: dict[int, Going] = {}
     pending: list[tuple[Child, int]] = []
@@ -142,7 +149,10 @@ def run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceil
     if pruning is not None:
         pruning.adopt({g.child.index: g.flow_run_id for g in going.values() if g.flow_run_id})
     run_tags = list(dict.fromkeys([*study_tags(spec.name, study_run_id), *(flow_run.tags or [])]))
-    spent, pins, cancelled = 0.0, {}, False
+    spent, pins, cancelled = sum(earlier.values()), {}, False
+    if spent:
+        logger.info("Earlier starts of %d child(ren) cost $%.4f: counted in the study's budget and their rows",
+                    len(earlier), spent)
     while pending or going or (search is not None and search.left() and not cancelled):
         if not cancelled and run_cancel_requested():
             cancelled = True
@@ -196,13 +206,51 @@ def run_children(children: list[Child], spec: StudySpec, study_run_id: str, ceil
                 pins[index] = results.result
             if pruning is not None:
                 pruning.ended(index, child_row.flow_run_id, results.result.metrics
-                              if results is not None and results.result is not None else None)
+                              if results is not None and results.result is not None else None,
+                              completed=child_row.state == "completed")
             _tell(search, child_row)
             best = best_child(list(rows.values()), settings.maximize())
             pins = {i: r for i, r in pins.items() if best is not None and i == best.index}
             logger.info("Child %d/%d %s (%s) ended %s", index, total, child_row.name, child_row.values,
                         child_row.state)
+    for index, usd in earlier.items():  # a child's row counts every start of it
+        if index in rows:
+            rows[index] = rows[index].model_copy(update={"cost_usd": round((rows[index].cost_usd or 0.0) + usd, 6)})
     return Outcome(rows=[rows[i] for i in sorted(rows)], pins=pins, cancelled=cancelled)
+
+
+def _earlier_costs(children: list[Child], plans: dict[int, ChildPlan],
+                   ceiling_of: Callable[[Child], float]) -> dict[int, float]:
+    """What each child's earlier starts (`ChildPlan.earlier`) cost, by child index: their `loraflow.run.finished`,
+    else their wall time at the child's ceiling (`earlier_cost`). Empty on a first start."""
+    ids = {run_id: index for index, plan in plans.items() for run_id in plan.earlier}
+    if not ids:
+        return {}
+    by_index = {c.index: c for c in children}
+    costs = read_child_costs(list(ids))
+    runs = read_runs(list(ids))
+    spent: dict[int, float] = {}
+    for run_id, index in ids.items():
+        child = by_index[index]
+        run = runs.get(run_id)
+        usd = earlier_cost(costs.get(run_id), run_minutes(run) if run is not None else None, ceiling_of(child),
+                           child.spec.deadline_minutes)
+        spent[index] = spent.get(index, 0.0) + usd
+    return {index: usd for index, usd in spent.items() if usd > 0}
+
+
+def rebuild_trials(search: Search, study_run_id: str) -> None:
+    """A resumed search whose Optuna study lacks trials its children's runs show (opened on another machine, or its
+    file lost) gets them back from those runs (`Search.rebuild`), before it asks for more: else it would ask new
+    values at indices whose children already ran. `SpecError` when they cannot be rebuilt."""
+    trials = search.spec.study.trials or 0
+    by_name = {child_name(search.spec.name, {}, i, set()): i for i in range(1, trials + 1)}
+    found = [f for run in study_child_runs(study_run_id) if (f := found_child(run, study_run_id, by_name))]
+    added = search.rebuild(found)
+    if added:
+        get_run_logger().warning("The Optuna study %s in %s lacked %d trial(s) this study's children ran: rebuilt "
+                                 "from their runs' values (their results are told as they are read)", search.name,
+                                 search.storage_shown, added)
 
 
 def _trial_row(spec: StudySpec, index: int, values: dict, problem: str) -> ChildRow:
@@ -252,8 +300,9 @@ def _start(child: Child, ceiling: float, spec: StudySpec, study_run_id: str, run
     if deployment is None:
         return Going(child, ceiling, future=run_child.submit(child, spec.name, study_run_id))
     try:
-        return Going(child, ceiling, flow_run_id=start_deployment_child(
-            deployment, child_parameters(child.spec), run_tags, child_key(study_run_id, child.index, start)))
+        key = child_key(study_run_id, child.index, child.values, start)
+        return Going(child, ceiling, flow_run_id=start_deployment_child(deployment, child_parameters(child.spec),
+                                                                        run_tags, key))
     except (httpx.HTTPError, ObjectNotFound) as e:
         return _row(child, state="failed", ceiling=ceiling,
                     reason=f"could not be started as a run of {deployment}: {type(e).__name__}: {e}"[:500])

@@ -12,43 +12,61 @@ deployment run's key, `<study flow run id>:<n + 1>`, and its name, `<study>-c<n 
 its final `metric` when it completes, `PRUNED` when the study prunes it (the same median rule, passed to Optuna's
 `MedianPruner` with each evaluation as `trial.report`), and `FAIL` otherwise (failed, cancelled, skipped for the
 budget, values that make no valid run). The Optuna study is named `<study name>-<study flow run id>` and stored in
-`LORAFLOW_OPTUNA_STORAGE` (an SQLAlchemy URL: on a team, a database of its own on the team's PostgreSQL), else in
-`.local/optuna.db` in the working directory. Before anything is rented, the children at the space's corners (each
-range's ends, each listed value) are validated, their files read and their cost ceilings checked, as a grid's are.
+`LORAFLOW_OPTUNA_STORAGE` (an SQLAlchemy URL: on a team, a database of its own on the team's PostgreSQL, which a
+study on a Prefect server elsewhere must name), else in `loraflow/optuna.db` under Prefect's home (the same file from
+any folder of this machine). A resume whose Optuna study lacks trials its children show (another machine's file, a
+lost one) rebuilds them from the children's runs (`Search.rebuild`); a resume that changes `direction` or `metric` is
+refused. Before anything is rented, the children at the space's corners (each range's ends, each listed value) are
+validated, their files read and their cost ceilings checked, as a grid's are.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
-from optuna.trial import TrialState
+from optuna.trial import TrialState, create_trial
+from prefect.settings import get_current_settings
 from pydantic import ValidationError
 
 from flows.spec import SpecError, describe_validation_error
 from tasks.reports.study_names import describe_values
 from flows.study_spec import Child, SearchRange, SpaceValues, StudySpec, children_base, make_child
+from tasks.lifecycle.study_children import FoundChild
 from tasks.lifecycle.study_pruning import Verdict, trained_steps
 from tasks.reports.study import ChildRow
 from tasks.settings import Settings
 
 OPTUNA_STORAGE_ENV = "LORAFLOW_OPTUNA_STORAGE"
-LOCAL_STORAGE = Path(".local") / "optuna.db"
-"""The Optuna storage without `LORAFLOW_OPTUNA_STORAGE`: an SQLite file, relative to the study's working directory."""
+LOCAL_STORAGE = Path("loraflow") / "optuna.db"
+"""The Optuna storage without `LORAFLOW_OPTUNA_STORAGE`: an SQLite file under Prefect's home (`PREFECT_HOME`,
+`~/.prefect`), which a study resumed from any folder of this machine opens again."""
 _ENDED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
 
 
 def storage_url() -> str:
-    """`LORAFLOW_OPTUNA_STORAGE`, else the SQLite file `.local/optuna.db` under the working directory (its folder
-    made)."""
+    """`LORAFLOW_OPTUNA_STORAGE`; else, with a Prefect server on this machine (or none: an ephemeral one), the SQLite
+    file `loraflow/optuna.db` under Prefect's home (its folder made). `SpecError` with a Prefect server elsewhere (a
+    team's): the study may run, or be resumed, on any of its workers, and each must reach the same Optuna study."""
     configured = Settings().loraflow_optuna_storage
     if configured is not None:
         return configured.get_secret_value()
-    path = Path.cwd() / LOCAL_STORAGE
+    settings = get_current_settings()
+    api = settings.api.url
+    if api and (urlparse(str(api)).hostname or "") not in _LOOPBACK:
+        raise SpecError(f"study.search \"tpe\" on the Prefect server at {api} needs {OPTUNA_STORAGE_ENV}: the study "
+                        "may run, or be resumed, on any machine that server's workers run on, and each must open the "
+                        "same Optuna study. Set it to an SQLAlchemy URL every such machine reaches, e.g. a database of "
+                        "its own on the team's PostgreSQL: postgresql+psycopg://USER:PASSWORD@HOST:5432/optuna")
+    path = Path(settings.home) / LOCAL_STORAGE
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
 
@@ -136,22 +154,45 @@ class Search:
         self.name = f"{spec.name}-{study_run_id}"
         url = storage or storage_url()
         self.storage_shown = shown_url(url)
+        direction = "maximize" if spec.study.maximize() else "minimize"
+        startup = spec.study.prune.startup_children if spec.study.prune is not None else 0
         try:
+            with warnings.catch_warnings():
+                # `constant_liar` is marked experimental in Optuna 4.9; it is the sampler's documented way to keep
+                # parallel trials apart.
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                sampler = optuna.samplers.TPESampler(n_startup_trials=spec.study.startup_trials, constant_liar=True,
+                                                     seed=spec.training.seed)
             self.study = optuna.create_study(
                 storage=optuna.storages.RDBStorage(url), study_name=self.name, load_if_exists=True,
-                direction="maximize" if spec.study.maximize() else "minimize",
-                sampler=optuna.samplers.TPESampler(),
-                # The study's median rule through Optuna's own pruner: judged at every reported step (no warm-up:
-                # the study reports a trial's evaluations only from its `after_evals`-th on), against every trial
-                # that completed, from the first.
-                pruner=optuna.pruners.MedianPruner(n_startup_trials=0, n_warmup_steps=0, n_min_trials=1))
+                direction=direction, sampler=sampler,
+                # The study's median rule through Optuna's own pruner: no trial is pruned before `startup_children`
+                # trials completed; then judged at every reported step (the study reports a trial's evaluations only
+                # from its `after_evals`-th on) against the completed trials that reported there.
+                pruner=optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=0, n_min_trials=1))
         except Exception as e:  # noqa: BLE001 - SQLAlchemy's, a driver's or Optuna's own: all mean the same here
             why = " ".join(str(e).split())[:300]
             raise SpecError(f"the study's Optuna storage {self.storage_shown} could not be opened ({type(e).__name__}: "
                             f"{why}): set {OPTUNA_STORAGE_ENV} to an SQLAlchemy URL of a database this process can "
                             "reach (e.g. postgresql+psycopg://USER:PASSWORD@HOST:5432/optuna), or unset it for a local "
-                            "SQLite file, .local/optuna.db") from e
+                            "SQLite file under Prefect's home") from e
+        self._same_judging(direction)
         self._trial_ids = {t.number: t._trial_id for t in self.study.get_trials(deepcopy=False)}
+
+    def _same_judging(self, direction: str) -> None:
+        """A resumed study judges by what it judged by: its Optuna study's direction and metric are this run file's,
+        or `SpecError` names both (the trials told so far were told the other's values)."""
+        metric = self.spec.study.metric
+        stored = self.study.user_attrs.get("metric")
+        if stored is None and not self.study.get_trials(deepcopy=False):
+            self.study.set_user_attr("metric", metric)
+            stored = metric
+        then = self.study.direction.name.lower()
+        if (stored or metric, then) != (metric, direction):
+            raise SpecError(f"the study's Optuna study {self.name} in {self.storage_shown} was told {stored or '?'} to "
+                            f"{then}, and this run file asks {metric} to {direction}: its trials' values mean the "
+                            "other, so nothing was started. Resume the study with its own study.metric and "
+                            "study.direction, or start a new study")
 
     def asked(self) -> list[tuple[int, dict[str, Any], Child | None]]:
         """Every trial asked before (a resumed study's): its child's index, its values, and its child (None when the
@@ -174,6 +215,68 @@ class Search:
     def left(self) -> int:
         """Trials still to ask."""
         return max(0, (self.spec.study.trials or 0) - len(self._trial_ids))
+
+    def rebuild(self, found: Sequence[FoundChild]) -> int:
+        """Add the trials the Optuna study lacks that the study's child runs show (`found`: every run an earlier
+        process of this study started; a resume on another machine, or after the Optuna file was lost, opens an
+        empty study): each child's trial with the values its run was given, RUNNING, so that its run is adopted and
+        its trial told as any asked trial's is; an index with no run (asked, never started) a FAIL trial told
+        `not started`. Trials are numbered in order, so each keeps its child's index. Returns the trials added.
+        `SpecError`, naming the storage, when a run's values are not this run file's space's, or its trial here
+        holds other values than its run."""
+        specs: dict[int, list[dict[str, Any]]] = {}
+        for run in found:
+            specs.setdefault(run.index, []).append(run.spec)
+        trials = self.study.get_trials(deepcopy=False)
+        problems, values_of = [], {}
+        for index in sorted(specs):
+            distinct = {repr(v): v for v in (self._values_of(s) for s in specs[index])}
+            if len(distinct) > 1 or None in distinct.values():
+                problems.append(f"child {index}'s runs were given " + (" and ".join(distinct) if len(distinct) > 1
+                                else f"no value of each of {', '.join(self.space)}"))
+                continue
+            (values,) = distinct.values()
+            if index <= len(trials) and trials[index - 1].params != values:
+                problems.append(f"trial {index - 1} holds {describe_values(trials[index - 1].params)} where its "
+                                f"child's run trained {describe_values(values)}")
+            values_of[index] = values
+        added = []
+        for index in range(len(trials) + 1, max(specs, default=0) + 1):
+            if index not in values_of:
+                added.append(create_trial(state=TrialState.FAIL, user_attrs={
+                    "row_state": "not started", "reason": f"its trial was lost with the Optuna study in "
+                    f"{self.storage_shown} before its child started"}))
+                continue
+            try:
+                added.append(create_trial(state=TrialState.RUNNING, params=values_of[index],
+                                          distributions={path: self.space[path] for path in values_of[index]},
+                                          user_attrs={"child": make_child(self.spec.name, self.base, index,
+                                                                          values_of[index]).spec.name}))
+            except (ValueError, ValidationError) as e:
+                problems.append(f"child {index} ran {describe_values(values_of[index])}, outside this run file's "
+                                f"study.space ({' '.join(str(e).split())[:200]})")
+        if problems:
+            raise SpecError(f"the study's Optuna study {self.name} in {self.storage_shown} holds {len(trials)} "
+                            f"trial(s) and its children's runs show {max(specs)}, and the missing trials cannot be "
+                            "rebuilt from them, so nothing was started: resume the study with its own run file and "
+                            f"{OPTUNA_STORAGE_ENV} set to the storage it ran with\n"
+                            + "\n".join(f"  - {p}" for p in problems))
+        for trial in added:
+            self.study.add_trial(trial)
+        self._trial_ids = {t.number: t._trial_id for t in self.study.get_trials(deepcopy=False)}
+        return len(added)
+
+    def _values_of(self, spec: dict[str, Any]) -> dict[str, Any] | None:
+        """The space's values in the `spec` a child's run was given; None when one is missing."""
+        values = {}
+        for path in self.space:
+            section: Any = spec
+            for key in path.split("."):
+                if not isinstance(section, dict) or key not in section:
+                    return None
+                section = section[key]
+            values[path] = section
+        return values
 
     def ask(self) -> Child:
         """The next trial's child, its values Optuna's. `InvalidTrial` (told FAIL) when they make no valid run."""

@@ -39,8 +39,8 @@ from pydantic import (
 from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
 from tasks.reports.study_names import child_label, child_name, describe_values
 
-__all__ = ["Child", "StudySettings", "StudySpec", "child_label", "describe_values", "expand", "load_study_file",
-           "make_child", "spec_difference"]
+__all__ = ["Child", "StudySettings", "StudySpec", "child_label", "describe_values", "expand", "judging_change",
+           "load_study_file", "make_child", "spec_difference"]
 
 MAX_CHILDREN = 1000
 """The most child runs one study starts: a grid beyond that is a mistake more often than a plan (and a search of a
@@ -65,14 +65,23 @@ class PruneRule(BaseModel):
     rule: Literal["median"] = Field(
         default="median",
         description="`median`: Optuna's median rule. A child whose best `metric` by an evaluation step is worse than "
-        "the median of the other children's values at that same step is cancelled (`pruned`). A grid compares with "
-        "every other child that reached the step, running or ended; a search passes the rule to Optuna's "
-        "`MedianPruner`, which compares with the trials that completed.",
+        "the median of the other children's values at that same step is cancelled (`pruned`). A grid compares "
+        "settings, not seeds: a setting's value is the mean over its seeds that reached the step, it is compared "
+        "with the other settings that reached it (running or ended), and a setting worse than their median is pruned "
+        "as a whole, its seeds with it. A search passes the rule to Optuna's `MedianPruner`, which compares with the "
+        "trials that completed.",
     )
     after_evals: int = Field(
         default=2, ge=1, le=10_000,
         description="Evaluations a child has had since its first step before it may be pruned (the one before the "
         "first step, the base model's, does not count: it says nothing of the child's settings).",
+    )
+    startup_children: int = Field(
+        default=5, ge=0, le=MAX_CHILDREN,
+        description="Children that must have completed (every evaluation reported) before any child is pruned "
+        "(Optuna's `MedianPruner` `n_startup_trials`, whose default this is): a median of the first few children "
+        "running side by side is noise, and a slow starter would be cancelled before it shows what it learns. 0: "
+        "judge from the first evaluations, against every other setting that reached the step.",
     )
 
 
@@ -129,7 +138,8 @@ class StudySettings(BaseModel):
     )
     metric: Metric = Field(
         default="eval_loss",
-        description="What picks the best child, at its last value: `eval_loss` (SFT, DPO: needs `[evaluation]`), "
+        description="What picks the best child, at its last value (with `training.early_stopping`, at the evaluation "
+        "whose adapter the child kept): `eval_loss` (SFT, DPO: needs `[evaluation]`), "
         "`eval_reward` (GRPO: needs `[evaluation]`), `eval_reward_accuracy` (DPO's held-out reward accuracy: needs "
         "`[evaluation]`) or `train_loss`.",
     )
@@ -163,13 +173,20 @@ class StudySettings(BaseModel):
         default="grid",
         description="`grid`: one child per combination of `grid` × `seeds`. `tpe`: Optuna's TPE sampler picks each "
         "next child's values from `space`, `trials` children in all, told each child's final `metric` as it ends; the "
-        "Optuna study is stored in `LORAFLOW_OPTUNA_STORAGE` (an SQLAlchemy URL; else `.local/optuna.db` in the "
-        "flow's working directory), named `<name>-<study flow run id>`.",
+        "Optuna study is stored in `LORAFLOW_OPTUNA_STORAGE` (an SQLAlchemy URL, which a Prefect server on another "
+        "machine needs; else `loraflow/optuna.db` under Prefect's home), named `<name>-<study flow run id>`.",
     )
     trials: int | None = Field(
         default=None, ge=1, le=MAX_CHILDREN,
         description="With `search = \"tpe\"`: how many children Optuna picks, in all (a resumed study asks only for "
         "those it has not asked yet).",
+    )
+    startup_trials: int = Field(
+        default=10, ge=0, le=MAX_CHILDREN,
+        description="With `search = \"tpe\"`: trials whose values are picked at random before TPE models the "
+        "results (Optuna's `TPESampler` `n_startup_trials`, whose default this is). The sampler is seeded with the run "
+        "file's `training.seed` and, as children run `parallel` at once, lies about the running ones "
+        "(`constant_liar`) so that they are not asked alike.",
     )
     space: dict[str, SpaceValues] = Field(
         default_factory=dict, max_length=12,
@@ -237,9 +254,9 @@ class StudySettings(BaseModel):
                 raise ValueError("study.search \"tpe\" picks every child's values from `study.space`: remove "
                                  "`study.grid` and `study.seeds` (a seed to vary is a list in the space: "
                                  "\"training.seed\" = [1, 2])")
-        elif self.trials is not None or self.space:
-            raise ValueError("`study.trials` and `study.space` are for a search: add `search = \"tpe\"`, or vary the "
-                             "fields with `study.grid`")
+        elif self.trials is not None or self.space or "startup_trials" in self.model_fields_set:
+            raise ValueError("`study.trials`, `study.space` and `study.startup_trials` are for a search: add "
+                             "`search = \"tpe\"`, or vary the fields with `study.grid`")
         if self.children() > MAX_CHILDREN:
             raise ValueError(f"the study would start {self.children()} child runs (grid values × seeds), more than "
                              f"{MAX_CHILDREN}: try fewer grid values or seeds, or split it into smaller studies")
@@ -391,6 +408,19 @@ def _copy(value: Any) -> Any:
     if isinstance(value, list):
         return [_copy(v) for v in value]
     return value
+
+
+def judging_change(earlier: dict[str, Any], now: StudySettings) -> str | None:
+    """How a resumed study's `[study]` (`now`) judges its children otherwise than its earlier process did (`earlier`:
+    the `study` section of the spec that process was given), e.g. `study.metric eval_loss then, train_loss now`; None
+    when its metric and direction are the same. The children that ended were ranked, pruned and told to Optuna by
+    those: a resume may not change them."""
+    then_metric = earlier.get("metric") or "eval_loss"
+    then_direction = earlier.get("direction") or ("maximize" if then_metric in MAXIMIZED else "minimize")
+    now_direction = "maximize" if now.maximize() else "minimize"
+    changed = [f"study.{name} {then} then, {new} now" for name, then, new in
+               (("metric", then_metric, now.metric), ("direction", then_direction, now_direction)) if then != new]
+    return "; ".join(changed) or None
 
 
 def spec_difference(ran: dict[str, Any], child: RunSpec) -> str | None:

@@ -103,8 +103,9 @@ class Settings(BaseSettings):
         default=None,
         description="Where a study's search (`search = \"tpe\"`) keeps its Optuna study: an SQLAlchemy URL, on a team "
         "a database of its own on the team's PostgreSQL (`postgresql+psycopg://USER:PASSWORD@HOST:5432/optuna`; "
-        "not the Prefect server's database, whose schema is Prefect's). Unset: `.local/optuna.db`, an SQLite file "
-        "in the study's working directory. A secret: the URL may hold a password.",
+        "not the Prefect server's database, whose schema is Prefect's), which a study on a Prefect server elsewhere "
+        "than this machine needs. Unset: `loraflow/optuna.db`, an SQLite file under Prefect's home (`PREFECT_HOME`). "
+        "A secret: the URL may hold a password.",
     )
     loraflow_slot_lease_seconds: int = Field(
         # Prefect's server refuses leases shorter than 60 s (422).

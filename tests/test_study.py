@@ -275,8 +275,38 @@ def test_a_child_started_again_gets_a_key_of_its_own_and_a_completed_start_is_ne
     plans = adoption_plan([1, 2], [found(1, "FAILED"), found(1, "CRASHED", start=2),
                                    found(2, "FAILED"), found(2, "COMPLETED", start=2)])
     assert (plans[1].action, plans[1].start) == ("start", 3)
-    assert child_key(STUDY, 1, plans[1].start) == f"{STUDY}:1:3" and child_key(STUDY, 1) == f"{STUDY}:1"
+    values = {"training.learning_rate": 1e-4}
+    first = child_key(STUDY, 1, values)
+    assert child_key(STUDY, 1, values, plans[1].start) == f"{first}:3"
+    assert found_child(flow_run(key=f"{first}:3"), STUDY, {}).model_dump(include={"index", "start"}) == {
+        "index": 1, "start": 3}
     assert plans[2].action == "adopt" and plans[2].run.start == 2
+    assert plans[1].earlier == ["run-1-1-FAILED", "run-1-2-CRASHED"] and plans[2].earlier == ["run-2-1-FAILED"]
+
+
+def test_a_childs_key_carries_its_values_so_another_child_at_its_place_never_gets_its_run():
+    # Prefect hands back the run an earlier start with the same key made, whatever it trained: a search resumed
+    # without its Optuna study asks new values at index 1, and must not be given the run that trained others.
+    ran = child_key(STUDY, 1, {"training.learning_rate": 2.4e-3, "lora.rank": 8})
+    assert ran.startswith(f"{STUDY}:1:v")
+    assert child_key(STUDY, 1, {"training.learning_rate": 3.9e-4, "lora.rank": 8}) != ran
+    assert child_key(STUDY, 1, {"lora.rank": 8, "training.learning_rate": 2.4e-3}) == ran  # the order is not a value
+    assert child_key(STUDY, 2, {"training.learning_rate": 2.4e-3, "lora.rank": 8}) != ran
+
+
+def test_a_resumed_study_counts_what_every_earlier_start_of_a_child_cost():
+    from tasks.lifecycle.study_children import earlier_cost
+
+    plans = adoption_plan([1, 2, 3], [found(1, "FAILED"), found(1, "COMPLETED", start=2), found(2, "CANCELLED"),
+                                      found(3, "RUNNING", start=0, deployment=False)])
+    # The adopted run's cost is its row's; every other start of the child ran, and its cost counts too.
+    assert [plans[i].earlier for i in (1, 2, 3)] == [["run-1-1-FAILED"], ["run-2-1-CANCELLED"],
+                                                    ["run-3-0-RUNNING"]]
+    assert earlier_cost(0.42, minutes=30.0, ceiling_usd=2.0, deadline_minutes=60) == 0.42  # its run.finished
+    # A run whose process died sent none: its ceiling for the time it lived, at most the whole ceiling.
+    assert earlier_cost(None, minutes=30.0, ceiling_usd=2.0, deadline_minutes=60) == 1.0
+    assert earlier_cost(None, minutes=90.0, ceiling_usd=2.0, deadline_minutes=60) == 2.0
+    assert earlier_cost(None, minutes=None, ceiling_usd=2.0, deadline_minutes=60) == 0.0  # never started
 
 
 def test_a_subflow_child_left_running_by_a_dead_study_process_is_torn_down_and_run_again():
@@ -604,3 +634,175 @@ def test_an_optuna_storage_that_cannot_be_opened_refuses_the_study_naming_the_se
     with pytest.raises(SpecError, match="could not be opened .*set LORAFLOW_OPTUNA_STORAGE") as refused:
         Search(study(SPACE), STUDY, "postgresql+psycopg://someone:secret@127.0.0.1:1/optuna")
     assert "secret" not in str(refused.value) and "someone:***@127.0.0.1:1" in str(refused.value)
+
+
+# Resuming a search whose Optuna study is gone or was another's.
+
+def child_run(index: int, values: dict, state: str = "COMPLETED") -> FoundChild:
+    spec: dict = {"name": f"sweep-c{index}"}
+    for path, value in values.items():
+        section = spec
+        *parents, last = path.split(".")
+        for key in parents:
+            section = section.setdefault(key, {})
+        section[last] = value
+    return FoundChild(index=index, start=1, flow_run_id=f"run-{index}", state=state, deployment=True, spec=spec)
+
+
+def test_a_search_resumed_with_an_empty_optuna_study_rebuilds_its_trials_from_its_childrens_runs(tmp_path):
+    ran = {1: {"training.learning_rate": 2.4e-4, "lora.rank": 8, "training.max_steps": 8},
+           3: {"training.learning_rate": 1e-4, "lora.rank": 16, "training.max_steps": 4}}
+    resumed = Search(study(SPACE), STUDY, f"sqlite:///{tmp_path / 'elsewhere.db'}")  # another folder's, empty
+    assert resumed.rebuild([child_run(1, ran[1]), child_run(3, ran[3], "FAILED")]) == 3
+    asked = {index: (values, child) for index, values, child in resumed.asked()}
+    # Each child keeps its index and its values: never asked again with others, and adopted as it ran.
+    assert asked[1][0] == ran[1] and asked[3][0] == ran[3] and asked[1][1].spec.training.learning_rate == 2.4e-4
+    assert asked[1][1].spec.name == "sweep-c1"
+    assert [t.state.name for t in resumed.study.get_trials()] == ["RUNNING", "FAIL", "RUNNING"]
+    assert resumed.told() == {2: ("not started", "its trial was lost with the Optuna study in sqlite:///"
+                                  f"{tmp_path / 'elsewhere.db'} before its child started")}
+    assert resumed.left() == 1 and resumed.ask().index == 4
+    resumed.tell(row(1).model_copy(update={"metric": 1.5}))  # its adopted run's result, told as any trial's
+    assert resumed.study.get_trials()[0].value == 1.5
+    assert resumed.rebuild([child_run(1, ran[1])]) == 0  # a study that holds them all is left as it is
+
+
+def test_a_search_whose_optuna_study_holds_other_values_than_its_childrens_runs_is_refused_naming_the_storage(
+        tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    first = Search(study(SPACE), STUDY, storage)
+    first.ask()
+    with pytest.raises(SpecError) as refused:
+        Search(study(SPACE), STUDY, storage).rebuild([child_run(1, {"training.learning_rate": 3.3e-4, "lora.rank": 8,
+                                                                     "training.max_steps": 8})])
+    assert f"Optuna study sweep-{STUDY} in {storage} holds 1 trial(s)" in str(refused.value)
+    assert "trial 0 holds" in str(refused.value) and "where its child's run trained" in str(refused.value)
+    outside = child_run(1, {"training.learning_rate": 0.5, "lora.rank": 8, "training.max_steps": 8})
+    with pytest.raises(SpecError, match="child 1 ran .*outside this run file's study.space"):
+        Search(study(SPACE), "another-study-run", storage).rebuild([outside])
+
+
+def test_a_resume_that_changes_the_metric_or_the_direction_is_refused_naming_both(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    Search(study(SPACE), STUDY, storage).ask()
+    with pytest.raises(SpecError) as refused:
+        Search(study(SPACE + '\ndirection = "maximize"'), STUDY, storage)
+    assert "was told eval_loss to minimize, and this run file asks eval_loss to maximize" in str(refused.value)
+    with pytest.raises(SpecError, match="was told eval_loss to minimize, and this run file asks train_loss to "
+                                        "minimize"):
+        Search(study(SPACE + '\nmetric = "train_loss"'), STUDY, storage)
+    Search(study(SPACE), STUDY, storage)  # its own run file resumes it
+
+
+
+def test_a_resumed_grid_or_search_that_judges_by_another_metric_or_direction_is_named_with_both():
+    from flows.study import study as study_flow
+    from flows.study_spec import judging_change
+
+    started = study_flow.serialize_parameters({"spec": study("seeds = [1, 2]")})["spec"]["study"]  # what its page holds
+    assert judging_change(started, study("seeds = [1, 2, 3]\nparallel = 3").study) is None
+    assert judging_change(started, study('seeds = [1, 2]\nmetric = "train_loss"').study) == (
+        "study.metric eval_loss then, train_loss now")
+    assert judging_change(started, study('seeds = [1, 2]\ndirection = "maximize"').study) == (
+        "study.direction minimize then, maximize now")
+    assert judging_change({}, study('seeds = [1, 2]\ndirection = "minimize"').study) is None  # the defaults, spelt out
+
+
+def test_a_search_samples_with_a_seeded_tpe_that_lies_about_running_trials_and_a_settable_startup(tmp_path):
+    search = Search(study(SPACE + "\nstartup_trials = 3"), STUDY, f"sqlite:///{tmp_path / 'optuna.db'}")
+    sampler = search.study.sampler
+    assert sampler._constant_liar and sampler._n_startup_trials == 3
+    again = Search(study(SPACE + "\nstartup_trials = 3"), "another-study-run", f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert search.ask().values == again.ask().values  # seeded with the run file's training.seed
+    with pytest.raises(ValidationError, match="are for a search"):
+        study("seeds = [1, 2]\nstartup_trials = 3")
+
+
+def test_a_search_on_a_prefect_server_elsewhere_needs_a_shared_optuna_storage_and_a_local_one_a_home_file(
+        tmp_path, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from flows.study_search import storage_url
+
+    monkeypatch.delenv("LORAFLOW_OPTUNA_STORAGE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with temporary_settings({PREFECT_API_URL: "https://prefect.team.example/api", PREFECT_HOME: tmp_path / "home"}):
+        with pytest.raises(SpecError, match="on the Prefect server at https://prefect.team.example/api needs "
+                                            "LORAFLOW_OPTUNA_STORAGE"):
+            storage_url()
+    # On this machine, from whatever folder: the same file, under Prefect's home.
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api", PREFECT_HOME: tmp_path / "home"}):
+        assert storage_url() == f"sqlite:///{tmp_path / 'home' / 'loraflow' / 'optuna.db'}"
+    monkeypatch.setenv("LORAFLOW_OPTUNA_STORAGE", "postgresql+psycopg://u:p@db:5432/optuna")
+    with temporary_settings({PREFECT_API_URL: "https://prefect.team.example/api"}):
+        assert storage_url() == "postgresql+psycopg://u:p@db:5432/optuna"
+
+
+# Fair judging: the kept adapter's metric, and pruning that waits and treats seeds as one setting.
+
+def test_an_early_stopped_childs_row_shows_the_metric_of_the_adapter_it_kept_not_its_last_evaluation():
+    from loraflow_worker.contract import EarlyStopped
+
+    stopped = metrics([6.0, 4.0, 4.5, 4.8, 5.1]).model_copy(update={
+        "losses": [(1, 5.0), (2, 3.5), (3, 3.0), (4, 2.9)], "final_loss": 2.9,
+        "early_stopping": EarlyStopped(metric="eval_loss", patience=3, min_delta=0.0, stopped=True, step=4,
+                                       total_steps=100, best_step=1, best_value=4.0, reason="no better for 3")})
+    kept = completed_row(row(1), stopped, "eval_loss")
+    assert (kept.metric, kept.eval_loss, kept.train_loss, kept.kept_step) == (4.0, 4.0, 5.0, 1)
+    assert completed_row(row(1), stopped, "train_loss").metric == 5.0  # the training loss it had at that step
+    # Ranked by it: its kept 4.0 beats a child whose last evaluation, 4.2, is better than its own last, 5.1.
+    other = completed_row(row(2), metrics([6.0, 4.2]), "eval_loss")
+    assert best_child([kept, other], maximize=False).index == 1
+    markdown = study_markdown(StudyReport(study="sweep", metric="eval_loss", maximize=False, rows=[kept, other],
+                                          best=kept, cost_usd=0.0, cost_ceiling_usd=0.0), None)
+    assert "| c1 **(best)** | training.seed=1 | completed | 4 (step 1) |" in markdown
+    assert table_rows([kept], "eval_loss", kept)[0]["eval_loss"] == 4.0
+
+
+def test_six_children_a_hundredth_apart_in_lockstep_are_not_pruned_before_the_startup_count_completed():
+    lockstep = [{0: 7.0, 4: 5.0 + k / 100, 8: 4.0 + k / 100, 12: 3.0 + k / 100} for k in range(6)]
+    for k, own in enumerate(lockstep):  # the default startup count, 5: none completed while they run side by side
+        others = [o for j, o in enumerate(lockstep) if j != k]
+        assert median_rule(own, others, after_evals=2, maximize=False, completed=0, startup=5) is None
+    # Five completed (the sixth a slow starter, judged after them): from then on it is judged as Optuna judges.
+    slow = lockstep[5]
+    assert median_rule(slow, lockstep[:5], after_evals=2, maximize=False, completed=4, startup=5) is None
+    assert median_rule(slow, lockstep[:5], after_evals=2, maximize=False, completed=5, startup=5).step == 12
+    # A study counts the children that completed as they end, deployment children (whose metrics it never holds)
+    # as much as its subflows.
+    from tasks.lifecycle.study_pruning import Pruning
+
+    pruning = Pruning(after_evals=2, metric="eval_loss", maximize=False, startup=5)
+    pruning.log.by_run = {f"run-{k}": series for k, series in enumerate(lockstep)}
+    for k in range(4):
+        pruning.ended(k, f"run-{k}", None, completed=True)
+    pruning.run_of[4] = "run-4"
+    pruning.ended(4, "run-4", None, completed=False)  # failed: not a completed child
+    pruning.run_of[5] = "run-5"
+    assert pruning._judge(5, "run-5")[0] is None
+    pruning.ended(4, "run-4", None, completed=True)
+    assert pruning._judge(5, "run-5")[0].step == 12
+    defaults = study("seeds = [1]\nprune = { after_evals = 2 }",
+                     BASE.replace("fraction = 0.1\n", "fraction = 0.1\nevery_steps = 4\n"))
+    assert defaults.study.prune.startup_children == 5
+
+
+def test_of_two_seeds_per_setting_and_a_useless_learning_rate_only_the_useless_setting_is_pruned():
+    from tasks.lifecycle.study_pruning import Pruning
+
+    good = [{0: 7.0, 4: 5.0, 8: 4.0}, {0: 7.0, 4: 5.6, 8: 4.9}]  # 3e-3, two seeds: one noticeably luckier
+    useless = [{0: 7.0, 4: 6.99, 8: 6.98}, {0: 7.0, 4: 6.98, 8: 6.97}]  # 1e-7: the model where it started
+    pruning = Pruning(after_evals=2, metric="eval_loss", maximize=False, startup=0,
+                      setting_of={1: "lr=0.003", 2: "lr=0.003", 3: "lr=1e-07", 4: "lr=1e-07"})
+    series = {1: good[0], 2: good[1], 3: useless[0], 4: useless[1]}
+    pruning.run_of = {i: f"run-{i}" for i in series}
+    pruning.log.by_run = {f"run-{i}": s for i, s in series.items()}
+    verdicts = {i: pruning._judge(i, f"run-{i}") for i in series}
+    # The unlucky good seed (4.9) is worse than the median of the other three children, but not its setting.
+    assert verdicts[1][0] is None and verdicts[2][0] is None
+    for index in (3, 4):  # the useless setting is pruned as a whole, by its seeds' mean against the good setting's
+        verdict, against = verdicts[index]
+        assert verdict == Verdict(step=8, value=6.975, median=4.45, others=1), verdict
+        assert against == "other setting(s) (the mean of each one's seeds)"
+    # Four seeds of one setting never prune each other: there is no other setting to be worse than.
+    assert median_rule(good[1], [], own_seeds=[good[0], good[0], good[0]], after_evals=2, maximize=False) is None

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import HfApi
 
+from tasks.lifecycle.study_children import child_key
 from tests.conftest import REPO, localpod_account, prefect_api, stop_process_group
 from tests.test_cancel_e2e import LEASE_S, cancel_from_cli, state_of
 from tests.test_crash_recovery_e2e import (
@@ -268,10 +269,11 @@ def test_a_study_of_deployment_children_killed_midway_and_resumed_adopts_them_an
                            or study.poll() is not None, 120, "the study to print its flow run id")
         assert study.poll() is None, study_log.read_text()[-4000:]
         study_id = started.group(1)
+        keys = [child_key(study_id, i, {"training.max_steps": steps}) for i, steps in ((1, 4), (2, 400), (3, 6))]
 
         def second_child_training():
             runs = {c["idempotency_key"]: c for c in children_of(local_stack, study_id)}
-            first, second = runs.get(f"{study_id}:1"), runs.get(f"{study_id}:2")
+            first, second = runs.get(keys[0]), runs.get(keys[1])
             if first is None or second is None or first["state"]["type"] != "COMPLETED":
                 return None
             endpoints = {e["id"] for e in study_endpoints(local_stack, "e2e-resume-ms400")}
@@ -300,8 +302,9 @@ def test_a_study_of_deployment_children_killed_midway_and_resumed_adopts_them_an
 
     assert state_of(local_stack, study_id)["type"] == "COMPLETED"
     children = children_of(local_stack, study_id)
-    # One run per child, each a run of the deployment, a subflow of the study, keyed by the study and its place.
-    assert sorted(c["idempotency_key"] for c in children) == [f"{study_id}:{i}" for i in (1, 2, 3)], children
+    # One run per child, each a run of the deployment, a subflow of the study, keyed by the study, its place and its
+    # values.
+    assert sorted(c["idempotency_key"] for c in children) == sorted(keys), children
     assert all(c["state"]["type"] == "COMPLETED" and c["deployment_id"] == deployment and c["parent_task_run_id"]
                and f"study-run:{study_id}" in c["tags"] for c in children), children
     # No child trained twice: localpod ran one job per child, and every endpoint is gone.
@@ -333,7 +336,7 @@ def test_a_study_that_prunes_cancels_its_losing_child_at_an_evaluation_and_count
     run_file = write_study_file(tmp_path / "study.toml", name="e2e-prune", tiny_model=tiny_model,
                                 store=tmp_path / "store", max_steps=max_steps, every_steps=every_steps,
                                 study='grid = { "training.learning_rate" = [5e-3, 1e-7] }\nparallel = 2\n'
-                                      'prune = { rule = "median", after_evals = 2 }\n')
+                                      'prune = { rule = "median", after_evals = 2, startup_children = 0 }\n')
     code, output, study_id = run_study(local_stack, run_file)
     assert code == 0, output[-6000:]
 
@@ -396,3 +399,24 @@ def test_a_tpe_search_asks_optuna_for_each_child_and_tells_it_how_each_ended(loc
                                 "lora.rank": spec["lora"]["rank"]}
     (best,) = [row["child"].removesuffix(" (best)") for row in rows if row["child"].endswith("(best)")]
     assert search.best_trial.user_attrs["child"] == best
+
+    # The study's process gone after its children ended (a crash), and the study resumed where its Optuna file is not
+    # (another folder, another machine): its trials are rebuilt from its children's runs, each with the values it
+    # trained, and adopted; no trial is asked again with other values, no child trained again.
+    prefect_api(local_stack, "POST", f"/flow_runs/{study_id}/set_state",
+                json={"state": {"type": "CRASHED", "name": "Crashed"}, "force": True})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    resumed = subprocess.run([sys.executable, "-m", "flows.study", str(run_file), "--resume", study_id], cwd=REPO,
+                             env=flow_env(local_stack, LORAFLOW_OPTUNA_STORAGE=f"sqlite:///{elsewhere / 'optuna.db'}"),
+                             capture_output=True, text=True, timeout=600)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-6000:]
+    assert "lacked 3 trial(s) this study's children ran: rebuilt from their runs' values" in output, output[-6000:]
+    assert sorted(c["id"] for c in children_of(local_stack, study_id)) == sorted(c["id"] for c in children.values())
+    rebuilt = {t.user_attrs["child"]: t for t in optuna.load_study(
+        study_name=f"e2e-tpe-{study_id}", storage=f"sqlite:///{elsewhere / 'optuna.db'}").get_trials()}
+    assert sorted(rebuilt) == sorted(children), rebuilt
+    for name, trial in rebuilt.items():
+        assert trial.params == trials[name].params and trial.state.name == "COMPLETE", (trial, trials[name])
+        assert trial.value == trials[name].value and trial.user_attrs["flow_run_id"] == children[name]["id"]

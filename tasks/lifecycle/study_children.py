@@ -5,12 +5,15 @@ Children are found by tag (`study-run:<study flow run id>`), not by a list in th
 cancellation and crash hooks run in another process when a runner kills the study's (Prefect's runner runs the
 hooks itself), and they must still reach every child; a study started again (`--resume`, a Prefect retry) finds
 what its earlier process started the same way. A child that runs as a deployment run carries an idempotency key,
-`<study flow run id>:<child index>` (`:<n>` after it for the child's n-th start), so that starting it twice makes one
-run.
+`<study flow run id>:<child index>:<its values' fingerprint>` (`:<n>` after it for the child's n-th start), so that
+starting it twice makes one run, and a child with other values at the same place (a search resumed without its Optuna
+study asks new ones) never gets another child's run back from Prefect.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -53,7 +56,7 @@ PAGE = 200
 """Flow runs per read (the Prefect server's default limit)."""
 EVENTS_PAGE = 50
 """Events per read (the most the server's `/events/filter` returns at once)."""
-_KEY = re.compile(r"^(?P<study>[0-9a-f-]{36}):(?P<index>[0-9]+)(?::(?P<start>[0-9]+))?$")
+_KEY = re.compile(r"^(?P<study>[0-9a-f-]{36}):(?P<index>[0-9]+)(?::v(?P<values>[0-9a-f]{12}))?(?::(?P<start>[0-9]+))?$")
 
 
 def study_tags(study_name: str, study_run_id: str) -> list[str]:
@@ -95,9 +98,18 @@ def _read_all(client, flow_run_filter: FlowRunFilter) -> list[FlowRun]:
             return runs
 
 
-def child_key(study_run_id: str, index: int, start: int = 1) -> str:
-    """The idempotency key of the child's `start`-th deployment run: `<study>:<index>`, then `<study>:<index>:<n>`."""
-    return f"{study_run_id}:{index}" if start == 1 else f"{study_run_id}:{index}:{start}"
+def values_fingerprint(values: dict[str, Any]) -> str:
+    """12 hex digits that differ for any two sets of a child's values (dotted field → value)."""
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def child_key(study_run_id: str, index: int, values: dict[str, Any], start: int = 1) -> str:
+    """The idempotency key of the child's `start`-th deployment run: `<study>:<index>:v<values' fingerprint>`, then
+    `:<n>` after it. Prefect returns the run an earlier start with the same key made, whatever it ran: the values in
+    the key keep a child with other values at the same index from being handed it."""
+    key = f"{study_run_id}:{index}:v{values_fingerprint(values)}"
+    return key if start == 1 else f"{key}:{start}"
 
 
 class FoundChild(BaseModel):
@@ -144,6 +156,9 @@ class ChildPlan(BaseModel):
     start: int = Field(default=1, description="For `start`: which start of the child this is (its key's `:<n>`).")
     stale: list[str] = Field(default_factory=list, description="Subflow runs left unfinished by the study's earlier "
                              "process: they died with it, and are torn down and marked Crashed before it starts again.")
+    earlier: list[str] = Field(default_factory=list, description="The child's runs that are not adopted (earlier "
+                               "starts that failed, crashed or were cancelled, `stale` among them): what they cost "
+                               "counts in the study's budget and in the child's row.")
 
 
 _FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -154,7 +169,8 @@ def adoption_plan(indices: Iterable[int], found: Sequence[FoundChild],
     """Per child: adopt its completed or pruned run, else its deployment run still going (on a worker, it outlived
     the study's process), else start it (again): its earlier runs failed, were cancelled, or were subflows of a study
     process that is gone. No child that completed, was pruned or is running starts twice. The children in `final`
-    (a search's trials told how they ended) never start again: their latest run is adopted, however it ended."""
+    (a search's trials told how they ended) never start again: their latest run is adopted, however it ended. Every
+    run not adopted is the child's `earlier`: it ran, and what it cost counts."""
     by_index: dict[int, list[FoundChild]] = {}
     for run in found:
         by_index.setdefault(run.index, []).append(run)
@@ -163,17 +179,32 @@ def adoption_plan(indices: Iterable[int], found: Sequence[FoundChild],
     for index in indices:
         runs = sorted(by_index.get(index, []), key=lambda r: r.start)
         if index in final:
-            plans[index] = ChildPlan(index=index, action="adopt" if runs else "told", run=runs[-1] if runs else None)
+            plans[index] = ChildPlan(index=index, action="adopt" if runs else "told", run=runs[-1] if runs else None,
+                                     earlier=[r.flow_run_id for r in runs[:-1]])
             continue
         completed = [r for r in runs if r.state == "COMPLETED" or r.pruned_at is not None]
         going = [r for r in runs if r.state not in _FINAL and r.deployment]
         if completed or going:
-            plans[index] = ChildPlan(index=index, action="adopt", run=(completed or going)[-1])
+            adopted = (completed or going)[-1]
+            plans[index] = ChildPlan(index=index, action="adopt", run=adopted,
+                                     earlier=[r.flow_run_id for r in runs if r is not adopted])
             continue
         starts = [r.start for r in runs if r.deployment]
         plans[index] = ChildPlan(index=index, action="start", start=max(starts, default=0) + 1,
-                                 stale=[r.flow_run_id for r in runs if r.state not in _FINAL and not r.deployment])
+                                 stale=[r.flow_run_id for r in runs if r.state not in _FINAL and not r.deployment],
+                                 earlier=[r.flow_run_id for r in runs])
     return plans
+
+
+def earlier_cost(cost_usd: float | None, minutes: float | None, ceiling_usd: float, deadline_minutes: float) -> float:
+    """What an earlier run of a child cost: its `loraflow.run.finished`'s figure (`cost_usd`), else (a run whose
+    process died before it could send one) its child's cost ceiling for the time it lived, at most the whole ceiling:
+    its workers ran no longer than its flow run, at no more than the ceiling's price."""
+    if cost_usd is not None:
+        return cost_usd
+    if minutes is None:
+        return 0.0  # it never started: nothing was rented
+    return ceiling_usd * min(1.0, minutes / deadline_minutes) if deadline_minutes > 0 else ceiling_usd
 
 
 def start_deployment_child(deployment: str, parameters: dict[str, Any], tags: list[str], key: str) -> str:

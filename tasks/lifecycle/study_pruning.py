@@ -4,15 +4,18 @@ and `Pruning`, which does that each round of the study's poll.
 
 The rule is Optuna's `MedianPruner` comparison (`optuna/pruners/_percentile.py`), mirrored in a plain function rather
 than called: Optuna's pruner compares a trial with the trials that *completed*, at the trial's last reported step,
-where a grid study's children run side by side, so that a loser is seen while the others still run. Here a child's
-best value by an evaluation step is compared with the median of the values every other child had at that same step
-(running or ended, those that reached it); otherwise as Optuna: a NaN is pruned, one other child at the step is
-enough, and the judged step is the latest of the child's that another child reached. One difference the events
-make: a running child's events hold the evaluations a poll of its job saw (the worker's progress carries the latest
-one, so evaluations that come faster than the polls are seen only in its final metrics), so another child that
-reached the step but has no value at it counts with its latest one before it (a loss that has only fallen since:
-the rule errs towards keeping the child). A search (`search = "tpe"`) passes the rule to Optuna's own
-`MedianPruner` instead (`flows/study_search.py`), each completed trial reported with all its evaluations.
+where a grid study's children run side by side, so that a loser is seen while the others still run. Here nothing is
+pruned before `startup_children` children completed (Optuna's `n_startup_trials`: the median of a few children side by
+side is noise); then a child's setting (its values but the seed) is compared, by the mean over its seeds of each one's
+best value by an evaluation step, with the median of the other settings' means at that same step (running or ended,
+their seeds that reached it), so that two seeds of one setting never prune each other and a setting is pruned as a
+whole; otherwise as Optuna: a NaN is pruned, one other setting at the step is enough, and the judged step is the
+latest of the child's that another setting reached. One difference the events make: a running child's events hold
+the evaluations a poll of its job saw (the worker's progress carries the latest one, so evaluations that come faster
+than the polls are seen only in its final metrics), so another child that reached the step but has no value at it
+counts with its latest one before it (a loss that has only fallen since: the rule errs towards keeping the child). A
+search (`search = "tpe"`) passes the rule to Optuna's own `MedianPruner` instead (`flows/study_search.py`), each
+completed trial reported with all its evaluations.
 
 A pruned child is cancelled as a study cancels its children (CANCELLING: its train flow cancels its job and deletes
 its endpoint, in the study's process or on a worker alike) and tagged `study-pruned:<step>` first, so that a resumed
@@ -75,25 +78,36 @@ def trained_steps(series: dict[int, float]) -> list[int]:
     return sorted(step for step in series if step > 0)
 
 
-def median_rule(own: dict[int, float], others: Iterable[dict[int, float]], *, after_evals: int,
-                maximize: bool) -> Verdict | None:
-    """Whether a running child whose evaluations are `own` (step → value) is pruned, given the other children's
-    (`others`, running or ended): judged at its latest evaluation step, from its `after_evals`-th on, that another
-    child reached; pruned when its best value by that step is worse than the median of theirs there. None: not
-    pruned (too few evaluations yet, no other child at any of its steps yet, or not worse)."""
+def median_rule(own: dict[int, float], others: Iterable[dict[int, float] | Sequence[dict[int, float]]], *,
+                after_evals: int, maximize: bool, own_seeds: Sequence[dict[int, float]] = (), completed: int = 0,
+                startup: int = 0) -> Verdict | None:
+    """Whether a running child whose evaluations are `own` (step → value) is pruned, given the other settings'
+    (`others`: each one child's series, or the series of a setting's seeds; running or ended) and the other seeds of
+    its own setting (`own_seeds`). Nothing is pruned before `startup` children `completed` (Optuna's
+    `n_startup_trials`). Then it is judged at its latest evaluation step, from its `after_evals`-th on, that another
+    setting reached: its setting's value there is the mean over its seeds of each one's best by that step, another
+    setting's the mean of its seeds' values there (those that reached it), and it is pruned when its setting's is worse
+    than the median of the others'. So seeds of one setting never prune each other, and a seed is pruned only with
+    its setting. None: not pruned (too few evaluations or completed children yet, no other setting at any of its
+    steps yet, or not worse)."""
     steps = trained_steps(own)
-    if len(steps) < after_evals:
+    if len(steps) < after_evals or completed < startup:
         return None
-    others = list(others)
+    settings = [[o] if isinstance(o, dict) else list(o) for o in others]
     for step in reversed(steps[after_evals - 1:]):
-        theirs = [v for o in others if (v := value_at(o, step)) is not None and not math.isnan(v)]
+        theirs = [statistics.fmean(reached) for setting in settings
+                  if (reached := [v for o in setting if (v := value_at(o, step)) is not None and not math.isnan(v)])]
         if not theirs:
             continue
         values = [own[s] for s in steps if s <= step]
         if any(math.isnan(v) for v in values):  # Optuna's rule: a NaN has diverged
             return Verdict(step, math.nan, statistics.median(theirs), len(theirs))
-        best = max(values) if maximize else min(values)
-        median = statistics.median(theirs)
+        bests = [max(values) if maximize else min(values)]
+        for seed in own_seeds:  # the setting's other seeds, those that reached the step, each at its best by then
+            reached = [v for s, v in seed.items() if 0 < s <= step and not math.isnan(v)]
+            if reached and value_at(seed, step) is not None:
+                bests.append(max(reached) if maximize else min(reached))
+        best, median = statistics.fmean(bests), statistics.median(theirs)
         worse = best < median if maximize else best > median
         return Verdict(step, best, median, len(theirs)) if worse else None
     return None
@@ -218,8 +232,11 @@ class Pruning:
     reached the step; a search (`search`) reports each evaluation to the child's trial and asks Optuna's
     `MedianPruner`, then tells the trial `PRUNED` at once."""
 
-    def __init__(self, *, after_evals: int, metric: str, maximize: bool, search: OptunaTrials | None = None):
-        self.after_evals, self.metric, self.maximize = after_evals, metric, maximize
+    def __init__(self, *, after_evals: int, metric: str, maximize: bool, startup: int = 0,
+                 setting_of: dict[int, str] | None = None, search: OptunaTrials | None = None):
+        self.after_evals, self.metric, self.maximize, self.startup = after_evals, metric, maximize, startup
+        self.setting_of = setting_of or {}  # child index → its setting (its values but the seed): seeds judged as one
+        self.completed: set[int] = set()  # the children that completed, for `startup`
         self.search = search
         self.log = EvaluationLog(SERIES_OF_METRIC[metric][0])
         self.run_of: dict[int, str] = {}  # child index → its latest run (running or ended): the others judged against
@@ -251,10 +268,12 @@ class Pruning:
                 pruned.append(index)
         return pruned
 
-    def ended(self, index: int, run_id: str | None, metrics: TrainMetrics | None) -> None:
-        """A child ended: the evaluations of a completed one are all in its metrics (some were never events: see the
-        module's docstring), for the children judged after it (a search's trial is reported them before it is
-        told)."""
+    def ended(self, index: int, run_id: str | None, metrics: TrainMetrics | None, *, completed: bool) -> None:
+        """A child ended (`completed`: it completed, which counts towards `startup`): the evaluations of a completed
+        one are all in its metrics when the study has them (a subflow's; some were never events: see the module's
+        docstring), for the children judged after it (a search's trial is reported them before it is told)."""
+        if completed:
+            self.completed.add(index)
         if run_id is None:
             return
         self.run_of[index] = run_id
@@ -268,5 +287,12 @@ class Pruning:
         if self.search is not None:
             self.search.report(index, own)
             return self.search.should_prune(index, self.after_evals), "completed trial(s)"
-        others = [self.log.of(other) for i, other in self.run_of.items() if i != index]
-        return median_rule(own, others, after_evals=self.after_evals, maximize=self.maximize), "other child(ren)"
+        settings: dict[object, list[dict[int, float]]] = {}
+        for i, other in self.run_of.items():
+            if i != index:
+                settings.setdefault(self.setting_of.get(i, i), []).append(self.log.of(other))
+        own_seeds = settings.pop(self.setting_of.get(index, index), [])
+        verdict = median_rule(own, list(settings.values()), after_evals=self.after_evals, maximize=self.maximize,
+                              own_seeds=own_seeds, completed=len(self.completed - {index}), startup=self.startup)
+        seeded = own_seeds or any(len(s) > 1 for s in settings.values())
+        return verdict, "other setting(s) (the mean of each one's seeds)" if seeded else "other child(ren)"

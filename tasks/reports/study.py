@@ -45,7 +45,11 @@ class ChildRow(BaseModel):
     values: str = Field(description="The values it tried, `field=value, ...`.")
     state: ChildState = Field(description="How it ended.")
     reason: str = Field(default="", description="Why it did not complete; empty when it did.")
-    metric: float | None = Field(default=None, description="The study's metric at the child's last step.")
+    metric: float | None = Field(default=None, description="The study's metric of the adapter the child kept: at its "
+                                 "last step, or at `kept_step`.")
+    kept_step: int | None = Field(default=None, description="With `training.early_stopping`, the step of the best "
+                                  "evaluation, whose adapter the child stored: every figure of the row is at that "
+                                  "step. None: the last step's.")
     train_loss: float | None = Field(default=None, description="Training loss at the last logged step.")
     eval_loss: float | None = Field(default=None, description="Held-out loss at the last evaluation (SFT, DPO).")
     train_reward: float | None = Field(default=None, description="GRPO: mean reward at the last logged step.")
@@ -64,19 +68,39 @@ def last(series: list[tuple[int, float]]) -> float | None:
     return series[-1][1] if series else None
 
 
+def kept_step(metrics: TrainMetrics) -> int | None:
+    """The step whose adapter the child stored: its best evaluation's with `training.early_stopping` (the worker keeps
+    that one, as `load_best_model_at_end` does, and records it in `metrics.json`), else None: its last step's."""
+    stopping = metrics.early_stopping
+    return stopping.best_step if stopping is not None else None
+
+
+def at_step(series: list[tuple[int, float]], step: int | None) -> float | None:
+    """The series' value at `step` (its latest at or before it: a training loss is logged every `logging_steps`),
+    its last value when `step` is None."""
+    if step is None:
+        return last(series)
+    return last([(s, v) for s, v in series if s <= step])
+
+
 def metric_value(metrics: TrainMetrics, metric: str) -> float | None:
-    """The study's metric at the child's last step (`train_loss`: the final logged loss)."""
+    """The study's metric of the adapter the child kept: at its last step, or, when early stopping kept an earlier
+    evaluation's adapter, at that step (an evaluation up to `patience` later judged a model that was not stored)."""
+    step = kept_step(metrics)
     if metric == "train_loss":
-        return metrics.final_loss
-    return last(getattr(metrics, SERIES_OF_METRIC[metric][0]))
+        return metrics.final_loss if step is None else at_step(metrics.losses, step)
+    return at_step(getattr(metrics, SERIES_OF_METRIC[metric][0]), step)
 
 
 def completed_row(row: ChildRow, metrics: TrainMetrics, metric: str) -> ChildRow:
-    """`row` with a completed child's figures filled in from its metrics."""
+    """`row` with a completed child's figures filled in from its metrics, each of the adapter it kept."""
+    step = kept_step(metrics)
     return row.model_copy(update={
-        "metric": metric_value(metrics, metric), "train_loss": metrics.final_loss, "eval_loss": last(metrics.eval_loss),
-        "train_reward": last(metrics.rewards), "eval_reward": last(metrics.eval_reward),
-        "eval_reward_accuracy": last(metrics.eval_reward_accuracies)})
+        "metric": metric_value(metrics, metric),
+        "train_loss": metrics.final_loss if step is None else at_step(metrics.losses, step),
+        "eval_loss": at_step(metrics.eval_loss, step), "train_reward": at_step(metrics.rewards, step),
+        "eval_reward": at_step(metrics.eval_reward, step),
+        "eval_reward_accuracy": at_step(metrics.eval_reward_accuracies, step), "kept_step": step})
 
 
 def best_child(rows: list[ChildRow], maximize: bool) -> ChildRow | None:
@@ -233,6 +257,8 @@ def study_markdown(report: StudyReport, plot: bytes | None) -> str:
         name = f"[{row.name}]({row.summary_url})" if row.summary_url else row.name
         mark = " **(best)**" if best is not None and row.index == best.index else ""
         metric = f"{row.metric:.4g}" if row.metric is not None else ""
+        if row.kept_step is not None and metric:  # early stopping kept an earlier evaluation's adapter
+            metric += f" (step {row.kept_step})"
         # A child that never started cost nothing; one that ran without a readable cost is "unknown".
         cost = (f"{row.cost_usd:.4f}" if row.cost_usd is not None
                 else "" if row.state in ("skipped", "not started") else "unknown")
