@@ -122,16 +122,31 @@ def test_an_environment_that_would_run_at_import_runs_nothing(keys_in_reach, tmp
 
 
 SCHEMAS = '''
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+import datetime
 import typing as t
-import collections.abc
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
+
+import typing_extensions as te
 
 
 class Point:
     """A point of the file: transformers makes an object of it."""
 
 
+@dataclass
+class Box:
+    width: int
+
+
+class Color(str, Enum):
+    RED = "red"
+
+
 Unit = Literal["celsius", "fahrenheit"]
+Pair = tuple[int, int]
+MaybeBox = Optional["Box"]
 
 
 def plain(a: int, b: float, c: str, d: bool) -> str:
@@ -203,6 +218,29 @@ def kinds(a: int, /, b: str, *rest: int, c: float = 1.0, d: Any, **more: bool) -
         c: Keyword only, with a default.
         d: Keyword only.
         more: More.
+    """
+
+
+def annotated_aliases_and_classes(a: Annotated[int, "meta"], b: te.Annotated[str, 1], c: Union[None, int],
+                                  d: list[Literal["a", "b"]], e: Literal[True, -1, 2.5], f: Color, g: Box, h: Pair,
+                                  i: MaybeBox, j: datetime.date, k: tuple) -> tuple[int, str]:
+    """Annotated hints, aliases, an enum, a dataclass and the standard library's classes.
+
+    Args:
+        a: A.
+        b: B.
+        c: C.
+        d: D.
+        e: E.
+        f: F.
+        g: G.
+        h: H.
+        i: I.
+        j: J.
+        k: K.
+
+    Returns:
+        A pair.
     """
 
 
