@@ -116,9 +116,9 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
                                         str(template_file) if template_file else None, spec.hub_token_secret)
         running.append(chats)
     uses_tools = spec.grpo is not None and spec.grpo.uses_tools
-    if uses_tools:  # the tools imported in a process of their own, and the model's template rendering them
+    if uses_tools:  # the tools read from their source (never run here), and the model's template rendering them
         tools = check_tools_task.submit(spec.grpo, str(Path.cwd()), model, spec.hub_token_secret,
-                                        worker_env=spec.worker.env, prompt_files=_local_chat_files(spec))
+                                        prompt_files=_local_chat_files(spec))
         running.append(tools)
     hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
     if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
