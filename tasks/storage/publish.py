@@ -43,6 +43,7 @@ from pydantic import BaseModel, Field
 from tasks.reports.summary import CURVE_FILE
 from tasks.settings import Settings
 from tasks.storage.artifacts import read_job_result
+from tasks.storage.served_adapters import run_adapter_refusals
 
 PUBLISH_TITLE = "loraflow run {run_id}: adapter and model card"
 """Title of the publishing commit; the run id in it is how a retry knows the run is published already."""
@@ -385,13 +386,10 @@ def _card_body(facts: CardFacts) -> str:
         "```", "",
         "## Serve it with vLLM", "",
     ]
-    unservable = [name for name, set_ in (("DoRA (`lora.use_dora`)", facts.lora.get("use_dora") is True),
-                                         ("`lora.modules_to_save`", bool(facts.lora.get("modules_to_save"))))
-                  if set_]
+    unservable = run_adapter_refusals(facts.lora, rank if isinstance(rank, int) else None)  # the serve's own rule
     if unservable:
-        # vLLM's adapter loader refuses both (`PEFTHelper._validate_features`, vllm/lora/peft_helper.py).
         lines += [
-            f"vLLM's LoRA loader refuses this adapter ({' and '.join(unservable)}). Merge it into the base "
+            f"vLLM's LoRA loader refuses this adapter ({'; '.join(unservable)}). Merge it into the base "
             "(`model.merge_and_unload()` on the model loaded above, then `save_pretrained`) and serve the merged "
             "model instead.",
         ]
