@@ -1,5 +1,5 @@
 """localpod serves an endpoint of RunPod's vLLM worker image (`runpod/worker-v1-vllm:<tag>`) through the image's local
-stand-in, and answers RunPod's OpenAI route for it (../shared/runpod-api/serving.md).
+stand-in, and answers RunPod's OpenAI route for it (docs/serving.md, its facts §1–§7).
 
 Live: `python -m localpod` on a free port, its workers the stand-in (`localpod/vllm_worker/`, run with the worker
 environment's interpreter) serving the tiny model and LoRA adapters made here with PEFT. Each adapter makes one word
