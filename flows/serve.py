@@ -25,7 +25,8 @@ A serve file (the `spec` parameter, `ServeSpec`):
     prompts = ["..."]                                        # optional: what "try it" asks
 
 The check (`check_serve`, below the flow) refuses, naming the field and the fix, what could not be served: a base or
-adapter that cannot be read, an adapter of another base, a context longer than the base's, a serve no GPU of its list
+adapter that cannot be read, an adapter vLLM refuses (DoRA, `modules_to_save`, the embeddings or head as targets, a
+rank above 512), an adapter of another base, a context longer than the base's, a serve no GPU of its list
 holds, one whose cost ceiling (price × max_workers × hours) passes the operator's cap, or whose `max_workers` passes
 the endpoint limit.
 """
@@ -201,7 +202,7 @@ def _flow_run_name() -> str:
 def serve(spec: ServeSpec, serve_file: str | None = None, adapters: list[str] | None = None) -> ServeOutcome | State:
     """Serve a base model and its LoRA adapters from one RunPod endpoint of RunPod's vLLM worker:
 
-    1. check: the base pinned, each adapter found and its rank read, the GPU memory estimated, the cheapest GPU of
+    1. check: the base pinned, each adapter found, held to what vLLM loads and its rank read, the GPU memory estimated, the cheapest GPU of
        `serve.gpu` that holds it, a warm volume, the cost ceiling against the operator's cap (nothing is rented until
        this has passed);
     2. publish the stored runs of an hf:// store to private model repos, where the worker reads them;
@@ -224,7 +225,7 @@ def serve(spec: ServeSpec, serve_file: str | None = None, adapters: list[str] | 
     if flow_run.id:
         tag_run(run_id, [SERVE_TAG.format(name=spec.name)])
     plan = check_serve(spec, run_id)  # nothing is rented until this has passed
-    publish_served_adapters(plan.adapters, spec.hub_token_secret)
+    plan.adapters = publish_served_adapters(plan.adapters, spec.hub_token_secret)
     worker_env = prepare_worker_env(spec.hub_token_secret, token_env=SERVING_TOKEN_ENV)
     try:
         outcome = serve_endpoint(plan, worker_env, announce=announcer(plan))

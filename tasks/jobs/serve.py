@@ -180,21 +180,24 @@ class ServeOutcome(BaseModel):
 
 
 @task(name="publish-served-adapters", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[10, 60])
-def publish_served_adapters(adapters: list[ServedAdapter], hub_token_secret: str | None) -> list[str]:
+def publish_served_adapters(adapters: list[ServedAdapter], hub_token_secret: str | None) -> list[ServedAdapter]:
     """Publish each stored run of an hf:// store to its private model repo (`ServedAdapter.path`), where the worker
-    reads it; nothing is committed again for a run published there already. Returns the commit URLs."""
+    reads it; nothing is committed again for a run published there already. The adapters as served: a published one
+    at the commit that holds its adapter (`revision`, which the watch holds the repo to)."""
     settings = Settings()
     token = settings.hub_token(hub_token_secret)
-    urls = []
+    served = []
     for adapter in adapters:
         if adapter.publish_from is None or adapter.run_id is None:
+            served.append(adapter)
             continue
         published = publish_adapter(adapter.publish_from, adapter.run_id, adapter.run_id, adapter.path, private=True,
                                     token=token, endpoint=settings.hf_endpoint)
         get_run_logger().info("Run %s's adapter is served from %s%s", adapter.run_id, published.url,
                               " (published there already)" if published.already_published else "")
-        urls.append(published.commit_url or published.url or "")
-    return urls
+        commit = (published.commit_url or "").rstrip("/").rpartition("/commit/")[2] or None
+        served.append(adapter.model_copy(update={"revision": commit}))
+    return served
 
 
 def serve_endpoint(plan: ServePlan, worker_env: dict[str, str],

@@ -358,6 +358,9 @@ def watch_serving_task(endpoint: Endpoint, expires_at: float, budget_usd: float,
     settings, logger = Settings(), get_run_logger()
     hub = HfApi(endpoint=settings.hf_endpoint, token=settings.hub_token(hub_token_secret) if pinned else None)
     repos = RepoWatch(pinned or {}, lambda repo: str(hub.model_info(repo).sha), logger.warning)
+    for name, (repo, revision) in (pinned or {}).items():
+        logger.info("Adapter %s is served from %s at commit %s; the watch says if the repo moves", name, repo,
+                    revision[:12])
     with make_client() as client:
         cost = ServingCost(client, endpoint.id, since, usd_per_hour)
 
