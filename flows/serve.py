@@ -42,7 +42,6 @@ from typing import Any
 
 from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.contract import ModelSource
-from loraflow_worker.contract.lora_settings import BASE_REWRITING_INITS
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -338,8 +337,7 @@ def serve_trained(spec: RunSpec, run_id: str, name: str, published: PublishedMod
     if wanted is None:
         return None
     source = f"runs/{run_id}"
-    stored_rank = spec.lora.rank * (2 if spec.lora.init.startswith(BASE_REWRITING_INITS) else 1)
-    if refused := run_adapter_refusals(spec.lora.model_dump(), stored_rank):
+    if refused := run_adapter_refusals(spec.lora.model_dump()):
         logger.warning("The adapter is not served (nothing was rented): vLLM refuses it (%s); merge it into the base "
                        "and serve the merged model", "; ".join(refused))
         return None

@@ -267,7 +267,7 @@ def test_a_runs_lora_section_is_held_to_the_same_rule_as_its_stored_adapter():
     assert run_adapter_refusals({"rank": 16, "use_dora": True})[0].startswith("`use_dora` is set")
     assert run_adapter_refusals({"rank": 16, "modules_to_save": ["embed_tokens"]})[0].startswith("`modules_to_save`")
     assert run_adapter_refusals({"rank": 16, "target_modules": "all-linear"}) == []
-    assert run_adapter_refusals({"rank": 512}, rank=1024)[0].startswith("`r` 1024")  # stored at twice the rank
+    assert run_adapter_refusals({"rank": 512, "init": "pissa"})[0].startswith("`r` 1024")  # stored at twice the rank
 
 
 def test_an_adapters_default_name_is_the_last_part_of_its_source():

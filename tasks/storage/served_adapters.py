@@ -35,6 +35,7 @@ from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
 from loraflow_worker.contract import run_prefix
+from loraflow_worker.contract.lora_settings import BASE_REWRITING_INITS
 from pydantic import BaseModel, Field
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -110,14 +111,22 @@ def vllm_refusals(config: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def run_adapter_refusals(lora: dict[str, Any], rank: int | None = None) -> list[str]:
-    """`vllm_refusals` of the adapter a run's `[lora]` section makes (`rank`: the stored one, when the worker stores
-    another than `lora.rank`), before or without reading its adapter_config.json: PEFT's names for its fields."""
-    stored_rank = rank if rank is not None else lora.get("rank")
-    return vllm_refusals({"r": stored_rank if isinstance(stored_rank, int) else VLLM_DEFAULT_MAX_LORA_RANK,
+def run_adapter_refusals(lora: dict[str, Any]) -> list[str]:
+    """`vllm_refusals` of the adapter a run's `[lora]` section makes, before or without reading its
+    adapter_config.json: PEFT's names for its fields, and the rank the worker stores (`stored_rank`)."""
+    return vllm_refusals({"r": stored_rank(lora) or VLLM_DEFAULT_MAX_LORA_RANK,
                           "lora_alpha": lora.get("alpha", 1), "use_dora": lora.get("use_dora"),
                           "target_modules": lora.get("target_modules", "all-linear"),
                           "modules_to_save": lora.get("modules_to_save")})
+
+
+def stored_rank(lora: dict[str, Any]) -> int | None:
+    """The rank of the adapter a run's `[lora]` section stores: `lora.rank`, twice that for an init that rewrites the
+    base (the worker stores a PiSSA or OLoRA adapter converted to a plain LoRA of twice the rank)."""
+    rank = lora.get("rank")
+    if not isinstance(rank, int):
+        return None
+    return rank * 2 if str(lora.get("init", "default")).startswith(BASE_REWRITING_INITS) else rank
 
 
 def _embedding_targets(targets: Any) -> list[str]:
