@@ -276,7 +276,8 @@ def test_early_stopping_without_evaluation_is_refused_naming_both_before_anythin
     with pytest.raises(SpecError) as e:
         load_run_file(run_file)
     assert "  - evaluation: Value error, `training.early_stopping` stops when held-out evaluation stops improving, " \
-           "and the run has no `[evaluation]` section: add one" in str(e.value)
+           "and the run has no held-out rows (`evaluation.fraction` or `evaluation.local_file`): add them" \
+           in str(e.value)
 
 
 def test_early_stopping_watches_the_algorithms_own_metric_unless_told():
