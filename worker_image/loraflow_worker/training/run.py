@@ -15,7 +15,6 @@ from datasets import Dataset
 from peft import LoraConfig, prepare_model_for_kbit_training
 from peft.optimizers import create_loraplus_optimizer
 from peft.utils import ModulesToSaveWrapper
-from peft.utils.constants import EMBEDDING_LAYER_NAMES
 from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 from trl.trainer.utils import create_model_from_path
 
@@ -272,14 +271,13 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
     trainer.model.peft_config[TRAINED_ADAPTER].base_model_name_or_path = job.model.id
     trainer.model.peft_config[TRAINED_ADAPTER].revision = revision
     # PEFT's default ("auto") fetches the base model's config.json from the Hub, at its main branch, to see
-    # whether the vocabulary was resized: a download even when the model came from the volume. loraflow
-    # never resizes it, so the embeddings are saved exactly when LoRA targets them, as "auto" would.
-    targets = job.lora.target_modules
+    # whether the vocabulary was resized: a download even when the model came from the volume. loraflow never resizes
+    # it, and LoRA never targets the embeddings (`lora.target_modules` refuses them), so there are none to save.
     trainer.model.save_pretrained(
         # Only the trained adapter: with `lora.init_from`, DPO and GRPO (beta > 0) load their frozen reference beside
         # it as a second adapter, `ref`, which PEFT would save into `ref/`, pointing at this worker's base folder.
         adapter_dir, selected_adapters=[TRAINED_ADAPTER],
-        save_embedding_layers=targets != "all-linear" and any(n in EMBEDDING_LAYER_NAMES for n in targets),
+        save_embedding_layers=False,
         path_initial_model_for_weight_conversion=str(initial_adapter) if initial_adapter else None,
     )
     tokenizer.save_pretrained(adapter_dir)
