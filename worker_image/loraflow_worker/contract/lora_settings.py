@@ -104,7 +104,7 @@ class LoraSettings(_Strict):
         description="Modules trained in full besides the adapter and stored with it (PEFT `modules_to_save`), e.g. "
         "`[\"lm_head\"]` or `[\"embed_tokens\"]` to learn new tokens. Each is a full trainable copy, with its "
         "gradients and optimizer state: Qwen3-4B's LM head (a 151,936-token vocabulary × 2,560) is 389 million values. "
-        "On a 4-bit base the copies train in fp32. GRPO takes them only with `fast_paths.vllm_colocate = false`: a "
+        "The copies train in fp32 (bf16's rounding would swallow a small learning rate's updates). GRPO takes them only with `fast_paths.vllm_colocate = false`: a "
         "colocated vLLM would not generate with them on a tied-embedding model. Empty: only the adapter trains.",
     )
 
