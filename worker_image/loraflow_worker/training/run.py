@@ -5,6 +5,7 @@ end or the job's deadline, and packaging the saved adapter (final, or trained so
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from loraflow_worker.artifacts.manifest import (
     training_config_sha256,
 )
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, TrainMetrics
+from loraflow_worker.runtime.environment import ALLOC_CONF_ENV
 from loraflow_worker.training.checkpoints import save_settings
 from loraflow_worker.training.early_stopping import EarlyStopping
 from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
@@ -360,6 +362,7 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         loss=loss,
         cuda_version=torch.version.cuda if cuda else None,
         cuda_allocator_settings=cuda_allocator_settings() if cuda else None,
+        cuda_alloc_conf=os.environ.get(ALLOC_CONF_ENV),
         trainable_dtypes=trainable_dtypes(trainer.model),
         dataset_sources=sources,
         dataset_sha256=rows_sha256(rows),
