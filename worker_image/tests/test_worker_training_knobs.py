@@ -193,9 +193,10 @@ SLOW = {"max_steps": 4, "batch_size": 4, "learning_rate": 1e-5, "lr_scheduler": 
 """DPO's and GRPO's rates: an AdamW step of about 1e-5, under half of bf16's spacing for every |w| above 0.005."""
 
 
-def _head_trainer(model_dir: Path, work_dir: Path, dtype: str):
-    """An SFT trainer of the tiny model that trains its LM head in full at `SLOW`'s rate, built as `train_sft` builds
-    one, the base loaded in `dtype`: what `fast_paths` chooses on a GPU with bf16 (`bfloat16`) and on the CPU."""
+def _head_trainer(model_dir: Path, work_dir: Path, dtype: str, modules: tuple[str, ...] = ("lm_head",)):
+    """An SFT trainer of the tiny model that trains `modules` (its LM head) in full at `SLOW`'s rate, built as
+    `train_sft` builds one, the base loaded in `dtype`: what `fast_paths` chooses on a GPU with bf16 (`bfloat16`) and
+    on the CPU."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import SFTTrainer
@@ -206,7 +207,7 @@ def _head_trainer(model_dir: Path, work_dir: Path, dtype: str):
     from loraflow_worker.training.sft import sft_config
 
     job = JobInput.model_validate({"run_id": "h", "model": {"id": str(model_dir)}, "dataset": {"hub_id": "org/data"},
-                                   "lora": {"rank": 4, "modules_to_save": ["lm_head"]}, "training": SLOW,
+                                   "lora": {"rank": 4, "modules_to_save": list(modules)}, "training": SLOW,
                                    "artifact_store": work_dir.as_uri()})
     loading = {"dtype": dtype}
     plan = FastPathPlan({}, {"use_cpu": True, "bf16": False, "gradient_checkpointing": False,
@@ -243,3 +244,14 @@ def test_a_bf16_bases_lm_head_copy_trains_in_fp32_and_moves_as_an_fp32_runs_does
     print("mean |change| of the LM head copy after 4 steps at lr 1e-5:", moved)
     assert 0.5 < moved["bfloat16"] / moved["float32"] < 2
     assert moved["bfloat16, left as PEFT copies it"] < 0.25 * moved["float32"]
+
+
+def test_fp32_copies_of_a_bf16_bases_embeddings_and_head_hand_bf16_on_and_generate_outside_autocast(tiny_model_dir,
+                                                                                                   tmp_path):
+    # Without autocast (the CPU here; transformers' generate on a GPU) an fp32 weight does not multiply a bf16 input.
+    from loraflow_worker.training.run import train_and_save
+
+    job, trainer, tokenizer = _head_trainer(tiny_model_dir, tmp_path, "bfloat16", ("lm_head", "embed_tokens"))
+    train_and_save(trainer, tokenizer, job, None, tmp_path, None)
+    assert trainer.model.get_input_embeddings()(PROBE).dtype == torch.bfloat16
+    assert trainer.model.generate(input_ids=PROBE, max_new_tokens=2, do_sample=False).shape == (1, PROBE.shape[1] + 2)

@@ -103,10 +103,10 @@ def keep_trainable_in_fp32(model: torch.nn.Module) -> None:
     for wrapper in model.modules():
         if isinstance(wrapper, ModulesToSaveWrapper):
             frozen = next(wrapper.original_module.parameters(), None)
-            for copy in wrapper.modules_to_save.values():
+            for trained in wrapper.modules_to_save.values():
                 if frozen is not None and frozen.dtype != torch.float32 and any(
-                        p.requires_grad and p.dtype != torch.float32 for p in copy.parameters()):
-                    _compute_in(copy, frozen.dtype)
+                        p.requires_grad and p.dtype != torch.float32 for p in trained.parameters()):
+                    _compute_in(trained, frozen.dtype)
     for parameter in model.parameters():
         if parameter.requires_grad and parameter.dtype != torch.float32:
             parameter.data = parameter.data.float()
