@@ -52,6 +52,7 @@ def finished_job(tiny_model_dir, tmp_path_factory) -> FinishedJob:
         env.setenv(WORK_DIR_ENV, str(work_base))
         env.setenv("HF_TOKEN", PLANTED_SECRET)
         env.delenv("RUNPOD_WEBHOOK_POST_OUTPUT", raising=False)
+        env.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # the supervisor sets it, unless the worker's env has one
         started = time.monotonic()
         result = handler(job)
         seconds = time.monotonic() - started
