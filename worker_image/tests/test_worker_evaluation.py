@@ -123,10 +123,11 @@ def test_an_evaluation_file_in_the_store_is_the_held_out_set_and_the_whole_datas
         [json.dumps(json.loads(line), sort_keys=True) for line in lines]
 
 
-def test_an_evaluation_needs_exactly_one_source():
-    for fields in ({}, {"fraction": 0.1, "store_path": "runs/r/dataset/eval.jsonl"}):
-        with pytest.raises(ValidationError, match="exactly one of `fraction`"):
-            EvaluationSettings(**fields)
+def test_an_evaluation_needs_something_to_evaluate_and_at_most_one_held_out_source():
+    with pytest.raises(ValidationError, match="give `fraction` .*, `tasks` or `benchmarks`"):
+        EvaluationSettings()
+    with pytest.raises(ValidationError, match="give one of `fraction` .* not both"):
+        EvaluationSettings(fraction=0.1, store_path="runs/r/dataset/eval.jsonl")
 
 
 def test_a_held_out_share_of_half_or_more_is_refused():

@@ -228,6 +228,10 @@ def _input_files(dataset: DatasetSource, training: TrainingSettings, grpo: GrpoS
              if source.store_path is not None}
     if evaluation is not None and evaluation.store_path is not None:
         files[evaluation.store_path] = "evaluation"
+    for i, task in enumerate(evaluation.tasks if evaluation is not None else []):
+        files[task.store_path] = f"evaluation.tasks[{i}]"
+        files |= {grader.store_path: f"evaluation.tasks[{i}].graders[{j}]" for j, grader in enumerate(task.graders)
+                  if grader.store_path is not None}
     if training.chat_template is not None and training.chat_template.endswith((".jinja", ".j2")):
         files[training.chat_template] = "training.chat_template"
     if grpo is not None:

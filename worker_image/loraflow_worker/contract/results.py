@@ -97,6 +97,11 @@ class TrainMetrics(_Strict):
         description="With `evaluation.tasks`: per task and grader, the base's and the kept adapter's mean scores and "
         "their difference, each with its standard error.",
     )
+    evaluation_stopped: str | None = Field(
+        default=None,
+        description="Why some of `evaluation.tasks` have no scores: the job's deadline passed while they were "
+        "evaluated after training (the adapter is complete); None when every task was evaluated.",
+    )
     benchmark_scores: list[BenchmarkScore] = Field(
         default_factory=list,
         description="With `evaluation.benchmarks`: per lm-evaluation-harness task and metric, the base's and the "
@@ -164,7 +169,8 @@ class Progress(_Strict):
     """A progress update the worker sends while training (`runpod.serverless.progress_update`)."""
 
     kind: Literal["progress"] = "progress"
-    stage: Literal["loading", "training", "saving"] = Field(description="What the worker is doing.")
+    stage: Literal["loading", "training", "evaluating", "saving"] = Field(
+        description="What the worker is doing (`evaluating`: the task evaluations after training).")
     step: int = Field(default=0, description="Optimizer steps done.")
     total_steps: int | None = Field(default=None, description="Optimizer steps planned, when known.")
     loss: float | None = Field(default=None, description="Latest training loss.")

@@ -109,6 +109,13 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
             f"checkpoint of step {step} at {store.display_url(partial.checkpoint_path)}; retrying the same flow run "
             "resumes from that checkpoint."
         )
+    # The task evaluations (and benchmarks) of the adapter the run keeps, stored in the same commit as it.
+    from loraflow_worker.evaluation.after_training import evaluate_after_training
+
+    evaluated = evaluate_after_training(job, store, work_dir, outcome.adapter_dir, report_progress)
+    outcome.metrics = outcome.metrics.model_copy(update={
+        "task_scores": evaluated.task_scores, "benchmark_scores": evaluated.benchmark_scores,
+        "evaluation_stopped": evaluated.stopped})
     # The final loss (and reward) go with it: a short run may end between two of the control plane's polls, and
     # this is then the only update it sees after the first.
     metrics = outcome.metrics
@@ -120,7 +127,7 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     result = JobResult(run_id=job.run_id, attempt=job.attempt, run_prefix=prefix, adapter_path=f"{prefix}/adapter",
                        metrics=outcome.metrics, trackers=trackers, adapter_sha256=folder_sha256(outcome.adapter_dir),
                        resumed_from_step=_checkpoint_step(resume_from) if resume_from else 0)
-    revision = _publish(store, prefix, outcome, result, tracker_files)
+    revision = _publish(store, prefix, outcome, result, tracker_files | evaluated.files)
     return result.model_copy(update={"revision": revision})
 
 
@@ -136,7 +143,7 @@ def report_progress(progress: Progress) -> None:
 
 def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: JobResult,
              tracker_files: dict[str, bytes | Path]) -> str | None:
-    """Adapter, the trackers' files, metrics, manifest, result and `DONE` in ONE commit (the Hub allows about 128 commits per hour
+    """Adapter, the trackers' files (and the evaluations' answers), metrics, manifest, result and `DONE` in ONE commit (the Hub allows about 128 commits per hour
     per repo), `DONE` last: a reader that sees `DONE` sees the rest. A Hub commit is all or nothing; FileStore
     moves the files into place one by one in the order given (`FileStore.put`), so there too `DONE` comes after the
     rest. Returns the commit (None for a folder)."""

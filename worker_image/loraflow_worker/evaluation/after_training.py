@@ -1,0 +1,64 @@
+"""What the worker evaluates after training, on the same machine, for the adapter the run keeps (the one it stores):
+the run's task evaluations (`tasks`), base against adapter. Evaluation counts inside the job's deadline: when it passes,
+the evaluation stops where it is, and the run is stored with the scores it has and says why the rest are missing."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.contract import JobInput, Progress, run_prefix
+from loraflow_worker.contract.task_evaluation import BenchmarkScore, TaskScore
+from loraflow_worker.evaluation.answering import EvaluationDeadline, loaded_answerer
+from loraflow_worker.evaluation.tasks import TaskResults, evaluate_task, prepare_tasks
+from loraflow_worker.runtime.model_cache import resolve_base_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Evaluated:
+    """What the evaluation after training found, for the run's metrics and folder."""
+
+    task_scores: list[TaskScore] = field(default_factory=list)
+    benchmark_scores: list[BenchmarkScore] = field(default_factory=list)
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Store path → contents (the answers samples), stored in the run's commit."""
+    stopped: str | None = None
+    """Why some evaluations are missing (the job's deadline), None when all ran."""
+
+
+def wants_evaluation(job: JobInput) -> bool:
+    return job.evaluation is not None and bool(job.evaluation.tasks)
+
+
+def evaluate_after_training(job: JobInput, store: ArtifactStore, work_dir: Path, adapter_dir: Path,
+                            report: Callable[[Progress], None]) -> Evaluated:
+    """The task evaluations of `job` for the adapter saved in `adapter_dir` (the one the run stores)."""
+    evaluated = Evaluated()
+    if not wants_evaluation(job):
+        return evaluated
+    prefix = run_prefix(job.run_id)
+    prepared = prepare_tasks(job, store, work_dir)
+    report(Progress(stage="evaluating", message=f"task evaluations: {len(prepared)} task(s), the base and the adapter "
+                                                "answering each"))
+    model_path, _ = resolve_base_model(job.model)
+    results = TaskResults()
+    try:
+        with loaded_answerer(job, model_path, adapter_dir, store) as answerer:
+            for task in prepared:
+                evaluate_task(task, answerer, prefix, report, results)
+    except EvaluationDeadline as e:
+        done = {score.task for score in results.scores}
+        missing = [task.task.name for task in prepared if task.task.name not in done]
+        evaluated.stopped = (f"{e}: the adapter is complete and stored, but task(s) {', '.join(missing)} were not "
+                             "evaluated; give the run a longer `deadline_minutes` to evaluate them")
+        log.warning(evaluated.stopped)
+        report(Progress(stage="evaluating", message=evaluated.stopped))
+    evaluated.task_scores, evaluated.files = results.scores, results.files
+    # The run's benchmarks (`evaluation.benchmarks`) are evaluated here too, beside the tasks, into
+    # `evaluated.benchmark_scores`.
+    return evaluated

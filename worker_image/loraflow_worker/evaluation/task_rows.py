@@ -1,0 +1,65 @@
+"""A task's rows: its JSONL file read from the run's store (pinned as every run file is), the first `max_samples`
+rows, each a prompt (chat messages up to the last user turn, or text), its expected answer and its other columns."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.contract.task_evaluation import TaskEvaluation
+
+
+@dataclass
+class TaskRow:
+    prompt: str | list[dict[str, Any]]
+    """Text, or chat messages ending with the last user turn."""
+    answer: Any = None
+    """The expected answer (text or number); None where the row has none."""
+    columns: dict[str, Any] = field(default_factory=dict)
+    """The row's other columns, which function graders get as keyword arguments."""
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+def read_task_rows(task: TaskEvaluation, store: ArtifactStore) -> list[TaskRow]:
+    """The first `task.max_samples` rows of the task's file. ValueError naming the task, row and field when a row has
+    no prompt, or no `answer` while one of its graders needs one (the control plane checked the file before renting;
+    this says the same of a file it did not check)."""
+    rows = []
+    needs_answer = [g.label for g in task.graders if g.needs_answer]
+    lines = [line for line in store.read_bytes(task.store_path).decode("utf-8").splitlines() if line.strip()]
+    for number, line in enumerate(lines[:task.max_samples], start=1):
+        where = f"task `{task.name}` ({task.store_path}), row {number}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: a row is a JSON object with `messages` or `prompt`")
+        prompt = _prompt(data, where)
+        answer = data.get("answer")
+        if answer is None and needs_answer:
+            raise ValueError(f"{where}: no `answer`, which grader(s) {', '.join(needs_answer)} compare with: add it")
+        columns = {k: v for k, v in data.items() if k not in ("messages", "prompt", "answer")}
+        rows.append(TaskRow(prompt, answer, columns))
+    if not rows:
+        raise ValueError(f"task `{task.name}` ({task.store_path}) has no rows")
+    return rows
+
+
+def _prompt(data: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
+    given = data.get("messages", data.get("prompt"))
+    if isinstance(given, str) and given:
+        return given
+    if isinstance(given, list) and given and all(isinstance(m, dict) and "role" in m for m in given):
+        users = [i for i, message in enumerate(given) if message["role"] == "user"]
+        if not users:
+            raise ValueError(f"{where}: the messages hold no user turn to answer")
+        # A trailing assistant turn is dropped: the answer is the model's to write, the expected one is `answer`.
+        return given[:users[-1] + 1]
+    raise ValueError(f"{where}: give the prompt as `messages` (chat messages with a user turn) or `prompt` (text or "
+                     "messages)")
