@@ -288,3 +288,24 @@ def test_a_tiny_model_taught_a_phrase_scores_it_for_the_adapter_and_not_for_the_
     messages = [p.message for p in progress if p.stage == "evaluating"]
     assert any(m.startswith("task:phrase/contains: base 0.000 ± 0.000, adapter 1.000 ± 0.000, Δ +1.000 ± 0.000")
                for m in messages), messages
+
+
+def test_a_deadline_that_passes_during_the_evaluation_stops_it_and_says_which_tasks_were_not_evaluated(
+        tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loraflow_worker.evaluation.after_training import evaluate_after_training
+
+    adapter_dir = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                   LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(adapter_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter_dir)
+    job = JobInput.model_validate(_phrase_job(tiny_model_dir, tmp_path / "store", "r", deadline_epoch_s=1.0))
+    progress: list[Progress] = []
+    evaluated = evaluate_after_training(job, FileStore(tmp_path / "store"), tmp_path / "work", adapter_dir,
+                                        progress.append)
+    assert (evaluated.task_scores, evaluated.files) == ([], {})
+    assert "deadline passed while task `phrase` was answered" in evaluated.stopped
+    assert "task(s) phrase were not evaluated" in evaluated.stopped
+    assert progress[-1].message == evaluated.stopped

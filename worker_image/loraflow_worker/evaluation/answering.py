@@ -48,11 +48,16 @@ class Answerer:
         switched = nullcontext() if adapter else self.model.disable_adapter()
         with switched, torch.inference_mode():
             for start in range(0, len(rows), BATCH_SIZE):
-                if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
-                    raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was answered")
-                answers += self._generate(task, rows[start:start + BATCH_SIZE])
+                self._check_deadline(task)
+                batch = self._generate(task, rows[start:start + BATCH_SIZE])
+                self._check_deadline(task)  # a batch the deadline cut short (`max_time`) holds cut answers
+                answers += batch
                 batch_done(len(answers))
         return answers
+
+    def _check_deadline(self, task: TaskEvaluation) -> None:
+        if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
+            raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was answered")
 
     def _generate(self, task: TaskEvaluation, rows: list[TaskRow]) -> list[str]:
         # A rendered chat holds its special tokens already; a text prompt gets the model's (a BOS, where it has one).
@@ -61,6 +66,10 @@ class Answerer:
         inputs = self.tokenizer.pad(encoded, return_tensors="pt").to(self.model.device)
         sampling = dict(do_sample=True, temperature=task.temperature, top_p=task.top_p) if task.temperature > 0 else \
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if self.deadline_epoch_s is not None:
+            # transformers' `max_time` ends generation after that many seconds: a long batch stops at the deadline,
+            # within the supervisor's grace for storing the run.
+            sampling["max_time"] = max(self.deadline_epoch_s - time.time(), 0.0)
         output = self.model.generate(**inputs, max_new_tokens=task.max_new_tokens,
                                      pad_token_id=self.tokenizer.pad_token_id, **sampling)
         new_tokens = output[:, inputs["input_ids"].shape[1]:]
