@@ -220,6 +220,14 @@ def test_steady_progress_is_not_stalled():
     assert watch(scripted_client(answers), clock, stall=5).kind == "completed"
 
 
+def test_task_evaluations_after_training_answering_batch_after_batch_are_not_stalled():
+    clock = FakeClock()
+    answered = [job("IN_PROGRESS", output={"kind": "progress", "stage": "evaluating", "step": 100,
+                                           "message": f"task `t`: the base answered {n} of 800 prompts"})
+                for n in range(16, 800, 16)]
+    assert watch(scripted_client([training(100), *answered, job("COMPLETED")]), clock, stall=5).kind == "completed"
+
+
 def test_the_run_deadline_ends_a_running_job_and_is_not_retried():
     clock = FakeClock()
     outcome = watch(scripted_client([training(1)]), clock, deadline_in=30)

@@ -195,7 +195,8 @@ class _Progress:
         progress = status.progress
         if progress is None:
             return requeued
-        key = (progress.get("stage"), progress.get("step"), progress.get("loss"))
+        # A new message is progress too: the task evaluations after training say each batch of answers in it.
+        key = (progress.get("stage"), progress.get("step"), progress.get("loss"), progress.get("message"))
         if key != self.last_key:
             self.last_key, self.last_change = key, now
         if progress.get("stage") == "training" and isinstance(progress.get("step"), int):

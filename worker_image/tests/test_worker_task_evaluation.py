@@ -285,6 +285,7 @@ def test_a_tiny_model_taught_a_phrase_scores_it_for_the_adapter_and_not_for_the_
     assert all(PHRASE in a["adapter"] and PHRASE not in a["base"] for a in answers), answers
     assert answers[0]["scores"]["contains"] == {"base": 0.0, "adapter": 1.0}
     assert answers[0]["answer"] == "capital of France is Paris" and answers[0]["prompt"][0]["role"] == "user"
+    assert {(p.step, p.total_steps) for p in progress if p.stage == "evaluating"} == {(30, 30)}
     messages = [p.message for p in progress if p.stage == "evaluating"]
     assert any(m.startswith("task:phrase/contains: base 0.000 ± 0.000, adapter 1.000 ± 0.000, Δ +1.000 ± 0.000")
                for m in messages), messages
@@ -304,8 +305,8 @@ def test_a_deadline_that_passes_during_the_evaluation_stops_it_and_says_which_ta
     job = JobInput.model_validate(_phrase_job(tiny_model_dir, tmp_path / "store", "r", deadline_epoch_s=1.0))
     progress: list[Progress] = []
     evaluated = evaluate_after_training(job, FileStore(tmp_path / "store"), tmp_path / "work", adapter_dir,
-                                        progress.append)
+                                        progress.append, steps=7)
     assert (evaluated.task_scores, evaluated.files) == ([], {})
     assert "deadline passed while task `phrase` was answered" in evaluated.stopped
     assert "task(s) phrase were not evaluated" in evaluated.stopped
-    assert progress[-1].message == evaluated.stopped
+    assert (progress[-1].stage, progress[-1].step, progress[-1].message) == ("evaluating", 7, evaluated.stopped)

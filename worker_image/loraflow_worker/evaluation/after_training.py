@@ -36,28 +36,31 @@ def wants_evaluation(job: JobInput) -> bool:
 
 
 def evaluate_after_training(job: JobInput, store: ArtifactStore, work_dir: Path, adapter_dir: Path,
-                            report: Callable[[Progress], None]) -> Evaluated:
-    """The task evaluations of `job` for the adapter saved in `adapter_dir` (the one the run stores)."""
+                            report: Callable[[Progress], None], steps: int) -> Evaluated:
+    """The task evaluations of `job` for the adapter saved in `adapter_dir` (the one the run stores), after `steps`
+    optimizer steps of training (which its progress updates carry)."""
     evaluated = Evaluated()
     if not wants_evaluation(job):
         return evaluated
+
+    def say(message: str) -> None:
+        report(Progress(stage="evaluating", step=steps, total_steps=steps, message=message))
     prefix = run_prefix(job.run_id)
     prepared = prepare_tasks(job, store, work_dir)
-    report(Progress(stage="evaluating", message=f"task evaluations: {len(prepared)} task(s), the base and the adapter "
-                                                "answering each"))
+    say(f"task evaluations: {len(prepared)} task(s), the base and the adapter answering each")
     model_path, _ = resolve_base_model(job.model)
     results = TaskResults()
     try:
         with loaded_answerer(job, model_path, adapter_dir, store) as answerer:
             for task in prepared:
-                evaluate_task(task, answerer, prefix, report, results)
+                evaluate_task(task, answerer, prefix, say, results)
     except EvaluationDeadline as e:
         done = {score.task for score in results.scores}
         missing = [task.task.name for task in prepared if task.task.name not in done]
         evaluated.stopped = (f"{e}: the adapter is complete and stored, but task(s) {', '.join(missing)} were not "
                              "evaluated; give the run a longer `deadline_minutes` to evaluate them")
         log.warning(evaluated.stopped)
-        report(Progress(stage="evaluating", message=evaluated.stopped))
+        say(evaluated.stopped)
     evaluated.task_scores, evaluated.files = results.scores, results.files
     # The run's benchmarks (`evaluation.benchmarks`) are evaluated here too, beside the tasks, into
     # `evaluated.benchmark_scores`.

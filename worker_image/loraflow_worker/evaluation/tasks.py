@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow_worker.artifacts import ArtifactStore
-from loraflow_worker.contract import JobInput, Progress
+from loraflow_worker.contract import JobInput
 from loraflow_worker.contract.task_evaluation import GraderSettings, TaskEvaluation, TaskScore, task_score
 from loraflow_worker.evaluation.answering import Answerer
 from loraflow_worker.evaluation.function_graders import grade_with_function, load_grader_function
@@ -53,15 +53,15 @@ def prepare_tasks(job: JobInput, store: ArtifactStore, work_dir: Path) -> list[P
     return prepared
 
 
-def evaluate_task(prepared: PreparedTask, answerer: Answerer, prefix: str, report: Callable[[Progress], None],
+def evaluate_task(prepared: PreparedTask, answerer: Answerer, prefix: str, say: Callable[[str], None],
                   results: TaskResults) -> None:
-    """Answer and grade one task, adding its scores and answers sample to `results`."""
+    """Answer and grade one task, adding its scores and answers sample to `results`; `say` sends a progress
+    message."""
     task, rows = prepared.task, prepared.rows
     answers = {}
     for side in ("base", "adapter"):
         def batch_done(done: int, side: str = side) -> None:
-            report(Progress(stage="evaluating", message=f"task `{task.name}`: the {side} answered {done} of "
-                                                         f"{len(rows)} prompts"))
+            say(f"task `{task.name}`: the {side} answered {done} of {len(rows)} prompts")
 
         answers[side] = answerer.answer(task, rows, adapter=side == "adapter", batch_done=batch_done)
     per_grader: dict[str, dict[str, list[float]]] = {}
@@ -73,7 +73,7 @@ def evaluate_task(prepared: PreparedTask, answerer: Answerer, prefix: str, repor
         results.scores.append(score)
         line = score_line(score)
         log.info(line)
-        report(Progress(stage="evaluating", message=line))
+        say(line)
     results.files[answers_path(prefix, task.name)] = answers_sample(task, rows, answers, per_grader)
 
 

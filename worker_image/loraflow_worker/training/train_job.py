@@ -112,7 +112,8 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
     # The task evaluations (and benchmarks) of the adapter the run keeps, stored in the same commit as it.
     from loraflow_worker.evaluation.after_training import evaluate_after_training
 
-    evaluated = evaluate_after_training(job, store, work_dir, outcome.adapter_dir, report_progress)
+    evaluated = evaluate_after_training(job, store, work_dir, outcome.adapter_dir, report_progress,
+                                        outcome.metrics.steps)
     outcome.metrics = outcome.metrics.model_copy(update={
         "task_scores": evaluated.task_scores, "benchmark_scores": evaluated.benchmark_scores,
         "evaluation_stopped": evaluated.stopped})
