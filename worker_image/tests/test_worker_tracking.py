@@ -30,6 +30,7 @@ from loraflow_worker.training.tracking import tracker_files, tracking_env
 
 STEPS, EVERY = 6, 3
 RUN_ID = "tracked-run"
+TASK_FILE = f"runs/{RUN_ID}/evaluation-inputs/capitals.jsonl"
 JUDGE_KEY = "judge-key-value-4711"
 """A run's own secret (`worker_secret_names`): it must be in none of the trackers' stored files."""
 
@@ -50,11 +51,15 @@ def tracked(tiny_model_dir, tmp_path_factory) -> TrackedRun:
     dataset_path = f"runs/{RUN_ID}/dataset/train.jsonl"
     (store_root / dataset_path).parent.mkdir(parents=True)
     shutil.copyfile(DEFAULT_CORPUS, store_root / dataset_path)
+    (store_root / TASK_FILE).parent.mkdir(parents=True)
+    (store_root / TASK_FILE).write_text("".join(json.dumps({"prompt": question, "answer": "Paris"}) + "\n"
+                                                for question in ("What is the capital of France?", "France?")))
     job = JobInput.model_validate({
         "run_id": RUN_ID, "model": {"id": str(tiny_model_dir)}, "dataset": {"store_path": dataset_path},
         "artifact_store": store_root.as_uri(), "worker_secret_names": ["JUDGE_KEY"],
         "training": {"max_steps": STEPS, "learning_rate": 1e-2, "batch_size": 8, "report_to": ["wandb", "mlflow"]},
-        "evaluation": {"fraction": 0.2, "every_steps": EVERY},
+        "evaluation": {"fraction": 0.2, "every_steps": EVERY, "tasks": [
+            {"name": "capitals", "store_path": TASK_FILE, "graders": [{"kind": "contains"}], "max_new_tokens": 4}]},
     })
     (work_dir / "job.json").write_text(job.model_dump_json())
     outside = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
@@ -131,6 +136,24 @@ def test_wandb_offline_records_the_loss_and_the_eval_loss_of_every_step(tracked)
     assert [step for step, _ in history["train/loss"]] == list(range(1, STEPS + 1))
     assert [step for step, _ in history["eval/loss"]] == [0, EVERY, STEPS]
     assert history["train/loss"][-1][1] == pytest.approx(tracked.result.metrics.final_loss, rel=1e-3)
+
+
+def test_both_trackers_record_the_task_scores_at_the_last_step(tracked, monkeypatch, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    (score,) = tracked.result.metrics.task_scores
+    expected = {f"task/capitals/contains/{part}": getattr(score, part)
+                for part in ("base", "adapter", "delta", "delta_stderr")}
+    run_file = next(tracked.stored(_tracker(tracked, "wandb").store_path).glob("run-*.wandb"))
+    history = wandb_history(run_file)
+    assert {key: history[key] for key in expected} == {key: [(STEPS, value)] for key, value in expected.items()}
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow = _tracker(tracked, "mlflow")
+    with tarfile.open(tracked.stored(mlflow.store_path)) as archive:
+        archive.extractall(tmp_path, filter="data")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    assert {key: [(m.step, m.value) for m in client.get_metric_history(mlflow.run_id, key)] for key in expected} == \
+        {key: [(STEPS, pytest.approx(value))] for key, value in expected.items()}
 
 
 def test_mlflow_records_the_loss_and_the_eval_loss_in_a_file_store_stored_with_the_run(tracked, monkeypatch, tmp_path):

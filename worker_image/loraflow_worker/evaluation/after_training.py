@@ -6,29 +6,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress, run_prefix
-from loraflow_worker.contract.task_evaluation import BenchmarkScore, TaskScore
+from loraflow_worker.evaluation.evaluated import Evaluated
 from loraflow_worker.evaluation.answering import EvaluationDeadline, loaded_answerer
 from loraflow_worker.evaluation.tasks import TaskResults, evaluate_task, prepare_tasks
 from loraflow_worker.runtime.model_cache import resolve_base_model
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Evaluated:
-    """What the evaluation after training found, for the run's metrics and folder."""
-
-    task_scores: list[TaskScore] = field(default_factory=list)
-    benchmark_scores: list[BenchmarkScore] = field(default_factory=list)
-    files: dict[str, bytes] = field(default_factory=dict)
-    """Store path → contents (the answers samples), stored in the run's commit."""
-    stopped: str | None = None
-    """Why some evaluations are missing (the job's deadline), None when all ran."""
 
 
 def wants_evaluation(job: JobInput) -> bool:

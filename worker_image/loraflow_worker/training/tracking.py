@@ -14,6 +14,7 @@ attempts by the run id, MLflow tags them with it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -76,6 +77,28 @@ def start_tracking(job: JobInput, work_dir: Path) -> None:
     if job.training.report_to:
         tracking_dir(work_dir).mkdir(parents=True, exist_ok=True)
         os.environ.update(tracking_env(job, work_dir, os.environ))
+
+
+def record_evaluations(job: JobInput, metrics: Mapping[str, float], step: int) -> None:
+    """Log the evaluations after training (`metrics`, by name) to the job's trackers, at the training's last `step`:
+    into the attempt's W&B run, and into its MLflow run (which transformers' callback ended when training did)."""
+    if not metrics or not job.training.report_to:
+        return
+    if "wandb" in job.training.report_to:
+        import wandb
+
+        if wandb.run is not None:
+            # Beside transformers' own x axis (`train/global_step`), so the scores sit at the last step.
+            wandb.run.log({**metrics, "train/global_step": step})
+    if "mlflow" in job.training.report_to:
+        import mlflow
+
+        active = mlflow.active_run()
+        run = active or mlflow.last_active_run()
+        if run is None:
+            return
+        with contextlib.nullcontext() if active else mlflow.start_run(run_id=run.info.run_id):
+            mlflow.log_metrics(dict(metrics), step=step)
 
 
 def finish_tracking(job: JobInput, work_dir: Path, prefix: str) -> tuple[list[TrackerRun], dict[str, bytes | Path]]:

@@ -27,7 +27,8 @@ from loraflow_worker.artifacts.pins import folder_sha256
 from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
 from loraflow_worker.memory.out_of_memory import exception_memory_kind
 from loraflow_worker.runtime.supervisor import ERROR_FILE, PROGRESS_MARKER, RESULT_FILE
-from loraflow_worker.training.tracking import finish_tracking, start_tracking
+from loraflow_worker.evaluation.evaluated import Evaluated, tracker_metrics
+from loraflow_worker.training.tracking import finish_tracking, record_evaluations, start_tracking
 from loraflow_worker.training.user_files import RunFilesStore
 
 if TYPE_CHECKING:
@@ -93,6 +94,18 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
         callbacks.append(CheckpointTimer(job.training.checkpoint_every_minutes * 60.0))
     start_tracking(job, work_dir)
     outcome = train(job, store, work_dir, report_progress, callbacks=callbacks, resume_from=resume_from)
+    evaluated = Evaluated()
+    if outcome.deadline_checkpoint is None:
+        # The task evaluations (and benchmarks) of the adapter the run keeps, stored in the same commit as it and
+        # recorded by the trackers before they close.
+        from loraflow_worker.evaluation.after_training import evaluate_after_training
+
+        evaluated = evaluate_after_training(job, store, work_dir, outcome.adapter_dir, report_progress,
+                                            outcome.metrics.steps)
+        outcome.metrics = outcome.metrics.model_copy(update={
+            "task_scores": evaluated.task_scores, "benchmark_scores": evaluated.benchmark_scores,
+            "evaluation_stopped": evaluated.stopped})
+        record_evaluations(job, tracker_metrics(evaluated), outcome.metrics.steps)
     trackers, tracker_files = finish_tracking(job, work_dir, prefix)
     if outcome.deadline_checkpoint is not None:
         step, total = outcome.metrics.steps, outcome.total_steps
@@ -109,14 +122,6 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
             f"checkpoint of step {step} at {store.display_url(partial.checkpoint_path)}; retrying the same flow run "
             "resumes from that checkpoint."
         )
-    # The task evaluations (and benchmarks) of the adapter the run keeps, stored in the same commit as it.
-    from loraflow_worker.evaluation.after_training import evaluate_after_training
-
-    evaluated = evaluate_after_training(job, store, work_dir, outcome.adapter_dir, report_progress,
-                                        outcome.metrics.steps)
-    outcome.metrics = outcome.metrics.model_copy(update={
-        "task_scores": evaluated.task_scores, "benchmark_scores": evaluated.benchmark_scores,
-        "evaluation_stopped": evaluated.stopped})
     # The final loss (and reward) go with it: a short run may end between two of the control plane's polls, and
     # this is then the only update it sees after the first.
     metrics = outcome.metrics
