@@ -310,3 +310,21 @@ def test_a_deadline_that_passes_during_the_evaluation_stops_it_and_says_which_ta
     assert "deadline passed while task `phrase` was answered" in evaluated.stopped
     assert "task(s) phrase were not evaluated" in evaluated.stopped
     assert (progress[-1].stage, progress[-1].step, progress[-1].message) == ("evaluating", 7, evaluated.stopped)
+
+
+@pytest.mark.parametrize("algorithm", ["dpo", "grpo"])
+def test_dpo_and_grpo_runs_evaluate_their_tasks_the_same_way(algorithm, tiny_model_dir, tmp_path):
+    store_root = tmp_path / "store"
+    job = _phrase_job(tiny_model_dir, store_root, "r", algorithm=algorithm,
+                      training={"max_steps": 2, "learning_rate": 1e-2, "batch_size": 4})
+    user = [{"role": "user", "content": q} for q in QUESTIONS]
+    rows = ([{"prompt": [u], "chosen": [{"role": "assistant", "content": PHRASE}],
+              "rejected": [{"role": "assistant", "content": "Berlin."}]} for u in user] if algorithm == "dpo"
+            else [{"prompt": [u]} for u in user])
+    (store_root / job["dataset"]["store_path"]).write_text("".join(json.dumps(row) + "\n" for row in rows * 2))
+    if algorithm == "grpo":
+        job["grpo"] = {"num_generations": 4, "max_completion_length": 8, "rewards": [{"name": "digit_fraction"}]}
+    result = train_in_process({"input": job}, FileStore(store_root), tmp_path / "work", [])
+    assert [(s.metric, s.n) for s in result.metrics.task_scores] == \
+        [("task:phrase/contains", len(QUESTIONS)), ("task:phrase/f1", len(QUESTIONS))]
+    assert (store_root / "runs" / "r" / "evaluation" / "phrase.jsonl").is_file()
