@@ -291,25 +291,41 @@ def test_a_tiny_model_taught_a_phrase_scores_it_for_the_adapter_and_not_for_the_
                for m in messages), messages
 
 
-def test_a_deadline_that_passes_during_the_evaluation_stops_it_and_says_which_tasks_were_not_evaluated(
-        tiny_model_dir, tmp_path):
+def _untrained_adapter(model_dir: Path, adapter_dir: Path) -> Path:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                   LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(adapter_dir)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(adapter_dir)
+    return adapter_dir
+
+
+def test_a_deadline_passed_before_the_evaluation_skips_it_and_says_which_tasks_were_not_evaluated(
+        tiny_model_dir, tmp_path):
     from loraflow_worker.evaluation.after_training import evaluate_after_training
 
-    adapter_dir = tmp_path / "adapter"
-    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                   LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")).save_pretrained(adapter_dir)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter_dir)
     job = JobInput.model_validate(_phrase_job(tiny_model_dir, tmp_path / "store", "r", deadline_epoch_s=1.0))
     progress: list[Progress] = []
-    evaluated = evaluate_after_training(job, FileStore(tmp_path / "store"), tmp_path / "work", adapter_dir,
-                                        progress.append, steps=7)
+    evaluated = evaluate_after_training(job, FileStore(tmp_path / "store"), tmp_path / "work",
+                                        _untrained_adapter(tiny_model_dir, tmp_path / "adapter"), progress.append,
+                                        steps=7)
     assert (evaluated.task_scores, evaluated.files) == ([], {})
-    assert "deadline passed while task `phrase` was answered" in evaluated.stopped
+    assert "deadline passed before the task evaluations began" in evaluated.stopped
     assert "task(s) phrase were not evaluated" in evaluated.stopped
     assert (progress[-1].stage, progress[-1].step, progress[-1].message) == ("evaluating", 7, evaluated.stopped)
+
+
+def test_a_deadline_that_passes_while_answering_stops_before_the_next_batch(tiny_model_dir, tmp_path):
+    from loraflow_worker.evaluation.answering import EvaluationDeadline, loaded_answerer
+
+    job = JobInput.model_validate(_phrase_job(tiny_model_dir, tmp_path / "store", "r", deadline_epoch_s=1.0))
+    store = FileStore(tmp_path / "store")
+    task = job.evaluation.tasks[0]
+    with loaded_answerer(job, tiny_model_dir, _untrained_adapter(tiny_model_dir, tmp_path / "adapter"),
+                         store) as answerer:
+        with pytest.raises(EvaluationDeadline, match="deadline passed while task `phrase` was evaluated"):
+            answerer.answer(task, read_task_rows(task, store), adapter=True)
 
 
 @pytest.mark.parametrize("algorithm", ["dpo", "grpo"])

@@ -11,7 +11,7 @@ from pathlib import Path
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress, run_prefix
 from loraflow_worker.evaluation.evaluated import Evaluated
-from loraflow_worker.evaluation.answering import EvaluationDeadline, loaded_answerer
+from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer
 from loraflow_worker.evaluation.tasks import TaskResults, evaluate_task, prepare_tasks
 from loraflow_worker.runtime.model_cache import resolve_base_model
 
@@ -38,6 +38,8 @@ def evaluate_after_training(job: JobInput, store: ArtifactStore, work_dir: Path,
     model_path, _ = resolve_base_model(job.model)
     results = TaskResults()
     try:
+        if deadline_passed(job):  # loading the model again would eat the grace in which the run must be stored
+            raise EvaluationDeadline("the job's deadline passed before the task evaluations began")
         with loaded_answerer(job, model_path, adapter_dir, store) as answerer:
             for task in prepared:
                 evaluate_task(task, answerer, prefix, say, results)

@@ -28,7 +28,11 @@ BATCH_SIZE = 16
 
 
 class EvaluationDeadline(RuntimeError):
-    """The job's deadline passed while the tasks were being answered."""
+    """The job's deadline passed while the tasks were being answered or graded."""
+
+
+def deadline_passed(job: JobInput) -> bool:
+    return job.deadline_epoch_s is not None and time.time() >= job.deadline_epoch_s
 
 
 @dataclass
@@ -48,16 +52,17 @@ class Answerer:
         switched = nullcontext() if adapter else self.model.disable_adapter()
         with switched, torch.inference_mode():
             for start in range(0, len(rows), BATCH_SIZE):
-                self._check_deadline(task)
+                self.check_deadline(task)
                 batch = self._generate(task, rows[start:start + BATCH_SIZE])
-                self._check_deadline(task)  # a batch the deadline cut short (`max_time`) holds cut answers
+                self.check_deadline(task)  # a batch the deadline cut short (`max_time`) holds cut answers
                 answers += batch
                 batch_done(len(answers))
         return answers
 
-    def _check_deadline(self, task: TaskEvaluation) -> None:
+    def check_deadline(self, task: TaskEvaluation) -> None:
+        """EvaluationDeadline once the job's deadline has passed."""
         if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
-            raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was answered")
+            raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was evaluated")
 
     def _generate(self, task: TaskEvaluation, rows: list[TaskRow]) -> list[str]:
         # A rendered chat holds its special tokens already; a text prompt gets the model's (a BOS, where it has one).

@@ -66,6 +66,7 @@ def evaluate_task(prepared: PreparedTask, answerer: Answerer, prefix: str, say: 
         answers[side] = answerer.answer(task, rows, adapter=side == "adapter", batch_done=batch_done)
     per_grader: dict[str, dict[str, list[float]]] = {}
     for grader in task.graders:
+        answerer.check_deadline(task)  # a judge's requests take their time too
         scored = {side: grade(prepared, grader, answers[side]) for side in ("base", "adapter")}
         per_grader[grader.label] = {side: scores for side, (scores, _) in scored.items()}
         score = task_score(task.name, grader.label, scored["base"][0], scored["adapter"][0],
