@@ -17,6 +17,7 @@ from loraflow_worker.artifacts import FileStore
 from loraflow_worker.contract import JobInput, Progress, TrainMetrics
 from loraflow_worker.contract.task_evaluation import GraderSettings, TaskEvaluation, task_score
 from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
+from loraflow_worker.evaluation.after_training import evaluate_after_training, prepare_evaluation
 from loraflow_worker.evaluation.function_graders import GraderError, grade_with_function, load_grader_function
 from loraflow_worker.evaluation.graders import grade_builtin, normalize_answer
 from loraflow_worker.evaluation.judge import grade_with_judge
@@ -303,13 +304,11 @@ def _untrained_adapter(model_dir: Path, adapter_dir: Path) -> Path:
 
 def test_a_deadline_passed_before_the_evaluation_skips_it_and_says_which_tasks_were_not_evaluated(
         tiny_model_dir, tmp_path):
-    from loraflow_worker.evaluation.after_training import evaluate_after_training
-
     job = JobInput.model_validate(_phrase_job(tiny_model_dir, tmp_path / "store", "r", deadline_epoch_s=1.0))
     progress: list[Progress] = []
-    evaluated = evaluate_after_training(job, FileStore(tmp_path / "store"), tmp_path / "work",
-                                        _untrained_adapter(tiny_model_dir, tmp_path / "adapter"), progress.append,
-                                        steps=7)
+    store = FileStore(tmp_path / "store")
+    evaluated = evaluate_after_training(job, store, _untrained_adapter(tiny_model_dir, tmp_path / "adapter"),
+                                        prepare_evaluation(job, store, tmp_path / "work"), progress.append, steps=7)
     assert (evaluated.task_scores, evaluated.files) == ([], {})
     assert "deadline passed before the task evaluations began" in evaluated.stopped
     assert "task(s) phrase were not evaluated" in evaluated.stopped
@@ -326,6 +325,29 @@ def test_a_deadline_that_passes_while_answering_stops_before_the_next_batch(tiny
                          store) as answerer:
         with pytest.raises(EvaluationDeadline, match="deadline passed while task `phrase` was evaluated"):
             answerer.answer(task, read_task_rows(task, store), adapter=True)
+
+
+def test_a_grader_that_fails_after_training_leaves_the_run_stored_and_says_why(tiny_model_dir, tmp_path):
+    store = FileStore(tmp_path / "store")
+    job = _phrase_job(tiny_model_dir, tmp_path / "store", "r")
+    grader = _function_grader(tmp_path / "store", "too_big")
+    job["evaluation"]["tasks"][0]["graders"].append(grader.model_dump(exclude_none=True))
+    job = JobInput.model_validate(job)
+    evaluated = evaluate_after_training(job, store, _untrained_adapter(tiny_model_dir, tmp_path / "adapter"),
+                                        prepare_evaluation(job, store, tmp_path / "work"), lambda progress: None,
+                                        steps=1)
+    assert evaluated.stopped.startswith("the task evaluations failed (GraderError: task `phrase`, grader `too_big`")
+    assert evaluated.stopped.endswith("the adapter is complete and stored, but task(s) phrase were not evaluated (in full)")
+
+
+def test_a_task_file_without_its_answers_fails_the_job_before_training(tiny_model_dir, tmp_path):
+    store_root = tmp_path / "store"
+    job = _phrase_job(tiny_model_dir, store_root, "r")
+    (store_root / job["evaluation"]["tasks"][0]["store_path"]).write_text(json.dumps({"prompt": "q"}) + "\n")
+    progress: list[Progress] = []
+    with pytest.raises(ValueError, match="row 1: no `answer`"):
+        train_in_process({"input": job}, FileStore(store_root), tmp_path / "work", progress)
+    assert not any(p.stage == "training" for p in progress)
 
 
 @pytest.mark.parametrize("algorithm", ["dpo", "grpo"])

@@ -100,7 +100,8 @@ class TrainMetrics(_Strict):
     evaluation_stopped: str | None = Field(
         default=None,
         description="Why some of `evaluation.tasks` have no scores: the job's deadline passed while they were "
-        "evaluated after training (the adapter is complete); None when every task was evaluated.",
+        "evaluated after training, or the evaluation failed (its error); the adapter is complete and stored all the "
+        "same. None when every task was evaluated.",
     )
     benchmark_scores: list[BenchmarkScore] = Field(
         default_factory=list,

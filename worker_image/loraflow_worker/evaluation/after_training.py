@@ -12,7 +12,7 @@ from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress, run_prefix
 from loraflow_worker.evaluation.evaluated import Evaluated
 from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer
-from loraflow_worker.evaluation.tasks import TaskResults, evaluate_task, prepare_tasks
+from loraflow_worker.evaluation.tasks import PreparedTask, TaskResults, evaluate_task, prepare_tasks
 from loraflow_worker.runtime.model_cache import resolve_base_model
 
 log = logging.getLogger(__name__)
@@ -22,35 +22,55 @@ def wants_evaluation(job: JobInput) -> bool:
     return job.evaluation is not None and bool(job.evaluation.tasks)
 
 
-def evaluate_after_training(job: JobInput, store: ArtifactStore, work_dir: Path, adapter_dir: Path,
+def prepare_evaluation(job: JobInput, store: ArtifactStore, work_dir: Path) -> list[PreparedTask]:
+    """Before training: the tasks' rows read and their grader functions imported, so that a task file or grader that
+    cannot be used fails the job before its GPU time is spent."""
+    return prepare_tasks(job, store, work_dir) if wants_evaluation(job) else []
+
+
+def evaluate_after_training(job: JobInput, store: ArtifactStore, adapter_dir: Path, prepared: list[PreparedTask],
                             report: Callable[[Progress], None], steps: int) -> Evaluated:
-    """The task evaluations of `job` for the adapter saved in `adapter_dir` (the one the run stores), after `steps`
-    optimizer steps of training (which its progress updates carry)."""
+    """The `prepared` task evaluations of `job` for the adapter saved in `adapter_dir` (the one the run stores), after
+    `steps` optimizer steps of training (which its progress updates carry). Whatever stops them (the deadline, a
+    grader that fails, memory), the run's adapter is stored all the same: `Evaluated.stopped` says what happened."""
     evaluated = Evaluated()
-    if not wants_evaluation(job):
-        return evaluated
 
     def say(message: str) -> None:
         report(Progress(stage="evaluating", step=steps, total_steps=steps, message=message))
-    prefix = run_prefix(job.run_id)
-    prepared = prepare_tasks(job, store, work_dir)
+
+    if prepared:
+        _evaluate_tasks(job, store, adapter_dir, prepared, say, evaluated)
+    # The run's benchmarks (`evaluation.benchmarks`) are evaluated here too, after the tasks, into
+    # `evaluated.benchmark_scores`.
+    return evaluated
+
+
+def _evaluate_tasks(job: JobInput, store: ArtifactStore, adapter_dir: Path, prepared: list[PreparedTask],
+                    say: Callable[[str], None], evaluated: Evaluated) -> None:
     say(f"task evaluations: {len(prepared)} task(s), the base and the adapter answering each")
-    model_path, _ = resolve_base_model(job.model)
     results = TaskResults()
     try:
         if deadline_passed(job):  # loading the model again would eat the grace in which the run must be stored
             raise EvaluationDeadline("the job's deadline passed before the task evaluations began")
+        model_path, _ = resolve_base_model(job.model)
         with loaded_answerer(job, model_path, adapter_dir, store) as answerer:
             for task in prepared:
-                evaluate_task(task, answerer, prefix, say, results)
+                evaluate_task(task, answerer, run_prefix(job.run_id), say, results)
     except EvaluationDeadline as e:
-        done = {score.task for score in results.scores}
-        missing = [task.task.name for task in prepared if task.task.name not in done]
-        evaluated.stopped = (f"{e}: the adapter is complete and stored, but task(s) {', '.join(missing)} were not "
-                             "evaluated; give the run a longer `deadline_minutes` to evaluate them")
+        evaluated.stopped = (f"{e}: the adapter is complete and stored, but {_missing(prepared, results)}; give the "
+                             "run a longer `deadline_minutes` to evaluate them")
+    except Exception as e:  # noqa: BLE001 - the trained adapter is stored whatever its evaluation ran into
+        log.exception("the task evaluations failed")
+        evaluated.stopped = (f"the task evaluations failed ({type(e).__name__}: {e}): the adapter is complete and "
+                             f"stored, but {_missing(prepared, results)}")
+    if evaluated.stopped:
         log.warning(evaluated.stopped)
-        say(evaluated.stopped)
+        say(evaluated.stopped[:2000])
     evaluated.task_scores, evaluated.files = results.scores, results.files
-    # The run's benchmarks (`evaluation.benchmarks`) are evaluated here too, beside the tasks, into
-    # `evaluated.benchmark_scores`.
-    return evaluated
+
+
+def _missing(prepared: list[PreparedTask], results: TaskResults) -> str:
+    """Which tasks lack some grader's score (those that have some keep them)."""
+    scored = [score.task for score in results.scores]
+    missing = [t.task.name for t in prepared if scored.count(t.task.name) < len(t.task.graders)]
+    return f"task(s) {', '.join(missing)} were not evaluated (in full)"

@@ -92,15 +92,16 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
         callbacks.insert(0, EarlyStopping(job.training.early_stopping, job.algorithm, work_dir, TRAINED_ADAPTER))
     if job.training.checkpoint_every_minutes is not None:
         callbacks.append(CheckpointTimer(job.training.checkpoint_every_minutes * 60.0))
+    from loraflow_worker.evaluation.after_training import evaluate_after_training, prepare_evaluation
+
+    tasks = prepare_evaluation(job, store, work_dir)
     start_tracking(job, work_dir)
     outcome = train(job, store, work_dir, report_progress, callbacks=callbacks, resume_from=resume_from)
     evaluated = Evaluated()
     if outcome.deadline_checkpoint is None:
         # The task evaluations (and benchmarks) of the adapter the run keeps, stored in the same commit as it and
         # recorded by the trackers before they close.
-        from loraflow_worker.evaluation.after_training import evaluate_after_training
-
-        evaluated = evaluate_after_training(job, store, work_dir, outcome.adapter_dir, report_progress,
+        evaluated = evaluate_after_training(job, store, outcome.adapter_dir, tasks, report_progress,
                                             outcome.metrics.steps)
         outcome.metrics = outcome.metrics.model_copy(update={
             "task_scores": evaluated.task_scores, "benchmark_scores": evaluated.benchmark_scores,
