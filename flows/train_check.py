@@ -35,6 +35,7 @@ from flows.spec import RunSpec
 from flows.spec_data import DatasetSpec, MixEntrySpec
 from tasks.jobs.merge import check_merge_fits
 from tasks.lifecycle.quota import ensure_endpoint_limit
+from tasks.lifecycle.secret_key import run_checkpoint_key, secret_name_key
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.worker_env import read_run_secrets
 from tasks.placement.cost import (
@@ -173,6 +174,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
                                rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
                                lora=lora, tool_files=tool_files, inputs=stored)
+        # The worker resumes only from checkpoints it signed with this key (none a store writer could plant).
+        job_input.checkpoint_key = run_checkpoint_key(secret_name_key(settings.control_plane_namespace()), run_id)
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
