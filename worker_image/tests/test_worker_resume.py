@@ -64,7 +64,8 @@ def test_next_attempt_resumes_at_the_checkpoint(resumed_run):
 
 def test_a_planted_later_checkpoint_is_ignored_and_named(resumed_run):
     messages = " ".join(u["message"] for u in resumed_run.progress if u["stage"] == "loading")
-    assert "not this run's own, ignored: step-100000 (its COMPLETE marker is not a record of this run" in messages
+    assert "ignored (not this run's own, or changed since it stored them): step-100000 (its COMPLETE marker is not a " \
+           "record of this run" in messages
     assert resumed_run.result["resumed_from_step"] == 20
 
 

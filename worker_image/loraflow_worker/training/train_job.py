@@ -85,7 +85,7 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
                                  message=f"resuming from the checkpoint at step {_checkpoint_step(resume_from)}"))
     if ignored:  # the control plane logs it: whoever put them there is seen
         report_progress(Progress(stage="loading", message=_shorten(
-            "checkpoints in the store that are not this run's own, ignored: "
+            "checkpoints in the store ignored (not this run's own, or changed since it stored them): "
             + "; ".join(f"{name} ({why})" for name, why in ignored.items()))))
     callbacks: list[TrainerCallback] = [CheckpointUploader(store, prefix, job.training.keep_checkpoints,
                                                            key=job.checkpoint_key)]
