@@ -156,7 +156,7 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
         _announce(seen, run_name)
 
     def on_status(status: JobStatus) -> None:
-        beat(endpoint, status.status)
+        beat(endpoint, status.status, interval_s=heartbeat_s)  # the settings read once: polls come 10 a second
         # Where the job runs, once it runs (a few reads: the worker list can lag the job's status), for the
         # preload sweep's default datacenters (`tasks/placement/history.py`). `client`: the watch's, bound below.
         if status.running and 0 <= last["placement_reads"] < 3:
@@ -188,7 +188,7 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
 
     def on_read_error(error: errors.RunpodError, unreadable_s: float) -> None:
         # The first error of a streak, then one line per heartbeat: the run stays visibly alive.
-        beat(endpoint)
+        beat(endpoint, interval_s=heartbeat_s)
         now = time.monotonic()
         if last["error_logged"] is None or now - last["error_logged"] >= heartbeat_s:
             logger.warning("Job %s: status unreadable for %.0f s (tolerated up to %.0f s): %s", job_id, unreadable_s,
