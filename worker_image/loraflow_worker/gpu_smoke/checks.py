@@ -26,7 +26,7 @@ TEACHING_STEPS = 150
 
 
 class PackedLabels:
-    """Watches `trl.SFTTrainer.compute_loss` in this process (a class attribute: the worker's trainer is TRL's)."""
+    """Watches `trl.SFTTrainer.compute_loss` in this process (a class attribute: the worker's trainer calls TRL's)."""
 
     def __init__(self) -> None:
         from trl import SFTTrainer
