@@ -134,7 +134,7 @@ def merged_weight(layer: Any) -> torch.Tensor:
         variant = layer.lora_variant.get(adapter)
         if variant is None:
             merged = (merged + delta).to(weight.dtype)
-        elif isinstance(variant, DoraLinearVariant) and type(variant) is DoraLinearVariant:
+        elif type(variant) is DoraLinearVariant:  # its subclasses (embeddings, convolutions) merge otherwise
             magnitude = layer.lora_magnitude_vector[adapter]
             # The norm of the unmerged weight with this adapter, as `forward` and PEFT's merge compute it.
             norm = magnitude.get_weight_norm(weight, transpose(delta, layer.fan_in_fan_out), scaling=1).detach()
