@@ -340,6 +340,34 @@ def test_a_vllm_generate_that_fails_during_training_leaves_the_rest_to_transform
 
 
 @pytest.mark.timeout(600)
+def test_a_weight_sync_that_fails_during_training_leaves_the_rest_to_transformers_generate_and_vllm_asleep(
+        stand_in_engine, monkeypatch, tiny_model_dir, tmp_path):
+    from trl.generation import vllm_generation
+
+    build = vllm_generation.LLM
+
+    def failing(**kwargs):  # the check before training loads the weights; the first round's sync fails
+        engine = build(**kwargs)
+        load = engine.llm_engine.model_executor.driver_worker.model_runner.model.load_weights
+
+        def load_once(weights):
+            if engine.syncs and engine.first_name == weights[0][0]:
+                raise RuntimeError("weight loader moved")
+            load(weights)
+
+        engine.llm_engine.model_executor.driver_worker.model_runner.model.load_weights = load_once
+        return engine
+
+    monkeypatch.setattr(vllm_generation, "LLM", failing)
+    outcome = _train(_job(tiny_model_dir, tmp_path / "store", "sync-dies-mid-run"), tmp_path / "work")
+    assert outcome.metrics.steps == STEPS
+    assert outcome.manifest.fast_paths["vllm_colocate"].reason.startswith(
+        "failed: RuntimeError: weight loader moved at step 1; completions from then on come from transformers'")
+    (engine,) = stand_in_engine
+    assert not (engine.weights_awake or engine.kv_awake)  # woken for the sync that failed, put back to sleep
+
+
+@pytest.mark.timeout(600)
 def test_a_vllm_generate_that_fails_during_training_fails_a_job_that_requires_vllm(
         stand_in_engine, monkeypatch, tiny_model_dir, tmp_path):
     _engine_failing_on_its_second_generate(monkeypatch, RuntimeError("EngineCore encountered an issue"))

@@ -268,6 +268,11 @@ class RoundSyncGRPOTrainer(GRPOTrainer):
             raise VllmRequired(f"`{VLLM_SETTING}` is 'require', and the colocated vLLM engine failed {where}: {text}. "
                                f"Leave `{VLLM_SETTING}` empty to go on with transformers' generate where vLLM fails, "
                                "or set it false") from error
+        engine = self.vllm_generation
+        if not engine._llm_weights_sleeping:  # it failed awake (a sync or wake between rounds): free what it holds
+            with contextlib.suppress(Exception):
+                engine.llm.sleep(level=2)
+                engine._llm_weights_sleeping = True
         self.use_vllm = False
         self._offloaded_at_step = None
         self._transformers_generation()
