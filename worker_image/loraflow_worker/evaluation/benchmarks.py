@@ -1,0 +1,140 @@
+"""Benchmarks (`evaluation.benchmarks`): EleutherAI's lm-evaluation-harness tasks, scored for the base model and for
+the trained adapter on the worker that trained it, as `BenchmarkScore` rows.
+
+The harness loads each model itself from local folders: the base from the worker's model folder, the adapter as PEFT
+loads it from the run's adapter folder (the HF backend's `peft=`), or, where vLLM runs (a CUDA device with vLLM
+installed), the harness's vLLM backend with the adapter as a LoRA request (`lora_local_path=`). Private tasks are the
+harness's own YAMLs in `task_dir` (read with the TaskManager's `include_path`); the harness reads the data files
+they name relative to that folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+from collections.abc import Callable
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from loraflow_worker.contract.task_evaluation import BenchmarkScore, BenchmarkSettings
+
+log = logging.getLogger(__name__)
+
+
+class BenchmarkError(ValueError):
+    """A benchmark the harness cannot run as asked (an unknown task name)."""
+
+
+def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: Path, task_dir: Path | None, *,
+                   device: str, report: Callable[[str], None] = log.info) -> list[BenchmarkScore]:
+    """Score `settings.tasks` for the base model (`model_path`) and for it with the adapter (`adapter_dir`), with the
+    harness's vLLM backend where vLLM runs on `device`, its HF backend otherwise."""
+    from lm_eval.tasks import TaskManager
+
+    task_manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None)
+    unknown = [name for name in settings.tasks if name not in set(task_manager.all_tasks)]
+    if unknown:
+        where = f" nor does the run's task_dir define {'it' if len(unknown) == 1 else 'them'}" if task_dir else ""
+        raise BenchmarkError(
+            f"evaluation.benchmarks.tasks: lm-evaluation-harness {lm_eval_version()} has no task "
+            f"{', '.join(unknown)}{where}; name the harness's tasks (`lm_eval ls tasks`) or ship their YAMLs in "
+            "`task_dir`")
+    use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
+    backend = "vLLM" if use_vllm else "transformers"
+    report(f"benchmarks: {', '.join(settings.tasks)} for the base model ({backend})")
+    base = _evaluate(settings, task_manager, task_dir, _harness_model(settings, model_path, None, device, use_vllm))
+    report(f"benchmarks: {', '.join(settings.tasks)} for the adapter ({backend})")
+    adapter = _evaluate(settings, task_manager, task_dir,
+                        _harness_model(settings, model_path, adapter_dir, device, use_vllm))
+    scores = benchmark_scores(base, adapter)
+    for score in scores:
+        report(f"benchmark {score.task}/{score.metric}: base {_shown(score.base, score.base_stderr)}, adapter "
+               f"{_shown(score.adapter, score.adapter_stderr)}, delta {score.delta:+.4f} (n={score.n})")
+    return scores
+
+
+def lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm-eval")
+
+
+def _harness_model(settings: BenchmarkSettings, model_path: Path, adapter_dir: Path | None, device: str,
+                   use_vllm: bool) -> Any:
+    if use_vllm:
+        import json
+
+        from lm_eval.models.vllm_causallms import VLLM
+
+        rank = json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else 16
+        # vLLM refuses a LoRA request above its `max_lora_rank` (the harness's default is 16).
+        return VLLM(pretrained=str(model_path), lora_local_path=str(adapter_dir) if adapter_dir else None,
+                    max_lora_rank=max(16, rank), batch_size=settings.batch_size, dtype="auto")
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(model_path), peft=str(adapter_dir) if adapter_dir else None, device=device,
+                batch_size=settings.batch_size, dtype="auto")
+
+
+def _evaluate(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model: Any) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+
+    try:
+        # A private task's `data_files` are relative paths: the harness's datasets read them from the working folder.
+        with contextlib.chdir(task_dir) if task_dir is not None else contextlib.nullcontext():
+            results = simple_evaluate(model=model, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
+                                      limit=settings.limit, batch_size=settings.batch_size, task_manager=task_manager,
+                                      log_samples=False, bootstrap_iters=1000)
+    finally:
+        del model
+        gc.collect()
+        with contextlib.suppress(ImportError):
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if results is None:  # the harness returns None on the ranks of a distributed run other than the first
+        raise RuntimeError("lm-evaluation-harness returned no results")
+    return results
+
+
+def benchmark_scores(base: dict[str, Any], adapter: dict[str, Any]) -> list[BenchmarkScore]:
+    """One row per task (and group) and metric of two `simple_evaluate` results over the same tasks. A metric the
+    harness scored under several filters (gsm8k's `exact_match` after `strict-match` and `flexible-extract`) keeps
+    the harness's own `metric,filter` name; one scored on the raw output alone is named bare (`acc`)."""
+    rows = []
+    for task, values in base["results"].items():
+        adapter_values = adapter["results"].get(task, {})
+        keys = [key for key in values if "," in key and "_stderr," not in key and _is_number(values[key])]
+        metrics = [key.split(",", 1)[0] for key in keys]
+        for key, metric in zip(keys, metrics):
+            if key not in adapter_values:
+                continue
+            filter_name = key.split(",", 1)[1]
+            name = metric if metrics.count(metric) == 1 else key
+            stderr_key = f"{metric}_stderr,{filter_name}"
+            samples = base.get("n-samples", {}).get(task, {})
+            higher = base.get("higher_is_better", {}).get(task, {}).get(metric)
+            rows.append(BenchmarkScore(
+                task=task, metric=name, n=samples.get("effective"),
+                base=float(values[key]), base_stderr=_stderr(values.get(stderr_key)),
+                adapter=float(adapter_values[key]), adapter_stderr=_stderr(adapter_values.get(stderr_key)),
+                delta=float(adapter_values[key]) - float(values[key]),
+                higher_is_better=True if higher is None else bool(higher)))
+    return rows
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _stderr(value: Any) -> float | None:
+    """The harness writes "N/A" where it computes no standard error (a metric without one, or one example)."""
+    return float(value) if _is_number(value) else None
+
+
+def _shown(value: float, stderr: float | None) -> str:
+    return f"{value:.4f}" if stderr is None else f"{value:.4f} ± {stderr:.4f}"
