@@ -5,13 +5,14 @@ checks names against kept equal to the installed harness's."""
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
+from loraflow_worker.artifacts import FileStore
+from loraflow_worker.contract import JobResult
 from loraflow_worker.contract.benchmark_tasks import (
     HARNESS_TASKS_FILE,
     harness_task_names,
@@ -19,8 +20,9 @@ from loraflow_worker.contract.benchmark_tasks import (
     unknown_benchmark_tasks,
 )
 from loraflow_worker.contract.task_evaluation import BenchmarkScore, BenchmarkSettings
-from loraflow_worker.evaluation.benchmarks import BenchmarkError, run_benchmarks
+from loraflow_worker.evaluation.benchmarks import BenchmarkError, benchmark_scores, run_benchmarks
 from loraflow_worker.evaluation.task_list import installed_harness_tasks, render
+from worker_test_support import train_in_process
 
 CHOICE_TASK = """\
 task: colours
@@ -82,27 +84,29 @@ def task_dir(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """An adapter of the tiny model whose B matrices are not zero (PEFT's `init_lora_weights=False`), so that it
-    changes what the model predicts, as a trained one does."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=64, target_modules="all-linear",
-                                                  init_lora_weights=False))
-    folder = tmp_path_factory.mktemp("adapter")
-    peft_model.save_pretrained(folder)
-    return folder
+@dataclass
+class BenchmarkedRun:
+    result: JobResult
+    run_dir: Path
 
 
 @pytest.fixture(scope="module")
-def scores(task_dir, tiny_model_dir, adapter_dir) -> list[BenchmarkScore]:
-    settings = BenchmarkSettings(tasks=["colours", "private_greetings"], batch_size=4,
-                                 task_dir_store_path="runs/r/evaluation/benchmarks")
-    lines: list[str] = []
-    found = run_benchmarks(settings, tiny_model_dir, adapter_dir, task_dir, device="cpu", report=lines.append)
-    assert any("for the adapter (transformers)" in line for line in lines)
-    return found
+def benchmarked_run(task_dir, tiny_model_dir, make_job, tmp_path_factory) -> BenchmarkedRun:
+    """A short SFT job whose `evaluation` holds only benchmarks: the private tasks of `task_dir`, stored with the run as
+    the control plane stores them."""
+    store_root, work_dir = tmp_path_factory.mktemp("store"), tmp_path_factory.mktemp("work")
+    shutil.copytree(task_dir, store_root / "runs" / "bench" / "evaluation" / "benchmarks")
+    job = make_job("bench", tiny_model_dir, store_root,
+                            training={"max_steps": 5, "learning_rate": 1e-2, "batch_size": 8},
+                            evaluation={"benchmarks": {"tasks": ["colours", "private_greetings"], "batch_size": 4,
+                                                       "task_dir_store_path": "runs/bench/evaluation/benchmarks"}})
+    result = train_in_process(job, FileStore(store_root), work_dir, [])
+    return BenchmarkedRun(result, store_root / "runs" / "bench")
+
+
+@pytest.fixture(scope="module")
+def scores(benchmarked_run) -> list[BenchmarkScore]:
+    return benchmarked_run.result.metrics.benchmark_scores
 
 
 def test_a_private_task_is_scored_for_the_base_and_the_adapter_with_standard_errors(scores):
@@ -116,7 +120,7 @@ def test_a_private_task_is_scored_for_the_base_and_the_adapter_with_standard_err
     assert colours.name == "benchmark:colours/acc"
 
 
-def test_the_adapter_changes_the_score_and_lower_is_better_comes_from_the_harness(scores):
+def test_the_trained_adapter_changes_the_score_and_lower_is_better_comes_from_the_harness(scores):
     perplexity = next(s for s in scores if s.task == "greeting_perplexity")
     assert perplexity.metric == "perplexity"
     assert perplexity.n == len(GREETINGS)
@@ -126,10 +130,29 @@ def test_the_adapter_changes_the_score_and_lower_is_better_comes_from_the_harnes
     assert perplexity.base_stderr is not None and perplexity.adapter_stderr is not None
 
 
-def test_an_unknown_task_is_refused_naming_it(task_dir, tiny_model_dir, adapter_dir):
+def test_the_scores_are_stored_in_the_run_s_metrics(benchmarked_run, scores):
+    stored = json.loads((benchmarked_run.run_dir / "metrics.json").read_text())
+    assert [BenchmarkScore.model_validate(row) for row in stored["benchmark_scores"]] == scores
+
+
+def test_an_unknown_task_is_refused_naming_it_before_a_model_loads(task_dir, tmp_path):
     settings = BenchmarkSettings(tasks=["colours", "no_such_benchmark"])
     with pytest.raises(BenchmarkError, match=r"evaluation\.benchmarks\.tasks: .*no task no_such_benchmark"):
-        run_benchmarks(settings, tiny_model_dir, adapter_dir, task_dir, device="cpu")
+        run_benchmarks(settings, tmp_path / "no-model", tmp_path / "no-adapter", task_dir, device="cpu")
+
+
+def test_a_metric_under_several_filters_keeps_the_harness_s_name_and_stderr_n_a_is_none():
+    def result(strict: float, flexible: float) -> dict:
+        return {"results": {"gsm8k": {"alias": "gsm8k", "exact_match,strict-match": strict,
+                                      "exact_match_stderr,strict-match": 0.1, "exact_match,flexible-extract": flexible,
+                                      "exact_match_stderr,flexible-extract": "N/A"}},
+                "higher_is_better": {"gsm8k": {"exact_match": True}},
+                "n-samples": {"gsm8k": {"original": 1319, "effective": 20}}}
+
+    rows = benchmark_scores(result(0.1, 0.2), result(0.3, 0.2))
+    assert [(r.metric, r.n, r.delta, r.base_stderr) for r in rows] == [
+        ("exact_match,strict-match", 20, pytest.approx(0.2), 0.1),
+        ("exact_match,flexible-extract", 20, pytest.approx(0.0), None)]
 
 
 def test_the_shipped_task_list_is_the_installed_harness_s():

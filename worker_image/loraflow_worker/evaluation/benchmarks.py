@@ -17,9 +17,14 @@ import math
 from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from loraflow_worker.contract import JobInput
+from loraflow_worker.contract.benchmark_tasks import task_dir_names, unknown_benchmark_tasks
 from loraflow_worker.contract.task_evaluation import BenchmarkScore, BenchmarkSettings
+
+if TYPE_CHECKING:
+    from loraflow_worker.artifacts import ArtifactStore
 
 log = logging.getLogger(__name__)
 
@@ -28,20 +33,50 @@ class BenchmarkError(ValueError):
     """A benchmark the harness cannot run as asked (an unknown task name)."""
 
 
+def job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work_dir: Path,
+                   report: Callable[[str], None] = log.info) -> list[BenchmarkScore]:
+    """The run's `evaluation.benchmarks` for its base model and its kept adapter (`adapter_dir`), after training; its
+    `task_dir` read from the store at the commit where the control plane stored the run's files."""
+    import torch
+
+    from loraflow_worker.runtime.model_cache import resolve_base_model
+
+    assert job.evaluation is not None and job.evaluation.benchmarks is not None
+    settings = job.evaluation.benchmarks
+    task_dir = None
+    if settings.task_dir_store_path is not None:
+        task_dir = store.download(settings.task_dir_store_path, work_dir / "benchmark-tasks",
+                                  revision=job.inputs.revision if job.inputs else None)
+    model_path, _ = resolve_base_model(job.model)
+    # The trainer's model is gone with the training function's frame: free its memory before the harness loads two.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return run_benchmarks(settings, model_path, adapter_dir, task_dir,
+                          device="cuda" if torch.cuda.is_available() else "cpu", report=report)
+
+
 def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: Path, task_dir: Path | None, *,
                    device: str, report: Callable[[str], None] = log.info) -> list[BenchmarkScore]:
     """Score `settings.tasks` for the base model (`model_path`) and for it with the adapter (`adapter_dir`), with the
     harness's vLLM backend where vLLM runs on `device`, its HF backend otherwise."""
-    from lm_eval.tasks import TaskManager
-
-    task_manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None)
-    unknown = [name for name in settings.tasks if name not in set(task_manager.all_tasks)]
+    private = task_dir_names(task_dir) if task_dir is not None else set()
+    # The names the control plane checked before renting, checked again here: a job from another client is refused
+    # before a model is loaded.
+    unknown = unknown_benchmark_tasks(settings.tasks, private)
     if unknown:
         where = f" nor does the run's task_dir define {'it' if len(unknown) == 1 else 'them'}" if task_dir else ""
         raise BenchmarkError(
             f"evaluation.benchmarks.tasks: lm-evaluation-harness {lm_eval_version()} has no task "
             f"{', '.join(unknown)}{where}; name the harness's tasks (`lm_eval ls tasks`) or ship their YAMLs in "
             "`task_dir`")
+    from lm_eval.tasks import TaskManager
+
+    # Indexing the harness's own ~15k task names reads thousands of YAMLs (half a minute on a small CPU): skipped
+    # when the run asks only for its own tasks and defines no group, the one kind of YAML that names other tasks.
+    own_only = set(settings.tasks) <= private and task_dir is not None and not _defines_group(task_dir)
+    task_manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None,
+                               include_defaults=not own_only)
     use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
     backend = "vLLM" if use_vllm else "transformers"
     report(f"benchmarks: {', '.join(settings.tasks)} for the base model ({backend})")
@@ -54,6 +89,11 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: P
         report(f"benchmark {score.task}/{score.metric}: base {_shown(score.base, score.base_stderr)}, adapter "
                f"{_shown(score.adapter, score.adapter_stderr)}, delta {score.delta:+.4f} (n={score.n})")
     return scores
+
+
+def _defines_group(task_dir: Path) -> bool:
+    return any(line.startswith("group:") for path in [*task_dir.rglob("*.yaml"), *task_dir.rglob("*.yml")]
+               for line in path.read_text(errors="replace").splitlines())
 
 
 def lm_eval_version() -> str:
