@@ -78,12 +78,20 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: P
     task_manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None,
                                include_defaults=not own_only)
     use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
-    backend = "vLLM" if use_vllm else "transformers"
-    report(f"benchmarks: {', '.join(settings.tasks)} for the base model ({backend})")
-    base = _evaluate(settings, task_manager, task_dir, _harness_model(settings, model_path, None, device, use_vllm))
-    report(f"benchmarks: {', '.join(settings.tasks)} for the adapter ({backend})")
-    adapter = _evaluate(settings, task_manager, task_dir,
-                        _harness_model(settings, model_path, adapter_dir, device, use_vllm))
+    if use_vllm:
+        base, adapter = _with_vllm(settings, task_manager, task_dir, model_path, adapter_dir, report)
+    else:
+        from lm_eval.models.huggingface import HFLM
+
+        report(f"benchmarks: {', '.join(settings.tasks)} for the base model (transformers)")
+        base = _evaluate(settings, task_manager, task_dir, HFLM(
+            pretrained=str(model_path), device=device, batch_size=settings.batch_size, dtype="auto"))
+        _free_memory()
+        report(f"benchmarks: {', '.join(settings.tasks)} for the adapter (transformers)")
+        adapter = _evaluate(settings, task_manager, task_dir, HFLM(
+            pretrained=str(model_path), peft=str(adapter_dir), device=device, batch_size=settings.batch_size,
+            dtype="auto"))
+        _free_memory()
     scores = benchmark_scores(base, adapter)
     for score in scores:
         report(f"benchmark {score.task}/{score.metric}: base {_shown(score.base, score.base_stderr)}, adapter "
@@ -102,40 +110,52 @@ def lm_eval_version() -> str:
     return version("lm-eval")
 
 
-def _harness_model(settings: BenchmarkSettings, model_path: Path, adapter_dir: Path | None, device: str,
-                   use_vllm: bool) -> Any:
-    if use_vllm:
-        import json
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts; it refuses a LoRA request above the one it was started with."""
 
-        from lm_eval.models.vllm_causallms import VLLM
 
-        rank = json.loads((adapter_dir / "adapter_config.json").read_text())["r"] if adapter_dir else 16
-        # vLLM refuses a LoRA request above its `max_lora_rank` (the harness's default is 16).
-        return VLLM(pretrained=str(model_path), lora_local_path=str(adapter_dir) if adapter_dir else None,
-                    max_lora_rank=max(16, rank), batch_size=settings.batch_size, dtype="auto")
-    from lm_eval.models.huggingface import HFLM
+def _with_vllm(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model_path: Path,
+               adapter_dir: Path, report: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(base results, adapter results) from one vLLM engine that serves the adapter as a LoRA request: the harness's
+    VLLM sends its `lora_request` with every request, None for the base."""
+    import json
 
-    return HFLM(pretrained=str(model_path), peft=str(adapter_dir) if adapter_dir else None, device=device,
-                batch_size=settings.batch_size, dtype="auto")
+    from lm_eval.models.vllm_causallms import VLLM
+
+    rank = json.loads((adapter_dir / "adapter_config.json").read_text())["r"]
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+    model = VLLM(pretrained=str(model_path), lora_local_path=str(adapter_dir), max_lora_rank=max_rank,
+                 batch_size=settings.batch_size, dtype="auto")
+    lora_request, model.lora_request = model.lora_request, None
+    report(f"benchmarks: {', '.join(settings.tasks)} for the base model (vLLM)")
+    base = _evaluate(settings, task_manager, task_dir, model)
+    model.lora_request = lora_request
+    report(f"benchmarks: {', '.join(settings.tasks)} for the adapter (vLLM, as a LoRA request)")
+    adapter = _evaluate(settings, task_manager, task_dir, model)
+    del model
+    _free_memory()
+    return base, adapter
+
+
+def _free_memory() -> None:
+    gc.collect()
+    with contextlib.suppress(ImportError):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _evaluate(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model: Any) -> dict[str, Any]:
     from lm_eval import simple_evaluate
 
-    try:
-        # A private task's `data_files` are relative paths: the harness's datasets read them from the working folder.
-        with contextlib.chdir(task_dir) if task_dir is not None else contextlib.nullcontext():
-            results = simple_evaluate(model=model, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
-                                      limit=settings.limit, batch_size=settings.batch_size, task_manager=task_manager,
-                                      log_samples=False, bootstrap_iters=1000)
-    finally:
-        del model
-        gc.collect()
-        with contextlib.suppress(ImportError):
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    # A private task's `data_files` are relative paths: the harness's datasets read them from the working folder.
+    with contextlib.chdir(task_dir) if task_dir is not None else contextlib.nullcontext():
+        # bootstrap_iters: the standard error of a metric that is not a mean (perplexity, F1, BLEU) is bootstrapped;
+        # 1000 draws (the harness's default is 100000, in a pool of every CPU) give it to two digits in seconds.
+        results = simple_evaluate(model=model, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
+                                  limit=settings.limit, batch_size=settings.batch_size, task_manager=task_manager,
+                                  log_samples=False, bootstrap_iters=1000)
     if results is None:  # the harness returns None on the ranks of a distributed run other than the first
         raise RuntimeError("lm-evaluation-harness returned no results")
     return results
