@@ -161,6 +161,19 @@ def test_the_shipped_task_list_is_the_installed_harness_s():
         "python -m loraflow_worker.evaluation.task_list")
 
 
+def test_every_harness_task_name_is_a_valid_benchmark_task():
+    names = sorted(harness_task_names())
+    for start in range(0, len(names), 50):
+        BenchmarkSettings(tasks=names[start:start + 50])
+
+
+def test_task_folder_names_come_from_tasks_groups_and_tags_in_either_list_form(tmp_path):
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "suite" / "group.yaml").write_text("group: my_suite  # both of them\ntask:\n  - colours\n  - arc_easy\n")
+    (tmp_path / "tagged.yml").write_text("task: tagged_task\ntag:\n  - tag_one\n  - 'tag_two'\ndataset_path: json\n")
+    assert task_dir_names(tmp_path) == {"my_suite", "tagged_task", "tag_one", "tag_two"}
+
+
 def test_the_control_plane_check_knows_harness_tasks_and_the_task_folder_s(task_dir):
     assert {"hellaswag", "gsm8k", "mmlu"} <= harness_task_names()
     private = task_dir_names(task_dir)
