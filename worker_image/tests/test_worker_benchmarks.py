@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loraflow_worker.artifacts import FileStore
-from loraflow_worker.contract import JobResult
+from loraflow_worker.contract import JobResult, Progress
 from loraflow_worker.contract.benchmark_tasks import (
     HARNESS_TASKS_FILE,
     harness_task_names,
@@ -133,6 +133,21 @@ def test_the_trained_adapter_changes_the_score_and_lower_is_better_comes_from_th
 def test_the_scores_are_stored_in_the_run_s_metrics(benchmarked_run, scores):
     stored = json.loads((benchmarked_run.run_dir / "metrics.json").read_text())
     assert [BenchmarkScore.model_validate(row) for row in stored["benchmark_scores"]] == scores
+
+
+def test_a_benchmark_that_fails_leaves_the_trained_adapter_stored_and_says_why(tiny_model_dir, make_job, tmp_path):
+    store_root = tmp_path / "store"
+    tasks = store_root / "runs" / "broken" / "evaluation" / "benchmarks"
+    tasks.mkdir(parents=True)
+    (tasks / "colours.yaml").write_text(CHOICE_TASK)  # its data file was never shipped
+    job = make_job("broken", tiny_model_dir, store_root, training={"max_steps": 2, "batch_size": 8},
+                   evaluation={"benchmarks": {"tasks": ["colours"],
+                                              "task_dir_store_path": "runs/broken/evaluation/benchmarks"}})
+    progress: list[Progress] = []
+    result = train_in_process(job, FileStore(store_root), tmp_path / "work", progress)
+    assert result.metrics.benchmark_scores == []
+    assert (store_root / "runs" / "broken" / "adapter" / "adapter_model.safetensors").is_file()
+    assert any("benchmarks failed, the adapter is stored without their scores" in (p.message or "") for p in progress)
 
 
 def test_an_unknown_task_is_refused_naming_it_before_a_model_loads(task_dir, tmp_path):

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import logging
 import math
+import time
 from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
@@ -36,7 +37,24 @@ class BenchmarkError(ValueError):
 def job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work_dir: Path,
                    report: Callable[[str], None] = log.info) -> list[BenchmarkScore]:
     """The run's `evaluation.benchmarks` for its base model and its kept adapter (`adapter_dir`), after training; its
-    `task_dir` read from the store at the commit where the control plane stored the run's files."""
+    `task_dir` read from the store at the commit where the control plane stored the run's files. Benchmarks that
+    fail (a benchmark's data the Hub does not serve, a model the backend cannot load) are reported and left out: the
+    trained adapter is stored all the same. None are run once the job's deadline has passed: the worker stops the
+    training process soon after it, and the adapter is stored first."""
+    assert job.evaluation is not None and job.evaluation.benchmarks is not None
+    if job.deadline_epoch_s is not None and time.time() >= job.deadline_epoch_s:
+        report("benchmarks skipped: the job's deadline passed as training ended; the adapter is stored without them")
+        return []
+    try:
+        return _job_benchmarks(job, store, adapter_dir, work_dir, report)
+    except Exception as e:  # noqa: BLE001 - the adapter is worth more than its scores
+        log.exception("benchmarks failed")
+        report(f"benchmarks failed, the adapter is stored without their scores: {type(e).__name__}: {e}")
+        return []
+
+
+def _job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work_dir: Path,
+                    report: Callable[[str], None]) -> list[BenchmarkScore]:
     import torch
 
     from loraflow_worker.runtime.model_cache import resolve_base_model
