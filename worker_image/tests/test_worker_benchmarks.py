@@ -184,7 +184,7 @@ def test_every_harness_task_name_is_a_valid_benchmark_task():
 
 def test_task_folder_names_come_from_tasks_groups_and_tags_in_either_list_form(tmp_path):
     (tmp_path / "suite").mkdir()
-    (tmp_path / "suite" / "group.yaml").write_text("group: my_suite  # both of them\ntask:\n  - colours\n  - arc_easy\n")
+    (tmp_path / "suite" / "group.yaml").write_text("group: my_suite  # both\ntask:\n  - colours\n  - arc_easy\n")
     (tmp_path / "tagged.yml").write_text("task: tagged_task\ntag:\n  - tag_one\n  - 'tag_two'\ndataset_path: json\n")
     assert task_dir_names(tmp_path) == {"my_suite", "tagged_task", "tag_one", "tag_two"}
 
