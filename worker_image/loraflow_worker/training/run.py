@@ -209,7 +209,7 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
     (`optim`) is the fast-path plan's, which takes the job's `training.optimizer` when it names one."""
     t = job.training
     micro, accumulation = micro_batching(job)
-    evaluation = {} if job.evaluation is None else dict(
+    evaluation = {} if job.evaluation is None or not job.evaluation.held_out else dict(
         # Before the first step, every `every_steps` and after the last (transformers adds that one itself).
         eval_strategy="steps", eval_steps=job.evaluation.every_steps, eval_on_start=True,
         # An evaluation batch is no larger than a training micro-batch, which the memory plan fits; and only the

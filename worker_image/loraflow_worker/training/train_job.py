@@ -115,6 +115,16 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
             f"checkpoint of step {step} at {store.display_url(partial.checkpoint_path)}; retrying the same flow run "
             "resumes from that checkpoint."
         )
+    if job.evaluation is not None and job.evaluation.benchmarks is not None:
+        from loraflow_worker.evaluation.benchmarks import job_benchmarks
+
+        steps = outcome.metrics.steps
+
+        def report_benchmark(line: str) -> None:
+            report_progress(Progress(stage="training", step=steps, total_steps=steps, message=line))
+
+        outcome.metrics = outcome.metrics.model_copy(
+            update={"benchmark_scores": job_benchmarks(job, store, outcome.adapter_dir, work_dir, report_benchmark)})
     # The final loss (and reward) go with it: a short run may end between two of the control plane's polls, and
     # this is then the only update it sees after the first.
     metrics = outcome.metrics

@@ -1,0 +1,1 @@
+"""After training, on the same worker: how the base and the trained adapter score (benchmarks: `benchmarks`)."""
