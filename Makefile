@@ -37,7 +37,7 @@ UV_PIP := $(UV) pip install --quiet
 # writes none either: every process would compile the modules it imports again (torch, transformers and TRL: 8 s
 # of CPU in each training process). pip compiled all 24k modules (a minute of CPU); importing what the processes
 # import, with bytecode written, compiles only those, once. A module left off these lists is only slower to import.
-WORKER_WARM := import torch, transformers, trl, peft, accelerate, datasets, runpod; \
+WORKER_WARM := import torch, transformers, trl, peft, accelerate, datasets, runpod, lm_eval; \
 	from transformers import AutoModelForCausalLM, AutoTokenizer; from transformers.models.qwen3 import modeling_qwen3; \
 	from trl import SFTConfig, SFTTrainer, GRPOConfig, GRPOTrainer
 CONTROL_PLANE_WARM := import prefect, prefect.cli, prefect.server.api.server, prefect_redis, prefect_docker, \

@@ -84,7 +84,9 @@ step_deps() {
         pip_args=(--cert "$ca" "${pip_args[@]}")
     fi
     [[ -x "$LORAFLOW_VENV/bin/python" ]] || "$PYTHON" -m venv "$LORAFLOW_VENV"
-    # The lock is complete (every transitive package pinned with hashes), so nothing is resolved here.
+    # The lock is complete (every transitive package pinned with hashes), so nothing is resolved here. Three small
+    # pure-Python packages of lm-eval exist only as source (see requirements-gpu.in): pip builds them with setuptools,
+    # which an offline build's wheel folder must hold.
     "$LORAFLOW_VENV/bin/python" -m pip install --no-cache-dir "${pip_args[@]}"
 }
 
@@ -97,11 +99,13 @@ step_verify() {
     "$LORAFLOW_VENV/bin/python" -m pip check
     "$LORAFLOW_VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-import torch, transformers, trl, peft, wandb, mlflow  # noqa: F401  the training stack and trackers import without a GPU
+import torch, transformers, trl, peft, wandb, mlflow, lm_eval  # noqa: F401  the training stack, trackers and harness
 import loraflow_worker.handler, loraflow_worker.training.grpo, loraflow_worker.gpu_smoke.runner  # noqa: F401
+import loraflow_worker.evaluation.benchmarks  # noqa: F401
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
       "trl", trl.__version__, "peft", peft.__version__, "runpod", md.version("runpod"),
-      "wandb", wandb.__version__, "mlflow", mlflow.__version__, "loraflow-worker", md.version("loraflow-worker"))
+      "wandb", wandb.__version__, "mlflow", mlflow.__version__, "lm-eval", md.version("lm-eval"),
+      "loraflow-worker", md.version("loraflow-worker"))
 PY
 }
 

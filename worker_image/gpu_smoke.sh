@@ -4,10 +4,12 @@
 # the machine's library versions (python -m loraflow_worker.gpu_smoke; see README.md). By default it fits a lent GPU
 # machine's slot: 420 s for SFT (all fast paths, then without Liger, without fla), QLoRA SFT and GRPO without vLLM.
 # --memory calibrates the memory plan instead: its estimate beside the measured peaks, 330 s of runs.
+# --bf16 shows what bf16 does to training instead (probes, head copies at 1e-5, memory of qlora/modules-to-save/dpo), 400 s.
 #
 #   worker_image/gpu_smoke.sh                             # $PYTHON already has the stack (e.g. in the image)
 #   worker_image/gpu_smoke.sh --carried .whl              # a lent machine: its own torch, plus the carried wheels
 #   worker_image/gpu_smoke.sh --carried .whl --memory     # a lent machine: the memory plan against the peaks, <= 8 min
+#   worker_image/gpu_smoke.sh --carried .whl --bf16       # a lent machine: what bf16 does to training, <= 8 min
 #   worker_image/gpu_smoke.sh --pack .whl                 # here, with registry access: fill .whl for --carried
 #   worker_image/gpu_smoke.sh --wheels /path/to/wheels    # a bare GPU box: the whole lock from that wheel folder
 #   worker_image/gpu_smoke.sh --variants all,no-liger,no-vllm --deadline 900   # other runs, 15 minutes at most

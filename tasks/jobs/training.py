@@ -14,7 +14,14 @@ from prefect import get_run_logger
 from tasks.jobs.rented import Rental, rented_endpoint
 from tasks.lifecycle.attempts import MIN_TIME_FOR_ATTEMPT_S, GpuClassRefused
 from tasks.lifecycle.quota import remember_named_quota, wait_for_runpod_quota
-from tasks.lifecycle.steps import create_endpoint, run_cancel_requested, submit_job, wait_for_job
+from tasks.lifecycle.steps import (
+    WatchedJob,
+    create_endpoint,
+    report_job_end,
+    run_cancel_requested,
+    submit_job,
+    wait_for_job,
+)
 from tasks.lifecycle.teardown import UndeletedEndpoint
 from tasks.placement.plan import AttemptPlan
 from tasks.placement.weight_cache import gone_volume
@@ -26,7 +33,8 @@ from tasks.settings import make_client
 def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | None = None,
                 on_submitted: Callable[[], None] | None = None,
                 run_name: str | None = None) -> tuple[JobOutcome, UndeletedEndpoint | None]:
-    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always). The id of the
+    """One endpoint's life, inside one quota slot: create → submit → wait → delete (always); then the job's last
+    report (`report_job_end`: its final progress line and evaluations, after the delete). The id of the
     endpoint it created is appended to `endpoint_ids`; `on_submitted` is called once the job is submitted (work
     the flow can do while the job runs, off the path from the slot to the submit); `run_name` labels the run's
     evaluation events (`wait_for_job`).
@@ -41,15 +49,18 @@ def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | 
     with rented_endpoint(plan.endpoint_name, plan.run_id, logger=get_run_logger(),
                          give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S) as rental:
         try:
-            outcome = _create_submit_wait(plan, progress_key, rental, on_submitted, run_name)
+            ended = _create_submit_wait(plan, progress_key, rental, on_submitted, run_name)
         finally:
             if rental.endpoint is not None and endpoint_ids is not None:
                 endpoint_ids.append(rental.endpoint.id)
-    return outcome, rental.undeleted
+    if isinstance(ended, WatchedJob):  # its last report waits for the delete, never the delete for it
+        report_job_end(ended)
+        return ended.outcome, rental.undeleted
+    return ended, rental.undeleted
 
 
 def _create_submit_wait(plan: AttemptPlan, progress_key: str, rental: Rental,
-                        on_submitted: Callable[[], None] | None, run_name: str | None) -> JobOutcome:
+                        on_submitted: Callable[[], None] | None, run_name: str | None) -> JobOutcome | WatchedJob:
     if run_cancel_requested():  # cancelled while it waited for the slot: create nothing
         return JobOutcome(kind="run_cancelled", job_id="", status="UNKNOWN",
                           error="the run was cancelled while it waited for an endpoint slot")

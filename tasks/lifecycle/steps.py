@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -121,13 +122,25 @@ def submit_job(endpoint: Endpoint, job_input: dict[str, Any], policy: JobPolicy)
     return job.id
 
 
+@dataclass
+class WatchedJob:
+    """A job `wait_for_job` watched to its end: its outcome, and what `report_job_end` needs once the endpoint is
+    deleted (the progress artifact, the evaluations already announced)."""
+
+    outcome: JobOutcome
+    artifact_id: Any
+    evaluations: events.Evaluations
+    run_name: str | None = None
+
+
 @task(name="wait-for-job", cache_policy=NO_CACHE)
 def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_interval_s: float = 2.0,
-                 progress_key: str | None = None, run_name: str | None = None) -> JobOutcome:
+                 progress_key: str | None = None, run_name: str | None = None) -> WatchedJob:
     """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log,
     sending the endpoint's heartbeat event (`tasks/lifecycle/liveness.py`) the reconciler reads, and
     `loraflow.run.evaluated` for each held-out evaluation the worker reports (`run_name`: the run's, for the event's
-    labels).
+    labels). What the completed job's result adds to both is left to `report_job_end`, after the endpoint's delete:
+    nothing that can come after the delete lies between the job's end and it.
 
     Reads this flow run's state from the Prefect API as it goes: a cancel (UI, CLI or API) cancels the
     job here, whether a worker, `serve` or a plain `python -m flows.train` runs the flow.
@@ -140,11 +153,10 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
     evaluations = events.Evaluations()
 
     def announce(seen: list[events.Evaluation]) -> None:
-        for evaluation in seen if flow_run.id else []:
-            events.run_evaluated(flow_run.id, run_name, evaluation)
+        _announce(seen, run_name)
 
     def on_status(status: JobStatus) -> None:
-        beat(endpoint, status.status)
+        beat(endpoint, status.status, interval_s=heartbeat_s)  # the settings read once: polls come 10 a second
         # Where the job runs, once it runs (a few reads: the worker list can lag the job's status), for the
         # preload sweep's default datacenters (`tasks/placement/history.py`). `client`: the watch's, bound below.
         if status.running and 0 <= last["placement_reads"] < 3:
@@ -176,7 +188,7 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
 
     def on_read_error(error: errors.RunpodError, unreadable_s: float) -> None:
         # The first error of a streak, then one line per heartbeat: the run stays visibly alive.
-        beat(endpoint)
+        beat(endpoint, interval_s=heartbeat_s)
         now = time.monotonic()
         if last["error_logged"] is None or now - last["error_logged"] >= heartbeat_s:
             logger.warning("Job %s: status unreadable for %.0f s (tolerated up to %.0f s): %s", job_id, unreadable_s,
@@ -193,13 +205,24 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
                                 "Job %s went back to RunPod's queue after it had started (time %d: its worker was "
                                 "lost): waiting on the same endpoint for another worker, which resumes from the last "
                                 "checkpoint or returns the stored results", job_id, times))
-    if outcome.kind == "completed":
-        # Polls may miss the last updates of a short run: the result's metrics give the final line.
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0,
-                                 description=finished_description(outcome.output))
-        announce(evaluations.from_result(outcome.output))
     logger.info("Job %s ended: %s%s", job_id, outcome.kind, f" ({outcome.error})" if outcome.error else "")
-    return outcome
+    return WatchedJob(outcome=outcome, artifact_id=artifact_id, evaluations=evaluations, run_name=run_name)
+
+
+def report_job_end(watched: WatchedJob) -> None:
+    """After the endpoint's delete: a completed job's final progress line from its result's metrics (polls may miss
+    the last updates of a short run), and `loraflow.run.evaluated` for the evaluations only its result shows."""
+    outcome = watched.outcome
+    if outcome.kind != "completed":
+        return
+    update_progress_artifact(artifact_id=watched.artifact_id, progress=100.0,
+                             description=finished_description(outcome.output))
+    _announce(watched.evaluations.from_result(outcome.output), watched.run_name)
+
+
+def _announce(seen: list[events.Evaluation], run_name: str | None) -> None:
+    for evaluation in seen if flow_run.id else []:
+        events.run_evaluated(flow_run.id, run_name, evaluation)
 
 
 def run_cancel_requested(prefect: SyncPrefectClient | None = None) -> bool:

@@ -9,7 +9,9 @@ The same client talks to RunPod or to localpod: only the base URLs differ.
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,6 +99,14 @@ def retry_after_s(response: httpx.Response) -> float | None:
         return None
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The process's one TLS context for RunPod's APIs, as httpx makes it (certifi's roots, or `SSL_CERT_FILE` /
+    `SSL_CERT_DIR` when set). Loading a CA bundle costs 75-250 ms of CPU on a 2-core machine, and a client is made per
+    step: per client, that sat between a job's end and its endpoint's delete (bench/overhead.py)."""
+    return httpx.create_ssl_context()
+
+
 class RunpodClient:
     """One method per remote operation. Methods return quickly; none of them retries.
 
@@ -121,6 +131,7 @@ class RunpodClient:
             headers={"Authorization": f"Bearer {api_key}", "User-Agent": "loraflow"},
             timeout=timeout,
             transport=transport,
+            verify=tls_context(),
         )
 
     @property

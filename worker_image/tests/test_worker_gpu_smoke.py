@@ -1,5 +1,6 @@
 """The GPU smoke script: its CPU mode end to end through `gpu_smoke.sh` (the machinery; nothing engages on a
-CPU), and its own logic: the runs a slot holds, the budget split, the skip lines, the deadline, the report, the
+CPU), its bf16 probes on the CPU (what they find there is the CPU's; their machinery is what a GPU runs), and its own
+logic: the runs a slot holds, the budget split, the skip lines, the deadline, the report, the
 refusals (a busy GPU, kernel combinations that train wrongly), and the check that a colocated vLLM generated.
 The kernel checks also run against the image's lock, so a lock that moves onto a bad combination fails here."""
 
@@ -22,6 +23,7 @@ from loraflow_worker.gpu_smoke.machine import DeviceMemory, gpu_refusal, kernel_
 from loraflow_worker.gpu_smoke.model_and_data import build_smoke_model
 from loraflow_worker.gpu_smoke.report import memory_table, report
 from loraflow_worker.gpu_smoke.runner import (
+    BF16_DEADLINE_S,
     MEMORY_DEADLINE_S,
     SLOT_DEADLINE_S,
     _checked,
@@ -31,6 +33,7 @@ from loraflow_worker.gpu_smoke.runner import (
     selected_runs,
 )
 from loraflow_worker.gpu_smoke.variants import (
+    BF16_RUNS,
     CHECK_VARIANTS,
     CPU_SIZE,
     MEMORY_RUNS,
@@ -137,7 +140,8 @@ def test_each_variant_names_only_real_fast_paths_and_forces_only_memory_savers()
     assert ALL == Variant("all", ("sft", "grpo"))
     assert len({v.name for v in VARIANTS}) == len(VARIANTS)
     for variant in VARIANTS[1:]:
-        checks = variant.packing or variant.modules_to_save or variant.tools or variant.full_attention
+        checks = (variant.packing or variant.modules_to_save or variant.tools or variant.full_attention
+                  or variant.probe)
         assert variant.disabled or variant.forced or variant.quantization or checks or variant.algorithms == ("dpo",), \
             variant.name
         assert variant.disabled <= set(FAST_PATHS) and variant.forced <= set(FORCIBLE_FAST_PATHS), variant.name
@@ -150,8 +154,10 @@ def test_the_list_names_every_variant_with_its_algorithms_model_and_what_it_chec
         assert re.search(rf"^{re.escape(variant.name)}\s+{','.join(variant.algorithms)}\s", listed, re.MULTILINE), listed
     assert re.search(r"^packed\s+sft\s+Qwen3\s+checks\s+packed rows: every example's first label -100$", listed,
                      re.MULTILINE), listed
-    assert re.search(r"^modules-to-save\s+sft\s+the mode's\s+checks\s+modules_to_save lm_head: share of the copy "
+    assert re.search(r"^modules-to-save\s+sft\s+the mode's\s+checks,bf16\s+modules_to_save lm_head: share of the copy "
                      r"moved after 4 steps$", listed, re.MULTILINE), listed
+    assert re.search(r"^merge-drift\s+probe\s+Qwen3\s+bf16\s+probe: base values 200 vLLM syncs change", listed,
+                     re.MULTILINE), listed
     assert not any(tmp_path.iterdir())  # no model built, nothing trained
 
 
@@ -388,7 +394,8 @@ def test_every_packed_examples_first_label_is_masked_where_the_loss_is_computed(
 def test_the_share_of_the_head_copy_that_moved_after_4_steps_is_reported(cpu_checks):
     table, _ = cpu_checks
     assert re.search(r"^check \(modules-to-save/sft\): \d+\.\d% of the modules_to_save copy's [\d,]+ values moved after 4 "
-                     r"steps \(base_model\.model\.lm_head\.modules_to_save\.default\.weight\)$", table, re.MULTILINE), table
+                     r"steps \(base_model\.model\.lm_head\.modules_to_save\.default\.weight; float32; relative change "
+                     r"\d\.\de-\d\d\)$", table, re.MULTILINE), table
 
 
 @pytest.mark.timeout(600)
@@ -576,3 +583,77 @@ def test_the_locked_fla_and_triton_train_correctly_on_blackwell_by_default():
 def test_the_locked_fla_packages_are_one_release():
     locked = _locked()
     assert locked["fla-core"] == locked["flash-linear-attention"]  # flash-linear-attention is fla-core's layers on top
+
+
+PROBES = ("cuda-init", "merge-drift", "packed-logprobs", "head-update")
+
+
+def test_bf16_mode_runs_the_probes_the_head_copy_at_1e_5_and_the_memory_of_qlora_modules_to_save_and_dpo():
+    runs = selected_runs(None, memory=False, cpu=False, packages={"bitsandbytes": "0.50.2"}, bf16=True)
+    assert [(r.variant.name, r.algorithm) for r in runs] == list(BF16_RUNS) and not any(r.skipped for r in runs)
+    assert [name for name, algorithm in BF16_RUNS if algorithm == "probe"] == list(PROBES)
+    assert {name for name, _ in BF16_RUNS} >= {"qlora", "modules-to-save", "dpo"}
+    assert BY_NAME["modules-to-save-1e-5"].learning_rate == 1e-5
+    assert BY_NAME["modules-to-save-1e-5"].modules_to_save == ("lm_head",)
+    assert BF16_DEADLINE_S == 400.0  # + the carried wheels' install and a margin: one command of 8 minutes
+
+
+@pytest.fixture(scope="module")
+def cpu_probes(tmp_path_factory) -> tuple[str, dict]:
+    """One CPU smoke run of the bf16 probes through gpu_smoke.sh: its output and its results, by variant."""
+    out = tmp_path_factory.mktemp("probes")
+    done = subprocess.run(["bash", str(GPU_SMOKE), "--cpu", "--variants", ",".join(PROBES), "--out", str(out)],
+                          capture_output=True, text=True, timeout=580, env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    return done.stdout, {run["variant"]: run for run in json.loads((out / "results.json").read_text())["runs"]}
+
+
+@pytest.mark.timeout(600)
+def test_each_probe_runs_in_its_own_process_and_reports_what_it_found(cpu_probes):
+    table, runs = cpu_probes
+    for name in PROBES:
+        assert runs[name]["error"] is None and runs[name]["check_error"] is None, runs[name]
+        assert re.search(rf"^{name}\s+probe\s+probed  in \d+ s: what it found is below$", table, re.MULTILINE), table
+    assert "probe " not in "\n".join(memory_table(list(runs.values())))  # a probe trains nothing: no memory row
+
+
+@pytest.mark.timeout(600)
+def test_the_cuda_probe_reads_the_allocator_as_the_workers_plan_does(cpu_probes):
+    table, _ = cpu_probes
+    assert ("check (cuda-init/probe): CUDA initialised by the training process's imports: no (PYTORCH_CUDA_ALLOC_CONF "
+            "at the process's start: None); expandable segments off: no CUDA device") in table
+
+
+@pytest.mark.timeout(600)
+def test_the_merge_probe_finds_trls_syncs_drift_the_base_and_the_workers_change_nothing(cpu_probes):
+    table, _ = cpu_probes
+    for kind in ("lora", "dora"):
+        found = re.search(rf"{kind}: after 200 syncs TRL's merge and unmerge changed (\d+\.\d)% of the [\d,]+ adapted "
+                          rf"bf16 base values \(relative drift of a weight up to [\d.e+-]+\), the worker's merged "
+                          rf"temporaries 0", table)
+        assert found and float(found[1]) > 0, table
+
+
+@pytest.mark.timeout(600)
+def test_the_packing_probe_finds_packed_rows_as_close_to_the_examples_alone_as_bf16_allows(cpu_probes):
+    table, _ = cpu_probes
+    found = re.search(r"Liger off: \|packed - alone\| max ([\d.e+-]+), mean ([\d.e+-]+) over \d+ tokens of 8 examples; "
+                      r"attention across examples: max ([\d.e+-]+), mean ([\d.e+-]+); Liger on: not run \(no CUDA\)",
+                      table)
+    assert found and float(found[2]) < float(found[4]) / 10, table
+
+
+@pytest.mark.timeout(600)
+def test_the_head_probe_sets_a_bf16_copys_update_beside_an_fp32_copys(cpu_probes):
+    table, _ = cpu_probes
+    assert re.search(r"^check \(head-update/probe\): AdamW at lr 1e-05, 4 steps on the [\d,]+-value LM head: the bf16 "
+                     r"copy moved \d+\.\d% of its values and kept \d+\.\d% of the fp32 copy's update \(norm\); the fp32 "
+                     r"copy moved 100\.0%$", table, re.MULTILINE), table
+
+
+def test_a_probe_that_found_a_fault_fails_the_run():
+    probe = {"variant": "merge-drift", "algorithm": "probe", "took_s": 3.0, "fast_paths": {}, "check": "lora: ...",
+             "check_error": "the worker's sync changed 3 lora base values: it must write none", "error": None}
+    assert _checked(probe)["error"] == ("check: the worker's sync changed 3 lora base values: it must write none "
+                                        "(lora: ...)")
+    assert _checked({**probe, "check_error": None})["error"] is None

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput, RewardSpec
 from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS
-from loraflow_worker.training.grpo import prompt_dataset, text_only_vllm, train_grpo
+from loraflow_worker.training.grpo import prompt_dataset, train_grpo, vllm_engine_settings
 from loraflow_worker.artifacts.manifest import rows_sha256
 from loraflow_worker.training.rewards import (
     BUILTIN_REWARDS,
@@ -235,15 +235,16 @@ def test_a_dataset_without_prompts_is_refused_naming_its_columns(tiny_model_dir)
         prompt_dataset(Dataset.from_list([{"text": "hello"}]), tokenizer, max_prompt_length=16)
 
 
-def test_the_colocated_vllm_engine_is_built_without_image_or_video_inputs(monkeypatch):
+def test_the_colocated_vllm_engine_is_built_without_image_or_video_inputs_and_with_the_runs_seed(monkeypatch):
     # vLLM is not installed here: a recorder stands in for the `LLM` TRL's generation module builds its engine with.
     from trl.generation import vllm_generation
 
     built = []
     monkeypatch.setattr(vllm_generation, "LLM", lambda **kwargs: built.append(kwargs), raising=False)
     recorder = vllm_generation.LLM
-    with text_only_vllm():
-        vllm_generation.LLM(model="/models/qwen3.5", gpu_memory_utilization=0.2)
+    with vllm_engine_settings(seed=7):
+        # TRL 1.16 passes its process index as the seed (`VLLMGeneration._init_vllm`): 0 on one GPU.
+        vllm_generation.LLM(model="/models/qwen3.5", gpu_memory_utilization=0.2, seed=0)
     assert built == [{"limit_mm_per_prompt": {"image": 0, "video": 0}, "model": "/models/qwen3.5",
-                      "gpu_memory_utilization": 0.2}]
+                      "gpu_memory_utilization": 0.2, "seed": 7}]
     assert vllm_generation.LLM is recorder  # restored once the trainer is built

@@ -164,6 +164,40 @@ def test_a_packed_plain_text_run_trains_no_examples_first_token_from_the_example
     assert_only_each_examples_first_label_is_masked(first_packed_batch(tiny_model_dir, tmp_path, rows))
 
 
+class TokenCounts(TrainerCallback):
+    """The packed rows a run trains on, and the `num_tokens` TRL logs."""
+
+    def __init__(self) -> None:
+        self.rows = None
+        self.logged: list[int] = []
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.rows = train_dataloader.dataset
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "num_tokens" in logs:
+            self.logged.append(int(logs["num_tokens"]))
+
+
+def test_a_packed_run_counts_every_token_of_its_rows_not_one_row_per_batch(tiny_model_dir, tmp_path):
+    store = tmp_path / "store"
+    (store / "runs/pk/dataset").mkdir(parents=True)
+    (store / "runs/pk/dataset/train.jsonl").write_text(DEFAULT_CORPUS.read_text())
+    job = JobInput.model_validate({
+        "run_id": "pk", "model": {"id": str(tiny_model_dir)}, "artifact_store": store.as_uri(),
+        "dataset": {"store_path": "runs/pk/dataset/train.jsonl"},
+        "training": {"epochs": 1, "batch_size": 4, "max_seq_length": 128, "packing": True, "logging_steps": 1,
+                     "checkpoint_every_minutes": None},
+    })
+    counts = TokenCounts()
+    outcome = train_sft(job, open_store(job.artifact_store), tmp_path / "work", lambda progress: None,
+                        callbacks=[counts])
+    real = sum(len(ids) for ids in counts.rows["input_ids"])  # one epoch: every packed row once, padding apart
+    assert len(counts.rows) > outcome.metrics.steps  # batches of several rows: TRL alone counted one row of each
+    assert counts.logged[-1] == real
+    assert outcome.metrics.tokens == real
+
+
 def test_packing_is_refused_for_a_gated_deltanet_hybrid():
     assert packing_problem("qwen3") is None
     problem = packing_problem("qwen3_next")

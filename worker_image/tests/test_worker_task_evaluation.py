@@ -307,7 +307,8 @@ def test_a_deadline_passed_before_the_evaluation_skips_it_and_says_which_tasks_w
     job = JobInput.model_validate(_phrase_job(tiny_model_dir, tmp_path / "store", "r", deadline_epoch_s=1.0))
     progress: list[Progress] = []
     store = FileStore(tmp_path / "store")
-    evaluated = evaluate_after_training(job, store, _untrained_adapter(tiny_model_dir, tmp_path / "adapter"),
+    adapter_dir = _untrained_adapter(tiny_model_dir, tmp_path / "adapter")
+    evaluated = evaluate_after_training(job, store, tmp_path / "work", adapter_dir,
                                         prepare_evaluation(job, store, tmp_path / "work"), progress.append, steps=7)
     assert (evaluated.task_scores, evaluated.files) == ([], {})
     assert "deadline passed before the task evaluations began" in evaluated.stopped
@@ -333,7 +334,8 @@ def test_a_grader_that_fails_after_training_leaves_the_run_stored_and_says_why(t
     grader = _function_grader(tmp_path / "store", "too_big")
     job["evaluation"]["tasks"][0]["graders"].append(grader.model_dump(exclude_none=True))
     job = JobInput.model_validate(job)
-    evaluated = evaluate_after_training(job, store, _untrained_adapter(tiny_model_dir, tmp_path / "adapter"),
+    adapter_dir = _untrained_adapter(tiny_model_dir, tmp_path / "adapter")
+    evaluated = evaluate_after_training(job, store, tmp_path / "work", adapter_dir,
                                         prepare_evaluation(job, store, tmp_path / "work"), lambda progress: None,
                                         steps=1)
     assert evaluated.stopped.startswith("the task evaluations failed (GraderError: task `phrase`, grader `too_big`")

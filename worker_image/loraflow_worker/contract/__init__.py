@@ -13,7 +13,8 @@ a run may put in its worker's environment (`env_names`), the pins on the files t
 (`stored_inputs`), the job itself (`job`), what comes back (`results`), preload jobs (`preload`), merge jobs (`merge`:
 a run's adapter merged into its base and published), how a reward is named (`reward_names`) and the chat templates the
 image's TRL has training versions of (`chat_templates`), and task evaluations and benchmarks with their scores
-(`task_evaluation`). The models are re-exported here:
+(`task_evaluation`), with the benchmark task names the image's lm-evaluation-harness knows (`benchmark_tasks`). The
+models are re-exported here:
 `from loraflow_worker.contract import JobInput`.
 
 It must stay light (pydantic and the standard library only) and import nothing else of the worker: the

@@ -183,7 +183,8 @@ class BenchmarkSettings(_Strict):
     @classmethod
     def _names(cls, tasks: list[str]) -> list[str]:
         for task in tasks:
-            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$", task):
+            # Parentheses: a few of the harness's names have them (`tmmluplus_education_(profession_level)`).
+            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:()-]{0,99}$", task):
                 raise ValueError(f"{task!r} is not an lm-evaluation-harness task name")
         if len(set(tasks)) != len(tasks):
             raise ValueError("name each benchmark task once")

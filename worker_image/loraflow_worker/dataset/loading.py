@@ -50,8 +50,8 @@ def evaluation_split(rows: Dataset, job: JobInput, store: ArtifactStore,
                      work_dir: Path) -> tuple[Dataset, Dataset | None]:
     """(the rows to train on, the held-out rows to evaluate on) under the job's `evaluation`: a share of `rows` held
     out at random with the job's seed (the same rows on every attempt), or the evaluation file from the store (in its
-    own `format` and `columns`); at most `max_samples` of them, a seeded sample. Without `evaluation`: (`rows`,
-    None), as with an `evaluation` of task evaluations or benchmarks only."""
+    own `format` and `columns`); at most `max_samples` of them, a seeded sample. Without `evaluation`, or one of task
+    evaluations and benchmarks alone: (`rows`, None)."""
     settings, seed = job.evaluation, job.training.seed
     if settings is None or not settings.held_out:
         return rows, None

@@ -1,2 +1,3 @@
-"""After training, on the worker that trained: the run's task evaluations (`evaluation.tasks`), each prompt answered by
-the base and by the kept adapter and graded, and where the run's benchmarks join them (`after_training`)."""
+"""After training, on the worker that trained: how the base and the kept adapter score. The run's task evaluations
+(`evaluation.tasks`: each prompt answered by both and graded, `tasks`) and its benchmarks (`benchmarks`), in that
+order (`after_training`)."""

@@ -1,6 +1,7 @@
 """What the worker evaluates after training, on the same machine, for the adapter the run keeps (the one it stores):
-the run's task evaluations (`tasks`), base against adapter. Evaluation counts inside the job's deadline: when it passes,
-the evaluation stops where it is, and the run is stored with the scores it has and says why the rest are missing."""
+the run's task evaluations (`tasks`), then its benchmarks (`benchmarks`), base against adapter. Evaluation counts
+inside the job's deadline: when it passes, the evaluation stops where it is, and the run is stored with the scores it
+has and says why the rest are missing."""
 
 from __future__ import annotations
 
@@ -18,30 +19,31 @@ from loraflow_worker.runtime.model_cache import resolve_base_model
 log = logging.getLogger(__name__)
 
 
-def wants_evaluation(job: JobInput) -> bool:
-    return job.evaluation is not None and bool(job.evaluation.tasks)
-
-
 def prepare_evaluation(job: JobInput, store: ArtifactStore, work_dir: Path) -> list[PreparedTask]:
     """Before training: the tasks' rows read and their grader functions imported, so that a task file or grader that
     cannot be used fails the job before its GPU time is spent."""
-    return prepare_tasks(job, store, work_dir) if wants_evaluation(job) else []
+    return prepare_tasks(job, store, work_dir) if job.evaluation is not None and job.evaluation.tasks else []
 
 
-def evaluate_after_training(job: JobInput, store: ArtifactStore, adapter_dir: Path, prepared: list[PreparedTask],
-                            report: Callable[[Progress], None], steps: int) -> Evaluated:
-    """The `prepared` task evaluations of `job` for the adapter saved in `adapter_dir` (the one the run stores), after
-    `steps` optimizer steps of training (which its progress updates carry). Whatever stops them (the deadline, a
-    grader that fails, memory), the run's adapter is stored all the same: `Evaluated.stopped` says what happened."""
+def evaluate_after_training(job: JobInput, store: ArtifactStore, work_dir: Path, adapter_dir: Path,
+                            prepared: list[PreparedTask], report: Callable[[Progress], None], steps: int) -> Evaluated:
+    """The `prepared` task evaluations of `job`, then its benchmarks, for the adapter saved in `adapter_dir` (the one
+    the run stores), after `steps` optimizer steps of training (which their progress updates carry). Whatever stops
+    them (the deadline, a grader or benchmark that fails, memory), the run's adapter is stored all the same:
+    `Evaluated.stopped` says why tasks are missing, the progress why benchmarks are."""
     evaluated = Evaluated()
 
     def say(message: str) -> None:
-        report(Progress(stage="evaluating", step=steps, total_steps=steps, message=message))
+        # Within `Progress.message`'s limit: an error quoted in it may be long.
+        report(Progress(stage="evaluating", step=steps, total_steps=steps, message=message[:2000]))
 
     if prepared:
         _evaluate_tasks(job, store, adapter_dir, prepared, say, evaluated)
-    # The run's benchmarks (`evaluation.benchmarks`) are evaluated here too, after the tasks, into
-    # `evaluated.benchmark_scores`.
+    if job.evaluation is not None and job.evaluation.benchmarks is not None:
+        # lm-eval takes seconds to import: only for a run that asks for benchmarks.
+        from loraflow_worker.evaluation.benchmarks import job_benchmarks
+
+        evaluated.benchmark_scores = job_benchmarks(job, store, adapter_dir, work_dir, say)
     return evaluated
 
 
@@ -65,7 +67,7 @@ def _evaluate_tasks(job: JobInput, store: ArtifactStore, adapter_dir: Path, prep
                              f"stored, but {_missing(prepared, results)}")
     if evaluated.stopped:
         log.warning(evaluated.stopped)
-        say(evaluated.stopped[:2000])
+        say(evaluated.stopped)
     evaluated.task_scores, evaluated.files = results.scores, results.files
 
 

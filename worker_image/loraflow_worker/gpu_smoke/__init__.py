@@ -5,5 +5,6 @@ code, with and without each fast path, reporting tokens/s, memory peaks and what
 `runner` is the command: it checks the machine, builds the model and runs each (variant, algorithm) in a process
 of its own within its share of the time; `variants` says what it runs, `machine` what it runs on (the GPU, the
 library versions, the combinations it refuses), `model_and_data` what every run trains on, `measure` one run in
-its own process, `report` the table. A tool, not part of a job: nothing else of the worker imports it.
+its own process, `checks` what the check variants read, `probes` what the bf16 probes measure, `report` the table.
+A tool, not part of a job: nothing else of the worker imports it.
 """

@@ -4,8 +4,9 @@ training, whose `result()` is (what it saw, an error or None).
 - `PackedLabels` (`packed`): every batch the SFT trainer computes its loss on, as the GPU path hands it over (after
   the collator, on the device): every position 0 of a packed row (an example's start, or padding) has the label -100,
   so no example's first token is trained from the example before it.
-- `HeadMoved` (`modules-to-save`): the share of the `modules_to_save` copies' values that differ from their start
-  after `HEAD_CHECK_STEP` optimizer steps (bf16 on a GPU: an update below a value's last bit leaves it as it was).
+- `HeadMoved` (`modules-to-save`, `modules-to-save-1e-5`): the share of the `modules_to_save` copies' values that
+  differ from their start after `HEAD_CHECK_STEP` optimizer steps (bf16 on a GPU: an update below a value's last bit
+  leaves it as it was), their dtype and their relative change (the norm of the change over the norm at the start).
 - `teach_tool_call` and `tool_syncs` (`tools-grpo`): an SFT run teaches the model the tool call (a random model never
   calls), the GRPO run goes on from its adapter with the tool, and its manifest's vLLM weight syncs are read: one
   per step, however many tool turns each round took.
@@ -26,7 +27,7 @@ TEACHING_STEPS = 150
 
 
 class PackedLabels:
-    """Watches `trl.SFTTrainer.compute_loss` in this process (a class attribute: the worker's trainer is TRL's)."""
+    """Watches `trl.SFTTrainer.compute_loss` in this process (a class attribute: the worker's trainer calls TRL's)."""
 
     def __init__(self) -> None:
         from trl import SFTTrainer
@@ -70,11 +71,14 @@ class HeadMoved(TrainerCallback):
     def __init__(self) -> None:
         self.start: dict[str, Any] = {}
         self.moved: float | None = None
+        self.change: float | None = None
+        self.dtypes: set[str] = set()
         self.values = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.start = {name: weight.detach().clone() for name, weight in model.named_parameters()
                       if "modules_to_save" in name and weight.requires_grad}
+        self.dtypes = {str(weight.dtype).removeprefix("torch.") for weight in self.start.values()}
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step != HEAD_CHECK_STEP or not self.start:
@@ -83,6 +87,8 @@ class HeadMoved(TrainerCallback):
         moved = sum(int((weights[name].detach() != start).sum()) for name, start in self.start.items())
         self.values = sum(start.numel() for start in self.start.values())
         self.moved = moved / self.values
+        change = sum(float((weights[name].detach().float() - start.float()).norm() ** 2) for name, start in self.start.items())
+        self.change = (change / sum(float(start.float().norm() ** 2) for start in self.start.values())) ** 0.5
 
     def result(self) -> tuple[str, str | None]:
         if not self.start:
@@ -90,7 +96,8 @@ class HeadMoved(TrainerCallback):
         if self.moved is None:
             return "not read", f"the run ended before step {HEAD_CHECK_STEP}: give it at least {HEAD_CHECK_STEP} steps"
         seen = (f"{self.moved:.1%} of the modules_to_save copy's {self.values:,} values moved after {HEAD_CHECK_STEP} "
-                f"steps ({', '.join(sorted(self.start))})")
+                f"steps ({', '.join(sorted(self.start))}; {', '.join(sorted(self.dtypes))}; relative change "
+                f"{self.change:.1e})")
         return seen, None if self.moved > 0 else "the modules_to_save copy did not move: it is not training"
 
 

@@ -1,7 +1,7 @@
 """One GPU smoke run, in a process of its own: a variant trains through the worker's own SFT, DPO or GRPO body, and
 the process prints its figures (tokens/s after the warm-up, torch's and the device's memory peaks beside the worker's
 memory plan of what ran, what engaged, the completions vLLM generated, and a check variant's finding: `checks`) as
-one `RESULT_MARKER` line for the runner."""
+one `RESULT_MARKER` line for the runner; a probe variant runs its probe (`probes`) instead and prints what it found."""
 
 from __future__ import annotations
 
@@ -11,19 +11,26 @@ import sys
 import time
 from pathlib import Path
 
-from packaging.version import Version
-
 from loraflow_worker.gpu_smoke.machine import GIB, DeviceMemory, installed_versions
 from loraflow_worker.gpu_smoke.model_and_data import model_dir
+from loraflow_worker.gpu_smoke.probes import PROBES, allocator_getter
 from loraflow_worker.gpu_smoke.variants import HEAD_CHECK_STEP, TOOL_COMPLETION_TOKENS, Size, Variant, by_name
-from loraflow_worker.training.fast_paths import ALLOC_CONF_ENV
 
 RESULT_MARKER = "GPU_SMOKE_RESULT "
 
 
-# The worker reads what the CUDA allocator holds through torch._C._accelerator_getAllocatorSettings, which the
-# torch 2.12.0 and 2.13.0 wheels have and the 2.11.0 wheel (a lent machine's own torch) lacks.
-ALLOCATOR_GETTER_SINCE = Version("2.12")
+def run_probe(out: Path, variant: Variant, full_attention: bool) -> int:
+    """Run `variant`'s probe on the smoke model in `out` (first thing in the process: `cuda_init` must find CUDA as
+    the imports leave it) and print what it found as one `RESULT_MARKER` line; 0."""
+    import torch
+
+    started = time.monotonic()
+    seen, error = PROBES[variant.probe](model_dir(out, full_attention or variant.full_attention),
+                                        torch.cuda.is_available())
+    result = {"variant": variant.name, "algorithm": "probe", "took_s": round(time.monotonic() - started, 1),
+              "fast_paths": {}, "check": seen, "check_error": error, "error": None}
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    return 0
 
 
 def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: int, steps: int, *,
@@ -37,15 +44,11 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
     from loraflow_worker.artifacts import open_store
     from loraflow_worker.contract import JobInput
 
-    cuda = torch.cuda.is_available()
     variant = by_name([variant_name])[0]
-    allocator_probe = None
-    if cuda and Version(torch.__version__).release < ALLOCATOR_GETTER_SINCE.release:
-        # Set before CUDA initialises (training.fast_paths.gather_facts does so), the variable is what the allocator
-        # holds.
-        torch._C._accelerator_getAllocatorSettings = lambda: os.environ.get(ALLOC_CONF_ENV, "")
-        allocator_probe = (f"read from {ALLOC_CONF_ENV}: torch {torch.__version__} has no "
-                           f"torch._C._accelerator_getAllocatorSettings (torch >= {ALLOCATOR_GETTER_SINCE} has)")
+    if variant.probe:
+        return run_probe(out, variant, full_attention)
+    cuda = torch.cuda.is_available()
+    allocator_probe = allocator_getter()
     device_memory = DeviceMemory.open() if cuda else None
 
     class Throughput(TrainerCallback):
@@ -148,7 +151,7 @@ def smoke_job(out: Path, model: Path, size: Size, variant: Variant, algorithm: s
         "model": {"id": str(model)},
         "dataset": {"store_path": f"data/{data}.jsonl"},
         "training": {"max_steps": max(total_steps, HEAD_CHECK_STEP) if variant.modules_to_save else total_steps,
-                     "batch_size": size.batch, "learning_rate": 1e-4, "logging_steps": 1},
+                     "batch_size": size.batch, "learning_rate": variant.learning_rate or 1e-4, "logging_steps": 1},
         "lora": {},
         "artifact_store": (out / "store").as_uri(),
         "fast_paths": {**dict.fromkeys(variant.disabled, False), **dict.fromkeys(variant.forced, True)},

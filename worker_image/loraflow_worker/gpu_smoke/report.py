@@ -28,6 +28,9 @@ def report(results: list[dict]) -> str:
         if r.get("error"):
             lines.append(f"{head}{'failed':>27}  {r['error']}")
             continue
+        if r["algorithm"] == "probe":
+            lines.append(f"{head}{'probed':>27}  in {r['took_s']:.0f} s: what it found is below")
+            continue
         ratio = f"{best[r['algorithm']] / r['tokens_per_second']:.2f}" if best.get(r["algorithm"]) and r["tokens_per_second"] else "-"
         reserved = _gib(r.get("max_memory_reserved_gib"))
         device = _gib(r.get("device_peak_gib"))
@@ -67,7 +70,7 @@ def memory_table(results: list[dict]) -> list[str]:
              f"{'variant':<{VARIANT_WIDTH}}{'algorithm':<10}{'ckpt':>5}{'liger':>6}{'4bit':>5}{'plan':>8}"
              f"{'allocated':>10}{'reserved':>9}{'device':>8}{'alloc/plan':>11}"]
     for r in results:
-        if r.get("skipped") or r.get("not_run") or r.get("error"):
+        if r.get("skipped") or r.get("not_run") or r.get("error") or r["algorithm"] == "probe":
             continue
         engaged = {name: on for name, (on, _) in r["fast_paths"].items()}
         switches = "".join(f"{'on' if on else 'off':>{width}}" for on, width in (

@@ -6,6 +6,7 @@ Usually started by `worker_image/gpu_smoke.sh`:
     python -m loraflow_worker.gpu_smoke                 # on a GPU: the slot's runs (below) within 420 s
     python -m loraflow_worker.gpu_smoke --variants all,no-liger,no-vllm --deadline 900
     python -m loraflow_worker.gpu_smoke --memory        # on a GPU: the memory plan against the peaks, within 330 s
+    python -m loraflow_worker.gpu_smoke --bf16          # on a GPU: what bf16 does to training (probes), within 400 s
     python -m loraflow_worker.gpu_smoke --cpu --steps 2 --warmup 1       # the same machinery on CPU (nothing engages)
 
 `--list` lists every variant (its algorithms, model, the selections that run it, what it changes or checks) and runs
@@ -25,6 +26,13 @@ flash-linear-attention, and transformers' torch fallback for Gated-DeltaNet laye
 what the plan counts); a second table sets the plan's estimate of each configuration that ran (the worker's own plan, from its
 manifest) beside torch's `max_memory_allocated`, `max_memory_reserved` and NVML's device peak. With the carried
 wheels' install (`gpu_smoke.sh --carried .whl --memory`) it is one command of at most 8 minutes on a lent machine.
+
+`--bf16` shows what a bf16 GPU does to training that the CPU tests, in fp32, cannot (`variants.BF16_RUNS`, within
+400 s on the same Qwen3 model, one command of at most 8 minutes with the install): the bf16 probes (`probes`: CUDA
+initialised by the training process's imports, the base values 200 vLLM syncs change by TRL's merge and unmerge and by
+the worker's temporaries, packed against unpacked per-token log-probs with Liger off and on, a bf16 against an fp32
+head copy at 1e-5), the head copy of `modules_to_save` trained through the worker at 1e-5 and 1e-4, and the memory
+plan against the peaks for QLoRA, `modules_to_save` and DPO.
 
 Each run is its own process also because transformers binds flash-linear-attention when the modeling module is
 imported: a variant switches fast paths off, or a memory saver on, in its job's `fast_paths`, or loads the base in
@@ -57,6 +65,7 @@ from loraflow_worker.gpu_smoke.measure import RESULT_MARKER, measure
 from loraflow_worker.gpu_smoke.model_and_data import build_smoke_model, model_dir, write_datasets
 from loraflow_worker.gpu_smoke.report import report
 from loraflow_worker.gpu_smoke.variants import (
+    BF16_RUNS,
     CPU_SIZE,
     CPU_VARIANTS,
     GPU_SIZE,
@@ -78,6 +87,9 @@ SLOT_DEADLINE_S = 420.0
 MEMORY_DEADLINE_S = 330.0
 """`--memory`'s budget on a GPU: with the carried wheels' install and a margin (150 s), one command of at most 8
 minutes."""
+BF16_DEADLINE_S = 400.0
+"""`--bf16`'s budget on a GPU: with the carried wheels' install and a margin (80 s), one command of at most 8
+minutes."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"Calibrate the memory plan: {', '.join(f'{v}/{a}' for v, a in MEMORY_RUNS)} (unless "
                              f"--variants says otherwise), {MEMORY_STEPS[0]} warm-up and {MEMORY_STEPS[1]} timed steps "
                              f"each, {MEMORY_DEADLINE_S:.0f} s on a GPU.")
+    parser.add_argument("--bf16", action="store_true",
+                        help=f"What bf16 does to training: {', '.join(f'{v}/{a}' for v, a in BF16_RUNS)} (unless "
+                             f"--variants says otherwise), {BF16_DEADLINE_S:.0f} s on a GPU.")
     parser.add_argument("--steps", type=int, default=None,
-                        help="Timed optimizer steps per run (default 8; 2 on CPU or with --memory).")
+                        help="Timed optimizer steps per run (default 8; 2 on CPU, with --memory or --bf16).")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="Untimed steps before them, at least 1 (default 2; 1 on CPU or with --memory).")
+                        help="Untimed steps before them, at least 1 (default 2; 1 on CPU, with --memory or --bf16).")
     parser.add_argument("--deadline", type=float, default=None,
                         help=f"Seconds for the whole smoke run (default {SLOT_DEADLINE_S:.0f} on a GPU, none on CPU): each "
                              "run gets its share of the time left, and runs that cannot start before it are reported as not run.")
@@ -116,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     out = args.out or Path(tempfile.mkdtemp(prefix="loraflow-gpu-smoke-"))
     size = CPU_SIZE if args.cpu else GPU_SIZE
-    short = args.cpu or args.memory
+    short = args.cpu or args.memory or args.bf16
     steps = args.steps if args.steps is not None else (MEMORY_STEPS[1] if short else 8)
     warmup = args.warmup if args.warmup is not None else (MEMORY_STEPS[0] if short else 2)
     if steps < 1 or warmup < 1:
@@ -135,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():  # counts devices without creating a CUDA context in this process
             parser.error("no CUDA device here: run with --cpu for the CPU check")
         gpu = read_gpu()
-        deadline = args.deadline if args.deadline is not None else (MEMORY_DEADLINE_S if args.memory else SLOT_DEADLINE_S)
+        deadline = args.deadline if args.deadline is not None else (
+            MEMORY_DEADLINE_S if args.memory else BF16_DEADLINE_S if args.bf16 else SLOT_DEADLINE_S)
     print(versions_line(packages, gpu), flush=True)
     if gpu is not None:
         refusal = gpu_refusal(gpu, packages, os.environ, allow_busy=args.allow_busy_gpu)
@@ -145,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         if gpu["warning"]:
             print(f"warning: {gpu['warning']}", flush=True)
 
-    planned = selected_runs(args.variants, memory=args.memory, cpu=args.cpu, packages=packages)
+    planned = selected_runs(args.variants, memory=args.memory, cpu=args.cpu, packages=packages, bf16=args.bf16)
 
     # The memory calibration trains full-attention layers: a lent machine has no flash-linear-attention, and
     # transformers' torch fallback for Gated-DeltaNet layers is not what the image runs nor what the plan counts.
     # Some check variants train the full-attention model whatever the mode (`Variant.full_attention`).
-    full_attention = args.memory and not args.variants
+    full_attention = (args.memory or args.bf16) and not args.variants
     for full in sorted({full_attention or run.variant.full_attention for run in planned if not run.skipped}):
         built = build_smoke_model(model_dir(out, full), size, full_attention=full)
         print(f"model: {built} ({'Qwen3, full attention' if full else 'Qwen3.5'}, vocabulary {size.vocab}, hidden "
@@ -175,13 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("error") is None for r in results) else 1
 
 
-def selected_runs(variants: Sequence[str] | None, *, memory: bool, cpu: bool, packages: Mapping[str, str]) -> list[Run]:
+def selected_runs(variants: Sequence[str] | None, *, memory: bool, cpu: bool, packages: Mapping[str, str],
+                  bf16: bool = False) -> list[Run]:
     """The runs to make, in order, each with why it is skipped where its package is missing: the named `variants`
-    for every algorithm each has, else the memory calibration's (`--memory`), the CPU check's, or the slot's."""
+    for every algorithm each has, else the memory calibration's (`--memory`), the bf16 probes' (`--bf16`), the CPU
+    check's, or the slot's."""
     if variants:
         runs = [(variant, algorithm) for variant in by_name(variants) for algorithm in variant.algorithms]
     elif memory:
         runs = [(by_name([name])[0], algorithm) for name, algorithm in MEMORY_RUNS]
+    elif bf16:
+        runs = [(by_name([name])[0], algorithm) for name, algorithm in BF16_RUNS]
     elif cpu:
         runs = [(variant, algorithm) for variant in by_name(CPU_VARIANTS) for algorithm in variant.algorithms]
     else:
@@ -261,10 +281,9 @@ def _kill_session(pid: int) -> None:
 
 def _checked(result: dict) -> dict:
     """A child's result, failed when a fast path it reports engaged did not do its work, or its check found a fault."""
-    vllm_engaged = result["fast_paths"]["vllm_colocate"][0]
+    vllm_engaged, vllm_reason = result["fast_paths"].get("vllm_colocate", (False, "not a training run"))
     if result["algorithm"] == "grpo" and vllm_engaged and not result["vllm_completions"]:
         return {**result, "error": "vllm_colocate is engaged, but vLLM returned no completion to TRL"}
-    vllm_reason = result["fast_paths"]["vllm_colocate"][1]
     if vllm_reason.startswith("failed: "):  # the job went on without it; the smoke is where that must show
         return {**result, "error": f"vllm_colocate {vllm_reason}"}
     if result.get("check_error"):

@@ -17,7 +17,9 @@ class Variant:
     (every packed example's first label is -100 where the loss is computed), `modules_to_save` (the share of the
     head copy's weights that moved after `HEAD_CHECK_STEP` steps), `tools` (a tool-using GRPO run, after an SFT run
     that teaches the model the call: vLLM's weight syncs per step). `full_attention`: on the Qwen3 model of full-
-    attention layers whatever the mode (packing refuses Gated-DeltaNet layers; vLLM's Qwen3 path)."""
+    attention layers whatever the mode (packing refuses Gated-DeltaNet layers; vLLM's Qwen3 path). `learning_rate`:
+    the run's, in place of 1e-4. A `probe` (a name of `probes.PROBES`; algorithm `probe`) trains nothing: its child
+    runs the probe on the smoke model and reports what it found."""
 
     name: str
     algorithms: tuple[str, ...]
@@ -29,6 +31,10 @@ class Variant:
     packing: bool = False
     modules_to_save: tuple[str, ...] = ()
     tools: bool = False
+    learning_rate: float | None = None
+    probe: str | None = None
+    what: str = ""
+    """What a probe measures, in a few words (`--list`)."""
 
     def describe(self) -> str:
         """What the variant changes from `all`, in a few words (`--list`)."""
@@ -39,7 +45,9 @@ class Variant:
                  f"modules_to_save {', '.join(self.modules_to_save)}: share of the copy moved after "
                  f"{HEAD_CHECK_STEP} steps" if self.modules_to_save else "",
                  "tools, after an SFT run that teaches the call: vLLM weight syncs per step" if self.tools else "",
-                 "GRPO on it" if self.full_attention and not (self.packing or self.tools) else ""]
+                 f"learning rate {self.learning_rate:g}" if self.learning_rate else "",
+                 f"probe: {self.what}" if self.probe else "",
+                 "GRPO on it" if self.full_attention and not (self.packing or self.tools or self.probe) else ""]
         return "; ".join(part for part in parts if part) or "every fast path installed"
 
 
@@ -72,6 +80,15 @@ VARIANTS = (
     Variant("tools-grpo", ("grpo",), full_attention=True, tools=True),
     Variant("packed", ("sft",), full_attention=True, packing=True),
     Variant("modules-to-save", ("sft",), modules_to_save=("lm_head",)),
+    Variant("modules-to-save-1e-5", ("sft",), modules_to_save=("lm_head",), learning_rate=1e-5),
+    Variant("cuda-init", ("probe",), probe="cuda_init",
+            what="CUDA initialised by the training process's imports? expandable segments as the plan reads them"),
+    Variant("merge-drift", ("probe",), probe="merge_drift", full_attention=True,
+            what="base values 200 vLLM syncs change, TRL's merge/unmerge against the worker's temporaries, LoRA and DoRA"),
+    Variant("packed-logprobs", ("probe",), probe="packed_logprobs", full_attention=True,
+            what="per-token log-probs packed against alone, bf16 SDPA, Liger off and on"),
+    Variant("head-update", ("probe",), probe="head_update", full_attention=True,
+            what="AdamW at 1e-5 on a bf16 against an fp32 copy of the LM head, the same gradients"),
 )
 SLOT_RUNS = (("all", "sft"), ("no-liger", "sft"), ("no-fla", "sft"), ("qlora", "sft"), ("no-vllm", "grpo"))
 """What a GPU run does unless `--variants` says otherwise: what fits a lent machine's slot. GRPO goes without vLLM
@@ -85,6 +102,12 @@ left out are the ones that differ from a run already made in one switch only."""
 MEMORY_STEPS = (1, 2)
 """`--memory`'s warm-up and timed steps unless told otherwise: the optimizer's state exists from the first optimizer
 step on and the batches are all of one length, so each later step repeats the same peak; more steps only cost time."""
+BF16_RUNS = (("cuda-init", "probe"), ("merge-drift", "probe"), ("packed-logprobs", "probe"), ("head-update", "probe"),
+             ("modules-to-save-1e-5", "sft"), ("modules-to-save", "sft"), ("qlora", "sft"), ("dpo", "dpo"))
+"""What `--bf16` runs unless `--variants` says otherwise: what a bf16 GPU does to training that the CPU tests cannot
+show (`probes`), the head copy of `modules_to_save` trained at 1e-5 and at 1e-4 through the worker (its dtype and how
+much of it moved), and the memory plan against the peaks for QLoRA, `modules_to_save` and DPO, 1 warm-up and 2 timed
+steps each (4 for the head copies): one command of at most 8 minutes on a lent machine."""
 CPU_VARIANTS = ("all", "no-kernels")
 """What `--cpu` runs unless `--variants` says otherwise (on CPU every fast path is off anyway)."""
 CHECK_VARIANTS = ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save")
@@ -92,11 +115,11 @@ CHECK_VARIANTS = ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save"
 (`--variants dpo,grpo-qwen3,tools-grpo,packed,modules-to-save`); the tests run them on the CPU."""
 HEAD_CHECK_STEP = 4
 """The step after which `modules-to-save` reads how much of the head copy moved (its run takes at least as many)."""
-ALGORITHM_WEIGHT = {"sft": 1.0, "dpo": 1.5, "grpo": 2.0}
+ALGORITHM_WEIGHT = {"sft": 1.0, "dpo": 1.5, "grpo": 2.0, "probe": 1.0}
 """A run's share of the time left, relative to the other runs still to come. A GRPO step also generates its
 completions token by token (transformers' `generate` without vLLM), so it gets twice an SFT run's share; a DPO step
 runs the policy on a chosen and a rejected answer and the reference on both: estimates, not measurements (no GPU
-run has been timed yet)."""
+run has been timed yet). A probe loads the smoke model and works on it for seconds: an SFT run's share."""
 TOOL_COMPLETION_TOKENS = 192
 """`tools-grpo`'s completions at least: a call of the tool, the tool's answer and the model's reply (`tool_use`)."""
 
@@ -159,14 +182,14 @@ def list_variants() -> str:
     """Every variant: its algorithms, the model it trains, which default selections run it, and what it changes or
     checks (`--list`)."""
     defaults = {"slot": {name for name, _ in SLOT_RUNS}, "memory": {name for name, _ in MEMORY_RUNS},
-                "cpu": set(CPU_VARIANTS), "checks": set(CHECK_VARIANTS)}
+                "cpu": set(CPU_VARIANTS), "checks": set(CHECK_VARIANTS), "bf16": {name for name, _ in BF16_RUNS}}
     lines = [f"{'variant':<27}{'algorithms':<15}{'model':<15}{'run by':<18}what"]
     for v in VARIANTS:
         model = "Qwen3" if v.full_attention else "the mode's"
         runs = ",".join(name for name, members in defaults.items() if v.name in members) or "-"
         lines.append(f"{v.name:<27}{','.join(v.algorithms):<15}{model:<15}{runs:<18}{v.describe()}"
                      + (f" (needs {v.needs[0]})" if v.needs else ""))
-    lines.append("model: the mode's is Qwen3.5 (Gated-DeltaNet layers, one full-attention layer in four), or with --memory "
+    lines.append("model: the mode's is Qwen3.5 (Gated-DeltaNet layers, one full-attention layer in four), or with --memory or --bf16 "
                  "Qwen3 (full attention only); run by: the selections that include it (slot: a GPU run's default; "
-                 "memory: --memory; cpu: --cpu; checks: CHECK_VARIANTS, named with --variants)")
+                 "memory: --memory; cpu: --cpu; checks: CHECK_VARIANTS, named with --variants; bf16: --bf16)")
     return "\n".join(lines)

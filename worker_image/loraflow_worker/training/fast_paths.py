@@ -48,7 +48,7 @@ BF16_MIN_CAPABILITY = (8, 0)
 VLLM_TEXT_ONLY = {"limit_mm_per_prompt": {"image": 0, "video": 0}}
 """What the colocated vLLM engine is built with for a text run: no image or video inputs, so vLLM 0.33 neither loads
 nor profiles a checkpoint's vision tower (`_mark_tower_model` in `vllm/model_executor/models/interfaces.py` skips a
-tower whose modalities all have a limit of 0; ignored for text-only models). `grpo.text_only_vllm` passes it."""
+tower whose modalities all have a limit of 0; ignored for text-only models). `grpo.vllm_engine_settings` passes it."""
 
 _KERNEL_MODULES = {"flash_linear_attention": "fla", "causal_conv1d": "causal_conv1d"}
 """Fast paths whose module is blocked from import when disabled: transformers binds these kernels when it

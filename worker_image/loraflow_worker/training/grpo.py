@@ -3,8 +3,9 @@
 Straight-line, like `trl/scripts/grpo.py`: load data (holding evaluation prompts out, when asked) → prompts →
 rewards by name → `GRPOTrainer` with a PEFT `LoraConfig` → train, evaluating the mean reward on the held-out
 prompts → save the adapter. On a GPU with vLLM installed the completions come from a
-vLLM engine colocated with training, synced once per generation round; elsewhere, or where that engine fails to
-build or to load the weights, from transformers' `generate` (`vllm_colocate.py`). The manifest records which
+vLLM engine colocated with training, seeded from `training.seed` and synced once per generation round with the
+adapter merged into temporaries (the base never written); elsewhere, or from where that engine fails to build, load
+the weights or generate, from transformers' `generate` (`vllm_colocate.py`). The manifest records which
 fast paths were in effect. A job selects this with `algorithm: grpo` and a `grpo` section, e.g.
 
     {"algorithm": "grpo", "training": {"max_steps": 200, "learning_rate": 1e-5, "batch_size": 16},
@@ -25,7 +26,6 @@ of a prompt/completion dataset becomes the column `answer` too.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -38,18 +38,13 @@ from trl import GRPOConfig
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import GrpoSettings, JobInput, Progress
 from loraflow_worker.dataset.loading import evaluation_split, load_job_dataset
-from loraflow_worker.training.fast_paths import (
-    VLLM_TEXT_ONLY,
-    FastPathPlan,
-    engage_fast_paths,
-    gather_facts,
-    plan_fast_paths,
-)
+from loraflow_worker.artifacts.manifest import FastPath
+from loraflow_worker.training.fast_paths import FastPathPlan, engage_fast_paths, gather_facts, plan_fast_paths
 from loraflow_worker.training.monitor import TrainingMonitor, check_deadline
 from loraflow_worker.training.rewards import check_reward_columns, resolve_rewards
 from loraflow_worker.training.tools import RunTools, check_tool_template, resolve_tools
 from loraflow_worker.training.trajectories import TRAJECTORIES_FILE, TrajectorySampler
-from loraflow_worker.training.vllm_colocate import RoundSyncGRPOTrainer, build_grpo_trainer
+from loraflow_worker.training.vllm_colocate import RoundSyncGRPOTrainer, build_grpo_trainer, vllm_engine_kwargs
 from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.run import (
     TrainOutcome,
@@ -112,11 +107,12 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     sampler = TrajectorySampler(work_dir / TRAJECTORIES_FILE, job.worker_secret_names)
 
     def build(plan: FastPathPlan) -> RoundSyncGRPOTrainer:
-        # The model is loaded afresh for each build: a trainer given up after a failed vLLM sync may have left the
-        # adapter merged into its base (`vllm_colocate.build_grpo_trainer`).
+        # The model is loaded afresh for each build: PEFT wrapped the one of a trainer given up after its vLLM engine
+        # failed (`vllm_colocate.build_grpo_trainer`).
         model, peft_config = model_and_adapter(model_path, job, plan, store, work_dir)
         args = grpo_config(job, plan, work_dir)
-        with text_only_vllm() if args.use_vllm else contextlib.nullcontext():  # GRPOTrainer builds the vLLM engine
+        # GRPOTrainer builds the vLLM engine.
+        with vllm_engine_settings(job.training.seed) if args.use_vllm else contextlib.nullcontext():
             return RoundSyncGRPOTrainer(
                 model=model,
                 reward_funcs=reward_funcs,
@@ -134,11 +130,13 @@ def train_grpo(job: JobInput, store: ArtifactStore, work_dir: Path, report: Call
     sampler.trainer = trainer
     fast_paths = engage_fast_paths(plan, trainer.model)
     adapter_dir, wall_seconds = train_and_save(trainer, tokenizer, job, revision, work_dir, resume_from)
+    if trainer.vllm_failure is not None:  # the engine failed during training: transformers generated from then on
+        fast_paths["vllm_colocate"] = FastPath(engaged=False, reason=trainer.vllm_failure)
     outcome = package_outcome(trainer=trainer, monitor=monitor, job=job, revision=revision, adapter_dir=adapter_dir,
                               wall_seconds=wall_seconds, cuda=cuda, fast_paths=fast_paths, plan=plan, rows=rows,
                               sources=loaded.sources, rewards=reward_log.rewards,
                               trajectories=sampler.path if sampler.path.is_file() else None)
-    if trainer.use_vllm:
+    if plan.trainer_kwargs.get("use_vllm"):
         outcome.manifest.vllm_weight_syncs = trainer.weight_syncs.record()
     return outcome
 
@@ -167,21 +165,27 @@ def grpo_config(job: JobInput, plan: FastPathPlan, work_dir: Path) -> GRPOConfig
 
 
 @contextlib.contextmanager
-def text_only_vllm() -> Iterator[None]:
-    """Within it, the vLLM engine TRL builds takes no image or video inputs (`fast_paths.VLLM_TEXT_ONLY`), so vLLM
-    neither loads nor profiles a checkpoint's vision tower (Qwen3.5) for a text run.
+def vllm_engine_settings(seed: int) -> Iterator[None]:
+    """Within it, the vLLM engine TRL builds takes `vllm_colocate.vllm_engine_kwargs(seed)` over TRL's own arguments:
+    no image or video inputs (`fast_paths.VLLM_TEXT_ONLY`), so vLLM neither loads nor profiles a checkpoint's vision
+    tower (Qwen3.5) for a text run; and the run's `training.seed`, where TRL passes its process index (0).
 
     TRL 1.16 builds the colocated `vllm.LLM` with a fixed list of arguments and has no passthrough for vLLM's own
     (`VLLMGeneration.__init__`, `trl/generation/vllm_generation.py`; GRPOConfig has `vllm_model_impl`,
     `vllm_enable_sleep_mode`, ... but no `vllm_kwargs`), so the `LLM` that module calls is wrapped meanwhile.
-    TODO: pass `limit_mm_per_prompt` through GRPOConfig once TRL forwards vLLM engine arguments."""
+    TODO: pass these through GRPOConfig once TRL forwards vLLM engine arguments."""
     from trl.generation import vllm_generation
 
     build = getattr(vllm_generation, "LLM", None)
     if build is None:  # vLLM did not import: TRL refuses `use_vllm` itself (`VLLMGeneration._init_vllm`)
         yield
         return
-    vllm_generation.LLM = functools.partial(build, **VLLM_TEXT_ONLY)
+    settings = vllm_engine_kwargs(seed)
+
+    def engine(*args: Any, **kwargs: Any) -> Any:
+        return build(*args, **{**kwargs, **settings})  # over TRL's: its `seed` is the process index
+
+    vllm_generation.LLM = engine
     try:
         yield
     finally:

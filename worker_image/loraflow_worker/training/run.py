@@ -209,7 +209,6 @@ def shared_trainer_args(job: JobInput, work_dir: Path) -> dict[str, Any]:
     (`optim`) is the fast-path plan's, which takes the job's `training.optimizer` when it names one."""
     t = job.training
     micro, accumulation = micro_batching(job)
-    # Task evaluations and benchmarks alone (no held-out rows) run after training, not in the Trainer.
     evaluation = {} if job.evaluation is None or not job.evaluation.held_out else dict(
         # Before the first step, every `every_steps` and after the last (transformers adds that one itself).
         eval_strategy="steps", eval_steps=job.evaluation.every_steps, eval_on_start=True,

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
@@ -64,7 +65,7 @@ def train_sft(job: JobInput, store: ArtifactStore, work_dir: Path, report: Calla
     saved_template = tokenizer.chat_template
     if loss.render_with is not None:
         tokenizer.chat_template = loss.render_with
-    trainer = SFTTrainer(
+    trainer = PackedCountSFTTrainer(
         model=model,
         args=args,
         train_dataset=loss.train,
@@ -108,13 +109,43 @@ class PackedRows(DataCollatorForLanguageModeling):
     examples' positions, restarting at 0, and no attention mask is passed: from the positions transformers masks
     attention across the examples of a row (a short row's padding becomes one-token sequences without loss). Each
     example's first token carries no label: the loss shifts the labels by one, so that label would be predicted from
-    the previous example's last token (TRL masks it in its padding-free path only)."""
+    the previous example's last token (TRL masks it in its padding-free path only). The batch's real (unpadded)
+    token count rides along as `TOKENS`, which `PackedCountSFTTrainer` takes out before the model sees the batch."""
+
+    TOKENS = "loraflow_packed_tokens"
 
     def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super().torch_call(examples)
         del batch["attention_mask"]  # with one, transformers would not read the positions' boundaries
         batch["labels"][batch["position_ids"] == 0] = -100
+        batch[self.TOKENS] = torch.tensor(sum(len(example["input_ids"]) for example in examples))
         return batch
+
+
+class PackedCountSFTTrainer(SFTTrainer):
+    """TRL's `SFTTrainer`, counting the tokens of a batch of packed rows (`PackedRows`) as they are. Without an
+    attention mask TRL 1.16 counts a batch's `position_ids.size(1)`, the length of one row (`SFTTrainer.compute_loss`,
+    `sft_trainer.py` 1651-1653: its padding-free batch is one row), for its logged `num_tokens`; and transformers counts
+    the tokens that are not the pad token (`Trainer._track_num_input_tokens`), which misses a real token equal to it
+    (a base model's end-of-text is often its pad). Both take the collator's count instead. Other batches: TRL's."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        tokens = inputs.pop(PackedRows.TOKENS, None)
+        counted = self._total_train_tokens
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if tokens is not None and self.model.training:
+            self._total_train_tokens = counted + self._gathered(tokens)
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
+
+    def _track_num_input_tokens(self, inputs):
+        if PackedRows.TOKENS not in inputs or self.args.include_num_input_tokens_seen != "non_padding":
+            return super()._track_num_input_tokens(inputs)
+        self.state.num_input_tokens_seen += self._gathered(inputs[PackedRows.TOKENS])
+
+    def _gathered(self, tokens: torch.Tensor) -> int:
+        return int(self.accelerator.gather(tokens.to(self.args.device).reshape(1)).sum().item())
 
 
 def _packing(prepared: Dataset, examples: int, max_length: int) -> FastPath:

@@ -1,0 +1,218 @@
+"""Benchmarks (`evaluation.benchmarks`): EleutherAI's lm-evaluation-harness tasks, scored for the base model and for
+the trained adapter on the worker that trained it, as `BenchmarkScore` rows.
+
+The harness loads each model itself from local folders: the base from the worker's model folder, the adapter as PEFT
+loads it from the run's adapter folder (the HF backend's `peft=`), or, where vLLM runs (a CUDA device with vLLM
+installed), the harness's vLLM backend with the adapter as a LoRA request (`lora_local_path=`). Private tasks are the
+harness's own YAMLs in `task_dir` (read with the TaskManager's `include_path`); the harness reads the data files
+they name relative to that folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import time
+from collections.abc import Callable
+from importlib.util import find_spec
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loraflow_worker.contract import JobInput
+from loraflow_worker.contract.benchmark_tasks import task_dir_names, unknown_benchmark_tasks
+from loraflow_worker.contract.task_evaluation import BenchmarkScore, BenchmarkSettings
+
+if TYPE_CHECKING:
+    from loraflow_worker.artifacts import ArtifactStore
+
+log = logging.getLogger(__name__)
+
+
+class BenchmarkError(ValueError):
+    """A benchmark the harness cannot run as asked (an unknown task name)."""
+
+
+def job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work_dir: Path,
+                   report: Callable[[str], None] = log.info) -> list[BenchmarkScore]:
+    """The run's `evaluation.benchmarks` for its base model and its kept adapter (`adapter_dir`), after training; its
+    `task_dir` read from the store at the commit where the control plane stored the run's files. Benchmarks that
+    fail (a benchmark's data the Hub does not serve, a model the backend cannot load) are reported and left out: the
+    trained adapter is stored all the same. None are run once the job's deadline has passed: the worker stops the
+    training process soon after it, and the adapter is stored first."""
+    assert job.evaluation is not None and job.evaluation.benchmarks is not None
+    if job.deadline_epoch_s is not None and time.time() >= job.deadline_epoch_s:
+        report("benchmarks skipped: the job's deadline passed as training ended; the adapter is stored without them")
+        return []
+    try:
+        return _job_benchmarks(job, store, adapter_dir, work_dir, report)
+    except Exception as e:  # noqa: BLE001 - the adapter is worth more than its scores
+        log.exception("benchmarks failed")
+        report(f"benchmarks failed, the adapter is stored without their scores: {type(e).__name__}: {e}")
+        return []
+
+
+def _job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work_dir: Path,
+                    report: Callable[[str], None]) -> list[BenchmarkScore]:
+    import torch
+
+    from loraflow_worker.runtime.model_cache import resolve_base_model
+
+    assert job.evaluation is not None and job.evaluation.benchmarks is not None
+    settings = job.evaluation.benchmarks
+    task_dir = None
+    if settings.task_dir_store_path is not None:
+        task_dir = store.download(settings.task_dir_store_path, work_dir / "benchmark-tasks",
+                                  revision=job.inputs.revision if job.inputs else None)
+    model_path, _ = resolve_base_model(job.model)
+    # The trainer's model is gone with the training function's frame: free its memory before the harness loads two.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return run_benchmarks(settings, model_path, adapter_dir, task_dir,
+                          device="cuda" if torch.cuda.is_available() else "cpu", report=report)
+
+
+def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: Path, task_dir: Path | None, *,
+                   device: str, report: Callable[[str], None] = log.info) -> list[BenchmarkScore]:
+    """Score `settings.tasks` for the base model (`model_path`) and for it with the adapter (`adapter_dir`), with the
+    harness's vLLM backend where vLLM runs on `device`, its HF backend otherwise."""
+    private = task_dir_names(task_dir) if task_dir is not None else set()
+    # The names the control plane checked before renting, checked again here: a job from another client is refused
+    # before a model is loaded.
+    unknown = unknown_benchmark_tasks(settings.tasks, private)
+    if unknown:
+        where = f" nor does the run's task_dir define {'it' if len(unknown) == 1 else 'them'}" if task_dir else ""
+        raise BenchmarkError(
+            f"evaluation.benchmarks.tasks: lm-evaluation-harness {lm_eval_version()} has no task "
+            f"{', '.join(unknown)}{where}; name the harness's tasks (`lm_eval ls tasks`) or ship their YAMLs in "
+            "`task_dir`")
+    from lm_eval.tasks import TaskManager
+
+    # Indexing the harness's own ~15k task names reads thousands of YAMLs (half a minute on a small CPU): skipped
+    # when the run asks only for its own tasks and defines no group, the one kind of YAML that names other tasks.
+    own_only = set(settings.tasks) <= private and task_dir is not None and not _defines_group(task_dir)
+    task_manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None,
+                               include_defaults=not own_only)
+    use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
+    if use_vllm:
+        base, adapter = _with_vllm(settings, task_manager, task_dir, model_path, adapter_dir, report)
+    else:
+        from lm_eval.models.huggingface import HFLM
+
+        report(f"benchmarks: {', '.join(settings.tasks)} for the base model (transformers)")
+        base = _evaluate(settings, task_manager, task_dir, HFLM(
+            pretrained=str(model_path), device=device, batch_size=settings.batch_size, dtype="auto"))
+        _free_memory()
+        report(f"benchmarks: {', '.join(settings.tasks)} for the adapter (transformers)")
+        adapter = _evaluate(settings, task_manager, task_dir, HFLM(
+            pretrained=str(model_path), peft=str(adapter_dir), device=device, batch_size=settings.batch_size,
+            dtype="auto"))
+        _free_memory()
+    scores = benchmark_scores(base, adapter)
+    for score in scores:
+        report(f"benchmark {score.task}/{score.metric}: base {_shown(score.base, score.base_stderr)}, adapter "
+               f"{_shown(score.adapter, score.adapter_stderr)}, delta {score.delta:+.4f} (n={score.n})")
+    return scores
+
+
+def _defines_group(task_dir: Path) -> bool:
+    return any(line.startswith("group:") for path in [*task_dir.rglob("*.yaml"), *task_dir.rglob("*.yml")]
+               for line in path.read_text(errors="replace").splitlines())
+
+
+def lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm-eval")
+
+
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts; it refuses a LoRA request above the one it was started with."""
+
+
+def _with_vllm(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model_path: Path,
+               adapter_dir: Path, report: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(base results, adapter results) from one vLLM engine that serves the adapter as a LoRA request: the harness's
+    VLLM sends its `lora_request` with every request, None for the base."""
+    import json
+
+    from lm_eval.models.vllm_causallms import VLLM
+
+    rank = json.loads((adapter_dir / "adapter_config.json").read_text())["r"]
+    max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+    model = VLLM(pretrained=str(model_path), lora_local_path=str(adapter_dir), max_lora_rank=max_rank,
+                 batch_size=settings.batch_size, dtype="auto")
+    lora_request, model.lora_request = model.lora_request, None
+    report(f"benchmarks: {', '.join(settings.tasks)} for the base model (vLLM)")
+    base = _evaluate(settings, task_manager, task_dir, model)
+    model.lora_request = lora_request
+    report(f"benchmarks: {', '.join(settings.tasks)} for the adapter (vLLM, as a LoRA request)")
+    adapter = _evaluate(settings, task_manager, task_dir, model)
+    del model
+    _free_memory()
+    return base, adapter
+
+
+def _free_memory() -> None:
+    gc.collect()
+    with contextlib.suppress(ImportError):
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _evaluate(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model: Any) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+
+    # A private task's `data_files` are relative paths: the harness's datasets read them from the working folder.
+    with contextlib.chdir(task_dir) if task_dir is not None else contextlib.nullcontext():
+        # bootstrap_iters: the standard error of a metric that is not a mean (perplexity, F1, BLEU) is bootstrapped;
+        # 1000 draws (the harness's default is 100000, in a pool of every CPU) give it to two digits in seconds.
+        results = simple_evaluate(model=model, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
+                                  limit=settings.limit, batch_size=settings.batch_size, task_manager=task_manager,
+                                  log_samples=False, bootstrap_iters=1000)
+    if results is None:  # the harness returns None on the ranks of a distributed run other than the first
+        raise RuntimeError("lm-evaluation-harness returned no results")
+    return results
+
+
+def benchmark_scores(base: dict[str, Any], adapter: dict[str, Any]) -> list[BenchmarkScore]:
+    """One row per task (and group) and metric of two `simple_evaluate` results over the same tasks. A metric the
+    harness scored under several filters (gsm8k's `exact_match` after `strict-match` and `flexible-extract`) keeps
+    the harness's own `metric,filter` name; one scored on the raw output alone is named bare (`acc`)."""
+    rows = []
+    for task, values in base["results"].items():
+        adapter_values = adapter["results"].get(task, {})
+        keys = [key for key in values if "," in key and "_stderr," not in key and _is_number(values[key])]
+        metrics = [key.split(",", 1)[0] for key in keys]
+        for key, metric in zip(keys, metrics):
+            if key not in adapter_values:
+                continue
+            filter_name = key.split(",", 1)[1]
+            name = metric if metrics.count(metric) == 1 else key
+            stderr_key = f"{metric}_stderr,{filter_name}"
+            samples = base.get("n-samples", {}).get(task, {})
+            higher = base.get("higher_is_better", {}).get(task, {}).get(metric)
+            rows.append(BenchmarkScore(
+                task=task, metric=name, n=samples.get("effective"),
+                base=float(values[key]), base_stderr=_stderr(values.get(stderr_key)),
+                adapter=float(adapter_values[key]), adapter_stderr=_stderr(adapter_values.get(stderr_key)),
+                delta=float(adapter_values[key]) - float(values[key]),
+                higher_is_better=True if higher is None else bool(higher)))
+    return rows
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _stderr(value: Any) -> float | None:
+    """The harness writes "N/A" where it computes no standard error (a metric without one, or one example)."""
+    return float(value) if _is_number(value) else None
+
+
+def _shown(value: float, stderr: float | None) -> str:
+    return f"{value:.4f}" if stderr is None else f"{value:.4f} ± {stderr:.4f}"
