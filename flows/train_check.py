@@ -10,11 +10,12 @@ and with it the job's input; the phases after it are `flows/train_phases.py`.
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow_worker.artifacts.pins import sha256_hex
 from loraflow_worker.contract import (
+    BenchmarkSettings,
     DatasetSource,
     EvaluationSettings,
     JobInput,
@@ -22,6 +23,7 @@ from loraflow_worker.contract import (
     MemorySettings,
     ModelSource,
     StoredInputs,
+    TaskEvaluation,
 )
 from loraflow_worker.contract.dataset_formats import mixed_format
 from loraflow_worker.dataset.packing import packing_problem
@@ -51,6 +53,14 @@ from tasks.placement.plan import read_model_shape_task, resolve_model_task
 from tasks.reports import events
 from tasks.preflight.chats import check_chats_task
 from tasks.preflight.server_rules import check_server_rules
+from tasks.preflight.task_files import (
+    check_benchmark_names,
+    check_grader_function,
+    check_judge_key,
+    check_task_file,
+    private_benchmark_tasks,
+    task_dir_files,
+)
 from tasks.preflight.tools import check_tools_task
 from tasks.runpod.catalog import GpuClass, cuda_floor, resolve_gpu
 from tasks.runpod.live_catalog import GpuOffer
@@ -65,6 +75,7 @@ from tasks.storage.artifacts import (
     publish_run_inputs_task,
     tools_store_path,
 )
+from tasks.storage.evaluation_inputs import grader_store_paths, task_dir_store_path, task_store_path
 from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
 from tasks.storage.publish import check_publish_token
@@ -127,7 +138,7 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
-        local_formats = check_local_inputs(spec)
+        local_formats, evaluation_inputs = check_local_inputs(spec)
         offers = {offer.gpu: offer for offer in prices.result()}
         gpus, not_pooled = pooled_gpus(gpus, offers)  # each pinned in its pool as RunPod's catalog lists the cards
         for reason in not_pooled:
@@ -165,14 +176,16 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
                                                 str(Path.cwd()), eval_file=eval_file,
                                                 hub_token_secret=spec.hub_token_secret, mix_files=mix_files or None,
                                                 chat_template_file=str(template_file) if template_file else None,
-                                                tool_files=tool_files or None)
+                                                tool_files=tool_files or None,
+                                                evaluation_files=evaluation_inputs.store_files(run_id) or None)
         shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
         running += [inputs, shape_read]
         # The rewards come back pointing at their copies; `stored` pins those copies (their commit and sha256).
         dataset_path, rewards, stored = inputs.result()
         job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
                                rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
-                               lora=lora, tool_files=tool_files, inputs=stored)
+                               lora=lora, tool_files=tool_files, inputs=stored,
+                               evaluation_inputs=evaluation_inputs)
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
@@ -225,9 +238,61 @@ def _local_chat_files(spec: RunSpec) -> list[tuple[str, str, dict[str, str]]]:
     return files
 
 
-def check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
+@dataclass(frozen=True)
+class EvaluationInputs:
+    """The files of a run's task evaluations and benchmarks, as checked: what is stored with the run."""
+
+    tasks: dict[str, Path]
+    """Each task's file, by the task's name."""
+    graders: dict[tuple[int, int], Path]
+    """Each function grader's file, by (task index, grader index)."""
+    task_dir: Path | None = None
+    rows: dict[str, int] = field(default_factory=dict)
+    """Each task's prompts, by the task's name."""
+
+    def grader_store_paths(self, run_id: str) -> dict[Path, str]:
+        return grader_store_paths(list(self.graders.values()), run_id)
+
+    def store_files(self, run_id: str) -> dict[str, str]:
+        """Store path → local file, for `publish_run_inputs`."""
+        files = {task_store_path(run_id, name): str(path) for name, path in self.tasks.items()}
+        files |= {store: str(path) for path, store in self.grader_store_paths(run_id).items()}
+        if self.task_dir is not None:
+            files |= {f"{task_dir_store_path(run_id)}/{name}": str(path)
+                      for name, path in task_dir_files(self.task_dir).items()}
+        return files
+
+
+def check_evaluation_inputs(spec: RunSpec) -> EvaluationInputs:
+    """The run's task files (every row), their graders (a function found in its file, never run here; a judge's key
+    among the worker's secrets) and the benchmarks' task folder; ValueError naming the field."""
+    evaluation = spec.evaluation
+    tasks, graders, rows = {}, {}, {}
+    if evaluation is None:
+        return EvaluationInputs(tasks, graders)
+    for i, task_spec in enumerate(evaluation.tasks):
+        where, settings = f"evaluation.tasks[{i}]", task_spec.grader_settings()
+        path = Path(task_spec.local_file).expanduser()
+        read = check_task_file(path, f"{where}.local_file", settings)
+        for j, grader in enumerate(settings):
+            if grader.kind == "function":  # relative grader files start where a relative local_file does
+                graders[(i, j)] = check_grader_function(grader.function, Path.cwd(), f"{where}.graders[{j}]",
+                                                        read.columns)
+            check_judge_key(grader, f"{where}.graders[{j}]", spec.worker.secrets)
+        tasks[task_spec.name], rows[task_spec.name] = path, read.rows
+    task_dir, private = None, set()
+    if evaluation.benchmarks is not None and evaluation.benchmarks.task_dir is not None:
+        task_dir = Path(evaluation.benchmarks.task_dir).expanduser()
+        private = private_benchmark_tasks(task_dir)
+    if evaluation.benchmarks is not None:
+        check_benchmark_names(evaluation.benchmarks.tasks, private)
+    return EvaluationInputs(tasks, graders, task_dir, rows)
+
+
+def check_local_inputs(spec: RunSpec) -> tuple[dict[str, str | None], EvaluationInputs]:
     """The dataset files and the evaluation file (those that are local: every line converted from its format and
-    checked) and the reward files. Returns the TRL format of each local dataset file, by its spec field."""
+    checked), the reward files, and the task evaluations' and benchmarks' files (`check_evaluation_inputs`). Returns
+    the TRL format of each local dataset file, by its spec field, and the evaluation's files."""
     logger = get_run_logger()
     examples = eval_examples = None
     formats = {}
@@ -243,11 +308,15 @@ def check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
     if eval_file is not None:
         eval_examples = check_dataset_jsonl(Path(eval_file), spec.algorithm, "evaluation.local_file",
                                             spec.evaluation.format, spec.evaluation.columns)
-    if spec.evaluation is not None:
+    if spec.evaluation is not None and spec.evaluation.held_out:
         _log_evaluation_cost(spec, examples, eval_examples)
     # Relative reward files start where a relative local_file does.
     check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], Path.cwd())
-    return formats
+    evaluation_inputs = check_evaluation_inputs(spec)
+    for task_spec in spec.evaluation.tasks if spec.evaluation is not None else []:
+        logger.info("Task %s: %d prompts, graded by %s (base and adapter, after training)", task_spec.name,
+                    evaluation_inputs.rows[task_spec.name], ", ".join(g.label for g in task_spec.grader_settings()))
+    return formats, evaluation_inputs
 
 
 def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
@@ -270,7 +339,8 @@ def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
 
 def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
                rewards: list, chat_template_path: str | None = None, lora: LoraSettings | None = None,
-               tool_files: dict[str, str] | None = None, inputs: StoredInputs | None = None) -> JobInput:
+               tool_files: dict[str, str] | None = None, inputs: StoredInputs | None = None,
+               evaluation_inputs: EvaluationInputs | None = None) -> JobInput:
     grpo = None
     if spec.grpo is not None:  # the rewards and tools point at their copies in the store
         grpo = spec.grpo.model_copy(update={"rewards": rewards, **{
@@ -282,7 +352,7 @@ def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, 
         else spec.training
     return JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset, lora=lora or spec.lora,
                     training=training, grpo=grpo, dpo=spec.dpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
-                    extra_packages=spec.extra_packages, evaluation=_job_evaluation(spec, run_id),
+                    extra_packages=spec.extra_packages, evaluation=job_evaluation(spec, run_id, evaluation_inputs),
                     memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None,
                     worker_env_names=sorted(spec.worker.env), worker_secret_names=sorted(spec.worker.secrets),
                     # The worker refuses a value that is not the one checked here (a secret RunPod put in its place).
@@ -290,16 +360,31 @@ def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, 
                     fast_paths=spec.fast_paths, inputs=inputs)
 
 
-def _job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
-    """The job's `evaluation`: the spec's, its local file replaced by the copy `publish_run_inputs_task` stores."""
-    if spec.evaluation is None:
+def job_evaluation(spec: RunSpec, run_id: str, inputs: EvaluationInputs | None = None) -> EvaluationSettings | None:
+    """The job's `evaluation`: the spec's, each local file replaced by the copy `publish_run_inputs_task` stores
+    (`inputs`: the task evaluations' files as `check_evaluation_inputs` found them)."""
+    evaluation = spec.evaluation
+    if evaluation is None:
         return None
-    if spec.evaluation.local_file is None:
-        return EvaluationSettings(fraction=spec.evaluation.fraction, every_steps=spec.evaluation.every_steps,
-                                  max_samples=spec.evaluation.max_samples)
-    return EvaluationSettings(store_path=eval_store_path(run_id), format=spec.evaluation.format,
-                              columns=spec.evaluation.columns, every_steps=spec.evaluation.every_steps,
-                              max_samples=spec.evaluation.max_samples)
+    inputs = inputs or EvaluationInputs({}, {})
+    grader_paths = inputs.grader_store_paths(run_id)
+    tasks = [TaskEvaluation(
+        name=task.name, store_path=task_store_path(run_id, task.name),
+        graders=[grader.model_copy(update={"store_path": grader_paths[inputs.graders[(i, j)]]})
+                 if grader.kind == "function" else grader for j, grader in enumerate(task.grader_settings())],
+        **task.model_dump(include={"max_new_tokens", "max_samples", "temperature", "top_p", "samples_kept"}))
+        for i, task in enumerate(evaluation.tasks)]
+    benchmarks = None
+    if evaluation.benchmarks is not None:
+        benchmarks = BenchmarkSettings(
+            **evaluation.benchmarks.model_dump(exclude={"task_dir"}),
+            task_dir_store_path=task_dir_store_path(run_id) if evaluation.benchmarks.task_dir is not None else None)
+    common = {"every_steps": evaluation.every_steps, "max_samples": evaluation.max_samples, "tasks": tasks,
+              "benchmarks": benchmarks}
+    if evaluation.local_file is None:
+        return EvaluationSettings(fraction=evaluation.fraction, **common)
+    return EvaluationSettings(store_path=eval_store_path(run_id), format=evaluation.format,
+                              columns=evaluation.columns, **common)
 
 
 def _log_evaluation_cost(spec: RunSpec, examples: int | None, eval_examples: int | None) -> None:

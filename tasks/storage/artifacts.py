@@ -146,6 +146,7 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
                        mix_files: Mapping[int, Path] | None = None,
                        chat_template_file: Path | None = None,
                        tool_files: Mapping[str, Path] | None = None,
+                       evaluation_files: Mapping[str, Path] | None = None,
                        ) -> tuple[str | None, list[RewardSpec], StoredInputs]:
     """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
     hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
@@ -158,7 +159,8 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
     by their index (checked by the caller), each at `mix_store_path(run_id, index)`; `chat_template_file`
     (`training.chat_template`, checked by the caller) at `chat_template_store_path(run_id)`; `tool_files` (the files
     of `grpo.tools` and `grpo.environment`, checked by the caller, by `tools_store_path`'s field) at
-    `tools_store_path(run_id, field)`."""
+    `tools_store_path(run_id, field)`; `evaluation_files` (the task files, grader files and benchmark task folder's
+    files of `evaluation.tasks` and `evaluation.benchmarks`, checked by the caller) at their store paths."""
     reward_files = check_reward_files(rewards, base_dir)
     store_paths = reward_store_paths(reward_files, run_id)
     files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
@@ -174,6 +176,7 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
         files[chat_template_store_path(run_id)] = chat_template_file
     for field, path in (tool_files or {}).items():
         files[tools_store_path(run_id, field)] = path
+    files.update(evaluation_files or {})
     # Hashed from the local files just before they are committed: a file changed in between fails the run on the
     # worker, never trains it on something unchecked.
     stored = StoredInputs(sha256={store_path: file_sha256(path) for store_path, path in files.items()})
@@ -182,6 +185,7 @@ def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, r
                                           "evaluation file" if eval_file else "",
                                           "chat template" if chat_template_file else "",
                                           "tools" if tool_files else "",
+                                          "evaluation tasks" if evaluation_files else "",
                                           "reward files" if store_paths else ""]))
         stored.revision = open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
     published = [
@@ -291,13 +295,15 @@ def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | Non
                             mix_files: dict[int, str] | None = None,
                             chat_template_file: str | None = None,
                             tool_files: dict[str, str] | None = None,
+                            evaluation_files: dict[str, str] | None = None,
                             ) -> tuple[str | None, list[RewardSpec], StoredInputs]:
     return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
                               Path(base_dir), Settings().store_token(store_url, hub_token_secret),
                               eval_file=Path(eval_file) if eval_file else None,
                               mix_files={index: Path(path) for index, path in (mix_files or {}).items()},
                               chat_template_file=Path(chat_template_file) if chat_template_file else None,
-                              tool_files={field: Path(path) for field, path in (tool_files or {}).items()})
+                              tool_files={field: Path(path) for field, path in (tool_files or {}).items()},
+                              evaluation_files={store: Path(path) for store, path in (evaluation_files or {}).items()})
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
