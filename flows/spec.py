@@ -353,7 +353,8 @@ class RunSpec(Section):
 
     def local_paths(self) -> list[tuple[str, str]]:
         """(field, path as written) of every file or folder of this machine the run reads: its local dataset, mix and
-        evaluation files, task files and their graders' files, a benchmarks' task folder, reward, tools and environment files, a chat template file and a local model."""
+        evaluation files, task files and their graders' files, a benchmarks' task folder, reward, tools and environment
+        files, a chat template file and a local model."""
         paths = [(f"{name}.local_file", source.local_file) for name, source in self.dataset.sources()
                  if source.local_file is not None]
         if self.evaluation is not None and self.evaluation.local_file is not None:

@@ -220,8 +220,9 @@ class TaskSpec(Section):
         description="How each answer is scored, each from 0 to 1: a built-in's name (`exact_match`, `contains`, "
         "`regex`, `numeric`, `f1`), `file.py:function` (your function, called as a reward function is, never run "
         "before the worker), or a table with a `kind` and its settings, e.g. `{ kind = \"numeric\", tolerance = "
-        "0.01 }`, `{ kind = \"regex\", pattern = \"answer: (.*)\" }`, `{ kind = \"judge\", judge_model = \"gpt-4o-mini\", "
-        "judge_base_url = \"https://api.openai.com/v1\", rubric = \"...\", judge_api_key_env = \"OPENAI_API_KEY\" }` "
+        "0.01 }`, `{ kind = \"regex\", pattern = \"answer: (.*)\" }`, `{ kind = \"judge\", judge_model = "
+        "\"gpt-4o-mini\", judge_base_url = \"https://api.openai.com/v1\", rubric = \"...\", judge_api_key_env = "
+        "\"OPENAI_API_KEY\" }` "
         "(the key's variable one of `[worker] secrets`).")
     max_new_tokens: int = _TASK_FIELDS["max_new_tokens"]
     max_samples: int = _TASK_FIELDS["max_samples"]

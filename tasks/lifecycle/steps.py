@@ -126,8 +126,8 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
                  progress_key: str | None = None, run_name: str | None = None) -> JobOutcome:
     """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log,
     sending the endpoint's heartbeat event (`tasks/lifecycle/liveness.py`) the reconciler reads, and
-    `loraflow.run.evaluated` for each held-out evaluation the worker reports (`run_name`: the run's, for the event's
-    labels).
+    `loraflow.run.evaluated` for each held-out evaluation the worker reports and each task and benchmark score of its
+    result (`run_name`: the run's, for the event's labels).
 
     Reads this flow run's state from the Prefect API as it goes: a cancel (UI, CLI or API) cancels the
     job here, whether a worker, `serve` or a plain `python -m flows.train` runs the flow.
@@ -198,6 +198,8 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
         update_progress_artifact(artifact_id=artifact_id, progress=100.0,
                                  description=finished_description(outcome.output))
         announce(evaluations.from_result(outcome.output))
+        for payload in events.score_payloads(outcome.output) if flow_run.id else []:
+            events.run_scored(flow_run.id, run_name, payload)
     logger.info("Job %s ended: %s%s", job_id, outcome.kind, f" ({outcome.error})" if outcome.error else "")
     return outcome
 

@@ -209,6 +209,10 @@ class RunResults(BaseModel):
     trajectories: list[dict[str, Any]] = Field(
         default_factory=list, description="GRPO: the trajectories the worker kept at its last logging step.")
     trajectories_url: str | None = Field(default=None, description="Link to all the trajectories kept; None: none.")
+    task_answers: dict[str, list[dict[str, Any]]] = Field(
+        default_factory=dict, description="Each evaluation task's kept answers (`evaluation/<task>.jsonl`), where the "
+        "worker stored them.")
+    task_answers_urls: dict[str, str] = Field(default_factory=dict, description="Task → link to its kept answers.")
 
 
 def read_run_results(store_url: str, run_id: str, token: str | None = None,
@@ -239,7 +243,12 @@ def read_run_results(store_url: str, run_id: str, token: str | None = None,
     except ArtifactNotFound:
         manifest = None
     trajectories = _last_step(_read_text(store, f"{prefix}/{TRAJECTORIES_FILE}"))
-    return RunResults(done=True, result=result, manifest=manifest, adapter_url=store.display_url(result.adapter_path),
+    answers = {task: _rows(_read_text(store, f"{prefix}/evaluation/{task}.jsonl"))
+               for task in dict.fromkeys(score.task for score in result.metrics.task_scores)}
+    answers = {task: rows for task, rows in answers.items() if rows}
+    answers_urls = {task: store.display_url(f"{prefix}/evaluation/{task}.jsonl") for task in answers}
+    return RunResults(done=True, task_answers=answers, task_answers_urls=answers_urls, result=result,
+                      manifest=manifest, adapter_url=store.display_url(result.adapter_path),
                       tracker_files_urls={t.tracker: store.display_url(t.store_path) for t in result.trackers
                                           if t.store_path},
                       trajectories=trajectories,
@@ -268,6 +277,19 @@ def _last_step(jsonl: str | None) -> list[dict[str, Any]]:
             records.append(record)
     last = max((record["step"] for record in records), default=None)
     return [record for record in records if record["step"] == last]
+
+
+def _rows(jsonl: str | None) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file the worker wrote, those that parse (what it holds is shown, not trusted)."""
+    rows = []
+    for line in (jsonl or "").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def _expected(data_format: str, trl_shapes: str) -> str:
