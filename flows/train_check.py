@@ -58,6 +58,7 @@ from tasks.preflight.task_files import (
     check_grader_function,
     check_judge_key,
     check_task_file,
+    check_task_lengths_task,
     private_benchmark_tasks,
     task_dir_files,
 )
@@ -139,6 +140,11 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
         local_formats, evaluation_inputs = check_local_inputs(spec)
+        if spec.evaluation is not None and spec.evaluation.tasks:  # each task's answers within the model's context
+            lengths = check_task_lengths_task.submit(model, [
+                (f"evaluation.tasks[{i}]", evaluation_inputs.longest[t.name], t.max_new_tokens)
+                for i, t in enumerate(spec.evaluation.tasks)], spec.hub_token_secret)
+            running.append(lengths)
         offers = {offer.gpu: offer for offer in prices.result()}
         gpus, not_pooled = pooled_gpus(gpus, offers)  # each pinned in its pool as RunPod's catalog lists the cards
         for reason in not_pooled:
@@ -163,6 +169,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
             mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
         if spec.algorithm == "sft":
             chats.result()  # a run whose loss would be on no answer is refused before its inputs are stored
+        if spec.evaluation is not None and spec.evaluation.tasks:
+            lengths.result()  # a task whose answers cannot fit is refused before its inputs are stored
         tool_files = {}
         if uses_tools:
             found = tools.result()
@@ -249,6 +257,8 @@ class EvaluationInputs:
     task_dir: Path | None = None
     rows: dict[str, int] = field(default_factory=dict)
     """Each task's prompts, by the task's name."""
+    longest: dict[str, list[dict]] = field(default_factory=dict)
+    """Each task's longest prompt (in characters, as messages), by the task's name."""
 
     def grader_store_paths(self, run_id: str) -> dict[Path, str]:
         return grader_store_paths(list(self.graders.values()), run_id)
@@ -267,7 +277,7 @@ def check_evaluation_inputs(spec: RunSpec) -> EvaluationInputs:
     """The run's task files (every row), their graders (a function found in its file, never run here; a judge's key
     among the worker's secrets) and the benchmarks' task folder; ValueError naming the field."""
     evaluation = spec.evaluation
-    tasks, graders, rows = {}, {}, {}
+    tasks, graders, rows, longest = {}, {}, {}, {}
     if evaluation is None:
         return EvaluationInputs(tasks, graders)
     for i, task_spec in enumerate(evaluation.tasks):
@@ -279,14 +289,14 @@ def check_evaluation_inputs(spec: RunSpec) -> EvaluationInputs:
                 graders[(i, j)] = check_grader_function(grader.function, Path.cwd(), f"{where}.graders[{j}]",
                                                         read.columns)
             check_judge_key(grader, f"{where}.graders[{j}]", spec.worker.secrets)
-        tasks[task_spec.name], rows[task_spec.name] = path, read.rows
+        tasks[task_spec.name], rows[task_spec.name], longest[task_spec.name] = path, read.rows, read.longest_prompt
     task_dir, private = None, set()
     if evaluation.benchmarks is not None and evaluation.benchmarks.task_dir is not None:
         task_dir = Path(evaluation.benchmarks.task_dir).expanduser()
         private = private_benchmark_tasks(task_dir)
     if evaluation.benchmarks is not None:
         check_benchmark_names(evaluation.benchmarks.tasks, private)
-    return EvaluationInputs(tasks, graders, task_dir, rows)
+    return EvaluationInputs(tasks, graders, task_dir, rows, longest)
 
 
 def check_local_inputs(spec: RunSpec) -> tuple[dict[str, str | None], EvaluationInputs]:

@@ -5,13 +5,15 @@ grader's file read as text and never imported, and the job naming every file as 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
-from loraflow_worker.contract import JobInput
+from loraflow_worker.contract import JobInput, ModelSource
 
 from flows.spec import RunSpec, load_run_file
 from flows.train_check import check_evaluation_inputs, job_evaluation
+from tasks.preflight.task_files import check_task_lengths_task
 from tasks.storage.artifacts import publish_run_inputs
 from tasks.storage.evaluation_inputs import task_dir_store_path, task_store_path
 
@@ -192,3 +194,15 @@ def test_the_job_names_the_stored_task_grader_and_task_folder_files_and_pins_the
     JobInput.model_validate({"run_id": "r1", "attempt": 1, "algorithm": "sft", "model": {"id": "org/model"},
                              "dataset": {"hub_id": "org/qa"}, "artifact_store": "file:///tmp/store",
                              "deadline_epoch_s": 0, "evaluation": evaluation.model_dump(mode="json")})
+
+
+def test_a_tasks_answers_past_the_models_context_are_refused_counting_its_prompt_with_the_models_tokenizer(
+        tiny_model):
+    prompt = [{"role": "user", "content": "What is the capital of France? " * 20}]
+    model = ModelSource(id=str(tiny_model))
+    check_task_lengths_task.fn(model, [("evaluation.tasks[0]", prompt, 256)])
+    with pytest.raises(ValueError) as refused:
+        check_task_lengths_task.fn(model, [("evaluation.tasks[0]", prompt, 1000)])
+    assert re.fullmatch(r"evaluation.tasks\[0\]: its longest prompt is (\d+) tokens, and with max_new_tokens 1000 "
+                        r"its answers would pass the model's context of 1024 tokens: lower "
+                        r"evaluation.tasks\[0\].max_new_tokens to (\d+) or less", str(refused.value))

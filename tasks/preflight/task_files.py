@@ -18,13 +18,24 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from loraflow_worker.contract import GraderSettings
+from huggingface_hub.errors import HfHubHTTPError
+from loraflow_worker.contract import GraderSettings, ModelSource
 from loraflow_worker.contract.task_evaluation import function_reference
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.preflight.chat_tokenizer import ChatTokenizer
+from tasks.preflight.chats import tokenizer_folder
+from tasks.settings import Settings
 
 PROMPT_COLUMNS = ("messages", "prompt")
 """What a task row's prompt is read from (the contract's `TaskEvaluation.store_path`)."""
 ANSWER_COLUMN = "answer"
 _NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+"""Where a model's config.json states its context (as the serve flow reads it)."""
 
 
 @dataclass(frozen=True)
@@ -235,3 +246,54 @@ def check_benchmark_names(names: Sequence[str], private: Collection[str],
 def task_dir_files(task_dir: Path) -> dict[str, Path]:
     """The files of a benchmarks' task folder by their path inside it (POSIX), as they are stored with the run."""
     return {p.relative_to(task_dir).as_posix(): p for p in sorted(task_dir.rglob("*")) if p.is_file()}
+
+
+def prompt_tokens(tokenizer: ChatTokenizer, prompt: list[dict[str, Any]]) -> int:
+    """The tokens of a prompt as the worker asks it: rendered with the model's chat template, the assistant's turn
+    opened (`add_generation_prompt`), as training renders chats; the messages' text alone for a model without one."""
+    if tokenizer.chat_template is None:
+        return len(tokenizer("\n".join(str(m.get("content", "")) for m in prompt))["input_ids"])
+    return len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+
+
+def length_problem(where: str, prompt_length: int, max_new_tokens: int, context: int) -> str | None:
+    """Why a task's longest prompt and its answers do not fit the model's context; None when they do."""
+    if prompt_length + max_new_tokens <= context:
+        return None
+    room = context - prompt_length
+    fix = f"lower {where}.max_new_tokens to {room} or less" if room > 0 else "shorten the task's prompts"
+    return (f"{where}: its longest prompt is {prompt_length} tokens, and with max_new_tokens {max_new_tokens} its "
+            f"answers would pass the model's context of {context} tokens: {fix}")
+
+
+@task(name="check-task-lengths", cache_policy=NO_CACHE)
+def check_task_lengths_task(model: ModelSource, prompts: list[tuple[str, list[dict[str, Any]], int]],
+                            hub_token_secret: str | None = None) -> None:
+    """Each task's longest prompt (`prompts`: the task's field, its longest prompt, its `max_new_tokens`) with its
+    answer within the model's context, counted with the model's tokenizer; left to the worker where the tokenizer
+    or the context cannot be read here."""
+    if not prompts:
+        return
+    try:
+        folder = tokenizer_folder(model, Settings().with_hub_token(hub_token_secret))
+        config_file = folder / "config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        tokenizer = ChatTokenizer.read(folder)
+    except (OSError, ValueError, HfHubHTTPError) as e:
+        get_run_logger().warning("The task prompts' lengths were not checked before renting: %s's tokenizer could not "
+                                 "be read (%s: %s)", model.id, type(e).__name__, str(e)[:300])
+        return
+    context = min((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), default=None)
+    if context is None or tokenizer is None:
+        return  # the context or a tokenizer.json is not known: the worker's generation says
+    problems = []
+    for where, prompt, max_new_tokens in prompts:
+        try:
+            length = prompt_tokens(tokenizer, prompt)
+        except Exception:  # noqa: BLE001, S112 - a template this reading cannot render is the worker's to render
+            continue
+        problem = length_problem(where, length, max_new_tokens, context)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ValueError("; ".join(problems))
