@@ -206,3 +206,19 @@ def test_a_tasks_answers_past_the_models_context_are_refused_counting_its_prompt
     assert re.fullmatch(r"evaluation.tasks\[0\]: its longest prompt is (\d+) tokens, and with max_new_tokens 1000 "
                         r"its answers would pass the model's context of 1024 tokens: lower "
                         r"evaluation.tasks\[0\].max_new_tokens to (\d+) or less", str(refused.value))
+
+
+def test_a_run_lists_its_task_grader_and_task_folder_paths_for_the_servers_rules():
+    spec = run({"tasks": [task("tasks/capital.jsonl", ["contains", "graders/mine.py:grade"])],
+                "benchmarks": {"tasks": ["mine"], "task_dir": "harness"}})
+    assert spec.local_paths() == [("evaluation.tasks[0].local_file", "tasks/capital.jsonl"),
+                                  ("evaluation.tasks[0].graders[1]", "graders/mine.py"),
+                                  ("evaluation.benchmarks.task_dir", "harness")]
+
+
+def test_a_link_in_the_benchmarks_task_folder_is_refused(tmp_path):
+    folder = tmp_path / "harness"
+    folder.mkdir()
+    (folder / "mine.yaml").write_text("task: mine\n")
+    (folder / "data.json").symlink_to("/etc/hostname")
+    assert "data.json is a link" in refusal({"benchmarks": {"tasks": ["mine"], "task_dir": str(folder)}})

@@ -210,6 +210,10 @@ def private_benchmark_tasks(task_dir: Path, where: str = "evaluation.benchmarks.
     if not task_dir.is_dir():
         raise ValueError(f"{where} {task_dir}: not a folder; give the folder of your lm-evaluation-harness task YAML "
                          "files (relative to the working directory)")
+    links = [p for p in task_dir.rglob("*") if p.is_symlink()]
+    if links:  # a link could reach past the folder (and the server's inputs folder) into anything on this machine
+        raise ValueError(f"{where} {task_dir}: {links[0].relative_to(task_dir)} is a link; put the file itself in the "
+                         "folder")
     files = sorted(p for p in task_dir.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
     if not files:
         raise ValueError(f"{where} {task_dir}: holds no .yaml file; the harness reads each task from one")
