@@ -296,7 +296,8 @@ class RunSpec(Section):
         default=None, validate_default=True,
         description="Held-out evaluation: the eval loss (SFT; DPO with the held-out pairs' reward accuracy and margin) "
         "or mean eval reward (GRPO) at the start, every N steps and at the end, on a seeded share of the dataset or a "
-        "file of its own. Empty: no evaluation.",
+        "file of its own; and after training, task evaluations and benchmarks asked of the base and the adapter. "
+        "Empty: no evaluation.",
     )
     extra_packages: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_PACKAGES,
                                       description=JobInput.model_fields["extra_packages"].description)

@@ -270,7 +270,9 @@ class EvaluationSpec(Section):
     mean total reward (rewards summed with their weights) of ONE completion per held-out prompt, sampled as training
     samples (`grpo.temperature`, up to `grpo.max_completion_length` tokens; not greedy), so a noisy estimate that a
     larger `max_samples` steadies (`eval_reward`). Stored in the run's `metrics.json`, shown in the progress line,
-    the summary and its curve. Evaluation time is inside the run's deadline, so inside its cost ceiling."""
+    the summary and its curve. After training, `tasks` and `benchmarks` ask the base and the adapter the same
+    prompts and report both scores and their difference (they need no held-out rows). Evaluation time is inside the
+    run's deadline, so inside its cost ceiling."""
 
     fraction: float | None = Field(
         default=None, gt=0.0, lt=0.5,
