@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
 from loraflow_worker.contract import JobInput, ModelSource
 
 from flows.spec import RunSpec, load_run_file
-from flows.train_check import check_evaluation_inputs, job_evaluation
+from flows.train_check import EvaluationInputs, check_evaluation_inputs, job_evaluation
 from tasks.preflight.task_files import check_task_lengths_task
 from tasks.storage.artifacts import publish_run_inputs
-from tasks.storage.evaluation_inputs import task_dir_store_path, task_store_path
+from tasks.storage.evaluation_inputs import grader_store_path, task_dir_store_path, task_store_path
+from tasks.storage.run_files import RunFile, read_run_files
 
 BASE = {"model": {"id": "org/model"}, "artifact_store": "file:///tmp/store", "dataset": {"hub_id": "org/qa"}}
 GRADER = "def grade(prompts, completions, answer, **kwargs):\n    return [1.0 for _ in completions]\n"
@@ -34,9 +36,18 @@ def task(local_file: Path | str, graders: list, **fields) -> dict:
     return {"name": "capital", "local_file": str(local_file), "graders": graders, **fields}
 
 
+def read(spec: RunSpec) -> dict[str, RunFile]:
+    """The run's files, each read once as the check reads them."""
+    return read_run_files(spec.local_paths(), Path(tempfile.mkdtemp(prefix="run-files-")), base_dir=Path.cwd())
+
+
+def checked(spec: RunSpec) -> EvaluationInputs:
+    return check_evaluation_inputs(spec, read(spec))
+
+
 def refusal(evaluation: dict, **fields) -> str:
     with pytest.raises(ValueError) as refused:
-        check_evaluation_inputs(run(evaluation, **fields))
+        checked(run(evaluation, **fields))
     return str(refused.value)
 
 
@@ -93,7 +104,7 @@ def test_rows_without_answers_pass_when_every_grader_is_a_judge_or_a_function(tm
     (tmp_path / "graders.py").write_text(GRADER.replace("answer, ", ""))
     judge = {"kind": "judge", "judge_model": "m", "judge_base_url": "https://judge/v1", "rubric": "a haiku",
              "judge_api_key_env": "JUDGE_KEY"}
-    inputs = check_evaluation_inputs(run({"tasks": [task(rows, [judge, f"{tmp_path}/graders.py:grade"])]},
+    inputs = checked(run({"tasks": [task(rows, [judge, f"{tmp_path}/graders.py:grade"])]},
                                          worker={"secrets": {"JUDGE_KEY": "judge-key"}}))
     assert inputs.rows == {"capital": 1}
 
@@ -107,6 +118,12 @@ def test_a_row_with_neither_messages_nor_prompt_is_refused_naming_the_line(tmp_p
 def test_a_missing_task_file_is_refused_naming_the_field(tmp_path):
     assert refusal({"tasks": [task(tmp_path / "none.jsonl", ["contains"])]}).startswith(
         "evaluation.tasks[0].local_file")
+
+
+def test_a_missing_grader_file_is_refused_naming_the_grader(tmp_path):
+    rows = jsonl(tmp_path / "t.jsonl", {"prompt": "Hi", "answer": "Hello"})
+    assert refusal({"tasks": [task(rows, [f"{tmp_path}/none.py:grade"])]}).startswith(
+        "evaluation.tasks[0].graders[0]")
 
 
 def test_a_non_numeric_answer_for_the_numeric_grader_is_refused(tmp_path):
@@ -127,7 +144,7 @@ def test_a_grader_file_is_read_and_never_imported(tmp_path):
     marker = tmp_path / "imported"
     (tmp_path / "graders.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
                                          + GRADER)
-    check_evaluation_inputs(run({"tasks": [task(rows, [f"{tmp_path}/graders.py:grade"])]}))
+    checked(run({"tasks": [task(rows, [f"{tmp_path}/graders.py:grade"])]}))
     assert not marker.exists()
 
 
@@ -154,7 +171,7 @@ def test_a_grader_the_worker_could_not_call_is_refused_saying_why(tmp_path, sour
 def test_a_grader_taking_a_task_files_own_column_by_name_passes(tmp_path):
     rows = jsonl(tmp_path / "t.jsonl", {"prompt": "Hi", "answer": "Hello", "lang": "en"})
     (tmp_path / "graders.py").write_text("def grade(prompts, completions, answer, lang):\n    return []\n")
-    assert check_evaluation_inputs(run({"tasks": [task(rows, [f"{tmp_path}/graders.py:grade"])]})).graders
+    assert checked(run({"tasks": [task(rows, [f"{tmp_path}/graders.py:grade"])]})).rows == {"capital": 1}
 
 
 def test_a_benchmark_task_folder_without_yaml_is_refused_naming_the_field(tmp_path):
@@ -176,18 +193,18 @@ def test_the_job_names_the_stored_task_grader_and_task_folder_files_and_pins_the
     (folder / "mine.yaml").write_text("task: mine\ndataset_path: json\nprocess_docs: !function utils.docs\n")
     spec = run({"tasks": [task(rows, ["contains", f"{tmp_path}/graders.py:grade"], max_samples=5)],
                 "benchmarks": {"tasks": ["mine"], "task_dir": str(folder), "limit": 3}})
-    inputs = check_evaluation_inputs(spec)
+    files = read(spec)
+    check_evaluation_inputs(spec, files)
     store = tmp_path / "store"
-    _, _, stored = publish_run_inputs(f"file://{store}", "r1", None, [], tmp_path,
-                                      evaluation_files={k: Path(v) for k, v in inputs.store_files("r1").items()})
+    _, _, stored = publish_run_inputs(f"file://{store}", "r1", files, [])
 
-    evaluation = job_evaluation(spec, "r1", inputs)
+    evaluation = job_evaluation(spec, "r1")
 
     stored_task, = evaluation.tasks
     grader = stored_task.graders[1]
-    assert (stored_task.store_path, stored_task.max_samples) == (task_store_path("r1", "capital"), 5)
+    assert (stored_task.store_path, stored_task.max_samples) == (task_store_path("r1", 0), 5)
     assert (grader.kind, grader.function, grader.store_path) == (
-        "function", f"{tmp_path}/graders.py:grade", "runs/r1/graders/graders.py")
+        "function", f"{tmp_path}/graders.py:grade", grader_store_path("r1", 0, 1))
     assert evaluation.benchmarks.task_dir_store_path == task_dir_store_path("r1")
     assert set(stored.sha256) == {stored_task.store_path, grader.store_path, f"{task_dir_store_path('r1')}/mine.yaml"}
     assert (store / grader.store_path).read_text() == GRADER

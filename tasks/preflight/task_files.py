@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.preflight.chat_tokenizer import ChatTokenizer
 from tasks.preflight.chats import tokenizer_folder
 from tasks.settings import Settings
+from tasks.storage.run_files import RunFile
 
 PROMPT_COLUMNS = ("messages", "prompt")
 """What a task row's prompt is read from (the contract's `TaskEvaluation.store_path`)."""
@@ -48,14 +49,16 @@ class TaskFileRead:
     longest_prompt: list[dict[str, Any]] = field(default_factory=list)
 
 
-def check_task_file(path: Path, where: str, graders: Sequence[GraderSettings]) -> TaskFileRead:
-    """Every row of a task file (JSONL: `messages` or `prompt`, and `answer` when a grader needs one); ValueError
-    naming `where` (`evaluation.tasks[i].local_file`) and the line."""
+def check_task_file(path: Path, where: str, graders: Sequence[GraderSettings],
+                    shown: str | None = None) -> TaskFileRead:
+    """Every row of a task file (JSONL: `messages` or `prompt`, and `answer` when a grader needs one; `path`: the copy
+    read, `shown`: the path as the run names it); ValueError naming `where` (`evaluation.tasks[i].local_file`) and the
+    line."""
+    shown = shown or str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where} {path}: {type(e).__name__}: {e}; give a JSONL file that exists (relative to the "
-                         "working directory)") from e
+        raise ValueError(f"{where} {shown}: {type(e).__name__}: {e}; give a JSONL file of UTF-8 text") from e
     needs_answer = [g.label for g in graders if g.needs_answer]
     rows, columns, longest, longest_chars = 0, set(), [], -1
     for number, line in enumerate(text.splitlines(), start=1):
@@ -77,7 +80,7 @@ def check_task_file(path: Path, where: str, graders: Sequence[GraderSettings]) -
             longest, longest_chars = prompt, chars
         rows += 1
     if rows == 0:
-        raise ValueError(f"{where} {path}: no rows; give one JSON object a line")
+        raise ValueError(f"{where} {shown}: no rows; give one JSON object a line")
     return TaskFileRead(rows, frozenset(columns), longest)
 
 
@@ -126,16 +129,14 @@ GRADER_ARGUMENTS = ("prompts", "completions")
 the task file, by name)."""
 
 
-def check_grader_function(reference: str, base_dir: Path, where: str, columns: Collection[str]) -> Path:
-    """The file of a function grader (`file.py:function`, relative paths from `base_dir`), read as text: the function
+def check_grader_function(reference: str, file: RunFile, where: str, columns: Collection[str]) -> None:
+    """The file of a function grader (`file.py:function`), as it was read (`file`), parsed as text: the function
     defined at its top level, able to take `prompts`, `completions` and the task file's other `columns` by name.
-    Returns the resolved file; ValueError naming `where`."""
-    file_text, function = function_reference(reference)
-    path = (base_dir / file_text).expanduser().resolve()
-    if not path.is_file():
-        raise ValueError(f"{where} `{reference}`: grader file {path} does not exist or is not a file")
+    ValueError naming `where`."""
+    function = function_reference(reference)[1]
+    path = file.location
     try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
+        tree = ast.parse(file.copy.read_bytes(), filename=str(path))
     except (SyntaxError, ValueError) as e:
         line = f", line {e.lineno}" if isinstance(e, SyntaxError) else ""
         raise ValueError(f"{where} `{reference}`: grader file {path} is not valid Python{line}: {e}") from e
@@ -143,7 +144,7 @@ def check_grader_function(reference: str, base_dir: Path, where: str, columns: C
                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function]
     if not definitions:
         if _binds(tree, function):
-            return path  # bound otherwise (an import, `grade = make_grader()`): its signature is the worker's to see
+            return  # bound otherwise (an import, `grade = make_grader()`): its signature is the worker's to see
         functions = ", ".join(f"`{n.name}`" for n in tree.body if isinstance(n, ast.FunctionDef)) or "none"
         raise ValueError(f"{where} `{reference}`: grader file {path} defines no top-level function `{function}` (its "
                          f"functions: {functions})")
@@ -152,7 +153,6 @@ def check_grader_function(reference: str, base_dir: Path, where: str, columns: C
         raise ValueError(f"{where} `{reference}`: {problem}; a grader is called as a reward function is: "
                          f"`def {function}(prompts, completions, **kwargs) -> list[float]` (the task file's other "
                          "columns, `answer` among them, in kwargs)")
-    return path
 
 
 def _signature_problem(definition: ast.FunctionDef | ast.AsyncFunctionDef, given: set[str]) -> str | None:
@@ -204,25 +204,20 @@ class _HarnessYamlLoader(yaml.SafeLoader):
 _HarnessYamlLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
-def private_benchmark_tasks(task_dir: Path, where: str = "evaluation.benchmarks.task_dir") -> set[str]:
-    """The task and group names the harness YAML files of `task_dir` define (read as data); ValueError naming `where`
-    when the folder is missing, holds no YAML file, or one does not parse."""
-    if not task_dir.is_dir():
-        raise ValueError(f"{where} {task_dir}: not a folder; give the folder of your lm-evaluation-harness task YAML "
-                         "files (relative to the working directory)")
-    links = [p for p in task_dir.rglob("*") if p.is_symlink()]
-    if links:  # a link could reach past the folder (and the server's inputs folder) into anything on this machine
-        raise ValueError(f"{where} {task_dir}: {links[0].relative_to(task_dir)} is a link; put the file itself in the "
-                         "folder")
-    files = sorted(p for p in task_dir.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
-    if not files:
+def private_benchmark_tasks(files: dict[str, Path], task_dir: str,
+                            where: str = "evaluation.benchmarks.task_dir") -> set[str]:
+    """The task and group names the harness YAML files of the benchmarks' task folder define (`files`: its files as
+    they were read, by their path inside it), read as data; ValueError naming `where` when it holds no YAML file or
+    one does not parse."""
+    yaml_files = {name: path for name, path in sorted(files.items()) if name.endswith((".yaml", ".yml"))}
+    if not yaml_files:
         raise ValueError(f"{where} {task_dir}: holds no .yaml file; the harness reads each task from one")
     names = set()
-    for path in files:
+    for name, path in yaml_files.items():
         try:
             document = yaml.load(path.read_text(encoding="utf-8"), Loader=_HarnessYamlLoader)  # noqa: S506
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise ValueError(f"{where}: {path.relative_to(task_dir)} is not YAML the harness reads: {e}") from e
+            raise ValueError(f"{where}: {name} is not YAML the harness reads: {e}") from e
         if isinstance(document, dict):
             for key in ("task", "group", "tag"):
                 value = document.get(key)
@@ -245,11 +240,6 @@ def check_benchmark_names(names: Sequence[str], private: Collection[str],
         defined = f"; your task folder defines {', '.join(sorted(private))}" if private else ""
         raise ValueError(f"{where}: {', '.join(repr(n) for n in bad)} is not an lm-evaluation-harness task name "
                          f"(letters, digits, `_`, `.`, `:`, `-`){defined}")
-
-
-def task_dir_files(task_dir: Path) -> dict[str, Path]:
-    """The files of a benchmarks' task folder by their path inside it (POSIX), as they are stored with the run."""
-    return {p.relative_to(task_dir).as_posix(): p for p in sorted(task_dir.rglob("*")) if p.is_file()}
 
 
 def prompt_tokens(tokenizer: ChatTokenizer, prompt: list[dict[str, Any]]) -> int:

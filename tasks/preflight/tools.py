@@ -57,19 +57,22 @@ class ToolsCheck:
         return "tools: " + ("; ".join(parts) or "none")
 
 
-def check_tools(tools: str | None, environment: str | None, base_dir: Path) -> ToolsCheck:
+def check_tools(tools: str | None, environment: str | None, base_dir: Path,
+                read_from: dict[str, Path] | None = None) -> ToolsCheck:
     """Check `grpo.tools` and `grpo.environment` (relative paths start at `base_dir`) from their source, running
     nothing of them. ValueError naming the field, the file, the tool and the fix for anything TRL or transformers
-    would refuse on the worker."""
+    would refuse on the worker. `read_from` (field → file): the copy of a field's file that was read once for the
+    run's checks and its store, read here in its place; messages name the run's own path."""
+    read_from = read_from or {}
     tools_file = environment_file = class_name = None
     tools_names: list[str] = []
     env_names: list[str] = []
     notes = []
     schemas: list[dict[str, Any]] | None = []
     if tools is not None:
-        tools_file = _existing(tools, "grpo.tools", tools, base_dir)
+        tools_file = read_from.get("grpo.tools") or _existing(tools, "grpo.tools", tools, base_dir)
         found = _read("grpo.tools", tools, lambda: read_tools_file(tools_file))
-        tools_names, notes = found.names, notes + _notes("grpo.tools", tools, tools_file, found)
+        tools_names, notes = found.names, notes + _notes("grpo.tools", tools, found)
         schemas = None if found.schemas is None else [*schemas, *found.schemas]
     if environment is not None:
         try:
@@ -77,9 +80,10 @@ def check_tools(tools: str | None, environment: str | None, base_dir: Path) -> T
         except ValueError as e:
             raise ValueError(f"grpo.environment `{environment}` is not `path/to/file.py:ClassName`: name the file "
                              "and its class so") from e
-        environment_file = _existing(path_text, "grpo.environment", environment, base_dir)
+        environment_file = (read_from.get("grpo.environment")
+                            or _existing(path_text, "grpo.environment", environment, base_dir))
         found = _read("grpo.environment", environment, lambda: read_environment(environment_file, class_name))
-        env_names, notes = found.names, notes + _notes("grpo.environment", environment, environment_file, found)
+        env_names, notes = found.names, notes + _notes("grpo.environment", environment, found)
         schemas = None if found.schemas is None or schemas is None else [*schemas, *found.schemas]
     if twice := sorted(set(tools_names) & set(env_names)):
         raise ValueError(f"grpo.tools `{tools}` and grpo.environment `{environment}` both have a tool "
@@ -138,11 +142,11 @@ def _read(field_name: str, value: str, read: Callable[[], ToolsRead]) -> ToolsRe
         raise ValueError(f"{field_name} `{value}`: {e}") from None
 
 
-def _notes(field_name: str, value: str, path: Path, found: ToolsRead) -> list[str]:
+def _notes(field_name: str, value: str, found: ToolsRead) -> list[str]:
     """The warnings for the log: what the worker is left to check, and the file's own."""
     notes = [f"{field_name} `{value}`: {warning}" for warning in found.warnings]
     if found.unread:
-        notes.append(f"{field_name} `{value}`: {path} was read without running it, and only running it tells "
+        notes.append(f"{field_name} `{value}` was read without running it, and only running it tells "
                      f"({'; '.join(found.unread)}): the worker checks those tools as the job starts, and the prompts "
                      "were not measured against grpo.max_prompt_length with the tools' schemas. Tools that are plain "
                      "`def`s with hints of built-in, `typing` or the file's own types are checked here")
@@ -173,12 +177,14 @@ def check_tool_template(folder: Path, model_id: str, measure: Callable[[Any], st
 
 @task(name="check-tools", cache_policy=NO_CACHE)
 def check_tools_task(grpo: GrpoSettings, base_dir: str, model: ModelSource, hub_token_secret: str | None = None,
-                     prompt_files: list[tuple[str, str, dict[str, str]]] | None = None) -> ToolsCheck:
+                     prompt_files: list[tuple[str, str, dict[str, str]]] | None = None,
+                     read_from: dict[str, str] | None = None) -> ToolsCheck:
     """A tool-using GRPO run's tools (`check_tools`: read, never run) and the model's chat
     template, which must render them and, with the tools' schemas, fit the run's longest prompt of its local files
-    (`prompt_files`: path, format, columns) in `grpo.max_prompt_length`."""
+    (`prompt_files`: path, format, columns) in `grpo.max_prompt_length`. `read_from`: as `check_tools` takes it."""
     logger = get_run_logger()
-    found = check_tools(grpo.tools, grpo.environment, Path(base_dir))
+    found = check_tools(grpo.tools, grpo.environment, Path(base_dir),
+                        {field: Path(path) for field, path in (read_from or {}).items()})
     if found.note:
         logger.warning("%s", found.note)
     try:

@@ -1,36 +1,41 @@
-"""Where a run's task evaluations and benchmarks are stored with it (`[[evaluation.tasks]]` files, their function
-graders' files, `[evaluation.benchmarks] task_dir`), published with the run's other inputs in one commit and pinned
-by their hashes as they are (`publish_run_inputs`)."""
+"""Where a run's task evaluations and benchmarks are stored with it: each `[[evaluation.tasks]]` file, each function
+grader's file and each file of `[evaluation.benchmarks] task_dir`, published with the run's other files in one commit
+and pinned by their hashes as they are (`publish_run_inputs`, by the field each was read for)."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from loraflow_worker.contract import run_prefix
 
+TASK_DIR_FIELD = "evaluation.benchmarks.task_dir"
+"""The field of the benchmarks' task folder; each of its files is read as `<this>/<path inside the folder>`."""
+_TASK_FILE = re.compile(r"^evaluation\.tasks\[(\d+)\]\.local_file$")
+_GRADER_FILE = re.compile(r"^evaluation\.tasks\[(\d+)\]\.graders\[(\d+)\]$")
 
-def task_store_path(run_id: str, task: str) -> str:
-    """A task's prompts file (`evaluation.tasks[i].local_file`, task names are store-safe)."""
-    return f"{run_prefix(run_id)}/dataset/task-{task}.jsonl"
+
+def task_store_path(run_id: str, index: int) -> str:
+    """The file of `evaluation.tasks[index]`."""
+    return f"{run_prefix(run_id)}/dataset/task-{index}.jsonl"
 
 
-def grader_store_paths(files: list[Path], run_id: str) -> dict[Path, str]:
-    """Where each distinct function grader file goes: `runs/<run_id>/graders/<file name>`, numbered when two
-    different files share a name."""
-    store_paths: dict[Path, str] = {}
-    for path in files:
-        if path in store_paths:
-            continue
-        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem).lstrip(".-") or "grader"
-        name, n = f"{stem}.py", 1
-        while f"{run_prefix(run_id)}/graders/{name}" in store_paths.values():
-            n += 1
-            name = f"{stem}-{n}.py"
-        store_paths[path] = f"{run_prefix(run_id)}/graders/{name}"
-    return store_paths
+def grader_store_path(run_id: str, task: int, grader: int) -> str:
+    """The file of the function grader `evaluation.tasks[task].graders[grader]`."""
+    return f"{run_prefix(run_id)}/graders/task{task}_grader{grader}.py"
 
 
 def task_dir_store_path(run_id: str) -> str:
-    """The folder the benchmarks' task folder (`evaluation.benchmarks.task_dir`) is stored as, its files inside."""
+    """The folder the benchmarks' task folder is stored as, its files inside."""
     return f"{run_prefix(run_id)}/benchmarks"
+
+
+def evaluation_store_path(run_id: str, field: str) -> str | None:
+    """Where the file read for `field` (a task file, a grader's file, a file of the task folder) is stored; None for
+    another field."""
+    if matched := _TASK_FILE.match(field):
+        return task_store_path(run_id, int(matched[1]))
+    if matched := _GRADER_FILE.match(field):
+        return grader_store_path(run_id, int(matched[1]), int(matched[2]))
+    if field.startswith(f"{TASK_DIR_FIELD}/"):
+        return f"{task_dir_store_path(run_id)}/{field[len(TASK_DIR_FIELD) + 1:]}"
+    return None

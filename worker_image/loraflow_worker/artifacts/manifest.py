@@ -22,7 +22,8 @@ RECORDED_LIBRARIES = (
     "liger-kernel", "flash-linear-attention", "fla-core", "causal-conv1d", "bitsandbytes", "vllm", "triton",
 )
 """Libraries whose versions the manifest records, when installed."""
-_NOT_TRAINING_CONFIG = {"contract_version", "run_id", "attempt", "artifact_store", "deadline_epoch_s", "mode", "memory"}
+_NOT_TRAINING_CONFIG = {"contract_version", "run_id", "attempt", "artifact_store", "deadline_epoch_s", "mode", "memory",
+                        "checkpoint_key"}
 """What names or schedules an attempt, not what it trains: `memory` too, since a forced micro-batch keeps the effective
 batch and checkpointing or vLLM's share change how much memory training takes, not what it learns."""
 

@@ -23,9 +23,10 @@ plain worker variables), the adapter's hashes and commit in `JobResult` (`adapte
 `fast_paths.vllm_colocate` "require" (vLLM or a failed job; empty now goes on with transformers' generate when the
 colocated engine fails, its fast path saying `failed: <error>`) and the manifest's `vllm_weight_syncs`. 12:
 `training.early_stopping` (`TrainMetrics.early_stopping`: where it stopped and whose adapter was kept) and the
-progress's `eval_step`, `eval_reward_accuracy` and `eval_reward_margin`; `JobResult.resumed_from_step`. 13: task
-evaluations and benchmarks (`evaluation.tasks`, `evaluation.benchmarks`; an `[evaluation]` may hold only them) and
-their scores (`TrainMetrics.task_scores`, `benchmark_scores`)."""
+progress's `eval_step`, `eval_reward_accuracy` and `eval_reward_margin`; `JobResult.resumed_from_step`. 13:
+`JobInput.checkpoint_key` (checkpoints of one's own: a resume reads only a checkpoint whose record the run signed);
+task evaluations and benchmarks (`evaluation.tasks`, `evaluation.benchmarks`; an `[evaluation]` may hold only them)
+and their scores (`TrainMetrics.task_scores`, `benchmark_scores`)."""
 
 
 class _Strict(BaseModel):
