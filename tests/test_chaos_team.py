@@ -120,7 +120,7 @@ def test_the_noise_reaches_every_route_a_run_or_a_serve_polls_and_late_status_an
     assert "run" not in {r["route"] for r in rules}  # a failed submit rightly costs an attempt
     assert len({r["seed"] for r in rules}) == len(rules)
     late = [r for r in rules if r["action"] == "hang"]
-    assert late == [{"route": "status", "action": "hang", "hang_s": 1, "probability": 0.12, "seed": 3199}]
+    assert late == [{"route": "status", "action": "hang", "hang_s": 1, "probability": 0.24, "seed": 3199}]
 
 
 def serve_record(kind: str, state: str, messages: list[str], endpoints: list[str], *, message: str = "",
