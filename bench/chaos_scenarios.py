@@ -410,7 +410,7 @@ SCENARIOS: dict[str, Scenario] = {
             flow="serve", delete_while_serving=True, serve_ends="the endpoint was deleted behind the serve",
         ),
         Scenario(
-            "serve-crash-loop",
+            "serve-crash",
             "every worker of a serving endpoint boots with MAX_LORA_RANK 4, below its adapter's rank 8: `vllm serve` "
             "dies while it starts and RunPod starts another, a crash loop; the serve ends at once (well within its "
             "10-minute allowance) naming the crash loop and MAX_LORA_RANK, its endpoint deleted, nothing left",
@@ -425,7 +425,7 @@ SCENARIOS: dict[str, Scenario] = {
             flow="serve", serve_hours=0.06, reconcile_while_serving=True, serve_ends="its time ran out",
         ),
         Scenario(
-            "serve-api-faults",
+            "serve-faults",
             "a serve's create answers 500 after making the endpoint, its first `/status` polls drop or answer 500, "
             "and its workers' listing fails: the endpoint found by name (exactly one), the readings retried or "
             "skipped, the serve answers and is deleted at its expiry",

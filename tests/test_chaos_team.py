@@ -103,7 +103,7 @@ def test_the_catalogue_holds_at_least_forty_scenarios_each_with_a_summary_and_a_
         assert kind == scenario.kind and re.fullmatch(r"[a-z0-9-]+", kind) and scenario.summary
 
 
-@pytest.mark.parametrize("kind", ["serve-deleted", "serve-crash-loop", "serve-expiry", "serve-api-faults"])
+@pytest.mark.parametrize("kind", ["serve-deleted", "serve-crash", "serve-expiry", "serve-faults"])
 def test_a_serve_scenario_says_how_it_must_end(kind):
     scenario = SCENARIOS[kind]
     assert scenario.flow == "serve"
@@ -167,12 +167,12 @@ def test_a_serve_endpoint_left_live_or_a_second_endpoint_is_a_problem():
 
 
 def test_a_crash_loop_must_fail_naming_it_and_max_lora_rank():
-    name = "loraflow-b03-serve-crash-loop-abc-ns-s1700000000"
+    name = "loraflow-b03-serve-crash-abc-ns-s1700000000"
     said = ("the endpoint's workers crash while they start: 2 workers started and were gone ... above "
             "MAX_LORA_RANK (8 here)")
-    assert check_run(serve_record("serve-crash-loop", "FAILED", [], [name], message=said), gone(name), {},
+    assert check_run(serve_record("serve-crash", "FAILED", [], [name], message=said), gone(name), {},
                      max_steps=6) == []
-    vague = serve_record("serve-crash-loop", "FAILED", [], [name], message="no worker answered within 600 s")
+    vague = serve_record("serve-crash", "FAILED", [], [name], message="no worker answered within 600 s")
     [problem] = check_run(vague, gone(name), {}, max_steps=6)
     assert problem.startswith("the failure message lacks ['crash while they start', 'MAX_LORA_RANK']")
 
@@ -208,3 +208,16 @@ def test_a_serves_adapter_is_served_from_its_copy_in_the_stacks_inputs_folder(tm
                                            {"source": "acme/hub-adapter"}]
     assert (inputs / "serve-adapter-serve-adapter" / "adapter_config.json").is_file()
     assert served["serve"]["hours"] == 0.06
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, s in SCENARIOS.items() if s.flow in ("train", "serve")))
+def test_every_scenarios_run_name_survives_whole_in_its_endpoints_name(kind):
+    # Its faults are scoped, and its endpoints found, by `loraflow-<run name>-`: a name cut short to fit RunPod's
+    # length limit would leave its faults unfired (seen: `serve-crash-loop` cut to `serve-crash-loo`).
+    from tasks.runpod.endpoints import endpoint_name, serving_endpoint_name
+
+    run = RunRecord(SCENARIOS[kind], f"b95-{kind}", Path("/nonexistent"))
+    longest = "n" * 8  # the longest namespace
+    names = [serving_endpoint_name("f" * 36, run.name, longest, 1796606787.0)] if run.scenario.flow == "serve" else [
+        endpoint_name("f" * 36, 3, run.name, longest)]
+    assert all(name.startswith(run.endpoint_prefix) for name in names), names
