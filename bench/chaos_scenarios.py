@@ -109,9 +109,10 @@ class Scenario:
     serve_hours: float = 0.2
     """flow `serve`: the serve's `hours` (its endpoint's expiry, from the start of the serve)."""
     delete_while_serving: bool = False
-    """flow `serve`: delete the serve's endpoint through RunPod's API once it has answered its first request."""
+    """flow `serve`: delete the serve's endpoint through RunPod's API once the serve has said it answers (its OpenAI
+    base URL), as a teammate in RunPod's console could."""
     reconcile_while_serving: bool = False
-    """flow `serve`: run the reconcile flow (its default policy, any age) once the endpoint has answered: it must
+    """flow `serve`: run the reconcile flow (its default policy, any age) once the serve has said it answers: it must
     keep the endpoint, its expiry not reached, and say until when it serves."""
     serve_ends: str | None = None
     """flow `serve`: how the serve's watch must say it ended (`Serving ends: <this>...`), when it must reach it."""

@@ -22,9 +22,10 @@ from typing import Any
 
 import httpx
 
-from bench.chaos_lib import REPO, BackgroundWatch, Localpod, RunRecord, runpod_api
+from bench.chaos_lib import REPO, BackgroundWatch, Localpod, PrefectApi, RunRecord, runpod_api
 from bench.chaos_scenarios import Scenario, scoped
 from deployments.local_stack import WORKER_PYTHON
+from tasks.jobs.serve import SERVE_TAG
 
 ADAPTER_RANK = 8
 """The batch's adapter rank: above the MAX_LORA_RANK the crash-loop scenario's workers boot with."""
@@ -67,12 +68,14 @@ def write_serve_file(path: Path, scenario: Scenario, *, name: str, model: Path, 
 
 
 class WhenServing(BackgroundWatch):
-    """Does something to one serve behind its back, from a thread of its own, once its endpoint has answered its first
-    request (a COMPLETED job on its live endpoint): `action(endpoint_id)` runs once, its return value kept as
-    `result`."""
+    """Does something to one serve behind its back, from a thread of its own, once the serve has said it answers (its
+    flow run, found by its `serve:<name>` tag, logged `OpenAI base URL: ...`) and its endpoint is live:
+    `action(endpoint_id)` runs once, its return value kept as `result`. Not sooner: an endpoint deleted while the first
+    answer is on its way is a serve that never started, not a live one lost."""
 
-    def __init__(self, pod: Localpod, prefix: str, timeout_s: float, action):
-        self.pod, self.prefix, self.timeout_s, self.action = pod, prefix, timeout_s, action
+    def __init__(self, pod: Localpod, prefect: PrefectApi, name: str, prefix: str, timeout_s: float, action):
+        self.pod, self.prefect, self.name, self.prefix, self.timeout_s = pod, prefect, name, prefix, timeout_s
+        self.action = action
         self.done = False
         self.result: Any = None
         super().__init__()
@@ -81,19 +84,20 @@ class WhenServing(BackgroundWatch):
         deadline = time.monotonic() + self.timeout_s
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                if endpoint_id := self._answering_endpoint():
+                if self._answers() and (endpoint_id := self._live_endpoint()):
                     self.result, self.done = self.action(endpoint_id), True
                     return
             except httpx.HTTPError:
                 pass  # the next look tries again
-            self._stop.wait(0.5)
+            self._stop.wait(2)
 
-    def _answering_endpoint(self) -> str | None:
-        account = self.pod.account()
-        for endpoint in (e for e in account.live_endpoints if e.name.startswith(self.prefix)):
-            if any(j.endpoint_id == endpoint.id and j.status == "COMPLETED" for j in account.jobs):
-                return endpoint.id
-        return None
+    def _answers(self) -> bool:
+        runs = self.prefect.http.post("/flow_runs/filter", json={
+            "flow_runs": {"tags": {"all_": [SERVE_TAG.format(name=self.name)]}}}).raise_for_status().json()
+        return any(m.startswith("OpenAI base URL: ") for r in runs for m in self.prefect.log_messages(r["id"]))
+
+    def _live_endpoint(self) -> str | None:
+        return next((e.id for e in self.pod.account().live_endpoints if e.name.startswith(self.prefix)), None)
 
 
 def reconcile_beside(stack, pod: Localpod):
@@ -117,13 +121,13 @@ def run_serve_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, h
         record.fault_ids.append(pod.add_route_fault(scoped(rule, record.endpoint_prefix)))
     for rule in scenario.worker_faults:
         record.fault_ids.append(pod.add_worker_fault({**rule, "endpoint_name_prefix": record.endpoint_prefix}))
-    runpod = runpod_api(stack)
+    runpod, prefect = runpod_api(stack), PrefectApi(stack.prefect_api_url)
     watch = None
     if scenario.delete_while_serving:
-        watch = WhenServing(pod, record.endpoint_prefix, timeout_s,
+        watch = WhenServing(pod, prefect, name, record.endpoint_prefix, timeout_s,
                             lambda endpoint_id: runpod.delete(f"/serverless/{endpoint_id}").raise_for_status())
     elif scenario.reconcile_while_serving:
-        watch = WhenServing(pod, record.endpoint_prefix, timeout_s, reconcile_beside(stack, pod))
+        watch = WhenServing(pod, prefect, name, record.endpoint_prefix, timeout_s, reconcile_beside(stack, pod))
     started = time.monotonic()
     with runpod, watch or nullcontext():
         flows.run(record, serve_file, {}, timeout_s)
