@@ -416,7 +416,10 @@ SCENARIOS: dict[str, Scenario] = {
             "dies while it starts and RunPod starts another, a crash loop; the serve ends at once (well within its "
             "10-minute allowance) naming the crash loop and MAX_LORA_RANK, its endpoint deleted, nothing left",
             flow="serve", expect_state="FAILED",
-            worker_faults=(worker("env", env={"MAX_LORA_RANK": "4"}, times=10),),
+            # Every worker the scenario could start: localpod starts the next some 3 s after one dies (about 1 s in),
+            # and the serve reads the workers every 5 s, so it may take ten crashes to see two; a worker booting
+            # without the fault would serve, and the loop would not be one.
+            worker_faults=(worker("env", env={"MAX_LORA_RANK": "4"}, times=100),),
             failure_text=("crash while they start", "MAX_LORA_RANK"),
         ),
         Scenario(
