@@ -25,14 +25,14 @@ A serve file (the `spec` parameter, `ServeSpec`):
     prompts = ["..."]                                        # optional: what "try it" asks
 
 The check (`check_serve`, below the flow) refuses, naming the field and the fix, what could not be served: a base or
-adapter that cannot be read, an adapter of another base, a context longer than the base's, a serve no GPU of its list
+adapter that cannot be read, an adapter vLLM refuses (DoRA, `modules_to_save`, the embeddings or head as targets, a
+rank above 512), an adapter of another base, a context longer than the base's, a serve no GPU of its list
 holds, one whose cost ceiling (price × max_workers × hours) passes the operator's cap, or whose `max_workers` passes
 the endpoint limit.
 """
 
 # No `from __future__ import annotations` here: Prefect builds the parameter model (the UI form) from
 # the flow signature when it loads the entrypoint, and cannot resolve postponed annotations.
-import math
 import re
 import sys
 import time
@@ -50,7 +50,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
 from tasks.jobs.serve import (
-    DISK_MARGIN_GB,
     SERVE_TAG,
     SERVING_TOKEN_ENV,
     VLLM_IMAGE_MIN_CUDA,
@@ -60,6 +59,7 @@ from tasks.jobs.serve import (
     publish_served_adapters,
     report_serve,
     serve_endpoint,
+    serving_disk_gb,
     stop_serve,
 )
 from tasks.jobs.serve_watch import ServeStartFailed
@@ -82,12 +82,15 @@ from tasks.storage.served_adapters import (
     is_local_path,
     max_lora_rank,
     resolve_adapter,
+    run_adapter_refusals,
     run_prompts,
 )
 
 DEFAULT_PROMPTS = ["Say hello in one sentence.", "What is 12 times 7? Answer with the number."]
 """What "try it" asks when the serve file names no prompts and no adapter's run stored evaluation prompts."""
 MAX_PROMPTS = 5
+DEFAULT_MAX_MODEL_LEN = 8192
+"""`serve.max_model_len` when the serve file names none and the base's context is longer."""
 MAX_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 """Where a config.json states the model's context; vLLM refuses a MAX_MODEL_LEN above it, at startup."""
 _ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -128,8 +131,9 @@ class ServeSettings(BaseModel):
                          "then it is deleted (the reconcile flow deletes it too once its name's expiry has passed).")
     budget_usd: float = Field(gt=0, description="The endpoint is deleted once it has cost this much (RunPod's billed "
                               "cost, or loraflow's own count of worker time × price when that is more).")
-    max_model_len: int = Field(default=8192, ge=64, le=1_048_576, description="`MAX_MODEL_LEN`: the longest prompt + "
-                               "answer in tokens; sizes the KV cache the GPU must hold.")
+    max_model_len: int | None = Field(
+        default=None, ge=64, le=1_048_576, description="`MAX_MODEL_LEN`: the longest prompt + answer in tokens; sizes "
+        f"the KV cache the GPU must hold. Empty: {DEFAULT_MAX_MODEL_LEN}, or the base's context where that is shorter.")
     prompts: list[str] | None = Field(
         default=None, max_length=MAX_PROMPTS, description="What \"try it\" asks, through the base and each adapter, "
         "once the endpoint answers. Default: an adapter run's evaluation prompts, else two fixed ones.")
@@ -157,7 +161,7 @@ class ServeSettings(BaseModel):
 
     @model_validator(mode="after")
     def _answers_fit_the_context(self) -> "ServeSettings":
-        if self.max_tokens >= self.max_model_len:
+        if self.max_model_len is not None and self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens {self.max_tokens} leaves no room for a prompt within max_model_len "
                              f"{self.max_model_len} (vLLM refuses a request whose prompt and max_tokens pass it): "
                              "lower max_tokens or raise max_model_len")
@@ -197,7 +201,7 @@ def _flow_run_name() -> str:
 def serve(spec: ServeSpec, serve_file: str | None = None, adapters: list[str] | None = None) -> ServeOutcome | State:
     """Serve a base model and its LoRA adapters from one RunPod endpoint of RunPod's vLLM worker:
 
-    1. check: the base pinned, each adapter found and its rank read, the GPU memory estimated, the cheapest GPU of
+    1. check: the base pinned, each adapter found, held to what vLLM loads and its rank read, the GPU memory estimated, the cheapest GPU of
        `serve.gpu` that holds it, a warm volume, the cost ceiling against the operator's cap (nothing is rented until
        this has passed);
     2. publish the stored runs of an hf:// store to private model repos, where the worker reads them;
@@ -222,7 +226,7 @@ def serve(spec: ServeSpec, serve_file: str | None = None, adapters: list[str] | 
     if flow_run.id:
         tag_run(run_id, [SERVE_TAG.format(name=spec.name)])
     plan = check_serve(spec, run_id)  # nothing is rented until this has passed
-    publish_served_adapters(plan.adapters, spec.hub_token_secret)
+    plan.adapters = publish_served_adapters(plan.adapters, spec.hub_token_secret)
     worker_env = prepare_worker_env(spec.hub_token_secret, token_env=SERVING_TOKEN_ENV)
     try:
         outcome = serve_endpoint(plan, worker_env, announce=announcer(plan))
@@ -258,9 +262,10 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
     except (OSError, HfHubHTTPError) as e:
         raise ValueError(f"serve.base_model {serve.base_model!r}: its config.json cannot be read ({e})") from e
     context = min((config[k] for k in MAX_CONTEXT_KEYS if isinstance(config.get(k), int)), default=None)
-    if context is not None and serve.max_model_len > context:
-        raise ValueError(f"serve.max_model_len {serve.max_model_len} is above {serve.base_model}'s context of "
-                         f"{context} tokens, which vLLM refuses at startup: set it to at most {context}")
+    max_model_len = serving_length(serve.max_model_len, context, base=serve.base_model)
+    if serve.max_tokens >= max_model_len:
+        raise ValueError(f"serve.max_tokens {serve.max_tokens} leaves no room for a prompt within {serve.base_model}'s "
+                         f"context of {max_model_len} tokens: lower serve.max_tokens")
     adapters = [resolve_adapter(a.source, a.name, base_model=base.id, store_url=spec.artifact_store, token=token,
                                 hub_endpoint=settings.hf_endpoint, local_ok=local_ok,
                                 field=f"serve.adapters[{i}]") for i, a in enumerate(serve.adapters)]
@@ -273,7 +278,7 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
         rank = max_lora_rank([a.rank for a in adapters])
     except ValueError as e:
         raise ValueError(f"serve.adapters: {e}") from e
-    memory = serving_memory(config, max_model_len=serve.max_model_len, max_loras=len(adapters), max_lora_rank=rank)
+    memory = serving_memory(config, max_model_len=max_model_len, max_loras=len(adapters), max_lora_rank=rank)
     gpus = [resolve_gpu(name) for name in serve.gpu]
     offers = {o.gpu: o for o in read_gpu_prices(gpus, [cuda_floor(g, VLLM_IMAGE_MIN_CUDA) for g in gpus])}
     gpu, passed = choose_serving_gpu(gpus, offers, memory, VLLM_IMAGE_MIN_CUDA)
@@ -297,11 +302,23 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
     return ServePlan(
         run_id=run_id, name=spec.name, expires_at=expires_at, base_model=base.id, base_revision=base.revision,
         endpoint_name=serving_endpoint_name(run_id, spec.name, settings.control_plane_namespace(), expires_at),
-        adapters=adapters, max_lora_rank=rank, max_model_len=serve.max_model_len, memory=memory, gpu=gpu,
+        adapters=adapters, max_lora_rank=rank, max_model_len=max_model_len, memory=memory, gpu=gpu,
         usd_per_hour=price, passed_over=passed, cache=cache, max_workers=serve.max_workers,
         idle_timeout_s=serve.idle_timeout_s, budget_usd=serve.budget_usd, prompts=prompts,
         max_tokens=serve.max_tokens, cold_start_s=serve.cold_start_minutes * 60,
-        disk_gb=math.ceil(memory.weights_bytes / 1e9) + DISK_MARGIN_GB)
+        disk_gb=serving_disk_gb(memory.weights_bytes, base_on_volume=cache is not None),
+        hub_token_secret=spec.hub_token_secret)
+
+
+def serving_length(asked: int | None, context: int | None, *, base: str) -> int:
+    """`MAX_MODEL_LEN`: as asked, refused above the base's context (vLLM refuses it at startup); when not asked,
+    `DEFAULT_MAX_MODEL_LEN` or the base's context where that is shorter."""
+    if asked is None:
+        return min(DEFAULT_MAX_MODEL_LEN, context or DEFAULT_MAX_MODEL_LEN)
+    if context is not None and asked > context:
+        raise ValueError(f"serve.max_model_len {asked} is above {base}'s context of {context} tokens, which vLLM "
+                         f"refuses at startup: set it to at most {context}, or leave it out")
+    return asked
 
 
 def check_serve_cap(serve: ServeSettings, gpu: str, usd_per_hour: float, cap_usd: float | None) -> None:
@@ -314,14 +331,20 @@ def check_serve_cap(serve: ServeSettings, gpu: str, usd_per_hour: float, cap_usd
 
 def serve_trained(spec: RunSpec, run_id: str, name: str, published: PublishedModel | None) -> State | None:
     """`[publish.serve]` of a completed run (or of a study's best child, `run_id` and `name` its own): its adapter
-    served on its base by this flow, as a subflow, until the serve ends. The adapter is read from the repo it was
-    just published to, else from the run's store; it answers to `name`. Never raises: the run's adapter is stored
-    (and published) already, so a serve that cannot start is logged, not the run's failure. The serve's end state."""
+    served on its base by this flow, as a subflow, until the serve ends. The adapter is the run's own, `runs/<id>` of
+    its store (from an hf:// store, its private repo `<org>/loraflow-<run id>`, which nothing else writes), never
+    `publish.hub_model_id`, which later runs commit to; it answers to `name`. Never raises: the run's adapter is
+    stored (and published) already, so an adapter vLLM would refuse, or a serve that cannot start, is a warning of
+    the completed run, not its failure. The serve's end state."""
     logger = get_run_logger()
     wanted = spec.publish.serve if spec.publish is not None else None
     if wanted is None:
         return None
-    source = published.hub_model_id if published is not None and not published.error else f"runs/{run_id}"
+    source = f"runs/{run_id}"
+    if refused := run_adapter_refusals(spec.lora.model_dump()):
+        logger.warning("The adapter is not served (nothing was rented): vLLM refuses it (%s); merge it into the base "
+                       "and serve the merged model", "; ".join(refused))
+        return None
     length = (spec.grpo.max_prompt_length + spec.grpo.max_completion_length if spec.grpo is not None
               else spec.training.max_seq_length)
     try:
@@ -341,7 +364,7 @@ def serve_trained(spec: RunSpec, run_id: str, name: str, published: PublishedMod
     state = serve(serve_spec, return_state=True)
     if not (state.is_completed() or state.is_cancelled()):
         logger.warning("The adapter was not served: %s (the run's adapter is stored%s)", state.message,
-                       f" and published to {published.hub_model_id}" if source != f"runs/{run_id}" else "")
+                       f" and published to {published.hub_model_id}" if published and not published.error else "")
     return state
 
 

@@ -117,8 +117,10 @@ class PublishServe(Section):
     """`[publish.serve]`: once the run has completed and published, serve its adapter on its base with the `serve`
     flow ([serving](serving.md)), as a subflow of the run: the run prints the OpenAI base URL and lives on until the
     serve ends (its `hours`, its budget, a cancel, `python -m flows.serve --stop <run name>`). The adapter answers
-    to the run's name; it is read from `hub_model_id` once published there, else from the run's store. A failed serve
-    leaves the run completed and says why. `serve = true` takes every default."""
+    to the run's name; it is the run's own, `runs/<id>` of its store (from an hf:// store, the private model repo
+    `<org>/loraflow-<run id>`), never `hub_model_id`, which later runs commit to. An adapter vLLM refuses (DoRA,
+    `modules_to_save`, ...) is not served, and a failed serve leaves the run completed: either says why, as a warning.
+    `serve = true` takes every default."""
 
     hours: float = Field(default=1, gt=0, le=168, description="How long the endpoint may live, from the start of the "
                          "serve: then it is deleted.")

@@ -188,6 +188,11 @@ class EvaluationSpec(Section):
     every_steps: int = EvaluationSettings.model_fields["every_steps"]
     max_samples: int = EvaluationSettings.model_fields["max_samples"]
 
+    @property
+    def held_out(self) -> bool:
+        """Whether the run evaluates on held-out rows while training."""
+        return self.fraction is not None or self.local_file is not None
+
     @model_validator(mode="after")
     def _one_source(self) -> EvaluationSpec:
         if (self.fraction is None) == (self.local_file is None):

@@ -24,6 +24,8 @@ started again in its own flow run (`--resume`, a Prefect retry) adopts what comp
 # the flow signature when it loads the entrypoint.
 import argparse
 import sys
+import tempfile
+from pathlib import Path
 
 from loraflow_worker.contract import JobResult
 from prefect import flow, get_client, get_run_logger, task
@@ -75,6 +77,7 @@ from tasks.settings import Settings, startup_problem
 from tasks.storage.artifacts import read_run_results
 from tasks.jobs.merge import MergedModel, merge_run_adapter
 from tasks.storage.publish import PublishedModel, publish_run_adapter
+from tasks.storage.run_files import read_run_files
 
 
 def _flow_run_name() -> str:
@@ -132,7 +135,10 @@ def check_children_inputs(children: list[Child]) -> None:
         try:
             check_server_rules(child.spec.local_paths(), artifact_store=child.spec.artifact_store,
                                hub_token_secret=child.spec.hub_token_secret, worker_secrets=child.spec.worker.secrets)
-            check_local_inputs(child.spec)
+            with tempfile.TemporaryDirectory(prefix="loraflow-run-files-") as folder:
+                check_local_inputs(child.spec, read_run_files(child.spec.local_paths(), Path(folder),
+                                                              base_dir=Path.cwd(),
+                                                              inputs_dir=Settings().loraflow_inputs_dir))
         except ValueError as e:
             problems.append(f"  - {child_label(child.index, child.values)}: {e}")
     if problems:

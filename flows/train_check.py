@@ -8,6 +8,7 @@ and with it the job's input; the phases after it are `flows/train_phases.py`.
 
 # No `from __future__ import annotations`: Prefect reads these tasks' signatures.
 import functools
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from flows.spec import RunSpec
 from flows.spec_data import DatasetSpec, MixEntrySpec
 from tasks.jobs.merge import check_merge_fits
 from tasks.lifecycle.quota import ensure_endpoint_limit
+from tasks.lifecycle.secret_key import run_checkpoint_key, secret_name_key
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.worker_env import read_run_secrets
 from tasks.placement.cost import (
@@ -69,6 +71,7 @@ from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
 from tasks.storage.publish import check_publish_token
 from tasks.storage.rewards import check_reward_files
+from tasks.storage.run_files import RunFile, read_run_files
 
 
 @dataclass(frozen=True)
@@ -96,29 +99,39 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
     """Nothing is rented until this has passed. `spent` learns the cost ceiling as soon as it is known, for the run's
     end event even when the budget refuses the run (the flow passes it quoted: Prefect hands the object itself over,
     without looking into it)."""
-    logger = get_run_logger()
     deadline = time.time() + spec.deadline_minutes * 60
     settings = Settings()
     gpus = [resolve_gpu(gpu_name) for gpu_name in spec.compute.gpu]
-    floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
     # Before any of the run's files is read: whether this server lets the run read them at all.
     check_server_rules(spec.local_paths(), artifact_store=spec.artifact_store, hub_token_secret=spec.hub_token_secret,
                        settings=settings, worker_secrets=spec.worker.secrets)
+    # Then each is read once, never through a link, into a private folder: every check below reads that copy, and
+    # the store receives it, pinned by the hash of that read.
+    with tempfile.TemporaryDirectory(prefix="loraflow-run-files-") as folder:
+        files = read_run_files(spec.local_paths(), Path(folder), base_dir=Path.cwd(),
+                               inputs_dir=settings.loraflow_inputs_dir)
+        return _check_read(spec, run_id, spent, files, deadline, gpus, settings)
+
+
+def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[str, RunFile], deadline: float,
+                gpus: list[GpuClass], settings: Settings) -> CheckedRun:
+    """`check`'s body once the run's files are read (`files`, by field)."""
+    logger = get_run_logger()
+    floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
     # What needs the network, at once: secret blocks (Prefect), the catalog (RunPod), the model (the Hub).
-    template_file = check_chat_template_file(spec.training.chat_template)
+    template_file = check_chat_template_file(spec.training.chat_template, files)
     secrets = check_secrets.submit(spec)
     prices = read_gpu_prices.submit(gpus, floors)
     model = resolve_model_task.submit(spec.model, disk_gb=spec.compute.disk_gb, hub_token_secret=spec.hub_token_secret)
-    eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
     running = [secrets, prices, model]
     if spec.algorithm == "sft":  # the first chats rendered by the model's tokenizer once the model is pinned
-        chats = check_chats_task.submit(model, spec.training, _local_chat_files(spec),
-                                        str(template_file) if template_file else None, spec.hub_token_secret)
+        chats = check_chats_task.submit(model, spec.training, _local_chat_files(spec, files),
+                                        str(template_file.copy) if template_file else None, spec.hub_token_secret)
         running.append(chats)
     uses_tools = spec.grpo is not None and spec.grpo.uses_tools
-    if uses_tools:  # the tools imported in a process of their own, and the model's template rendering them
+    if uses_tools:  # the tools read from their source (never run here), and the model's template rendering them
         tools = check_tools_task.submit(spec.grpo, str(Path.cwd()), model, spec.hub_token_secret,
-                                        worker_env=spec.worker.env, prompt_files=_local_chat_files(spec))
+                                        prompt_files=_local_chat_files(spec, files), read_from=_read_tools(files))
         running.append(tools)
     hub_sources = [(field, source.hub_source()) for field, source in spec.dataset.sources() if source.hub_id]
     if hub_sources:  # the Hub datasets: their revisions pinned, configs and splits found, first rows checked
@@ -127,7 +140,7 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
-        local_formats = check_local_inputs(spec)
+        local_formats = check_local_inputs(spec, files)
         offers = {offer.gpu: offer for offer in prices.result()}
         gpus, not_pooled = pooled_gpus(gpus, offers)  # each pinned in its pool as RunPod's catalog lists the cards
         for reason in not_pooled:
@@ -152,20 +165,14 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
             mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
         if spec.algorithm == "sft":
             chats.result()  # a run whose loss would be on no answer is refused before its inputs are stored
-        tool_files = {}
         if uses_tools:
-            found = tools.result()
-            tool_files = {field: str(path) for field, path in
-                          (("tools", found.tools_file), ("environment", found.environment_file)) if path is not None}
-        # The dataset files, the evaluation file, the chat template and the reward files, in one commit, while the
-        # model's shape is read.
+            tools.result()
+        tool_files = [field for field in ("tools", "environment") if f"grpo.{field}" in files]
+        # The files as they were read and checked (the dataset's, the evaluation file, the chat template, the tools'
+        # and the reward files), in one commit, while the model's shape is read.
         rewards = spec.grpo.rewards if spec.grpo is not None else []
-        mix_files = {i: entry.local_file for i, entry in enumerate(spec.dataset.mix) if entry.local_file is not None}
-        inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, spec.dataset.local_file, rewards,
-                                                str(Path.cwd()), eval_file=eval_file,
-                                                hub_token_secret=spec.hub_token_secret, mix_files=mix_files or None,
-                                                chat_template_file=str(template_file) if template_file else None,
-                                                tool_files=tool_files or None)
+        inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, files, rewards,
+                                                hub_token_secret=spec.hub_token_secret)
         shape_read = read_model_shape_task.submit(model_source, hub_token_secret=spec.hub_token_secret)
         running += [inputs, shape_read]
         # The rewards come back pointing at their copies; `stored` pins those copies (their commit and sha256).
@@ -173,6 +180,8 @@ def check(spec: RunSpec, run_id: str, spent: events.RunSpend) -> CheckedRun:
         job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
                                rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
                                lora=lora, tool_files=tool_files, inputs=stored)
+        # The worker resumes only from checkpoints it signed with this key (none a store writer could plant).
+        job_input.checkpoint_key = run_checkpoint_key(secret_name_key(settings.control_plane_namespace()), run_id)
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
@@ -215,38 +224,45 @@ def check_secrets(spec: RunSpec) -> None:
     read_run_secrets(spec.worker.secrets)
 
 
-def _local_chat_files(spec: RunSpec) -> list[tuple[str, str, dict[str, str]]]:
-    """(path, format, columns) of each local file of the run's rows: its dataset's (or mix entries') and its
-    evaluation file (the chats an SFT run masks, the prompts a tool GRPO run measures)."""
-    files = [(source.local_file, source.format, source.columns) for _, source in spec.dataset.sources()
-             if source.local_file is not None]
+def _local_chat_files(spec: RunSpec, files: dict[str, RunFile]) -> list[tuple[str, str, dict[str, str]]]:
+    """(path of the copy read, format, columns) of each local file of the run's rows: its dataset's (or mix
+    entries') and its evaluation file (the chats an SFT run masks, the prompts a tool GRPO run measures)."""
+    chat_files = [(str(files[f"{name}.local_file"].copy), source.format, source.columns)
+                  for name, source in spec.dataset.sources() if source.local_file is not None]
     if spec.evaluation is not None and spec.evaluation.local_file is not None:
-        files.append((spec.evaluation.local_file, spec.evaluation.format, spec.evaluation.columns))
-    return files
+        chat_files.append((str(files["evaluation.local_file"].copy), spec.evaluation.format, spec.evaluation.columns))
+    return chat_files
 
 
-def check_local_inputs(spec: RunSpec) -> dict[str, str | None]:
+def _read_tools(files: dict[str, RunFile]) -> dict[str, str]:
+    """The copies of the tools and environment files that were read, by field, for the tools' check to read."""
+    return {field: str(files[field].copy) for field in ("grpo.tools", "grpo.environment") if field in files}
+
+
+def check_local_inputs(spec: RunSpec, files: dict[str, RunFile]) -> dict[str, str | None]:
     """The dataset files and the evaluation file (those that are local: every line converted from its format and
-    checked) and the reward files. Returns the TRL format of each local dataset file, by its spec field."""
+    checked) and the reward files, as they were read (`files`, by field). Returns the TRL format of each local
+    dataset file, by its spec field."""
     logger = get_run_logger()
     examples = eval_examples = None
     formats = {}
     for name, source in spec.dataset.sources():
         if source.local_file is not None:
-            examples = check_dataset_jsonl(Path(source.local_file), spec.algorithm, f"{name}.local_file",
-                                           source.format, source.columns)
-            formats[name] = first_row_format(Path(source.local_file), source.format, source.columns)
+            read = files[f"{name}.local_file"]
+            examples = check_dataset_jsonl(read.copy, spec.algorithm, f"{name}.local_file", source.format,
+                                           source.columns, shown=source.local_file)
+            formats[name] = first_row_format(read.copy, source.format, source.columns)
             logger.info("Dataset %s: %d examples (%s)", source.local_file, examples, name)
     if spec.dataset.mix:
         examples = None  # how many a mix draws is known once it is drawn
     eval_file = spec.evaluation.local_file if spec.evaluation is not None else None
     if eval_file is not None:
-        eval_examples = check_dataset_jsonl(Path(eval_file), spec.algorithm, "evaluation.local_file",
-                                            spec.evaluation.format, spec.evaluation.columns)
+        eval_examples = check_dataset_jsonl(files["evaluation.local_file"].copy, spec.algorithm,
+                                            "evaluation.local_file", spec.evaluation.format, spec.evaluation.columns,
+                                            shown=eval_file)
     if spec.evaluation is not None:
         _log_evaluation_cost(spec, examples, eval_examples)
-    # Relative reward files start where a relative local_file does.
-    check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], Path.cwd())
+    check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], files)
     return formats
 
 
@@ -270,7 +286,7 @@ def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
 
 def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, dataset: DatasetSource,
                rewards: list, chat_template_path: str | None = None, lora: LoraSettings | None = None,
-               tool_files: dict[str, str] | None = None, inputs: StoredInputs | None = None) -> JobInput:
+               tool_files: list[str] | None = None, inputs: StoredInputs | None = None) -> JobInput:
     grpo = None
     if spec.grpo is not None:  # the rewards and tools point at their copies in the store
         grpo = spec.grpo.model_copy(update={"rewards": rewards, **{

@@ -188,14 +188,16 @@ def test_a_chat_template_file_is_stored_with_the_runs_inputs_and_the_job_reads_i
     from flows.spec import RunSpec
     from flows.train_check import _job_input, job_dataset
     from tasks.storage.artifacts import chat_template_store_path, check_chat_template_file, publish_run_inputs
+    from tasks.storage.run_files import read_run_files
 
     template = tmp_path / "chatml.jinja"
     template.write_text(REWRITING)
     store = tmp_path / "store"
     spec = RunSpec.model_validate({"model": {"id": "org/m"}, "dataset": {"hub_id": "org/d"},
                                    "artifact_store": store.as_uri(), "training": {"chat_template": str(template)}})
-    found = check_chat_template_file(spec.training.chat_template)
-    publish_run_inputs(store.as_uri(), "r1", None, [], tmp_path, chat_template_file=found)
+    files = read_run_files(spec.local_paths(), tmp_path / "read", base_dir=tmp_path)
+    assert check_chat_template_file(spec.training.chat_template, files).location == template
+    publish_run_inputs(store.as_uri(), "r1", files, [])
     assert (store / chat_template_store_path("r1")).read_text() == REWRITING
     job = _job_input(spec, "r1", 0.0, ModelSource(id="org/m", revision="a" * 40), job_dataset(spec, "r1", None, {}),
                      [], chat_template_path=chat_template_store_path("r1"))
@@ -204,10 +206,11 @@ def test_a_chat_template_file_is_stored_with_the_runs_inputs_and_the_job_reads_i
 
 def test_a_chat_template_file_that_does_not_exist_is_refused_naming_the_field(tmp_path):
     from tasks.storage.artifacts import check_chat_template_file
+    from tasks.storage.run_files import read_run_files
 
-    with pytest.raises(ValueError, match=r"training.chat_template .*missing.jinja: FileNotFoundError"):
-        check_chat_template_file(str(tmp_path / "missing.jinja"))
-    assert check_chat_template_file("qwen3_training") is None and check_chat_template_file(None) is None
+    with pytest.raises(ValueError, match=r"training.chat_template missing.jinja \(.*missing.jinja\) does not exist or is not a file"):
+        read_run_files([("training.chat_template", "missing.jinja")], tmp_path / "read", base_dir=tmp_path)
+    assert check_chat_template_file("qwen3_training", {}) is None and check_chat_template_file(None, {}) is None
 
 
 def test_a_sharegpt_file_is_checked_as_the_chats_it_converts_to(tmp_path, tokenizer):

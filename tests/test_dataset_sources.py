@@ -17,6 +17,7 @@ from flows.spec import RunSpec, SpecError, load_run_file
 from flows.train_check import _job_input, job_dataset
 from tasks.storage.artifacts import check_dataset_jsonl, first_row_format, mix_store_path, publish_run_inputs
 from tasks.storage.hub_datasets import HubDataset
+from tasks.storage.run_files import read_run_files
 
 ALPACA = {"instruction": "Add 2 and 2.", "input": "", "output": "4"}
 SHAREGPT = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
@@ -120,7 +121,9 @@ def test_a_renamed_messages_column_that_is_not_a_chat_is_named_as_the_dataset_na
 def test_mix_files_are_published_with_the_dataset_in_one_commit(tmp_path):
     first, second = jsonl(tmp_path / "a.jsonl", ALPACA), jsonl(tmp_path / "s.jsonl", SHAREGPT)
     store = tmp_path / "store"
-    dataset_path, _, _ = publish_run_inputs(store.as_uri(), "r1", None, [], tmp_path, mix_files={0: first, 2: second})
+    files = read_run_files([("dataset.mix[0].local_file", str(first)), ("dataset.mix[2].local_file", str(second))],
+                           tmp_path / "read", base_dir=tmp_path)
+    dataset_path, _, _ = publish_run_inputs(store.as_uri(), "r1", files, [])
     assert dataset_path is None
     assert (store / mix_store_path("r1", 0)).read_bytes() == first.read_bytes()
     assert (store / mix_store_path("r1", 2)).read_bytes() == second.read_bytes()

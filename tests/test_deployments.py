@@ -60,8 +60,9 @@ def test_the_grpo_deployments_reward_patterns_find_a_boxed_answer():
     assert format_reward(completions, pattern=boxed.pattern) == [1.0, 0.0]
 
 
-def test_the_reward_files_deployments_name_exist_and_define_their_functions():
+def test_the_reward_files_deployments_name_exist_and_define_their_functions(tmp_path):
     from tasks.storage.rewards import check_reward_files
+    from tasks.storage.run_files import read_run_files
 
     for path in (REPO / "deployments").glob("*.toml"):
         data = tomllib.loads(path.read_text())
@@ -69,7 +70,9 @@ def test_the_reward_files_deployments_name_exist_and_define_their_functions():
             continue
         spec = (StudySpec if "study" in data else RunSpec).model_validate(data)
         # A deployment runs in the checkout (the pull step), where relative reward files start.
-        check_reward_files(spec.grpo.rewards if spec.grpo else [], REPO)
+        rewards = spec.grpo.rewards if spec.grpo else []
+        paths = [(field, path) for field, path in spec.local_paths() if field.startswith("grpo.rewards")]
+        check_reward_files(rewards, read_run_files(paths, tmp_path / path.stem, base_dir=REPO))
 
 
 def test_every_deployment_points_at_an_existing_flow():

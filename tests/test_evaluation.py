@@ -14,6 +14,7 @@ from flows.spec import RunSpec, SpecError, load_run_file
 from tasks.placement.cost import evaluation_cost
 from tasks.reports.events import final_metrics
 from tasks.storage.artifacts import check_dataset_jsonl, eval_store_path, publish_run_inputs
+from tasks.storage.run_files import read_run_files
 
 MESSAGES = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 
@@ -88,7 +89,9 @@ def test_the_evaluation_file_is_stored_with_the_dataset_in_one_commit(tmp_path):
     store = Recording(tmp_path / "store")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("tasks.storage.artifacts.open_store", lambda url, token=None: store)
-        dataset_path, _, _ = publish_run_inputs("file:///unused", "r1", dataset, [], tmp_path, eval_file=eval_file)
+        files = read_run_files([("dataset.local_file", str(dataset)), ("evaluation.local_file", str(eval_file))],
+                               tmp_path / "read", base_dir=tmp_path)
+        dataset_path, _, _ = publish_run_inputs("file:///unused", "r1", files, [])
     assert commits == [sorted([dataset_path, eval_store_path("r1")])]
     assert (tmp_path / "store" / eval_store_path("r1")).read_bytes() == eval_file.read_bytes()
 

@@ -1,13 +1,15 @@
 """End to end on the local stack: tools in GRPO. The tiny model is taught the tool-call format by an SFT run; a GRPO
 run from that adapter (`lora.init_from`) with `grpo.tools` calls the tool inside the worker (it appends to a ledger
 file the run's `[worker] env` names: a side effect this test reads), the tool's answer reaches the reward, and the
-summary shows trajectories; a tools file with a function lacking type hints is refused before any endpoint exists,
-naming the function."""
+summary shows trajectories. The tools file is the user's code: a line planted at its top notes every process that
+runs it, and only the worker's ever do, never the control plane's check. A tools file with a function lacking type
+hints is refused before any endpoint exists, naming the function."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,9 @@ env = {{ {tool_use.LEDGER_ENV} = "{ledger}" }}
 def test_a_taught_model_calls_its_tool_in_the_worker_and_the_answer_reaches_the_reward(local_stack, tiny_model,
                                                                                          tmp_path):
     files = write_files(tmp_path)
+    ran_by = tmp_path / "ran-by.txt"  # a line per process that runs the tools file: its Python environment
+    files["tools"].write_text(f"import sys as _sys\nopen({str(ran_by)!r}, 'a').write(_sys.prefix + '\\n')\n"
+                              + tool_use.TOOLS_SOURCE)
     teach = run_train_flow(local_stack, write_teach_run(tmp_path, tiny_model, files))
     assert teach.returncode == 0, teach.output
     ledger = tmp_path / "ledger.txt"
@@ -92,6 +97,9 @@ def test_a_taught_model_calls_its_tool_in_the_worker_and_the_answer_reaches_the_
 
     assert run.returncode == 0, run.output
     assert set(ledger.read_text().split()) <= set(tool_use.ITEMS) and ledger.read_text(), "the tool never ran"
+    # The worker's environment (.venv-worker) imported it; the control plane's (this one) only read it.
+    runners = ran_by.read_text().split()
+    assert runners and sys.prefix not in runners, runners
     run_dir = tmp_path / "store" / "runs" / run.flow_run_id
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert max(reward for _, reward in metrics["rewards"]) > 0.5, metrics["rewards"]

@@ -75,6 +75,14 @@ def test_an_adapter_of_another_base_is_refused():
         adopt_parent_adapter(LoraSettings(init_from="runs/r1"), ModelSource(id="org/other", revision="a" * 40), CONFIG)
 
 
+def test_an_adapter_on_the_lm_head_is_refused_naming_its_target_modules():
+    # Its shape would become the run's, past `lora.target_modules`' own check; TRL would refuse it on the rented GPU.
+    with pytest.raises(ValueError, match=r"lora.init_from 'org/head-adapter''s `target_modules` names lm_head, which "
+                                         r"LoRA cannot adapt here .*: start a new adapter"):
+        adopt_parent_adapter(LoraSettings(init_from="org/head-adapter"), BASE,
+                             {**CONFIG, "target_modules": ["q_proj", "lm_head"]})
+
+
 def test_an_earlier_runs_adapter_is_read_from_the_store_and_a_missing_one_refused(tmp_path):
     (tmp_path / "runs/r1/adapter").mkdir(parents=True)
     (tmp_path / "runs/r1/adapter/adapter_config.json").write_text(json.dumps(CONFIG))

@@ -1,11 +1,11 @@
 """localpod serves an endpoint of RunPod's vLLM worker image (`runpod/worker-v1-vllm:<tag>`) through the image's local
-stand-in, and answers RunPod's OpenAI route for it (../shared/runpod-api/serving.md).
+stand-in, and answers RunPod's OpenAI route for it (docs/serving.md, its facts §1–§7).
 
 Live: `python -m localpod` on a free port, its workers the stand-in (`localpod/vllm_worker/`, run with the worker
 environment's interpreter) serving the tiny model and LoRA adapters made here with PEFT. Each adapter makes one word
 the model's every next token, so greedy decoding through the adapter's name answers that word again and again, and
-the base does not. The client speaks the OpenAI wire shape with plain httpx (the `openai` package is not a
-dependency of the control plane).
+the base does not. The client speaks the OpenAI wire shape with plain httpx, and streams with the `openai` package
+(a test dependency), as a served endpoint's users do.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import openai
 import pytest
 from huggingface_hub import HfApi
 
@@ -266,16 +267,26 @@ def test_runsync_with_messages_and_sampling_params_answers_in_the_workers_list_s
     assert base["output"][0]["model"] == BASE
 
 
-def test_a_streaming_request_is_refused_with_400_before_any_job_is_queued(pod, served):
-    with openai_client(pod, served) as client:
-        response = client.post("/chat/completions", json={"model": BASE, "messages": QUESTION, "stream": True})
-    with api(pod) as http:
-        health = http.get(f"/{served}/health").json()
+def test_an_openai_client_streams_an_adapters_answer_a_token_a_chunk_and_a_completion_too(pod, served, adapters):
+    client = openai.OpenAI(base_url=f"{pod}/v2/{served}/openai/v1", api_key=KEY, timeout=COLD_START_S + 60)
+    chunks = list(client.chat.completions.create(model="answerer", messages=QUESTION, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in client.completions.create(model="answerer", prompt="The quick brown",
+                                                                  max_tokens=4, temperature=0, stream=True)]
 
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "stream"
-    assert "does not stream" in response.json()["error"]["message"]
-    assert health["jobs"]["inQueue"] == 0 and health["jobs"]["inProgress"] == 0
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert deltas == [adapters["answer"]] * 6  # one chunk per token
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6  # stream_options.include_usage
+    assert {c.model for c in chunks} == {"answerer"}
+    assert "".join(texts) == adapters["answer"] * 4
+
+
+def test_a_streamed_request_for_an_unknown_model_gets_vllms_404_before_any_event(pod, served):
+    client = openai.OpenAI(base_url=f"{pod}/v2/{served}/openai/v1", api_key=KEY, timeout=COLD_START_S + 60)
+    with pytest.raises(openai.NotFoundError, match="The model `nobody` does not exist."):
+        client.chat.completions.create(model="nobody", messages=QUESTION, max_tokens=2, stream=True)
 
 
 def test_a_prompt_and_max_tokens_past_max_model_len_get_vllms_400(pod, served):

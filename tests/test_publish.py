@@ -147,11 +147,14 @@ def test_a_pissa_adapter_is_served_at_twice_its_rank_as_stored() -> None:
     assert "--max-lora-rank 64" in model_card(facts(lora={"rank": 32, "init": "pissa_niter_16"}))
 
 
-@pytest.mark.parametrize("lora, named", [({"rank": 8, "use_dora": True}, "DoRA (`lora.use_dora`)"),
-                                         ({"rank": 8, "modules_to_save": ["lm_head"]}, "`lora.modules_to_save`")])
+@pytest.mark.parametrize("lora, named", [({"rank": 8, "use_dora": True}, "`use_dora` is set"),
+                                         ({"rank": 8, "modules_to_save": ["lm_head"]}, "`modules_to_save` is ['lm_head']"),
+                                         ({"rank": 8, "target_modules": ["q_proj", "lm_head"]},
+                                          "`target_modules` includes lm_head")])
 def test_an_adapter_vllm_refuses_gets_the_merge_instead_of_a_serve_command(lora, named) -> None:
+    # The serve's own rule (`served_adapters.vllm_refusals`), so the card and a serve refuse the same adapters.
     card = model_card(facts(lora=lora))
-    assert f"vLLM's LoRA loader refuses this adapter ({named})" in card and "merge_and_unload()" in card
+    assert f"vLLM's LoRA loader refuses this adapter ({named}" in card and "merge_and_unload()" in card
     assert "vllm serve" not in card
 
 

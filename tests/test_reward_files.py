@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from tasks.storage.artifacts import publish_run_inputs
 from tasks.storage.rewards import check_reward_files
+from tasks.storage.run_files import RunFile, read_run_files
 
 REWARD_SOURCE = '''
 import math
@@ -40,6 +41,14 @@ class CountingStore(FileStore):
         return super().put(files, message=message, **kwargs)
 
 
+def read(rewards: list[RewardSpec], run_dir: Path, dataset: Path | None = None) -> dict[str, RunFile]:
+    """The run's files as `check` reads them once (relative paths start at `run_dir`)."""
+    paths = [(f"grpo.rewards[{i}].name", r.name.rsplit(":", 1)[0]) for i, r in enumerate(rewards) if ":" in r.name]
+    if dataset is not None:
+        paths.append(("dataset.local_file", str(dataset)))
+    return read_run_files(paths, run_dir / ".read", base_dir=run_dir)
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     (tmp_path / "rewards").mkdir()
@@ -54,8 +63,8 @@ def test_a_reward_file_is_published_with_the_dataset_in_one_commit_and_rewritten
     monkeypatch.setattr("tasks.storage.artifacts.open_store", lambda url, token=None: store)
     rewards = [RewardSpec(name="rewards/math_rewards.py:boxed", weight=2.0), RewardSpec(name="digit_fraction")]
 
-    dataset_path, published, _ = publish_run_inputs(store_root.as_uri(), "run-1", run_dir / "data.jsonl", rewards,
-                                                    run_dir)
+    dataset_path, published, _ = publish_run_inputs(store_root.as_uri(), "run-1",
+                                                    read(rewards, run_dir, run_dir / "data.jsonl"), rewards)
 
     assert dataset_path == "runs/run-1/dataset/train.jsonl"
     assert published == [
@@ -73,7 +82,7 @@ def test_rewards_naming_one_file_share_its_copy_and_different_files_of_one_name_
     rewards = [RewardSpec(name="rewards/math_rewards.py:boxed"), RewardSpec(name="rewards/math_rewards.py:shorter"),
                RewardSpec(name=f"{run_dir}/other/math_rewards.py:boxed")]
 
-    _, published, _ = publish_run_inputs((tmp_path / "store").as_uri(), "r", None, rewards, run_dir)
+    _, published, _ = publish_run_inputs((tmp_path / "store").as_uri(), "r", read(rewards, run_dir), rewards)
 
     assert [r.store_path for r in published] == ["runs/r/rewards/math_rewards.py", "runs/r/rewards/math_rewards.py",
                                                  "runs/r/rewards/math_rewards-2.py"]
@@ -82,32 +91,36 @@ def test_rewards_naming_one_file_share_its_copy_and_different_files_of_one_name_
 
 def test_relative_reward_files_start_at_the_base_folder(run_dir):
     rewards = [RewardSpec(name="numeric_match", column="answer"), RewardSpec(name="rewards/math_rewards.py:later")]
-    assert check_reward_files(rewards, run_dir) == {1: run_dir / "rewards" / "math_rewards.py"}
+    assert {i: file.location for i, file in check_reward_files(rewards, read(rewards, run_dir)).items()} == {
+        1: run_dir / "rewards" / "math_rewards.py"}
 
 
 def test_a_missing_reward_file_is_refused_naming_the_field_before_anything_is_stored(run_dir, tmp_path):
     rewards = [RewardSpec(name="digit_fraction"), RewardSpec(name="rewards/nope.py:boxed")]
-    with pytest.raises(ValueError, match=r"^grpo.rewards\[1\].name `rewards/nope.py:boxed`: reward file .*nope.py does not exist"):
-        publish_run_inputs((tmp_path / "store").as_uri(), "r", run_dir / "data.jsonl", rewards, run_dir)
+    with pytest.raises(ValueError, match=r"^grpo.rewards\[1\].name rewards/nope.py \(.*nope.py\) does not exist"):
+        read(rewards, run_dir, run_dir / "data.jsonl")
     assert not (tmp_path / "store").exists()
 
 
 def test_a_reward_file_without_the_function_is_refused_naming_the_functions_it_has(run_dir):
+    rewards = [RewardSpec(name="rewards/math_rewards.py:boxd")]
     with pytest.raises(ValueError, match=r"^grpo.rewards\[0\].name `rewards/math_rewards.py:boxd`: reward file .* defines "
                                          r"no top-level function `boxd` \(its functions: `boxed`, `later`\)"):
-        check_reward_files([RewardSpec(name="rewards/math_rewards.py:boxd")], run_dir)
+        check_reward_files(rewards, read(rewards, run_dir))
 
 
 def test_a_reward_file_is_parsed_not_run(run_dir):
     (run_dir / "rewards" / "loud.py").write_text("raise SystemExit('ran on the control plane')\ndef score(**kw):\n    pass\n")
-    assert check_reward_files([RewardSpec(name="rewards/loud.py:score")], run_dir)
+    rewards = [RewardSpec(name="rewards/loud.py:score")]
+    assert check_reward_files(rewards, read(rewards, run_dir))
 
 
 def test_a_reward_file_that_is_not_python_is_refused_naming_the_line(run_dir):
     (run_dir / "rewards" / "broken.py").write_text("def score(completions):\n    return [\n")
+    rewards = [RewardSpec(name="rewards/broken.py:score")]
     with pytest.raises(ValueError, match=r"grpo.rewards\[0\].name `rewards/broken.py:score`: reward file .* is not valid "
                                          r"Python, line 2"):
-        check_reward_files([RewardSpec(name="rewards/broken.py:score")], run_dir)
+        check_reward_files(rewards, read(rewards, run_dir))
 
 
 def test_the_name_needs_the_py_suffix_and_store_path_is_for_reward_files_only():

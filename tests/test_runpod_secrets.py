@@ -294,6 +294,17 @@ def test_a_namespaces_key_block_is_made_once_and_then_reused(local_stack):
     assert len(key) == 64 and bytes.fromhex(key.decode())
 
 
+def test_a_runs_checkpoint_key_is_its_own_and_the_same_for_every_attempt():
+    # The worker resumes only from checkpoints signed with it: a teammate who can write the store cannot make one.
+    from tasks.lifecycle.secret_key import run_checkpoint_key
+
+    namespace_key = secrets.token_hex(32).encode()
+    key = run_checkpoint_key(namespace_key, "run-a")
+    assert run_checkpoint_key(namespace_key, "run-a") == key and len(key) == 64 and bytes.fromhex(key)
+    assert run_checkpoint_key(namespace_key, "run-b") != key
+    assert run_checkpoint_key(secrets.token_hex(32).encode(), "run-a") != key
+
+
 def test_a_key_block_that_exists_is_never_replaced(local_stack):
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings

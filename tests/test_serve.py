@@ -1,32 +1,38 @@
 """A serve's decisions before and around its endpoint, as plain functions: its endpoint's name (kind and expiry, read
 back by the reconciler), the slots and workers it asks for, the GPU memory it needs and the GPU it takes, the adapters
-as RunPod's vLLM worker reads them (the worker's own argument rules read them back here), MAX_LORA_RANK, the serve
-file's refusals, the cold-start diagnosis and the watch. The endpoint's life itself: tests/test_serve_e2e.py."""
+as RunPod's vLLM worker reads them (the worker's own argument rules read them back here), MAX_LORA_RANK, the adapters
+vLLM refuses, the serve file's refusals and defaults, the container disk, the cold-start diagnosis, "try it", the
+cost count and the watch. The endpoint's life itself: tests/test_serve_e2e.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
-from flows.serve import ServeSpec, check_serve_cap, serve
+from flows.serve import DEFAULT_MAX_MODEL_LEN, ServeSpec, check_serve_cap, serve, serving_length
 from flows.spec import PublishServe, RunSpec
 from tasks.jobs.serve import (
     SERVING_TOKEN_ENV,
     VLLM_IMAGE_MIN_CUDA,
     VLLM_WORKER_IMAGE,
     ServePlan,
+    TEMPLATE_DISK_GB,
     lora_env,
+    serving_disk_gb,
     serving_env,
     serving_request,
     summary_key,
 )
-from tasks.jobs.serve_watch import CRASH_LOOP_WORKERS, Answer, StartupWatch, TryReport, watch_serving
+from tasks.jobs.serve_watch import CRASH_LOOP_WORKERS, Answer, RepoWatch, StartupWatch, TryReport, WorkerTime, ask, \
+    watch_serving
 from tasks.lifecycle.liveness import HeartbeatIntervals
 from tasks.lifecycle.reconcile import EndpointsSeen, LiveRun, RunsSeen, decide
 from tasks.placement.gpu_fit import GIB
@@ -38,7 +44,8 @@ from tasks.runpod.endpoints import MAX_ENDPOINT_NAME, endpoint_name, parse_endpo
     serving_endpoint_name
 from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.models import Endpoint, EndpointWorker, Health
-from tasks.storage.served_adapters import ServedAdapter, adapter_rank, default_adapter_name, max_lora_rank
+from tasks.storage.served_adapters import AdapterRefused, ServedAdapter, adapter_rank, default_adapter_name, \
+    max_lora_rank, resolve_adapter, run_adapter_refusals, vllm_refusals
 from tests.test_spec import minimal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -217,6 +224,53 @@ def test_an_adapters_rank_is_the_largest_of_r_and_its_per_module_ranks():
         adapter_rank({"lora_alpha": 16})
 
 
+PLAIN = {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"], "use_dora": False,
+         "modules_to_save": None, "base_model_name_or_path": "Qwen/Qwen3-8B"}
+
+
+def test_a_plain_lora_adapter_is_one_vllm_loads():
+    assert vllm_refusals(PLAIN) == [] and vllm_refusals(PLAIN | {"target_modules": "all-linear", "r": 512}) == []
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"use_dora": True}, "`use_dora` is set: vLLM does not load DoRA adapters"),
+    ({"modules_to_save": ["lm_head"]}, "`modules_to_save` is ['lm_head']: vLLM loads LoRA weights only"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "`target_modules` includes lm_head"),
+    ({"target_modules": r".*\.(embed_tokens|q_proj)"}, "`target_modules` includes embed_tokens"),
+    ({"r": 1024}, "`r` 1024 is above 512"),
+])
+def test_an_adapter_vllm_refuses_is_said_naming_the_field_and_why(change, words):
+    assert [words in reason for reason in vllm_refusals(PLAIN | change)] == [True]
+
+
+def test_an_adapter_config_without_vllms_required_fields_is_refused_naming_them():
+    assert vllm_refusals({"r": 8}) == ["`lora_alpha`, `target_modules` missing: vLLM requires r, lora_alpha and "
+                                       "target_modules"]
+
+
+def write_adapter(folder: Path, config: dict) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_dora_adapter_is_refused_before_renting_naming_the_entry_the_field_and_the_way_out(tmp_path):
+    folder = write_adapter(tmp_path / "dora", PLAIN | {"use_dora": True})
+    with pytest.raises(AdapterRefused) as refused:
+        resolve_adapter(str(folder), None, base_model="Qwen/Qwen3-8B", store_url=None, token=None, hub_endpoint=None,
+                        local_ok=True, field="serve.adapters[1]")
+    message = str(refused.value)
+    assert message.startswith("serve.adapters[1]: vLLM refuses the adapter") and "`use_dora` is set" in message
+    assert "merge it into the base" in message
+
+
+def test_a_runs_lora_section_is_held_to_the_same_rule_as_its_stored_adapter():
+    assert run_adapter_refusals({"rank": 16, "use_dora": True})[0].startswith("`use_dora` is set")
+    assert run_adapter_refusals({"rank": 16, "modules_to_save": ["embed_tokens"]})[0].startswith("`modules_to_save`")
+    assert run_adapter_refusals({"rank": 16, "target_modules": "all-linear"}) == []
+    assert run_adapter_refusals({"rank": 512, "init": "pissa"})[0].startswith("`r` 1024")  # stored at twice the rank
+
+
 def test_an_adapters_default_name_is_the_last_part_of_its_source():
     assert [default_adapter_name(s) for s in ("runs/3f1c", "org/support-lora", "/data/adapters/bot/")] == \
         ["3f1c", "support-lora", "bot"]
@@ -249,6 +303,17 @@ def test_the_workers_env_names_the_base_lora_settings_and_the_token_variable_the
         ("true", "2", "32", "8192")
     assert env["RUNPOD_INIT_TIMEOUT"] == "1200"
     assert "HF_HOME" not in env  # no warm volume: the image's own cache
+
+
+def test_a_cold_start_allowance_past_20_minutes_reaches_both_clocks_that_end_a_start():
+    env = serving_env(plan(cold_start_s=45 * 60), {})
+    assert env["RUNPOD_INIT_TIMEOUT"] == env["VLLM_STARTUP_TIMEOUT"] == "2700"  # the worker's own default is 1,200 s
+
+
+def test_the_container_disk_holds_the_image_vllms_caches_and_the_weights_and_never_less_than_runpods_template():
+    assert serving_disk_gb(16 * 10**9, base_on_volume=False) == TEMPLATE_DISK_GB == 150
+    assert serving_disk_gb(240 * 10**9, base_on_volume=False) == 240 + 30 + 10
+    assert serving_disk_gb(240 * 10**9, base_on_volume=True) == 150  # the weights are on the volume
 
 
 def test_a_warm_volume_is_attached_and_the_workers_hub_cache_pointed_at_loraflows_copy_on_it():
@@ -320,6 +385,26 @@ def test_a_serve_naming_one_of_the_servers_own_blocks_as_its_token_is_refused_na
     with pytest.raises(ServerRuleError, match=f"hub_token_secret: the Prefect Secret block '{block}' is this server's "
                                               "own"), disable_run_logger():  # the check's first step, before any read
         check_serve.fn(ServeSpec.model_validate(spec().model_dump() | {"hub_token_secret": block}), "serve-run-1")
+
+
+@pytest.mark.parametrize(("asked", "context", "served"), [
+    (None, 1024, 1024),  # a short base is served at its context
+    (None, 40960, DEFAULT_MAX_MODEL_LEN),
+    (None, None, DEFAULT_MAX_MODEL_LEN),
+    (2048, 40960, 2048),
+    (1024, 1024, 1024),
+])
+def test_max_model_len_is_as_asked_else_the_default_or_the_bases_shorter_context(asked, context, served):
+    assert serving_length(asked, context, base="tiny") == served
+
+
+def test_a_serve_file_without_max_model_len_leaves_it_to_the_bases_context():
+    assert spec().serve.max_model_len is None
+
+
+def test_a_max_model_len_above_the_bases_context_is_refused_naming_both():
+    with pytest.raises(ValueError, match="serve.max_model_len 2048 is above tiny's context of 1024 tokens"):
+        serving_length(2048, 1024, base="tiny")
 
 
 def test_the_shipped_serve_file_is_a_valid_serve():
@@ -430,6 +515,57 @@ def test_the_watch_ends_the_serve_once_its_cost_reaches_the_budget():
 def test_the_watch_ends_on_a_cancel_and_on_an_endpoint_deleted_behind_it():
     assert watch(Clock(), cancelled_after=30)[0] == "cancelled"
     assert watch(Clock(), exists=False)[0] == "lost"
+
+
+def test_the_cost_counts_one_worker_from_the_endpoints_creation_through_the_cold_start_and_try_it():
+    count = WorkerTime(created=1000.0, usd_per_hour=3.6)
+    assert count.add(0, 1600.0) == pytest.approx(0.6)  # 10 minutes of one worker before the watch's first reading
+    assert count.add(2, 1700.0) == pytest.approx(0.6 + 0.2)
+    assert count.add(0, 1800.0) == pytest.approx(0.8 + 0.2)  # the two seen last stood for the interval
+
+
+def test_a_hub_adapters_repo_that_moves_is_said_once_per_commit_with_both_commits():
+    heads, said = {"org/a": "a" * 40, "org/b": "b" * 40}, []
+    repos = RepoWatch({"a": ("org/a", "a" * 40), "b": ("org/b", "b" * 40)}, heads.__getitem__, said.append)
+    repos.check()
+    assert said == []
+    heads["org/b"] = "c" * 40
+    repos.check()
+    repos.check()
+    assert len(said) == 1 and said[0].startswith(f"Adapter b's repo org/b moved from commit {'b' * 12} (the one this "
+                                                 f"serve checked) to {'c' * 12}")
+
+
+def test_the_watch_reads_the_adapters_repos_with_the_cost():
+    clock, looked = Clock(), []
+    watch_serving(expires_at=clock() + 130, budget_usd=10, read_cost=lambda: 0.0, endpoint_exists=lambda: True,
+                  heartbeat=lambda: None, clock=clock, sleep=clock.sleep, cancel_requested=lambda: False,
+                  watch_repos=lambda: looked.append(clock()))
+    assert len(looked) == 3  # at once, then every minute
+
+
+def answered(body: object, status: int = 200) -> tuple[Answer, dict]:
+    sent = {}
+
+    def endpoint(request: httpx.Request) -> httpx.Response:
+        sent.update(json.loads(request.content))
+        return httpx.Response(status, json=body)
+
+    with httpx.Client(base_url="https://api.runpod.ai/v2/ep/openai/v1", transport=httpx.MockTransport(endpoint)) as http:
+        return ask(http, "bot", "hi", 16), sent
+
+
+def test_try_it_asks_without_thinking_and_keeps_the_answer_and_its_tokens():
+    answer, sent = answered({"choices": [{"message": {"content": "Hello."}}], "usage": {"completion_tokens": 3}})
+    assert (answer.text, answer.completion_tokens, answer.error) == ("Hello.", 3, None)
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False} and sent["temperature"] == 0
+
+
+@pytest.mark.parametrize("body", [{"choices": []}, {"choices": [{"message": {"content": None}}]}, {"object": "error"},
+                                  ["not", "an", "answer"]])
+def test_an_unexpected_200_is_recorded_as_such_and_not_raised(body):
+    answer, _ = answered(body)
+    assert answer.error.startswith("unexpected answer (HTTP 200 without choices[0].message.content)")
 
 
 def test_the_try_it_table_puts_the_base_and_each_adapter_side_by_side_with_tokens_and_latency():

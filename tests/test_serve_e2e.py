@@ -1,11 +1,13 @@
 """From adapter to answers, on the local stack: the tiny model trained on one fixed phrase, then served by the `serve`
 flow on localpod's stand-in for RunPod's vLLM worker, under loraflow's rules.
 
-One serve answers an OpenAI-shaped client (plain httpx) at the base URL it prints: the phrase from the adapter's model
-name and not from the base's, and a second adapter of the same base from the same endpoint; it holds its slots on the
-endpoint limit while it lives, the reconcile flow keeps it, and `--stop` (a cancel of its flow run) deletes it. A serve
-whose budget is reached is deleted; one whose flow process is killed is kept by the reconcile flow until its expiry
-and deleted after; one whose workers crash while they start ends at once, saying why. Nothing is left at localpod.
+One serve answers the `openai` client at the base URL it prints, streamed or not: the phrase from the adapter's model
+name and not from the base's, and a second adapter of the same base from the same endpoint, at the tiny base's own
+context of 1,024 tokens (the serve file names no max_model_len); it holds its slots on the endpoint limit while it
+lives, the reconcile flow keeps it, and `--stop` (a cancel of its flow run) deletes it. A serve whose budget is reached
+is deleted; one whose flow process is killed is kept by the reconcile flow until its expiry and deleted after; one
+whose workers crash while they start ends at once, saying why; one of a DoRA adapter is refused before anything is
+rented. Nothing is left at localpod.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def write_serve_file(path: Path, *, name: str, model: Path, store: Path | str, a
     lines = [f'name = "{name}"', f'artifact_store = "{store_url}"', "[serve]", f'base_model = "{model}"',
              "adapters = [" + ", ".join("{ " + ", ".join(f'{k} = "{v}"' for k, v in a.items()) + " }"
                                         for a in adapters) + "]"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items() if value is not None]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -122,11 +124,13 @@ def endpoint_document(stack, endpoint_id: str) -> dict:
                      headers={"Authorization": f"Bearer {stack.client_env['RUNPOD_API_KEY']}"}).json()
 
 
-def chat(client: httpx.Client, model: str) -> str:
-    response = client.post("/chat/completions", json={"model": model, "max_tokens": 16, "temperature": 0,
-                                                      "messages": [{"role": "user", "content": QUESTIONS[1]}]})
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["message"]["content"]
+def chat(client: openai.OpenAI, model: str, *, stream: bool = False) -> str:
+    """An answer to `QUESTIONS[1]`, greedy; `stream`: as server-sent events, joined."""
+    answer = client.chat.completions.create(model=model, max_tokens=16, temperature=0, stream=stream,
+                                            messages=[{"role": "user", "content": QUESTIONS[1]}])
+    if stream:
+        return "".join(chunk.choices[0].delta.content or "" for chunk in answer if chunk.choices)
+    return answer.choices[0].message.content
 
 
 def artifacts(stack, flow_run_id: str) -> dict[str, dict]:
@@ -151,7 +155,7 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
     slots_before = endpoint_slots_in_use(local_stack)
     serve_file = write_serve_file(
         tmp_path / "serve.toml", name="e2e-serve", model=tiny_model, store=trained["store"], max_workers=2,
-        adapters=[{"name": "phrase", "source": f"runs/{trained['run_id']}"},
+        max_model_len=None, adapters=[{"name": "phrase", "source": f"runs/{trained['run_id']}"},
                   {"name": "answerer", "source": str(answerer["folder"])}])
     serve = Serve(local_stack, serve_file, tmp_path / "serve.log")
     try:
@@ -159,14 +163,17 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         assert serve.wait_for_line(r"models: (.+)")[1].strip() == f"{tiny_model}, phrase, answerer"
         run_id = serve_run_id(local_stack, "e2e-serve")
 
-        # An OpenAI client: the base URL it printed, the RunPod key as its API key, a model by name.
-        key = local_stack.client_env["RUNPOD_API_KEY"]
-        with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=300) as client:
-            assert PHRASE in chat(client, "phrase")
-            assert PHRASE not in chat(client, str(tiny_model))
-            assert chat(client, "answerer") == answerer["word"] * 16  # the second adapter, same endpoint
-            listed = client.get("/models").json()["data"]
-            assert [m["id"] for m in listed] == [str(tiny_model), "phrase", "answerer"]
+        # The `openai` client: the base URL it printed, the RunPod key as its API key, a model by name.
+        client = openai.OpenAI(base_url=base_url, api_key=local_stack.client_env["RUNPOD_API_KEY"], timeout=300)
+        assert PHRASE in chat(client, "phrase")
+        assert PHRASE not in chat(client, str(tiny_model))
+        assert chat(client, "answerer") == answerer["word"] * 16  # the second adapter, same endpoint
+        # Streamed, as the real worker streams through RunPod's OpenAI route: the same answers.
+        assert PHRASE in chat(client, "phrase", stream=True)
+        assert chat(client, "answerer", stream=True) == answerer["word"] * 16
+        listed = client.models.list().data
+        assert [m.id for m in listed] == [str(tiny_model), "phrase", "answerer"]
+        assert listed[0].max_model_len == 1024  # no max_model_len asked: the tiny base's own context
 
         # One endpoint of RunPod's vLLM worker, its two workers' slots held on the limit while it lives.
         [endpoint] = [e for e in serve_endpoints(local_stack, "e2e-serve") if e["deletedAt"] is None]
@@ -270,6 +277,10 @@ def test_a_run_of_an_hf_store_is_served_from_a_private_model_repo_and_the_serve_
         assert "adapter_config.json" in api.list_repo_files(f"acme/loraflow-{run_id}")
         assert f"models: {tiny_model}, {run_id}" in serve.output
         assert "reaching budget_usd $0.0001" in serve.output  # then deleted, and the run completed
+        # The watch held the repo to the commit its publish made, which nothing moved.
+        assert re.search(rf"Adapter {run_id} is served from acme/loraflow-{run_id} at commit [0-9a-f]{{12}}",
+                         serve.output), serve.output[-3000:]
+        assert "moved from commit" not in serve.output
         nothing_left(local_stack, "e2e-budget")
     finally:
         stop_process_group(serve.proc)
@@ -326,6 +337,24 @@ def test_workers_that_crash_while_they_start_end_the_serve_at_once_saying_why(lo
             serve.output[-5000:]
         assert endpoint_slots_in_use(local_stack) == slots_before
         nothing_left(local_stack, "e2e-crash")
+    finally:
+        stop_process_group(serve.proc)
+
+
+def test_a_dora_adapter_is_refused_before_anything_is_rented_naming_dora(local_stack, tiny_model, answerer, tmp_path):
+    # vLLM refuses DoRA at startup, on every worker RunPod would start: the check refuses it first.
+    dora = tmp_path / "dora"
+    shutil.copytree(answerer["folder"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    serve_file = write_serve_file(tmp_path / "serve.toml", name="e2e-dora", model=tiny_model, store=tmp_path,
+                                  adapters=[{"name": "dora", "source": str(dora)}])
+    serve = Serve(local_stack, serve_file, tmp_path / "serve.log")
+    try:
+        assert serve.wait() == 1
+        assert f"serve.adapters[0]: vLLM refuses the adapter '{dora}' (`use_dora` is set: vLLM does not load DoRA " \
+               "adapters)" in serve.output, serve.output[-3000:]
+        assert not serve_endpoints(local_stack, "e2e-dora")
     finally:
         stop_process_group(serve.proc)
 

@@ -276,7 +276,8 @@ def test_early_stopping_without_evaluation_is_refused_naming_both_before_anythin
     with pytest.raises(SpecError) as e:
         load_run_file(run_file)
     assert "  - evaluation: Value error, `training.early_stopping` stops when held-out evaluation stops improving, " \
-           "and the run has no `[evaluation]` section: add one" in str(e.value)
+           "and the run has no held-out rows (`evaluation.fraction` or `evaluation.local_file`): add them" \
+           in str(e.value)
 
 
 def test_early_stopping_watches_the_algorithms_own_metric_unless_told():
@@ -417,6 +418,23 @@ def test_a_dpo_run_with_a_pissa_adapter_is_refused_naming_lora_init_before_anyth
     message = str(refused.value)
     assert "`lora.init` 'pissa' with algorithm 'dpo'" in message and "residual base" in message
     assert "set `lora.init` to 'default' or 'gaussian'" in message
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "dpo", "grpo"])
+def test_a_run_adapting_the_lm_head_is_refused_naming_target_modules_and_modules_to_save_before_renting(algorithm):
+    # TRL 1.16 refuses it when its trainer starts, on a rented GPU: its fused head reads `lm_head.weight` directly.
+    sections = {"grpo": GRPO, "training": {"batch_size": 8}} if algorithm == "grpo" else {}
+    with pytest.raises(ValidationError) as refused:
+        RunSpec.model_validate(minimal(algorithm=algorithm, lora={"target_modules": ["q_proj", "lm_head"]}, **sections))
+    assert error_fields(refused.value) == {"lora.target_modules"}
+    assert "`lora.target_modules` names lm_head" in str(refused.value)
+    assert "name it in `lora.modules_to_save`" in str(refused.value)
+
+
+def test_a_dpo_loss_trl_refuses_without_label_smoothing_is_refused_naming_the_field():
+    with pytest.raises(ValidationError) as refused:
+        RunSpec.model_validate(minimal(algorithm="dpo", dpo={"loss_type": "exo_pair"}))
+    assert error_fields(refused.value) == {"dpo.loss_type"} and "label_smoothing" in str(refused.value)
 
 
 def test_a_grpo_run_training_modules_in_full_beside_a_colocated_vllm_is_refused_naming_both_fields():

@@ -1,12 +1,11 @@
 """A GRPO run's tools (`grpo.tools = "tools.py"`, `grpo.environment = "env.py:Class"`) are checked before anything
 is rented: every tool must be one transformers can show the model (a type hint per parameter, a docstring with an
-`Args:` line for each), an environment needs `reset` and a tool method, and the file, the user's code, is imported in
-a process of its own. A file that needs a module installed only on the worker is read from its source instead. The
-model's chat template must render a whole tool conversation."""
+`Args:` line for each), an environment needs `reset` and a tool method. The file, the user's code, is read from its
+source and never run here (the attacks on that: `test_tools_attacks.py`); what only running it could tell is left to
+the worker, with a note. The model's chat template must render a whole tool conversation."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jinja2
@@ -132,89 +131,38 @@ def test_an_environment_class_the_file_lacks_is_refused(tmp_path):
         check_tools(None, write(tmp_path, "env.py", GOOD_ENVIRONMENT) + ":Store", tmp_path)
 
 
-def test_a_file_that_raises_while_importing_is_refused_with_its_exception(tmp_path):
+def test_a_file_whose_import_would_raise_is_read_not_run(tmp_path):
     source = GOOD_TOOLS + "\nLIMIT = 1 / 0\n"
 
-    with pytest.raises(ValueError) as refused:
-        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+    check = check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
 
-    message = str(refused.value)
-    assert message.startswith("grpo.tools `tools.py`: importing ")
-    assert "raised ZeroDivisionError: division by zero at line" in message
-    assert "`LIMIT = 1 / 0`" in message
+    assert check.tool_names == ["lookup", "add"] and check.note is None  # the worker imports it, and says so
 
 
-def test_the_file_is_imported_in_another_process(tmp_path):
-    source = f"import os\nopen({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n" + GOOD_TOOLS
-
-    check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
-
-    assert int((tmp_path / "pid").read_text()) != os.getpid()
+def test_a_file_that_is_not_valid_python_is_refused_naming_the_line(tmp_path):
+    with pytest.raises(ValueError, match=r"grpo.tools `tools.py`: .*tools.py is not valid Python \(line 3: "):
+        check_tools(write(tmp_path, "tools.py", "def lookup(city: str) -> str:\n    pass\n  oops\n"), None, tmp_path)
 
 
-def _environment_seen_by(tools_file_folder: Path, worker_env: dict[str, str] | None = None) -> dict:
-    """What a tools file sees as it is imported: its environment, working folder and home."""
-    import json
-
-    seen = tools_file_folder / "seen.json"
-    source = ("import json, os\n"
-              f"open({str(seen)!r}, 'w').write(json.dumps({{'env': dict(os.environ), 'cwd': os.getcwd()}}))\n"
-              + GOOD_TOOLS)
-    check_tools(write(tools_file_folder, "tools.py", source), None, tools_file_folder, worker_env)
-    return json.loads(seen.read_text())
-
-
-def test_the_control_planes_keys_do_not_reach_the_tools_file(tmp_path, monkeypatch):
-    keys = ("RUNPOD_API_KEY", "HF_TOKEN", "PREFECT_API_URL", "PREFECT_API_KEY", "LORAFLOW_ARTIFACT_STORE")
-    for name in keys:
-        monkeypatch.setenv(name, f"{name.lower()}-value-of-the-control-plane")
-
-    seen = _environment_seen_by(tmp_path)["env"]
-
-    assert not set(keys) & set(seen)
-    assert not [name for name, value in seen.items() if "value-of-the-control-plane" in value]
-
-
-def test_the_runs_worker_env_variables_reach_the_tools_file(tmp_path):
-    seen = _environment_seen_by(tmp_path, {"JUDGE_URL": "http://judge.example/v1"})["env"]
-
-    assert seen["JUDGE_URL"] == "http://judge.example/v1"
-
-
-def test_the_tools_file_runs_in_a_fresh_home_and_working_folder(tmp_path):
-    seen = _environment_seen_by(tmp_path)
-
-    assert Path(seen["cwd"]).resolve() not in (tmp_path.resolve(), Path.cwd().resolve())
-    assert seen["env"]["HOME"] != os.environ["HOME"]
-    assert not Path(seen["cwd"]).exists() and not Path(seen["env"]["HOME"]).exists()  # removed with the check
-
-
-def test_a_file_may_print_while_it_is_imported(tmp_path):
-    source = "print('loading tools')\n" + GOOD_TOOLS
-
-    assert check_tools(write(tmp_path, "tools.py", source), None, tmp_path).tool_names == ["lookup", "add"]
-
-
-def test_a_sibling_module_is_not_importable_as_it_is_not_shipped_with_the_file(tmp_path):
+def test_a_sibling_module_it_imports_is_named_in_a_warning_as_it_is_not_shipped_with_the_file(tmp_path):
     write(tmp_path, "weather_data.py", "CITIES = ['Oslo']\n")
     source = "from weather_data import CITIES\n" + GOOD_TOOLS
 
     check = check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
 
-    assert "module `weather_data` is not installed here" in check.note
+    assert "line 1 imports `weather_data`, a module beside it here that the run does not ship" in check.note
 
 
-def test_a_file_needing_a_module_not_installed_here_is_checked_from_its_source_with_a_note(tmp_path):
+def test_a_file_importing_a_module_not_installed_here_is_read_all_the_same(tmp_path):
     source = "import loraflow_only_on_the_worker\n" + GOOD_TOOLS
 
     check = check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
 
-    assert check.tool_names == ["lookup", "add"]
-    assert "could not be imported here (module `loraflow_only_on_the_worker` is not installed here)" in check.note
-    assert "checked from its source without running it" in check.note
+    assert check.tool_names == ["lookup", "add"] and check.note is None
+    assert [schema["function"]["name"] for schema in check.schemas] == ["lookup", "add"]
 
 
-def test_a_bad_tool_in_a_file_not_importable_here_is_still_refused_by_name(tmp_path):
+def test_a_bad_tool_in_a_file_importing_a_module_not_installed_here_is_refused_by_name(tmp_path):
     source = "import loraflow_only_on_the_worker\n" + GOOD_TOOLS.replace("metric: bool = True", "metric=True")
 
     with pytest.raises(ValueError, match=r"tool `lookup` cannot be shown to the model: Argument metric is missing a "
@@ -222,13 +170,70 @@ def test_a_bad_tool_in_a_file_not_importable_here_is_still_refused_by_name(tmp_p
         check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
 
 
-def test_an_environment_not_importable_here_is_checked_from_its_source(tmp_path):
+def test_an_environment_importing_a_module_not_installed_here_is_read_all_the_same(tmp_path):
     source = "import loraflow_only_on_the_worker\n" + GOOD_ENVIRONMENT
 
     check = check_tools(None, write(tmp_path, "env.py", source) + ":Shop", tmp_path)
 
-    assert check.tool_names == ["buy"]
-    assert check.note is not None
+    assert check.tool_names == ["buy"] and check.note is None
+
+
+def test_a_decorated_tool_is_left_to_the_worker_naming_its_line(tmp_path):
+    source = "import functools\n" + GOOD_TOOLS.replace("def lookup(", "@functools.cache\ndef lookup(")
+
+    check = check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+    assert check.tool_names == ["add"] and check.schemas is None
+    assert "line 6: `lookup` has a decorator, which only running the file applies" in check.note
+    assert "the worker checks those tools as the job starts" in check.note
+
+
+def test_a_hint_naming_another_packages_type_is_left_to_the_worker(tmp_path):
+    source = "from pydantic import HttpUrl\n" + GOOD_TOOLS.replace("city: str,", "city: HttpUrl,")
+
+    check = check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+    assert check.schemas is None and "the hints of `lookup` name `HttpUrl`, known only by running the file" in check.note
+
+
+def test_a_hint_naming_nothing_the_file_defines_is_refused(tmp_path):
+    source = GOOD_TOOLS.replace("city: str,", "city: Town,")
+
+    with pytest.raises(ValueError, match=r"tool `lookup` cannot be shown to the model: its hint `Town` \(line \d+\): "
+                                         r"`Town` is not defined in the file"):
+        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
+
+
+def test_an_environment_inheriting_from_another_packages_class_is_left_to_the_worker(tmp_path):
+    source = "from shop_lib import BaseShop\n" + GOOD_ENVIRONMENT.replace("class Shop:", "class Shop(BaseShop):")
+
+    check = check_tools(None, write(tmp_path, "env.py", source) + ":Shop", tmp_path)
+
+    assert check.schemas is None
+    assert "class `Shop` inherits from `BaseShop`, which is not a class of the file" in check.note
+
+
+BIG_SHOP = '''
+
+class BigShop(Shop):
+    def buy(self, item: str) -> str:
+        return super().buy(item) + "!"
+
+    def weigh(self, item: str) -> float:
+        """Weigh an item.
+
+        Args:
+            item: What to weigh.
+        """
+        return 1.0
+'''
+
+
+def test_an_environment_inherits_tools_and_their_docstrings_from_a_class_of_the_file(tmp_path):
+    check = check_tools(None, write(tmp_path, "env.py", GOOD_ENVIRONMENT + BIG_SHOP) + ":BigShop", tmp_path)
+
+    assert check.tool_names == ["buy", "weigh"]
+    assert check.schemas[0]["function"]["description"] == "Put an item in the basket."
 
 
 CHATML_WITH_TOOLS = """
@@ -282,16 +287,6 @@ def test_a_chat_template_that_raises_on_a_tool_conversation_is_refused():
     problem = tool_template_problem(renderer(strict), "strict")
 
     assert problem is not None and problem.startswith("chat template strict cannot render a tool conversation")
-
-
-def test_a_file_that_hangs_while_importing_is_refused_after_the_timeout(tmp_path, monkeypatch):
-    monkeypatch.setattr("tasks.preflight.tools.IMPORT_TIMEOUT_S", 5)
-    # A grandchild that keeps the output pipes open must not hold the check past its timeout either.
-    source = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n" \
-             "time.sleep(60)\n" + GOOD_TOOLS
-
-    with pytest.raises(ValueError, match=r"grpo.tools `tools.py`: importing .* took more than 5 s"):
-        check_tools(write(tmp_path, "tools.py", source), None, tmp_path)
 
 
 def _tokenizer_files(model: Path, folder: Path, chat_template: str | None = None) -> Path:

@@ -11,8 +11,13 @@ the job ends, as `/runsync` holds one (`?wait=` ms, default 300000). Then:
   `{"error": {"message": "The model `X` does not exist.", "type": "NotFoundError", ...}}` for an unknown model;
 - another end (a worker error of its own, a timeout, a cancel): 500, `{"error": {...}}` naming it;
 - still not ended after `wait`: 504 naming the job, which goes on (its `/status` says how it ends).
-RunPod documents none of the failure answers (serving.md, "Unknown without a real key"): these are localpod's. localpod
-does not stream: a body with `"stream": true` is refused with 400 before any job is queued.
+RunPod documents none of the failure answers (serving.md, "Unknown without a real key"): these are localpod's.
+
+A body with `"stream": true` is answered as it is made: the vLLM worker yields the server's event stream as text
+slices (serving.md §4), each a stream chunk of the job, and they are sent on as they arrive, one server-sent-events
+body (`text/event-stream`), as an OpenAI client streaming from RunPod's route reads it. A job that fails before its
+first chunk is answered as above (vLLM's 404 for an unknown model, ...); one that fails after it ends the stream with
+an `error` event and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from localpod.auth import require_api_key
 from localpod.models import RunRequest
@@ -48,7 +54,7 @@ async def openai_request(
     request: Request,
     wait: int = Query(default=300_000, ge=1000, le=3_600_000, description="Milliseconds to wait for the job's end."),
     state: LocalpodState = Depends(get_state),
-) -> JSONResponse:
+) -> Response:
     fault = await route_fault(request, "run", endpoint_id=endpoint_id)  # the job API's route faults apply, as to /runsync
     endpoint = state.live_endpoint(endpoint_id)
     if endpoint is None:
@@ -61,14 +67,15 @@ async def openai_request(
             return _error(400, "BadRequestError", f"the body is not JSON: {e}")
         if not isinstance(body, dict):
             return _error(400, "BadRequestError", "the body must be a JSON object")
-        if body.get("stream") is True:
-            return _error(400, "BadRequestError", "localpod's OpenAI route does not stream: send \"stream\": false "
-                          f"(or /run the job and read /v2/{endpoint_id}/stream/<job id>)", "stream")
         job_input["openai_input"] = body
     job = state.submit_job(endpoint, RunRequest(input=job_input))
+    streaming = job_input.get("openai_input", {}).get("stream") is True
     deadline = time.monotonic() + wait / 1000
-    while not job.terminal and time.monotonic() < deadline and not state.closing:
+    while not job.terminal and not (streaming and job.stream) and time.monotonic() < deadline and not state.closing:
         await asyncio.sleep(_POLL_S)
+    if streaming and job.stream:
+        fault.after_action()
+        return StreamingResponse(_relay(job, state), media_type="text/event-stream")
     fault.after_action()
     if not job.terminal:
         return _error(504, "Timeout", f"job {job.id} is still {job.status} after {wait} ms; it goes on: GET "
@@ -77,6 +84,22 @@ async def openai_request(
         output = job.output
         return JSONResponse(output[0] if isinstance(output, list) and output else output)
     return _failure(job)
+
+
+async def _relay(job: JobRecord, state: LocalpodState) -> AsyncIterator[str]:
+    """The job's stream chunks (the worker's event-stream text) as they arrive, until it ends."""
+    while True:
+        ended = job.terminal
+        chunks, job.stream = job.stream, []
+        for chunk in chunks:
+            yield chunk if isinstance(chunk, str) else f"data: {json.dumps(chunk)}\n\n"
+        if ended or state.closing:
+            break
+        await asyncio.sleep(_POLL_S)
+    if job.status != "COMPLETED":
+        error = {"message": f"job {job.id} ended {job.status}: {job.error or 'no error given'}",
+                 "type": "worker_error", "code": 500}
+        yield f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n"
 
 
 def _failure(job: JobRecord) -> JSONResponse:

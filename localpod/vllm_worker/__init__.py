@@ -1,7 +1,7 @@
 """The local stand-in for RunPod's official vLLM worker image (`runpod/worker-v1-vllm:<tag>`, v2.24+): what localpod's
 process runtime starts for an endpoint of that image, in place of the image.
 
-The real worker (../shared/runpod-api/serving.md, [W] = runpod-workers/worker-vllm @7a92503) is three files: `main.py`
+The real worker (docs/serving.md §1–§7, [W] = runpod-workers/worker-vllm @7a92503) is three files: `main.py`
 builds `vllm serve` arguments from the environment (`args_builder.py`), starts `vllm serve` on the loopback, waits for
 its `/health` and only then starts the `runpod.serverless` loop, whose `handler.py` proxies each job to vLLM's
 OpenAI-compatible server over HTTP. The stand-in keeps that shape, file for file, and replaces only `vllm serve`:

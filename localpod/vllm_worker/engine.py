@@ -76,6 +76,8 @@ class Generated:
     """`stop` (a stop token or string) or `length` (`max_tokens` reached)."""
     stop_reason: int | str | None
     """vLLM's: the stop string or stop token id that ended it; None for the tokenizer's EOS or `length`."""
+    pieces: tuple[str, ...] = ()
+    """`text` cut where its tokens end: what a stream sends, one chunk each."""
 
 
 class Engine:
@@ -160,13 +162,27 @@ class Engine:
     def _finish(self, new: list[int], stop: tuple[str, ...]) -> Generated:
         if new and new[-1] in self.stop_ids:
             text = self.tokenizer.decode(new[:-1], skip_special_tokens=True)
-            return Generated(text, len(new), "stop", None if new[-1] == self.eos_id else new[-1])
+            return Generated(text, len(new), "stop", None if new[-1] == self.eos_id else new[-1],
+                             self._pieces(new[:-1], text))
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         found = [(text.find(s), s) for s in stop if s and s in text]
         if found:  # the stop string itself is not part of the answer
             at, string = min(found)
-            return Generated(text[:at], len(new), "stop", string)
-        return Generated(text, len(new), "length", None)
+            return Generated(text[:at], len(new), "stop", string, self._pieces(new, text[:at]))
+        return Generated(text, len(new), "length", None, self._pieces(new, text))
+
+    def _pieces(self, ids: list[int], text: str) -> tuple[str, ...]:
+        """`text` as the tokens `ids` add to it one after the other (a token that ends inside a character adds
+        nothing until the next completes it, as vLLM's incremental detokenizer holds it back)."""
+        pieces, sent = [], ""
+        for end in range(1, len(ids) + 1):
+            now = self.tokenizer.decode(ids[:end], skip_special_tokens=True)[:len(text)]
+            if len(now) > len(sent) and now.startswith(sent) and not now.endswith("\ufffd"):
+                pieces.append(now[len(sent):])
+                sent = now
+        if sent != text:
+            pieces.append(text[len(sent):])
+        return tuple(pieces)
 
 
 def adapter_dir(path: str) -> str:

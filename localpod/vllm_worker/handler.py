@@ -8,7 +8,10 @@ A job's `input` is one of:
 3. `{"messages": [...] | "prompt": "...", "sampling_params": {...}, "stream"?}`: `/v1/chat/completions` (messages) or
    `/v1/completions` (prompt), `sampling_params` merged into the body (its `model` picks an adapter).
 A body without `model` gets the served base name. The handler is an async generator and `main.py` starts the loop with
-`return_aggregate_stream`, so a job's `output` is a list whose first item is the server's JSON answer.
+`return_aggregate_stream`, so a job's `output` is a list whose first item is the server's JSON answer; a body with
+`"stream": true` is answered by the server with server-sent events, and the handler yields their text as it reads it
+(`iter_any`: slices as they arrive, not aligned to events), each slice a stream chunk of the job (`/stream/<job>`,
+and RunPod's OpenAI route) and an item of its `output` [W src/handler.py; serving.md §4].
 
 A server answer ≥ 400 is yielded as `{"error": {"message": "vLLM returned HTTP <code>: <body>", "type":
 "worker_error", "code": null}}`; runpod-python turns a yielded dict with `error` into a FAILED job whose `error` is
@@ -18,6 +21,7 @@ back from that message.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -80,6 +84,12 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[Any]:
                     detail = await response.text()
                     log.error("vLLM %s %s returned HTTP %s: %s", method, route, response.status, detail)
                     yield worker_error(f"vLLM returned HTTP {response.status}: {detail}")
+                    return
+                if "text/event-stream" in response.headers.get("Content-Type", ""):
+                    text = codecs.getincrementaldecoder("utf-8")()  # a slice may end inside a character
+                    async for data in response.content.iter_any():
+                        if piece := text.decode(data):
+                            yield piece
                     return
                 yield await response.json(content_type=None)
         except aiohttp.ClientError as e:

@@ -13,11 +13,14 @@ then one per adapter: `id` its name, `root` its path as given, `parent` the serv
 {prompt_tokens, completion_tokens, total_tokens}`). The request's `model` picks the base (a served name, or none) or
 an adapter (its name); another name answers 404 `NotFoundError` "The model `X` does not exist.". Errors are vLLM's
 `{"error": {"message", "type", "param", "code"}}`: a body that does not parse 400 `BadRequestError`; a prompt at
-`--max-model-len` or a `max_tokens` past it 400 (`param` input_tokens / max_tokens).
+`--max-model-len` or a `max_tokens` past it 400 (`param` input_tokens / max_tokens). `stream: true` answers
+server-sent events in vLLM's chunk shapes (`chat.completion.chunk`: the role first, then one `delta.content` per
+token, then the `finish_reason`; `text_completion` chunks for completions; a `usage` chunk when
+`stream_options.include_usage`; then `data: [DONE]`), every refusal above coming first as a plain JSON error.
 
 Where it departs from vLLM: decoding is greedy unless the request's `temperature` > 0 (vLLM's default temperature is
-the model's generation_config.json's, else 1.0); `stream: true` is refused with 400 (the real server streams SSE);
-`logprobs`, penalties, `echo`, tools' parsing and the other request fields it does not model are ignored (logged),
+the model's generation_config.json's, else 1.0); a streamed answer is generated whole, then sent a token a chunk
+(vLLM sends each token as it is decoded); `logprobs`, penalties, `echo`, tools' parsing and the other request fields it does not model are ignored (logged),
 and unmodelled flags too (logged at startup).
 """
 
@@ -189,7 +192,8 @@ def error(status: int, kind: str, message: str, param: str | None = None) -> Any
 
 
 HONOURED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-            "stop", "seed", "stream", "add_generation_prompt", "chat_template_kwargs", "tools", "user"}
+            "stop", "seed", "stream", "stream_options", "add_generation_prompt", "chat_template_kwargs", "tools",
+            "user"}
 
 
 def answer(engine: Any, body: dict[str, Any], *, chat: bool) -> Any:
@@ -199,7 +203,7 @@ def answer(engine: Any, body: dict[str, Any], *, chat: bool) -> Any:
         return error(e.status, e.kind, e.message, e.param)
 
 
-def _answer(engine: Any, body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+def _answer(engine: Any, body: dict[str, Any], *, chat: bool) -> Any:
     from engine import Sampling
 
     if chat and not isinstance(body.get("messages"), list):
@@ -215,9 +219,6 @@ def _answer(engine: Any, body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
         adapter = engine.adapters.get(name)
         if adapter is None:  # vLLM's check, before anything else of the request [V engine/serving.py]
             raise RequestError(404, "NotFoundError", f"The model `{name}` does not exist.", "model")
-    if body.get("stream"):
-        raise RequestError(400, "BadRequestError", "stream=true: localpod's vLLM stand-in does not stream; send "
-                           "stream=false", "stream")
     prompts = [_chat_prompt(engine, body)] if chat else _completion_prompts(engine, body["prompt"])
     asked = body.get("max_completion_tokens") if chat else None
     asked = asked if asked is not None else body.get("max_tokens", None if chat else 16)  # completions: 16 [V]
@@ -239,22 +240,34 @@ def _answer(engine: Any, body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) for s in stop):
         raise RequestError(400, "BadRequestError", "stop: a string or a list of strings", "stop")
-    choices, prompt_tokens, completion_tokens = [], 0, 0
-    for prompt in prompts:
-        max_tokens = _budget(engine, len(prompt), asked)
-        prompt_tokens += len(prompt)
-        for i in range(n):  # each of the n answers its own draw, reproducible with a seed
-            sampling = Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=int(_number(body, "top_k", -1)), seed=None if seed is None else seed + i,
-                                stop=stop)
-            out = engine.generate(prompt, adapter, sampling)
-            completion_tokens += out.tokens
-            choices.append(_choice(len(choices), out, chat=chat))
+    budgets = [_budget(engine, len(prompt), asked) for prompt in prompts]  # every refusal before any answer
+    top_k = int(_number(body, "top_k", -1))
+
+    def answers() -> Any:
+        """(prompt tokens, the answer) for each prompt, n times: each of the n answers its own draw, reproducible
+        with a seed."""
+        for prompt, max_tokens in zip(prompts, budgets, strict=True):
+            for i in range(n):
+                sampling = Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=None if seed is None else seed + i, stop=stop)
+                yield len(prompt), engine.generate(prompt, adapter, sampling)
+
     served = adapter.name if adapter is not None else engine.served_names[0]
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served}
+    if body.get("stream"):
+        from fastapi.responses import StreamingResponse
+
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_events(answers(), head, chat=chat, usage=usage, n=n), media_type="text/event-stream")
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for index, (length, out) in enumerate(answers()):
+        prompt_tokens += length if index % n == 0 else 0
+        completion_tokens += out.tokens
+        choices.append(_choice(index, out, chat=chat))
     return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "id": head["id"],
         "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
+        "created": head["created"],
         "model": served,
         "choices": choices,
         "service_tier": None,
@@ -264,6 +277,37 @@ def _answer(engine: Any, body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
         **({"prompt_logprobs": None} if chat else {}),
         "kv_transfer_params": None,
     }
+
+
+def _events(answers: Any, head: dict[str, Any], *, chat: bool, usage: bool, n: int) -> Any:
+    """vLLM's server-sent events for a streamed answer: each `data: <chunk JSON>` and a blank line, `data: [DONE]`
+    last [V vllm/entrypoints/openai/serving_chat.py, serving_completion.py `*_stream_generator`]."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choices: list[dict[str, Any]], **more: Any) -> str:
+        return f"data: {json.dumps(head | {'object': kind, 'choices': choices} | more)}\n\n"
+
+    def choice(index: int, text: str | None, finish: Any = None, stop_reason: Any = None, role: bool = False) -> dict:
+        if chat:
+            delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
+                    **({"stop_reason": stop_reason} if finish else {})}
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish,
+                "stop_reason": stop_reason}
+
+    prompt_tokens = completion_tokens = 0
+    for index, (length, out) in enumerate(answers):
+        prompt_tokens += length if index % n == 0 else 0
+        completion_tokens += out.tokens
+        if chat:
+            yield event([choice(index, None, role=True)])
+        for piece in out.pieces:
+            yield event([choice(index, piece)])
+        yield event([choice(index, None, out.finish_reason, out.stop_reason)])
+    if usage:
+        yield event([], usage={"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                               "completion_tokens": completion_tokens})
+    yield "data: [DONE]\n\n"
 
 
 def _chat_prompt(engine: Any, body: dict[str, Any]) -> list[int]:

@@ -64,8 +64,22 @@ model_cache`). The image bakes HF_HOME and HUGGINGFACE_HUB_CACHE under /runpod-v
 three are set, or the baked cache variable would keep the worker off the warm copy."""
 REQUEST_TIMEOUT_S = 600
 """The endpoint's execution timeout per request (`timeout`): a chat answer takes seconds; a stuck one is ended."""
-DISK_MARGIN_GB = 20
-"""Container disk beyond the base's weights: the image's own layers, vLLM's compile caches, the adapters."""
+TEMPLATE_DISK_GB = 150
+"""The container disk RunPod's own template for this image asks (`containerDiskInGb` of runpod-workers/worker-vllm's
+`.runpod/hub.json` at v2.25.2; serving.md §5): the least a serve asks for."""
+IMAGE_GB = 30
+"""The image unpacked on the worker's disk: vLLM with its CUDA 13 torch and kernels (vllm/vllm-openai's image, which
+worker-vllm builds on, is about 12 GB compressed on Docker Hub; unpacked layers take about twice that). An estimate."""
+VLLM_CACHES_GB = 10
+"""vLLM's own caches, written at every cold start unless a volume keeps them: torch.compile's and CUDA graphs'
+(`VLLM_CACHE_ROOT`, worker-vllm's src/compile_cache.py), FlashInfer's JIT kernels, the adapters' downloads."""
+
+
+def serving_disk_gb(weights_bytes: int, *, base_on_volume: bool) -> int:
+    """The endpoint's container disk: the image, vLLM's caches and the base's weights (unless a volume holds them:
+    the worker's Hub cache is then the volume's), never less than RunPod's own template asks (`TEMPLATE_DISK_GB`)."""
+    weights_gb = 0 if base_on_volume else math.ceil(weights_bytes / 1e9)
+    return max(TEMPLATE_DISK_GB, IMAGE_GB + VLLM_CACHES_GB + weights_gb)
 
 
 class ServePlan(BaseModel):
@@ -92,6 +106,8 @@ class ServePlan(BaseModel):
     max_tokens: int
     cold_start_s: float = Field(description="How long the first request may wait for a worker to answer.")
     disk_gb: int
+    hub_token_secret: str | None = Field(default=None, description="The serve's Secret block of its Hub token (the "
+                                         "watch reads the adapters' repos with it); None: the flow's HF_TOKEN.")
 
     @property
     def models(self) -> list[str]:
@@ -112,11 +128,14 @@ def lora_env(adapters: list[ServedAdapter]) -> dict[str, str]:
 def serving_env(plan: ServePlan, worker_env: dict[str, str]) -> dict[str, str]:
     """The endpoint's env: `worker_env` (the Hub's URL and token reference, `prepare_worker_env`), the base and its
     length, LoRA on with a slot per adapter at `MAX_LORA_RANK`, the adapters, the warm volume's cache, and RunPod's
-    allowance for a slow start (a worker that starts for longer than 7 min is marked unhealthy: serving.md §4)."""
+    allowance for a slow start, on both clocks that end one: RunPod marks a worker that starts for longer than 7 min
+    unhealthy (`RUNPOD_INIT_TIMEOUT`, serving.md §4), and the worker gives up on `vllm serve` after 1,200 s
+    (`VLLM_STARTUP_TIMEOUT`, serving.md §2)."""
     env = worker_env | {"MODEL_NAME": plan.base_model, "MAX_MODEL_LEN": str(plan.max_model_len),
                         "ENABLE_LORA": "true", "MAX_LORAS": str(len(plan.adapters)),
                         "MAX_LORA_RANK": str(plan.max_lora_rank),
-                        "RUNPOD_INIT_TIMEOUT": str(math.ceil(plan.cold_start_s))} | lora_env(plan.adapters)
+                        "RUNPOD_INIT_TIMEOUT": str(math.ceil(plan.cold_start_s)),
+                        "VLLM_STARTUP_TIMEOUT": str(math.ceil(plan.cold_start_s))} | lora_env(plan.adapters)
     if plan.base_revision:
         env["MODEL_REVISION"] = plan.base_revision
     if plan.cache is not None:
@@ -161,21 +180,24 @@ class ServeOutcome(BaseModel):
 
 
 @task(name="publish-served-adapters", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[10, 60])
-def publish_served_adapters(adapters: list[ServedAdapter], hub_token_secret: str | None) -> list[str]:
+def publish_served_adapters(adapters: list[ServedAdapter], hub_token_secret: str | None) -> list[ServedAdapter]:
     """Publish each stored run of an hf:// store to its private model repo (`ServedAdapter.path`), where the worker
-    reads it; nothing is committed again for a run published there already. Returns the commit URLs."""
+    reads it; nothing is committed again for a run published there already. The adapters as served: a published one
+    at the commit that holds its adapter (`revision`, which the watch holds the repo to)."""
     settings = Settings()
     token = settings.hub_token(hub_token_secret)
-    urls = []
+    served = []
     for adapter in adapters:
         if adapter.publish_from is None or adapter.run_id is None:
+            served.append(adapter)
             continue
         published = publish_adapter(adapter.publish_from, adapter.run_id, adapter.run_id, adapter.path, private=True,
                                     token=token, endpoint=settings.hf_endpoint)
         get_run_logger().info("Run %s's adapter is served from %s%s", adapter.run_id, published.url,
                               " (published there already)" if published.already_published else "")
-        urls.append(published.commit_url or published.url or "")
-    return urls
+        commit = (published.commit_url or "").rstrip("/").rpartition("/commit/")[2] or None
+        served.append(adapter.model_copy(update={"revision": commit}))
+    return served
 
 
 def serve_endpoint(plan: ServePlan, worker_env: dict[str, str],
@@ -221,7 +243,8 @@ def _serve(plan: ServePlan, endpoint: Endpoint, outcome: ServeOutcome,
     outcome.tried = serve_watch.try_it_task(outcome.base_url, plan.models, plan.prompts, plan.max_tokens,
                                             f"{summary_key(plan.name)}-answers")
     outcome.ended, outcome.reason, outcome.cost_usd = serve_watch.watch_serving_task(
-        endpoint, plan.expires_at, plan.budget_usd, plan.usd_per_hour)
+        endpoint, plan.expires_at, plan.budget_usd, plan.usd_per_hour,
+        {a.name: (a.path, a.revision) for a in plan.adapters if a.revision}, plan.hub_token_secret)
 
 
 def _volume_used(plan: ServePlan) -> None:

@@ -8,11 +8,14 @@
   crash loop ends the serve at once, saying what is wrong, rather than waiting out the allowance (`cold_start_minutes`)
   or the budget. The allowance ends any other wait, with what the workers were doing.
 - `try_it`: each prompt through the base and through each adapter, by RunPod's OpenAI route with plain httpx (an OpenAI
-  client would do the same), one at a time: the answers side by side, with tokens and latency, and the batch's
-  throughput.
+  client would do the same), one at a time, thinking switched off (`chat_template_kwargs`): the answers side by side,
+  with tokens and latency, and the batch's throughput. An answer that is an error, or a 200 of another shape, is
+  recorded as such in its cell; the serve goes on (the endpoint answered its first request).
 - `watch_serving`: until the serve's time runs out, its budget is reached (RunPod's billed cost, or loraflow's own
-  count of worker time × price when that is more: billing lags), its flow run is cancelled, or the endpoint is gone;
-  the endpoint's heartbeat for the reconciler all along.
+  count of worker time × price when that is more: billing lags; both from the endpoint's creation, the cold start
+  and "try it" included), its flow run is cancelled, or the endpoint is gone; the endpoint's heartbeat for the
+  reconciler all along, and a warning when a Hub adapter's repo moves past the commit the serve checked
+  (`RepoWatch`: vLLM downloads adapters without a revision, so workers started after the move load the new commit).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import httpx
+from huggingface_hub import HfApi
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -206,21 +210,36 @@ class TryReport(BaseModel):
         return rows
 
 
+NO_THINKING = {"enable_thinking": False}
+"""`chat_template_kwargs` of every "try it" request: a thinking model's template (Qwen3's) then opens the answer with
+an empty think block, so its few tokens are an answer. vLLM drops, silently, the keys a template does not use
+(`resolve_chat_template_kwargs`, vllm/renderers/hf.py), so every model is asked the same way."""
+
+
 def ask(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> Answer:
-    """One chat completion through RunPod's OpenAI route, greedy; an error answer is kept in `Answer.error`."""
+    """One chat completion through RunPod's OpenAI route, greedy, without thinking; an error answer, or a 200 without
+    `choices[0].message.content`, is kept in `Answer.error`."""
     started = time.monotonic()
     try:
         response = http.post("/chat/completions", json={"model": model, "max_tokens": max_tokens, "temperature": 0,
-                                                        "messages": [{"role": "user", "content": prompt}]})
+                                                        "messages": [{"role": "user", "content": prompt}],
+                                                        "chat_template_kwargs": NO_THINKING})
     except httpx.HTTPError as e:
         return Answer(model=model, prompt=prompt, seconds=time.monotonic() - started, error=f"{type(e).__name__}: {e}")
     seconds = time.monotonic() - started
     if response.status_code != 200:
         return Answer(model=model, prompt=prompt, seconds=seconds, error=f"HTTP {response.status_code}: "
                       f"{response.text[:300]}")
-    body = response.json()
-    return Answer(model=model, prompt=prompt, seconds=seconds, text=body["choices"][0]["message"]["content"] or "",
-                  completion_tokens=int((body.get("usage") or {}).get("completion_tokens") or 0))
+    try:
+        body = response.json()
+        text = body["choices"][0]["message"]["content"]
+        tokens = int((body.get("usage") or {}).get("completion_tokens") or 0)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        text = None
+    if not isinstance(text, str):
+        return Answer(model=model, prompt=prompt, seconds=seconds, error="unexpected answer (HTTP 200 without "
+                      f"choices[0].message.content): {response.text[:300]}")
+    return Answer(model=model, prompt=prompt, seconds=seconds, text=text, completion_tokens=tokens)
 
 
 def try_it(base_url: str, api_key: str, models: list[str], prompts: list[str], max_tokens: int) -> TryReport:
@@ -246,32 +265,70 @@ def try_it_task(base_url: str, models: list[str], prompts: list[str], max_tokens
     return report
 
 
+class WorkerTime:
+    """loraflow's own count of what an endpoint's workers cost since its creation (Unix time `created`): the workers
+    seen at each reading × the time since the last × the price per worker-hour, the larger of the two readings'
+    counts standing for the interval. Until the first reading, one worker is counted from the creation: the first
+    request starts one at once, and its cold start and "try it" happen before the watch reads anything."""
+
+    def __init__(self, created: float, usd_per_hour: float):
+        self.usd_per_hour, self.usd, self.last = usd_per_hour, 0.0, (created, 1)
+
+    def add(self, workers: int, now: float) -> float:
+        then, before = self.last
+        self.usd += max(workers, before) * self.usd_per_hour * max(0.0, now - then) / 3600
+        self.last = (now, workers)
+        return self.usd
+
+
 class ServingCost:
-    """What the endpoint has cost since `since`: RunPod's billed figure, or, when that is less (billing lags), the
-    workers counted on each reading × the time since the last × the price per worker-hour."""
+    """What the endpoint has cost since its creation, `since`: RunPod's billed figure, or, when that is less (billing
+    lags), `WorkerTime`'s count."""
 
     def __init__(self, client: RunpodClient, endpoint_id: str, since: datetime, usd_per_hour: float,
-                 clock: Callable[[], float] = time.monotonic):
-        self.client, self.endpoint_id, self.since, self.usd_per_hour = client, endpoint_id, since, usd_per_hour
-        self.clock, self.counted_usd, self.last = clock, 0.0, (clock(), 0)
+                 clock: Callable[[], float] = time.time):
+        self.client, self.endpoint_id, self.since, self.clock = client, endpoint_id, since, clock
+        self.counted = WorkerTime(min(since.timestamp(), clock()), usd_per_hour)  # `clock` is Unix time, as `since`
 
     def read(self) -> float:
         health = _read(lambda: self.client.health(self.endpoint_id))
         workers = 0 if health is None else sum(getattr(health.workers, n) or 0 for n in
                                                ("idle", "initializing", "ready", "running", "unhealthy"))
-        now, (then, before) = self.clock(), self.last
-        self.counted_usd += max(workers, before) * self.usd_per_hour * (now - then) / 3600
-        self.last = (now, workers)
+        counted = self.counted.add(workers, self.clock())
         billed = billed_usd(self.client, [self.endpoint_id], self.since)
-        return max(self.counted_usd, billed.usd if billed is not None else 0.0)
+        return max(counted, billed.usd if billed is not None else 0.0)
+
+
+class RepoWatch:
+    """The serve's Hub adapters against the commits its check read (`ServedAdapter.revision`): each move is said once,
+    as a warning, with both commits. `read_commit(repo)` is the commit the repo's main branch points at now."""
+
+    def __init__(self, pinned: dict[str, tuple[str, str]], read_commit: Callable[[str], str],
+                 warn: Callable[[str], None]):
+        self.pinned, self.read_commit, self.warn = pinned, read_commit, warn
+        self.moved: dict[str, str] = {}
+
+    def check(self) -> None:
+        for name, (repo, revision) in self.pinned.items():
+            try:
+                now = self.read_commit(repo)
+            except Exception:  # noqa: BLE001 - advice only: an unreadable repo is asked again at the next reading
+                continue
+            if now != revision and self.moved.get(name) != now:
+                self.moved[name] = now
+                self.warn(f"Adapter {name}'s repo {repo} moved from commit {revision[:12]} (the one this serve checked) "
+                          f"to {now[:12]}: vLLM downloads adapters without a revision, so workers that start from now "
+                          "on serve the new commit under the same name; stop the serve and start it again to check it")
 
 
 def watch_serving(*, expires_at: float, budget_usd: float, read_cost: Callable[[], float],
                   endpoint_exists: Callable[[], bool], cancel_requested: Callable[[], bool],
                   heartbeat: Callable[[], None], clock: Callable[[], float] = time.time,
-                  sleep: Callable[[float], None] = time.sleep) -> tuple[str, str, float | None]:
-    """Until the serve ends: `("expired" | "budget" | "cancelled" | "lost", why, the cost last read)`. The cost and
-    the endpoint are read every `COST_EVERY_S`, the first time at once; `expires_at` is Unix time (`clock`)."""
+                  sleep: Callable[[float], None] = time.sleep,
+                  watch_repos: Callable[[], None] = lambda: None) -> tuple[str, str, float | None]:
+    """Until the serve ends: `("expired" | "budget" | "cancelled" | "lost", why, the cost last read)`. The cost, the
+    endpoint and the adapters' repos (`watch_repos`) are read every `COST_EVERY_S`, the first time at once;
+    `expires_at` is Unix time (`clock`)."""
     cost, next_read = None, clock()
     while True:
         heartbeat()
@@ -284,6 +341,7 @@ def watch_serving(*, expires_at: float, budget_usd: float, read_cost: Callable[[
             next_read = now + COST_EVERY_S
             if not endpoint_exists():
                 return "lost", "the endpoint was deleted behind the serve (the console, or the reconciler)", cost
+            watch_repos()
             cost = read_cost()
             if cost >= budget_usd:
                 return "budget", f"it cost ${cost:.4f}, reaching budget_usd ${budget_usd:g}", cost
@@ -291,10 +349,18 @@ def watch_serving(*, expires_at: float, budget_usd: float, read_cost: Callable[[
 
 
 @task(name="watch-serving", cache_policy=NO_CACHE)
-def watch_serving_task(endpoint: Endpoint, expires_at: float, budget_usd: float,
-                       usd_per_hour: float) -> tuple[str, str, float | None]:
-    """`watch_serving` with this run's cancel, RunPod's billing and the endpoint's heartbeat."""
+def watch_serving_task(endpoint: Endpoint, expires_at: float, budget_usd: float, usd_per_hour: float,
+                       pinned: dict[str, tuple[str, str]] | None = None,
+                       hub_token_secret: str | None = None) -> tuple[str, str, float | None]:
+    """`watch_serving` with this run's cancel, RunPod's billing, the endpoint's heartbeat, and `pinned` (adapter name →
+    its Hub repo and the commit the serve checked) against the Hub, read with the serve's token."""
     since = datetime.fromisoformat(endpoint.created_at.replace("Z", "+00:00"))
+    settings, logger = Settings(), get_run_logger()
+    hub = HfApi(endpoint=settings.hf_endpoint, token=settings.hub_token(hub_token_secret) if pinned else None)
+    repos = RepoWatch(pinned or {}, lambda repo: str(hub.model_info(repo).sha), logger.warning)
+    for name, (repo, revision) in (pinned or {}).items():
+        logger.info("Adapter %s is served from %s at commit %s; the watch says if the repo moves", name, repo,
+                    revision[:12])
     with make_client() as client:
         cost = ServingCost(client, endpoint.id, since, usd_per_hour)
 
@@ -309,7 +375,7 @@ def watch_serving_task(endpoint: Endpoint, expires_at: float, budget_usd: float,
 
         ended = watch_serving(expires_at=expires_at, budget_usd=budget_usd, read_cost=cost.read,
                               endpoint_exists=exists, cancel_requested=run_cancel_requested,
-                              heartbeat=lambda: beat(endpoint, "SERVING"))
+                              heartbeat=lambda: beat(endpoint, "SERVING"), watch_repos=repos.check)
     get_run_logger().info("Serving ends: %s", ended[1])
     return ended
 

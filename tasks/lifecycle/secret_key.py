@@ -1,4 +1,5 @@
-"""The key that fingerprints a namespace's secret values in their RunPod names (`tasks/runpod/secrets.py`).
+"""The key that fingerprints a namespace's secret values in their RunPod names (`tasks/runpod/secrets.py`), and the
+run's checkpoint key derived from it (`run_checkpoint_key`).
 
 A secret's name carries a fingerprint of its value so that two values are two secrets. A plain hash of the value
 would let anyone who can list the account's secrets test a guess of a teammate's token against the name; an HMAC
@@ -9,6 +10,8 @@ value's secret anew (the old ones would only be pruned once unused, as any unuse
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 
 from tasks.settings import KEY_BLOCK_PREFIX
@@ -54,3 +57,10 @@ def secret_name_key(namespace: str) -> bytes:
             "ones are pruned once unused)"
         )
     return key.encode()
+
+
+def run_checkpoint_key(namespace_key: bytes, run_id: str) -> str:
+    """The run's checkpoint key (`JobInput.checkpoint_key`, 64 hex digits): the same for every attempt of the run and
+    every retry of its flow run, another for every other run, and none that someone who can merely write the store
+    could make. The worker signs its record of each checkpoint with it and resumes only from one it signed."""
+    return hmac.new(namespace_key, b"loraflow checkpoint key\0" + run_id.encode(), hashlib.sha256).hexdigest()

@@ -4,23 +4,16 @@ the model a tool conversation at all.
 
 Each tool must be one that transformers can render into the chat template (`get_json_schema`: a type hint per
 parameter, a docstring with an `Args:` line for each), or TRL fails on the worker after the GPU is paid for. The
-file is the user's code: it is imported in a process of its own (`tool_schemas`), never in the flow's, in a clean
-room: a fresh home and working folder, and of the environment only the run's plain `[worker] env` and what Python
-needs (none of the control plane's keys). Where it
-imports a module this machine lacks (the worker may install it from `worker.extra_packages`), its source is read
-with `ast` instead, and the check says so in its `note`. `check_tools_task` runs both checks for the flow.
+file is the user's code and this process holds the control plane's keys, so nothing of it runs here: its source is
+read (`tool_schemas`), and what only running it could tell is left to the worker, which imports it and checks every
+tool as the job starts; the check then says so in its `note`. `check_tools_task` runs both checks for the flow.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,21 +28,14 @@ from prefect.cache_policies import NO_CACHE
 from tasks.preflight.chat_tokenizer import ChatTokenizer
 from tasks.preflight.chats import tokenizer_folder
 from tasks.preflight.tool_prompts import local_prompts, prompt_length_problem
+from tasks.preflight.tool_schemas import ToolsRead, read_environment, read_tools_file
 from tasks.settings import Settings
-
-IMPORT_TIMEOUT_S = 60
-"""How long importing the file and reading its tools may take (transformers' import is a few seconds of it)."""
-
-_READER = Path(__file__).with_name("tool_schemas.py")
-_KEPT_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH")
-"""This process's variables that the reader gets too: where programs are, how to decode text, and where the worker's
-contract is when this process found it by PYTHONPATH (a checkout run without installing)."""
 
 
 @dataclass(frozen=True)
 class ToolsCheck:
     """What the check found: the files (resolved), the tools' names in the order TRL lists them, and a warning to
-    log when a file could only be read, not imported."""
+    log when the worker is left to check what only running a file could tell."""
 
     tools_file: Path | None = None
     environment_file: Path | None = None
@@ -58,7 +44,7 @@ class ToolsCheck:
     tools_file_names: list[str] = field(default_factory=list)
     note: str | None = None
     schemas: list[dict[str, Any]] | None = None
-    """Each tool's JSON schema as the chat template receives it; None when a file could only be read, not imported."""
+    """Each tool's JSON schema as the chat template receives it; None when the worker is left to judge some tool."""
 
     def describe(self) -> str:
         """One line for the log: `tools: lookup, add (from tools.py)`."""
@@ -72,31 +58,33 @@ class ToolsCheck:
 
 
 def check_tools(tools: str | None, environment: str | None, base_dir: Path,
-                worker_env: Mapping[str, str] | None = None) -> ToolsCheck:
-    """Check `grpo.tools` and `grpo.environment` (relative paths start at `base_dir`). ValueError naming the field,
-    the file, the tool and the fix for anything TRL or transformers would refuse on the worker. The file is imported
-    with the run's plain `[worker] env` (`worker_env`) and none of this process's own variables."""
+                read_from: dict[str, Path] | None = None) -> ToolsCheck:
+    """Check `grpo.tools` and `grpo.environment` (relative paths start at `base_dir`) from their source, running
+    nothing of them. ValueError naming the field, the file, the tool and the fix for anything TRL or transformers
+    would refuse on the worker. `read_from` (field → file): the copy of a field's file that was read once for the
+    run's checks and its store, read here in its place; messages name the run's own path."""
+    read_from = read_from or {}
     tools_file = environment_file = class_name = None
     tools_names: list[str] = []
     env_names: list[str] = []
     notes = []
     schemas: list[dict[str, Any]] | None = []
     if tools is not None:
-        tools_file = _existing(tools, "grpo.tools", tools, base_dir)
-        tools_names, note, found = _read("grpo.tools", tools, "tools", tools_file, None, worker_env or {})
-        notes += [note] if note else []
-        schemas = None if found is None else [*schemas, *found]
+        tools_file = read_from.get("grpo.tools") or _existing(tools, "grpo.tools", tools, base_dir)
+        found = _read("grpo.tools", tools, lambda: read_tools_file(tools_file))
+        tools_names, notes = found.names, notes + _notes("grpo.tools", tools, found)
+        schemas = None if found.schemas is None else [*schemas, *found.schemas]
     if environment is not None:
         try:
             path_text, class_name = split_file_reward(environment)
         except ValueError as e:
             raise ValueError(f"grpo.environment `{environment}` is not `path/to/file.py:ClassName`: name the file "
                              "and its class so") from e
-        environment_file = _existing(path_text, "grpo.environment", environment, base_dir)
-        env_names, note, found = _read("grpo.environment", environment, "environment", environment_file, class_name,
-                                       worker_env or {})
-        notes += [note] if note else []
-        schemas = None if found is None or schemas is None else [*schemas, *found]
+        environment_file = (read_from.get("grpo.environment")
+                            or _existing(path_text, "grpo.environment", environment, base_dir))
+        found = _read("grpo.environment", environment, lambda: read_environment(environment_file, class_name))
+        env_names, notes = found.names, notes + _notes("grpo.environment", environment, found)
+        schemas = None if found.schemas is None or schemas is None else [*schemas, *found.schemas]
     if twice := sorted(set(tools_names) & set(env_names)):
         raise ValueError(f"grpo.tools `{tools}` and grpo.environment `{environment}` both have a tool "
                          f"`{twice[0]}`: the model calls tools by name; rename one")
@@ -147,61 +135,22 @@ def _existing(path_text: str, field_name: str, value: str, base_dir: Path) -> Pa
     return path
 
 
-def _read(field_name: str, value: str, kind: str, path: Path, class_name: str | None,
-          worker_env: Mapping[str, str]) -> tuple[list[str], str | None, list[dict[str, Any]] | None]:
-    """The tools' names, a note when the file was read without importing it, and the tools' JSON schemas (None when
-    it was only read); ValueError for a problem."""
-    command = [sys.executable, str(_READER), kind, str(path), *([class_name] if class_name else [])]
-    # A clean room: importing the file runs the user's code, which must not see this process's keys (RunPod, the
-    # Hub, Prefect) nor a home that holds more of them (~/.cache/huggingface/token, Prefect's profiles).
-    with tempfile.TemporaryDirectory(prefix="loraflow-tools-", ignore_cleanup_errors=True) as room:
-        home, work = Path(room, "home"), Path(room, "work")
-        home.mkdir()
-        work.mkdir()
-        process = subprocess.Popen(command, cwd=work, env=_clean_env(home, worker_env), stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                                   # A session of its own, so that whatever the file starts is ended with it and
-                                   # cannot hold the pipes open.
-                                   start_new_session=True)
-        stdout, stderr = _communicate(process, field_name, value, path)
+def _read(field_name: str, value: str, read: Callable[[], ToolsRead]) -> ToolsRead:
     try:
-        found = json.loads(stdout)
-    except json.JSONDecodeError:
-        tail = (stderr.strip().splitlines() or ["no output"])[-1][:300]
-        raise ValueError(f"{field_name} `{value}`: reading the tools of {path} failed (exit {process.returncode}): "
-                         f"{tail}; fix the file so that it imports") from None
-    if found["problem"]:
-        read = f" (read without running it: {found['unimported']})" if found["unimported"] else ""
-        raise ValueError(f"{field_name} `{value}`{read}: {found['problem']}")
-    note = None
-    if found["unimported"]:
-        note = (f"{field_name} `{value}`: {path} could not be imported here ({found['unimported']}), so its tools "
-                f"({', '.join(found['tools']) or 'none seen'}) were checked from its source without running it; "
-                "the worker imports it alone (files beside it are not shipped) with the run's `worker.extra_packages` "
-                "installed")
-    return found["tools"], note, found.get("schemas")
+        return read()
+    except ValueError as e:
+        raise ValueError(f"{field_name} `{value}`: {e}") from None
 
 
-def _clean_env(home: Path, worker_env: Mapping[str, str]) -> dict[str, str]:
-    """What the reader's Python needs and nothing of this process's own: the run's plain `[worker] env` (a tools file
-    may read a variable the worker will have), the search path and locale, a fresh home (transformers' caches go
-    under it)."""
-    kept = {name: os.environ[name] for name in _KEPT_ENV if name in os.environ}
-    # No bytecode beside the user's files; transformers' chatter would only bury an error in stderr.
-    return {**worker_env, **kept, "HOME": str(home), "HF_HOME": str(home / ".cache" / "huggingface"),
-            "PYTHONDONTWRITEBYTECODE": "1", "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-
-
-def _communicate(process: subprocess.Popen, field_name: str, value: str, path: Path) -> tuple[str, str]:
-    try:
-        return process.communicate(timeout=IMPORT_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        raise ValueError(f"{field_name} `{value}`: importing {path} took more than {IMPORT_TIMEOUT_S} s; a tools file "
-                         "should only define its tools when imported: move slow work into the tools") from e
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+def _notes(field_name: str, value: str, found: ToolsRead) -> list[str]:
+    """The warnings for the log: what the worker is left to check, and the file's own."""
+    notes = [f"{field_name} `{value}`: {warning}" for warning in found.warnings]
+    if found.unread:
+        notes.append(f"{field_name} `{value}` was read without running it, and only running it tells "
+                     f"({'; '.join(found.unread)}): the worker checks those tools as the job starts, and the prompts "
+                     "were not measured against grpo.max_prompt_length with the tools' schemas. Tools that are plain "
+                     "`def`s with hints of built-in, `typing` or the file's own types are checked here")
+    return notes
 
 
 def check_tool_template(folder: Path, model_id: str, measure: Callable[[Any], str | None] = lambda _: None) -> None:
@@ -228,13 +177,14 @@ def check_tool_template(folder: Path, model_id: str, measure: Callable[[Any], st
 
 @task(name="check-tools", cache_policy=NO_CACHE)
 def check_tools_task(grpo: GrpoSettings, base_dir: str, model: ModelSource, hub_token_secret: str | None = None,
-                     worker_env: dict[str, str] | None = None,
-                     prompt_files: list[tuple[str, str, dict[str, str]]] | None = None) -> ToolsCheck:
-    """A tool-using GRPO run's tools (`check_tools`, with the run's plain `[worker] env`) and the model's chat
+                     prompt_files: list[tuple[str, str, dict[str, str]]] | None = None,
+                     read_from: dict[str, str] | None = None) -> ToolsCheck:
+    """A tool-using GRPO run's tools (`check_tools`: read, never run) and the model's chat
     template, which must render them and, with the tools' schemas, fit the run's longest prompt of its local files
-    (`prompt_files`: path, format, columns) in `grpo.max_prompt_length`."""
+    (`prompt_files`: path, format, columns) in `grpo.max_prompt_length`. `read_from`: as `check_tools` takes it."""
     logger = get_run_logger()
-    found = check_tools(grpo.tools, grpo.environment, Path(base_dir), worker_env)
+    found = check_tools(grpo.tools, grpo.environment, Path(base_dir),
+                        {field: Path(path) for field, path in (read_from or {}).items()})
     if found.note:
         logger.warning("%s", found.note)
     try:

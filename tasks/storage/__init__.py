@@ -2,6 +2,7 @@
 Nothing here rents an endpoint (`tasks/jobs/` does).
 
 - `artifacts`: the run's artifact store seen from the control plane: inputs checked and published, results read.
+- `run_files`: a run's local files, each read once and never through a link; what its checks read and its store gets.
 - `rewards`: a GRPO run's reward files, checked and stored with the run.
 - `hub_datasets`: a run's Hub datasets, pinned to a commit and their first rows checked.
 - `init_from`: the adapter a run goes on training, read from the store or the Hub.

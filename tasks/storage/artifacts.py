@@ -1,5 +1,6 @@
 """The run's artifact store, seen from the control plane: check and publish the run's local inputs (dataset
-file, reward files) with the pins the worker checks them against (`StoredInputs`), read the results.
+file, reward files), as they were read once (`run_files.py`), with the pins the worker checks them against
+(`StoredInputs`), read the results.
 
 The store itself (`file://` or `hf://datasets/...`) is the worker package's `open_store`, so both
 sides read and write it with the same code.
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStore, open_store
-from loraflow_worker.artifacts.pins import file_sha256
 from loraflow_worker.contract import TRAJECTORIES_FILE, JobResult, RewardSpec, StoredInputs, run_prefix
 from loraflow_worker.contract.dataset_formats import (
     ALGORITHM_FORMATS,
@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from tasks.settings import Settings
 from tasks.storage.rewards import check_reward_files, reward_store_paths
+from tasks.storage.run_files import RunFile
 
 CONSOLE_TAIL_BYTES = 4000
 
@@ -40,17 +41,22 @@ DATASET_FORMATS = TRL_FORMATS
 
 
 def check_dataset_jsonl(path: Path, algorithm: str, field: str = "dataset.local_file", data_format: str = "auto",
-                        columns: Mapping[str, str] | None = None) -> int:
+                        columns: Mapping[str, str] | None = None, shown: str | None = None) -> int:
     """Count the examples of a JSONL dataset file for `algorithm` (`sft`, `grpo` or `dpo`), each line converted from
     `data_format` with `columns` as the worker will convert it; ValueError naming `field` (the spec field that gave
     the file), the first bad line, the field in it and the line shapes `algorithm` accepts. Every line must have the
-    format and the columns of the first: the worker reads the file as one table."""
+    format and the columns of the first: the worker reads the file as one table. `shown`: the file as the run names
+    it, where `path` is the copy of it that was read (`run_files.RunFile`)."""
+    where = f"{field} {shown or path}"
     if not path.is_file():
-        raise ValueError(f"{field} {path} does not exist or is not a file")
-    with path.open(encoding="utf-8") as lines:
-        count = check_rows(lines, algorithm, f"{field} {path}", data_format, columns or {})
+        raise ValueError(f"{where} does not exist or is not a file")
+    try:
+        with path.open(encoding="utf-8") as lines:
+            count = check_rows(lines, algorithm, where, data_format, columns or {})
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text ({e}): save it as UTF-8 JSON lines") from e
     if count == 0:
-        raise ValueError(f"{field} {path} has no examples")
+        raise ValueError(f"{where} has no examples")
     return count
 
 
@@ -127,68 +133,68 @@ def chat_template_store_path(run_id: str) -> str:
     return f"{run_prefix(run_id)}/chat_template.jinja"
 
 
-def check_chat_template_file(template: str | None) -> Path | None:
-    """The local file `training.chat_template` names (a `.jinja` path, relative to the working directory); None for a
-    TRL template's name or none. ValueError naming the field when the file cannot be read as text."""
+def check_chat_template_file(template: str | None, files: Mapping[str, RunFile]) -> RunFile | None:
+    """The local file `training.chat_template` names (a `.jinja` path), as it was read with the run's files (`files`,
+    by field: `read_run_files`); None for a TRL template's name or none. ValueError naming the field when the file
+    is not text."""
     if template is None or not template.endswith((".jinja", ".j2")):
         return None
-    path = Path(template).expanduser()
+    file = files["training.chat_template"]
     try:
-        path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"training.chat_template {template}: {type(e).__name__}: {e}; give a .jinja file that exists "
-                         "(relative to the working directory) or the name of a TRL training template") from e
-    return path
+        file.copy.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"training.chat_template {template}: {type(e).__name__}: {e}; give a .jinja file of UTF-8 text "
+                         "or the name of a TRL training template") from e
+    return file
 
 
-def publish_run_inputs(store_url: str, run_id: str, dataset_file: Path | None, rewards: Sequence[RewardSpec],
-                       base_dir: Path, token: str | None = None, eval_file: Path | None = None,
-                       mix_files: Mapping[int, Path] | None = None,
-                       chat_template_file: Path | None = None,
-                       tool_files: Mapping[str, Path] | None = None,
-                       ) -> tuple[str | None, list[RewardSpec], StoredInputs]:
-    """Copy a run's local inputs into its folder of the store in ONE commit (the Hub allows about 128 commits per
-    hour per repo): the dataset file (checked first with `check_dataset_jsonl`) as `runs/<run_id>/dataset/
-    train.jsonl`, and each reward file (`path/to/file.py:function`, relative paths from `base_dir`) under
-    `runs/<run_id>/rewards/`. Returns the dataset's store path (None without a file), `rewards` with each
-    reward file's `store_path` set, and the pins of what was stored (the commit, each file's sha256), for the job. A
-    reward file that is missing or lacks its function is refused (ValueError naming `grpo.rewards[i].name`) before
-    anything is written. `token`: the Hub token. `eval_file`: the run's evaluation examples (checked by the caller),
-    stored in the same commit at `eval_store_path(run_id)`; `mix_files`: the files of the run's `dataset.mix` entries
-    by their index (checked by the caller), each at `mix_store_path(run_id, index)`; `chat_template_file`
-    (`training.chat_template`, checked by the caller) at `chat_template_store_path(run_id)`; `tool_files` (the files
-    of `grpo.tools` and `grpo.environment`, checked by the caller, by `tools_store_path`'s field) at
-    `tools_store_path(run_id, field)`."""
-    reward_files = check_reward_files(rewards, base_dir)
-    store_paths = reward_store_paths(reward_files, run_id)
-    files: dict[str, Path] = {store_path: path for path, store_path in store_paths.items()}
-    dataset_path = None
-    if dataset_file is not None:
-        dataset_path = f"{run_prefix(run_id)}/dataset/train.jsonl"
-        files[dataset_path] = dataset_file
-    if eval_file is not None:
-        files[eval_store_path(run_id)] = eval_file
-    for index, path in (mix_files or {}).items():
-        files[mix_store_path(run_id, index)] = path
-    if chat_template_file is not None:
-        files[chat_template_store_path(run_id)] = chat_template_file
-    for field, path in (tool_files or {}).items():
-        files[tools_store_path(run_id, field)] = path
-    # Hashed from the local files just before they are committed: a file changed in between fails the run on the
-    # worker, never trains it on something unchecked.
-    stored = StoredInputs(sha256={store_path: file_sha256(path) for store_path, path in files.items()})
-    if files:
-        what = " and ".join(filter(None, ["dataset" if dataset_file or mix_files else "",
-                                          "evaluation file" if eval_file else "",
-                                          "chat template" if chat_template_file else "",
-                                          "tools" if tool_files else "",
-                                          "reward files" if store_paths else ""]))
-        stored.revision = open_store(store_url, token).put(files, message=f"{what} for run {run_id}")
+def store_path_of(run_id: str, field: str) -> str | None:
+    """Where `publish_run_inputs` puts the run's file of `field` (a field of `RunSpec.local_paths`) in the store; None
+    for a reward file's field (`reward_store_paths` names those) or a field whose file is not stored."""
+    if field == "dataset.local_file":
+        return f"{run_prefix(run_id)}/dataset/train.jsonl"
+    if field.startswith("dataset.mix[") and field.endswith("].local_file"):
+        return mix_store_path(run_id, int(field[len("dataset.mix["):-len("].local_file")]))
+    return {"evaluation.local_file": eval_store_path(run_id), "training.chat_template": chat_template_store_path(run_id),
+            "grpo.tools": tools_store_path(run_id, "tools"),
+            "grpo.environment": tools_store_path(run_id, "environment")}.get(field)
+
+
+def publish_run_inputs(store_url: str, run_id: str, files: Mapping[str, RunFile], rewards: Sequence[RewardSpec],
+                       token: str | None = None) -> tuple[str | None, list[RewardSpec], StoredInputs]:
+    """Copy a run's local files, as they were read and checked (`files`, by field: `read_run_files`), into its folder
+    of the store in ONE commit (the Hub allows about 128 commits per hour per repo), each where `store_path_of` says:
+    the dataset file as `runs/<run_id>/dataset/train.jsonl`, the mix's, the evaluation file, the chat template, the
+    tools and environment files, and each reward file under `runs/<run_id>/rewards/` (`reward_store_paths`). What the
+    store receives is the copy made at that one read, pinned by the sha256 taken as it was read: the worker refuses any
+    other bytes. Returns the dataset's store path (None without a file), `rewards` with each reward file's
+    `store_path` set, and the pins of what was stored (the commit, each file's sha256), for the job. A reward file
+    that lacks its function is refused (ValueError naming `grpo.rewards[i].name`) before anything is written.
+    `token`: the Hub token."""
+    reward_files = check_reward_files(rewards, files)
+    reward_paths = reward_store_paths(reward_files, run_id)
+    stored_files = {reward_paths[file.location]: file for file in reward_files.values()}
+    for field, file in files.items():
+        if (store_path := store_path_of(run_id, field)) is not None:
+            stored_files[store_path] = file
+    stored = StoredInputs(sha256={store_path: file.sha256 for store_path, file in stored_files.items()})
+    if stored_files:
+        fields = set(files)
+        what = " and ".join(filter(None, [
+            "dataset" if any(f.startswith("dataset.") for f in fields) else "",
+            "evaluation file" if "evaluation.local_file" in fields else "",
+            "chat template" if "training.chat_template" in fields else "",
+            "tools" if fields & {"grpo.tools", "grpo.environment"} else "",
+            "reward files" if reward_files else ""]))
+        stored.revision = open_store(store_url, token).put({path: file.copy for path, file in stored_files.items()},
+                                                           message=f"{what} for run {run_id}")
     published = [
-        RewardSpec.model_validate({**spec.model_dump(exclude_none=True), "store_path": store_paths[reward_files[i]]})
+        RewardSpec.model_validate({**spec.model_dump(exclude_none=True),
+                                   "store_path": reward_paths[reward_files[i].location]})
         if i in reward_files else spec
         for i, spec in enumerate(rewards)
     ]
+    dataset_path = store_path_of(run_id, "dataset.local_file") if "dataset.local_file" in files else None
     return dataset_path, published, stored
 
 
@@ -286,18 +292,9 @@ def _read_text(store: Any, path: str) -> str | None:
 
 
 @task(name="publish-run-inputs", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])
-def publish_run_inputs_task(store_url: str, run_id: str, dataset_file: str | None, rewards: list[RewardSpec],
-                            base_dir: str, eval_file: str | None = None, hub_token_secret: str | None = None,
-                            mix_files: dict[int, str] | None = None,
-                            chat_template_file: str | None = None,
-                            tool_files: dict[str, str] | None = None,
-                            ) -> tuple[str | None, list[RewardSpec], StoredInputs]:
-    return publish_run_inputs(store_url, run_id, Path(dataset_file) if dataset_file else None, rewards,
-                              Path(base_dir), Settings().store_token(store_url, hub_token_secret),
-                              eval_file=Path(eval_file) if eval_file else None,
-                              mix_files={index: Path(path) for index, path in (mix_files or {}).items()},
-                              chat_template_file=Path(chat_template_file) if chat_template_file else None,
-                              tool_files={field: Path(path) for field, path in (tool_files or {}).items()})
+def publish_run_inputs_task(store_url: str, run_id: str, files: dict[str, RunFile], rewards: list[RewardSpec],
+                            hub_token_secret: str | None = None) -> tuple[str | None, list[RewardSpec], StoredInputs]:
+    return publish_run_inputs(store_url, run_id, files, rewards, Settings().store_token(store_url, hub_token_secret))
 
 
 @task(name="collect", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30])

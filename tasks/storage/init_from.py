@@ -14,7 +14,7 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
 from loraflow_worker.artifacts import ArtifactNotFound, ArtifactStoreError, open_store
 from loraflow_worker.contract import LoraSettings, ModelSource
-from loraflow_worker.contract.lora_settings import init_from_problem
+from loraflow_worker.contract.lora_settings import init_from_problem, target_modules_problem
 
 from tasks.settings import Settings
 
@@ -62,6 +62,10 @@ def adopt_parent_adapter(lora: LoraSettings, model: ModelSource, config: dict[st
     if conflicts:
         raise ValueError(f"lora.init_from {lora.init_from!r} goes on training an adapter of its own shape, but the run "
                          f"sets {'; '.join(conflicts)}: remove those settings or set them to the adapter's")
+    if problem := target_modules_problem(shape["target_modules"] or [],
+                                         f"lora.init_from {lora.init_from!r}'s `target_modules`"):
+        raise ValueError(f"{problem}: start a new adapter (leave `lora.init_from` empty), with `lora.modules_to_save` "
+                         "for the layers to train in full")
     return lora.model_copy(update=shape)
 
 

@@ -35,7 +35,6 @@ from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, Rep
 from loraflow_worker.artifacts import ArtifactChanged, ArtifactNotFound, ArtifactStoreError, open_store
 from loraflow_worker.artifacts.pins import download_pinned
 from loraflow_worker.contract import JobResult, run_prefix
-from loraflow_worker.contract.lora_settings import BASE_REWRITING_INITS
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
@@ -43,6 +42,7 @@ from pydantic import BaseModel, Field
 from tasks.reports.summary import CURVE_FILE
 from tasks.settings import Settings
 from tasks.storage.artifacts import read_job_result
+from tasks.storage.served_adapters import run_adapter_refusals, stored_rank
 
 PUBLISH_TITLE = "loraflow run {run_id}: adapter and model card"
 """Title of the publishing commit; the run id in it is how a retry knows the run is published already."""
@@ -366,9 +366,7 @@ def _card_body(facts: CardFacts) -> str:
         lines += [", ".join(part for part in facts_line if part) + ".", ""]
     if facts.has_curve:
         lines += [f"![Training curve]({CURVE_FILE})", ""]
-    rank = facts.lora.get("rank")
-    if isinstance(rank, int) and str(facts.lora.get("init", "default")).startswith(BASE_REWRITING_INITS):
-        rank *= 2  # the worker stores a PiSSA or OLoRA adapter converted to a plain LoRA of twice the rank
+    rank = stored_rank(facts.lora)
     max_rank = f" --max-lora-rank {rank}" if isinstance(rank, int) and rank > VLLM_DEFAULT_MAX_LORA_RANK else ""
     served_name = repo.split("/")[1]
     revision = f', revision="{facts.base_model_revision}"' if facts.base_model_revision else ""
@@ -385,13 +383,10 @@ def _card_body(facts: CardFacts) -> str:
         "```", "",
         "## Serve it with vLLM", "",
     ]
-    unservable = [name for name, set_ in (("DoRA (`lora.use_dora`)", facts.lora.get("use_dora") is True),
-                                         ("`lora.modules_to_save`", bool(facts.lora.get("modules_to_save"))))
-                  if set_]
+    unservable = run_adapter_refusals(facts.lora)  # the serve's own rule
     if unservable:
-        # vLLM's adapter loader refuses both (`PEFTHelper._validate_features`, vllm/lora/peft_helper.py).
         lines += [
-            f"vLLM's LoRA loader refuses this adapter ({' and '.join(unservable)}). Merge it into the base "
+            f"vLLM's LoRA loader refuses this adapter ({'; '.join(unservable)}). Merge it into the base "
             "(`model.merge_and_unload()` on the model loaded above, then `save_pretrained`) and serve the merged "
             "model instead.",
         ]

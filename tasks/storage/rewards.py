@@ -1,35 +1,39 @@
 """Reward files of a GRPO run (`grpo.rewards[i].name = "path/to/file.py:function"`), seen from the control plane.
 
-They are checked before anything is rented: the file must exist and define the function at its top level. The
-file is parsed with `ast`, never run here: it is the worker's code, run on the worker.
+They are checked before anything is rented, as they were read once with the run's files (`run_files.py`): the file
+must define the function at its top level. The file is parsed with `ast`, never run here: it is the worker's code, run
+on the worker.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from loraflow_worker.contract import RewardSpec, run_prefix
 from loraflow_worker.contract.reward_names import reward_kind, split_file_reward
 
+from tasks.storage.run_files import RunFile, reward_fields
 
-def check_reward_files(rewards: Sequence[RewardSpec], base_dir: Path) -> dict[int, Path]:
-    """The reward files of `rewards` by the index of the reward that names them, resolved (relative paths start at
-    `base_dir`); ValueError naming `grpo.rewards[i].name` for a file that does not exist, is not Python, or has no
-    top-level function of that name."""
-    files = {}
+
+def check_reward_files(rewards: Sequence[RewardSpec], files: Mapping[str, RunFile]) -> dict[int, RunFile]:
+    """The reward files of `rewards` by the index of the reward that names them, as they were read (`files`: the run's
+    files by their field, `read_run_files`); ValueError naming `grpo.rewards[i].name` for a file that was not read,
+    is not Python, or has no top-level function of that name."""
+    read = reward_fields(files)
+    found = {}
     for index, spec in enumerate(rewards):
         if reward_kind(spec.name) != "file":
             continue
         field = f"grpo.rewards[{index}].name"
-        path_text, function = split_file_reward(spec.name)
-        path = (base_dir / path_text).resolve()
-        if not path.is_file():
-            raise ValueError(f"{field} `{spec.name}`: reward file {path} does not exist or is not a file")
+        function = split_file_reward(spec.name)[1]
+        if index not in read:
+            raise ValueError(f"{field} `{spec.name}`: its reward file was not read with the run's files")
+        path = read[index].location
         try:
-            tree = ast.parse(path.read_bytes(), filename=str(path))
+            tree = ast.parse(read[index].copy.read_bytes(), filename=str(path))
         except (SyntaxError, ValueError) as e:
             where = f", line {e.lineno}" if isinstance(e, SyntaxError) else ""
             raise ValueError(f"{field} `{spec.name}`: reward file {path} is not valid Python{where}: {e}") from e
@@ -40,15 +44,16 @@ def check_reward_files(rewards: Sequence[RewardSpec], base_dir: Path) -> dict[in
                 f"{field} `{spec.name}`: reward file {path} defines no top-level function `{function}` "
                 f"(its functions: {functions})"
             )
-        files[index] = path
-    return files
+        found[index] = read[index]
+    return found
 
 
-def reward_store_paths(files: dict[int, Path], run_id: str) -> dict[Path, str]:
-    """Where each distinct reward file goes in the run's store: `runs/<run_id>/rewards/<file name>`, the name made
-    store-safe, and numbered when two different files share a name."""
+def reward_store_paths(files: Mapping[int, RunFile], run_id: str) -> dict[Path, str]:
+    """Where each distinct reward file (by where it was read) goes in the run's store: `runs/<run_id>/rewards/<file
+    name>`, the name made store-safe, and numbered when two different files share a name."""
     store_paths: dict[Path, str] = {}
-    for path in files.values():
+    for file in files.values():
+        path = file.location
         if path in store_paths:
             continue
         stem = re.sub(r"[^A-Za-z0-9_.-]", "_", path.stem).lstrip(".-") or "reward"

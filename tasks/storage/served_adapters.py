@@ -11,9 +11,16 @@ An adapter's source is one of:
 - `<org>/<name>`: a Hub model repo holding a PEFT adapter; the worker downloads it with the serve's token.
 - a local folder holding a PEFT adapter, in local mode only (RunPod's workers cannot see this machine).
 
-vLLM never checks an adapter against the base it serves (serving.md §2): a run's recorded base that is not the serve's
-is refused here; a Hub adapter's `base_model_name_or_path` that differs is a warning (it may name the folder it was
-trained from).
+Every adapter's config is held to what the pinned vLLM loads (`vllm_refusals`, the one rule the publish card states
+too): an adapter it would refuse stops `vllm serve` at startup on every worker RunPod starts, a billed crash loop, so
+it is refused here, before anything is rented. vLLM never checks an adapter against the base it serves (serving.md
+§2): a run's recorded base, or a Hub adapter's `base_model_name_or_path` naming a Hub model, that is not the serve's
+base is refused here too (a local folder's path is only a warning: it may name the folder it was trained from).
+
+A Hub adapter is read at the commit its repo holds when the serve is checked (`ServedAdapter.revision`); vLLM
+downloads `--lora-modules` repos with no revision (serving.md §2), so the serve's watch compares that commit with the
+repo's on every reading and says when it moves. A stored run is served from its own private repo, which nothing but
+the run's publish writes.
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from huggingface_hub import hf_hub_download
+from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
 from loraflow_worker.contract import run_prefix
+from loraflow_worker.contract.lora_settings import BASE_REWRITING_INITS
 from pydantic import BaseModel, Field
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -36,6 +44,11 @@ PUBLISHED_REPO = "{org}/loraflow-{run_id}"
 """The private Hub model repo a stored run's adapter is published to for serving."""
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the only values vLLM accepts [V vllm/config/lora.py]
 VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's default `--max-lora-rank` (serving.md §2)
+VLLM_REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")  # PEFTHelper.from_dict's required fields [V peft_helper.py]
+EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out")
+"""Input-embedding and output-head module names of the Hub's causal LMs: the pinned vLLM's LoRA layers cover linear
+projections only, and it refuses an adapter whose weights target these ("expected target modules in [...] but
+received [...]", vllm/lora/models.py)."""
 PROMPT_KEYS = ("prompt", "instruction", "question")
 
 
@@ -50,6 +63,8 @@ class ServedAdapter(BaseModel):
     source: str = Field(description="As the serve file gave it.")
     path: str = Field(description="What the worker loads: a Hub model repo id, or a local folder (local mode).")
     rank: int = Field(description="Its LoRA rank: the largest of `r` and `rank_pattern` in its adapter_config.json.")
+    revision: str | None = Field(default=None, description="The commit of its Hub repo read when the serve was "
+                                 "checked; None for a folder or a run not yet published.")
     run_id: str | None = Field(default=None, description="The stored run it comes from, if any.")
     trained_on: str | None = Field(default=None, description="The base it was trained on, when known.")
     publish_from: str | None = Field(
@@ -69,6 +84,56 @@ def adapter_rank(config: dict[str, Any]) -> int:
     if not ints:
         raise ValueError("no integer `r` in it")
     return max(ints)
+
+
+def vllm_refusals(config: dict[str, Any]) -> list[str]:
+    """Why the pinned vLLM's LoRA loader refuses an adapter with this `adapter_config.json`, each reason naming its
+    field; empty when it loads. vLLM's own checks [V vllm/lora/peft_helper.py `from_dict`, `_validate_features`;
+    vllm/config/lora.py; vllm/lora/models.py], which stop `vllm serve` at startup."""
+    reasons = []
+    if missing := [key for key in VLLM_REQUIRED_FIELDS if key not in config]:
+        reasons.append(f"{', '.join(f'`{k}`' for k in missing)} missing: vLLM requires r, lora_alpha and "
+                       "target_modules")
+    if config.get("use_dora"):
+        reasons.append("`use_dora` is set: vLLM does not load DoRA adapters")
+    if config.get("modules_to_save"):
+        reasons.append(f"`modules_to_save` is {config['modules_to_save']}: vLLM loads LoRA weights only, not whole "
+                       "trained modules")
+    if embedding := _embedding_targets(config.get("target_modules")):
+        reasons.append(f"`target_modules` includes {', '.join(embedding)}: vLLM applies LoRA to linear projections, "
+                       "not to the embeddings or the output head")
+    try:
+        rank = adapter_rank(config)
+    except ValueError:
+        rank = None
+    if rank is not None and rank > VLLM_MAX_LORA_RANKS[-1]:
+        reasons.append(f"`r` {rank} is above {VLLM_MAX_LORA_RANKS[-1]}, the largest MAX_LORA_RANK vLLM accepts")
+    return reasons
+
+
+def run_adapter_refusals(lora: dict[str, Any]) -> list[str]:
+    """`vllm_refusals` of the adapter a run's `[lora]` section makes, before or without reading its
+    adapter_config.json: PEFT's names for its fields, and the rank the worker stores (`stored_rank`)."""
+    return vllm_refusals({"r": stored_rank(lora) or VLLM_DEFAULT_MAX_LORA_RANK,
+                          "lora_alpha": lora.get("alpha", 1), "use_dora": lora.get("use_dora"),
+                          "target_modules": lora.get("target_modules", "all-linear"),
+                          "modules_to_save": lora.get("modules_to_save")})
+
+
+def stored_rank(lora: dict[str, Any]) -> int | None:
+    """The rank of the adapter a run's `[lora]` section stores: `lora.rank`, twice that for an init that rewrites the
+    base (the worker stores a PiSSA or OLoRA adapter converted to a plain LoRA of twice the rank)."""
+    rank = lora.get("rank")
+    if not isinstance(rank, int):
+        return None
+    return rank * 2 if str(lora.get("init", "default")).startswith(BASE_REWRITING_INITS) else rank
+
+
+def _embedding_targets(targets: Any) -> list[str]:
+    names = [targets] if isinstance(targets, str) else targets if isinstance(targets, list) else []
+    # A string is PEFT's regex over module names (`all-linear` leaves the head out): the names it spells out.
+    return sorted({m for name in names if isinstance(name, str) for m in EMBEDDING_MODULES
+                   if re.search(rf"(^|[^A-Za-z0-9_]){m}($|[^A-Za-z0-9_])", name)})
 
 
 def max_lora_rank(ranks: list[int]) -> int:
@@ -106,12 +171,27 @@ def resolve_adapter(source: str, name: str | None, *, base_model: str, store_url
         raise AdapterRefused(f"{field}: {source!r} is neither `runs/<run id>`, a Hub repo id `<org>/<name>` nor a "
                              "local folder")
 
+    revision = None
+
     def hub_config() -> dict[str, Any]:
-        path = hf_hub_download(source, ADAPTER_CONFIG, endpoint=hub_endpoint, token=token)
+        nonlocal revision
+        revision = hub_revision(source, token=token, hub_endpoint=hub_endpoint)
+        path = hf_hub_download(source, ADAPTER_CONFIG, revision=revision, endpoint=hub_endpoint, token=token)
         return json.loads(Path(path).read_text())
 
     facts = _config_facts(hub_config, field, source)
-    return ServedAdapter(name=name, source=source, path=source, **facts)
+    trained_on = facts["trained_on"]
+    if trained_on and trained_on != base_model and re.fullmatch(r"[\w.-]+/[\w.-]+", trained_on) \
+            and not is_local_path(trained_on):
+        raise AdapterRefused(f"{field}: {source!r} is an adapter of {trained_on} (its {ADAPTER_CONFIG}'s "
+                             f"base_model_name_or_path), not of serve.base_model {base_model!r}: vLLM would load it "
+                             "onto the wrong base without a word; serve it with its own base")
+    return ServedAdapter(name=name, source=source, path=source, revision=revision, **facts)
+
+
+def hub_revision(repo: str, *, token: str | None, hub_endpoint: str | None) -> str:
+    """The commit a Hub model repo's main branch points at now."""
+    return str(HfApi(endpoint=hub_endpoint, token=token).model_info(repo).sha)
 
 
 def _stored_run(run_id: str, name: str, source: str, *, base_model: str, store_url: str | None, token: str | None,
@@ -156,6 +236,10 @@ def _config_facts(read: Any, field: str, source: str) -> dict[str, Any]:
         rank = adapter_rank(config)
     except ValueError as e:
         raise AdapterRefused(f"{field}: {source!r}'s {ADAPTER_CONFIG} is not a LoRA adapter's ({e})") from e
+    if reasons := vllm_refusals(config):
+        raise AdapterRefused(f"{field}: vLLM refuses the adapter {source!r} ({'; '.join(reasons)}), and every worker "
+                             "would stop while it starts: train it without that, or merge it into the base "
+                             "(`merge_and_unload()`) and serve the merged model")
     return {"rank": rank, "trained_on": config.get("base_model_name_or_path")}
 
 

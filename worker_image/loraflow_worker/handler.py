@@ -9,7 +9,7 @@ On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 Locally, one job through runpod's test mode (no server involved):
 
     python -m loraflow_worker.self_test.tiny_model --out /tmp/tiny-qwen3
-    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 12, "run_id": "demo",
+    python -m loraflow_worker.handler --test_input '{"input": {"contract_version": 13, "run_id": "demo",
         "model": {"id": "/tmp/tiny-qwen3"}, "dataset": {"store_path": "runs/demo/dataset/train.jsonl"},
         "training": {"max_steps": 50}, "artifact_store": "file:///tmp/loraflow-store"}}'
 

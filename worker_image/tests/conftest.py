@@ -17,7 +17,7 @@ import pytest
 from loraflow_worker.contract import CONTRACT_VERSION
 from loraflow_worker.handler import WORK_DIR_ENV, handler
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS, build_tiny_model, corpus_from_jsonl
-from worker_test_support import BASE_TRAINING, PLANTED_SECRET
+from worker_test_support import BASE_TRAINING, CHECKPOINT_KEY, PLANTED_SECRET
 
 TINY_CHAT = DEFAULT_CORPUS
 
@@ -52,6 +52,7 @@ def finished_job(tiny_model_dir, tmp_path_factory) -> FinishedJob:
         env.setenv(WORK_DIR_ENV, str(work_base))
         env.setenv("HF_TOKEN", PLANTED_SECRET)
         env.delenv("RUNPOD_WEBHOOK_POST_OUTPUT", raising=False)
+        env.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # the supervisor sets it, unless the worker's env has one
         started = time.monotonic()
         result = handler(job)
         seconds = time.monotonic() - started
@@ -81,6 +82,7 @@ def _make_job(run_id: str, model_dir: Path, store_root: Path, **overrides) -> di
         "dataset": {"store_path": dataset_path},
         "training": dict(BASE_TRAINING),
         "artifact_store": store_root.as_uri(),
+        "checkpoint_key": CHECKPOINT_KEY,
     }
     job_input.update(overrides)
     return {"id": f"job-{run_id}", "input": job_input}

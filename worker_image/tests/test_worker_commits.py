@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from worker_test_support import CountingStore, train_in_process
+from worker_test_support import CHECKPOINT_KEY, CountingStore, train_in_process
 
 from loraflow_worker.training.checkpoints import CheckpointTimer, CheckpointUploader, save_settings, stored_checkpoints
 from loraflow_worker.contract import JobInput
@@ -47,7 +47,7 @@ def test_the_trainer_saves_a_checkpoint_whenever_the_timer_asks(tiny_model_dir, 
     store = CountingStore(tmp_path / "store")
     job = JobInput.model_validate(make_job("run-t", tiny_model_dir, store.root, training={"max_steps": 3})["input"])
     assert save_settings(job.training)["save_strategy"] == "no"
-    callbacks = [CheckpointUploader(store, "runs/run-t", keep=1, min_interval_s=0), CheckpointTimer(interval_s=0)]
+    callbacks = [CheckpointUploader(store, "runs/run-t", keep=1, key=CHECKPOINT_KEY, min_interval_s=0), CheckpointTimer(interval_s=0)]
     train_sft(job, store, tmp_path / "work", lambda progress: None, callbacks=callbacks)
     # Steps 1 and 2 stored (step 2's commit deletes step 1's); step 3 ends training, so its save is not stored.
     assert store.commits == ["checkpoint at step 1", "checkpoint at step 2"]

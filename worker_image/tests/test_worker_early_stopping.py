@@ -164,7 +164,14 @@ def test_early_stopping_without_an_evaluation_is_refused_naming_both(tmp_path):
     job = _job(Path("/nonexistent/model"), tmp_path / "store", "r", training={"early_stopping": {"patience": 2}})
     with pytest.raises(JobRefused) as refused:
         handler({"id": "job-1", "input": {"contract_version": CONTRACT_VERSION, **job}})
-    assert "`training.early_stopping`" in str(refused.value) and "`[evaluation]`" in str(refused.value)
+    assert "`training.early_stopping`" in str(refused.value) and "held-out rows" in str(refused.value)
+
+
+def test_early_stopping_with_task_evaluations_alone_is_refused_it_needs_held_out_rows(tmp_path):
+    job = _job(Path("/nonexistent/model"), tmp_path / "store", "r", training={"early_stopping": {"patience": 2}},
+               evaluation={"tasks": [{"name": "phrase", "store_path": "t.jsonl", "graders": [{"kind": "contains"}]}]})
+    with pytest.raises(JobRefused, match="no held-out rows"):
+        handler({"id": "job-1", "input": {"contract_version": CONTRACT_VERSION, **job}})
 
 
 def test_a_metric_the_algorithm_does_not_record_is_refused(tmp_path):

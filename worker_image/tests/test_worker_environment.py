@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from loraflow_worker.contract import JobInput
-from loraflow_worker.runtime.environment import CONTROL_PLANE_KEYS, FORWARDED_CREDENTIALS, child_env
+from loraflow_worker.runtime.environment import (
+    ALLOC_CONF_ENV,
+    CONTROL_PLANE_KEYS,
+    EXPANDABLE_SEGMENTS,
+    FORWARDED_CREDENTIALS,
+    child_env,
+)
 from loraflow_worker.runtime.redaction import redact_secrets
 
 JOB = JobInput(run_id="run-1", attempt=3, model={"id": "m"}, dataset={"hub_id": "d"},
@@ -30,6 +36,17 @@ def test_training_process_gets_only_the_forwarded_credentials():
 def test_runpod_runtime_variables_stay_with_the_supervisor():
     env = child_env(JOB, WORKER_ENV)
     assert not [name for name in env if name.startswith("RUNPOD_")]
+
+
+def test_the_training_process_starts_with_expandable_segments_unless_the_run_disables_them():
+    # The CUDA allocator reads the variable once, when CUDA initialises, which the training process's imports do.
+    assert child_env(JOB, WORKER_ENV)[ALLOC_CONF_ENV] == EXPANDABLE_SEGMENTS
+    disabled = JOB.model_copy(update={"fast_paths": JOB.fast_paths.model_copy(update={"expandable_segments": False})})
+    assert ALLOC_CONF_ENV not in child_env(disabled, WORKER_ENV)
+
+
+def test_an_allocator_setting_of_the_workers_environment_is_kept():
+    assert child_env(JOB, {**WORKER_ENV, ALLOC_CONF_ENV: "max_split_size_mb:128"})[ALLOC_CONF_ENV] == "max_split_size_mb:128"
 
 
 def test_control_plane_keys_come_from_the_job_not_the_environment():

@@ -269,6 +269,13 @@ def test_expandable_segments_count_only_when_the_allocator_holds_them():
     assert path.reason == "the allocator holds '', not expandable_segments:True: CUDA initialised before PYTORCH_CUDA_ALLOC_CONF was set"
 
 
+def test_expandable_segments_the_training_process_started_with_count_as_engaged_when_the_allocator_holds_them():
+    path = plan_fast_paths(_cuda(alloc_conf=EXPANDABLE, allocator_settings=EXPANDABLE)).fast_paths["expandable_segments"]
+    assert path.engaged
+    assert path.reason.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the training process's "
+                                  "environment from its start, and the allocator holds it")
+
+
 def test_an_allocator_setting_from_the_environment_is_kept_and_recorded():
     plan = plan_fast_paths(_cuda(alloc_conf="max_split_size_mb:128", allocator_settings="max_split_size_mb:128"))
     assert plan.fast_paths["expandable_segments"] == plan.fast_paths["expandable_segments"].model_copy(

@@ -205,9 +205,10 @@ def test_4bit_weights_are_nf4_with_double_quantization_and_the_rest_fp32():
     assert plan.breakdown.weights_bytes == math.ceil(quantized * NF4_BYTES_PER_PARAMETER) + rest * 4
 
 
-def test_a_4bit_adapter_is_bf16_with_adamw_at_eight_bytes_a_parameter():
-    plan = _plan(LLAMA_3_1_8B, 2048, quantization="4bit")
-    assert plan.breakdown.adapter_bytes == LLAMA_3_1_8B.lora_parameters * 8
+def test_a_4bit_adapter_trains_in_fp32_as_on_a_bf16_base_with_adamw_at_sixteen_bytes_a_parameter():
+    # TRL casts a quantized base's adapter to bf16; the worker puts it back in fp32: weight, gradient, AdamW's two states.
+    qlora, plain = _plan(LLAMA_3_1_8B, 2048, quantization="4bit"), _plan(LLAMA_3_1_8B, 2048)
+    assert qlora.breakdown.adapter_bytes == plain.breakdown.adapter_bytes == LLAMA_3_1_8B.lora_parameters * 16
 
 
 def test_on_a_4bit_base_the_checkpointed_inputs_and_the_mlps_outputs_are_fp32():
@@ -262,19 +263,19 @@ def test_dora_adds_a_trained_magnitude_per_output_and_keeps_more_activations():
     assert dora.estimate_bytes > plain.estimate_bytes
 
 
-def test_an_lm_head_to_save_is_a_full_trainable_copy_of_vocabulary_by_hidden():
+def test_an_lm_head_to_save_is_a_full_trainable_copy_of_vocabulary_by_hidden_in_fp32_on_a_bf16_base():
     plain, saved = _plan(QWEN3_4B, 2048), _plan(QWEN3_4B, 2048, modules_to_save=["lm_head"])
-    # 151,936 × 2,560 values: bf16 weight and gradient, AdamW's two bf16 states (torch keeps them in the weight's dtype)
-    assert saved.breakdown.modules_to_save_bytes == 151_936 * 2560 * 8
+    # 151,936 × 2,560 values: fp32 weight and gradient, AdamW's two fp32 states (torch keeps them in the weight's dtype)
+    assert saved.breakdown.modules_to_save_bytes == 151_936 * 2560 * 16
     assert saved.estimate_bytes - plain.estimate_bytes == (saved.breakdown.modules_to_save_bytes
                                                            + saved.breakdown.head_gradient_bytes)
 
 
-def test_a_trained_head_adds_the_fp32_gradient_buffer_of_trls_fused_head_and_its_bf16_cast_to_the_backward():
-    # ChunkedLogProbFunction.backward accumulates the head's gradient in fp32 (4 bytes a value), then casts it to the
-    # bf16 head's dtype (2 more) while the buffer is alive: both at the start of the backward, with the activations.
+def test_a_trained_head_adds_the_fp32_gradient_buffer_of_trls_fused_head_to_the_backward():
+    # ChunkedLogProbFunction.backward accumulates the head's gradient in fp32 (4 bytes a value) and returns it in the
+    # fp32 copy's dtype, no second copy: at the start of the backward, with the activations.
     plan = _plan(QWEN3_4B, 2048, modules_to_save=["lm_head"])
-    assert plan.breakdown.head_gradient_bytes == 151_936 * 2560 * (4 + 2)
+    assert plan.breakdown.head_gradient_bytes == 151_936 * 2560 * 4
     assert plan.estimate_bytes == (plan.breakdown.weights_bytes + plan.breakdown.adapter_bytes
                                    + plan.breakdown.modules_to_save_bytes + plan.breakdown.activations_bytes
                                    + plan.breakdown.logits_bytes + plan.breakdown.head_gradient_bytes)
@@ -309,8 +310,8 @@ def test_an_embedding_to_save_keeps_32_bit_states_under_an_8bit_optimizer():
     head = _plan(QWEN3_4B, 2048, modules_to_save=["lm_head"], optimizer="adamw_8bit").breakdown.modules_to_save_bytes
     embeddings = _plan(QWEN3_4B, 2048, modules_to_save=["embed_tokens"],
                        optimizer="adamw_8bit").breakdown.modules_to_save_bytes
-    assert head == 151_936 * 2560 * (2 + 2 + 2 * 1)
-    assert embeddings == 151_936 * 2560 * (2 + 2 + 2 * 4)
+    assert head == 151_936 * 2560 * (4 + 4 + 2 * 1)
+    assert embeddings == 151_936 * 2560 * (4 + 4 + 2 * 4)
 
 
 def test_a_module_to_save_the_plan_cannot_size_is_named_in_its_reasons():

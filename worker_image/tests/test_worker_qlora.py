@@ -100,6 +100,12 @@ def test_a_qlora_adapter_names_its_base_not_a_quantized_copy(qlora_run):
     assert config["base_model_name_or_path"] == qlora_run.manifest.job.model.id
 
 
+def test_a_qlora_runs_adapter_trains_in_fp32_where_trl_cast_it_to_bf16_and_the_manifest_says_so(qlora_run):
+    weights = load_file(qlora_run.adapter_dir / "adapter_model.safetensors")
+    assert {t.dtype for name, t in weights.items() if "lora_" in name} == {torch.float32}
+    assert qlora_run.manifest.trainable_dtypes == {"lora": "float32"}
+
+
 def test_the_manifest_of_a_qlora_run_records_the_quantization(qlora_run):
     assert qlora_run.manifest.job.lora.quantization == "4bit"
     assert "bitsandbytes" in qlora_run.manifest.libraries
@@ -125,7 +131,7 @@ def test_a_qlora_runs_lm_head_trains_in_fp32_and_moves_where_bf16_could_not(tiny
     weights = load_file(outcome.adapter_dir / "adapter_model.safetensors")
     head = next(tensor for name, tensor in weights.items() if "lm_head" in name)
     assert head.dtype == torch.float32
-    assert {t.dtype for name, t in weights.items() if "lora_" in name} == {torch.bfloat16}  # TRL's QLoRA recipe stays
+    assert outcome.manifest.trainable_dtypes == {"lora": "float32", "modules_to_save": "float32"}
     # Training starts from the base's head as TRL's cast left it: rounded to bf16.
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).lm_head.weight.detach().bfloat16()
     large = start.abs() > BF16_STUCK

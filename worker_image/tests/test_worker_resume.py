@@ -1,8 +1,11 @@
 """A run killed after a checkpoint: the next attempt resumes at the checkpoint and ends where an
-uninterrupted run ends (the session's `finished_job`, same data, seed and settings)."""
+uninterrupted run ends (the session's `finished_job`, same data, seed and settings), whatever later checkpoint
+someone else who can write the store put beside it."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +39,10 @@ def resumed_run(tiny_model_dir, make_job, record_progress, tmp_path_factory) -> 
                 handler(make_job("run-k", tiny_model_dir, store_root, training=training))
         console = (run_dir / "console.txt").read_text()
         checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        # A teammate who can write the store plants a later checkpoint of their own making in the run's folder.
+        planted = run_dir / "checkpoints" / "step-100000"
+        shutil.copytree(run_dir / "checkpoints" / "step-20", planted)
+        (planted / "COMPLETE").write_text(json.dumps({"step": 100000}))
         with record_progress() as progress:
             result = handler(make_job("run-k", tiny_model_dir, store_root, training=training, attempt=2))
     return ResumedRun(str(first.value), console, checkpoints, result, progress, run_dir)
@@ -55,6 +62,13 @@ def test_next_attempt_resumes_at_the_checkpoint(resumed_run):
     assert first_training["step"] == 21
 
 
+def test_a_planted_later_checkpoint_is_ignored_and_named(resumed_run):
+    messages = " ".join(u["message"] for u in resumed_run.progress if u["stage"] == "loading")
+    assert "ignored (not this run's own, or changed since it stored them): step-100000 (its COMPLETE marker is not a " \
+           "record of this run" in messages
+    assert resumed_run.result["resumed_from_step"] == 20
+
+
 def test_resumed_run_ends_with_the_losses_of_an_uninterrupted_run(resumed_run, finished_job):
     resumed = resumed_run.result["metrics"]["losses"]
     uninterrupted = finished_job.result["metrics"]["losses"]
@@ -64,7 +78,8 @@ def test_resumed_run_ends_with_the_losses_of_an_uninterrupted_run(resumed_run, f
 
 
 def test_resumed_run_replaces_the_older_checkpoint(resumed_run):
-    # keep_checkpoints=1: step-40 (the resumed attempt's first save) replaced step-20 in the same commit.
+    # keep_checkpoints=1: step-40 (the resumed attempt's first save) replaced step-20 (and the planted step-100000)
+    # in the same commit.
     assert sorted(p.name for p in (resumed_run.run_dir / "checkpoints").iterdir()) == ["step-40"]
     assert (resumed_run.run_dir / "DONE").is_file()
 

@@ -47,6 +47,13 @@ def test_store_holds_the_run_layout(finished_job):
     assert TrainMetrics.model_validate_json((run_dir / "metrics.json").read_text()).steps == 50
 
 
+def test_the_training_process_the_supervisor_started_had_the_allocator_setting_in_its_environment(finished_job):
+    # Set before the process started, so before any import could initialise CUDA; on a GPU the manifest's
+    # `cuda_allocator_settings` and `fast_paths.expandable_segments` say the allocator took it.
+    manifest = RunManifest.model_validate_json((finished_job.run_dir / "manifest.json").read_text())
+    assert manifest.cuda_alloc_conf == "expandable_segments:True"
+
+
 def test_manifest_records_versions_device_and_fast_paths(finished_job):
     manifest = RunManifest.model_validate_json((finished_job.run_dir / "manifest.json").read_text())
     assert manifest.contract_version == CONTRACT_VERSION

@@ -182,3 +182,76 @@ def test_an_init_trains_and_its_stored_adapter_reproduces_the_trained_model_on_t
     with torch.no_grad():
         loaded = PeftModel.from_pretrained(base, outcome.adapter_dir)(PROBE).logits
     torch.testing.assert_close(loaded, trained.logits, atol=1e-3, rtol=1e-3)
+
+
+def test_the_manifest_says_every_trained_group_trained_in_fp32(knob_run):
+    manifest = RunManifest.model_validate_json((knob_run / "manifest.json").read_text())
+    assert manifest.trainable_dtypes == {"dora_magnitude": "float32", "lora": "float32", "modules_to_save": "float32"}
+
+
+SLOW = {"max_steps": 4, "batch_size": 4, "learning_rate": 1e-5, "lr_scheduler": "constant", "weight_decay": 0.0}
+"""DPO's and GRPO's rates: an AdamW step of about 1e-5, under half of bf16's spacing for every |w| above 0.005."""
+
+
+def _head_trainer(model_dir: Path, work_dir: Path, dtype: str, modules: tuple[str, ...] = ("lm_head",)):
+    """An SFT trainer of the tiny model that trains `modules` (its LM head) in full at `SLOW`'s rate, built as
+    `train_sft` builds one, the base loaded in `dtype`: what `fast_paths` chooses on a GPU with bf16 (`bfloat16`) and
+    on the CPU."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTTrainer
+
+    from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
+    from loraflow_worker.training.fast_paths import FastPathPlan
+    from loraflow_worker.training.run import model_and_adapter
+    from loraflow_worker.training.sft import sft_config
+
+    job = JobInput.model_validate({"run_id": "h", "model": {"id": str(model_dir)}, "dataset": {"hub_id": "org/data"},
+                                   "lora": {"rank": 4, "modules_to_save": list(modules)}, "training": SLOW,
+                                   "artifact_store": work_dir.as_uri()})
+    loading = {"dtype": dtype}
+    plan = FastPathPlan({}, {"use_cpu": True, "bf16": False, "gradient_checkpointing": False,
+                             "model_init_kwargs": loading}, loading)
+    model, peft_config = model_and_adapter(model_dir, job, plan, open_store(job.artifact_store), work_dir)
+    rows = Dataset.from_list([json.loads(line) for line in DEFAULT_CORPUS.read_text().splitlines()])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = SFTTrainer(model=model, args=sft_config(job, plan, work_dir), train_dataset=rows,
+                         processing_class=tokenizer, peft_config=peft_config)
+    return job, trainer, tokenizer
+
+
+def _head(trainer) -> torch.Tensor:
+    return next(p for name, p in trainer.model.named_parameters() if "lm_head.modules_to_save" in name).detach()
+
+
+def test_a_bf16_bases_lm_head_copy_trains_in_fp32_and_moves_as_an_fp32_runs_does(tiny_model_dir, tmp_path):
+    from loraflow_worker.training.run import train_and_save, trainable_dtypes
+
+    moved = {}
+    for dtype in ("float32", "bfloat16"):
+        job, trainer, tokenizer = _head_trainer(tiny_model_dir, tmp_path / dtype, dtype)
+        start = _head(trainer).float().clone()
+        train_and_save(trainer, tokenizer, job, None, tmp_path / dtype, None)
+        assert {p.dtype for group in trainer.optimizer.param_groups for p in group["params"]} == {torch.float32}
+        assert trainable_dtypes(trainer.model) == {"lora": "float32", "modules_to_save": "float32"}
+        moved[dtype] = (_head(trainer) - start).abs().mean().item()
+    # The same trainer without the worker's cast: PEFT's bf16 copy, whose updates round away.
+    _, trainer, _ = _head_trainer(tiny_model_dir, tmp_path / "as-peft-leaves-it", "bfloat16")
+    start = _head(trainer).float().clone()
+    assert _head(trainer).dtype == torch.bfloat16
+    trainer.train()
+    moved["bfloat16, left as PEFT copies it"] = (_head(trainer).float() - start).abs().mean().item()
+    print("mean |change| of the LM head copy after 4 steps at lr 1e-5:", moved)
+    assert 0.5 < moved["bfloat16"] / moved["float32"] < 2
+    assert moved["bfloat16, left as PEFT copies it"] < 0.25 * moved["float32"]
+
+
+def test_fp32_copies_of_a_bf16_bases_embeddings_and_head_hand_bf16_on_and_generate_outside_autocast(tiny_model_dir,
+                                                                                                   tmp_path):
+    # Without autocast (the CPU here; transformers' generate on a GPU) an fp32 weight does not multiply a bf16 input.
+    from loraflow_worker.training.run import train_and_save
+
+    job, trainer, tokenizer = _head_trainer(tiny_model_dir, tmp_path, "bfloat16", ("lm_head", "embed_tokens"))
+    train_and_save(trainer, tokenizer, job, None, tmp_path, None)
+    assert trainer.model.get_input_embeddings()(PROBE).dtype == torch.bfloat16
+    assert trainer.model.generate(input_ids=PROBE, max_new_tokens=2, do_sample=False).shape == (1, PROBE.shape[1] + 2)

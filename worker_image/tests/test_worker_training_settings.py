@@ -15,7 +15,8 @@ from transformers.trainer_utils import SchedulerType
 from transformers.training_args import OptimizerNames
 
 from loraflow_worker.contract import JobInput, LoraSettings
-from loraflow_worker.contract.lora_settings import REFUSED_LORA_INITS, LoraInit
+from loraflow_worker.contract.dpo_settings import REFUSED_DPO_LOSSES, DpoLoss
+from loraflow_worker.contract.lora_settings import REFUSED_LORA_INITS, REFUSED_TARGET_MODULES, LoraInit
 from loraflow_worker.contract.training_settings import (
     REFUSED_LR_SCHEDULERS,
     REFUSED_OPTIMIZERS,
@@ -196,6 +197,42 @@ def test_both_algorithms_train_with_the_schedule_and_optimisation_settings(build
 
 def test_warmup_steps_reach_the_trainer_as_whole_steps(tmp_path):
     assert sft_config(_job(training={"warmup_steps": 5}), CPU_PLAN, tmp_path).get_warmup_steps(100) == 5
+
+
+def test_the_refused_lora_targets_are_pefts_embedding_layer_names():
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    assert set(REFUSED_TARGET_MODULES) == set(EMBEDDING_LAYER_NAMES)
+
+
+@pytest.mark.parametrize("named, target", [(["q_proj", "lm_head"], "lm_head"), (["model.lm_head"], "model.lm_head"),
+                                           (["embed_tokens", "v_proj"], "embed_tokens")])
+def test_lora_on_the_lm_head_or_the_embeddings_is_refused_naming_the_field_and_modules_to_save(named, target):
+    message = _lora_refusal(target_modules=named)
+    assert f"`lora.target_modules` names {target}, which LoRA cannot adapt here" in message
+    assert "remove it from `lora.target_modules`, and name it in `lora.modules_to_save`" in message
+
+
+def test_all_linear_leaves_the_lm_head_out_as_trl_requires(tiny_model_dir):
+    # TRL 1.16 refuses an adapter on the output head when its trainer starts (`sft_trainer.py`, `dpo_trainer.py`,
+    # `grpo_trainer.py`: `get_output_embeddings()` a `BaseTunerLayer`); PEFT's all-linear skips it.
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora_config(_job()))
+    assert not isinstance(model.get_output_embeddings(), BaseTunerLayer)
+    assert any(isinstance(module, BaseTunerLayer) for module in model.modules())
+
+
+def test_every_dpo_loss_is_trls_and_exo_pair_is_refused_with_its_reason():
+    from trl import DPOConfig
+
+    trl_losses = DPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    for name in [*DpoLoss.__args__, *REFUSED_DPO_LOSSES]:
+        assert f"'{name}'" in trl_losses, name
+    message = _refusal(algorithm="dpo", dpo={"loss_type": "exo_pair"})
+    assert "`dpo.loss_type` 'exo_pair' cannot be used" in message and "label_smoothing" in message
 
 
 def test_the_adapter_settings_reach_peft():

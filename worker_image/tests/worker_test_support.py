@@ -37,6 +37,8 @@ process's PYTHONPATH, it fails that process as `LORAFLOW_TEST_CRASH_*` say."""
 PLANTED_SECRET = "hf_planted_secret_value_123"
 """Set as HF_TOKEN while jobs run: it must never show up in anything the worker stores or returns."""
 BASE_TRAINING = {"max_steps": 50, "learning_rate": 1e-2, "batch_size": 8}
+CHECKPOINT_KEY = "9f" * 32
+"""A run's checkpoint key as the control plane gives every job one (`JobInput.checkpoint_key`)."""
 
 
 def stored_files_containing(root: Path, text: str) -> list[Path]:

@@ -22,7 +22,8 @@ RECORDED_LIBRARIES = (
     "liger-kernel", "flash-linear-attention", "fla-core", "causal-conv1d", "bitsandbytes", "vllm", "triton",
 )
 """Libraries whose versions the manifest records, when installed."""
-_NOT_TRAINING_CONFIG = {"contract_version", "run_id", "attempt", "artifact_store", "deadline_epoch_s", "mode", "memory"}
+_NOT_TRAINING_CONFIG = {"contract_version", "run_id", "attempt", "artifact_store", "deadline_epoch_s", "mode", "memory",
+                        "checkpoint_key"}
 """What names or schedules an attempt, not what it trains: `memory` too, since a forced micro-batch keeps the effective
 batch and checkpointing or vLLM's share change how much memory training takes, not what it learns."""
 
@@ -111,6 +112,18 @@ class RunManifest(BaseModel):
         default=None,
         description="The settings the CUDA caching allocator ran with, as it took them from `PYTORCH_CUDA_ALLOC_CONF` "
         "(e.g. `expandable_segments:True`; empty for its defaults); None on CPU.",
+    )
+    cuda_alloc_conf: str | None = Field(
+        default=None,
+        description="`PYTORCH_CUDA_ALLOC_CONF` in the training process's environment: the worker's supervisor puts it "
+        "there before the process starts (unless the worker's own environment has one), so before anything initialises "
+        "CUDA; None where neither set it. `cuda_allocator_settings` says what the allocator took from it.",
+    )
+    trainable_dtypes: dict[str, str] = Field(
+        default_factory=dict,
+        description="The dtype each group of trained tensors trained in: `lora` (the adapter's matrices), "
+        "`dora_magnitude`, `modules_to_save` (the full copies), e.g. `{\"lora\": \"float32\"}`. The worker keeps "
+        "them all in fp32, where a small learning rate's update does not round away as in bf16.",
     )
     dataset_sources: list[SourceRows] = Field(
         default_factory=list,

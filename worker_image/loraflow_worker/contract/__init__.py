@@ -12,7 +12,8 @@ one `<method>_settings` per method with settings of its own, `memory_settings`, 
 a run may put in its worker's environment (`env_names`), the pins on the files the control plane stored for a job
 (`stored_inputs`), the job itself (`job`), what comes back (`results`), preload jobs (`preload`), merge jobs (`merge`:
 a run's adapter merged into its base and published), how a reward is named (`reward_names`) and the chat templates the
-image's TRL has training versions of (`chat_templates`). The models are re-exported here:
+image's TRL has training versions of (`chat_templates`), and task evaluations and benchmarks with their scores
+(`task_evaluation`). The models are re-exported here:
 `from loraflow_worker.contract import JobInput`.
 
 It must stay light (pydantic and the standard library only) and import nothing else of the worker: the
@@ -53,6 +54,16 @@ from loraflow_worker.contract.results import (
     TrainMetrics,
     run_prefix,
 )
+from loraflow_worker.contract.task_evaluation import (
+    BUILTIN_GRADERS,
+    BenchmarkScore,
+    BenchmarkSettings,
+    GraderSettings,
+    TaskEvaluation,
+    TaskScore,
+    function_reference,
+    task_score,
+)
 from loraflow_worker.contract.sources import DatasetSource, MixSource, ModelSource, RowFormat, SourceFields
 from loraflow_worker.contract.stored_inputs import StoredInputs
 from loraflow_worker.contract.training_settings import (
@@ -66,6 +77,14 @@ from loraflow_worker.contract.training_settings import (
 from loraflow_worker.contract.version import CONTRACT_VERSION
 
 __all__ = [
+    "BUILTIN_GRADERS",
+    "BenchmarkScore",
+    "BenchmarkSettings",
+    "GraderSettings",
+    "TaskEvaluation",
+    "TaskScore",
+    "function_reference",
+    "task_score",
     "DpoSettings",
     "dpo_setting_problems",
     "CONTRACT_VERSION",

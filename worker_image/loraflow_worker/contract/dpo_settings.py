@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from loraflow_worker.contract.lora_settings import LoraSettings, reference_problems
 from loraflow_worker.contract.training_settings import TrainingSettings, sft_only_settings
 from loraflow_worker.contract.version import _Strict
 
 DpoLoss = Literal["sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down",
-                  "exo_pair", "discopop", "sigmoid_norm"]
+                  "discopop", "sigmoid_norm"]
 """TRL's paired DPO losses (`DPOConfig.loss_type`); its unpaired and SFT-mixing ones are left out."""
+REFUSED_DPO_LOSSES = {
+    "exo_pair": "TRL 1.16's DPOTrainer refuses it when training starts unless `label_smoothing` is above 0 (the EXO "
+                "paper's 1e-3), and loraflow does not take a label smoothing",
+}
+"""TRL's paired losses a run cannot use, and why."""
 
 
 class DpoSettings(_Strict):
@@ -31,6 +36,15 @@ class DpoSettings(_Strict):
         "preference is noisy), `hinge` (SLiC), `robust` (label noise), `apo_zero` / `apo_down` (anchored), and the "
         "others TRL names.",
     )
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _why_a_loss_is_refused(cls, name: object) -> object:
+        # Before the Literal's own check, so a TRL loss loraflow refuses gets its reason.
+        if isinstance(name, str) and name in REFUSED_DPO_LOSSES:
+            raise ValueError(f"`dpo.loss_type` '{name}' cannot be used: {REFUSED_DPO_LOSSES[name]}; use one of "
+                             f"{', '.join(DpoLoss.__args__)}")
+        return name
 
 
 def dpo_setting_problems(algorithm: str, dpo: DpoSettings | None, training: TrainingSettings,

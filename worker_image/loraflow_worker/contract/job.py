@@ -125,6 +125,14 @@ class JobInput(_Strict):
         "hand).",
     )
 
+    checkpoint_key: str | None = Field(
+        default=None, min_length=32, max_length=128, repr=False,
+        description="The run's checkpoint key, which the control plane derives for the run (the same for every "
+        "attempt) from a key of its own: the worker signs its record of each checkpoint with it and resumes only "
+        "from a checkpoint whose record it signs, so a checkpoint someone else put in the run's store is never "
+        "loaded. None: no checkpoint is the run's own, and every attempt trains from the start.",
+    )
+
     def input_files(self) -> dict[str, str]:
         """Store path → the field that names it, for every file of the run that the worker reads from the store."""
         return _input_files(self.dataset, self.training, self.grpo, self.evaluation)

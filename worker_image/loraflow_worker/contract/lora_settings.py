@@ -21,6 +21,14 @@ REFUSED_LORA_INITS = {
     "lora_ga": "LoRA-GA needs the gradients of a pass over the data before training, which loraflow does not run",
 }
 """PEFT 0.21's other `init_lora_weights` values, and why a run cannot use them."""
+REFUSED_TARGET_MODULES = {
+    "lm_head": "TRL 1.16's trainers compute the log-probabilities from `lm_head.weight` directly (their fused LM head), "
+               "so an adapter on the output head would never train: TRL refuses it when training starts",
+    "embed_tokens": "on a tied-embedding model (Qwen's small ones among them) the input embeddings share their weight "
+                    "with the output head, so the adapter, trained through the inputs only, would change the head "
+                    "too once merged (PEFT warns of it)",
+}
+"""PEFT's embedding layer names (`EMBEDDING_LAYER_NAMES`) as LoRA targets, and why a run cannot name them."""
 BASE_REWRITING_INITS = ("pissa", "olora")
 """Inits that rewrite the base weights (base = residual): their adapter is converted to a plain LoRA when saved."""
 
@@ -40,7 +48,8 @@ class LoraSettings(_Strict):
     target_modules: list[str] | Literal["all-linear"] = Field(
         default="all-linear",
         description="Module names to adapt (e.g. `[\"q_proj\", \"v_proj\"]`), or `all-linear` for every "
-        "linear layer except the output head.",
+        "linear layer except the output head. Not `lm_head` or `embed_tokens`: train those in full with "
+        "`modules_to_save`.",
     )
     quantization: Literal["none", "4bit"] = Field(
         default="none",
@@ -95,7 +104,7 @@ class LoraSettings(_Strict):
         description="Modules trained in full besides the adapter and stored with it (PEFT `modules_to_save`), e.g. "
         "`[\"lm_head\"]` or `[\"embed_tokens\"]` to learn new tokens. Each is a full trainable copy, with its "
         "gradients and optimizer state: Qwen3-4B's LM head (a 151,936-token vocabulary × 2,560) is 389 million values. "
-        "On a 4-bit base the copies train in fp32. GRPO takes them only with `fast_paths.vllm_colocate = false`: a "
+        "The copies train in fp32 (bf16's rounding would swallow a small learning rate's updates). GRPO takes them only with `fast_paths.vllm_colocate = false`: a "
         "colocated vLLM would not generate with them on a tied-embedding model. Empty: only the adapter trains.",
     )
 
@@ -117,6 +126,15 @@ class LoraSettings(_Strict):
         if isinstance(value, str) and (problem := init_from_problem(value)):
             raise ValueError(problem)
         return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _no_embedding_layer_targets(cls, targets: list[str] | str) -> list[str] | str:
+        if problem := target_modules_problem(targets):
+            it = "it" if sum(name.rsplit(".", 1)[-1] in REFUSED_TARGET_MODULES for name in targets) == 1 else "them"
+            raise ValueError(f"{problem}: remove {it} from `lora.target_modules`, and name {it} in "
+                             f"`lora.modules_to_save` to train a full copy instead")
+        return targets
 
     @field_validator("modules_to_save")
     @classmethod
@@ -165,6 +183,20 @@ def reference_problems(lora: LoraSettings, measured: str, other_fix: str | None 
             f"which after '{lora.init}' initialisation is the residual base (the weights less the adapter's starting "
             f"value), not the model training starts from, so the reference's log-probabilities, and the rewards, "
             f"margins, KL and loss built on them, would be meaningless; {fixes}"]
+
+
+def target_modules_problem(targets: list[str] | str, field: str = "`lora.target_modules`") -> str | None:
+    """Why `targets` (`lora.target_modules`, or the target modules of the adapter `field` names) cannot be a run's,
+    naming the field; None when it can. PEFT matches a name against the end of each module's dotted name, so
+    `model.lm_head` names the head too; `all-linear` leaves the output head out (PEFT's
+    `_maybe_include_all_linear_layers`)."""
+    if isinstance(targets, str):
+        return None
+    refused = [name for name in targets if name.rsplit(".", 1)[-1] in REFUSED_TARGET_MODULES]
+    if not refused:
+        return None
+    reasons = "; ".join(f"{name}: {REFUSED_TARGET_MODULES[name.rsplit('.', 1)[-1]]}" for name in refused)
+    return f"{field} names {', '.join(refused)}, which LoRA cannot adapt here ({reasons})"
 
 
 def init_from_problem(value: str) -> str | None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from loraflow_worker.contract.stored_inputs import Sha256
+from loraflow_worker.contract.task_evaluation import BenchmarkScore, TaskScore
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
 
@@ -90,6 +91,16 @@ class TrainMetrics(_Strict):
         default=None,
         description="With `training.early_stopping`: where training ended, of how many steps, why, and the step whose "
         "adapter the run stored (its best evaluation); None otherwise.",
+    )
+    task_scores: list[TaskScore] = Field(
+        default_factory=list,
+        description="With `evaluation.tasks`: per task and grader, the base's and the kept adapter's mean scores and "
+        "their difference, each with its standard error.",
+    )
+    benchmark_scores: list[BenchmarkScore] = Field(
+        default_factory=list,
+        description="With `evaluation.benchmarks`: per lm-evaluation-harness task and metric, the base's and the "
+        "adapter's scores with the harness's standard errors.",
     )
 
 

@@ -3,13 +3,14 @@ adapter's shape is `lora_settings`)."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
 from loraflow_worker.contract.chat_templates import trl_template_names
 from loraflow_worker.contract.fast_path_settings import FastPathSettings
 from loraflow_worker.contract.sources import RowFormat
+from loraflow_worker.contract.task_evaluation import MAX_TASKS, BenchmarkSettings, TaskEvaluation
 from loraflow_worker.contract.version import _Strict
 
 LrScheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -312,14 +313,33 @@ class EvaluationSettings(RowFormat):
         "evaluation stays a small share of the run's time and cost.",
     )
 
+    tasks: list[TaskEvaluation] = Field(
+        default_factory=list, max_length=MAX_TASKS,
+        description="Task evaluations after training: prompts with expected answers, answered by the base and the "
+        "kept adapter and graded (`TaskEvaluation`).")
+    benchmarks: BenchmarkSettings | None = Field(
+        default=None, description="lm-evaluation-harness benchmarks after training, for the base and the adapter.")
+
+    @property
+    def held_out(self) -> bool:
+        """Whether the run evaluates on held-out rows while training (a `fraction` or an evaluation file)."""
+        return self.fraction is not None or self.store_path is not None
+
     @model_validator(mode="after")
-    def _exactly_one_source(self) -> EvaluationSettings:
-        if (self.fraction is None) == (self.store_path is None):
-            raise ValueError("give exactly one of `fraction` (a held-out share of the dataset) or `store_path` "
-                             "(an evaluation file in the store)")
+    def _one_source(self) -> EvaluationSettings:
+        if self.fraction is not None and self.store_path is not None:
+            raise ValueError("give one of `fraction` (a held-out share of the dataset) or `store_path` (an evaluation "
+                             "file in the store), not both")
+        if not self.held_out and not self.tasks and self.benchmarks is None:
+            raise ValueError("give `fraction` (a held-out share of the dataset), `store_path` (an evaluation file in "
+                             "the store), `tasks` or `benchmarks`")
         if self.store_path is None and (self.format != "auto" or self.columns):
             raise ValueError("`format` and `columns` describe an evaluation file (`store_path`): the held-out "
                              "`fraction` of the dataset is in the dataset's format already; remove them")
+        names = [t.name for t in self.tasks]
+        doubled = sorted({n for n in names if names.count(n) > 1})
+        if doubled:
+            raise ValueError(f"two tasks are named {', '.join(doubled)}: name each task once")
         return self
 
 
@@ -331,16 +351,26 @@ def sft_only_settings(training: TrainingSettings) -> list[str]:
             if getattr(training, name) != default]
 
 
-def early_stopping_problems(algorithm: str, training: TrainingSettings, evaluation: object | None) -> list[str]:
+class HeldOutEvaluation(Protocol):
+    """An `[evaluation]` section, the job's or the run form's: whether it holds rows out to evaluate on while
+    training (task evaluations and benchmarks alone do not)."""
+
+    @property
+    def held_out(self) -> bool: ...
+
+
+def early_stopping_problems(algorithm: str, training: TrainingSettings,
+                            evaluation: HeldOutEvaluation | None) -> list[str]:
     """What is wrong with a job's `training.early_stopping` given its algorithm and evaluation (empty when nothing).
     Shared by the worker's `JobInput` and the control plane's run spec."""
     stopping = training.early_stopping
     if stopping is None:
         return []
     problems = []
-    if evaluation is None:
+    if evaluation is None or not evaluation.held_out:
         problems.append("`training.early_stopping` stops when held-out evaluation stops improving, and the run has no "
-                        "`[evaluation]` section: add one (e.g. `fraction = 0.1`) or remove `training.early_stopping`")
+                        "held-out rows (`evaluation.fraction` or `evaluation.local_file`): add them (e.g. "
+                        "`fraction = 0.1`) or remove `training.early_stopping`")
     metric = stopping.metric_for(algorithm)
     algorithms = EVAL_METRICS[metric].algorithms
     if algorithm not in algorithms:
@@ -350,12 +380,13 @@ def early_stopping_problems(algorithm: str, training: TrainingSettings, evaluati
     return problems
 
 
-def optimisation_problems(algorithm: str, training: TrainingSettings, evaluation: object | None,
+def optimisation_problems(algorithm: str, training: TrainingSettings, evaluation: HeldOutEvaluation | None,
                           fast_paths: FastPathSettings) -> list[str]:
     """What is wrong with a job's scheduler and optimizer given its other sections (empty when nothing). Shared by the
     worker's `JobInput` and the control plane's run spec, so both refuse the same jobs with the same words."""
     problems = fast_paths.problems(algorithm)
-    if training.lr_scheduler == "reduce_lr_on_plateau" and (algorithm != "sft" or evaluation is None):
+    if training.lr_scheduler == "reduce_lr_on_plateau" and (algorithm != "sft" or evaluation is None
+                                                            or not evaluation.held_out):
         # transformers steps ReduceLROnPlateau on the eval loss (`metric_for_best_model` defaults to it).
         problems.append("`training.lr_scheduler` 'reduce_lr_on_plateau' lowers the learning rate when the eval loss "
                         "stops falling: it needs algorithm 'sft' and an `evaluation` section; add one or choose "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-CONTRACT_VERSION = 12
+CONTRACT_VERSION = 13
 """Bumped on every change to the contract's models (the handler refuses any other version). 3: `lora.quantization`
 and `memory` (forced memory settings). 4: `PreloadInput.remove_others`; `JobInput.worker_env_names`,
 `worker_secret_names` (a run's own worker env and secrets) and `fast_paths`; `evaluation` (held-out evaluation),
@@ -23,7 +23,10 @@ plain worker variables), the adapter's hashes and commit in `JobResult` (`adapte
 `fast_paths.vllm_colocate` "require" (vLLM or a failed job; empty now goes on with transformers' generate when the
 colocated engine fails, its fast path saying `failed: <error>`) and the manifest's `vllm_weight_syncs`. 12:
 `training.early_stopping` (`TrainMetrics.early_stopping`: where it stopped and whose adapter was kept) and the
-progress's `eval_step`, `eval_reward_accuracy` and `eval_reward_margin`; `JobResult.resumed_from_step`."""
+progress's `eval_step`, `eval_reward_accuracy` and `eval_reward_margin`; `JobResult.resumed_from_step`. 13:
+`JobInput.checkpoint_key` (checkpoints of one's own: a resume reads only a checkpoint whose record the run signed);
+task evaluations and benchmarks (`evaluation.tasks`, `evaluation.benchmarks`; an `[evaluation]` may hold only them)
+and their scores (`TrainMetrics.task_scores`, `benchmark_scores`)."""
 
 
 class _Strict(BaseModel):

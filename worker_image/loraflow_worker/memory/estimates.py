@@ -7,8 +7,8 @@ where it is computed; every figure is an estimate until a GPU measures it):
   `peft.prepare_model_for_kbit_training` leaves it;
 - the LoRA adapter (rank r on every linear layer of the blocks, the contract's default `all-linear`; DoRA's
   magnitudes) with its gradient and the state of the run's optimizer (`OPTIMIZER_STATES`);
-- the full trainable copies of `lora.modules_to_save` (the LM head, the input embeddings), with theirs (fp32 on a
-  4-bit base, where the worker keeps them in fp32);
+- the full trainable copies of `lora.modules_to_save` (the LM head, the input embeddings), with theirs, in fp32 (the
+  worker keeps every trainable tensor in fp32, `training.run.keep_trainable_in_fp32`);
 - the activations saved for backward, with and without gradient checkpointing, including the input copy each adapted
   layer keeps for `lora_A(dropout(x))`, the dropout mask, DoRA's kept outputs and weight, and the bf16 copy of the
   attention mask each attention layer hands SDPA; on a 4-bit base the residual stream and the projections' outputs
@@ -49,11 +49,13 @@ On a bf16 base all of them are bf16 (2 bytes)."""
 
 # ---- The adapter and its optimizer ---------------------------------------------------------------------------------
 ADAPTER_BYTES = 4
-"""Bytes of a LoRA parameter, and of its gradient, on a bf16 (or fp32) base: fp32 (PEFT's `autocast_adapter_dtype`
-upcasts the adapter)."""
-QLORA_ADAPTER_BYTES = 2
-"""The same on a 4-bit base: TRL 1.16 casts the adapter of a quantized model to bf16 (`SFTTrainer.__init__`, after
-the QLoRA paper)."""
+"""Bytes of a LoRA parameter, and of its gradient: fp32 on every base. PEFT's `autocast_adapter_dtype` upcasts the
+adapter of a bf16 base; TRL 1.16 casts that of a 4-bit base to bf16 (`SFTTrainer.__init__`, after the QLoRA paper), and
+the worker puts it back in fp32 (`training.run.keep_trainable_in_fp32`)."""
+SAVED_MODULE_BYTES = 4
+"""Bytes of a parameter of a `lora.modules_to_save` copy, and of its gradient: fp32 on every base. PEFT deep-copies the
+module in the base's dtype (bf16, or fp32 on a 4-bit base, which TRL 1.16 then casts to bf16); the worker puts the
+copy in fp32 (`training.run.keep_trainable_in_fp32`): in bf16 a small learning rate's update rounds away."""
 OPTIMIZER_STATES: dict[str, tuple[int, int | None]] = {
     "adamw_torch": (2, None), "adamw_torch_fused": (2, None),
     "adafactor": (0, None),
@@ -97,10 +99,9 @@ def lora_parameters(shape: ModelShape, rank: int, *, use_dora: bool = False) -> 
     return rank * (shape.lora_in_features + shape.lora_out_features) + (shape.lora_out_features if use_dora else 0)
 
 
-def adapter_bytes(shape: ModelShape, rank: int, *, quantization: str, optimizer: str, use_dora: bool = False) -> int:
+def adapter_bytes(shape: ModelShape, rank: int, *, optimizer: str, use_dora: bool = False) -> int:
     """LoRA weights (with DoRA's magnitudes), gradients and optimizer state."""
-    parameter_bytes = QLORA_ADAPTER_BYTES if quantization == "4bit" else ADAPTER_BYTES
-    return lora_parameters(shape, rank, use_dora=use_dora) * trained_parameter_bytes(optimizer, parameter_bytes)
+    return lora_parameters(shape, rank, use_dora=use_dora) * trained_parameter_bytes(optimizer, ADAPTER_BYTES)
 
 
 def saved_module_parameters(shape: ModelShape, name: str) -> int:
@@ -110,39 +111,27 @@ def saved_module_parameters(shape: ModelShape, name: str) -> int:
     return shape.vocab_size * shape.hidden_size if last in HEAD_MODULES | EMBEDDING_MODULES else 0
 
 
-def saved_module_bytes(quantization: str, bf16: bool = True) -> int:
-    """Bytes of a parameter of a `lora.modules_to_save` copy: the base's dtype (bf16, or fp32 without bf16); fp32 on a
-    4-bit base, where `prepare_model_for_kbit_training` leaves the module in fp32, TRL 1.16's trainers cast the
-    trainable copy to bf16, and the worker puts it back in fp32 (`training.run.keep_saved_modules_in_fp32`)."""
-    return 4 if quantization == "4bit" or not bf16 else 2
-
-
-def modules_to_save_bytes(shape: ModelShape, modules: tuple[str, ...] | list[str], *, quantization: str, optimizer: str,
-                          bf16: bool = True) -> int:
+def modules_to_save_bytes(shape: ModelShape, modules: tuple[str, ...] | list[str], *, optimizer: str) -> int:
     """The full trainable copies `lora.modules_to_save` makes (PEFT's `ModulesToSaveWrapper` deep-copies the module;
-    the frozen original stays, counted with the weights): each copy's weights (`saved_module_bytes`), their gradients
+    the frozen original stays, counted with the weights): each copy's weights (`SAVED_MODULE_BYTES`), their gradients
     in the same dtype and the optimizer's state (torch's optimizers keep it in the weight's dtype: fp32 states for an
     fp32 copy)."""
-    parameter_bytes = saved_module_bytes(quantization, bf16)
     return sum(saved_module_parameters(shape, name) * trained_parameter_bytes(
-        optimizer, parameter_bytes, embedding=name.rsplit(".", 1)[-1] in EMBEDDING_MODULES) for name in modules)
+        optimizer, SAVED_MODULE_BYTES, embedding=name.rsplit(".", 1)[-1] in EMBEDDING_MODULES) for name in modules)
 
 
-def head_gradient_bytes(shape: ModelShape, modules: tuple[str, ...] | list[str], *, fused_lm_head: bool,
-                        quantization: str, bf16: bool = True) -> int:
+def head_gradient_bytes(shape: ModelShape, modules: tuple[str, ...] | list[str], *, fused_lm_head: bool) -> int:
     """What the backward of TRL's fused head holds besides the gradient counted with a trained LM head
     (`lora.modules_to_save` naming it): `ChunkedLogProbFunction.backward` (`trl/kernels/chunked_logprob.py`)
     accumulates the head's weight gradient over its tiles in an fp32 buffer of the head's whole size (vocabulary ×
-    hidden × 4 bytes: 2.3 GiB for Qwen3-8B's 151,936 × 4,096), then returns it cast to the head's dtype: a bf16 head's
-    cast is a second copy (× 2 bytes) made while the buffer is alive; an fp32 one (a 4-bit base's, or without bf16)
-    is the buffer itself. Counted in full at the start of the model's backward, with every activation held: on the
+    hidden × 4 bytes: 2.3 GiB for Qwen3-8B's 151,936 × 4,096), then returns it cast to the head's dtype, which for the
+    fp32 copy (`SAVED_MODULE_BYTES`) is the buffer itself. Counted in full at the start of the model's backward, with every activation held: on the
     first micro-batch of a step autograd may keep the returned tensor as the gradient, but on the others it comes on
     top of the gradient accumulated so far. Not fused, autograd writes the head's gradient in its own dtype: nothing
     besides the gradient. 0 when the head does not train."""
     if not fused_lm_head or not any(name.rsplit(".", 1)[-1] in HEAD_MODULES for name in modules):
         return 0
-    cast = 0 if saved_module_bytes(quantization, bf16) == 4 else 2
-    return shape.vocab_size * shape.hidden_size * (4 + cast)
+    return shape.vocab_size * shape.hidden_size * 4
 
 
 # ---- The LM head -----------------------------------------------------------------------------------------------------

@@ -189,10 +189,9 @@ def plan_memory(
         counted = optimizer or (EIGHT_BIT_ADAMW if eight_bit else TORCH_ADAMW)
         return MemoryBreakdown(
             weights_bytes=weights_bytes(shape, quantization=quantization, bf16=bf16),
-            adapter_bytes=adapter_bytes(shape, lora_rank, quantization=quantization, optimizer=counted, use_dora=use_dora),
+            adapter_bytes=adapter_bytes(shape, lora_rank, optimizer=counted, use_dora=use_dora),
             lora_parameters=lora_parameters(shape, lora_rank, use_dora=use_dora),
-            modules_to_save_bytes=modules_to_save_bytes(shape, modules_to_save, quantization=quantization,
-                                                        optimizer=counted, bf16=bf16),
+            modules_to_save_bytes=modules_to_save_bytes(shape, modules_to_save, optimizer=counted),
             activations_bytes=activations_bytes(shape, batch_size=sequences, seq_len=seq_len, lora_rank=lora_rank,
                                                 lora_dropout=lora_dropout, checkpointing=checkpointing,
                                                 liger_kernels=liger_kernels, bf16=bf16, use_dora=use_dora,
@@ -200,8 +199,7 @@ def plan_memory(
             logits_bytes=logits_bytes(shape, batch_size=sequences, seq_len=seq_len, fused_lm_head=fused_lm_head,
                                       quantization=quantization) * (2 if algorithm == "dpo" else 1),
             # One backward per micro-batch, DPO's reference forward having none.
-            head_gradient_bytes=head_gradient_bytes(shape, modules_to_save, fused_lm_head=fused_lm_head,
-                                                    quantization=quantization, bf16=bf16),
+            head_gradient_bytes=head_gradient_bytes(shape, modules_to_save, fused_lm_head=fused_lm_head),
             generation_bytes=generation_bytes(shape, num_generations=generations, seq_len=seq_len) if grpo and not colocated else 0,
             vllm_bytes=share_bytes if colocated else 0,
             # TRL 1.16 puts a colocated vLLM to sleep after each round when `vllm_enable_sleep_mode` is on (fast_paths sets it).

@@ -12,6 +12,9 @@ The worker's environment is the endpoint's (set by the control plane, with the r
   env value when the worker boots, so a plain variable must never refer to one, nor change after the run started.
 - Control-plane-owned keys (`CONTROL_PLANE_KEYS`: run id, attempt, artifact store) are set from the
   validated job input, whatever the environment said: a run's env cannot redirect its artifacts.
+- The CUDA allocator's setting (`PYTORCH_CUDA_ALLOC_CONF`, `allocator_conf`) is added unless the worker's environment
+  has one: the allocator reads it once, when CUDA initialises, and the training process initialises CUDA as it imports
+  its stack (PEFT imports bitsandbytes, which asks the GPU's capability), before any of its own code could set it.
 - Settings that point into the network volume (HF_HOME, TRITON_CACHE_DIR, PIP_CACHE_DIR, ...) are
   dropped, mounted or not: the volume is shared by every run in its datacenter, so only Hub model files
   go there, and the worker puts them there itself (model_cache.py). A compiler or pip cache on it would
@@ -24,12 +27,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 from loraflow_worker.artifacts.pins import sha256_hex
 from loraflow_worker.contract import JobInput, secret_reference_problem
 from loraflow_worker.runtime.model_cache import VOLUME_PATH_ENV, volume_path
 
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
 FORWARDED_CREDENTIALS = ("HF_TOKEN", "HF_ENDPOINT", "WANDB_API_KEY")
 """The only credentials (and credential-like settings) the training process receives."""
 
@@ -69,7 +74,19 @@ def child_env(job: JobInput, env: Mapping[str, str] | None = None) -> dict[str, 
     result.update(zip(CONTROL_PLANE_KEYS, (job.run_id, str(job.attempt), job.artifact_store)))
     # The supervisor reads the console line by line as it is written.
     result["PYTHONUNBUFFERED"] = "1"
+    if ALLOC_CONF_ENV not in result and (conf := allocator_conf(job.fast_paths.switched_off())) is not None:
+        result[ALLOC_CONF_ENV] = conf
     return result
+
+
+def allocator_conf(disabled: Set[str]) -> str | None:
+    """The `PYTORCH_CUDA_ALLOC_CONF` the worker gives training, before CUDA initialises: expandable segments (less
+    fragmentation), unless the run disables them (`disabled`: the fast paths it switches off). With vLLM's sleep mode
+    too: vLLM 0.33's sleep-mode pool turns them off around its own allocations and restores the setting after
+    (`CuMemAllocator.use_memory_pool`, `vllm/device_allocator/cumem.py`)."""
+    if "expandable_segments" in disabled:
+        return None
+    return EXPANDABLE_SEGMENTS
 
 
 def check_run_env(job: JobInput, env: Mapping[str, str]) -> None:

@@ -2,7 +2,7 @@
 
 The control plane sends (on a CPU endpoint, `tasks/jobs/merge.py`)
 
-    {"contract_version": 12, "mode": "merge", "run_id": "<flow run id>", "run_name": "capybara",
+    {"contract_version": 13, "mode": "merge", "run_id": "<flow run id>", "run_name": "capybara",
      "artifact_store": "hf://datasets/acme/runs", "base_model": {"id": "Qwen/Qwen3-8B", "revision": "<sha>"},
      "merged_model_id": "acme/qwen3-capybara", "adapter_repo": "acme/qwen3-capybara-lora"}
 

@@ -2,7 +2,7 @@
 
 The control plane starts an endpoint with a datacenter's volume attached and sends it
 
-    {"contract_version": 12, "mode": "preload", "run_id": "warm-2025-06-01",
+    {"contract_version": 13, "mode": "preload", "run_id": "warm-2025-06-01",
      "models": [{"id": "Qwen/Qwen3-0.6B"}, {"id": "meta-llama/Llama-3.1-8B", "revision": "main"}],
      "remove_others": true}
 

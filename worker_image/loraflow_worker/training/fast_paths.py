@@ -4,7 +4,7 @@ Kernels fail silently (a Qwen3.5 model without flash-linear-attention trains thr
 times slower, with one log warning), so every speed-up is recorded as a `FastPath(engaged, reason)` in the
 run manifest, and the kernel ones are confirmed on the built model, not assumed from the plan:
 
-    facts = gather_facts(model_dir, "sft", job_workload(job), job.memory, job.fast_paths)  # exports the allocator setting, probes CUDA
+    facts = gather_facts(model_dir, "sft", job_workload(job), job.memory, job.fast_paths)  # probes CUDA, reads the allocator
     plan = plan_fast_paths(facts)                              # pure: the decisions, testable on CPU
     trainer = SFTTrainer(..., args=sft_config(job, plan, work_dir))
     fast_paths = engage_fast_paths(plan, trainer.model)        # applies Liger, confirms the kernels; for the manifest
@@ -35,6 +35,7 @@ from loraflow_worker.contract import FastPathSettings, MemorySettings
 from loraflow_worker.contract.training_settings import BITSANDBYTES_OPTIMIZERS
 from loraflow_worker.memory.model_shape import GATED_ATTENTION_MODEL_TYPES, ModelShape, read_model_shape
 from loraflow_worker.memory.plan import MemoryPlan, plan_memory
+from loraflow_worker.runtime.environment import ALLOC_CONF_ENV, EXPANDABLE_SEGMENTS, allocator_conf
 
 NO_CUDA = "no CUDA device"
 FAST_PATHS = tuple(FastPathSettings.model_fields)
@@ -43,8 +44,6 @@ KERNEL_PACKAGES = ("liger-kernel", "flash-linear-attention", "causal-conv1d", "b
 """Distributions whose presence decides a fast path."""
 BF16_MIN_CAPABILITY = (8, 0)
 """bf16 tensor cores start with Ampere (sm_80)."""
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 VLLM_TEXT_ONLY = {"limit_mm_per_prompt": {"image": 0, "video": 0}}
 """What the colocated vLLM engine is built with for a text run: no image or video inputs, so vLLM 0.33 neither loads
@@ -94,7 +93,8 @@ class Facts:
     liger_model_types: frozenset[str] = frozenset()
     """Model types Liger has kernels for (read from the installed Liger)."""
     alloc_conf: str | None = None
-    """`PYTORCH_CUDA_ALLOC_CONF` as the environment set it before the worker did anything, if it did."""
+    """`PYTORCH_CUDA_ALLOC_CONF` as this process's environment held it when the facts were gathered: the supervisor's
+    setting (`runtime.environment.allocator_conf`) or the worker environment's own; None when neither set it."""
     allocator_settings: str | None = None
     """What the CUDA caching allocator holds once CUDA initialised (`cuda_allocator_settings`); None without CUDA."""
     disabled: frozenset[str] = frozenset()
@@ -276,25 +276,16 @@ def _plan(facts: Facts) -> FastPathPlan:
     return FastPathPlan({name: decided[name] for name in FAST_PATHS}, kwargs, model_init_kwargs, memory)
 
 
-def allocator_conf(disabled: frozenset[str]) -> str | None:
-    """The `PYTORCH_CUDA_ALLOC_CONF` the worker sets before CUDA initialises: expandable segments (less
-    fragmentation), unless they are disabled. With vLLM's sleep mode too: vLLM 0.33's sleep-mode pool turns them off
-    around its own allocations and restores the setting after (`CuMemAllocator.use_memory_pool`,
-    `vllm/device_allocator/cumem.py`)."""
-    if "expandable_segments" in disabled:
-        return None
-    return EXPANDABLE_SEGMENTS
-
-
 def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: MemorySettings | None = None,
                  fast_paths: FastPathSettings | None = None) -> Facts:
     """Probe this process: CUDA, the GPU's memory, the installed kernel packages, the model's type and size; `memory`
     (the job's forced memory settings) and `fast_paths` (the job's switches: the kernel modules of those it switches
     off are blocked from import) join the facts as given.
 
-    The CUDA allocator reads `PYTORCH_CUDA_ALLOC_CONF` once, when CUDA initialises, and probing the GPU
-    initialises it: so unless the environment already set it, the variable is set first (`allocator_conf`),
-    and what the allocator then holds is recorded as a fact. Call before anything else touches CUDA."""
+    The CUDA allocator reads `PYTORCH_CUDA_ALLOC_CONF` once, when CUDA initialises. A training process the supervisor
+    started has it in its environment from the start (`runtime.environment.child_env`), since its imports initialise
+    CUDA; a process nobody set it for (the GPU smoke's, a test's) gets it here, before probing the GPU initialises
+    CUDA, which counts only where nothing initialised it before. What the allocator then holds is recorded as a fact."""
     import torch
     from transformers import AutoConfig
 
@@ -312,7 +303,7 @@ def gather_facts(model_dir: Path, algorithm: str, workload: Workload, memory: Me
     alloc_conf = os.environ.get(ALLOC_CONF_ENV)
     wanted = allocator_conf(disabled)
     if cuda and alloc_conf is None and wanted is not None:
-        os.environ[ALLOC_CONF_ENV] = wanted
+        os.environ[ALLOC_CONF_ENV] = wanted  # too late where CUDA initialised already: the decision then says so
     gpu = torch.cuda.get_device_properties(0) if cuda else None  # CUDA initialises here, and its allocator with it
     liger_model_types: frozenset[str] = frozenset()
     if cuda and "liger-kernel" in packages and "triton" in packages and "liger_kernel" not in disabled:
@@ -391,17 +382,22 @@ def _holds_expandable_segments(allocator_settings: str | None) -> bool:
 
 
 def _allocator_decision(facts: Facts, expandable: bool, vllm: bool) -> FastPath:
-    if facts.alloc_conf is not None:
+    wanted = allocator_conf(facts.disabled)
+    if facts.alloc_conf is not None and facts.alloc_conf != wanted:
         return FastPath(engaged=expandable, reason=f"{ALLOC_CONF_ENV} is set to {facts.alloc_conf!r} by the environment")
     if "expandable_segments" in facts.disabled:
         return FastPath(engaged=False, reason="disabled for this run")
+    given = ("in the training process's environment from its start" if facts.alloc_conf == wanted
+             else "set before CUDA initialised")
     if expandable:
         beside_vllm = (" (vLLM's sleep-mode pool turns them off around its own allocations and back on: vLLM 0.33, "
                        "`CuMemAllocator.use_memory_pool`)" if vllm else "")
-        return FastPath(engaged=True, reason=f"{ALLOC_CONF_ENV}={EXPANDABLE_SEGMENTS} set before CUDA initialised: less "
-                                             f"fragmentation{beside_vllm}")
+        return FastPath(engaged=True, reason=f"{ALLOC_CONF_ENV}={EXPANDABLE_SEGMENTS} {given}, and the allocator holds "
+                                             f"it: less fragmentation{beside_vllm}")
+    cause = (f"CUDA initialised before {ALLOC_CONF_ENV} was set" if facts.alloc_conf is None
+             else f"although {ALLOC_CONF_ENV} held it when the training process started")
     return FastPath(engaged=False, reason=f"the allocator holds {facts.allocator_settings!r}, not {EXPANDABLE_SEGMENTS}: "
-                                          f"CUDA initialised before {ALLOC_CONF_ENV} was set")
+                                          f"{cause}")
 
 
 def _confirm_kernel(hooks: dict[str, tuple[str, bool]], package: str) -> FastPath:

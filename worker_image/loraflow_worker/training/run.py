@@ -5,6 +5,7 @@ end or the job's deadline, and packaging the saved adapter (final, or trained so
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,6 @@ from datasets import Dataset
 from peft import LoraConfig, prepare_model_for_kbit_training
 from peft.optimizers import create_loraplus_optimizer
 from peft.utils import ModulesToSaveWrapper
-from peft.utils.constants import EMBEDDING_LAYER_NAMES
 from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 from trl.trainer.utils import create_model_from_path
 
@@ -29,6 +29,7 @@ from loraflow_worker.artifacts.manifest import (
     training_config_sha256,
 )
 from loraflow_worker.contract import CONTRACT_VERSION, JobInput, TrainMetrics
+from loraflow_worker.runtime.environment import ALLOC_CONF_ENV
 from loraflow_worker.training.checkpoints import save_settings
 from loraflow_worker.training.early_stopping import EarlyStopping
 from loraflow_worker.training.fast_paths import FastPathPlan, Workload, cuda_allocator_settings
@@ -88,19 +89,57 @@ def load_model(model_path: Path, job: JobInput, plan: FastPathPlan) -> str | Pre
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.trainer_kwargs["gradient_checkpointing"])
 
 
-def keep_saved_modules_in_fp32(model: torch.nn.Module) -> None:
-    """Put the trained copies of `lora.modules_to_save` (PEFT's `ModulesToSaveWrapper`) of a 4-bit base back in fp32.
-    TRL 1.16's trainers cast every trainable parameter of a quantized model to bf16 when they are built (the QLoRA
-    paper's recipe for the LoRA matrices; PEFT upcasts only its tuner layers), and a full weight in bf16 does not move under a small learning rate: at 2e-4, AdamW's step is below half
-    of bf16's spacing for every |w| > 0.0625 (2^-4 × 2^-8). The copies start from their values as TRL's cast rounded
-    them (a `lora.init_from` adapter's copies hold its trained values, which the frozen originals do not). The LoRA
-    matrices stay as TRL leaves them; the forward still computes in bf16 under autocast. Call it after the trainer is
-    built and before it trains (the optimizer is built then, from these parameters)."""
+def keep_trainable_in_fp32(model: torch.nn.Module) -> None:
+    """Put every trainable tensor of `model` (a PEFT model, its trainer built, its optimizer not yet) in fp32: the
+    adapter's matrices and the copies of `lora.modules_to_save` (PEFT's `ModulesToSaveWrapper`). In bf16 a small
+    learning rate's update rounds away: AdamW's step, about the learning rate, is under half of bf16's spacing for every
+    |w| above lr × 2^9 (0.1 at 2e-4, 0.005 at 1e-5), and the Trainer keeps no fp32 master copy. Who leaves them in
+    bf16: PEFT deep-copies a saved module in the base's dtype (a bf16 base's; PEFT upcasts only its tuner layers), and
+    TRL 1.16's trainers cast every trainable parameter of a quantized model to bf16 (the QLoRA paper's recipe, which
+    trained at 1e-4 to 2e-4), sparing DoRA's magnitudes for this very reason (TRL #7268). The forward still computes in
+    bf16 under autocast; a copy whose frozen original is in bf16 hands its output on in bf16, as the original did
+    (`_compute_in`), so the layers after it see what they saw before. Tensors start from their values as they were
+    (a cast to bf16 already rounded them; a `lora.init_from` adapter's copies hold its trained values)."""
     for wrapper in model.modules():
         if isinstance(wrapper, ModulesToSaveWrapper):
-            for parameter in wrapper.modules_to_save.parameters():
-                if parameter.requires_grad and parameter.dtype != torch.float32:
-                    parameter.data = parameter.data.float()
+            frozen = next(wrapper.original_module.parameters(), None)
+            for trained in wrapper.modules_to_save.values():
+                if frozen is not None and frozen.dtype != torch.float32 and any(
+                        p.requires_grad and p.dtype != torch.float32 for p in trained.parameters()):
+                    _compute_in(trained, frozen.dtype)
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
+
+
+def _compute_in(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Make `module`, about to hold fp32 weights, take its floating inputs in fp32 (outside autocast a bf16 input and
+    an fp32 weight do not multiply: transformers' generate calls the LM head there) and hand its floating outputs on
+    in `dtype`, the dtype of the frozen module it copies."""
+
+    def to_fp32(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+    def to_dtype(_module: torch.nn.Module, _args: tuple[Any, ...], output: Any) -> Any:
+        return output.to(dtype) if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+    module.register_forward_pre_hook(to_fp32)
+    module.register_forward_hook(to_dtype)
+
+
+TRAINABLE_GROUPS = {"lora_magnitude_vector": "dora_magnitude", "lora_": "lora", "modules_to_save": "modules_to_save"}
+"""Parameter-name parts that say which group a trainable tensor belongs to, in the order they are tried."""
+
+
+def trainable_dtypes(model: torch.nn.Module) -> dict[str, str]:
+    """The dtype of each group of `model`'s trainable tensors (`TRAINABLE_GROUPS`; `other` for the rest), for the
+    manifest: e.g. `{"lora": "float32", "modules_to_save": "float32"}`; a group in several dtypes lists them all."""
+    found: dict[str, set[str]] = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            group = next((g for part, g in TRAINABLE_GROUPS.items() if part in name), "other")
+            found.setdefault(group, set()).add(str(parameter.dtype).removeprefix("torch."))
+    return {group: ", ".join(sorted(dtypes)) for group, dtypes in sorted(found.items())}
 
 
 def model_and_adapter(model_path: Path, job: JobInput, plan: FastPathPlan, store: ArtifactStore,
@@ -246,8 +285,7 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
     one trained so far, and the Trainer has checkpointed the last step (see `package_outcome`). With early stopping
     (an `EarlyStopping` among the trainer's callbacks), the adapter saved is the best evaluation's."""
     check_modules_to_save(trainer.model, job.lora.modules_to_save)
-    if job.lora.quantization == "4bit":
-        keep_saved_modules_in_fp32(trainer.model)
+    keep_trainable_in_fp32(trainer.model)
     if job.lora.loraplus_lr_ratio is not None:
         # GRPOTrainer (TRL 1.16) takes no `optimizer_cls_and_kwargs` argument; the Trainer reads the attribute when it
         # builds the optimizer (`Trainer.create_optimizer`), for SFT and GRPO alike.
@@ -272,14 +310,13 @@ def train_and_save(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, job: Jo
     trainer.model.peft_config[TRAINED_ADAPTER].base_model_name_or_path = job.model.id
     trainer.model.peft_config[TRAINED_ADAPTER].revision = revision
     # PEFT's default ("auto") fetches the base model's config.json from the Hub, at its main branch, to see
-    # whether the vocabulary was resized: a download even when the model came from the volume. loraflow
-    # never resizes it, so the embeddings are saved exactly when LoRA targets them, as "auto" would.
-    targets = job.lora.target_modules
+    # whether the vocabulary was resized: a download even when the model came from the volume. loraflow never resizes
+    # it, and LoRA never targets the embeddings (`lora.target_modules` refuses them), so there are none to save.
     trainer.model.save_pretrained(
         # Only the trained adapter: with `lora.init_from`, DPO and GRPO (beta > 0) load their frozen reference beside
         # it as a second adapter, `ref`, which PEFT would save into `ref/`, pointing at this worker's base folder.
         adapter_dir, selected_adapters=[TRAINED_ADAPTER],
-        save_embedding_layers=targets != "all-linear" and any(n in EMBEDDING_LAYER_NAMES for n in targets),
+        save_embedding_layers=False,
         path_initial_model_for_weight_conversion=str(initial_adapter) if initial_adapter else None,
     )
     tokenizer.save_pretrained(adapter_dir)
@@ -325,6 +362,8 @@ def package_outcome(*, trainer: Trainer, monitor: TrainingMonitor, job: JobInput
         loss=loss,
         cuda_version=torch.version.cuda if cuda else None,
         cuda_allocator_settings=cuda_allocator_settings() if cuda else None,
+        cuda_alloc_conf=os.environ.get(ALLOC_CONF_ENV),
+        trainable_dtypes=trainable_dtypes(trainer.model),
         dataset_sources=sources,
         dataset_sha256=rows_sha256(rows),
         config_sha256=training_config_sha256(job),

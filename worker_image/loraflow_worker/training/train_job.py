@@ -60,13 +60,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
-    """Train `job` in `work_dir` (resuming from the store's latest checkpoint, if any) and publish the
+    """Train `job` in `work_dir` (resuming from the latest checkpoint the run itself recorded, if any:
+    `download_own_checkpoint`) and publish the
     adapter, metrics, manifest, result and `DONE` in one commit; returns the result with the adapter's hashes and that
     commit. The run's own files are read as the control plane stored them (`RunFilesStore`). When the job's deadline
     stops training first, store the adapter trained so far and a checkpoint of its last step instead (one commit, no
     `DONE`) and raise `DeadlineReached`."""
     # The training stack takes seconds to import: after the job file is read, not before.
-    from loraflow_worker.training.checkpoints import CheckpointTimer, CheckpointUploader, download_latest_checkpoint
+    from loraflow_worker.training.checkpoints import CheckpointTimer, CheckpointUploader, download_own_checkpoint
     from loraflow_worker.training.monitor import DeadlineReached
 
     if job.algorithm == "grpo":
@@ -78,11 +79,16 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
 
     store = RunFilesStore(open_store(job.artifact_store), job)
     prefix = run_prefix(job.run_id)
-    resume_from = download_latest_checkpoint(store, prefix, work_dir / "trainer")
+    resume_from, ignored = download_own_checkpoint(store, prefix, work_dir / "trainer", job.checkpoint_key)
     if resume_from is not None:
         report_progress(Progress(stage="loading",
                                  message=f"resuming from the checkpoint at step {_checkpoint_step(resume_from)}"))
-    callbacks: list[TrainerCallback] = [CheckpointUploader(store, prefix, job.training.keep_checkpoints)]
+    if ignored:  # the control plane logs it: whoever put them there is seen
+        report_progress(Progress(stage="loading", message=_shorten(
+            "checkpoints in the store ignored (not this run's own, or changed since it stored them): "
+            + "; ".join(f"{name} ({why})" for name, why in ignored.items()))))
+    callbacks: list[TrainerCallback] = [CheckpointUploader(store, prefix, job.training.keep_checkpoints,
+                                                           key=job.checkpoint_key)]
     if job.training.early_stopping is not None:
         from loraflow_worker.training.early_stopping import EarlyStopping
         from loraflow_worker.training.run import TRAINED_ADAPTER
@@ -122,6 +128,11 @@ def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
                        resumed_from_step=_checkpoint_step(resume_from) if resume_from else 0)
     revision = _publish(store, prefix, outcome, result, tracker_files)
     return result.model_copy(update={"revision": revision})
+
+
+def _shorten(message: str, limit: int = 2000) -> str:
+    """`message` within `Progress.message`'s limit."""
+    return message if len(message) <= limit else message[:limit - 3] + "..."
 
 
 def _checkpoint_step(checkpoint: Path) -> int:
@@ -165,7 +176,8 @@ def _publish_partial(store: ArtifactStore, prefix: str, job: JobInput, outcome: 
                             loss=outcome.metrics.final_loss, stopped_because=stopped,
                             adapter_path=f"{prefix}/partial/adapter",
                             checkpoint_path=f"{checkpoints_prefix(prefix)}/step-{step}")
-    files, stale = checkpoint_commit(store, prefix, outcome.deadline_checkpoint, step, job.training.keep_checkpoints)
+    files, stale = checkpoint_commit(store, prefix, outcome.deadline_checkpoint, step, job.training.keep_checkpoints,
+                                     job.checkpoint_key)
     files.update(_adapter_files(outcome.adapter_dir, partial.adapter_path))
     files.update(tracker_files)
     files.update(_trajectory_file(prefix, outcome))
