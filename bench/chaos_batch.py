@@ -30,12 +30,17 @@ def plan(kinds: list[str], prefix: str = "ch") -> list[tuple[str, Scenario]]:
 
 
 def noise_rules(probability: float, seed: int) -> list[dict[str, Any]]:
-    """Background faults on every control-plane read/write and every status poll, with a seeded
-    probability each. `/run` is left alone: a failed submit rightly costs an attempt."""
+    """Background faults with a seeded probability each: on every control-plane read/write, every status poll and
+    every /health and workers reading, a 429, 500 or dropped connection (`probability` in all per route); and, twice
+    as often, a status poll answered a second late (a slow RunPod: the commonest fault, harmless alone). `/run` is
+    left alone: a failed submit rightly costs an attempt."""
     rules = []
-    for i, route_name in enumerate(("list_endpoints", "get_endpoint", "create_endpoint", "delete_endpoint", "status")):
+    routes = ("list_endpoints", "get_endpoint", "create_endpoint", "delete_endpoint", "status", "health",
+              "list_endpoint_workers")
+    for i, route_name in enumerate(routes):
         for j, action in enumerate(("status_429", "status_500", "drop")):
             rules.append(route(route_name, action, probability=probability / 3, seed=seed * 100 + i * 10 + j))
+    rules.append(route("status", "hang", hang_s=1, probability=min(2 * probability, 1.0), seed=seed * 100 + 99))
     return rules
 
 

@@ -71,8 +71,9 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
     if s.flow == "preload":
         return _preload_problems(record, account) + _fault_problems(record, faults)
     if s.flow == "volumes":
-
         return volume_race_problems(record) + _fault_problems(record, faults)
+    if s.flow == "serve":
+        return serve_problems(record, account) + _fault_problems(record, faults)
     if record.state_type != s.expect_state:
         problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
     ended = record.retried + ([record.adopted_after] if record.adopted_after else [])
@@ -133,6 +134,35 @@ def _killed_run_problems(record: RunRecord, account: Account) -> list[str]:
     live = [e.name for e in account.live_endpoints if record.owns(e.name)]
     if live:
         problems.append(f"endpoints still live after its host was killed: {live}")
+    return problems
+
+
+def serve_problems(record: RunRecord, account: Account) -> list[str]:
+    """What is not as a serve scenario says: its state (and the failure's words), how its watch said it ended, one
+    endpoint and none live, and what was done beside it done."""
+    s, problems = record.scenario, []
+    if record.state_type != s.expect_state:
+        problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
+    missing = [t for t in s.failure_text if t not in record.state_message]
+    if s.expect_state == "FAILED" and missing:
+        problems.append(f"the failure message lacks {missing}: {record.state_message[:1500]}")
+    ends = [m for m in record.log_messages if m.startswith("Serving ends: ")]
+    if s.serve_ends is not None and not any(m.startswith(f"Serving ends: {s.serve_ends}") for m in ends):
+        problems.append(f"its watch never said it ended as {s.serve_ends!r}: {ends or 'no end said'}")
+    if len(record.endpoint_names) != 1:
+        problems.append(f"a serve has one endpoint; it had {sorted(record.endpoint_names)}")
+    live = [e.name for e in account.live_endpoints if record.owns(e.name)]
+    if live:
+        problems.append(f"endpoints still live: {live}")
+    if s.delete_while_serving and record.endpoint_deleted is None:
+        problems.append("its endpoint was never deleted behind it: it never answered, or ended first")
+    if s.reconcile_while_serving:
+        run = record.serving_reconcile
+        if run is None:
+            problems.append("the reconcile beside the serve never ran: the serve never answered")
+        elif run["returncode"] != 0 or not run["kept"] or "serving until" not in run["output"]:
+            problems.append(f"the reconcile beside the live serve (exit {run['returncode']}) did not keep its "
+                            f"endpoint saying until when it serves (kept: {run['kept']}):\n{run['output'][-2000:]}")
     return problems
 
 

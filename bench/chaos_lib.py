@@ -298,6 +298,9 @@ class RunRecord:
     """Workers of the run whose log shows a training started from the start (not resumed from a checkpoint)."""
     volume_race: Any = None
     """A volumes scenario's findings (`bench.chaos_volumes.VolumeRace`)."""
+    serving_reconcile: dict[str, Any] | None = None
+    """A serve scenario's reconcile run beside the live serve: its exit code, output, and whether it kept the
+    endpoint (`bench/chaos_serve.py`)."""
     host_killed: str | None = None
     """The worker host SIGKILLed under the run (the team form): the run must end Crashed with no endpoint left,
     whatever its scenario predicted."""

@@ -27,6 +27,7 @@ from bench.chaos_lib import (
     write_stale_record,
 )
 from bench.chaos_scenarios import Scenario, scoped
+from bench.chaos_serve import make_adapter, run_serve_scenario
 from bench.chaos_volumes import run_volume_race
 
 
@@ -42,6 +43,10 @@ def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir
     if scenario.flow == "preload":
         return run_preload_scenario(stack, pod, scenario, name=name, here=here, model=model, timeout_s=timeout_s,
                                     flows=flows)
+    if scenario.flow == "serve":
+        return run_serve_scenario(stack, pod, scenario, name=name, here=here, model=model,
+                                  adapter=make_adapter(model, workdir / "serve-adapter"), timeout_s=timeout_s,
+                                  flows=flows)
     if scenario.broken_model:
         model = here / "not-a-model"
         model.mkdir()

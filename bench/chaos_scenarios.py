@@ -90,9 +90,10 @@ class Scenario:
     """Run the reconcile flow with `tight_reconcile_minutes` once the first attempt's job reports this training
     step: it must be refused, naming the setting and the heartbeat, and delete nothing."""
     tight_reconcile_minutes: float = 0.5
-    flow: Literal["train", "preload", "volumes"] = "train"
-    """The flow the scenario runs: a train run, a preload sweep of a Hub model (`preload_data_centers`), or the
-    volumes flow's retention (`race_data_center`)."""
+    flow: Literal["train", "preload", "volumes", "serve"] = "train"
+    """The flow the scenario runs: a train run, a preload sweep of a Hub model (`preload_data_centers`), the
+    volumes flow's retention (`race_data_center`), or a serve of the tiny model and one adapter on localpod's vLLM
+    stand-in (`bench/chaos_serve.py`)."""
     preload_data_centers: tuple[str, ...] = ()
     stale_warm_record: str | None = None
     """A datacenter whose weight-cache record says the run's model is warm on a network volume that was deleted
@@ -105,6 +106,16 @@ class Scenario:
     worker of the same endpoint, the run waiting on the same attempt. With `resumes`, every worker after the first
     must resume from the checkpoint (or return the stored results), never train from the start again: one training
     per store."""
+    serve_hours: float = 0.2
+    """flow `serve`: the serve's `hours` (its endpoint's expiry, from the start of the serve)."""
+    delete_while_serving: bool = False
+    """flow `serve`: delete the serve's endpoint through RunPod's API once the serve has said it answers (its OpenAI
+    base URL), as a teammate in RunPod's console could."""
+    reconcile_while_serving: bool = False
+    """flow `serve`: run the reconcile flow (its default policy, any age) once the serve has said it answers: it must
+    keep the endpoint, its expiry not reached, and say until when it serves."""
+    serve_ends: str | None = None
+    """flow `serve`: how the serve's watch must say it ended (`Serving ends: <this>...`), when it must reach it."""
     race_data_center: str | None = None
     """flow `volumes`: a datacenter where the scenario makes this control plane's volume, unused for a month by its
     weight-cache record, then attaches it to a new endpoint while the volumes flow reads billing (its hang fault),
@@ -380,6 +391,52 @@ SCENARIOS: dict[str, Scenario] = {
             "every delete answers 500 for longer than the delete task's retries (6 times), after the job stored "
             "its results: the endpoint must still go, and the run complete",
             route_faults=(route("delete_endpoint", "status_500", times=6),),
+        ),
+        Scenario(
+            "delete-act-500",
+            "RunPod deletes the run's endpoint, then answers the delete with 500 (the answer lost after the act): the "
+            "retried delete finds it gone, which is the delete done; the run completes on its first attempt",
+            route_faults=(route("delete_endpoint", "act_then_500"),),
+        ),
+        Scenario(
+            "status-429-burst",
+            "five `/status` polls in a row answer 429 with Retry-After 2 s while the job trains: the watch waits as "
+            "told, no attempt lost, the run completes on its first attempt",
+            route_faults=(route("status", "status_429", retry_after_s=2, times=5),),
+        ),
+        Scenario(
+            "serve-deleted",
+            "a serving endpoint is deleted through RunPod's API (a teammate in the console) while its serve lives: "
+            "the serve's watch notices at its next reading, says so, and ends; no endpoint, worker or slot left",
+            flow="serve", delete_while_serving=True, serve_ends="the endpoint was deleted behind the serve",
+        ),
+        Scenario(
+            "serve-crash",
+            "every worker of a serving endpoint boots with MAX_LORA_RANK 4, below its adapter's rank 8: `vllm serve` "
+            "dies while it starts and RunPod starts another, a crash loop; the serve ends at once (well within its "
+            "10-minute allowance) naming the crash loop and MAX_LORA_RANK, its endpoint deleted, nothing left",
+            flow="serve", expect_state="FAILED",
+            # Every worker the scenario could start: localpod starts the next some 3 s after one dies (about 1 s in),
+            # and the serve reads the workers every 5 s, so it may take ten crashes to see two; a worker booting
+            # without the fault would serve, and the loop would not be one.
+            worker_faults=(worker("env", env={"MAX_LORA_RANK": "4"}, times=100),),
+            failure_text=("crash while they start", "MAX_LORA_RANK"),
+        ),
+        Scenario(
+            "serve-expiry",
+            "a serve of 0.06 hours (216 s): the reconcile flow run beside it while it serves keeps its endpoint "
+            "(serving until its expiry), and at its expiry the serve deletes the endpoint and ends; nothing left",
+            flow="serve", serve_hours=0.06, reconcile_while_serving=True, serve_ends="its time ran out",
+        ),
+        Scenario(
+            "serve-faults",
+            "a serve's create answers 500 after making the endpoint, its first `/status` polls drop or answer 500, "
+            "and its workers' listing fails: the endpoint found by name (exactly one), the readings retried or "
+            "skipped, the serve answers and is deleted at its expiry",
+            flow="serve", serve_hours=0.05, serve_ends="its time ran out",
+            route_faults=(route("create_endpoint", "act_then_500"), route("status", "drop", times=2),
+                          route("status", "status_500", times=2), route("get_endpoint", "status_500"),
+                          route("list_endpoint_workers", "status_500", times=3)),
         ),
         Scenario(
             "code-failure", "the model folder holds no model: the worker's code fails, not retried, reason shown",

@@ -14,6 +14,7 @@ endpoints be deleted (the reconcile deployment: no heartbeat for `SILENT_AFTER_M
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 import time
 import tomllib
@@ -96,6 +97,25 @@ def team_run_spec(spec: dict[str, Any], inputs_dir: Path, token_block: str = RUN
     return spec | {"hub_token_secret": token_block, "dataset": dataset}
 
 
+def team_serve_spec(spec: dict[str, Any], inputs_dir: Path, token_block: str = RUN_TOKEN_BLOCK) -> dict[str, Any]:
+    """A serve's spec as the team stack takes it: its token block named, and each adapter of a local folder served
+    from its copy in the stack's inputs folder (copied once; the stack refuses a local path outside it)."""
+    adapters = []
+    for adapter in spec["serve"]["adapters"]:
+        source = Path(adapter["source"])
+        if source.is_dir():
+            copy = inputs_dir / f"serve-adapter-{source.name}"
+            with _COPY_LOCK:
+                if not copy.is_dir():
+                    shutil.copytree(source, copy)
+            adapter = adapter | {"source": str(copy)}
+        adapters.append(adapter)
+    return spec | {"hub_token_secret": token_block, "serve": spec["serve"] | {"adapters": adapters}}
+
+
+_COPY_LOCK = threading.Lock()
+
+
 def own_token_block(run_name: str) -> str:
     """The Secret block a second person saved their own Hub token in (an `own_token` scenario on the team stack,
     where every run names its token block: an `HF_TOKEN` in the job's environment is not what the stack uses)."""
@@ -103,7 +123,8 @@ def own_token_block(run_name: str) -> str:
 
 
 class DeploymentFlows:
-    """Starts each scenario's flow as a team does: a run of the flow's deployment (`train/chaos`, `preload/chaos`),
+    """Starts each scenario's flow as a team does: a run of the flow's deployment (`train/chaos`, `preload/chaos`,
+    `serve/chaos`),
     picked up by whichever Prefect worker polls first; the scenario's environment goes in its job variables."""
 
     def __init__(self, api_url: str, deployments: dict[str, str], inputs_dir: Path,
@@ -122,6 +143,8 @@ class DeploymentFlows:
             spec = team_run_spec(spec, self.inputs_dir, own_token_block(record.name))
         elif record.scenario.flow == "train":
             spec = team_run_spec(spec, self.inputs_dir)
+        elif record.scenario.flow == "serve":
+            spec = team_serve_spec(spec, self.inputs_dir)
         else:  # a preload sweep names its token block as a run does: the stack requires one
             spec = spec | {"hub_token_secret": RUN_TOKEN_BLOCK}
         # The idempotency key makes a create retried after a lost answer return the same run, not a second one.
@@ -244,7 +267,7 @@ class HostKiller(BackgroundWatch):
 
 class TeamChaos:
     """The team stack a chaos batch runs on: `workers` Prefect workers, the `runpod-endpoints` limit at
-    `slots`, the train and preload deployments the scenarios' runs come from, the reconcile deployment on its
+    `slots`, the train, preload and serve deployments the scenarios' runs come from, the reconcile deployment on its
     interval, and (with `kill_at_run`) the host killer."""
 
     def __init__(self, home: Path, *, workers: int, concurrency: int, slots: int, model: Path, store: Path,
@@ -270,10 +293,13 @@ class TeamChaos:
                 name="chaos-default", model=self.model, store=self.store, max_steps=1).read_text())
             default_preload = {"models": [{"id": HUB_MODEL}], "data_centers": ["US-CA-2"],
                                "hub_token_secret": RUN_TOKEN_BLOCK}
+            default_serve = {"name": "chaos-default", "hub_token_secret": RUN_TOKEN_BLOCK, "serve": {
+                "base_model": str(self.model), "adapters": [{"source": HUB_MODEL}], "hours": 1, "budget_usd": 1}}
             self.flows = DeploymentFlows(api, {
                 "train": team.deploy("flows/train.py:train", DEPLOYMENT,
                                      {"spec": team_run_spec(default_train, team.inputs_dir)}),
                 "preload": team.deploy("flows/preload.py:preload", DEPLOYMENT, {"spec": default_preload}),
+                "serve": team.deploy("flows/serve.py:serve", DEPLOYMENT, {"spec": default_serve}),
             }, team.inputs_dir, team.save_secret)
             team.deploy("flows/reconcile.py:reconcile", DEPLOYMENT, {"policy": {"silent_after_minutes": SILENT_AFTER_MIN}},
                         "--interval", str(RECONCILE_S), "--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW")

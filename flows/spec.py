@@ -296,7 +296,8 @@ class RunSpec(Section):
         default=None, validate_default=True,
         description="Held-out evaluation: the eval loss (SFT; DPO with the held-out pairs' reward accuracy and margin) "
         "or mean eval reward (GRPO) at the start, every N steps and at the end, on a seeded share of the dataset or a "
-        "file of its own. Empty: no evaluation.",
+        "file of its own; and after training, task evaluations and benchmarks asked of the base and the adapter. "
+        "Empty: no evaluation.",
     )
     extra_packages: list[str] = Field(default_factory=list, max_length=MAX_EXTRA_PACKAGES,
                                       description=JobInput.model_fields["extra_packages"].description)
@@ -353,11 +354,14 @@ class RunSpec(Section):
 
     def local_paths(self) -> list[tuple[str, str]]:
         """(field, path as written) of every file or folder of this machine the run reads: its local dataset, mix and
-        evaluation files, reward, tools and environment files, a chat template file and a local model."""
+        evaluation files, task files and their graders' files, a benchmarks' task folder, reward, tools and environment
+        files, a chat template file and a local model."""
         paths = [(f"{name}.local_file", source.local_file) for name, source in self.dataset.sources()
                  if source.local_file is not None]
         if self.evaluation is not None and self.evaluation.local_file is not None:
             paths.append(("evaluation.local_file", self.evaluation.local_file))
+        if self.evaluation is not None:
+            paths += self.evaluation.task_paths()
         if self.grpo is not None:
             paths += [(f"grpo.rewards[{i}].name", split_file_reward(reward.name)[0])
                       for i, reward in enumerate(self.grpo.rewards) if reward_kind(reward.name) == "file"]

@@ -6,11 +6,21 @@ checked before anything is rented; these models say what a source is, the checks
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
-from loraflow_worker.contract import EvaluationSettings, MixSource, RowFormat, SourceFields
+from loraflow_worker.contract import (
+    BenchmarkSettings,
+    EvaluationSettings,
+    GraderSettings,
+    MixSource,
+    RowFormat,
+    SourceFields,
+    TaskEvaluation,
+)
+from loraflow_worker.contract.task_evaluation import BUILTIN_GRADERS, MAX_GRADERS, MAX_TASKS, function_reference
 from loraflow_worker.contract.dataset_formats import DatasetFormat, columns_problem
 from loraflow_worker.contract.sources import MAX_MIX_SOURCES
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from tasks.storage.hub_datasets import FIRST_ROWS
 
@@ -157,13 +167,112 @@ class DatasetSpec(_SourceSpec):
         return [("dataset", self)]
 
 
+class GraderSpec(GraderSettings):
+    """A grader written as a table (`{ kind = "numeric", tolerance = 0.01 }`): the job's grader, less the store path
+    the control plane sets."""
+
+    @model_validator(mode="after")
+    def _no_store_path(self) -> GraderSpec:
+        if self.store_path is not None:
+            raise ValueError("`store_path` is set by loraflow when it stores the grader's file: name the file in "
+                             "`function` (`file.py:function`) instead")
+        return self
+
+
+def grader_settings(grader: str | GraderSpec) -> GraderSettings:
+    """The job's grader for one entry of a task's `graders`: a built-in's name, `file.py:function`, or a table."""
+    if isinstance(grader, GraderSpec):
+        return GraderSettings.model_validate(grader.model_dump(exclude_none=True))
+    if grader in BUILTIN_GRADERS:
+        return GraderSettings(kind=grader)
+    if grader.endswith(".py") or ".py:" in grader:
+        function_reference(grader)  # `file.py:function`, or refused as not one
+        return GraderSettings(kind="function", function=grader)
+    if grader in ("function", "judge"):
+        raise ValueError(f"the `{grader}` grader needs its settings: write it as a table, e.g. "
+                         + ("`{ kind = \"judge\", judge_model = \"...\", judge_base_url = \"...\", rubric = \"...\" }`"
+                            if grader == "judge" else "`\"graders.py:my_grader\"`"))
+    raise ValueError(f"unknown grader {grader!r}: use one of {', '.join(BUILTIN_GRADERS)}, `file.py:function` (a "
+                     "function of your own), or a table such as `{ kind = \"judge\", ... }`")
+
+
+_TASK_FIELDS = TaskEvaluation.model_fields
+# A string is a grader's name, a table its settings: each refused on its own terms, not as "not a string".
+Grader = Annotated[Annotated[str, Tag("name")] | Annotated[GraderSpec, Tag("table")],
+                   Discriminator(lambda value: "name" if isinstance(value, str) else "table")]
+
+
+class TaskSpec(Section):
+    """One task evaluation: prompts with expected answers, answered after training by the base model and by the kept
+    adapter on the worker that trained, each answer scored by the task's graders. The run reports, per grader, the
+    base's mean score, the adapter's, and their difference with its standard error."""
+
+    name: str = _TASK_FIELDS["name"]
+    local_file: str = Field(
+        max_length=4096,
+        description="A JSONL file of prompts on the machine that runs the flow: each line `messages` (a chat, up to "
+        "its last user turn; a trailing assistant turn is dropped) or `prompt` (text, or a list of messages), and the "
+        "expected `answer` (text or a number) where a grader needs one; other columns reach function graders as "
+        "keyword arguments. Checked before anything is rented and stored with the run. Relative paths are resolved "
+        "from the working directory.")
+    graders: list[Grader] = Field(
+        min_length=1, max_length=MAX_GRADERS,
+        description="How each answer is scored, each from 0 to 1: a built-in's name (`exact_match`, `contains`, "
+        "`regex`, `numeric`, `f1`), `file.py:function` (your function, called as a reward function is, never run "
+        "before the worker), or a table with a `kind` and its settings, e.g. `{ kind = \"numeric\", tolerance = "
+        "0.01 }`, `{ kind = \"regex\", pattern = \"answer: (.*)\" }`, `{ kind = \"judge\", judge_model = "
+        "\"gpt-4o-mini\", judge_base_url = \"https://api.openai.com/v1\", rubric = \"...\", judge_api_key_env = "
+        "\"OPENAI_API_KEY\" }` "
+        "(the key's variable one of `[worker] secrets`).")
+    max_new_tokens: int = _TASK_FIELDS["max_new_tokens"]
+    max_samples: int = _TASK_FIELDS["max_samples"]
+    temperature: float = _TASK_FIELDS["temperature"]
+    top_p: float = _TASK_FIELDS["top_p"]
+    samples_kept: int = _TASK_FIELDS["samples_kept"]
+
+    @field_validator("graders")
+    @classmethod
+    def _graders_known(cls, graders: list[Grader]) -> list[Grader]:
+        labels = [grader_settings(grader).label for grader in graders]
+        doubled = sorted({label for label in labels if labels.count(label) > 1})
+        if doubled:
+            raise ValueError(f"two graders are labelled {', '.join(doubled)}: give each a `name`")
+        return graders
+
+    def grader_settings(self) -> list[GraderSettings]:
+        """The task's graders as the job takes them (a function's file not yet stored)."""
+        return [grader_settings(grader) for grader in self.graders]
+
+
+_BENCHMARK_FIELDS = BenchmarkSettings.model_fields
+
+
+class BenchmarkSpec(Section):
+    """Standard benchmarks after training, run by EleutherAI's lm-evaluation-harness for the base model and for the
+    adapter on the worker that trained; the scores and standard errors are the harness's."""
+
+    tasks: list[str] = _BENCHMARK_FIELDS["tasks"]
+    limit: int | None = _BENCHMARK_FIELDS["limit"]
+    num_fewshot: int | None = _BENCHMARK_FIELDS["num_fewshot"]
+    task_dir: str | None = Field(
+        default=None, max_length=4096,
+        description="A folder on the machine that runs the flow holding the harness's own task YAML files (and the "
+        "data files they read), for private tasks named in `tasks`; stored with the run. Relative paths are resolved "
+        "from the working directory.")
+    batch_size: int = _BENCHMARK_FIELDS["batch_size"]
+
+    _task_names = field_validator("tasks")(BenchmarkSettings._names.__func__)
+
+
 class EvaluationSpec(Section):
     """Held-out evaluation while training, as hosted fine-tuning reports validation loss: before the first step,
     every `every_steps` steps and after the last. SFT: the loss on the held-out examples (`eval_loss`). GRPO: the
     mean total reward (rewards summed with their weights) of ONE completion per held-out prompt, sampled as training
     samples (`grpo.temperature`, up to `grpo.max_completion_length` tokens; not greedy), so a noisy estimate that a
     larger `max_samples` steadies (`eval_reward`). Stored in the run's `metrics.json`, shown in the progress line,
-    the summary and its curve. Evaluation time is inside the run's deadline, so inside its cost ceiling."""
+    the summary and its curve. After training, `tasks` and `benchmarks` ask the base and the adapter the same
+    prompts and report both scores and their difference (they need no held-out rows). Evaluation time is inside the
+    run's deadline, so inside its cost ceiling."""
 
     fraction: float | None = Field(
         default=None, gt=0.0, lt=0.5,
@@ -187,21 +296,49 @@ class EvaluationSpec(Section):
     # The job's own fields: the same defaults, bounds and descriptions.
     every_steps: int = EvaluationSettings.model_fields["every_steps"]
     max_samples: int = EvaluationSettings.model_fields["max_samples"]
+    tasks: list[TaskSpec] = Field(
+        default_factory=list, max_length=MAX_TASKS,
+        description="Task evaluations after training (`[[evaluation.tasks]]`): your prompts and expected answers, "
+        "asked of the base model and of the adapter, each answer graded; the summary shows the base's score, the "
+        "adapter's and the difference with its standard error. They need no held-out rows.")
+    benchmarks: BenchmarkSpec | None = Field(
+        default=None,
+        description="lm-evaluation-harness benchmarks after training (`[evaluation.benchmarks]`), for the base and the "
+        "adapter. They need no held-out rows.")
 
     @property
     def held_out(self) -> bool:
         """Whether the run evaluates on held-out rows while training."""
         return self.fraction is not None or self.local_file is not None
 
+    def task_paths(self) -> list[tuple[str, str]]:
+        """(field, path as written) of the task files, the function graders' files and the benchmarks' task
+        folder."""
+        paths = []
+        for i, task in enumerate(self.tasks):
+            paths.append((f"evaluation.tasks[{i}].local_file", task.local_file))
+            paths += [(f"evaluation.tasks[{i}].graders[{j}]", function_reference(grader.function)[0])
+                      for j, grader in enumerate(task.grader_settings()) if grader.kind == "function"]
+        if self.benchmarks is not None and self.benchmarks.task_dir is not None:
+            paths.append(("evaluation.benchmarks.task_dir", self.benchmarks.task_dir))
+        return paths
+
     @model_validator(mode="after")
     def _one_source(self) -> EvaluationSpec:
-        if (self.fraction is None) == (self.local_file is None):
-            raise ValueError("set exactly one of `fraction` (a held-out share of the dataset, e.g. 0.1) or "
-                             "`local_file` (a JSONL file of evaluation examples)")
+        if self.fraction is not None and self.local_file is not None:
+            raise ValueError("set one of `fraction` (a held-out share of the dataset, e.g. 0.1) or `local_file` (a "
+                             "JSONL file of evaluation examples), not both")
+        if not self.held_out and not self.tasks and self.benchmarks is None:
+            raise ValueError("set `fraction` (a held-out share of the dataset, e.g. 0.1), `local_file` (a JSONL file "
+                             "of evaluation examples), `[[evaluation.tasks]]` or `[evaluation.benchmarks]`")
         if self.local_file is None and (self.format != "auto" or self.columns):
             raise ValueError("`evaluation.format` and `evaluation.columns` describe `evaluation.local_file`: the "
                              "held-out `fraction` is in the dataset's format already; remove them")
         problem = columns_problem(self.format, self.columns)
         if problem:
             raise ValueError(problem)
+        names = [task.name for task in self.tasks]
+        doubled = sorted({name for name in names if names.count(name) > 1})
+        if doubled:
+            raise ValueError(f"two tasks are named {', '.join(doubled)}: name each task once")
         return self

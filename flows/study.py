@@ -118,10 +118,10 @@ def children_ceilings_usd(spec: StudySpec, checked: list[Child], offers: dict[st
 
 @task(name="study-inputs", cache_policy=NO_CACHE)
 def check_children_inputs(children: list[Child]) -> None:
-    """This server's rules (`tasks/preflight/server_rules.py`) and the children's local files (dataset, evaluation
-    file, rewards), read as each child's own check would, each distinct set once: a file outside the inputs folder,
-    a missing file or a bad row refuses the study before any child starts, rather than failing every child that
-    names it. `SpecError` names each child whose files are refused, and why."""
+    """This server's rules (`tasks/preflight/server_rules.py`) and the children's local files (dataset, evaluation,
+    task and grader files, rewards), read as each child's own check would, each distinct set once: a file outside the
+    inputs folder, a missing file or a bad row refuses the study before any child starts, rather than failing every
+    child that names it. `SpecError` names each child whose files are refused, and why."""
     checked: set[str] = set()
     problems = []
     for child in children:

@@ -37,6 +37,7 @@ from pydantic import (
 )
 
 from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
+from tasks.reports.study import score_metric
 from tasks.reports.study_names import child_label, child_name, describe_values
 
 __all__ = ["Child", "StudySettings", "StudySpec", "child_label", "describe_values", "expand", "judging_change",
@@ -45,7 +46,6 @@ __all__ = ["Child", "StudySettings", "StudySpec", "child_label", "describe_value
 MAX_CHILDREN = 1000
 """The most child runs one study starts: a grid beyond that is a mistake more often than a plan (and a search of a
 space that large is Optuna's work, not a grid's)."""
-Metric = Literal["eval_loss", "eval_reward", "eval_reward_accuracy", "train_loss"]
 METRIC_NEEDS: dict[str, tuple[tuple[str, ...], bool]] = {
     "eval_loss": (("sft", "dpo"), True),
     "eval_reward": (("grpo",), True),
@@ -136,12 +136,15 @@ class StudySettings(BaseModel):
         "Each child holds one slot of that account-wide limit while it rents, as every run does, so other runs of "
         "the account also bound it.",
     )
-    metric: Metric = Field(
-        default="eval_loss",
+    metric: str = Field(
+        default="eval_loss", max_length=200,
         description="What picks the best child, at its last value (with `training.early_stopping`, at the evaluation "
         "whose adapter the child kept): `eval_loss` (SFT, DPO: needs `[evaluation]`), "
         "`eval_reward` (GRPO: needs `[evaluation]`), `eval_reward_accuracy` (DPO's held-out reward accuracy: needs "
-        "`[evaluation]`) or `train_loss`.",
+        "`[evaluation]`), `train_loss`, or the adapter's score after training of a task, `task:<task>/<grader>` "
+        "(a task and grader of `[[evaluation.tasks]]`), or of a benchmark, `benchmark:<task>/<metric>` (a task of "
+        "`[evaluation.benchmarks]` and the harness's metric, e.g. `benchmark:hellaswag/acc`); scores are higher "
+        "the better.",
     )
     direction: Literal["minimize", "maximize"] | None = Field(
         default=None,
@@ -267,8 +270,52 @@ class StudySettings(BaseModel):
             return self.trials or 0
         return math.prod(len(v) for v in self.grid.values()) * max(1, len(self.seeds))
 
+    @field_validator("metric")
+    @classmethod
+    def _a_series_or_a_score(cls, metric: str) -> str:
+        if metric not in METRIC_NEEDS and score_metric(metric) is None:
+            raise ValueError(f"study.metric {metric!r} is none of {', '.join(METRIC_NEEDS)}, `task:<task>/<grader>` "
+                             "or `benchmark:<task>/<metric>`")
+        return metric
+
+    @model_validator(mode="after")
+    def _a_task_score_is_higher_the_better(self) -> StudySettings:
+        scored = score_metric(self.metric)
+        if scored is not None and scored[0] == "task" and self.direction == "minimize":
+            raise ValueError(f"study.metric {self.metric!r} is a task's score, from 0 to 1, higher the better: remove "
+                             "`study.direction` (or set it to `maximize`)")
+        return self
+
     def maximize(self) -> bool:
-        return self.direction == "maximize" if self.direction else self.metric in MAXIMIZED
+        return self.direction == "maximize" if self.direction else maximized(self.metric)
+
+
+def maximized(metric: str) -> bool:
+    """Whether a metric is better higher when the study names no direction: a reward, an accuracy, a score."""
+    return metric in MAXIMIZED or score_metric(metric) is not None
+
+
+def score_metric_problem(metric: str, evaluation: Any) -> str | None:
+    """Why a run (its `[evaluation]`) does not record a score metric (`task:<task>/<grader>`,
+    `benchmark:<task>/<metric>`); None when it does, or when the metric is not a score."""
+    scored = score_metric(metric)
+    if scored is None:
+        return None
+    kind, task, name = scored
+    if kind == "benchmark":
+        tasks = evaluation.benchmarks.tasks if evaluation is not None and evaluation.benchmarks is not None else []
+        if task not in tasks:
+            return (f"study.metric {metric!r} names benchmark task {task!r}, which `[evaluation.benchmarks] tasks` "
+                    f"does not ask for ({', '.join(tasks) or 'none'})")
+        return None
+    tasks = {t.name: t for t in evaluation.tasks} if evaluation is not None else {}
+    if task not in tasks:
+        return (f"study.metric {metric!r} names task {task!r}, which no `[[evaluation.tasks]]` is named "
+                f"({', '.join(tasks) or 'none'})")
+    labels = [g.label for g in tasks[task].grader_settings()]
+    if name not in labels:
+        return f"study.metric {metric!r}: task {task!r} has no grader {name!r} (its graders: {', '.join(labels)})"
+    return None
 
 
 class StudySpec(RunSpec):
@@ -278,17 +325,21 @@ class StudySpec(RunSpec):
 
     @model_validator(mode="after")
     def _metric_recorded_and_one_publisher(self) -> StudySpec:
-        algorithms, needs_evaluation = METRIC_NEEDS[self.study.metric]
+        problem = score_metric_problem(self.study.metric, self.evaluation)
+        if problem:
+            raise ValueError(problem)
+        # A score is recorded by every algorithm, once, after training: no held-out rows, nothing to prune by.
+        algorithms, needs_evaluation = METRIC_NEEDS.get(self.study.metric, (("sft", "grpo", "dpo"), False))
         if self.algorithm not in algorithms:
             raise ValueError(f"study.metric {self.study.metric!r} is not recorded by {self.algorithm} runs (only "
                              f"{', '.join(algorithms)}): pick one of {_metrics_for(self.algorithm)}")
-        if needs_evaluation and self.evaluation is None:
+        if needs_evaluation and (self.evaluation is None or not self.evaluation.held_out):
             raise ValueError(f"study.metric {self.study.metric!r} is measured on held-out examples: add an "
                              "`[evaluation]` section (e.g. `fraction = 0.1`), or use `train_loss`")
         if self.study.publish_best and self.publish is None:
             raise ValueError("study.publish_best needs the run file's `[publish]` (where to publish the best adapter)")
         prune = self.study.prune
-        if prune is not None and not METRIC_NEEDS[self.study.metric][1]:
+        if prune is not None and not needs_evaluation:
             raise ValueError(f"study.prune compares children's held-out evaluations, and study.metric "
                              f"{self.study.metric!r} is not one: pick {_eval_metrics_for(self.algorithm)}, or remove "
                              "study.prune")
@@ -363,6 +414,10 @@ def expand(spec: StudySpec) -> list[Child]:
         except ValidationError as e:
             problems.append(describe_validation_error(e, child_label(index, values)))
             continue
+        problem = score_metric_problem(study.metric, child.spec.evaluation)
+        if problem:  # a grid that varies the tasks must keep the one the study is judged by
+            problems.append(f"{child_label(index, values)}: {problem}")
+            continue
         names.add(child.spec.name)
         children.append(child)
     if problems:
@@ -416,7 +471,7 @@ def judging_change(earlier: dict[str, Any], now: StudySettings) -> str | None:
     when its metric and direction are the same. The children that ended were ranked, pruned and told to Optuna by
     those: a resume may not change them."""
     then_metric = earlier.get("metric") or "eval_loss"
-    then_direction = earlier.get("direction") or ("maximize" if then_metric in MAXIMIZED else "minimize")
+    then_direction = earlier.get("direction") or ("maximize" if maximized(then_metric) else "minimize")
     now_direction = "maximize" if now.maximize() else "minimize"
     changed = [f"study.{name} {then} then, {new} now" for name, then, new in
                (("metric", then_metric, now.metric), ("direction", then_direction, now_direction)) if then != new]

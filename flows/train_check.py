@@ -11,11 +11,12 @@ import functools
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow_worker.artifacts.pins import sha256_hex
 from loraflow_worker.contract import (
+    BenchmarkSettings,
     DatasetSource,
     EvaluationSettings,
     JobInput,
@@ -23,6 +24,7 @@ from loraflow_worker.contract import (
     MemorySettings,
     ModelSource,
     StoredInputs,
+    TaskEvaluation,
 )
 from loraflow_worker.contract.dataset_formats import mixed_format
 from loraflow_worker.dataset.packing import packing_problem
@@ -53,6 +55,14 @@ from tasks.placement.plan import read_model_shape_task, resolve_model_task
 from tasks.reports import events
 from tasks.preflight.chats import check_chats_task
 from tasks.preflight.server_rules import check_server_rules
+from tasks.preflight.task_files import (
+    check_benchmark_names,
+    check_grader_function,
+    check_judge_key,
+    check_task_file,
+    check_task_lengths_task,
+    private_benchmark_tasks,
+)
 from tasks.preflight.tools import check_tools_task
 from tasks.runpod.catalog import GpuClass, cuda_floor, resolve_gpu
 from tasks.runpod.live_catalog import GpuOffer
@@ -67,6 +77,7 @@ from tasks.storage.artifacts import (
     publish_run_inputs_task,
     tools_store_path,
 )
+from tasks.storage.evaluation_inputs import TASK_DIR_FIELD, grader_store_path, task_dir_store_path, task_store_path
 from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
 from tasks.storage.publish import check_publish_token
@@ -140,7 +151,12 @@ def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[
         running.append(hub_datasets)
     try:
         check_image_contract(settings.worker_image())  # a stale image would refuse the job only after a GPU was rented
-        local_formats = check_local_inputs(spec, files)
+        local_formats, evaluation_inputs = check_local_inputs(spec, files)
+        if spec.evaluation is not None and spec.evaluation.tasks:  # each task's answers within the model's context
+            lengths = check_task_lengths_task.submit(model, [
+                (f"evaluation.tasks[{i}]", evaluation_inputs.longest[t.name], t.max_new_tokens)
+                for i, t in enumerate(spec.evaluation.tasks)], spec.hub_token_secret)
+            running.append(lengths)
         offers = {offer.gpu: offer for offer in prices.result()}
         gpus, not_pooled = pooled_gpus(gpus, offers)  # each pinned in its pool as RunPod's catalog lists the cards
         for reason in not_pooled:
@@ -165,11 +181,13 @@ def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[
             mixed_format(local_formats | {field: hub.trl_format for field, hub in pinned.items() if hub.trl_format})
         if spec.algorithm == "sft":
             chats.result()  # a run whose loss would be on no answer is refused before its inputs are stored
+        if spec.evaluation is not None and spec.evaluation.tasks:
+            lengths.result()  # a task whose answers cannot fit is refused before its inputs are stored
         if uses_tools:
             tools.result()
         tool_files = [field for field in ("tools", "environment") if f"grpo.{field}" in files]
-        # The files as they were read and checked (the dataset's, the evaluation file, the chat template, the tools'
-        # and the reward files), in one commit, while the model's shape is read.
+        # The files as they were read and checked (the dataset's, the evaluation file, the chat template, the tools',
+        # the reward files and the evaluation tasks'), in one commit, while the model's shape is read.
         rewards = spec.grpo.rewards if spec.grpo is not None else []
         inputs = publish_run_inputs_task.submit(spec.artifact_store, run_id, files, rewards,
                                                 hub_token_secret=spec.hub_token_secret)
@@ -239,10 +257,47 @@ def _read_tools(files: dict[str, RunFile]) -> dict[str, str]:
     return {field: str(files[field].copy) for field in ("grpo.tools", "grpo.environment") if field in files}
 
 
-def check_local_inputs(spec: RunSpec, files: dict[str, RunFile]) -> dict[str, str | None]:
+@dataclass(frozen=True)
+class EvaluationInputs:
+    """What the run's task files hold, as checked."""
+
+    rows: dict[str, int] = field(default_factory=dict)
+    """Each task's prompts, by the task's name."""
+    longest: dict[str, list[dict]] = field(default_factory=dict)
+    """Each task's longest prompt (in characters, as messages), by the task's name."""
+
+
+def check_evaluation_inputs(spec: RunSpec, files: dict[str, RunFile]) -> EvaluationInputs:
+    """The run's task files (every row), their graders (a function found in its file, never run here; a judge's key
+    among the worker's secrets) and the benchmarks' task folder, as they were read (`files`, by field); ValueError
+    naming the field."""
+    evaluation, inputs = spec.evaluation, EvaluationInputs()
+    if evaluation is None:
+        return inputs
+    for i, task_spec in enumerate(evaluation.tasks):
+        where, settings = f"evaluation.tasks[{i}]", task_spec.grader_settings()
+        read = check_task_file(files[f"{where}.local_file"].copy, f"{where}.local_file", settings,
+                               shown=task_spec.local_file)
+        for j, grader in enumerate(settings):
+            if grader.kind == "function":
+                check_grader_function(grader.function, files[f"{where}.graders[{j}]"], f"{where}.graders[{j}]",
+                                      read.columns)
+            check_judge_key(grader, f"{where}.graders[{j}]", spec.worker.secrets)
+        inputs.rows[task_spec.name], inputs.longest[task_spec.name] = read.rows, read.longest_prompt
+    private = set()
+    if evaluation.benchmarks is not None and evaluation.benchmarks.task_dir is not None:
+        private = private_benchmark_tasks({name[len(TASK_DIR_FIELD) + 1:]: file.copy for name, file in files.items()
+                                           if name.startswith(f"{TASK_DIR_FIELD}/")}, evaluation.benchmarks.task_dir)
+    if evaluation.benchmarks is not None:
+        check_benchmark_names(evaluation.benchmarks.tasks, private)
+    return inputs
+
+
+def check_local_inputs(spec: RunSpec, files: dict[str, RunFile]) -> tuple[dict[str, str | None], EvaluationInputs]:
     """The dataset files and the evaluation file (those that are local: every line converted from its format and
-    checked) and the reward files, as they were read (`files`, by field). Returns the TRL format of each local
-    dataset file, by its spec field."""
+    checked), the reward files and the task evaluations' and benchmarks' files (`check_evaluation_inputs`), as they
+    were read (`files`, by field). Returns the TRL format of each local dataset file, by its spec field, and what the
+    task files hold."""
     logger = get_run_logger()
     examples = eval_examples = None
     formats = {}
@@ -260,10 +315,14 @@ def check_local_inputs(spec: RunSpec, files: dict[str, RunFile]) -> dict[str, st
         eval_examples = check_dataset_jsonl(files["evaluation.local_file"].copy, spec.algorithm,
                                             "evaluation.local_file", spec.evaluation.format, spec.evaluation.columns,
                                             shown=eval_file)
-    if spec.evaluation is not None:
+    if spec.evaluation is not None and spec.evaluation.held_out:
         _log_evaluation_cost(spec, examples, eval_examples)
     check_reward_files(spec.grpo.rewards if spec.grpo is not None else [], files)
-    return formats
+    evaluation_inputs = check_evaluation_inputs(spec, files)
+    for task_spec in spec.evaluation.tasks if spec.evaluation is not None else []:
+        logger.info("Task %s: %d prompts, graded by %s (base and adapter, after training)", task_spec.name,
+                    evaluation_inputs.rows[task_spec.name], ", ".join(g.label for g in task_spec.grader_settings()))
+    return formats, evaluation_inputs
 
 
 def job_dataset(spec: RunSpec, run_id: str, dataset_path: str | None,
@@ -298,7 +357,7 @@ def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, 
         else spec.training
     return JobInput(run_id=run_id, attempt=1, algorithm=spec.algorithm, model=model, dataset=dataset, lora=lora or spec.lora,
                     training=training, grpo=grpo, dpo=spec.dpo, artifact_store=spec.artifact_store, deadline_epoch_s=deadline,
-                    extra_packages=spec.extra_packages, evaluation=_job_evaluation(spec, run_id),
+                    extra_packages=spec.extra_packages, evaluation=job_evaluation(spec, run_id),
                     memory=MemorySettings(vllm_colocate=False) if qlora_grpo else None,
                     worker_env_names=sorted(spec.worker.env), worker_secret_names=sorted(spec.worker.secrets),
                     # The worker refuses a value that is not the one checked here (a secret RunPod put in its place).
@@ -306,16 +365,29 @@ def _job_input(spec: RunSpec, run_id: str, deadline: float, model: ModelSource, 
                     fast_paths=spec.fast_paths, inputs=inputs)
 
 
-def _job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
-    """The job's `evaluation`: the spec's, its local file replaced by the copy `publish_run_inputs_task` stores."""
-    if spec.evaluation is None:
+def job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
+    """The job's `evaluation`: the spec's, each local file replaced by the copy `publish_run_inputs_task` stores (the
+    evaluation file, the task files, the function graders' files and the benchmarks' task folder)."""
+    evaluation = spec.evaluation
+    if evaluation is None:
         return None
-    if spec.evaluation.local_file is None:
-        return EvaluationSettings(fraction=spec.evaluation.fraction, every_steps=spec.evaluation.every_steps,
-                                  max_samples=spec.evaluation.max_samples)
-    return EvaluationSettings(store_path=eval_store_path(run_id), format=spec.evaluation.format,
-                              columns=spec.evaluation.columns, every_steps=spec.evaluation.every_steps,
-                              max_samples=spec.evaluation.max_samples)
+    tasks = [TaskEvaluation(
+        name=task.name, store_path=task_store_path(run_id, i),
+        graders=[grader.model_copy(update={"store_path": grader_store_path(run_id, i, j)})
+                 if grader.kind == "function" else grader for j, grader in enumerate(task.grader_settings())],
+        **task.model_dump(include={"max_new_tokens", "max_samples", "temperature", "top_p", "samples_kept"}))
+        for i, task in enumerate(evaluation.tasks)]
+    benchmarks = None
+    if evaluation.benchmarks is not None:
+        benchmarks = BenchmarkSettings(
+            **evaluation.benchmarks.model_dump(exclude={"task_dir"}),
+            task_dir_store_path=task_dir_store_path(run_id) if evaluation.benchmarks.task_dir is not None else None)
+    common = {"every_steps": evaluation.every_steps, "max_samples": evaluation.max_samples, "tasks": tasks,
+              "benchmarks": benchmarks}
+    if evaluation.local_file is None:
+        return EvaluationSettings(fraction=evaluation.fraction, **common)
+    return EvaluationSettings(store_path=eval_store_path(run_id), format=evaluation.format,
+                              columns=evaluation.columns, **common)
 
 
 def _log_evaluation_cost(spec: RunSpec, examples: int | None, eval_examples: int | None) -> None:

@@ -247,6 +247,7 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
         forced_memory=(results.manifest or {}).get("forced_memory_settings") or [],
         trackers=results.result.trackers, tracker_files_urls=results.tracker_files_urls,
         trajectories=results.trajectories, trajectories_url=results.trajectories_url,
+        task_answers=results.task_answers, task_answers_urls=results.task_answers_urls,
         published_model=published.hub_model_id if published else None,
         published_model_url=published.url if published else None,
         publish_error=published.error if published else None,

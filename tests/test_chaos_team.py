@@ -5,6 +5,7 @@ its figures are in bench/README.md."""
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -94,3 +95,129 @@ def test_an_own_token_run_on_the_team_stack_names_its_person_s_own_token_block(t
     own = team_run_spec(spec, tmp_path, own_token_block("b09-own-token"))
     assert own["hub_token_secret"] == "b09-own-token-hf-token" != RUN_TOKEN_BLOCK
     assert own["dataset"]["local_file"] == str(tmp_path / "local.jsonl")
+
+
+def test_the_catalogue_holds_at_least_forty_scenarios_each_with_a_summary_and_a_run_name_part():
+    assert len(SCENARIOS) >= 40
+    for kind, scenario in SCENARIOS.items():
+        assert kind == scenario.kind and re.fullmatch(r"[a-z0-9-]+", kind) and scenario.summary
+
+
+@pytest.mark.parametrize("kind", ["serve-deleted", "serve-crash", "serve-expiry", "serve-faults"])
+def test_a_serve_scenario_says_how_it_must_end(kind):
+    scenario = SCENARIOS[kind]
+    assert scenario.flow == "serve"
+    assert scenario.serve_ends or (scenario.expect_state == "FAILED" and scenario.failure_text)
+    assert not scenario.retried and not scenario.resumes  # a serve has no attempts
+
+
+def test_the_noise_reaches_every_route_a_run_or_a_serve_polls_and_late_status_answers():
+    from bench.chaos_batch import noise_rules
+
+    rules = noise_rules(0.12, seed=31)
+    assert {r["route"] for r in rules} == {"list_endpoints", "get_endpoint", "create_endpoint", "delete_endpoint",
+                                           "status", "health", "list_endpoint_workers"}
+    assert "run" not in {r["route"] for r in rules}  # a failed submit rightly costs an attempt
+    assert len({r["seed"] for r in rules}) == len(rules)
+    late = [r for r in rules if r["action"] == "hang"]
+    assert late == [{"route": "status", "action": "hang", "hang_s": 1, "probability": 0.24, "seed": 3199}]
+
+
+def serve_record(kind: str, state: str, messages: list[str], endpoints: list[str], *, message: str = "",
+                 **found) -> RunRecord:
+    return RunRecord(SCENARIOS[kind], f"b03-{kind}", Path("/nonexistent"), flow_run_id="f" * 36, state_type=state,
+                     state_message=message, log_messages=messages, endpoint_names=endpoints, **found)
+
+
+def gone(*names: str) -> Account:
+    """An account whose only endpoints are `names`, every one deleted."""
+    endpoints = [AccountEndpoint(id=f"e{i}", name=n, workers_max=1, created_at=NOW, age_seconds=1)
+                 for i, n in enumerate(names)]
+    return Account(worker_quota=30, live_endpoints=[], endpoints=endpoints, peak_live_endpoints=1, peak_workers_max=1,
+                   billed_worker_seconds=0, workers_spawned=0, workers=[], out_of_stock_pools=[], faults_injected={},
+                   jobs=[])
+
+
+ENDPOINT = "loraflow-b03-serve-deleted-abc-ns-s1700000000"
+
+
+def test_a_serve_whose_endpoint_was_deleted_behind_it_and_that_said_so_behaved():
+    ended = ["Serving ends: the endpoint was deleted behind the serve (the console, or the reconciler)"]
+    record = serve_record("serve-deleted", "COMPLETED", ended, [ENDPOINT], endpoint_deleted="e0")
+    assert check_run(record, gone(ENDPOINT), {}, max_steps=6) == []
+
+
+def test_a_serve_that_ended_otherwise_than_its_deleted_endpoint_says_is_a_problem():
+    record = serve_record("serve-deleted", "COMPLETED", ["Serving ends: its time ran out at 2026-01-01 00:00:00 UTC"],
+                          [ENDPOINT], endpoint_deleted="e0")
+    [problem] = check_run(record, gone(ENDPOINT), {}, max_steps=6)
+    assert "never said it ended as 'the endpoint was deleted behind the serve'" in problem
+
+
+def test_a_serve_endpoint_left_live_or_a_second_endpoint_is_a_problem():
+    ended = ["Serving ends: the endpoint was deleted behind the serve (the console, or the reconciler)"]
+    second = ENDPOINT.replace("abc", "abd")
+    record = serve_record("serve-deleted", "COMPLETED", ended, [ENDPOINT, second], endpoint_deleted="e0")
+    live = gone(ENDPOINT, second)
+    live.live_endpoints = live.endpoints[1:]
+    problems = check_run(record, live, {}, max_steps=6)
+    assert [p.split(":")[0] for p in problems] == ["a serve has one endpoint; it had ['loraflow-b03-serve-deleted-abc-"
+                                                   "ns-s1700000000', 'loraflow-b03-serve-deleted-abd-ns-s1700000000']",
+                                                   "endpoints still live"]
+
+
+def test_a_crash_loop_must_fail_naming_it_and_max_lora_rank():
+    name = "loraflow-b03-serve-crash-abc-ns-s1700000000"
+    said = ("the endpoint's workers crash while they start: 2 workers started and were gone ... above "
+            "MAX_LORA_RANK (8 here)")
+    assert check_run(serve_record("serve-crash", "FAILED", [], [name], message=said), gone(name), {},
+                     max_steps=6) == []
+    vague = serve_record("serve-crash", "FAILED", [], [name], message="no worker answered within 600 s")
+    [problem] = check_run(vague, gone(name), {}, max_steps=6)
+    assert problem.startswith("the failure message lacks ['crash while they start', 'MAX_LORA_RANK']")
+
+
+def test_an_expiring_serve_needs_the_reconcile_beside_it_to_have_kept_its_endpoint():
+    name = "loraflow-b03-serve-expiry-abc-ns-s1700000000"
+    ended = ["Serving ends: its time ran out at 2026-01-01 00:00:00 UTC"]
+    kept = {"returncode": 0, "kept": True, "output": "keep: its run is RUNNING; serving until 2026-01-01 00:00:00 UTC"}
+    assert check_run(serve_record("serve-expiry", "COMPLETED", ended, [name], serving_reconcile=kept), gone(name), {},
+                     max_steps=6) == []
+    deleted = kept | {"kept": False}
+    [problem] = check_run(serve_record("serve-expiry", "COMPLETED", ended, [name], serving_reconcile=deleted),
+                          gone(name), {}, max_steps=6)
+    assert "did not keep its endpoint" in problem
+    [problem] = check_run(serve_record("serve-expiry", "COMPLETED", ended, [name]), gone(name), {}, max_steps=6)
+    assert problem == "the reconcile beside the serve never ran: the serve never answered"
+
+
+def test_a_serves_adapter_is_served_from_its_copy_in_the_stacks_inputs_folder(tmp_path):
+    from bench.chaos_team import team_serve_spec
+    from deployments.team_stack import RUN_TOKEN_BLOCK
+
+    adapter = tmp_path / "made" / "serve-adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    spec = {"name": "b03-serve-expiry", "serve": {"base_model": "m", "adapters": [
+        {"name": "chaos", "source": str(adapter)}, {"source": "acme/hub-adapter"}], "hours": 0.06}}
+    served = team_serve_spec(spec, inputs)
+    assert served["hub_token_secret"] == RUN_TOKEN_BLOCK
+    assert served["serve"]["adapters"] == [{"name": "chaos", "source": str(inputs / "serve-adapter-serve-adapter")},
+                                           {"source": "acme/hub-adapter"}]
+    assert (inputs / "serve-adapter-serve-adapter" / "adapter_config.json").is_file()
+    assert served["serve"]["hours"] == 0.06
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, s in SCENARIOS.items() if s.flow in ("train", "serve")))
+def test_every_scenarios_run_name_survives_whole_in_its_endpoints_name(kind):
+    # Its faults are scoped, and its endpoints found, by `loraflow-<run name>-`: a name cut short to fit RunPod's
+    # length limit would leave its faults unfired (seen: `serve-crash-loop` cut to `serve-crash-loo`).
+    from tasks.runpod.endpoints import endpoint_name, serving_endpoint_name
+
+    run = RunRecord(SCENARIOS[kind], f"b95-{kind}", Path("/nonexistent"))
+    longest = "n" * 8  # the longest namespace
+    names = [serving_endpoint_name("f" * 36, run.name, longest, 1796606787.0)] if run.scenario.flow == "serve" else [
+        endpoint_name("f" * 36, 3, run.name, longest)]
+    assert all(name.startswith(run.endpoint_prefix) for name in names), names

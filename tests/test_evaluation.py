@@ -44,9 +44,9 @@ def test_a_fraction_and_a_file_together_are_refused_naming_both():
     assert field == "evaluation" and "`fraction`" in message and "`local_file`" in message
 
 
-def test_an_evaluation_without_a_source_is_refused():
+def test_an_evaluation_without_a_source_or_tasks_is_refused():
     [(field, message)] = refused_fields({"every_steps": 10}).items()
-    assert field == "evaluation" and "set exactly one of `fraction`" in message
+    assert field == "evaluation" and "set `fraction`" in message and "`[[evaluation.tasks]]`" in message
 
 
 @pytest.mark.parametrize("evaluation, field", [

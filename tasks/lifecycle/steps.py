@@ -139,8 +139,9 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
     """Poll the job to its end, mirroring the worker's progress into a progress artifact and the log,
     sending the endpoint's heartbeat event (`tasks/lifecycle/liveness.py`) the reconciler reads, and
     `loraflow.run.evaluated` for each held-out evaluation the worker reports (`run_name`: the run's, for the event's
-    labels). What the completed job's result adds to both is left to `report_job_end`, after the endpoint's delete:
-    nothing that can come after the delete lies between the job's end and it.
+    labels). What the completed job's result adds to both (its last evaluations, and each task and benchmark score)
+    is left to `report_job_end`, after the endpoint's delete: nothing that can come after the delete lies between the
+    job's end and it.
 
     Reads this flow run's state from the Prefect API as it goes: a cancel (UI, CLI or API) cancels the
     job here, whether a worker, `serve` or a plain `python -m flows.train` runs the flow.
@@ -211,13 +212,16 @@ def wait_for_job(endpoint: Endpoint, job_id: str, limits: WatchLimits, *, poll_i
 
 def report_job_end(watched: WatchedJob) -> None:
     """After the endpoint's delete: a completed job's final progress line from its result's metrics (polls may miss
-    the last updates of a short run), and `loraflow.run.evaluated` for the evaluations only its result shows."""
+    the last updates of a short run), and `loraflow.run.evaluated` for the evaluations only its result shows and for
+    each of its task and benchmark scores."""
     outcome = watched.outcome
     if outcome.kind != "completed":
         return
     update_progress_artifact(artifact_id=watched.artifact_id, progress=100.0,
                              description=finished_description(outcome.output))
     _announce(watched.evaluations.from_result(outcome.output), watched.run_name)
+    for payload in events.score_payloads(outcome.output) if flow_run.id else []:
+        events.run_scored(flow_run.id, watched.run_name, payload)
 
 
 def _announce(seen: list[events.Evaluation], run_name: str | None) -> None:

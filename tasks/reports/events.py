@@ -5,7 +5,7 @@
 | `loraflow.endpoint.created` | `loraflow.endpoint.<endpoint id>` | an attempt's endpoint exists (made, or found by name) |
 | `loraflow.endpoint.deleted` | `loraflow.endpoint.<endpoint id>` | its deletion is confirmed |
 | `loraflow.attempt.given-up` | `loraflow.run.<flow run id>` | an attempt ended without stored results |
-| `loraflow.run.evaluated` | `loraflow.run.<flow run id>` | an attempt's worker evaluated on the held-out examples |
+| `loraflow.run.evaluated` | `loraflow.run.<flow run id>` | an attempt's worker evaluated held-out rows or scored a task |
 | `loraflow.run.finished` | `loraflow.run.<flow run id>` | the run ended: completed, failed or cancelled |
 | `loraflow.volume.used` | `loraflow.volume.<volume id>` | a run attached a warm volume, or a preload sweep used one |
 | `loraflow.run.placed` | `loraflow.data-center.<datacenter id>` | a training run's worker started its job there |
@@ -99,6 +99,28 @@ def run_evaluated(run_id: str, run_name: str | None, evaluation: Evaluation) -> 
     `total_steps` and each metric by its name."""
     return emit_event(event=RUN_EVALUATED, resource=_run(run_id, None, run_name),
                       payload={"step": evaluation.step, "total_steps": evaluation.total_steps} | evaluation.values)
+
+
+def score_payloads(output: Any) -> list[dict[str, Any]]:
+    """Each task and benchmark score of a completed job's result (`JobResult`), as its `loraflow.run.evaluated`
+    payload: `metric` (`task:<task>/<grader>`, `benchmark:<task>/<metric>`, as `study.metric` names it), `kind`
+    (`task`, `benchmark`), `task`, `base`, `adapter`, `delta` with their standard errors, `n`, and a task's `grader`
+    and `failed` or a benchmark's `harness_metric` and `higher_is_better`."""
+    try:
+        metrics = JobResult.model_validate(output).metrics
+    except ValidationError:
+        return []
+    payloads = [{"metric": s.metric, "kind": "task"} | s.model_dump() for s in metrics.task_scores]
+    payloads += [{"kind": "benchmark"} | s.model_dump(exclude={"metric"}) | {"metric": s.name,
+                                                                              "harness_metric": s.metric}
+                 for s in metrics.benchmark_scores]
+    return payloads
+
+
+def run_scored(run_id: str, run_name: str | None, payload: dict[str, Any]) -> Event | None:
+    """Send `loraflow.run.evaluated` for one task or benchmark score (`score_payloads`)."""
+    resource = _run(run_id, None, run_name) | {"loraflow.metric": payload["metric"]}
+    return emit_event(event=RUN_EVALUATED, resource=resource, payload=payload)
 
 
 @dataclass
@@ -197,11 +219,13 @@ def run_placed(run_id: str | None, data_center: str, *, endpoint_id: str, endpoi
 
 def final_metrics(metrics: TrainMetrics) -> dict[str, float | int]:
     """A completed run's last values, for automations to test: `steps`, and those the run logged of `loss`, `reward`
-    (GRPO), `eval_loss` (SFT with evaluation) and `eval_reward` (GRPO with evaluation)."""
+    (GRPO), `eval_loss` (SFT with evaluation) and `eval_reward` (GRPO with evaluation), and the adapter's score of
+    each task and benchmark by its metric's name (`task:<task>/<grader>`, `benchmark:<task>/<metric>`)."""
     last = {"loss": metrics.final_loss, "reward": metrics.rewards[-1][1] if metrics.rewards else None,
             "eval_loss": metrics.eval_loss[-1][1] if metrics.eval_loss else None,
             "eval_reward": metrics.eval_reward[-1][1] if metrics.eval_reward else None}
-    return {"steps": metrics.steps} | {name: value for name, value in last.items() if value is not None}
+    scores = {s.metric: s.adapter for s in metrics.task_scores} | {s.name: s.adapter for s in metrics.benchmark_scores}
+    return {"steps": metrics.steps} | {name: value for name, value in last.items() if value is not None} | scores
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from typing import TYPE_CHECKING, Literal
 
 from loraflow_worker.contract import TrainMetrics
@@ -35,6 +36,21 @@ SERIES_OF_METRIC = {
     "train_loss": ("losses", "training loss"),
 }
 """The study's metric → the `TrainMetrics` series it is the last value of, and how the plot labels it."""
+SCORE_METRIC = re.compile(r"^(?P<kind>task|benchmark):(?P<task>[^/\s]+)/(?P<name>[^\s]+)$")
+"""A task's or a benchmark's score as a study metric: `task:<task>/<grader>` or `benchmark:<task>/<metric>`, the
+adapter's score after training (higher is better)."""
+
+
+def score_metric(metric: str) -> tuple[str, str, str] | None:
+    """(`task` or `benchmark`, the task, the grader or the harness's metric) of a score metric; None for a series'
+    metric (`eval_loss`, ...)."""
+    matched = SCORE_METRIC.match(metric)
+    return (matched["kind"], matched["task"], matched["name"]) if matched else None
+
+
+def scores(metrics: TrainMetrics) -> dict[str, float]:
+    """The adapter's score of each task and grader and each benchmark task and metric, by its metric's name."""
+    return {s.metric: s.adapter for s in metrics.task_scores} | {b.name: b.adapter for b in metrics.benchmark_scores}
 
 
 class ChildRow(BaseModel):
@@ -62,6 +78,9 @@ class ChildRow(BaseModel):
     flow_run_id: str | None = Field(default=None, description="The child's flow run; None when it never started.")
     summary_url: str | None = Field(default=None, description="Its flow run's page (the summary is its artifact).")
     adapter_url: str | None = Field(default=None, description="Where its adapter is stored, when it completed.")
+    scores: dict[str, float] = Field(
+        default_factory=dict, description="The adapter's task and benchmark scores, by metric (`task:<task>/<grader>`, "
+        "`benchmark:<task>/<metric>`), after training.")
 
 
 def last(series: list[tuple[int, float]]) -> float | None:
@@ -86,6 +105,8 @@ def at_step(series: list[tuple[int, float]], step: int | None) -> float | None:
 def metric_value(metrics: TrainMetrics, metric: str) -> float | None:
     """The study's metric of the adapter the child kept: at its last step, or, when early stopping kept an earlier
     evaluation's adapter, at that step (an evaluation up to `patience` later judged a model that was not stored)."""
+    if score_metric(metric) is not None:  # measured once, after training, of the adapter kept
+        return scores(metrics).get(metric)
     step = kept_step(metrics)
     if metric == "train_loss":
         return metrics.final_loss if step is None else at_step(metrics.losses, step)
@@ -100,7 +121,8 @@ def completed_row(row: ChildRow, metrics: TrainMetrics, metric: str) -> ChildRow
         "train_loss": metrics.final_loss if step is None else at_step(metrics.losses, step),
         "eval_loss": at_step(metrics.eval_loss, step), "train_reward": at_step(metrics.rewards, step),
         "eval_reward": at_step(metrics.eval_reward, step),
-        "eval_reward_accuracy": at_step(metrics.eval_reward_accuracies, step), "kept_step": step})
+        "eval_reward_accuracy": at_step(metrics.eval_reward_accuracies, step), "kept_step": step,
+        "scores": scores(metrics)})
 
 
 def best_child(rows: list[ChildRow], maximize: bool) -> ChildRow | None:
@@ -166,10 +188,13 @@ def table_rows(rows: list[ChildRow], metric: str, best: ChildRow | None) -> list
             "values": row.values, "state": row.state, metric: figure(row.metric),
             # The metric's own column is not repeated under its plain name.
             **{name: figure(value) for name, value in figures.items() if name != metric.replace("_", " ")},
+            # Every child's task and benchmark scores, each a column, the same columns in every row.
+            **{name: figure(row.scores.get(name)) for name in score_names if name != metric},
             "cost (USD)": figure(row.cost_usd), "minutes": figure(row.minutes, 1),
             "reason": row.reason, "summary": row.summary_url or "",
         }
 
+    score_names = list(dict.fromkeys(name for row in rows for name in row.scores))
     return [columns(row) for row in rows]
 
 
@@ -198,7 +223,9 @@ def overlay_figure(curves: dict[str, list[tuple[int, float]]], label: str) -> Fi
 
 def overlay_png(metrics: dict[str, TrainMetrics], metric: str) -> bytes | None:
     """The children's curves of the study's metric (its series: eval for an eval metric, training for
-    `train_loss`) as PNG bytes; None when there is nothing to draw."""
+    `train_loss`) as PNG bytes; None when there is nothing to draw (a task's or benchmark's score has no curve)."""
+    if metric not in SERIES_OF_METRIC:
+        return None
     series, label = SERIES_OF_METRIC[metric]
     figure = overlay_figure({name: getattr(m, series) for name, m in metrics.items()}, label)
     if figure is None:
@@ -251,8 +278,10 @@ def study_markdown(report: StudyReport, plot: bytes | None) -> str:
     if report.merge_error:
         lines.append(f"- Best adapter not merged: {report.merge_error}")
     shown = ranked(report.rows, report.maximize)[:PAGE_ROWS]
-    lines += ["", f"| child | values | state | {report.metric} | cost (USD) | minutes | reason |",
-              "|---|---|---|---|---|---|---|"]
+    # Every child's task and benchmark scores beside the study's metric, so what a child gained elsewhere shows.
+    others = [name for name in dict.fromkeys(n for row in report.rows for n in row.scores) if name != report.metric]
+    lines += ["", f"| child | values | state | {report.metric} | {''.join(f'{n} | ' for n in others)}cost (USD) | "
+              "minutes | reason |", "|---|---|---|---|" + "---|" * len(others) + "---|---|---|"]
     for row in shown:
         name = f"[{row.name}]({row.summary_url})" if row.summary_url else row.name
         mark = " **(best)**" if best is not None and row.index == best.index else ""
@@ -263,7 +292,8 @@ def study_markdown(report: StudyReport, plot: bytes | None) -> str:
         cost = (f"{row.cost_usd:.4f}" if row.cost_usd is not None
                 else "" if row.state in ("skipped", "not started") else "unknown")
         minutes = f"{row.minutes:.1f}" if row.minutes is not None else ""
-        lines.append(f"| {name}{mark} | {row.values} | {row.state} | {metric} | {cost} | {minutes} | "
+        shown_scores = "".join(f"{row.scores[n]:.4g} | " if n in row.scores else " | " for n in others)
+        lines.append(f"| {name}{mark} | {row.values} | {row.state} | {metric} | {shown_scores}{cost} | {minutes} | "
                      f"{row.reason.replace('|', '/')[:200]} |")
     pages = -(-len(report.rows) // PAGE_ROWS)
     if pages > 1:

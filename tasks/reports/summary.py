@@ -98,6 +98,11 @@ class RunReport(BaseModel):
         default_factory=list, description="GRPO: trajectories of the last logging step (prompt, tool calls with their "
         "answers, final answer, reward), secrets redacted on the worker.")
     trajectories_url: str | None = Field(default=None, description="Link to every trajectory kept; None: none.")
+    task_answers: dict[str, list[dict[str, Any]]] = Field(
+        default_factory=dict, description="Each evaluation task's stored answers (`evaluation/<task>.jsonl`: prompt, "
+        "expected answer, the base's and the adapter's answers, each grader's scores), the adapter's best first and "
+        "worst last; empty where none were read.")
+    task_answers_urls: dict[str, str] = Field(default_factory=dict, description="Task → link to its stored answers.")
     loss: dict[str, Any] | None = Field(
         default=None, description="SFT: which tokens carried the loss (the manifest's `loss`: `loss_on`, `masked_by`, "
         "`chat_template`, `token_share`); None for GRPO or a worker that did not record it.")
@@ -211,6 +216,8 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
                   f"{base64.b64encode(curve).decode()})"]
         if report.curve_url:
             lines += ["", f"Stored as {_link(report.curve_url, CURVE_FILE)}."]
+    if m.task_scores or m.benchmark_scores:
+        lines += ["", *score_lines(m, report.task_answers, report.task_answers_urls)]
     if report.trajectories:
         lines += ["", *trajectory_lines(report.trajectories, report.trajectories_url)]
     if report.fast_paths:
@@ -219,6 +226,57 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
             info = info if isinstance(info, dict) else {"engaged": info}
             lines.append(f"| {name} | {'yes' if info.get('engaged') else 'no'} | {info.get('reason', '')} |")
     return "\n".join(lines)
+
+
+def score_rows(metrics: TrainMetrics) -> list[dict[str, Any]]:
+    """One row per task and grader, and per benchmark task and metric: the base's score, the adapter's, their
+    difference and its standard error (a benchmark's: the two scores' standard errors combined, as the harness
+    reports no paired one), as the summary's table and the run's scores table show them."""
+    rows = [{"task": s.task, "scored by": s.grader, "base": s.base, "adapter": s.adapter, "delta": s.delta,
+             "delta stderr": s.delta_stderr, "n": s.n, "metric": s.metric} for s in metrics.task_scores]
+    for b in metrics.benchmark_scores:
+        stderr = (b.base_stderr ** 2 + b.adapter_stderr ** 2) ** 0.5 \
+            if b.base_stderr is not None and b.adapter_stderr is not None else None
+        rows.append({"task": b.task, "scored by": f"benchmark {b.metric}" + ("" if b.higher_is_better else " (lower "
+                     "is better)"), "base": b.base, "adapter": b.adapter, "delta": b.delta, "delta stderr": stderr,
+                     "n": b.n, "metric": b.name})
+    return [{k: _rounded(v) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
+                answers_urls: dict[str, str]) -> list[str]:
+    """The summary's section of task and benchmark scores, base against adapter, and each task's best and worst
+    answers of the adapter (from its stored answers, when they were read)."""
+    lines = ["## Base against adapter", "", "| task | grader or benchmark | base | adapter | Δ ± stderr |",
+             "|---|---|---|---|---|"]
+    for row in score_rows(metrics):
+        stderr = f" ± {row['delta stderr']:.3f}" if row["delta stderr"] is not None else ""
+        lines.append(f"| {_cell(row['task'])} | {_cell(row['scored by'])} | {row['base']:.3f} | {row['adapter']:.3f} "
+                     f"| {row['delta']:+.3f}{stderr} |")
+    failed = [f"{s.task}/{s.grader}: {s.failed}" for s in metrics.task_scores if s.failed]
+    if failed:
+        lines += ["", f"Answers a grader could not score (counted 0): {', '.join(failed)}."]
+    for task in dict.fromkeys(s.task for s in metrics.task_scores):
+        kept = answers.get(task) or []
+        if not kept:
+            continue
+        lines += ["", f"### {task}: the adapter's best and worst answers", "",
+                  "| | prompt | expected | base | adapter | scores (base → adapter) |", "|---|---|---|---|---|---|"]
+        for label, row in (("best", kept[0]), ("worst", kept[-1])) if len(kept) > 1 else (("only", kept[0]),):
+            scores = row.get("scores") if isinstance(row.get("scores"), dict) else {}
+            scored = ", ".join(f"{name} {v.get('base')} → {v.get('adapter')}" for name, v in scores.items()
+                               if isinstance(v, dict))
+            lines.append(f"| {label} | {_answer_cell(row.get('prompt'))} | {_answer_cell(row.get('answer'))} | "
+                         f"{_answer_cell(row.get('base'))} | {_answer_cell(row.get('adapter'))} | {_cell(scored)} |")
+        if task in answers_urls:
+            lines += ["", f"All {len(kept)} kept answers: {_link(answers_urls[task], f'evaluation/{task}.jsonl')}."]
+    return lines
+
+
+def _answer_cell(value: Any) -> str:
+    if isinstance(value, list):  # a chat prompt: its last turn is what was asked
+        value = value[-1].get("content", "") if value and isinstance(value[-1], dict) else value
+    return _cell(_short("" if value is None else str(value), 120))
 
 
 SHOWN_TRAJECTORIES = 3
@@ -430,3 +488,6 @@ def publish_report(report: RunReport, key_prefix: str, curve: bytes | None = Non
                              description=f"Run {report.run_name} summary")
     create_table_artifact(table=metrics_rows(report.metrics), key=f"{key_prefix}-metrics",
                           description=f"Run {report.run_name} training loss by step")
+    if report.metrics.task_scores or report.metrics.benchmark_scores:
+        create_table_artifact(table=score_rows(report.metrics), key=f"{key_prefix}-scores",
+                              description=f"Run {report.run_name}: tasks and benchmarks, base against adapter")

@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
 from tasks.settings import Settings
+from tasks.storage.evaluation_inputs import evaluation_store_path
 from tasks.storage.rewards import check_reward_files, reward_store_paths
 from tasks.storage.run_files import RunFile
 
@@ -155,6 +156,8 @@ def store_path_of(run_id: str, field: str) -> str | None:
         return f"{run_prefix(run_id)}/dataset/train.jsonl"
     if field.startswith("dataset.mix[") and field.endswith("].local_file"):
         return mix_store_path(run_id, int(field[len("dataset.mix["):-len("].local_file")]))
+    if field.startswith(("evaluation.tasks[", "evaluation.benchmarks.")):
+        return evaluation_store_path(run_id, field)
     return {"evaluation.local_file": eval_store_path(run_id), "training.chat_template": chat_template_store_path(run_id),
             "grpo.tools": tools_store_path(run_id, "tools"),
             "grpo.environment": tools_store_path(run_id, "environment")}.get(field)
@@ -185,6 +188,8 @@ def publish_run_inputs(store_url: str, run_id: str, files: Mapping[str, RunFile]
             "evaluation file" if "evaluation.local_file" in fields else "",
             "chat template" if "training.chat_template" in fields else "",
             "tools" if fields & {"grpo.tools", "grpo.environment"} else "",
+            "evaluation tasks" if any(f.startswith(("evaluation.tasks[", "evaluation.benchmarks.")) for f in fields)
+            else "",
             "reward files" if reward_files else ""]))
         stored.revision = open_store(store_url, token).put({path: file.copy for path, file in stored_files.items()},
                                                            message=f"{what} for run {run_id}")
@@ -211,6 +216,10 @@ class RunResults(BaseModel):
     trajectories: list[dict[str, Any]] = Field(
         default_factory=list, description="GRPO: the trajectories the worker kept at its last logging step.")
     trajectories_url: str | None = Field(default=None, description="Link to all the trajectories kept; None: none.")
+    task_answers: dict[str, list[dict[str, Any]]] = Field(
+        default_factory=dict, description="Each evaluation task's kept answers (`evaluation/<task>.jsonl`), where the "
+        "worker stored them.")
+    task_answers_urls: dict[str, str] = Field(default_factory=dict, description="Task → link to its kept answers.")
 
 
 def read_run_results(store_url: str, run_id: str, token: str | None = None,
@@ -241,7 +250,12 @@ def read_run_results(store_url: str, run_id: str, token: str | None = None,
     except ArtifactNotFound:
         manifest = None
     trajectories = _last_step(_read_text(store, f"{prefix}/{TRAJECTORIES_FILE}"))
-    return RunResults(done=True, result=result, manifest=manifest, adapter_url=store.display_url(result.adapter_path),
+    answers = {task: _rows(_read_text(store, f"{prefix}/evaluation/{task}.jsonl"))
+               for task in dict.fromkeys(score.task for score in result.metrics.task_scores)}
+    answers = {task: rows for task, rows in answers.items() if rows}
+    answers_urls = {task: store.display_url(f"{prefix}/evaluation/{task}.jsonl") for task in answers}
+    return RunResults(done=True, task_answers=answers, task_answers_urls=answers_urls, result=result,
+                      manifest=manifest, adapter_url=store.display_url(result.adapter_path),
                       tracker_files_urls={t.tracker: store.display_url(t.store_path) for t in result.trackers
                                           if t.store_path},
                       trajectories=trajectories,
@@ -270,6 +284,19 @@ def _last_step(jsonl: str | None) -> list[dict[str, Any]]:
             records.append(record)
     last = max((record["step"] for record in records), default=None)
     return [record for record in records if record["step"] == last]
+
+
+def _rows(jsonl: str | None) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file the worker wrote, those that parse (what it holds is shown, not trusted)."""
+    rows = []
+    for line in (jsonl or "").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def _expected(data_format: str, trl_shapes: str) -> str:

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from tasks.storage.evaluation_inputs import TASK_DIR_FIELD
+
 _CHUNK_BYTES = 1 << 20
 _LINK_ERRNOS = {errno.ELOOP, errno.EMLINK, errno.ENOTDIR}
 """What opening a link with `O_NOFOLLOW` raises: ELOOP (Linux, macOS), EMLINK (FreeBSD); ENOTDIR for a folder that is
@@ -56,7 +58,7 @@ def read_run_files(local_paths: Sequence[tuple[str, str]], folder: Path, *, base
     file share its single read. `RunFileRefused` naming the field for any that cannot be read so."""
     files: dict[str, RunFile] = {}
     read: dict[Path, RunFile] = {}
-    for field, path_text in local_paths:
+    for field, path_text in _with_folder_files(local_paths, base_dir, inputs_dir):
         if field == "model.id":
             continue
         location = _location(field, path_text, base_dir, inputs_dir)
@@ -69,6 +71,30 @@ def read_run_files(local_paths: Sequence[tuple[str, str]], folder: Path, *, base
     return files
 
 
+def _with_folder_files(local_paths: Sequence[tuple[str, str]], base_dir: Path,
+                       inputs_dir: Path | None) -> list[tuple[str, str]]:
+    """`local_paths` with the benchmarks' task folder (`evaluation.benchmarks.task_dir`) replaced by each of its files,
+    as `<field>/<path inside it>`; a link inside it is refused (it could lead out of the folder)."""
+    expanded = []
+    for field, path_text in local_paths:
+        if field != TASK_DIR_FIELD:
+            expanded.append((field, path_text))
+            continue
+        folder = _location(field, path_text, base_dir, inputs_dir, folder=True)
+        if not folder.is_dir():
+            raise RunFileRefused(f"{_where(field, path_text, folder)} is not a folder: name the folder of the "
+                                 "harness's task YAML files")
+        for parent, folders, names in os.walk(folder):
+            for name in sorted(folders + names):
+                if (Path(parent) / name).is_symlink():
+                    inside = (Path(parent) / name).relative_to(folder)
+                    raise RunFileRefused(f"{field} {path_text}: {inside} is a link; put the file itself in the folder")
+            for name in sorted(names):
+                inside = (Path(parent) / name).relative_to(folder).as_posix()
+                expanded.append((f"{field}/{inside}", f"{path_text.rstrip('/')}/{inside}"))
+    return expanded
+
+
 def reward_fields(files: Mapping[str, RunFile]) -> dict[int, RunFile]:
     """The reward files among `files`, by the index of the reward (`grpo.rewards[i].name`) that names each."""
     prefix, suffix = "grpo.rewards[", "].name"
@@ -76,9 +102,9 @@ def reward_fields(files: Mapping[str, RunFile]) -> dict[int, RunFile]:
             if field.startswith(prefix) and field.endswith(suffix)}
 
 
-def _location(field: str, path_text: str, base_dir: Path, inputs_dir: Path | None) -> Path:
+def _location(field: str, path_text: str, base_dir: Path, inputs_dir: Path | None, folder: bool = False) -> Path:
     path = base_dir / Path(path_text).expanduser()
-    if path.name in ("", ".", ".."):
+    if path.name in ("", ".", "..") and not folder:
         raise RunFileRefused(f"{field} {path_text} is a folder, not a file: name the file")
     location = path.resolve()
     if inputs_dir is not None:

@@ -22,6 +22,9 @@ MAX_GRADERS = 10
 TASK_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 """A task's name: it labels scores (`task:<name>/<grader>`), files (`evaluation/<name>.jsonl`) and events."""
 
+BENCHMARK_TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:()-]{0,99}$")
+"""An lm-evaluation-harness task, group or tag name (a few of the harness's own hold parentheses)."""
+
 BUILTIN_GRADERS = ("exact_match", "contains", "regex", "numeric", "f1")
 """Graders the worker ships: each scores an answer against the row's expected `answer`."""
 
@@ -184,7 +187,7 @@ class BenchmarkSettings(_Strict):
     def _names(cls, tasks: list[str]) -> list[str]:
         for task in tasks:
             # Parentheses: a few of the harness's names have them (`tmmluplus_education_(profession_level)`).
-            if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.:()-]{0,99}$", task):
+            if not BENCHMARK_TASK_NAME.match(task):
                 raise ValueError(f"{task!r} is not an lm-evaluation-harness task name")
         if len(set(tasks)) != len(tasks):
             raise ValueError("name each benchmark task once")

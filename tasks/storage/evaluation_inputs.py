@@ -1,0 +1,41 @@
+"""Where a run's task evaluations and benchmarks are stored with it: each `[[evaluation.tasks]]` file, each function
+grader's file and each file of `[evaluation.benchmarks] task_dir`, published with the run's other files in one commit
+and pinned by their hashes as they are (`publish_run_inputs`, by the field each was read for)."""
+
+from __future__ import annotations
+
+import re
+
+from loraflow_worker.contract import run_prefix
+
+TASK_DIR_FIELD = "evaluation.benchmarks.task_dir"
+"""The field of the benchmarks' task folder; each of its files is read as `<this>/<path inside the folder>`."""
+_TASK_FILE = re.compile(r"^evaluation\.tasks\[(\d+)\]\.local_file$")
+_GRADER_FILE = re.compile(r"^evaluation\.tasks\[(\d+)\]\.graders\[(\d+)\]$")
+
+
+def task_store_path(run_id: str, index: int) -> str:
+    """The file of `evaluation.tasks[index]`."""
+    return f"{run_prefix(run_id)}/dataset/task-{index}.jsonl"
+
+
+def grader_store_path(run_id: str, task: int, grader: int) -> str:
+    """The file of the function grader `evaluation.tasks[task].graders[grader]`."""
+    return f"{run_prefix(run_id)}/graders/task{task}_grader{grader}.py"
+
+
+def task_dir_store_path(run_id: str) -> str:
+    """The folder the benchmarks' task folder is stored as, its files inside."""
+    return f"{run_prefix(run_id)}/benchmarks"
+
+
+def evaluation_store_path(run_id: str, field: str) -> str | None:
+    """Where the file read for `field` (a task file, a grader's file, a file of the task folder) is stored; None for
+    another field."""
+    if matched := _TASK_FILE.match(field):
+        return task_store_path(run_id, int(matched[1]))
+    if matched := _GRADER_FILE.match(field):
+        return grader_store_path(run_id, int(matched[1]), int(matched[2]))
+    if field.startswith(f"{TASK_DIR_FIELD}/"):
+        return f"{task_dir_store_path(run_id)}/{field[len(TASK_DIR_FIELD) + 1:]}"
+    return None
