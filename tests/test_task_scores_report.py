@@ -46,6 +46,14 @@ def test_the_summary_shows_a_tasks_best_and_worst_answers_and_links_them_all():
     assert "[evaluation/capital.jsonl](file:///s/runs/r1/evaluation/capital.jsonl)" in text
 
 
+def test_the_summary_says_why_tasks_were_not_evaluated():
+    stopped = ("the job's deadline passed while task `capital` was evaluated: the adapter is complete and stored, but "
+               "task(s) capital were not evaluated (in full)")
+    text = summary_markdown(report(metrics=METRICS.model_copy(
+        update={"task_scores": [], "benchmark_scores": [], "evaluation_stopped": stopped})))
+    assert f"Not every task was evaluated: {stopped}." in text
+
+
 def test_a_run_without_tasks_or_benchmarks_has_no_scores_section():
     assert "Base against adapter" not in summary_markdown(report(metrics=METRICS.model_copy(
         update={"task_scores": [], "benchmark_scores": []})))

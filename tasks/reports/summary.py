@@ -216,7 +216,7 @@ def summary_markdown(report: RunReport, curve: bytes | None = None) -> str:
                   f"{base64.b64encode(curve).decode()})"]
         if report.curve_url:
             lines += ["", f"Stored as {_link(report.curve_url, CURVE_FILE)}."]
-    if m.task_scores or m.benchmark_scores:
+    if m.task_scores or m.benchmark_scores or m.evaluation_stopped:
         lines += ["", *score_lines(m, report.task_answers, report.task_answers_urls)]
     if report.trajectories:
         lines += ["", *trajectory_lines(report.trajectories, report.trajectories_url)]
@@ -256,6 +256,8 @@ def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
     failed = [f"{s.task}/{s.grader}: {s.failed}" for s in metrics.task_scores if s.failed]
     if failed:
         lines += ["", f"Answers a grader could not score (counted 0): {', '.join(failed)}."]
+    if metrics.evaluation_stopped:  # the worker's deadline or an error cut the task evaluations short
+        lines += ["", f"Not every task was evaluated: {metrics.evaluation_stopped}."]
     for task in dict.fromkeys(s.task for s in metrics.task_scores):
         kept = answers.get(task) or []
         if not kept:
