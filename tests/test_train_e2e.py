@@ -58,7 +58,13 @@ def run_endpoints(stack, name: str) -> list[dict]:
 
 def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model, tmp_path):
     store = tmp_path / "store"
-    evaluation = "[evaluation]\nfraction = 0.2\nevery_steps = 20\n"
+    # A task of four of the trained chats' questions, each with its chat's answer, asked of the base and the adapter.
+    chats = [json.loads(line)["messages"] for line in DATASET.read_text().splitlines() if line.strip()][:4]
+    task_file = tmp_path / "capitals.jsonl"
+    task_file.write_text("".join(json.dumps({"messages": chat[:-1], "answer": chat[-1]["content"]}) + "\n"
+                                 for chat in chats))
+    evaluation = (f"[evaluation]\nfraction = 0.2\nevery_steps = 20\n[[evaluation.tasks]]\nname = \"capitals\"\n"
+                  f"local_file = \"{task_file}\"\ngraders = [\"f1\"]\nmax_new_tokens = 16\n")
     run_file = write_run_file(tmp_path / "run.toml", name="e2e-sft", model=tiny_model, store=store, extra=evaluation)
     run = run_train_flow(local_stack, run_file)
     assert run.returncode == 0, run.output
@@ -73,6 +79,11 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     assert [step for step, _ in metrics["eval_loss"]] == [0, 20, 40], metrics["eval_loss"]
     assert metrics["eval_loss"][-1][1] < 0.75 * metrics["eval_loss"][0][1], metrics["eval_loss"]
     assert (run_dir / "DONE").exists()
+    # The task asked after training: the adapter answers its trained questions closer to their answers than the base.
+    (score,) = metrics["task_scores"]
+    assert (score["task"], score["grader"], score["n"]) == ("capitals", "f1", 4)
+    assert score["adapter"] > score["base"], score
+    assert len((run_dir / "evaluation" / "capitals.jsonl").read_text().splitlines()) == 4
 
     # The adapter loads with PEFT (in the worker's environment) and changes the model's output.
     report = check_adapter(tiny_model, run_dir / "adapter")
@@ -92,6 +103,7 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     assert "price source: catalog" in summary and "Billed by RunPod" in summary, summary
     assert "| Eval loss, held-out (start → final) |" in summary and "## Training and eval loss by step" in summary
     assert "| Loss on | the answers: " in summary  # the default: the assistant turns only
+    assert f"| capitals | f1 | {score['base']:.3f} | {score['adapter']:.3f} |" in summary, summary
 
 
 def test_a_run_from_an_earlier_runs_adapter_starts_from_a_much_lower_loss(local_stack, tiny_model, tmp_path):
