@@ -258,11 +258,11 @@ def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
         lines += ["", f"Answers a grader could not score (counted 0): {', '.join(failed)}."]
     if metrics.evaluation_stopped:  # the worker's deadline or an error cut the task evaluations short
         lines += ["", f"Not every task was evaluated: {metrics.evaluation_stopped}."]
-    for task in dict.fromkeys(s.task for s in metrics.task_scores):
-        kept = answers.get(task) or []
+    for task_name in dict.fromkeys(s.task for s in metrics.task_scores):
+        kept = answers.get(task_name) or []
         if not kept:
             continue
-        lines += ["", f"### {task}: the adapter's best and worst answers", "",
+        lines += ["", f"### {task_name}: the adapter's best and worst answers", "",
                   "| | prompt | expected | base | adapter | scores (base → adapter) |", "|---|---|---|---|---|---|"]
         for label, row in (("best", kept[0]), ("worst", kept[-1])) if len(kept) > 1 else (("only", kept[0]),):
             scores = row.get("scores") if isinstance(row.get("scores"), dict) else {}
@@ -270,8 +270,8 @@ def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
                                if isinstance(v, dict))
             lines.append(f"| {label} | {_answer_cell(row.get('prompt'))} | {_answer_cell(row.get('answer'))} | "
                          f"{_answer_cell(row.get('base'))} | {_answer_cell(row.get('adapter'))} | {_cell(scored)} |")
-        if task in answers_urls:
-            lines += ["", f"All {len(kept)} kept answers: {_link(answers_urls[task], f'evaluation/{task}.jsonl')}."]
+        if task_name in answers_urls:
+            lines += ["", f"All {len(kept)} kept answers: {_link(answers_urls[task_name], f'evaluation/{task_name}.jsonl')}."]
     return lines
 
 
