@@ -13,7 +13,7 @@ from typing import Any
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract.task_evaluation import GraderSettings, function_reference
 from loraflow_worker.evaluation.task_rows import TaskRow
-from loraflow_worker.training.user_files import UserFileError, import_stored_file
+from loraflow_worker.training.user_files import UserFileError, import_stored_function
 
 BATCH_SIZE = 64
 """Rows per call of a grader function."""
@@ -32,14 +32,9 @@ def load_grader_function(task: str, grader: GraderSettings, store: ArtifactStore
                           "with the train flow, which stores the file")
     _, attribute = function_reference(grader.function)
     try:
-        module = import_stored_file(store, grader.store_path, files_dir)
+        return import_stored_function(store, grader.store_path, attribute, files_dir)
     except UserFileError as e:
         raise GraderError(f"{name}: {e}") from e
-    function = vars(module).get(attribute)
-    if not callable(function):
-        found = "is not a function" if attribute in vars(module) else "does not exist"
-        raise GraderError(f"{name}: `{attribute}` {found} in the file")
-    return function
 
 
 def grade_with_function(task: str, grader: GraderSettings, function: Callable[..., list[float]], rows: list[TaskRow],

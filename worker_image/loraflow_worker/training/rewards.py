@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraflow_worker.contract import RewardSpec
 from loraflow_worker.contract.reward_names import BUILTIN_REWARD_PARAMS, reward_kind, split_file_reward
-from loraflow_worker.training.user_files import UserFileError, import_stored_file
+from loraflow_worker.training.user_files import UserFileError, import_stored_function
 
 if TYPE_CHECKING:
     from loraflow_worker.artifacts import ArtifactStore
@@ -162,14 +162,9 @@ def _load_reward_file(spec: RewardSpec, store: ArtifactStore | None, files_dir: 
         )
     _, attribute = split_file_reward(spec.name)
     try:
-        module = import_stored_file(store, spec.store_path, files_dir)
+        return import_stored_function(store, spec.store_path, attribute, files_dir)
     except UserFileError as e:
         raise RewardError(f"reward file `{spec.name}`: {e}") from e
-    function = vars(module).get(attribute)
-    if not callable(function):
-        found = "is not a function" if attribute in vars(module) else "does not exist"
-        raise RewardError(f"reward file `{spec.name}`: `{attribute}` {found} in the file")
-    return function
 
 
 def _column(columns: dict[str, Any], column: str, reward: str) -> list[Any]:

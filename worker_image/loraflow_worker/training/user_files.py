@@ -1,5 +1,5 @@
 """The files a run ships in its artifact store (its dataset files, evaluation file, chat template, reward files, tools
-and environment files): read exactly as the control plane stored them (`RunFilesStore`), and the Python ones imported
+and environment files, grader files): read exactly as the control plane stored them (`RunFilesStore`), and the Python ones imported
 on the worker, each as a module of its own."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from loraflow_worker.artifacts import ArtifactChanged, ArtifactNotFound, ArtifactStore
 from loraflow_worker.artifacts.pins import check_sha256, sha256_hex
@@ -89,3 +90,15 @@ def import_stored_file(store: ArtifactStore, store_path: str, files_dir: Path) -
         del sys.modules[module_name]
         raise UserFileError(f"importing it failed: {type(e).__name__}: {e}") from e
     return module
+
+
+def import_stored_function(store: ArtifactStore, store_path: str, attribute: str,
+                           files_dir: Path) -> Callable[..., Any]:
+    """The function `attribute` of the file at `store_path` (`import_stored_file`). UserFileError as that says, or when
+    the file has no such function."""
+    module = import_stored_file(store, store_path, files_dir)
+    function = vars(module).get(attribute)
+    if not callable(function):
+        found = "is not a function" if attribute in vars(module) else "does not exist"
+        raise UserFileError(f"`{attribute}` {found} in the file")
+    return function
