@@ -52,6 +52,7 @@ def test_the_summary_says_why_tasks_were_not_evaluated():
     text = summary_markdown(report(metrics=METRICS.model_copy(
         update={"task_scores": [], "benchmark_scores": [], "evaluation_stopped": stopped})))
     assert f"Not every task was evaluated: {stopped}." in text
+    assert "| task | grader or benchmark |" not in text  # no empty table above the reason: nothing was scored
 
 
 def test_a_run_without_tasks_or_benchmarks_has_no_scores_section():

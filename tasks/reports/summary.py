@@ -247,9 +247,11 @@ def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
                 answers_urls: dict[str, str]) -> list[str]:
     """The summary's section of task and benchmark scores, base against adapter, and each task's best and worst
     answers of the adapter (from its stored answers, when they were read)."""
-    lines = ["## Base against adapter", "", "| task | grader or benchmark | base | adapter | Δ ± stderr |",
-             "|---|---|---|---|---|"]
-    for row in score_rows(metrics):
+    rows = score_rows(metrics)
+    lines = ["## Base against adapter"]
+    if rows:
+        lines += ["", "| task | grader or benchmark | base | adapter | Δ ± stderr |", "|---|---|---|---|---|"]
+    for row in rows:
         stderr = f" ± {row['delta stderr']:.3f}" if row["delta stderr"] is not None else ""
         lines.append(f"| {_cell(row['task'])} | {_cell(row['scored by'])} | {row['base']:.3f} | {row['adapter']:.3f} "
                      f"| {row['delta']:+.3f}{stderr} |")
