@@ -21,7 +21,12 @@ import yaml
 from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.contract import GraderSettings, ModelSource
 from loraflow_worker.contract.benchmark_tasks import harness_task_names, unknown_benchmark_tasks
-from loraflow_worker.contract.task_evaluation import BENCHMARK_TASK_NAME, function_reference
+from loraflow_worker.contract.task_evaluation import (
+    BENCHMARK_TASK_NAME,
+    PROMPT_COLUMNS,
+    function_reference,
+    task_prompt,
+)
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -30,7 +35,6 @@ from tasks.preflight.chats import tokenizer_folder
 from tasks.settings import Settings
 from tasks.storage.run_files import RunFile
 
-PROMPT_COLUMNS = ("messages", "prompt")
 """What a task row's prompt is read from (the contract's `TaskEvaluation.store_path`)."""
 ANSWER_COLUMN = "answer"
 _NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
@@ -72,7 +76,8 @@ def check_task_file(path: Path, where: str, graders: Sequence[GraderSettings],
             raise ValueError(f"{at}: not JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{at}: a row is a JSON object with `messages` or `prompt`, not {type(row).__name__}")
-        prompt = task_prompt(row, at)
+        given = task_prompt(row, at)
+        prompt = [{"role": "user", "content": given}] if isinstance(given, str) else given
         if needs_answer:
             _check_answer(row, at, needs_answer, graders)
         columns.update(name for name in row if name not in PROMPT_COLUMNS)
@@ -83,27 +88,6 @@ def check_task_file(path: Path, where: str, graders: Sequence[GraderSettings],
     if rows == 0:
         raise ValueError(f"{where} {shown}: no rows; give one JSON object a line")
     return TaskFileRead(rows, frozenset(columns), longest)
-
-
-def task_prompt(row: dict[str, Any], at: str) -> list[dict[str, Any]]:
-    """The prompt of a task row as messages: a chat's up to its last user turn (a trailing assistant turn is not the
-    answer, and is dropped), or `prompt` (text, or messages)."""
-    present = [column for column in PROMPT_COLUMNS if column in row]
-    if len(present) != 1:
-        raise ValueError(f"{at}: a row has `messages` (a chat) or `prompt` (text or messages), one of them; this one "
-                         f"has {', '.join(f'`{c}`' for c in sorted(row)) or 'no columns'}")
-    value = row[present[0]]
-    if present[0] == "prompt" and isinstance(value, str):
-        if not value.strip():
-            raise ValueError(f"{at}: `prompt` is empty")
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value):
-        raise ValueError(f"{at}: `{present[0]}` is a list of messages, each with a `role` and `content`")
-    users = [i for i, message in enumerate(value) if message["role"] == "user"]
-    if not users:
-        raise ValueError(f"{at}: `{present[0]}` has no user turn to answer")
-    return value[:users[-1] + 1]
 
 
 def _check_answer(row: dict[str, Any], at: str, needs_answer: list[str], graders: Sequence[GraderSettings]) -> None:

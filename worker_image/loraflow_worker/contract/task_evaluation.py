@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -118,6 +118,33 @@ class GraderSettings(_Strict):
             raise ValueError(f"`judge_model`, `judge_base_url`, `judge_api_key_env` and `rubric` are for the `judge` "
                              f"grader, not `{self.kind}`")
         return self
+
+
+PROMPT_COLUMNS = ("messages", "prompt")
+"""A task row's prompt: `messages` (a chat) or `prompt` (text, or messages); its other columns are `answer` and what
+function graders get as keyword arguments."""
+
+
+def task_prompt(row: dict[str, Any], at: str) -> str | list[dict[str, Any]]:
+    """The prompt of a task row: a text `prompt` as it is, or messages up to the last user turn (a trailing assistant
+    turn is not the answer, and is dropped). ValueError naming `at` (where the row is) otherwise. The control plane
+    checks a task file with it before renting, and the worker reads the rows with it."""
+    present = [column for column in PROMPT_COLUMNS if column in row]
+    if len(present) != 1:
+        raise ValueError(f"{at}: a row has `messages` (a chat) or `prompt` (text or messages), one of them; this one "
+                         f"has {', '.join(f'`{c}`' for c in sorted(row)) or 'no columns'}")
+    value = row[present[0]]
+    if present[0] == "prompt" and isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{at}: `prompt` is empty")
+        return value
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value):
+        raise ValueError(f"{at}: `{present[0]}` is a list of messages, each with a `role` and `content`")
+    users = [i for i, message in enumerate(value) if message["role"] == "user"]
+    if not users:
+        raise ValueError(f"{at}: `{present[0]}` has no user turn to answer")
+    return value[:users[-1] + 1]
 
 
 def function_reference(reference: str) -> tuple[str, str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraflow_worker.artifacts import ArtifactStore
-from loraflow_worker.contract.task_evaluation import TaskEvaluation
+from loraflow_worker.contract.task_evaluation import PROMPT_COLUMNS, TaskEvaluation, task_prompt
 
 
 @dataclass
@@ -40,26 +40,12 @@ def read_task_rows(task: TaskEvaluation, store: ArtifactStore) -> list[TaskRow]:
             raise ValueError(f"{where}: not JSON ({e})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{where}: a row is a JSON object with `messages` or `prompt`")
-        prompt = _prompt(data, where)
+        prompt = task_prompt(data, where)
         answer = data.get("answer")
         if answer is None and needs_answer:
             raise ValueError(f"{where}: no `answer`, which grader(s) {', '.join(needs_answer)} compare with: add it")
-        columns = {k: v for k, v in data.items() if k not in ("messages", "prompt", "answer")}
+        columns = {k: v for k, v in data.items() if k not in (*PROMPT_COLUMNS, "answer")}
         rows.append(TaskRow(prompt, answer, columns))
     if not rows:
         raise ValueError(f"task `{task.name}` ({task.store_path}) has no rows")
     return rows
-
-
-def _prompt(data: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
-    given = data.get("messages", data.get("prompt"))
-    if isinstance(given, str) and given:
-        return given
-    if isinstance(given, list) and given and all(isinstance(m, dict) and "role" in m for m in given):
-        users = [i for i, message in enumerate(given) if message["role"] == "user"]
-        if not users:
-            raise ValueError(f"{where}: the messages hold no user turn to answer")
-        # A trailing assistant turn is dropped: the answer is the model's to write, the expected one is `answer`.
-        return given[:users[-1] + 1]
-    raise ValueError(f"{where}: give the prompt as `messages` (chat messages with a user turn) or `prompt` (text or "
-                     "messages)")
