@@ -68,7 +68,7 @@ from tasks.lifecycle.quota import ENDPOINT_LIMIT, ensure_endpoint_limit
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
 from tasks.placement.cost import check_cost_cap, read_gpu_prices
-from tasks.placement.plan import read_model_config, resolve_model
+from tasks.placement.plan import model_context, read_model_config, resolve_model
 from tasks.placement.serving_fit import choose_serving_gpu, serving_memory
 from tasks.placement.weight_cache import warm_cache_for
 from tasks.preflight.server_rules import ServerRuleError, check_inside_inputs_dir, operator_rule_problems
@@ -91,8 +91,6 @@ DEFAULT_PROMPTS = ["Say hello in one sentence.", "What is 12 times 7? Answer wit
 MAX_PROMPTS = 5
 DEFAULT_MAX_MODEL_LEN = 8192
 """`serve.max_model_len` when the serve file names none and the base's context is longer."""
-MAX_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
-"""Where a config.json states the model's context; vLLM refuses a MAX_MODEL_LEN above it, at startup."""
 _ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
@@ -261,7 +259,7 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
                          .replace("model.id", "serve.base_model")) from e
     except (OSError, HfHubHTTPError) as e:
         raise ValueError(f"serve.base_model {serve.base_model!r}: its config.json cannot be read ({e})") from e
-    context = min((config[k] for k in MAX_CONTEXT_KEYS if isinstance(config.get(k), int)), default=None)
+    context = model_context(config)
     max_model_len = serving_length(serve.max_model_len, context, base=serve.base_model)
     if serve.max_tokens >= max_model_len:
         raise ValueError(f"serve.max_tokens {serve.max_tokens} leaves no room for a prompt within {serve.base_model}'s "

@@ -113,6 +113,15 @@ def read_model_config(model: ModelSource, settings: Settings | None = None) -> d
     return json.loads(Path(path).read_text())
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+"""Where a config.json states the model's context; vLLM refuses a MAX_MODEL_LEN above it, at startup."""
+
+
+def model_context(config: dict) -> int | None:
+    """The model's context in tokens, as its `config.json` states it (the smallest stated); None when it states none."""
+    return min((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), default=None)
+
+
 @task(name="read-model-shape", cache_policy=NO_CACHE)
 def read_model_shape_task(model: ModelSource, hub_token_secret: str | None = None) -> ModelShape | None:
     """The model's shape for the memory plan, from its `config.json` alone (a Hub model's weights are not

@@ -30,18 +30,14 @@ from loraflow_worker.contract.task_evaluation import (
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.placement.plan import model_context
 from tasks.preflight.chat_tokenizer import ChatTokenizer
 from tasks.preflight.chats import tokenizer_folder
 from tasks.settings import Settings
 from tasks.storage.run_files import RunFile
 
-"""What a task row's prompt is read from (the contract's `TaskEvaluation.store_path`)."""
 ANSWER_COLUMN = "answer"
 _NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
-
-
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
-"""Where a model's config.json states its context (as the serve flow reads it)."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +257,7 @@ def check_task_lengths_task(model: ModelSource, prompts: list[tuple[str, list[di
         get_run_logger().warning("The task prompts' lengths were not checked before renting: %s's tokenizer could not "
                                  "be read (%s: %s)", model.id, type(e).__name__, str(e)[:300])
         return
-    context = min((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int)), default=None)
+    context = model_context(config)
     if context is None or tokenizer is None:
         return  # the context or a tokenizer.json is not known: the worker's generation says
     problems = []
