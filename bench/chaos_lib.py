@@ -91,15 +91,14 @@ class BackgroundWatch:
         raise NotImplementedError
 
 
-class WhenTraining(BackgroundWatch):
-    """Does something to one run behind its back, from a thread of its own, once the job of its first attempt
-    reports training step `at_step`: what a person in RunPod's console, a teammate's script or RunPod itself
-    could do at that moment. `action(endpoint_id)` runs once; its return value is kept as `result`."""
+class WhenReady(BackgroundWatch):
+    """Does something behind a run's back, from a thread of its own, once `_ready()` names its endpoint (looked at
+    every `poll_s`, until `timeout_s`): `action(endpoint_id)` runs once; its return value is kept as `result`."""
 
-    def __init__(self, pod: Localpod, runpod: httpx.Client, prefix: str, at_step: int, timeout_s: float,
-                 action: Callable[[str], Any]):
-        self.pod, self.runpod, self.prefix, self.at_step, self.timeout_s = pod, runpod, prefix, at_step, timeout_s
-        self.action = action
+    poll_s = 0.2
+
+    def __init__(self, timeout_s: float, action: Callable[[str], Any]):
+        self.timeout_s, self.action = timeout_s, action
         self.done = False
         self.result: Any = None
         super().__init__()
@@ -108,12 +107,28 @@ class WhenTraining(BackgroundWatch):
         deadline = time.monotonic() + self.timeout_s
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                if endpoint_id := self._training_endpoint():
+                if endpoint_id := self._ready():
                     self.result, self.done = self.action(endpoint_id), True
                     return
             except httpx.HTTPError:
                 pass  # the next look tries again
-            self._stop.wait(0.2)
+            self._stop.wait(self.poll_s)
+
+    def _ready(self) -> str | None:
+        raise NotImplementedError
+
+
+class WhenTraining(WhenReady):
+    """Acts once the job of a run's first attempt reports training step `at_step`: what a person in RunPod's console,
+    a teammate's script or RunPod itself could do at that moment."""
+
+    def __init__(self, pod: Localpod, runpod: httpx.Client, prefix: str, at_step: int, timeout_s: float,
+                 action: Callable[[str], Any]):
+        self.pod, self.runpod, self.prefix, self.at_step = pod, runpod, prefix, at_step
+        super().__init__(timeout_s, action)
+
+    def _ready(self) -> str | None:
+        return self._training_endpoint()
 
     def _training_endpoint(self) -> str | None:
         account = self.pod.account()

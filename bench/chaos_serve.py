@@ -20,9 +20,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import httpx
 
-from bench.chaos_lib import REPO, BackgroundWatch, Localpod, PrefectApi, RunRecord, runpod_api
+from bench.chaos_lib import REPO, Localpod, PrefectApi, RunRecord, WhenReady, runpod_api
 from bench.chaos_scenarios import Scenario, scoped
 from deployments.local_stack import WORKER_PYTHON
 from tasks.jobs.serve import SERVE_TAG
@@ -67,29 +66,19 @@ def write_serve_file(path: Path, scenario: Scenario, *, name: str, model: Path, 
     return path
 
 
-class WhenServing(BackgroundWatch):
-    """Does something to one serve behind its back, from a thread of its own, once the serve has said it answers (its
-    flow run, found by its `serve:<name>` tag, logged `OpenAI base URL: ...`) and its endpoint is live:
-    `action(endpoint_id)` runs once, its return value kept as `result`. Not sooner: an endpoint deleted while the first
-    answer is on its way is a serve that never started, not a live one lost."""
+class WhenServing(WhenReady):
+    """Acts on one serve once it has said it answers (its flow run, found by its `serve:<name>` tag, logged `OpenAI
+    base URL: ...`) and its endpoint is live. Not sooner: an endpoint deleted while the first answer is on its way is a
+    serve that never started, not a live one lost."""
+
+    poll_s = 2.0
 
     def __init__(self, pod: Localpod, prefect: PrefectApi, name: str, prefix: str, timeout_s: float, action):
-        self.pod, self.prefect, self.name, self.prefix, self.timeout_s = pod, prefect, name, prefix, timeout_s
-        self.action = action
-        self.done = False
-        self.result: Any = None
-        super().__init__()
+        self.pod, self.prefect, self.name, self.prefix = pod, prefect, name, prefix
+        super().__init__(timeout_s, action)
 
-    def _run(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                if self._answers() and (endpoint_id := self._live_endpoint()):
-                    self.result, self.done = self.action(endpoint_id), True
-                    return
-            except httpx.HTTPError:
-                pass  # the next look tries again
-            self._stop.wait(2)
+    def _ready(self) -> str | None:
+        return self._live_endpoint() if self._answers() else None
 
     def _answers(self) -> bool:
         runs = self.prefect.http.post("/flow_runs/filter", json={
