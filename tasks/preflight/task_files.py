@@ -34,6 +34,7 @@ from tasks.placement.plan import model_context
 from tasks.preflight.chat_tokenizer import ChatTokenizer
 from tasks.preflight.chats import tokenizer_folder
 from tasks.settings import Settings
+from tasks.storage.rewards import top_level_function
 from tasks.storage.run_files import RunFile
 
 ANSWER_COLUMN = "answer"
@@ -115,21 +116,10 @@ def check_grader_function(reference: str, file: RunFile, where: str, columns: Co
     defined at its top level, able to take `prompts`, `completions` and the task file's other `columns` by name.
     ValueError naming `where`."""
     function = function_reference(reference)[1]
-    path = file.location
-    try:
-        tree = ast.parse(file.copy.read_bytes(), filename=str(path))
-    except (SyntaxError, ValueError) as e:
-        line = f", line {e.lineno}" if isinstance(e, SyntaxError) else ""
-        raise ValueError(f"{where} `{reference}`: grader file {path} is not valid Python{line}: {e}") from e
-    definitions = [node for node in tree.body
-                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function]
-    if not definitions:
-        if _binds(tree, function):
-            return  # bound otherwise (an import, `grade = make_grader()`): its signature is the worker's to see
-        functions = ", ".join(f"`{n.name}`" for n in tree.body if isinstance(n, ast.FunctionDef)) or "none"
-        raise ValueError(f"{where} `{reference}`: grader file {path} defines no top-level function `{function}` (its "
-                         f"functions: {functions})")
-    problem = _signature_problem(definitions[-1], {*GRADER_ARGUMENTS, *columns})
+    definition = top_level_function(file, function, f"{where} `{reference}`: grader file")
+    if definition is None:
+        return  # bound otherwise (an import, `grade = make_grader()`): its signature is the worker's to see
+    problem = _signature_problem(definition, {*GRADER_ARGUMENTS, *columns})
     if problem:
         raise ValueError(f"{where} `{reference}`: {problem}; a grader is called as a reward function is: "
                          f"`def {function}(prompts, completions, **kwargs) -> list[float]` (the task file's other "
@@ -153,20 +143,6 @@ def _signature_problem(definition: ast.FunctionDef | ast.AsyncFunctionDef, given
         if unnamed:
             return f"it takes no `{unnamed[0]}` and no `**kwargs`"
     return None
-
-
-def _binds(tree: ast.Module, name: str) -> bool:
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(n, ast.Name) and n.id == name for t in targets for n in ast.walk(t)):
-                return True
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            if any((alias.asname or alias.name).split(".")[0] == name for alias in node.names):
-                return True
-        elif isinstance(node, ast.ClassDef) and node.name == name:
-            return True
-    return False
 
 
 def check_judge_key(grader: GraderSettings, where: str, worker_secrets: Collection[str]) -> None:

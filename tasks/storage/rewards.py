@@ -31,19 +31,7 @@ def check_reward_files(rewards: Sequence[RewardSpec], files: Mapping[str, RunFil
         function = split_file_reward(spec.name)[1]
         if index not in read:
             raise ValueError(f"{field} `{spec.name}`: its reward file was not read with the run's files")
-        path = read[index].location
-        try:
-            tree = ast.parse(read[index].copy.read_bytes(), filename=str(path))
-        except (SyntaxError, ValueError) as e:
-            where = f", line {e.lineno}" if isinstance(e, SyntaxError) else ""
-            raise ValueError(f"{field} `{spec.name}`: reward file {path} is not valid Python{where}: {e}") from e
-        defined = _top_level_names(tree)
-        if function not in defined:
-            functions = ", ".join(f"`{name}`" for name, is_function in defined.items() if is_function) or "none"
-            raise ValueError(
-                f"{field} `{spec.name}`: reward file {path} defines no top-level function `{function}` "
-                f"(its functions: {functions})"
-            )
+        top_level_function(read[index], function, f"{field} `{spec.name}`: reward file")
         found[index] = read[index]
     return found
 
@@ -65,13 +53,37 @@ def reward_store_paths(files: Mapping[int, RunFile], run_id: str) -> dict[Path, 
     return store_paths
 
 
+def top_level_function(file: RunFile, function: str, what: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The top-level `def` of `function` in a user's Python file as it was read (`file`), parsed as text, never run:
+    the last one, as Python keeps; None when the file binds the name otherwise (an assignment, an import, a class: a
+    callable only the worker sees). ValueError beginning with `what` (e.g. "grpo.rewards[0].name `f.py:score`: reward
+    file") when the file is not Python or does not bind the name."""
+    path = file.location
+    try:
+        tree = ast.parse(file.copy.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError) as e:
+        line = f", line {e.lineno}" if isinstance(e, SyntaxError) else ""
+        raise ValueError(f"{what} {path} is not valid Python{line}: {e}") from e
+    definitions = [node for node in tree.body
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function]
+    if definitions:
+        return definitions[-1]
+    defined = _top_level_names(tree)
+    if function not in defined:
+        functions = ", ".join(f"`{name}`" for name, is_function in defined.items() if is_function) or "none"
+        raise ValueError(f"{what} {path} defines no top-level function `{function}` (its functions: {functions})")
+    return None
+
+
 def _top_level_names(tree: ast.Module) -> dict[str, bool]:
     """Names the module binds at its top level, each with whether a `def` binds it. Names bound otherwise
-    (`score = make_reward(...)`, `from x import score`) count too: they may well be callables."""
+    (`score = make_reward(...)`, `from x import score`, a class) count too: they may well be callables."""
     names: dict[str, bool] = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names[node.name] = True
+        elif isinstance(node, ast.ClassDef):
+            names.setdefault(node.name, False)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
