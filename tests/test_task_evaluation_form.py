@@ -250,3 +250,28 @@ def test_a_link_in_the_benchmarks_task_folder_is_refused(tmp_path):
     (folder / "mine.yaml").write_text("task: mine\n")
     (folder / "data.json").symlink_to("/etc/hostname")
     assert "data.json is a link" in refusal({"benchmarks": {"tasks": ["mine"], "task_dir": str(folder)}})
+
+
+def test_a_teammates_task_grader_and_task_folder_outside_the_inputs_folder_are_refused_naming_each_field(
+        tmp_path, monkeypatch):
+    # On a team server, a run's task files are copied into its store: naming the control plane's own files (a token,
+    # a teammate's grader) would publish them. Every such field is held to LORAFLOW_INPUTS_DIR before anything is read.
+    from tasks.preflight.server_rules import ServerRuleError, check_server_rules
+    from tasks.settings import Settings
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    outside = tmp_path / "control-plane"
+    outside.mkdir()
+    (outside / "token.jsonl").write_text('{"prompt": "hf_not_yours", "answer": "x"}\n')
+    (outside / "grader.py").write_text(GRADER)
+    monkeypatch.setenv("LORAFLOW_INPUTS_DIR", str(inputs))
+    spec = run({"tasks": [task(outside / "token.jsonl", ["contains", f"{outside}/grader.py:grade"])],
+                "benchmarks": {"tasks": ["mine"], "task_dir": str(outside)}})
+    with pytest.raises(ServerRuleError) as refused:
+        check_server_rules(spec.local_paths(), artifact_store=spec.artifact_store, hub_token_secret="my-token",
+                           settings=Settings())
+    message = str(refused.value)
+    for field in ("evaluation.tasks[0].local_file", "evaluation.tasks[0].graders[1]", "evaluation.benchmarks.task_dir"):
+        assert field in message
+    assert "hf_not_yours" not in message
