@@ -94,7 +94,7 @@ def train_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Pa
     """Run the flow, check its adapter, print where its artifacts are (`links`: and its pages in the Prefect
     UI, which work while the server runs), and with `serve` serve it and ask it; the exit code."""
     # Prefect reads its settings when first imported: import it only now that the env points at the stack.
-    from flows.spec import load_run_file
+    from flows.forms.run import load_run_file
     from flows.train import train
 
     spec = load_run_file(run_file)
@@ -200,7 +200,7 @@ def serve_and_ask(spec, run_id: str, home: Path, model_dir: Path) -> int:
 def study_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Path, links: bool) -> int:
     """Run the study, print its comparison, check the best child's adapter; the exit code."""
     from flows.study import study
-    from flows.study_spec import load_study_file
+    from flows.forms.study import load_study_file
 
     spec = load_study_file(run_file)
     spec = spec.model_copy(update={"artifact_store": f"file://{home / 'artifacts'}",

@@ -43,10 +43,10 @@ class Form:
 def forms() -> list[Form]:
     from flows.preload import PreloadSpec
     from flows.reconcile import ReconcilePolicy
-    from flows.serve import ServeSpec
-    from flows.run_overrides import RunOverrides
-    from flows.spec import RunSpec
-    from flows.study_spec import StudySettings
+    from flows.forms.serve import ServeSpec
+    from flows.forms.overrides import RunOverrides
+    from flows.forms.run import RunSpec
+    from flows.forms.study import StudySettings
     from flows.volumes import VolumesPolicy
 
     return [

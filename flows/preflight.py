@@ -26,9 +26,9 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 from pydantic import Field
 
-from flows.spec import RunSpec, SpecError, load_run_file, read_run_file
+from flows.forms.run import RunSpec, SpecError, load_run_file, read_run_file
 from flows.study_search import space_corners
-from flows.study_spec import describe_values, expand, load_study_file
+from flows.forms.study import describe_values, expand, load_study_file
 from tasks.preflight.account import (
     PERMISSIONS,
     catalog_alternatives,

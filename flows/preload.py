@@ -35,7 +35,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flows.spec import BLOCK_NAME_PATTERN
+from flows.forms.run import BLOCK_NAME_PATTERN
 from tasks.lifecycle.quota import ensure_endpoint_limit
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.teardown import delete_run_endpoints_hook

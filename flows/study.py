@@ -5,7 +5,7 @@ compared.
     .venv/bin/python -m flows.study deployments/qwen-study.toml --resume <study flow run id>
     prefect deployment run study/qwen-lr
 
-A run file with a `[study]` section (`flows/study_spec.py`). Before anything is rented, every child is validated
+A run file with a `[study]` section (`flows/forms/study.py`). Before anything is rented, every child is validated
 (with `search = "tpe"`, the children at the space's corners, and the Optuna storage opened: `flows/study_search.py`),
 and refused: a child whose cost ceiling alone passes `study.budget_usd`, a study whose whole spend passes the
 operator's `LORAFLOW_MAX_STUDY_USD`, a `parallel` above the account's worker quota, a `deployment` that does not
@@ -37,10 +37,10 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed, Failed, Pending, State
 
 from flows.serve import serve_trained
-from flows.spec import SpecError
+from flows.forms.run import SpecError
 from flows.study_run import rebuild_trials, run_children
 from flows.study_search import Search, space_corners
-from flows.study_spec import (
+from flows.forms.study import (
     Child,
     StudySettings,
     StudySpec,

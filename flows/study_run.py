@@ -32,10 +32,10 @@ from prefect.exceptions import ObjectNotFound
 from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 
-from flows.run_overrides import RunOverrides
-from flows.spec import RunSpec, SpecError
+from flows.forms.overrides import RunOverrides
+from flows.forms.run import RunSpec, SpecError
 from flows.study_search import InvalidTrial, Search
-from flows.study_spec import Child, StudySpec, child_label, describe_values, spec_difference
+from flows.forms.study import Child, StudySpec, child_label, describe_values, spec_difference
 from flows.train import train
 from tasks.lifecycle.steps import run_cancel_requested
 from tasks.lifecycle.study_children import (

@@ -36,9 +36,9 @@ from optuna.trial import TrialState, create_trial
 from prefect.settings import get_current_settings
 from pydantic import ValidationError
 
-from flows.spec import SpecError, describe_validation_error
+from flows.forms.run import SpecError, describe_validation_error
 from tasks.reports.study_names import describe_values
-from flows.study_spec import Child, SearchRange, SpaceValues, StudySpec, children_base, make_child
+from flows.forms.study import Child, SearchRange, SpaceValues, StudySpec, children_base, make_child
 from tasks.lifecycle.study_children import FoundChild
 from tasks.lifecycle.study_pruning import Verdict, trained_steps
 from tasks.reports.study import ChildRow

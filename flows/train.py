@@ -22,9 +22,9 @@ from prefect.states import Cancelled, State
 from prefect.utilities.annotations import quote
 from pydantic import ValidationError
 
-from flows.run_overrides import RunOverrides, apply_overrides
+from flows.forms.overrides import RunOverrides, apply_overrides
 from flows.serve import serve_trained
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.forms.run import RunSpec, SpecError, load_run_file
 from flows.train_check import check
 from flows.train_phases import (
     Attempts,

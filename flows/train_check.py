@@ -34,8 +34,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
-from flows.spec import RunSpec
-from flows.spec_data import DatasetSpec, MixEntrySpec
+from flows.forms.run import RunSpec
+from flows.forms.run_data import DatasetSpec, MixEntrySpec
 from tasks.jobs.merge import check_merge_fits
 from tasks.lifecycle.quota import ensure_endpoint_limit
 from tasks.lifecycle.secret_key import run_checkpoint_key, secret_name_key

@@ -185,7 +185,7 @@ def test_a_tokenizer_above_the_cap_leaves_the_check_to_the_worker_with_a_warning
 
 
 def test_a_chat_template_file_is_stored_with_the_runs_inputs_and_the_job_reads_its_copy(tmp_path):
-    from flows.spec import RunSpec
+    from flows.forms.run import RunSpec
     from flows.train_check import _job_input, job_dataset
     from tasks.storage.artifacts import chat_template_store_path, check_chat_template_file, publish_run_inputs
     from tasks.storage.run_files import read_run_files

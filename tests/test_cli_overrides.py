@@ -15,7 +15,7 @@ import tomllib
 import httpx
 import pytest
 
-from flows.run_overrides import RunOverrides
+from flows.forms.overrides import RunOverrides
 from tasks.reports.summary import run_title
 from tests.conftest import DATASET, REPO, prefect_api, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, wait_for

@@ -13,7 +13,7 @@ from loraflow_worker.contract import JobInput
 from loraflow_worker.contract.dataset_formats import mixed_format
 from pydantic import ValidationError
 
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.forms.run import RunSpec, SpecError, load_run_file
 from flows.train_check import _job_input, job_dataset
 from tasks.storage.artifacts import check_dataset_jsonl, first_row_format, mix_store_path, publish_run_inputs
 from tasks.storage.hub_datasets import HubDataset

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.spec import RunSpec
-from flows.study_spec import StudySpec, expand
+from flows.forms.run import RunSpec
+from flows.forms.study import StudySpec, expand
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_prefect_yaml_study_parameters_match_the_study_run_file_and_every_child_
 
 
 def test_prefect_yaml_serve_parameters_match_the_serve_file():
-    from flows.serve import ServeSpec
+    from flows.forms.serve import ServeSpec
 
     deployments = shipped_deployments()
     from_yaml = ServeSpec.model_validate(deployments["serve/qwen"]["parameters"]["spec"])

@@ -66,7 +66,7 @@ def test_the_run_form_page_is_what_the_models_generate():
 
 
 def test_the_run_form_page_lists_every_field_of_the_run_spec():
-    from flows.spec import RunSpec
+    from flows.forms.run import RunSpec
 
     model_in = _load_generator()._model_in
     text = (DOCS / "run-form.md").read_text()

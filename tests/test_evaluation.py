@@ -10,7 +10,7 @@ from loraflow_worker.artifacts import FileStore
 from loraflow_worker.contract import TrainingSettings, TrainMetrics
 from pydantic import ValidationError
 
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.forms.run import RunSpec, SpecError, load_run_file
 from tasks.placement.cost import evaluation_cost
 from tasks.reports.events import final_metrics
 from tasks.storage.artifacts import check_dataset_jsonl, eval_store_path, publish_run_inputs

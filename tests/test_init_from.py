@@ -26,7 +26,7 @@ FORMS = ("give an earlier run of this run's artifact store, `runs/<flow run id>`
 
 @pytest.mark.parametrize("value", BAD_VALUES)
 def test_a_value_naming_neither_a_run_nor_a_hub_repo_is_refused_by_the_run_spec_naming_the_field_and_the_forms(value):
-    from flows.spec import RunSpec
+    from flows.forms.run import RunSpec
     from tests.test_spec import minimal
 
     with pytest.raises(ValidationError) as refused:

@@ -430,7 +430,7 @@ def test_a_study_file_is_checked_as_its_first_child_once_every_child_is_valid(lo
 
 
 def test_the_preflight_deployment_checks_the_qwen_run():
-    from flows.spec import RunSpec
+    from flows.forms.run import RunSpec
 
     deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
     check = deployments["check"]

@@ -19,7 +19,7 @@ from loraflow_worker.artifacts.pins import sha256_hex
 from loraflow_worker.contract import JobResult, TrainMetrics
 from prefect.states import Completed, Failed
 
-from flows.spec import PublishSpec
+from flows.forms.run import PublishSpec
 from tasks.reports.summary import RunReport, summary_markdown
 from tasks.storage.publish import (
     PUBLISH_TITLE,

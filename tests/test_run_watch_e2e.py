@@ -244,7 +244,7 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
     import flows.train as train_module
     import tasks.jobs.rented as rented
     from flows.reconcile import ReconcilePolicy, reconcile
-    from flows.spec import load_run_file
+    from flows.forms.run import load_run_file
     from tasks.lifecycle.teardown import undeleted_endpoints
     from tasks.runpod.client import RunpodClient
 

@@ -8,7 +8,7 @@ import pytest
 from loraflow_worker.contract import FastPathSettings
 from pydantic import ValidationError
 
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.forms.run import RunSpec, SpecError, load_run_file
 from tasks.lifecycle.worker_env import RunSecretError, read_run_secrets, run_secret_env
 from tasks.runpod.secrets import referenced_secrets
 from tests.test_localpod import create_endpoint

@@ -17,8 +17,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from flows.serve import DEFAULT_MAX_MODEL_LEN, ServeSpec, check_serve_cap, serve, serving_length
-from flows.spec import PublishServe, RunSpec
+from flows.forms.serve import DEFAULT_MAX_MODEL_LEN, ServeSpec
+from flows.serve import check_serve_cap, serve, serving_length
+from flows.forms.run import PublishServe, RunSpec
 from tasks.jobs.serve import (
     SERVING_TOKEN_ENV,
     VLLM_IMAGE_MIN_CUDA,

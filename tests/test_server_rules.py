@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.run_overrides import RunOverrides, apply_overrides
-from flows.spec import RunSpec, SpecError, WorkerSpec
+from flows.forms.overrides import RunOverrides, apply_overrides
+from flows.forms.run import RunSpec, SpecError, WorkerSpec
 from tasks.placement.cost import CostCeiling, check_budget, check_study_budget
 from tasks.lifecycle.worker_env import RunSecretError, read_run_secrets
 from tasks.preflight.server_rules import ServerRuleError, check_server_rules, operator_rule_problems
@@ -154,7 +154,7 @@ def test_a_plain_variable_that_names_an_account_secret_is_refused_naming_worker_
 
 
 def test_a_run_file_whose_env_names_an_account_secret_is_refused_naming_the_key(tmp_path):
-    from flows.spec import load_run_file
+    from flows.forms.run import load_run_file
 
     run_file = tmp_path / "run.toml"
     run_file.write_text('artifact_store = "file:///tmp/s"\n[model]\nid = "Qwen/Qwen3-0.6B"\n[dataset]\n'

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flows.run_overrides import RunOverrides, apply_overrides
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.forms.overrides import RunOverrides, apply_overrides
+from flows.forms.run import RunSpec, SpecError, load_run_file
 from tasks.placement.plan import job_limits_s, max_deadline_minutes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -159,7 +159,7 @@ def test_every_field_of_the_ui_form_is_described():
 
 
 def test_shipped_run_files_load():
-    from flows.study_spec import StudySpec, load_study_file
+    from flows.forms.study import StudySpec, load_study_file
 
     for path in sorted((REPO / "deployments").glob("*.toml")):
         if "\n[serve]" in path.read_text():

@@ -13,9 +13,9 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from prefect.client.schemas.objects import FlowRun, StateType
 from pydantic import ValidationError
 
-from flows.spec import SpecError
+from flows.forms.run import SpecError
 from flows.study_search import Search, distributions, space_corners
-from flows.study_spec import MAX_CHILDREN, StudySpec, expand, load_study_file, spec_difference
+from flows.forms.study import MAX_CHILDREN, StudySpec, expand, load_study_file, spec_difference
 from tasks.lifecycle.study_children import FoundChild, adoption_plan, child_key, found_child, on_study_end
 from tasks.lifecycle.study_pruning import Verdict, median_rule, pruned_step
 from flows.study import children_ceilings_usd
@@ -697,7 +697,7 @@ def test_a_resume_that_changes_the_metric_or_the_direction_is_refused_naming_bot
 
 def test_a_resumed_grid_or_search_that_judges_by_another_metric_or_direction_is_named_with_both():
     from flows.study import study as study_flow
-    from flows.study_spec import judging_change
+    from flows.forms.study import judging_change
 
     started = study_flow.serialize_parameters({"spec": study("seeds = [1, 2]")})["spec"]["study"]  # what its page holds
     assert judging_change(started, study("seeds = [1, 2, 3]\nparallel = 3").study) is None

@@ -10,8 +10,8 @@ import pytest
 from loraflow_worker.contract import BenchmarkScore, TrainMetrics, task_score
 from pydantic import ValidationError
 
-from flows.spec import SpecError
-from flows.study_spec import StudySettings, StudySpec, expand, judging_change
+from flows.forms.run import SpecError
+from flows.forms.study import StudySettings, StudySpec, expand, judging_change
 from tasks.reports.study import ChildRow, StudyReport, best_child, completed_row, study_markdown, table_rows
 
 BASE = """

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from loraflow_worker.contract import JobInput, ModelSource
 
-from flows.spec import RunSpec, load_run_file
+from flows.forms.run import RunSpec, load_run_file
 from flows.train_check import EvaluationInputs, check_evaluation_inputs, job_evaluation
 from tasks.preflight.task_files import check_task_lengths_task
 from tasks.storage.artifacts import publish_run_inputs

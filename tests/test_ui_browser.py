@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from deployments.team_stack import children
-from flows.run_overrides import RunOverrides
-from flows.spec import RunSpec
+from flows.forms.overrides import RunOverrides
+from flows.forms.run import RunSpec
 from tasks.reports.curve import BACKGROUND, TRAIN_COLOR
 from tests.conftest import REPO, prefect_api, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, wait_for

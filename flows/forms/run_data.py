@@ -1,5 +1,5 @@
 """The run form's data sections: where training rows come from (`[dataset]`, its `[[dataset.mix]]` entries) and
-which rows are held out to evaluate on (`[evaluation]`), as `flows.spec.RunSpec` takes them. Every source is
+which rows are held out to evaluate on (`[evaluation]`), as `flows.forms.run.RunSpec` takes them. Every source is
 checked before anything is rented; these models say what a source is, the checks read it.
 """
 

@@ -36,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from flows.spec import RunSpec, SpecError, describe_validation_error, read_run_file
+from flows.forms.run import RunSpec, SpecError, describe_validation_error, read_run_file
 from tasks.reports.study import score_metric
 from tasks.reports.study_names import child_label, child_name, describe_values
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flows.spec import RunSpec, SpecError, load_run_file
+from flows.forms.run import RunSpec, SpecError, load_run_file
 from tasks.preflight.server_rules import check_inside_inputs_dir
 from tasks.settings import Settings
 

@@ -2,7 +2,7 @@
 
 The same model loads from a TOML run file (`deployments/*.toml`):
 
-    .venv/bin/python -c "from flows.spec import load_run_file; print(load_run_file('deployments/local.toml'))"
+    .venv/bin/python -c "from flows.forms.run import load_run_file; print(load_run_file('deployments/local.toml'))"
 
 Unknown keys, wrong types and out-of-range values are refused before anything is spent, with the
 field named. Secrets are never fields here: the spec is shown in the UI and stored with the run.
@@ -45,7 +45,7 @@ from pydantic import (
     model_validator,
 )
 
-from flows.spec_data import DatasetSpec, EvaluationSpec, Section
+from flows.forms.run_data import DatasetSpec, EvaluationSpec, Section
 from tasks.placement.plan import job_limits_s, max_deadline_minutes
 from tasks.runpod.catalog import resolve_gpu
 from tasks.runpod.models import RUNPOD_MAX_EXECUTION_TIMEOUT_S, RUNPOD_MAX_JOB_TTL_S
