@@ -3,7 +3,8 @@
 The control plane builds a `JobInput`, sends it as the RunPod job's `input`, and reads a
 `JobResult` back from the job's `output`; or, to warm a datacenter's network volume, a `PreloadInput`
 (`"mode": "preload"`) and a `PreloadResult`; or, to publish a run's adapter merged into its base, a `MergeInput`
-(`"mode": "merge"`) and a `MergeResult`. Both sides validate with these models, so a typo is caught
+(`"mode": "merge"`) and a `MergeResult`; or, to compare a base and its adapters on tasks and benchmarks, an
+`EvaluateInput` (`"mode": "evaluate"`) and an `EvaluateResult`. Both sides validate with these models, so a typo is caught
 before a GPU is billed, and a worker refuses a job whose `contract_version` it does not understand.
 
 It owns the version (`version`), what a run trains on (`sources`) and the formats its rows may come in, converted to
@@ -13,7 +14,7 @@ a run may put in its worker's environment (`env_names`), the pins on the files t
 (`stored_inputs`), the job itself (`job`), what comes back (`results`), preload jobs (`preload`), merge jobs (`merge`:
 a run's adapter merged into its base and published), how a reward is named (`reward_names`) and the chat templates the
 image's TRL has training versions of (`chat_templates`), and task evaluations and benchmarks with their scores
-(`task_evaluation`), with the benchmark task names the image's lm-evaluation-harness knows (`benchmark_tasks`). The
+(`task_evaluation`), evaluate jobs (`evaluate`), with the benchmark task names the image's lm-evaluation-harness knows (`benchmark_tasks`). The
 models are re-exported here:
 `from loraflow_worker.contract import JobInput`.
 
@@ -31,6 +32,13 @@ from loraflow_worker.contract.env_names import (
     secret_reference_problem,
     worker_env_name,
     worker_env_overlap,
+)
+from loraflow_worker.contract.evaluate import (
+    MAX_EVALUATED_ADAPTERS,
+    AdapterScores,
+    EvaluatedAdapter,
+    EvaluateInput,
+    EvaluateResult,
 )
 from loraflow_worker.contract.fast_path_settings import FORCIBLE_FAST_PATHS, FastPathSettings
 from loraflow_worker.contract.grpo_settings import (
@@ -78,6 +86,11 @@ from loraflow_worker.contract.training_settings import (
 from loraflow_worker.contract.version import CONTRACT_VERSION
 
 __all__ = [
+    "MAX_EVALUATED_ADAPTERS",
+    "AdapterScores",
+    "EvaluatedAdapter",
+    "EvaluateInput",
+    "EvaluateResult",
     "BUILTIN_GRADERS",
     "BenchmarkScore",
     "BenchmarkSettings",
