@@ -22,24 +22,8 @@ from loraflow_worker.contract.benchmark_tasks import (
 from loraflow_worker.contract.task_evaluation import BenchmarkScore, BenchmarkSettings
 from loraflow_worker.evaluation.benchmarks import BenchmarkError, benchmark_scores, run_benchmarks
 from loraflow_worker.evaluation.task_list import installed_harness_tasks, render
-from worker_test_support import train_in_process
+from worker_test_support import CHOICE_TASK, COLOURS, train_in_process
 
-CHOICE_TASK = """\
-task: colours
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: data/colours.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{question}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: "{{answer}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 PERPLEXITY_TASK = """\
 task: greeting_perplexity
 tag: [private_greetings]
@@ -56,14 +40,6 @@ metric_list:
     aggregation: perplexity
     higher_is_better: false
 """
-COLOURS = [
-    {"question": "The sky on a clear day is", "choices": [" blue", " green"], "answer": 0},
-    {"question": "Fresh grass is", "choices": [" red", " green"], "answer": 1},
-    {"question": "Snow is", "choices": [" white", " black"], "answer": 0},
-    {"question": "A ripe banana is", "choices": [" purple", " yellow"], "answer": 1},
-    {"question": "Coal is", "choices": [" black", " white"], "answer": 0},
-    {"question": "A ripe tomato is", "choices": [" blue", " red"], "answer": 1},
-]
 GREETINGS = [
     {"prompt": "Hello, how are you?", "reply": "I am fine, thank you."},
     {"prompt": "Good morning!", "reply": "Good morning to you too."},

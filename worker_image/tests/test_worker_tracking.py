@@ -1,5 +1,5 @@
 """Tracking (`training.report_to`): W&B offline and an MLflow file store record a real training process's loss and
-eval loss, the trackers' files are stored with the run, the result names each tracker's run, and the run's secrets
+eval loss and the task and benchmark scores after training, the trackers' files are stored with the run, the result names each tracker's run, and the run's secrets
 stay out of what is stored.
 
 One short SFT job (module fixture) runs as the real training process (`python -m loraflow_worker.training.train_job`) with
@@ -21,9 +21,11 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from worker_test_support import stored_files_containing
+from worker_test_support import CHOICE_TASK, COLOURS, stored_files_containing
 
 from loraflow_worker.contract import JobInput, JobResult, TrainingSettings
+from loraflow_worker.contract.task_evaluation import BenchmarkScore, TaskScore
+from loraflow_worker.evaluation.evaluated import Evaluated, tracker_metrics
 from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.self_test.tiny_model import DEFAULT_CORPUS
 from loraflow_worker.training.tracking import tracker_files, tracking_env
@@ -31,6 +33,7 @@ from loraflow_worker.training.tracking import tracker_files, tracking_env
 STEPS, EVERY = 6, 3
 RUN_ID = "tracked-run"
 TASK_FILE = f"runs/{RUN_ID}/evaluation-inputs/capitals.jsonl"
+TASK_DIR = f"runs/{RUN_ID}/evaluation-inputs/benchmarks"
 JUDGE_KEY = "judge-key-value-4711"
 """A run's own secret (`worker_secret_names`): it must be in none of the trackers' stored files."""
 
@@ -54,12 +57,16 @@ def tracked(tiny_model_dir, tmp_path_factory) -> TrackedRun:
     (store_root / TASK_FILE).parent.mkdir(parents=True)
     (store_root / TASK_FILE).write_text("".join(json.dumps({"prompt": question, "answer": "Paris"}) + "\n"
                                                 for question in ("What is the capital of France?", "France?")))
+    (store_root / TASK_DIR / "data").mkdir(parents=True)
+    (store_root / TASK_DIR / "colours.yaml").write_text(CHOICE_TASK)
+    (store_root / TASK_DIR / "data" / "colours.jsonl").write_text("".join(json.dumps(row) + "\n" for row in COLOURS))
     job = JobInput.model_validate({
         "run_id": RUN_ID, "model": {"id": str(tiny_model_dir)}, "dataset": {"store_path": dataset_path},
         "artifact_store": store_root.as_uri(), "worker_secret_names": ["JUDGE_KEY"],
         "training": {"max_steps": STEPS, "learning_rate": 1e-2, "batch_size": 8, "report_to": ["wandb", "mlflow"]},
         "evaluation": {"fraction": 0.2, "every_steps": EVERY, "tasks": [
-            {"name": "capitals", "store_path": TASK_FILE, "graders": [{"kind": "contains"}], "max_new_tokens": 4}]},
+            {"name": "capitals", "store_path": TASK_FILE, "graders": [{"kind": "contains"}], "max_new_tokens": 4}],
+            "benchmarks": {"tasks": ["colours"], "batch_size": 6, "task_dir_store_path": TASK_DIR}},
     })
     (work_dir / "job.json").write_text(job.model_dump_json())
     outside = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
@@ -138,15 +145,18 @@ def test_wandb_offline_records_the_loss_and_the_eval_loss_of_every_step(tracked)
     assert history["train/loss"][-1][1] == pytest.approx(tracked.result.metrics.final_loss, rel=1e-3)
 
 
-def test_both_trackers_record_the_task_scores_at_the_last_step(tracked, monkeypatch, tmp_path):
+def test_both_trackers_record_the_task_and_benchmark_scores_at_the_last_step(tracked, monkeypatch, tmp_path):
     from mlflow.tracking import MlflowClient
 
     (score,) = tracked.result.metrics.task_scores
+    (benchmark,) = tracked.result.metrics.benchmark_scores
     expected = {f"task/capitals/contains/{part}": getattr(score, part)
                 for part in ("base", "adapter", "delta", "delta_stderr")}
+    expected |= {f"benchmark/colours/acc/{part}": getattr(benchmark, part)
+                 for part in ("base", "adapter", "delta", "base_stderr", "adapter_stderr")}
     run_file = next(tracked.stored(_tracker(tracked, "wandb").store_path).glob("run-*.wandb"))
     history = wandb_history(run_file)
-    assert {key: history[key] for key in expected} == {key: [(STEPS, value)] for key, value in expected.items()}
+    assert {key: history.get(key) for key in expected} == {key: [(STEPS, value)] for key, value in expected.items()}
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow = _tracker(tracked, "mlflow")
     with tarfile.open(tracked.stored(mlflow.store_path)) as archive:
@@ -154,6 +164,23 @@ def test_both_trackers_record_the_task_scores_at_the_last_step(tracked, monkeypa
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
     assert {key: [(m.step, m.value) for m in client.get_metric_history(mlflow.run_id, key)] for key in expected} == \
         {key: [(STEPS, pytest.approx(value))] for key, value in expected.items()}
+
+
+def test_the_tracker_name_of_a_harness_metric_under_a_filter_is_one_mlflow_takes():
+    from mlflow.utils.validation import _validate_metric_name
+
+    evaluated = Evaluated(
+        task_scores=[TaskScore(task="capitals", grader="one_word", n=2, base=0.0, base_stderr=0.0,
+                               adapter=1.0, adapter_stderr=0.0, delta=1.0, delta_stderr=0.0)],
+        benchmark_scores=[BenchmarkScore(task="gsm8k", metric="exact_match,strict-match", n=2, base=0.0,
+                                         base_stderr=None, adapter=0.5, adapter_stderr=0.5, delta=0.5)])
+    names = tracker_metrics(evaluated)
+    assert sorted(names) == sorted([
+        *(f"task/capitals/one_word/{part}" for part in ("base", "adapter", "delta", "delta_stderr")),
+        *(f"benchmark/gsm8k/exact_match_strict-match/{part}" for part in ("base", "adapter", "delta",
+                                                                            "adapter_stderr"))])
+    for name in names:
+        _validate_metric_name(name)
 
 
 def test_mlflow_records_the_loss_and_the_eval_loss_in_a_file_store_stored_with_the_run(tracked, monkeypatch, tmp_path):

@@ -40,6 +40,32 @@ BASE_TRAINING = {"max_steps": 50, "learning_rate": 1e-2, "batch_size": 8}
 CHECKPOINT_KEY = "9f" * 32
 """A run's checkpoint key as the control plane gives every job one (`JobInput.checkpoint_key`)."""
 
+# A private lm-evaluation-harness task, as a run ships it in its `task_dir` (`data/colours.jsonl` beside it).
+CHOICE_TASK = """\
+task: colours
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: data/colours.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+COLOURS = [
+    {"question": "The sky on a clear day is", "choices": [" blue", " green"], "answer": 0},
+    {"question": "Fresh grass is", "choices": [" red", " green"], "answer": 1},
+    {"question": "Snow is", "choices": [" white", " black"], "answer": 0},
+    {"question": "A ripe banana is", "choices": [" purple", " yellow"], "answer": 1},
+    {"question": "Coal is", "choices": [" black", " white"], "answer": 0},
+    {"question": "A ripe tomato is", "choices": [" blue", " red"], "answer": 1},
+]
+
 
 def stored_files_containing(root: Path, text: str) -> list[Path]:
     """Every file under `root` whose bytes contain `text`."""
