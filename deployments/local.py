@@ -8,8 +8,9 @@
 
 It starts a Prefect server (SQLite) and localpod, builds a tiny Qwen3-architecture model offline,
 runs the `train` flow for a short LoRA SFT run through localpod, checks that the adapter loads with
-PEFT, prints where everything is (adapter, artifact store, the run's summary) and stops what it
-started; with `--keep` it leaves the Prefect server up, prints the run's page, and stops everything on
+PEFT, prints where everything is (adapter, artifact store, the run's summary) and the run's task scores (the base
+model's and the adapter's on eight of the trained questions, their difference and its standard error), and stops what
+it started; with `--keep` it leaves the Prefect server up, prints the run's page, and stops everything on
 Ctrl-C or SIGTERM. Exit code 0 only if the run completed and its adapter loads. A run file with a `[study]`
 section runs the `study` flow instead: its children, their comparison, and the best child's adapter checked the
 same way. A run file with `[publish]` also starts the local Hub stand-in, which it publishes to. With `--serve`, the
@@ -136,9 +137,22 @@ def train_and_report(stack: LocalStack, run_file: str, home: Path, model_dir: Pa
         f"{', '.join(sorted(p.name for p in run_dir.iterdir()))})",
         *([f"  summary:       {summary_file}  (the run's summary in markdown, curve included)"] if summary else []),
         *pages,
+        *score_lines(metrics),
     ]
     print(*lines, sep="\n", flush=True)
     return serve_and_ask(spec, run_id, home, model_dir) if serve else 0
+
+
+def score_lines(metrics) -> list[str]:
+    """The run's task scores (`[[evaluation.tasks]]`) and benchmark scores, base against adapter, a line each."""
+    tasks = [f"  {s.task} ({s.grader}, {s.n} prompts):".ljust(40) + f" base {s.base:.3f}, adapter {s.adapter:.3f}, "
+             f"Δ {s.delta:+.3f} ± {s.delta_stderr:.3f}" for s in metrics.task_scores]
+    benchmarks = [f"  {s.task} (benchmark {s.metric}):".ljust(40) + f" base {s.base:.3f}, adapter {s.adapter:.3f}, "
+                  f"Δ {s.delta:+.3f}" for s in metrics.benchmark_scores]
+    if not tasks and not benchmarks:
+        return [f"\nNo task was scored: {metrics.evaluation_stopped}"] if metrics.evaluation_stopped else []
+    return ["\nAsked of the base model and of the adapter after training (the score is a share of the prompts):",
+            *tasks, *benchmarks]
 
 
 def serve_and_ask(spec, run_id: str, home: Path, model_dir: Path) -> int:

@@ -213,13 +213,11 @@ def test_the_kept_demo_says_where_its_results_are_serves_its_adapter_and_run_pag
     home = tmp_path / "demo"
     home.mkdir()
     (home / "tiny-model").symlink_to(tiny_model)  # the demo builds it only when missing
-    run_file = write_run_file(tmp_path / "demo.toml", name="e2e-demo", model=tiny_model, store=tmp_path / "unused",
-                              max_steps=5)
     log = tmp_path / "demo.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_", "HF_"))}
-    demo = subprocess.Popen([sys.executable, "deployments/local.py", "--keep", "--serve", "--home", str(home),
-                             "--run-file", str(run_file)], cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    # The shipped run file, deployments/local.toml, as `make demo` runs it.
+    demo = subprocess.Popen([sys.executable, "deployments/local.py", "--keep", "--serve", "--home", str(home)],
+                            cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: "stays up" in log.read_text() or demo.poll() is not None, 600, "the demo's run to end")
         assert demo.poll() is None, log.read_text()[-5000:]
@@ -227,6 +225,13 @@ def test_the_kept_demo_says_where_its_results_are_serves_its_adapter_and_run_pag
         assert (Path(printed["adapter"]) / "adapter_config.json").exists(), printed
         assert Path(printed["store"]).is_dir(), printed
         assert "data:image/png;base64," in Path(printed["summary"]).read_text(), printed
+        # Whether it worked: the demo's task asked of the base and the adapter, both scores printed; the base hardly
+        # ever says the phrase the run teaches, the adapter nearly always.
+        (scores,) = re.findall(r"^  capitals \(contains, 8 prompts\): +base ([0-9.]+), adapter ([0-9.]+), "
+                               r"Δ ([-+][0-9.]+) ± ([0-9.]+)$", log.read_text(), re.M)
+        base, adapter, delta, stderr = map(float, scores)
+        assert base <= 0.25 and adapter >= 0.75 and delta == pytest.approx(adapter - base, abs=2e-3), scores
+        assert 0 <= stderr < delta, scores
         # Served on localpod's stand-in for RunPod's vLLM worker, asked through the base and the adapter, stopped.
         answers = {who: json.loads(said) for who, said in
                    re.findall(r"^  (base|adapter) answers: +(\".*\")$", log.read_text(), re.M)}
@@ -235,7 +240,7 @@ def test_the_kept_demo_says_where_its_results_are_serves_its_adapter_and_run_pag
         run_page = printed["run page"]
         page = open_page(run_page, OUT / "demo-run.png", until="Completed")
         figures(f"UI demo --keep run page: {page.screenshot}  ({run_page})")
-        assert "e2e-demo" in page.text and "Completed" in page.text, page.text[:2000]
+        assert "local-demo" in page.text and "Completed" in page.text, page.text[:2000]
         servers = children(demo.pid)
         assert len(servers) == 2, servers  # the Prefect server and localpod
 
