@@ -41,6 +41,29 @@ seed = 7
     return path
 
 
+USER_GRADER = """\
+def words_said(prompts, completions, answer, **kwargs):
+    said = [completion[-1]["content"].lower().split() for completion in completions]
+    return [sum(word in words for word in expected.lower().split()) / len(expected.split())
+            for words, expected in zip(said, answer)]
+"""
+HARNESS_TASK = """\
+task: capitals_perplexity
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: data/capitals.jsonl
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{question}}"
+doc_to_target: " {{reply}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+"""
+
+
 def flow_run_state(stack, flow_run_id: str) -> dict:
     return prefect_api(stack, "GET", f"/flow_runs/{flow_run_id}").json()["state"]
 
@@ -63,8 +86,20 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     task_file = tmp_path / "capitals.jsonl"
     task_file.write_text("".join(json.dumps({"messages": chat[:-1], "answer": chat[-1]["content"]}) + "\n"
                                  for chat in chats))
+    # A user's grader file: the share of the expected sentence's words in the answer, called as a reward function is.
+    grader_file = tmp_path / "graders.py"
+    grader_file.write_text(USER_GRADER)
+    # A private lm-evaluation-harness task in a folder of its own (its YAML and its data beside it), shipped with the
+    # run: the perplexity of the same four answers after their questions, read with no Hub.
+    task_dir = tmp_path / "harness-tasks"
+    (task_dir / "data").mkdir(parents=True)
+    (task_dir / "capitals_perplexity.yaml").write_text(HARNESS_TASK)
+    (task_dir / "data" / "capitals.jsonl").write_text("".join(json.dumps(
+        {"question": chat[-2]["content"], "reply": chat[-1]["content"]}) + "\n" for chat in chats))
     evaluation = (f"[evaluation]\nfraction = 0.2\nevery_steps = 20\n[[evaluation.tasks]]\nname = \"capitals\"\n"
-                  f"local_file = \"{task_file}\"\ngraders = [\"f1\"]\nmax_new_tokens = 16\n")
+                  f"local_file = \"{task_file}\"\ngraders = [\"f1\", \"{grader_file}:words_said\"]\n"
+                  f"max_new_tokens = 16\n[evaluation.benchmarks]\ntasks = [\"capitals_perplexity\"]\n"
+                  f"task_dir = \"{task_dir}\"\nbatch_size = 4\n")
     run_file = write_run_file(tmp_path / "run.toml", name="e2e-sft", model=tiny_model, store=store, extra=evaluation)
     run = run_train_flow(local_stack, run_file)
     assert run.returncode == 0, run.output
@@ -80,9 +115,16 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     assert metrics["eval_loss"][-1][1] < 0.75 * metrics["eval_loss"][0][1], metrics["eval_loss"]
     assert (run_dir / "DONE").exists()
     # The task asked after training: the adapter answers its trained questions closer to their answers than the base.
-    (score,) = metrics["task_scores"]
+    score, user_score = metrics["task_scores"]
     assert (score["task"], score["grader"], score["n"]) == ("capitals", "f1", 4)
     assert score["adapter"] > score["base"], score
+    # The user's grader, run on the worker from the stored file: the adapter says more of the expected words.
+    assert (user_score["task"], user_score["grader"], user_score["n"]) == ("capitals", "words_said", 4)
+    assert user_score["adapter"] > user_score["base"], user_score
+    # The private harness task from the shipped task folder: the adapter finds its trained answers less surprising.
+    (benchmark,) = metrics["benchmark_scores"]
+    assert (benchmark["task"], benchmark["metric"], benchmark["n"]) == ("capitals_perplexity", "perplexity", 4)
+    assert benchmark["higher_is_better"] is False and benchmark["adapter"] < benchmark["base"], benchmark
     assert len((run_dir / "evaluation" / "capitals.jsonl").read_text().splitlines()) == 4
 
     # The adapter loads with PEFT (in the worker's environment) and changes the model's output.
@@ -104,6 +146,9 @@ def test_sft_run_trains_stores_an_adapter_and_cleans_up(local_stack, tiny_model,
     assert "| Eval loss, held-out (start → final) |" in summary and "## Training and eval loss by step" in summary
     assert "| Loss on | the answers: " in summary  # the default: the assistant turns only
     assert f"| capitals | f1 | {score['base']:.3f} | {score['adapter']:.3f} |" in summary, summary
+    assert f"| capitals | words_said | {user_score['base']:.3f} | {user_score['adapter']:.3f} |" in summary, summary
+    assert (f"| capitals_perplexity | benchmark perplexity (lower is better) | {benchmark['base']:.3f} | "
+            f"{benchmark['adapter']:.3f} |") in summary, summary
 
 
 def test_a_run_from_an_earlier_runs_adapter_starts_from_a_much_lower_loss(local_stack, tiny_model, tmp_path):
