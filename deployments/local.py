@@ -8,7 +8,7 @@
 
 It starts a Prefect server (SQLite) and localpod, builds a tiny Qwen3-architecture model offline,
 runs the `train` flow for a short LoRA SFT run through localpod, checks that the adapter loads with
-PEFT, prints where everything is (adapter, artifact store, the run's summary) and the run's task scores (the base
+PEFT, prints where everything is (adapter, artifact store, the run's summary) and the run's task scores (local.toml's: the base
 model's and the adapter's on eight of the trained questions, their difference and its standard error), and stops what
 it started; with `--keep` it leaves the Prefect server up, prints the run's page, and stops everything on
 Ctrl-C or SIGTERM. Exit code 0 only if the run completed and its adapter loads. A run file with a `[study]`
@@ -147,12 +147,12 @@ def score_lines(metrics) -> list[str]:
     """The run's task scores (`[[evaluation.tasks]]`) and benchmark scores, base against adapter, a line each."""
     tasks = [f"  {s.task} ({s.grader}, {s.n} prompts):".ljust(40) + f" base {s.base:.3f}, adapter {s.adapter:.3f}, "
              f"Δ {s.delta:+.3f} ± {s.delta_stderr:.3f}" for s in metrics.task_scores]
-    benchmarks = [f"  {s.task} (benchmark {s.metric}):".ljust(40) + f" base {s.base:.3f}, adapter {s.adapter:.3f}, "
-                  f"Δ {s.delta:+.3f}" for s in metrics.benchmark_scores]
+    benchmarks = [f"  {s.task} (benchmark {s.metric}{'' if s.higher_is_better else ', lower is better'}):".ljust(40)
+                  + f" base {s.base:.3f}, adapter {s.adapter:.3f}, Δ {s.delta:+.3f}" for s in metrics.benchmark_scores]
     if not tasks and not benchmarks:
         return [f"\nNo task was scored: {metrics.evaluation_stopped}"] if metrics.evaluation_stopped else []
-    return ["\nAsked of the base model and of the adapter after training (the score is a share of the prompts):",
-            *tasks, *benchmarks]
+    return ["\nAsked of the base model and of the adapter after training (a task's score: its grader's mean "
+            "over its prompts, 0 to 1):", *tasks, *benchmarks]
 
 
 def serve_and_ask(spec, run_id: str, home: Path, model_dir: Path) -> int:
