@@ -241,6 +241,10 @@ def test_the_local_demo_runs_the_shipped_study_file_and_checks_the_best_adapter(
     assert len(rows) == 4 and all("completed" in row for row in rows), demo.stdout[-3000:]
     (best,) = [row for row in rows if row[0] == "best"]
     assert best[1].startswith("local-study-lr0p005-"), rows  # the higher rate learns the tiny data in 30 steps
+    # Picked by the shipped file's task: the best child's adapter answers the most questions with the trained phrase.
+    scores = {row[-4]: float(row[-1]) for row in rows if row[-2] == "task:capitals/contains"}
+    assert len(scores) == 4 and float(best[-1]) == max(scores.values()), rows
+    assert float(best[-1]) > max(score for name, score in scores.items() if "lr0p0001" in name), rows
     assert "best adapter:" in demo.stdout and "(loads with PEFT onto" in demo.stdout
 
 
