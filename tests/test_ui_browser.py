@@ -205,11 +205,12 @@ def test_the_metrics_table_lists_the_loss_of_every_step(pages):
     assert all(float(loss) > 0 for _, loss in rows[1:])
 
 
-def test_the_kept_demo_says_where_its_results_are_serves_its_adapter_and_run_page_and_stops_every_server(
+def test_the_kept_demo_says_where_its_results_are_and_how_its_task_scored_serves_its_adapter_and_stops_every_server(
         chromium, tiny_model, tmp_path, figures):
-    """`make demo ARGS="--keep --serve"`: it prints where the adapter, the store and the summary are, then serves the
-    adapter and prints an answer of the base and one of the adapter; the printed run page opens while the demo runs;
-    SIGTERM (as `kill PID`) stops it and every server it started."""
+    """`make demo ARGS="--keep --serve"`: it prints where the adapter, the store and the summary are and the task's
+    scores of the base and the adapter, then serves the adapter and prints an answer of the base and one of the
+    adapter; the printed run page opens while the demo runs; SIGTERM (as `kill PID`) stops it and every server it
+    started."""
     home = tmp_path / "demo"
     home.mkdir()
     (home / "tiny-model").symlink_to(tiny_model)  # the demo builds it only when missing
