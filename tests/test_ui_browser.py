@@ -233,6 +233,10 @@ def test_the_kept_demo_says_where_its_results_are_and_how_its_task_scored_serves
         base, adapter, delta, stderr = map(float, scores)
         assert base <= 0.25 and adapter >= 0.75 and delta == pytest.approx(adapter - base, abs=2e-3), scores
         assert 0 <= stderr < delta, scores
+        # The same scores as the run's metrics.json and its summary's table hold them.
+        (stored,) = json.loads((Path(printed["adapter"]).parent / "metrics.json").read_text())["task_scores"]
+        assert (stored["base"], stored["adapter"]) == pytest.approx((base, adapter), abs=1e-3), stored
+        assert f"| capitals | contains | {base:.3f} | {adapter:.3f} |" in Path(printed["summary"]).read_text()
         # Served on localpod's stand-in for RunPod's vLLM worker, asked through the base and the adapter, stopped.
         answers = {who: json.loads(said) for who, said in
                    re.findall(r"^  (base|adapter) answers: +(\".*\")$", log.read_text(), re.M)}
