@@ -38,6 +38,14 @@ def test_the_summary_shows_each_task_and_benchmark_base_against_adapter_with_the
     assert "| hellaswag | benchmark acc | 0.400 | 0.440 | +0.040 ± 0.050 |" in text
 
 
+def test_a_perplexity_in_the_summary_is_three_significant_digits_not_a_row_of_digits():
+    perplexity = BenchmarkScore(task="capitals_perplexity", metric="word_perplexity", n=8, base=1.2e27,
+                                base_stderr=None, adapter=1.9e22, adapter_stderr=None, delta=1.9e22 - 1.2e27,
+                                higher_is_better=False)
+    text = summary_markdown(report(metrics=METRICS.model_copy(update={"benchmark_scores": [perplexity]})))
+    assert "| capitals_perplexity | benchmark word_perplexity (lower is better) | 1.2e+27 | 1.9e+22 | -1.2e+27 |" in text
+
+
 def test_the_summary_shows_a_tasks_best_and_worst_answers_and_links_them_all():
     text = summary_markdown(report(task_answers={"capital": ANSWERS},
                                    task_answers_urls={"capital": "file:///s/runs/r1/evaluation/capital.jsonl"}))

@@ -243,6 +243,13 @@ def score_rows(metrics: TrainMetrics) -> list[dict[str, Any]]:
     return [{k: _rounded(v) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
 
 
+def score_text(value: float, *, sign: bool = False) -> str:
+    """A score as the tables show it: three decimals, or three significant digits where that would be a long row of
+    digits (a benchmark's perplexity can be 1e27)."""
+    plus = "+" if sign else ""
+    return f"{value:{plus}.3f}" if abs(value) < 1e4 else f"{value:{plus}.3g}"
+
+
 def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
                 answers_urls: dict[str, str]) -> list[str]:
     """The summary's section of task and benchmark scores, base against adapter, and each task's best and worst
@@ -252,9 +259,9 @@ def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
     if rows:
         lines += ["", "| task | grader or benchmark | base | adapter | Δ ± stderr |", "|---|---|---|---|---|"]
     for row in rows:
-        stderr = f" ± {row['delta stderr']:.3f}" if row["delta stderr"] is not None else ""
-        lines.append(f"| {_cell(row['task'])} | {_cell(row['scored by'])} | {row['base']:.3f} | {row['adapter']:.3f} "
-                     f"| {row['delta']:+.3f}{stderr} |")
+        stderr = f" ± {score_text(row['delta stderr'])}" if row["delta stderr"] is not None else ""
+        lines.append(f"| {_cell(row['task'])} | {_cell(row['scored by'])} | {score_text(row['base'])} | "
+                     f"{score_text(row['adapter'])} | {score_text(row['delta'], sign=True)}{stderr} |")
     failed = [f"{s.task}/{s.grader}: {s.failed}" for s in metrics.task_scores if s.failed]
     if failed:
         lines += ["", f"Answers a grader could not score (counted 0): {', '.join(failed)}."]
