@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_lib import PrefectApi, RunRecord, own_token
+from bench.chaos_study import study_problems
 from bench.chaos_volumes import volume_race_problems
 from deployments.local_stack import check_adapter
 from localpod.models import Account
@@ -74,6 +75,8 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         return volume_race_problems(record) + _fault_problems(record, faults)
     if s.flow == "serve":
         return serve_problems(record, account) + _fault_problems(record, faults)
+    if s.flow == "study":
+        return study_problems(record, account) + _fault_problems(record, faults)
     if record.state_type != s.expect_state:
         problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
     ended = record.retried + ([record.adopted_after] if record.adopted_after else [])

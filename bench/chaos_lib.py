@@ -316,6 +316,8 @@ class RunRecord:
     serving_reconcile: dict[str, Any] | None = None
     """A serve scenario's reconcile run beside the live serve: its exit code, output, and whether it kept the
     endpoint (`bench/chaos_serve.py`)."""
+    study: Any = None
+    """A study scenario's findings (`bench.chaos_study.StudyFindings`)."""
     host_killed: str | None = None
     """The worker host SIGKILLed under the run (the team form): the run must end Crashed with no endpoint left,
     whatever its scenario predicted."""
