@@ -37,7 +37,7 @@ from tasks.reports.events import RUN_FINISHED, RUN_RESOURCE
 
 RATES = (1e-4, 5e-4, 2e-3)
 """The grid's learning rates, one child each, in the study's order."""
-CHILD_STEPS = 8
+CHILD_STEPS = 12
 """Each child's training steps, whatever the batch's `--max-steps`: the scenario's length is its own (its steps last
 `STEP_SECONDS` each, which the scenario's worker fault sets), so that the kill meets the second child training."""
 KILL_AT_STEP = 2
