@@ -115,6 +115,13 @@ class Scenario:
     reconcile_while_serving: bool = False
     """flow `serve`: run the reconcile flow (its default policy, any age) once the serve has said it answers: it must
     keep the endpoint, its expiry not reached, and say until when it serves."""
+    kill_while_serving: bool = False
+    """flow `serve`: SIGKILL the serve's process once it has said it answers (the kernel's OOM killer, a `kill -9`: no
+    teardown, no hook),
+    then run the reconcile flow (its default policy, any age) at once, which must keep the endpoint, and again once
+    the expiry in its name has passed, by when the endpoint must be deleted (by that reconcile, or the team's
+    reconcile deployment before it), never before its expiry. The run ends Crashed (the team setup's zombie
+    automation; without it, the harness marks it so once it has judged the endpoint)."""
     serve_ends: str | None = None
     """flow `serve`: how the serve's watch must say it ended (`Serving ends: <this>...`), when it must reach it."""
     race_data_center: str | None = None
@@ -428,6 +435,14 @@ SCENARIOS: dict[str, Scenario] = {
             "a serve of 0.06 hours (216 s): the reconcile flow run beside it while it serves keeps its endpoint "
             "(serving until its expiry), and at its expiry the serve deletes the endpoint and ends; nothing left",
             flow="serve", serve_hours=0.06, reconcile_while_serving=True, serve_ends="its time ran out",
+        ),
+        Scenario(
+            "serve-lost",
+            "a serve's process is SIGKILLed once it answers (no teardown, no hook): without a worker the reconcile keeps "
+            "its endpoint until the expiry its name carries (0.05 hours, 180 s from the serve's start) and deletes it "
+            "after, saying its time ran out; on a worker, which marks the run Crashed at once and runs its on_crashed "
+            "hook, the hook deletes the endpoint; the serve's run ends Crashed, nothing left",
+            flow="serve", serve_hours=0.05, kill_while_serving=True,
         ),
         Scenario(
             "serve-faults",

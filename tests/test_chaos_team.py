@@ -327,3 +327,57 @@ def test_a_studys_child_that_died_with_its_worker_host_is_accounted_for_and_any_
     children[3] = study_child(3, 2e-3, "CRASHED", message="Execution was cancelled by the runtime environment.")
     problems = check_run(resumed_study(children, BEHAVED_COSTS, BEHAVED_ROWS), account(), {}, max_steps=6)
     assert problems == ["child 3 ended ['CRASHED'] over its starts: one completed run expected, no child trained twice"]
+
+
+LOST = "loraflow-b03-serve-lost-abc-ns-s1700000180"
+KEPT_BESIDE = {"returncode": 0, "kept": True, "killed": [4242],
+               "output": "keep: its run is RUNNING; serving until 2023-11-14 22:16:20 UTC"}
+
+
+def after_expiry(deleted_at: float | None, *, live_before: bool = True, output: str = "delete: a serving endpoint "
+                 "whose time ran out at 2023-11-14 22:16:20 UTC") -> dict:
+    return {"returncode": 0, "kept": deleted_at is None, "output": output, "live_before": live_before,
+            "expires_at": 1700000180, "deleted_at": deleted_at}
+
+
+def test_a_killed_serves_endpoint_kept_until_its_expiry_and_deleted_after_by_the_reconcile_behaved():
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], serving_reconcile=KEPT_BESIDE,
+                          expiry_reconcile=after_expiry(1700000183.0))
+    assert check_run(record, gone(LOST), {}, max_steps=6) == []
+    # The team's reconcile deployment may have deleted it after its expiry, before the harness's own reconcile ran.
+    record.expiry_reconcile = after_expiry(1700000195.0, live_before=False, output="nothing to do")
+    assert check_run(record, gone(LOST), {}, max_steps=6) == []
+
+
+def test_a_killed_serves_endpoint_deleted_before_its_expiry_is_a_problem():
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], serving_reconcile=KEPT_BESIDE,
+                          expiry_reconcile=after_expiry(1700000100.0, live_before=False, output=""))
+    assert check_run(record, gone(LOST), {}, max_steps=6) == ["its endpoint was deleted 80 s before its expiry"]
+
+
+def test_a_killed_serves_endpoint_the_reconcile_keeps_past_its_expiry_is_a_problem():
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], serving_reconcile=KEPT_BESIDE,
+                          expiry_reconcile=after_expiry(None, output="keep: its run is RUNNING"))
+    [problem] = check_run(record, gone(LOST), {}, max_steps=6)
+    assert problem.startswith("its endpoint was not deleted once its expiry had passed")
+
+
+def test_a_killed_serve_its_worker_marked_crashed_has_its_endpoint_deleted_whatever_its_expiry():
+    # A Prefect worker outlives the flow process it started: it marks the run Crashed at once and runs the serve's
+    # on_crashed hook, which deletes the endpoint, whatever its expiry.
+    from bench.chaos_serve import WORKER_CRASHED
+
+    crashed = f"{WORKER_CRASHED}: -9. Process was terminated due to a SIGKILL."
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], message=crashed,
+                          expiry_reconcile=after_expiry(1700000100.0, live_before=False, output=""))
+    assert check_run(record, gone(LOST), {}, max_steps=6) == []
+    record.expiry_reconcile = after_expiry(None, output="keep: its run is CRASHED, but its heartbeats go on")
+    [problem] = check_run(record, gone(LOST), {}, max_steps=6)
+    assert problem.startswith("its endpoint was not deleted once its run ended")
+
+
+def test_a_serve_that_was_never_killed_is_a_problem():
+    record = serve_record("serve-lost", "COMPLETED", ["Serving ends: its time ran out at ..."], [LOST])
+    assert check_run(record, gone(LOST), {}, max_steps=6) == [
+        "ended COMPLETED, expected CRASHED: ", "the serve's process was never killed: it never answered",
+        "the reconcile beside the serve never ran: the serve never answered"]
