@@ -56,8 +56,8 @@ class Figures:
     """localpod's own count by kind, every rule (the scenarios' and the background noise's)."""
     scenario_faults: int = 0
     """Faults the scenarios injected: their rules' hits, the endpoints deleted behind runs, the too-tight
-    reconciles run beside them, the volumes deleted under a warm record, and one per run that met an
-    out-of-stock pool. Background noise is counted apart."""
+    reconciles run beside them, the volumes deleted under a warm record, one per run that met an out-of-stock
+    pool, and the study and serve processes killed. Background noise is counted apart."""
     noise_faults: int = 0
     scenario_kinds: int = 0
     out_of_stock_pools: list[str] = field(default_factory=list)
@@ -186,7 +186,8 @@ def run_batch(stack, runs: list[tuple[str, Scenario]], workdir: Path, model: Pat
     figures.faults_injected = {k: v - before.faults_injected.get(k, 0) for k, v in after.faults_injected.items()}
     figures.scenario_faults = sum(faults.get(fid, {}).get("hits", 0) for r in records for fid in r.fault_ids) + sum(
         bool(r.endpoint_deleted) + bool(r.reconcile) + (r.stale_record_cleared is not None)
-        + bool(r.scenario.out_of_stock) for r in records)
+        + bool(r.scenario.out_of_stock) + bool(r.study is not None and r.study.killed)
+        + bool(r.scenario.kill_while_serving and r.serving_reconcile) for r in records)
     figures.noise_faults = sum(f.get("hits", 0) for f in faults.values()) - sum(
         faults.get(fid, {}).get("hits", 0) for r in records for fid in r.fault_ids)
     figures.scenario_kinds = len({r.scenario.kind for r in records if r.scenario.kind != "clean"})

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_lib import PrefectApi, RunRecord, own_token
+from bench.chaos_serve import WORKER_CRASHED
+from bench.chaos_study import study_problems
 from bench.chaos_volumes import volume_race_problems
 from deployments.local_stack import check_adapter
 from localpod.models import Account
@@ -74,6 +76,8 @@ def check_run(record: RunRecord, account: Account, faults: dict[str, dict[str, A
         return volume_race_problems(record) + _fault_problems(record, faults)
     if s.flow == "serve":
         return serve_problems(record, account) + _fault_problems(record, faults)
+    if s.flow == "study":
+        return study_problems(record, account) + _fault_problems(record, faults)
     if record.state_type != s.expect_state:
         problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
     ended = record.retried + ([record.adopted_after] if record.adopted_after else [])
@@ -141,8 +145,9 @@ def serve_problems(record: RunRecord, account: Account) -> list[str]:
     """What is not as a serve scenario says: its state (and the failure's words), how its watch said it ended, one
     endpoint and none live, and what was done beside it done."""
     s, problems = record.scenario, []
-    if record.state_type != s.expect_state:
-        problems.append(f"ended {record.state_type}, expected {s.expect_state}: {record.state_message[:1500]}")
+    expected = "CRASHED" if s.kill_while_serving else s.expect_state  # a killed process says nothing more
+    if record.state_type != expected:
+        problems.append(f"ended {record.state_type}, expected {expected}: {record.state_message[:1500]}")
     missing = [t for t in s.failure_text if t not in record.state_message]
     if s.expect_state == "FAILED" and missing:
         problems.append(f"the failure message lacks {missing}: {record.state_message[:1500]}")
@@ -156,13 +161,37 @@ def serve_problems(record: RunRecord, account: Account) -> list[str]:
         problems.append(f"endpoints still live: {live}")
     if s.delete_while_serving and record.endpoint_deleted is None:
         problems.append("its endpoint was never deleted behind it: it never answered, or ended first")
-    if s.reconcile_while_serving:
+    # A Prefect worker marks a run whose process died Crashed at once and runs its crash hook: the endpoint goes then.
+    worker_crashed = s.kill_while_serving and record.state_message.startswith(WORKER_CRASHED)
+    if s.kill_while_serving:
+        problems += _expiry_problems(record.expiry_reconcile, worker_crashed)
+    if s.reconcile_while_serving or (s.kill_while_serving and not worker_crashed):
         run = record.serving_reconcile
         if run is None:
             problems.append("the reconcile beside the serve never ran: the serve never answered")
         elif run["returncode"] != 0 or not run["kept"] or "serving until" not in run["output"]:
             problems.append(f"the reconcile beside the live serve (exit {run['returncode']}) did not keep its "
                             f"endpoint saying until when it serves (kept: {run['kept']}):\n{run['output'][-2000:]}")
+    return problems
+
+
+def _expiry_problems(run: dict[str, Any] | None, worker_crashed: bool) -> list[str]:
+    """A killed serve's endpoint: deleted once its expiry passed, not before; by the reconcile run then, saying its
+    time ran out, unless the team's reconcile deployment had deleted it already. A run its worker marked Crashed
+    has ended: its crash hook, run by the worker, deletes its endpoint, whatever its expiry."""
+    if run is None:
+        return ["the serve's process was never killed: it never answered"]
+    if run["deleted_at"] is None or run["kept"]:
+        ended = "its run ended" if worker_crashed else "its expiry had passed"
+        return [f"its endpoint was not deleted once {ended}:\n{run['output'][-2000:]}"]
+    if worker_crashed:
+        return []
+    problems = []
+    if run["deleted_at"] < run["expires_at"] - 1:
+        problems.append(f"its endpoint was deleted {run['expires_at'] - run['deleted_at']:.0f} s before its expiry")
+    if run["live_before"] and (run["returncode"] != 0 or "time ran out" not in run["output"]):
+        problems.append(f"the reconcile after the expiry (exit {run['returncode']}) did not say the endpoint's time "
+                        f"ran out:\n{run['output'][-2000:]}")
     return problems
 
 

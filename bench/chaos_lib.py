@@ -316,6 +316,11 @@ class RunRecord:
     serving_reconcile: dict[str, Any] | None = None
     """A serve scenario's reconcile run beside the live serve: its exit code, output, and whether it kept the
     endpoint (`bench/chaos_serve.py`)."""
+    study: Any = None
+    """A study scenario's findings (`bench.chaos_study.StudyFindings`)."""
+    expiry_reconcile: dict[str, Any] | None = None
+    """A serve scenario whose process was killed: the reconcile run once the endpoint's expiry passed (its exit code,
+    output, whether the endpoint was live before it and is after), the expiry and when localpod says it was deleted."""
     host_killed: str | None = None
     """The worker host SIGKILLed under the run (the team form): the run must end Crashed with no endpoint left,
     whatever its scenario predicted."""

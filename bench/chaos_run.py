@@ -28,6 +28,7 @@ from bench.chaos_lib import (
 )
 from bench.chaos_scenarios import Scenario, scoped
 from bench.chaos_serve import make_adapter, run_serve_scenario
+from bench.chaos_study import run_study_scenario
 from bench.chaos_volumes import run_volume_race
 
 
@@ -46,6 +47,9 @@ def run_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, workdir
     if scenario.flow == "serve":
         return run_serve_scenario(stack, pod, scenario, name=name, here=here, model=model,
                                   adapter=make_adapter(model, workdir / "serve-adapter"), timeout_s=timeout_s,
+                                  flows=flows)
+    if scenario.flow == "study":
+        return run_study_scenario(stack, pod, scenario, name=name, here=here, model=model, timeout_s=timeout_s,
                                   flows=flows)
     if scenario.broken_model:
         model = here / "not-a-model"

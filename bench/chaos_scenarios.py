@@ -90,10 +90,11 @@ class Scenario:
     """Run the reconcile flow with `tight_reconcile_minutes` once the first attempt's job reports this training
     step: it must be refused, naming the setting and the heartbeat, and delete nothing."""
     tight_reconcile_minutes: float = 0.5
-    flow: Literal["train", "preload", "volumes", "serve"] = "train"
+    flow: Literal["train", "preload", "volumes", "serve", "study"] = "train"
     """The flow the scenario runs: a train run, a preload sweep of a Hub model (`preload_data_centers`), the
-    volumes flow's retention (`race_data_center`), or a serve of the tiny model and one adapter on localpod's vLLM
-    stand-in (`bench/chaos_serve.py`)."""
+    volumes flow's retention (`race_data_center`), a serve of the tiny model and one adapter on localpod's vLLM
+    stand-in (`bench/chaos_serve.py`), or a study of deployment children whose process is killed and which is
+    resumed (`bench/chaos_study.py`)."""
     preload_data_centers: tuple[str, ...] = ()
     stale_warm_record: str | None = None
     """A datacenter whose weight-cache record says the run's model is warm on a network volume that was deleted
@@ -114,6 +115,13 @@ class Scenario:
     reconcile_while_serving: bool = False
     """flow `serve`: run the reconcile flow (its default policy, any age) once the serve has said it answers: it must
     keep the endpoint, its expiry not reached, and say until when it serves."""
+    kill_while_serving: bool = False
+    """flow `serve`: SIGKILL the serve's process once it has said it answers (the kernel's OOM killer, a `kill -9`: no
+    teardown, no hook),
+    then run the reconcile flow (its default policy, any age) at once, which must keep the endpoint, and again once
+    the expiry in its name has passed, by when the endpoint must be deleted (by that reconcile, or the team's
+    reconcile deployment before it), never before its expiry. The run ends Crashed (the team setup's zombie
+    automation; without it, the harness marks it so once it has judged the endpoint)."""
     serve_ends: str | None = None
     """flow `serve`: how the serve's watch must say it ended (`Serving ends: <this>...`), when it must reach it."""
     race_data_center: str | None = None
@@ -429,6 +437,14 @@ SCENARIOS: dict[str, Scenario] = {
             flow="serve", serve_hours=0.06, reconcile_while_serving=True, serve_ends="its time ran out",
         ),
         Scenario(
+            "serve-lost",
+            "a serve's process is SIGKILLed once it answers (no teardown, no hook): without a worker the reconcile keeps "
+            "its endpoint until the expiry its name carries (0.05 hours, 180 s from the serve's start) and deletes it "
+            "after, saying its time ran out; on a worker, which marks the run Crashed at once and runs its on_crashed "
+            "hook, the hook deletes the endpoint; the serve's run ends Crashed, nothing left",
+            flow="serve", serve_hours=0.05, kill_while_serving=True,
+        ),
+        Scenario(
             "serve-faults",
             "a serve's create answers 500 after making the endpoint, its first `/status` polls drop or answer 500, "
             "and its workers' listing fails: the endpoint found by name (exactly one), the readings retried or "
@@ -437,6 +453,19 @@ SCENARIOS: dict[str, Scenario] = {
             route_faults=(route("create_endpoint", "act_then_500"), route("status", "drop", times=2),
                           route("status", "status_500", times=2), route("get_endpoint", "status_500"),
                           route("list_endpoint_workers", "status_500", times=3)),
+        ),
+        Scenario(
+            "study-resume",
+            "a study of three learning rates whose children are runs of a train deployment on the workers, one at a "
+            "time: the first child's workers find no CUDA (it fails, at a cost), the study's process is SIGKILLed "
+            "while the second trains (its host lost), and the study is resumed in its own flow run: the running child "
+            "adopted, the failed one started again with its earlier cost counted, no child handed a run of other "
+            "values, none trained twice, the study completes, nothing left",
+            flow="study",
+            # The first two workers of the study's endpoints (the first child's two attempts) boot without CUDA; every
+            # worker's steps last 2 s, so that the kill meets the second child training.
+            worker_faults=(worker("env", env={"LORAFLOW_REQUIRE_CUDA": "1"}, times=2),
+                           worker("env", env={"PYTHONPATH": str(FAULT_INJECTION_DIR), STEP_SECONDS: "2"}, times=100)),
         ),
         Scenario(
             "code-failure", "the model folder holds no model: the worker's code fails, not retried, reason shown",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -21,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 
-from bench.chaos_lib import REPO, Localpod, PrefectApi, RunRecord, WhenReady, runpod_api
+from bench.chaos_lib import REPO, Localpod, PrefectApi, RunRecord, WhenReady, runpod_api, wait_for
 from bench.chaos_scenarios import Scenario, scoped
 from deployments.local_stack import WORKER_PYTHON
 from tasks.jobs.serve import SERVE_TAG
+from tasks.runpod.endpoints import parse_endpoint_name
 
 ADAPTER_RANK = 8
 """The batch's adapter rank: above the MAX_LORA_RANK the crash-loop scenario's workers boot with."""
@@ -101,6 +103,65 @@ def reconcile_beside(stack, pod: Localpod):
     return run
 
 
+def serve_processes(flow_run_ids: list[str], serve_file: Path) -> list[int]:
+    """The processes running these serve flow runs: a worker's (`PREFECT__FLOW_RUN_ID` in its environment) or a
+    shell's (`python -m flows.serve SERVE_FILE`)."""
+    pids, marks = [], {f"PREFECT__FLOW_RUN_ID={i}".encode() for i in flow_run_ids}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if marks & environ or (b"flows.serve" in argv and str(serve_file).encode() in argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def serve_run_ids(prefect: PrefectApi, name: str) -> list[str]:
+    """The flow runs of the serve named `name` (its tag `serve:<name>`)."""
+    runs = prefect.http.post("/flow_runs/filter", json={
+        "flow_runs": {"tags": {"all_": [SERVE_TAG.format(name=name)]}}}).raise_for_status().json()
+    return [r["id"] for r in runs]
+
+
+def kill_serve(stack, pod: Localpod, prefect: PrefectApi, name: str, serve_file: Path):
+    """SIGKILLs the serve's process (a worker's flow-run process, or a shell's), then runs the reconcile beside its
+    endpoint at once."""
+    reconcile = reconcile_beside(stack, pod)
+
+    def run(endpoint_id: str) -> dict[str, Any]:
+        killed = serve_processes(serve_run_ids(prefect, name), serve_file)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        return reconcile(endpoint_id) | {"killed": killed}
+    return run
+
+
+ENDED_RUN_CLEAN_UP_S = 300
+"""How long an ended serve's endpoint gets to go (its crash hook, else the team's reconcile deployment: every 30 s,
+silence threshold 3 minutes) before the harness's own reconcile runs."""
+WORKER_CRASHED = "Process exited with status code"
+"""The start of the Crashed state's message a Prefect process worker gives a flow run whose process it saw die (it then
+runs the flow's on_crashed hooks itself: the serve's deletes its endpoint)."""
+
+
+def reconcile_after_expiry(stack, pod: Localpod, endpoint_id: str, wait: bool = True) -> dict[str, Any]:
+    """Once the expiry in the endpoint's name has passed (at once unless `wait`), the reconcile from a shell (any age),
+    and what localpod says of the endpoint after it."""
+    endpoint = next(e for e in pod.account().endpoints if e.id == endpoint_id)
+    expires_at = parse_endpoint_name(endpoint.name).expires_at
+    if wait:
+        time.sleep(max(0.0, expires_at - time.time()) + 2)
+    else:  # an ended run's endpoint: its crash hook (run by the worker) deletes it, else the team's reconcile
+        wait_for(lambda: endpoint_id not in {e.id for e in pod.account().live_endpoints}, ENDED_RUN_CLEAN_UP_S, 2)
+    live_before = endpoint_id in {e.id for e in pod.account().live_endpoints}
+    found = reconcile_beside(stack, pod)(endpoint_id)
+    gone = next(e for e in pod.account().endpoints if e.id == endpoint_id)
+    return found | {"live_before": live_before, "expires_at": expires_at,
+                    "deleted_at": gone.deleted_at.timestamp() if gone.deleted_at else None}
+
+
 def run_serve_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, here: Path, model: Path, adapter: Path,
                        timeout_s: float, flows) -> RunRecord:
     """A serve with the scenario's faults, and its action once the endpoint answers."""
@@ -117,13 +178,33 @@ def run_serve_scenario(stack, pod: Localpod, scenario: Scenario, *, name: str, h
                             lambda endpoint_id: runpod.delete(f"/serverless/{endpoint_id}").raise_for_status())
     elif scenario.reconcile_while_serving:
         watch = WhenServing(pod, prefect, name, record.endpoint_prefix, timeout_s, reconcile_beside(stack, pod))
+    elif scenario.kill_while_serving:
+        watch = WhenServing(pod, prefect, name, record.endpoint_prefix, timeout_s,
+                            kill_serve(stack, pod, prefect, name, serve_file))
+    # A killed serve's slot lease is renewed no more: the shortest lease gives it back within the batch.
+    env = {"LORAFLOW_SLOT_LEASE_SECONDS": "60"} if scenario.kill_while_serving else {}
     started = time.monotonic()
     with runpod, watch or nullcontext():
-        flows.run(record, serve_file, {}, timeout_s)
-    record.wall_s = time.monotonic() - started
+        flows.run(record, serve_file, env, timeout_s)
     if watch is not None and watch.done and scenario.delete_while_serving:
         record.endpoint_deleted = watch.result.request.url.path.rsplit("/", 1)[-1]
     elif watch is not None and watch.done:
         record.serving_reconcile = watch.result
+    if scenario.kill_while_serving and watch is not None and watch.done:
+        endpoint_id = next(e.id for e in pod.account().endpoints if e.name.startswith(record.endpoint_prefix))
+        if record.flow_run_id is None:  # a shell's serve prints its flow run id as it ends: this one was killed
+            record.flow_run_id = next(iter(serve_run_ids(prefect, name)), None)
+        # A worker outlives the flow process it started: it marks the run Crashed at once and runs the serve's
+        # on_crashed hook, which deletes the endpoint. Without one the run stays Running, its endpoint kept until its
+        # expiry by the reconcile.
+        ended = record.flow_run_id and (prefect.state(record.flow_run_id).get("message") or "").startswith(
+            WORKER_CRASHED)
+        record.expiry_reconcile = reconcile_after_expiry(stack, pod, endpoint_id, wait=not ended)
+        if record.flow_run_id and prefect.state(record.flow_run_id)["type"] == "RUNNING":
+            # Nothing marks a shell's killed flow run without the team setup's zombie automation.
+            prefect.http.post(f"/flow_runs/{record.flow_run_id}/set_state", json={"state": {
+                "type": "CRASHED", "name": "Crashed", "message": "its process was killed (the chaos harness)"},
+                "force": True}).raise_for_status()
+    record.wall_s = time.monotonic() - started
     return record
 

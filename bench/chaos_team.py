@@ -133,6 +133,9 @@ class DeploymentFlows:
         self.save_secret = save_secret
         self.deployments = deployments
         self.inputs_dir = inputs_dir
+        self.train_deployment = f"train/{DEPLOYMENT}"
+        """What a study's children are runs of (`bench/chaos_study.py`), each naming `token_block`."""
+        self.token_block = RUN_TOKEN_BLOCK
         self.started: list[str] = []
         self._lock = threading.Lock()
 

@@ -221,3 +221,163 @@ def test_every_scenarios_run_name_survives_whole_in_its_endpoints_name(kind):
     names = [serving_endpoint_name("f" * 36, run.name, longest, 1796606787.0)] if run.scenario.flow == "serve" else [
         endpoint_name("f" * 36, 3, run.name, longest)]
     assert all(name.startswith(run.endpoint_prefix) for name in names), names
+
+
+STUDY = "5" * 8 + "-1111-2222-3333-" + "4" * 12
+
+
+def study_child(index: int, rate: float, state: str, start: int = 1, *, trained: float | None = None,
+                message: str = "") -> dict:
+    from bench.chaos_study import RATES
+    from tasks.lifecycle.study_children import child_key
+
+    assert rate in RATES
+    return {"id": f"run-{index}-{start}", "name": f"b05-study-resume-c{index}-tiny-model-sft-rtx-4090", "state": state,
+            "message": message,
+            "key": child_key(STUDY, index, {"training.learning_rate": rate}, start),
+            "learning_rate": rate if trained is None else trained}
+
+
+def resumed_study(children: list[dict], costs: dict[str, float], row_costs: dict[str, float], *, killed: bool = True,
+                  said: str = "Earlier starts of 1 child(ren) cost $0.0040: counted in the study's budget and their "
+                              "rows") -> RunRecord:
+    from bench.chaos_study import StudyFindings
+
+    rows = [{"child": name, "state": "completed", "cost (USD)": cost} for name, cost in row_costs.items()]
+    found = StudyFindings(study_run_id=STUDY, killed=killed, resume_returncode=0, children=children, rows=rows,
+                          costs=costs)
+    return RunRecord(SCENARIOS["study-resume"], "b05-study-resume", Path("/nonexistent"), flow_run_id=STUDY,
+                     state_type="COMPLETED", study=found, log_messages=[
+                         "Resumed: 2 child run(s) found; adopting 0 completed, 0 pruned and 1 still running; 2 to "
+                         "start", said])
+
+
+def behaved_study_children() -> list[dict]:
+    return [study_child(1, 1e-4, "FAILED"), study_child(1, 1e-4, "COMPLETED", start=2),
+            study_child(2, 5e-4, "COMPLETED"), study_child(3, 2e-3, "COMPLETED")]
+
+
+BEHAVED_COSTS = {"run-1-1": 0.004, "run-1-2": 0.003, "run-2-1": 0.003, "run-3-1": 0.003}
+BEHAVED_ROWS = {"b05-study-resume-c1": 0.007, "b05-study-resume-c2": 0.003, "b05-study-resume-c3": 0.003}
+
+
+def test_a_killed_and_resumed_study_whose_children_each_trained_their_own_values_once_behaved():
+    record = resumed_study(behaved_study_children(), BEHAVED_COSTS, BEHAVED_ROWS)
+    assert check_run(record, account(), {}, max_steps=6) == []
+
+
+def test_a_child_handed_a_run_that_trained_other_values_is_a_problem_naming_both():
+    children = behaved_study_children()
+    children[2] = study_child(2, 5e-4, "COMPLETED", trained=2e-3)  # the key of 5e-4, a run that trained 2e-3
+    [problem] = check_run(resumed_study(children, BEHAVED_COSTS, BEHAVED_ROWS), account(), {}, max_steps=6)
+    assert "trained learning_rate 0.002: another child's values, not child 2's" in problem
+
+
+def test_a_child_that_trained_twice_is_a_problem():
+    children = behaved_study_children() + [study_child(2, 5e-4, "COMPLETED", start=2)]
+    problems = check_run(resumed_study(children, BEHAVED_COSTS, BEHAVED_ROWS), account(), {}, max_steps=6)
+    assert any("child 2 ended ['COMPLETED', 'COMPLETED']" in p for p in problems), problems
+
+
+def test_a_resumed_study_whose_row_leaves_out_an_earlier_starts_cost_is_a_problem():
+    rows = BEHAVED_ROWS | {"b05-study-resume-c1": 0.003}  # its completed run's cost only
+    [problem] = check_run(resumed_study(behaved_study_children(), BEHAVED_COSTS, rows), account(), {}, max_steps=6)
+    assert problem.startswith("child b05-study-resume-c1's row costs 0.003, less than its starts'")
+
+
+def test_a_resumed_study_that_never_counted_earlier_starts_is_a_problem():
+    record = resumed_study(behaved_study_children(), BEHAVED_COSTS, BEHAVED_ROWS, said="")
+    assert check_run(record, account(), {}, max_steps=6) == [
+        "the resumed study never counted its earlier starts' cost: not said"]
+
+
+def test_a_study_whose_process_was_never_killed_is_a_problem():
+    record = resumed_study(behaved_study_children(), BEHAVED_COSTS, BEHAVED_ROWS, killed=False)
+    [problem] = check_run(record, account(), {}, max_steps=6)
+    assert problem.startswith("the study's process was never killed while a child trained")
+
+
+def test_a_studys_child_endpoint_left_live_is_a_problem():
+    record = resumed_study(behaved_study_children(), BEHAVED_COSTS, BEHAVED_ROWS)
+    problems = check_run(record, account("loraflow-b05-study-resume-c2-abc-a1"), {}, max_steps=6)
+    assert problems == ["endpoints still live: ['loraflow-b05-study-resume-c2-abc-a1']"]
+
+
+def test_the_study_scenarios_file_is_a_valid_study_of_deployment_children_on_the_team_stack(tmp_path):
+    from bench.chaos_study import RATES, write_study_file
+    from deployments.team_stack import RUN_TOKEN_BLOCK
+    from flows.study_spec import load_study_file
+
+    spec = load_study_file(write_study_file(
+        tmp_path / "study.toml", SCENARIOS["study-resume"], name="b05-study-resume", model=tmp_path / "model",
+        store=tmp_path / "store", deployment="train/chaos", dataset=tmp_path / "inputs" / "tiny-chat.jsonl",
+        token_block=RUN_TOKEN_BLOCK))
+    assert spec.study.deployment == "train/chaos" and spec.study.parallel == 1
+    assert spec.study.grid == {"training.learning_rate": list(RATES)}
+    assert spec.hub_token_secret == RUN_TOKEN_BLOCK
+    assert spec.dataset.local_file == str(tmp_path / "inputs" / "tiny-chat.jsonl")
+
+
+def test_a_studys_child_that_died_with_its_worker_host_is_accounted_for_and_any_other_loss_is_not():
+    children = behaved_study_children()
+    children[3] = study_child(3, 2e-3, "CRASHED", message="No heartbeat for 180 s: the run's process is gone.")
+    record = resumed_study(children, BEHAVED_COSTS, BEHAVED_ROWS)
+    record.study.rows[2]["state"] = "failed"
+    assert check_run(record, account(), {}, max_steps=6) == []
+    children[3] = study_child(3, 2e-3, "CRASHED", message="Execution was cancelled by the runtime environment.")
+    problems = check_run(resumed_study(children, BEHAVED_COSTS, BEHAVED_ROWS), account(), {}, max_steps=6)
+    assert problems == ["child 3 ended ['CRASHED'] over its starts: one completed run expected, no child trained twice"]
+
+
+LOST = "loraflow-b03-serve-lost-abc-ns-s1700000180"
+KEPT_BESIDE = {"returncode": 0, "kept": True, "killed": [4242],
+               "output": "keep: its run is RUNNING; serving until 2023-11-14 22:16:20 UTC"}
+
+
+def after_expiry(deleted_at: float | None, *, live_before: bool = True, output: str = "delete: a serving endpoint "
+                 "whose time ran out at 2023-11-14 22:16:20 UTC") -> dict:
+    return {"returncode": 0, "kept": deleted_at is None, "output": output, "live_before": live_before,
+            "expires_at": 1700000180, "deleted_at": deleted_at}
+
+
+def test_a_killed_serves_endpoint_kept_until_its_expiry_and_deleted_after_by_the_reconcile_behaved():
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], serving_reconcile=KEPT_BESIDE,
+                          expiry_reconcile=after_expiry(1700000183.0))
+    assert check_run(record, gone(LOST), {}, max_steps=6) == []
+    # The team's reconcile deployment may have deleted it after its expiry, before the harness's own reconcile ran.
+    record.expiry_reconcile = after_expiry(1700000195.0, live_before=False, output="nothing to do")
+    assert check_run(record, gone(LOST), {}, max_steps=6) == []
+
+
+def test_a_killed_serves_endpoint_deleted_before_its_expiry_is_a_problem():
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], serving_reconcile=KEPT_BESIDE,
+                          expiry_reconcile=after_expiry(1700000100.0, live_before=False, output=""))
+    assert check_run(record, gone(LOST), {}, max_steps=6) == ["its endpoint was deleted 80 s before its expiry"]
+
+
+def test_a_killed_serves_endpoint_the_reconcile_keeps_past_its_expiry_is_a_problem():
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], serving_reconcile=KEPT_BESIDE,
+                          expiry_reconcile=after_expiry(None, output="keep: its run is RUNNING"))
+    [problem] = check_run(record, gone(LOST), {}, max_steps=6)
+    assert problem.startswith("its endpoint was not deleted once its expiry had passed")
+
+
+def test_a_killed_serve_its_worker_marked_crashed_has_its_endpoint_deleted_whatever_its_expiry():
+    # A Prefect worker outlives the flow process it started: it marks the run Crashed at once and runs the serve's
+    # on_crashed hook, which deletes the endpoint, whatever its expiry.
+    from bench.chaos_serve import WORKER_CRASHED
+
+    crashed = f"{WORKER_CRASHED}: -9. Process was terminated due to a SIGKILL."
+    record = serve_record("serve-lost", "CRASHED", [], [LOST], message=crashed,
+                          expiry_reconcile=after_expiry(1700000100.0, live_before=False, output=""))
+    assert check_run(record, gone(LOST), {}, max_steps=6) == []
+    record.expiry_reconcile = after_expiry(None, output="keep: its run is CRASHED, but its heartbeats go on")
+    [problem] = check_run(record, gone(LOST), {}, max_steps=6)
+    assert problem.startswith("its endpoint was not deleted once its run ended")
+
+
+def test_a_serve_that_was_never_killed_is_a_problem():
+    record = serve_record("serve-lost", "COMPLETED", ["Serving ends: its time ran out at ..."], [LOST])
+    assert check_run(record, gone(LOST), {}, max_steps=6) == [
+        "ended COMPLETED, expected CRASHED: ", "the serve's process was never killed: it never answered",
+        "the reconcile beside the serve never ran: the serve never answered"]

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from tasks.lifecycle.liveness import beat
 from tasks.lifecycle.steps import run_cancel_requested
 from tasks.runpod import errors
-from tasks.runpod.client import RunpodClient
+from tasks.runpod.client import RunpodClient, tls_context
 from tasks.runpod.jobs import parse_worker_error
 from tasks.runpod.live_catalog import billed_usd
 from tasks.runpod.models import Endpoint, EndpointWorker, Health, JobPolicy, RunRequest
@@ -42,9 +42,12 @@ from tasks.settings import Settings, make_client
 
 CRASH_LOOP_WORKERS = 2
 """Workers gone while starting, none having answered, that make a crash loop: one could be a host lost; two are not."""
-WORKERS_EVERY_S = 5.0
-"""How often the endpoint's workers are read while the first request waits."""
 POLL_S = 2.0
+WORKERS_EVERY_S = POLL_S
+"""How often the endpoint's workers are read while the first request waits: at every status poll. A crash loop is
+seen only in a worker read starting and then gone; a worker that dies within a second of its start (a refused
+adapter) and is replaced a few seconds later slipped between readings 5 s apart, so that two were seen only by the
+ninth or tenth crash."""
 WATCH_POLL_S = 5.0
 """How often the watch looks at the run's cancel and the clock (and sends the heartbeat, at its own interval)."""
 CANCEL_CHECK_S = 5.0
@@ -245,7 +248,7 @@ def ask(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> Answer:
 def try_it(base_url: str, api_key: str, models: list[str], prompts: list[str], max_tokens: int) -> TryReport:
     """Every prompt through every model (the base first), as an OpenAI client with `base_url` and RunPod's key would."""
     started = time.monotonic()
-    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, verify=tls_context(),
                       timeout=httpx.Timeout(ANSWER_TIMEOUT_S, connect=30.0)) as http:
         answers = [ask(http, model, prompt, max_tokens) for prompt in prompts for model in models]
     return TryReport(answers=answers, seconds=time.monotonic() - started)
