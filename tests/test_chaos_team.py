@@ -306,7 +306,7 @@ def test_a_studys_child_endpoint_left_live_is_a_problem():
 def test_the_study_scenarios_file_is_a_valid_study_of_deployment_children_on_the_team_stack(tmp_path):
     from bench.chaos_study import RATES, write_study_file
     from deployments.team_stack import RUN_TOKEN_BLOCK
-    from flows.study_spec import load_study_file
+    from flows.forms.study import load_study_file
 
     spec = load_study_file(write_study_file(
         tmp_path / "study.toml", SCENARIOS["study-resume"], name="b05-study-resume", model=tmp_path / "model",
