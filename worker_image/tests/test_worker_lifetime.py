@@ -79,7 +79,6 @@ def test_an_idle_worker_the_platform_stops_exits_at_once_with_its_pinger(job_ser
 
 def test_a_worker_stopped_with_a_job_keeps_runpods_shutdown_which_lets_the_job_end():
     from runpod.serverless.modules import rp_scale
-    from runpod.serverless.modules.worker_state import JobsProgress
 
     exits: list[int] = []
     plain = rp_scale.JobScaler
@@ -88,13 +87,10 @@ def test_a_worker_stopped_with_a_job_keeps_runpods_shutdown_which_lets_the_job_e
         scaler = rp_scale.JobScaler({"handler": lambda job: None})
     finally:
         rp_scale.JobScaler = plain
-    progress = JobsProgress()
-    progress.add({"id": "job-in-progress"})
-    try:
-        scaler.handle_shutdown(signal.SIGTERM, None)
-    finally:
-        progress.remove({"id": "job-in-progress"})
+    scaler.jobs_queue.put_nowait({"id": "job-taken", "input": {}})  # taken, not yet started
+    scaler.handle_shutdown(signal.SIGTERM, None)
     assert exits == [] and not scaler.is_alive()  # runpod's loops end once the job's result is posted
+    scaler.jobs_queue.get_nowait()
     scaler.handle_shutdown(signal.SIGTERM, None)
     assert exits == [0]
 
