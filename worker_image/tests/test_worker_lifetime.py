@@ -1,14 +1,15 @@
-"""The worker process ends itself at the run's deadline, so an idle worker is not billed past it."""
+"""The worker process ends itself at the run's deadline, and at once when the platform stops it idle, so an idle
+worker is not billed past either."""
 
 from __future__ import annotations
 
 import http.server
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
