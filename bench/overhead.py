@@ -61,12 +61,16 @@ class Row:
     billed_s: float
     idle_before_s: float
     idle_after_s: float
+    flow_overhead_s: float
+    """The flow run's time beyond its job's, per run (a median row's is the median of the runs', not the difference
+    of the flow's and the job's medians, which are often of two different runs)."""
+    process_overhead_s: float
 
     def describe(self, delete_cycle_s: float) -> str:
         return (f"flow run {self.flow_s:5.1f} s, job {self.job_s:5.1f} s: flow overhead "
-                f"{self.flow_s - self.job_s:4.2f} s (before the job {self.before_job_s:4.2f} s, after it "
+                f"{self.flow_overhead_s:4.2f} s (before the job {self.before_job_s:4.2f} s, after it "
                 f"{self.after_job_s:4.2f} s); process {self.process_s:5.1f} s: overhead "
-                f"{self.process_s - self.job_s:4.2f} s (+ start {self.start_s:4.2f} s, exit {self.exit_s:4.2f} s); "
+                f"{self.process_overhead_s:4.2f} s (+ start {self.start_s:4.2f} s, exit {self.exit_s:4.2f} s); "
                 f"teardown {self.teardown_s:4.2f} s "
                 f"(x{self.teardown_s / delete_cycle_s:.0f} the bare delete cycle of {delete_cycle_s * 1000:.0f} ms); "
                 f"billed x{self.billed_s / self.job_s:4.2f} the job (idle {self.idle_before_s:4.2f} s before submit, "
@@ -179,7 +183,9 @@ def main() -> int:
                           job_s=job_s, start_s=run.flow_start - run.process_start,
                           before_job_s=submitted - run.flow_start,
                           after_job_s=run.flow_end - finished, exit_s=run.process_end - run.flow_end,
-                          teardown_s=teardown_s, billed_s=billed_s, idle_before_s=before_s, idle_after_s=after_s)
+                          teardown_s=teardown_s, billed_s=billed_s, idle_before_s=before_s, idle_after_s=after_s,
+                          flow_overhead_s=run.flow_end - run.flow_start - job_s,
+                          process_overhead_s=run.process_end - run.process_start - job_s)
                 rows.append(row)
                 print(f"run {i}: {row.describe(baseline_s)}", flush=True)
     median = Row(*(statistics.median(column) for column in zip(*(astuple(row) for row in rows))))
@@ -188,8 +194,8 @@ def main() -> int:
     bare_flow = statistics.median(r.flow_end - r.flow_start for r in bare_runs)
     print(f"a flow that does nothing but one task (median of {len(bare_runs)}): flow run {bare_flow:4.2f} s, process "
           f"{bare_process:4.2f} s; a train run's process overhead beyond it: "
-          f"{median.process_s - median.job_s - bare_process:4.2f} s "
-          f"(x{(median.process_s - median.job_s) / bare_process:.2f} the bare flow's process)")
+          f"{median.process_overhead_s - bare_process:4.2f} s "
+          f"(x{median.process_overhead_s / bare_process:.2f} the bare flow's process)")
     return 0
 
 

@@ -7,10 +7,13 @@ and with it the job's input; the phases after it are `flows/train_phases.py`.
 """
 
 # No `from __future__ import annotations`: Prefect reads these tasks' signatures.
+import contextvars
 import functools
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,6 +134,9 @@ def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[
     floors = [cuda_floor(g, settings.loraflow_image_min_cuda) for g in gpus]
     # What needs the network, at once: secret blocks (Prefect), the catalog (RunPod), the model (the Hub).
     template_file = check_chat_template_file(spec.training.chat_template, files)
+    # The worker resumes only from checkpoints it signed with this key (none a store writer could plant).
+    checkpoint_key = _meanwhile(lambda: run_checkpoint_key(secret_name_key(settings.control_plane_namespace()),
+                                                           run_id))
     secrets = check_secrets.submit(spec)
     prices = read_gpu_prices.submit(gpus, floors)
     model = resolve_model_task.submit(spec.model, disk_gb=spec.compute.disk_gb, hub_token_secret=spec.hub_token_secret)
@@ -198,8 +204,7 @@ def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[
         job_input = _job_input(spec, run_id, deadline, model_source, job_dataset(spec, run_id, dataset_path, pinned),
                                rewards, chat_template_path=chat_template_store_path(run_id) if template_file else None,
                                lora=lora, tool_files=tool_files, inputs=stored)
-        # The worker resumes only from checkpoints it signed with this key (none a store writer could plant).
-        job_input.checkpoint_key = run_checkpoint_key(secret_name_key(settings.control_plane_namespace()), run_id)
+        job_input.checkpoint_key = checkpoint_key.result()
         shape = shape_read.result()
         if spec.training.packing and shape is not None and (problem := packing_problem(shape.model_type)):
             raise ValueError(problem)  # the image lacks the kernels that keep a hybrid's packed examples apart
@@ -225,6 +230,24 @@ def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[
                           shape=shape, gpus=gpus, offers=offers, ceiling=ceiling, worker_env=worker_env.result())
     finally:
         wait(running)  # whatever refused the run, no check outlives this one
+        checkpoint_key.exception()
+
+
+def _meanwhile(read: Callable[[], str]) -> Future[str]:
+    """`read()` in a thread of its own, in a copy of the run's context, while the checks go on: the checkpoint key is
+    two requests to the Prefect server (the namespace and its key block), which the run otherwise waited for after
+    its checks."""
+    future: Future[str] = Future()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            future.set_result(context.run(read))
+        except BaseException as e:  # noqa: BLE001 - raised where the key is used
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="loraflow-checkpoint-key", daemon=True).start()
+    return future
 
 
 @task(name="check-secrets", cache_policy=NO_CACHE)

@@ -26,6 +26,7 @@ from typing import Any
 import runpod
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import JobInput, JobResult, Progress, TrainMetrics, run_prefix
+from loraflow_worker.runtime.lifetime import exit_at_once_when_stopped_idle
 
 HOLD_DEVICE = "localpod hold job (no training)"
 PROGRESS_EVERY_S = 1.0  # as often as the real worker's training monitor may report
@@ -79,4 +80,5 @@ if __name__ == "__main__":
     seconds = float(sys.argv[1])
     del sys.argv[1]  # runpod.serverless.start reads the command line as its own
     with_eta = os.environ.get("LOCALPOD_HOLD_ETA", "1") != "0"
+    exit_at_once_when_stopped_idle()  # stopped as the loraflow worker it stands in for is
     runpod.serverless.start({"handler": lambda job: hold_job(job, seconds, eta=with_eta)})

@@ -9,8 +9,11 @@ import hmac
 import re
 import secrets
 import string
+import threading
+from collections.abc import Callable
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from pydantic import Field, SecretStr
@@ -27,6 +30,31 @@ NAMESPACE_VARIABLE = "loraflow-namespace"
 KEY_BLOCK_PREFIX = "loraflow-secret-key-"
 """The Prefect Secret block of a namespace's key of secret names is this prefix and the namespace
 (`tasks/lifecycle/secret_key.py`): `loraflow-secret-key-ab12cd`."""
+
+
+T = TypeVar("T")
+_run_reads: dict[tuple[str, str], object] = {}
+_run_read_locks: dict[tuple[str, str], threading.Lock] = {}
+_run_reads_lock = threading.Lock()
+
+
+def read_once_per_run(what: str, read: Callable[[], T]) -> T:
+    """`read()`'s answer, asked once per flow run (`what` names the Prefect block or variable read); outside a run,
+    every time. A run's checks and steps each ask for its Hub token, several at once: each a request the Prefect
+    server answers in 0.05-0.2 s on a loaded machine, before the run's endpoint is rented. A failed read is not kept:
+    the next asks again."""
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    if run_id is None:
+        return read()
+    key = (run_id, what)
+    with _run_reads_lock:
+        lock = _run_read_locks.setdefault(key, threading.Lock())
+    with lock:  # the run's concurrent checks wait for the one read
+        if key not in _run_reads:
+            _run_reads[key] = read()
+        return _run_reads[key]  # type: ignore[return-value]
 
 
 class HubTokenError(ValueError):
@@ -158,16 +186,19 @@ class Settings(BaseSettings):
         from prefect.client.schemas.actions import VariableCreate
         from prefect.exceptions import ObjectAlreadyExists
 
-        with get_client(sync_client=True) as client:
-            variable = client.read_variable_by_name(NAMESPACE_VARIABLE)
-            if variable is None:
-                tag = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(6))
-                try:
-                    client.create_variable(VariableCreate(name=NAMESPACE_VARIABLE, value=tag))
-                except ObjectAlreadyExists:
-                    pass  # another process created it first: use theirs
+        def read() -> object:
+            with get_client(sync_client=True) as client:
                 variable = client.read_variable_by_name(NAMESPACE_VARIABLE)
-        value = None if variable is None else variable.value
+                if variable is None:
+                    tag = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(6))
+                    try:
+                        client.create_variable(VariableCreate(name=NAMESPACE_VARIABLE, value=tag))
+                    except ObjectAlreadyExists:
+                        pass  # another process created it first: use theirs
+                    variable = client.read_variable_by_name(NAMESPACE_VARIABLE)
+            return None if variable is None else variable.value
+
+        value = read_once_per_run(f"variable {NAMESPACE_VARIABLE}", read)
         if not isinstance(value, str) or not re.fullmatch(NAMESPACE_PATTERN, value):
             raise RuntimeError(
                 f"the Prefect Variable {NAMESPACE_VARIABLE!r} must hold 1-8 of a-z, 0-9 (it holds {value!r}): "
@@ -205,10 +236,13 @@ class Settings(BaseSettings):
             return self.hf_token.get_secret_value()
         from prefect.blocks.system import Secret
 
-        try:
-            return str(Secret.load(self.hf_token_block).get())
-        except ValueError:  # no such block: public models and file:// stores need no token
-            return None
+        def read() -> str | None:
+            try:
+                return str(Secret.load(self.hf_token_block).get())
+            except ValueError:  # no such block: public models and file:// stores need no token
+                return None
+
+        return read_once_per_run(f"block {self.hf_token_block}, or none", read)
 
     def hub_token(self, run_block: str | None = None) -> str | None:
         """The Hugging Face token: from the Prefect Secret block a run names (`run_block`, the run field
@@ -223,7 +257,7 @@ class Settings(BaseSettings):
         from prefect.blocks.system import Secret
 
         try:
-            token = str(Secret.load(run_block).get())
+            token = read_once_per_run(f"block {run_block}", lambda: str(Secret.load(run_block).get()))
         except Exception as e:  # missing (ValueError), not a Secret block, or the Prefect API unreachable
             raise HubTokenError(
                 f"hub_token_secret: the Prefect Secret block {run_block!r} cannot be read ({type(e).__name__}: "

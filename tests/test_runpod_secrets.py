@@ -8,7 +8,10 @@ from __future__ import annotations
 import hashlib
 import secrets
 import sys
+import time
+import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -378,3 +381,43 @@ def test_the_hub_token_can_come_from_a_prefect_secret_block(local_stack, monkeyp
         settings = Settings(hf_token_block="test-hub-token")
         assert settings.hub_token() == TOKEN
         assert settings.with_hub_token().hf_token.get_secret_value() == TOKEN
+
+
+def test_a_runs_concurrent_reads_of_a_block_ask_once_and_another_run_asks_again(monkeypatch):
+    from tasks.settings import read_once_per_run
+
+    asked: list[str] = []
+
+    def read() -> str:
+        asked.append("read")
+        time.sleep(0.1)  # the run's other checks ask meanwhile
+        return f"token {len(asked)}"
+
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", str(uuid.uuid4()))  # what prefect.runtime reads in a run's process
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: read_once_per_run("block test-run-reads", read), range(4)))
+    assert answers == ["token 1"] * 4 and asked == ["read"]
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", str(uuid.uuid4()))
+    assert read_once_per_run("block test-run-reads", read) == "token 2"
+
+
+def test_a_failed_read_is_asked_again_and_outside_a_run_every_read_asks(monkeypatch):
+    from tasks.settings import read_once_per_run
+
+    answers = iter([RuntimeError("the server is down"), "token"])
+
+    def read() -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", str(uuid.uuid4()))
+    with pytest.raises(RuntimeError, match="the server is down"):
+        read_once_per_run("block test-failed-read", read)
+    assert read_once_per_run("block test-failed-read", read) == "token"
+    monkeypatch.delenv("PREFECT__FLOW_RUN_ID")
+    outside: list[str] = []
+    for _ in range(2):
+        read_once_per_run("block test-no-run", lambda: outside.append("read"))
+    assert outside == ["read", "read"]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import HfApi
+from prefect import get_client
 
-from tasks.lifecycle.study_children import child_key
+from tasks.lifecycle.study_children import child_key, start_deployment_child
 from tests.conftest import REPO, localpod_account, prefect_api, stop_process_group
 from tests.test_cancel_e2e import LEASE_S, cancel_from_cli, state_of
 from tests.test_crash_recovery_e2e import (
@@ -311,6 +312,8 @@ def test_a_study_of_deployment_children_killed_midway_and_resumed_adopts_them_an
     assert sorted(c["idempotency_key"] for c in children) == sorted(keys), children
     assert all(c["state"]["type"] == "COMPLETED" and c["deployment_id"] == deployment and c["parent_task_run_id"]
                and f"study-run:{study_id}" in c["tags"] for c in children), children
+    # The child started after the resume has a tracking task of its own, not an earlier child's.
+    assert len({c["parent_task_run_id"] for c in children}) == 3, children
     # No child trained twice: localpod ran one job per child, and every endpoint is gone.
     endpoints = study_endpoints(local_stack, "e2e-resume")
     jobs = [j for j in localpod_account(local_stack)["jobs"] if j["endpointId"] in {e["id"] for e in endpoints}]
@@ -319,6 +322,41 @@ def test_a_study_of_deployment_children_killed_midway_and_resumed_adopts_them_an
     assert sorted(row["child"].removesuffix(" (best)") for row in table) == [
         "e2e-resume-ms4", "e2e-resume-ms400", "e2e-resume-ms6"], table
     assert all(row["state"] == "completed" and row["eval_loss"] != "" for row in table), table
+
+
+def test_deployment_children_started_after_a_resume_each_get_a_tracking_task_of_their_own(local_stack):
+    """A study resumed in a new process starts its children from a fresh flow run context: each child's place in the
+    study's graph (its tracking task run) must still be its own, not an earlier child's."""
+    from prefect import flow
+    from prefect.flow_engine import run_flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    flow_id = prefect_api(local_stack, "POST", "/flows/", json={"name": "e2e-tracked-child"}).json()["id"]
+    prefect_api(local_stack, "POST", "/deployments/", json={"name": "never-run", "flow_id": flow_id})
+    tag = "e2e-tracked-children"
+
+    @flow(name="e2e-tracking-study")
+    def study_like(keys: list[str], crash: bool) -> None:
+        for key in keys:
+            start_deployment_child("e2e-tracked-child/never-run", {}, [tag], key)
+        if crash:
+            raise RuntimeError("the study's process ends")
+
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        first = study_like(["s:1", "s:2"], crash=True, return_state=True)
+        assert first.is_failed()
+        flow_run_id = first.state_details.flow_run_id
+        with get_client(sync_client=True) as client:
+            resumed = run_flow(study_like, flow_run=client.read_flow_run(flow_run_id),
+                               parameters={"keys": ["s:3"], "crash": False}, return_type="state")
+        assert resumed.is_completed()
+    children = prefect_api(local_stack, "POST", "/flow_runs/filter", json={
+        "flow_runs": {"tags": {"all_": [tag]}}}).json()
+    tracking = {c["idempotency_key"]: c["parent_task_run_id"] for c in children}
+    assert sorted(tracking) == ["s:1", "s:2", "s:3"] and None not in tracking.values(), children
+    assert len(set(tracking.values())) == 3, tracking
+    for task_run_id in tracking.values():
+        assert prefect_api(local_stack, "GET", f"/task_runs/{task_run_id}").json()["flow_run_id"] == str(flow_run_id)
 
 
 def study_finished_event(stack, study_id: str) -> dict:

@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import secrets
 
-from tasks.settings import KEY_BLOCK_PREFIX
+from tasks.settings import KEY_BLOCK_PREFIX, read_once_per_run
 
 KEY_BYTES = 32
 """The random bytes of a key made here (stored as 64 hex digits): SHA-256's output length, the key length RFC 2104
@@ -32,10 +32,14 @@ def secret_name_key(namespace: str) -> bytes:
     """The key of `namespace`'s secret names, from its Prefect Secret block, created with a random key when missing
     (never overwritten: when two processes race to create it, both read back the winner). RuntimeError naming the
     block and the fix when it holds no usable key."""
+    name = key_block_name(namespace)
+    return read_once_per_run(f"block {name}", lambda: _read_or_make_key(name))
+
+
+def _read_or_make_key(name: str) -> bytes:
     from prefect.blocks.system import Secret
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-    name = key_block_name(namespace)
     try:
         block = Secret.load(name)
     except ValueError as e:

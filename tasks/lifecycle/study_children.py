@@ -31,7 +31,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
-from prefect.deployments import run_deployment
+from prefect.context import FlowRunContext
 from prefect.events.filters import (
     EventFilter,
     EventNameFilter,
@@ -40,7 +40,10 @@ from prefect.events.filters import (
 )
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
-from prefect.states import Cancelled, Cancelling, Crashed
+from prefect.states import Cancelled, Cancelling, Crashed, Pending, Scheduled
+from prefect.tasks import Task
+from prefect.telemetry.run_telemetry import LABELS_TRACEPARENT_KEY
+from prefect.utilities.slugify import slugify
 from pydantic import BaseModel, Field
 
 from tasks.lifecycle.study_pruning import pruned_step
@@ -209,10 +212,31 @@ def earlier_cost(cost_usd: float | None, minutes: float | None, ceiling_usd: flo
 
 def start_deployment_child(deployment: str, parameters: dict[str, Any], tags: list[str], key: str) -> str:
     """Start one child as a run of `deployment` (a subflow of the study, so its page links it) and return at once
-    (`timeout=0`: the study polls its state with the others'); the key makes a second start return the first run."""
-    run = run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=True, tags=tags,
-                         idempotency_key=key)
+    (the study polls its state with the others'); the key makes a second start return the first run.
+
+    What Prefect's `run_deployment(as_subflow=True)` does, but with the tracking task run (the child's place in the
+    study's graph) keyed by the child's key: `run_deployment` keys it by a counter the flow run's process keeps, which
+    a resumed study's new process restarts at 0, and Prefect's server answers a task run's create with the one already
+    there for that flow run, task and key: a child started after a resume would nest under an earlier child's task."""
+    context = FlowRunContext.get()
+    with get_client(sync_client=True) as client:
+        found = client.read_deployment_by_name(deployment)
+        parent_task_run_id, labels = None, {}
+        if context is not None and context.flow_run is not None:
+            tracking = Task(name=deployment, fn=_no_op, version=found.version)
+            tracking.task_key = f"prefect.deployments.flow_runs.run_deployment.{slugify(deployment)}"  # as Prefect's
+            parent_task_run_id = client.create_task_run(tracking, flow_run_id=context.flow_run.id, dynamic_key=key,
+                                                        state=Pending()).id
+            if traceparent := context.flow_run.labels.get(LABELS_TRACEPARENT_KEY):
+                labels = {LABELS_TRACEPARENT_KEY: traceparent}
+        run = client.create_flow_run_from_deployment(found.id, parameters=parameters, state=Scheduled(), tags=tags,
+                                                     idempotency_key=key, parent_task_run_id=parent_task_run_id,
+                                                     labels=labels)
     return str(run.id)
+
+
+def _no_op() -> None:
+    """The tracking task's function: it never runs (the child's flow run is what runs)."""
 
 
 def end_stale_children(flow_run_ids: Sequence[str]) -> None:

@@ -8,8 +8,11 @@ The builders are pure functions (tested without Prefect); the tasks only hand th
 from __future__ import annotations
 
 import base64
+import contextvars
+import functools
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any, Literal
@@ -495,10 +498,18 @@ def summary_key(key_prefix: str) -> str:
 
 @task(name="publish-report", cache_policy=NO_CACHE)
 def publish_report(report: RunReport, key_prefix: str, curve: bytes | None = None) -> None:
-    create_markdown_artifact(markdown=summary_markdown(report, curve), key=summary_key(key_prefix),
-                             description=f"Run {report.run_name} summary")
-    create_table_artifact(table=metrics_rows(report.metrics), key=f"{key_prefix}-metrics",
-                          description=f"Run {report.run_name} training loss by step")
+    artifacts = [
+        functools.partial(create_markdown_artifact, markdown=summary_markdown(report, curve),
+                          key=summary_key(key_prefix), description=f"Run {report.run_name} summary"),
+        functools.partial(create_table_artifact, table=metrics_rows(report.metrics), key=f"{key_prefix}-metrics",
+                          description=f"Run {report.run_name} training loss by step"),
+    ]
     if report.metrics.task_scores or report.metrics.benchmark_scores:
-        create_table_artifact(table=score_rows(report.metrics), key=f"{key_prefix}-scores",
-                              description=f"Run {report.run_name}: tasks and benchmarks, base against adapter")
+        artifacts.append(functools.partial(
+            create_table_artifact, table=score_rows(report.metrics), key=f"{key_prefix}-scores",
+            description=f"Run {report.run_name}: tasks and benchmarks, base against adapter"))
+    # One request each, made at once (the run's end waits for the slowest, not their sum), each in a copy of this
+    # task's context, which links the artifact to the run.
+    with ThreadPoolExecutor(len(artifacts), thread_name_prefix="loraflow-report") as pool:
+        for made in [pool.submit(contextvars.copy_context().run, create) for create in artifacts]:
+            made.result()

@@ -48,7 +48,7 @@ from loraflow_worker.contract import (
 )
 from loraflow_worker.runtime.cuda_check import check_cuda
 from loraflow_worker.runtime.environment import child_env
-from loraflow_worker.runtime.lifetime import WorkerLifetime
+from loraflow_worker.runtime.lifetime import WorkerLifetime, exit_at_once_when_stopped_idle
 from loraflow_worker.runtime.merge import merge_adapter
 from loraflow_worker.runtime.packages import install_extra_packages
 from loraflow_worker.runtime.preload import preload_models
@@ -185,4 +185,5 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker_lifetime = WorkerLifetime.from_env()
     worker_lifetime.start()
+    exit_at_once_when_stopped_idle()
     runpod.serverless.start({"handler": functools.partial(handler, lifetime=worker_lifetime)})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +75,31 @@ class WorkerLifetime:
             return
 
 
+def exit_at_once_when_stopped_idle(exit: Callable[[int], None] | None = None) -> None:
+    """Make runpod's worker loop exit at once when the platform stops it (SIGTERM) with no job taken or running.
+
+    runpod's own shutdown only sets an event that its loops read after their current waits, each up to a second
+    (the job-take loop's while a job runs, the stop-signal loop's between polls), then leaves Python to unwind its
+    imports: 1-2 s in which the stopped worker is still billed, after every run's endpoint delete. An idle worker
+    has nothing to finish (runpod counts a job from its arrival until its result has been posted), so it exits
+    now; a worker with a job keeps runpod's shutdown, which lets the job end and posts its result. Call before
+    `runpod.serverless.start`, whose worker loop makes its `JobScaler` then."""
+    from runpod.serverless.modules import rp_scale
+
+    exit_now = exit or _exit_now
+
+    class StopsAtOnceWhenIdle(rp_scale.JobScaler):
+        def handle_shutdown(self, signum: int, frame: object) -> None:
+            if self.current_occupancy() == 0:
+                log.info("stopped (signal %d) with no job: the worker exits at once", signum)
+                exit_now(0)
+                return
+            super().handle_shutdown(signum, frame)
+
+    # runpod's worker loop reads the class from its module when it starts (`rp_scale.JobScaler(config)`).
+    rp_scale.JobScaler = StopsAtOnceWhenIdle
+
+
 def _exit_now(code: int) -> None:
     # runpod's heartbeat pinger is a daemon multiprocessing child; os._exit skips the atexit hook that
     # would stop it, and a pinger left running would tell RunPod the worker is still alive.
@@ -81,4 +107,6 @@ def _exit_now(code: int) -> None:
         child.kill()
         child.join(timeout=5)
     logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):  # runpod logs with print(): its last lines must reach the log
+        stream.flush()
     os._exit(code)
