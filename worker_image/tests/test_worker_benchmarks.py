@@ -153,7 +153,7 @@ def test_a_benchmark_that_fails_leaves_the_trained_adapter_stored_and_says_why(t
 def test_an_unknown_task_is_refused_naming_it_before_a_model_loads(task_dir, tmp_path):
     settings = BenchmarkSettings(tasks=["colours", "no_such_benchmark"])
     with pytest.raises(BenchmarkError, match=r"evaluation\.benchmarks\.tasks: .*no task no_such_benchmark"):
-        run_benchmarks(settings, tmp_path / "no-model", tmp_path / "no-adapter", task_dir, device="cpu")
+        run_benchmarks(settings, tmp_path / "no-model", [tmp_path / "no-adapter"], task_dir, device="cpu")
 
 
 def test_a_metric_under_several_filters_keeps_the_harness_s_name_and_stderr_n_a_is_none():
