@@ -100,6 +100,11 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: 
             f"evaluation.benchmarks.tasks: lm-evaluation-harness {lm_eval_version()} has no task "
             f"{', '.join(unknown)}{where}; name the harness's tasks (`lm_eval ls tasks`) or ship their YAMLs in "
             "`task_dir`")
+    def deadline_passed() -> bool:
+        return deadline_epoch_s is not None and time.time() >= deadline_epoch_s
+
+    if deadline_passed():  # nothing to load
+        return [None] * len(adapter_dirs)
     from lm_eval.tasks import TaskManager
 
     # Indexing the harness's own ~15k task names reads thousands of YAMLs (half a minute on a small CPU): skipped
@@ -109,9 +114,8 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: 
                                include_defaults=not own_only)
     use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
     score = _with_vllm if use_vllm else _with_transformers
-    results = score(settings, task_manager, task_dir, model_path, adapter_dirs, device,
-                    lambda: deadline_epoch_s is not None and time.time() >= deadline_epoch_s, report)
-    base, by_adapter = results[0], results[1:]
+    results = score(settings, task_manager, task_dir, model_path, adapter_dirs, device, deadline_passed, report)
+    base, by_adapter = (results[0], results[1:]) if results else (None, [])
     scored: list[list[BenchmarkScore] | None] = []
     for i in range(len(adapter_dirs)):
         if base is None or i >= len(by_adapter):
