@@ -154,14 +154,35 @@ def test_a_deadline_already_passed_stores_and_returns_what_it_has_and_says_what_
         tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
     store_root = tmp_path / "store"
     job = _evaluate_job("late", tiny_model_dir, store_root, adapters,
-                        _store_with_run_adapter(store_root, adapters["paris"]), deadline_epoch_s=1.0)
+                        _store_with_run_adapter(store_root, adapters["paris"]), deadline_epoch_s=1.0,
+                        benchmarks={"tasks": ["hellaswag"]})
     result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
     assert result.stopped == ("the job's deadline passed before the task evaluations began; give the job a later "
-                              "deadline to evaluate the rest: `paris` lacks phrase; `apples` lacks phrase")
-    assert [(a.label, a.task_scores, a.answers_store_path) for a in result.adapters] == \
-        [("paris", [], None), ("apples", [], None)]
+                              "deadline to evaluate the rest: `paris` lacks phrase; `apples` lacks phrase; the job's "
+                              "deadline passed before the benchmarks of paris, apples began; give the job a later "
+                              "deadline to run them")
+    assert [(a.label, a.task_scores, a.benchmark_scores, a.answers_store_path) for a in result.adapters] == \
+        [("paris", [], [], None), ("apples", [], [], None)]
     assert EvaluateResult.model_validate_json((store_root / "runs" / "late" / "result.json").read_text()) == result
     assert (store_root / "runs" / "late" / "DONE").is_file()
+
+
+def test_a_grader_that_fails_stores_the_answers_scored_so_far_and_says_why(tiny_model_dir, adapters, tmp_path,
+                                                                          record_progress, monkeypatch):
+    store_root = tmp_path / "store"
+    job = _evaluate_job("failing", tiny_model_dir, store_root, adapters,
+                        _store_with_run_adapter(store_root, adapters["paris"]))
+    grader_file = "runs/failing/evaluation-inputs/graders.py"
+    (store_root / grader_file).parent.mkdir(parents=True, exist_ok=True)
+    (store_root / grader_file).write_text("def broken(prompts, completions, **kwargs):\n    raise KeyError('no')\n")
+    job["input"]["tasks"][0]["max_new_tokens"] = 2  # what is scored does not matter here: that it is kept does
+    job["input"]["tasks"].append({"name": "second", "store_path": TASK_FILE, "max_new_tokens": 1, "graders": [
+        {"kind": "function", "function": "graders.py:broken", "store_path": grader_file}]})
+    result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
+    assert result.stopped == ("the task evaluations failed (GraderError: task `second`, grader `broken` "
+                              "(graders.py:broken) raised KeyError: 'no'): `paris` lacks second; `apples` lacks second")
+    assert [[s.metric for s in a.task_scores] for a in result.adapters] == [["task:phrase/contains"]] * 2
+    assert (store_root / "runs" / "failing" / "evaluation" / "apples" / "phrase.jsonl").is_file()
 
 
 def test_an_adapter_named_twice_or_a_job_with_nothing_to_ask_is_refused():
