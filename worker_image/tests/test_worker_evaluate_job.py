@@ -174,13 +174,18 @@ def test_a_grader_that_fails_stores_the_answers_scored_so_far_and_says_why(tiny_
                         _store_with_run_adapter(store_root, adapters["paris"]))
     grader_file = "runs/failing/evaluation-inputs/graders.py"
     (store_root / grader_file).parent.mkdir(parents=True, exist_ok=True)
-    (store_root / grader_file).write_text("def broken(prompts, completions, **kwargs):\n    raise KeyError('no')\n")
+    # The grader quotes the job's secret in its error: the result says why it stopped without it.
+    (store_root / grader_file).write_text("import os\n\ndef broken(prompts, completions, **kwargs):\n"
+                                          "    raise KeyError(os.environ['EVAL_JUDGE_KEY'])\n")
+    monkeypatch.setenv("EVAL_JUDGE_KEY", "judge-key-value")
+    job["input"]["worker_secret_names"] = ["EVAL_JUDGE_KEY"]
     job["input"]["tasks"][0]["max_new_tokens"] = 2  # what is scored does not matter here: that it is kept does
     job["input"]["tasks"].append({"name": "second", "store_path": TASK_FILE, "max_new_tokens": 1, "graders": [
         {"kind": "function", "function": "graders.py:broken", "store_path": grader_file}]})
     result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
     assert result.stopped == ("the task evaluations failed (GraderError: task `second`, grader `broken` "
-                              "(graders.py:broken) raised KeyError: 'no'): `paris` lacks second; `apples` lacks second")
+                              "(graders.py:broken) raised KeyError: '***'): `paris` lacks second; `apples` lacks second")
+    assert "judge-key-value" not in (store_root / "runs" / "failing" / "result.json").read_text()
     assert [[s.metric for s in a.task_scores] for a in result.adapters] == [["task:phrase/contains"]] * 2
     assert (store_root / "runs" / "failing" / "evaluation" / "apples" / "phrase.jsonl").is_file()
 
