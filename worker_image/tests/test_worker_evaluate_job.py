@@ -150,6 +150,16 @@ def test_a_stored_adapter_that_changed_since_its_run_is_refused_naming_it(tiny_m
     assert not (store_root / "runs" / "changed").exists()
 
 
+def test_a_task_file_changed_since_the_control_plane_stored_it_is_refused_before_a_model_loads(
+        tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
+    store_root = tmp_path / "store"
+    job = _evaluate_job("moved", tiny_model_dir, store_root, adapters,
+                        _store_with_run_adapter(store_root, adapters["paris"]), inputs={"sha256": {TASK_FILE: "0" * 64}})
+    with pytest.raises(ArtifactChanged, match=rf"{TASK_FILE} changed after the control plane stored it for the run "
+                                              r"\(tasks\[0\]\)"):
+        _run(job, tmp_path / "work", record_progress, monkeypatch)
+
+
 def test_a_deadline_already_passed_stores_and_returns_what_it_has_and_says_what_is_missing(
         tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
     store_root = tmp_path / "store"
@@ -206,6 +216,8 @@ def test_the_task_files_and_grader_files_are_the_job_s_pinned_inputs():
         "tasks": [{"name": "t", "store_path": "runs/e/t.jsonl", "graders": [
             {"kind": "function", "function": "g.py:score", "store_path": "runs/e/g.py"}]}]})
     assert job.input_files() == {"runs/e/t.jsonl": "tasks[0]", "runs/e/g.py": "tasks[0].graders[0]"}
+    with pytest.raises(ValueError, match=r"no sha256 for tasks\[0\].graders\[0\] \(runs/e/g.py\)"):
+        EvaluateInput.model_validate({**job.model_dump(), "inputs": {"sha256": {"runs/e/t.jsonl": "0" * 64}}})
 
 
 def test_an_answers_sample_holds_no_secret_of_the_job(monkeypatch):

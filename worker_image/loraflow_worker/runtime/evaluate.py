@@ -157,12 +157,15 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
                   answering: list[AnsweringAdapter], results: TaskResults, say: Callable[[str], None]) -> str | None:
     """The task evaluations into `results`; None when all ran, else why the rest are missing."""
     from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer
+    from transformers import set_seed
+
     from loraflow_worker.evaluation.tasks import evaluate_task
 
     say(f"task evaluations: {len(prepared)} task(s), the base and {len(answering)} adapter(s) answering each")
     try:
         if deadline_passed(job.deadline_epoch_s):
             raise EvaluationDeadline("the job's deadline passed before the task evaluations began")
+        set_seed(job.seed)  # a task with a temperature samples
         # The base answers with its own tokenizer and chat template; each adapter with its folder's, when it has one.
         with loaded_answerer(model_path, {a.name: adapter_dirs[a.label] for a in answering},
                              base_tokenizer_dir=model_path, deadline_epoch_s=job.deadline_epoch_s) as answerer:
@@ -185,7 +188,7 @@ def _run_benchmarks(job: EvaluateInput, store: ArtifactStore, model_path: Path, 
     try:
         task_dir = stored_task_dir(job.benchmarks, store, work_dir, job.inputs.revision if job.inputs else None)
         scores = run_benchmarks(job.benchmarks, model_path, adapter_dirs, task_dir, device=benchmark_device(),
-                                report=say, deadline_epoch_s=job.deadline_epoch_s)
+                                report=say, deadline_epoch_s=job.deadline_epoch_s, seed=job.seed)
     except Exception as e:  # noqa: BLE001 - the task scores are stored and returned all the same
         _log_failure("benchmarks failed", job)
         return [None] * len(adapter_dirs), f"the benchmarks failed ({type(e).__name__}: {e})"
