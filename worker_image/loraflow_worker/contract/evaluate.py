@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from loraflow_worker.contract.env_names import MAX_WORKER_ENV
+from loraflow_worker.contract.env_names import MAX_WORKER_ENV, worker_env_name
 from loraflow_worker.contract.sources import ModelSource
 from loraflow_worker.contract.stored_inputs import Sha256, StoredInputs
 from loraflow_worker.contract.task_evaluation import (
@@ -21,6 +21,7 @@ from loraflow_worker.contract.task_evaluation import (
     BenchmarkSettings,
     TaskEvaluation,
     TaskScore,
+    task_files,
 )
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
@@ -100,6 +101,16 @@ class EvaluateInput(_Strict):
         description="Unix time by which the worker must have answered; None means no deadline. Reached, the job "
         "stores and returns the scores it has, and says what is missing (`stopped`).")
 
+    def input_files(self) -> dict[str, str]:
+        """Store path → the field that names it, for every file of the job that the worker reads from the store (at
+        `inputs`): the task files and grader files."""
+        return task_files(self.tasks, "tasks")
+
+    @field_validator("worker_secret_names")
+    @classmethod
+    def _names_a_job_may_set(cls, names: list[str]) -> list[str]:
+        return [worker_env_name(name) for name in names]
+
     @field_validator("adapters")
     @classmethod
     def _labels_unique(cls, adapters: list[EvaluatedAdapter]) -> list[EvaluatedAdapter]:
@@ -122,6 +133,17 @@ class EvaluateInput(_Strict):
     def _something_to_ask(self) -> "EvaluateInput":
         if not self.tasks and self.benchmarks is None:
             raise ValueError("an evaluate job needs `tasks` or `benchmarks`: there is nothing to ask")
+        return self
+
+    @model_validator(mode="after")
+    def _every_file_pinned(self) -> "EvaluateInput":
+        # A file the job names but the pins leave out would be read unchecked.
+        if self.inputs is not None:
+            missing = [f"{field} ({path})" for path, field in self.input_files().items()
+                       if path not in self.inputs.sha256]
+            if missing:
+                raise ValueError(f"no sha256 for {', '.join(missing)}: the control plane pins every file it stores "
+                                 "for the job; give each store path's hash in `inputs.sha256`")
         return self
 
 
