@@ -1,0 +1,122 @@
+"""Task evaluations asked of a serving endpoint through its OpenAI route instead of a rented worker (an evaluate
+file's `openai_base_url`), so that what is served is what is measured: each prompt of each task asked of the base and
+of each adapter by its model name (`/chat/completions`, as the task's sampling says), and each answer graded here by
+the built-in graders (`loraflow_worker.evaluation.graders`: plain code of loraflow's). Nothing of the user's runs on
+the control plane: function graders, judges and benchmarks are refused by the form in this mode.
+
+The result is an `EvaluateResult`, as the rented job's, so one leaderboard ranks both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from loraflow_worker.contract.evaluate import AdapterScores, EvaluateResult
+from loraflow_worker.contract.task_evaluation import GraderSettings, task_score
+from loraflow_worker.evaluation.graders import grade_builtin
+
+from tasks.settings import Settings
+
+REQUEST_TIMEOUT_S = 600.0
+"""One answer's wait: a serverless endpoint's first request waits for a cold start (RunPod's OpenAI route holds it)."""
+CONCURRENT_REQUESTS = 8
+"""Prompts in flight at once, per model: vLLM batches them; more only queue on one worker."""
+
+
+class EndpointRefused(ValueError):
+    """The endpoint cannot answer as asked (unreachable, a model it does not serve): the message names the field."""
+
+
+@dataclass(frozen=True)
+class EndpointTask:
+    """One task as the endpoint is asked it: its rows (already checked), graders and sampling."""
+
+    name: str
+    rows: list[dict[str, Any]]
+    prompts: list[list[dict[str, Any]]]
+    graders: list[GraderSettings]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+
+def read_api_key(block: str, settings: Settings) -> str:
+    """The endpoint's API key from the Prefect Secret block `block` (`evaluate.openai_api_key_secret`). One of the
+    server's own blocks is refused before it is read: its key would be sent to a URL the evaluate file chose."""
+    from prefect.blocks.system import Secret
+
+    field = "evaluate.openai_api_key_secret"
+    if problem := settings.server_block_problem(field, block):
+        raise EndpointRefused(problem)
+    try:
+        value = Secret.load(block).get()
+    except Exception as e:  # missing (ValueError), not a Secret block, or the Prefect API unreachable
+        raise EndpointRefused(f"{field}: the Prefect Secret block {block!r} cannot be read ({type(e).__name__}: "
+                              f"{str(e)[:300]}): create it on the Prefect server this evaluation uses") from e
+    if not isinstance(value, str) or not value:
+        raise EndpointRefused(f"{field}: the Prefect Secret block {block!r} holds no text: store the API key in it")
+    return value
+
+
+def endpoint_client(base_url: str, api_key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=base_url.rstrip("/") + "/", headers=headers, timeout=REQUEST_TIMEOUT_S)
+
+
+def check_served_models(client: httpx.Client, wanted: dict[str, str]) -> None:
+    """Refuse (naming each field) the models of `wanted` (field → model name) that the endpoint's `/models` does not
+    list; an endpoint that does not answer `/models` is refused naming `evaluate.openai_base_url`."""
+    try:
+        response = client.get("models")
+        response.raise_for_status()
+        served = {card.get("id") for card in response.json().get("data", []) if isinstance(card, dict)}
+    except (httpx.HTTPError, ValueError, AttributeError) as e:
+        raise EndpointRefused(f"evaluate.openai_base_url {client.base_url}: its /models did not answer "
+                              f"({type(e).__name__}: {str(e)[:200]}): give the OpenAI base URL of an endpoint that "
+                              "serves (a serve prints it), and its key in openai_api_key_secret") from e
+    missing = [f"{field}: {name!r}" for field, name in wanted.items() if name not in served]
+    if missing:
+        raise EndpointRefused(f"the endpoint at {client.base_url} serves {sorted(m for m in served if m)}, not "
+                              f"{'; '.join(missing)}: name the models as the serve names them (an adapter's `name`)")
+
+
+def ask(client: httpx.Client, model: str, prompt: list[dict[str, Any]], task: EndpointTask) -> str:
+    """One answer of `model` to `prompt`."""
+    response = client.post("chat/completions", json={
+        "model": model, "messages": prompt, "max_tokens": task.max_new_tokens, "temperature": task.temperature,
+        "top_p": task.top_p})
+    if response.status_code >= 400:
+        raise EndpointRefused(f"{model} did not answer a prompt of task {task.name}: HTTP {response.status_code} "
+                              f"{response.text[:300]}")
+    content = response.json()["choices"][0]["message"].get("content")
+    return content if isinstance(content, str) else ""
+
+
+def answers_of(client: httpx.Client, model: str, task: EndpointTask) -> list[str]:
+    with ThreadPoolExecutor(CONCURRENT_REQUESTS) as pool:
+        return list(pool.map(lambda prompt: ask(client, model, prompt, task), task.prompts))
+
+
+def evaluate_endpoint(client: httpx.Client, run_id: str, base_model: str, labels: list[str],
+                      tasks: list[EndpointTask], say: Callable[[str], None] = lambda _: None) -> EvaluateResult:
+    """Ask every task of the base (`base_model`, its model name) and of each adapter (`labels`, their model names),
+    grade each answer, and score each adapter against the base's answers."""
+    began = time.monotonic()
+    scores: dict[str, AdapterScores] = {label: AdapterScores(label=label) for label in labels}
+    for task in tasks:
+        expected = [row.get("answer") for row in task.rows]
+        say(f"task {task.name}: {len(task.prompts)} prompts of {base_model}")
+        base_answers = answers_of(client, base_model, task)
+        base = {g.label: grade_builtin(g, base_answers, expected) for g in task.graders}
+        for label in labels:
+            say(f"task {task.name}: {len(task.prompts)} prompts of {label}")
+            answers = answers_of(client, label, task)
+            for grader in task.graders:
+                scores[label].task_scores.append(task_score(task.name, grader.label, base[grader.label],
+                                                            grade_builtin(grader, answers, expected)))
+    return EvaluateResult(run_id=run_id, adapters=list(scores.values()), seconds=time.monotonic() - began)
