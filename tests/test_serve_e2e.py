@@ -107,6 +107,44 @@ class Serve:
         return self.proc.wait(timeout_s)
 
 
+ENDPOINT_KEY_BLOCK = "e2e-endpoint-key"
+
+
+def write_evaluate_file(folder: Path, *, name: str, model: Path, store: Path, adapters: list[dict], word: str,
+                        **evaluate) -> Path:
+    """An evaluate file of two tasks over the training questions: one whose answer is `PHRASE`, then one whose answer
+    is the answerer adapter's `word`, each graded by `contains`."""
+    tasks = []
+    for task, answer in (("phrase", PHRASE), ("word", word.strip())):
+        rows = folder / f"{task}.jsonl"
+        rows.write_text("".join(json.dumps({"prompt": q, "answer": answer}) + "\n" for q in QUESTIONS[:6]))
+        tasks.append(f'[[evaluate.tasks]]\nname = "{task}"\nlocal_file = "{rows}"\ngraders = ["contains"]\n'
+                     "max_new_tokens = 16\n")
+    lines = [f'name = "{name}"', f'artifact_store = "file://{store}"', "budget_usd = 5", "[evaluate]",
+             f'base_model = "{model}"', 'gpu = ["4090"]', "deadline_minutes = 20",
+             "adapters = [" + ", ".join("{ " + ", ".join(f'{k} = "{v}"' for k, v in a.items()) + " }"
+                                        for a in adapters) + "]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in evaluate.items()]
+    path = folder / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n" + "".join(tasks))
+    return path
+
+
+def run_evaluate(stack, evaluate_file: Path, timeout_s: float = UP_S) -> list[tuple[str, str]]:
+    """`python -m flows.evaluate EVALUATE_FILE` against the stack; the leaderboard's rows as it printed them: (label,
+    the scores)."""
+    proc = subprocess.run([sys.executable, "-m", "flows.evaluate", str(evaluate_file)], cwd=REPO,
+                          env=flow_env(stack), capture_output=True, text=True, timeout=timeout_s)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    return re.findall(r"\b\d+\. ([\w./-]+): (task:.*)$", output, re.M)
+
+
+def score(rows: list[tuple[str, str]], label: str, metric: str) -> float:
+    """`label`'s score of `metric` on the printed leaderboard."""
+    return float(re.search(rf"{re.escape(metric)} ([\d.]+)", dict(rows)[label])[1])
+
+
 def serve_run_id(stack, name: str) -> str:
     """The newest flow run of the serve `name` (its runs are tagged `serve:<name>`)."""
     [run] = prefect_api(stack, "POST", "/flow_runs/filter", json={
@@ -175,6 +213,22 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         assert [m.id for m in listed] == [str(tiny_model), "phrase", "answerer"]
         assert listed[0].max_model_len == 1024  # no max_model_len asked: the tiny base's own context
 
+        # What is served is what is measured: the evaluate flow asks the endpoint by model name and grades the
+        # answers on the control plane, nothing rented; the phrase's adapter leads, the base is a row.
+        from prefect.blocks.system import Secret
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+            Secret(value=local_stack.client_env["RUNPOD_API_KEY"]).save(ENDPOINT_KEY_BLOCK, overwrite=True)
+        rows = run_evaluate(local_stack, write_evaluate_file(
+            tmp_path, name="e2e-served", model=tiny_model, store=trained["store"], word=answerer["word"],
+            adapters=[{"name": "phrase", "source": f"runs/{trained['run_id']}"},
+                      {"name": "answerer", "source": str(answerer["folder"])}],
+            openai_base_url=base_url, openai_api_key_secret=ENDPOINT_KEY_BLOCK))
+        assert [label for label, _ in rows] == ["phrase", "base", "answerer"]
+        assert score(rows, "phrase", "task:phrase/contains") > 0.8
+        assert score(rows, "answerer", "task:word/contains") > 0.8
+
         # One endpoint of RunPod's vLLM worker, its two workers' slots held on the limit while it lives.
         [endpoint] = [e for e in serve_endpoints(local_stack, "e2e-serve") if e["deletedAt"] is None]
         assert endpoint_slots_in_use(local_stack) == slots_before + 2
@@ -214,6 +268,24 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         nothing_left(local_stack, "e2e-serve")
     finally:
         stop_process_group(serve.proc)
+
+
+def test_an_evaluate_run_of_two_adapters_ranks_them_as_their_phrases_say_on_one_rented_worker_deleted_after(
+        local_stack, tiny_model, trained, answerer, tmp_path):
+    slots_before = endpoint_slots_in_use(local_stack)
+    rows = run_evaluate(local_stack, write_evaluate_file(
+        tmp_path, name="e2e-evaluate", model=tiny_model, store=trained["store"], word=answerer["word"],
+        adapters=[{"name": "answerer", "source": str(answerer["folder"])},
+                  {"name": "phrase", "source": f"runs/{trained['run_id']}"}]))
+    # Ranked by the first task (the phrase), best first, the base a row; the second task is the answerer's.
+    assert [label for label, _ in rows] == ["phrase", "base", "answerer"]
+    assert score(rows, "phrase", "task:phrase/contains") > 0.8 > score(rows, "base", "task:phrase/contains")
+    assert score(rows, "answerer", "task:word/contains") > 0.8 > score(rows, "phrase", "task:word/contains")
+    # One GPU endpoint, named for the evaluation, deleted; its slot back.
+    endpoints = [e for e in localpod_account(local_stack)["endpoints"]
+                 if (parsed := parse_endpoint_name(e["name"])) and parsed.label == "eval-e2e-evaluate"]
+    assert len(endpoints) == 1 and endpoints[0]["deletedAt"] is not None, endpoints
+    assert endpoint_slots_in_use(local_stack) == slots_before
 
 
 def test_a_run_with_publish_serve_serves_its_adapter_and_an_openai_client_gets_the_phrase_from_it_not_the_base(
