@@ -295,9 +295,9 @@ def check_task_inputs(section: str, tasks: list[TaskSpec], benchmarks: Benchmark
     task_dir = f"{section}.benchmarks.task_dir"
     if benchmarks is not None and benchmarks.task_dir is not None:
         private = private_benchmark_tasks({name[len(task_dir) + 1:]: file.copy for name, file in files.items()
-                                           if name.startswith(f"{task_dir}/")}, benchmarks.task_dir)
+                                           if name.startswith(f"{task_dir}/")}, benchmarks.task_dir, where=task_dir)
     if benchmarks is not None:
-        check_benchmark_names(benchmarks.tasks, private)
+        check_benchmark_names(benchmarks.tasks, private, where=f"{section}.benchmarks.tasks")
     return inputs
 
 

@@ -125,6 +125,13 @@ def test_a_row_without_the_answer_a_grader_needs_is_refused_naming_the_evaluate_
         check_task_inputs("evaluate", evaluation.evaluate.tasks, None, files, {})
 
 
+def test_a_benchmark_task_the_harness_does_not_know_is_refused_naming_the_evaluate_field():
+    evaluation = spec(tasks=[], benchmarks={"tasks": ["hellaswagg"]})
+    with pytest.raises(ValueError, match=r"^evaluate\.benchmarks\.tasks: 'hellaswagg': no such task.*define the task "
+                       r"in `evaluate\.benchmarks\.task_dir`"):
+        check_task_inputs("evaluate", [], evaluation.evaluate.benchmarks, {}, {})
+
+
 def result(*adapters: tuple[str, list[float]], base: list[float]) -> EvaluateResult:
     return EvaluateResult(run_id="ev1", adapters=[
         AdapterScores(label=label, task_scores=[task_score("phrase", "contains", base, scores),
