@@ -1,6 +1,9 @@
 """The RunPod serverless handler: one job = one LoRA training run, published to the artifact store, or
 one preload of Hub models onto the endpoint's network volume (`"mode": "preload"`, runtime/preload.py), or one
-stored adapter merged into its base and published as a Hub model (`"mode": "merge"`, runtime/merge.py).
+stored adapter merged into its base and published as a Hub model (`"mode": "merge"`, runtime/merge.py), or one
+base model and several adapters (stored runs', Hub repos') asked the same task evaluations and benchmarks, each
+adapter scored against one set of base answers and the scores stored under `runs/<run_id>/` (`"mode": "evaluate"`,
+runtime/evaluate.py).
 
 On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 
@@ -40,6 +43,7 @@ from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_st
 from loraflow_worker.contract import (
     CONTRACT_VERSION,
     JobInput,
+    EvaluateInput,
     JobResult,
     MergeInput,
     PreloadInput,
@@ -48,6 +52,7 @@ from loraflow_worker.contract import (
 )
 from loraflow_worker.runtime.cuda_check import check_cuda
 from loraflow_worker.runtime.environment import child_env
+from loraflow_worker.runtime.evaluate import evaluate_adapters
 from loraflow_worker.runtime.lifetime import WorkerLifetime
 from loraflow_worker.runtime.merge import merge_adapter
 from loraflow_worker.runtime.packages import install_extra_packages
@@ -59,8 +64,8 @@ CONSOLE_RETRY_BUDGET_S = 60.0
 """How long a failed job's console upload retries a rate-limited or failing Hub before the failure is reported without it."""
 WORK_DIR_ENV = "LORAFLOW_WORK_DIR"
 """Folder under which the worker keeps the current job's files (default: the system temp folder)."""
-_INPUT_BY_MODE: dict[str, type[JobInput] | type[PreloadInput] | type[MergeInput]] = {
-    "train": JobInput, "preload": PreloadInput, "merge": MergeInput}
+_INPUT_BY_MODE: dict[str, type[JobInput] | type[PreloadInput] | type[MergeInput] | type[EvaluateInput]] = {
+    "train": JobInput, "preload": PreloadInput, "merge": MergeInput, "evaluate": EvaluateInput}
 
 log = logging.getLogger("loraflow_worker")
 
@@ -72,8 +77,8 @@ class JobRefused(ValueError):
 
 
 def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> dict[str, Any]:
-    """Run one RunPod job (`{"id": ..., "input": <JobInput, PreloadInput or MergeInput as JSON>}`) and return its
-    `JobResult`, `PreloadResult` or `MergeResult`.
+    """Run one RunPod job (`{"id": ..., "input": <JobInput, PreloadInput, MergeInput or EvaluateInput as JSON>}`) and
+    return its `JobResult`, `PreloadResult`, `MergeResult` or `EvaluateResult`.
     Errors propagate (the runpod runtime reports them as the job's `error`), with secrets removed: the
     environment's and the job's own (`worker_secret_names`)."""
     try:
@@ -87,7 +92,7 @@ def handler(job: dict[str, Any], *, lifetime: WorkerLifetime | None = None) -> d
         raise JobFailed(f"{type(exc).__name__}: {redacted}") from None
 
 
-def parse_job_input(raw: Any) -> JobInput | PreloadInput | MergeInput:
+def parse_job_input(raw: Any) -> JobInput | PreloadInput | MergeInput | EvaluateInput:
     """Validate a job's `input`, checking the contract version before anything else, then its `mode`
     (left out: `train`)."""
     version = raw.get("contract_version", "none") if isinstance(raw, dict) else "none"
@@ -124,6 +129,8 @@ def _run(job: dict[str, Any], lifetime: WorkerLifetime | None) -> dict[str, Any]
         return preload_models(job_input, _progress_sender(job)).model_dump(mode="json")
     if isinstance(job_input, MergeInput):  # needs no CUDA: the control plane runs it on a CPU endpoint
         return merge_adapter(job_input, fresh_work_dir(), _progress_sender(job)).model_dump(mode="json")
+    if isinstance(job_input, EvaluateInput):  # its own redelivery check: a stored result is returned as it is
+        return evaluate_adapters(job_input, fresh_work_dir(), _progress_sender(job)).model_dump(mode="json")
     store = open_store(job_input.artifact_store)
     prefix = run_prefix(job_input.run_id)
     if store.exists(f"{prefix}/DONE"):

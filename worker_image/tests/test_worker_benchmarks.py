@@ -150,10 +150,32 @@ def test_a_benchmark_that_fails_leaves_the_trained_adapter_stored_and_says_why(t
     assert any("benchmarks failed, the adapter is stored without their scores" in (p.message or "") for p in progress)
 
 
+def test_several_adapters_are_each_scored_against_the_base_scored_once(benchmarked_run, scores, task_dir,
+                                                                      tiny_model_dir):
+    adapter = benchmarked_run.run_dir / "adapter"
+    said: list[str] = []
+    settings = BenchmarkSettings(tasks=["private_greetings"], batch_size=4)
+    first, second = run_benchmarks(settings, tiny_model_dir, [adapter, adapter], task_dir, device="cpu",
+                                   report=said.append)
+    ran = next(s for s in scores if s.task == "greeting_perplexity")
+    assert [(s.task, s.base, s.adapter) for s in first] == [(s.task, s.base, s.adapter) for s in second] == \
+        [("greeting_perplexity", pytest.approx(ran.base), pytest.approx(ran.adapter))]
+    assert [m for m in said if m.startswith("benchmarks: ")] == [
+        "benchmarks: private_greetings for the base model (transformers)",
+        "benchmarks: private_greetings for adapter 1 of 2 (transformers)",
+        "benchmarks: private_greetings for adapter 2 of 2 (transformers)"]
+
+
+def test_no_benchmark_model_is_begun_once_the_deadline_has_passed(task_dir, tmp_path):
+    settings = BenchmarkSettings(tasks=["private_greetings"])
+    assert run_benchmarks(settings, tmp_path / "no-model", [tmp_path / "a", tmp_path / "b"], task_dir, device="cpu",
+                          deadline_epoch_s=1.0) == [None, None]
+
+
 def test_an_unknown_task_is_refused_naming_it_before_a_model_loads(task_dir, tmp_path):
     settings = BenchmarkSettings(tasks=["colours", "no_such_benchmark"])
     with pytest.raises(BenchmarkError, match=r"evaluation\.benchmarks\.tasks: .*no task no_such_benchmark"):
-        run_benchmarks(settings, tmp_path / "no-model", tmp_path / "no-adapter", task_dir, device="cpu")
+        run_benchmarks(settings, tmp_path / "no-model", [tmp_path / "no-adapter"], task_dir, device="cpu")
 
 
 def test_a_metric_under_several_filters_keeps_the_harness_s_name_and_stderr_n_a_is_none():

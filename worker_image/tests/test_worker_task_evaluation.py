@@ -322,10 +322,11 @@ def test_a_deadline_that_passes_while_answering_stops_before_the_next_batch(tiny
     job = JobInput.model_validate(_phrase_job(tiny_model_dir, tmp_path / "store", "r", deadline_epoch_s=1.0))
     store = FileStore(tmp_path / "store")
     task = job.evaluation.tasks[0]
-    with loaded_answerer(job, tiny_model_dir, _untrained_adapter(tiny_model_dir, tmp_path / "adapter"),
-                         store) as answerer:
+    adapter_dir = _untrained_adapter(tiny_model_dir, tmp_path / "adapter")
+    with loaded_answerer(tiny_model_dir, {"default": adapter_dir}, base_tokenizer_dir=adapter_dir,
+                         deadline_epoch_s=job.deadline_epoch_s) as answerer:
         with pytest.raises(EvaluationDeadline, match="deadline passed while task `phrase` was evaluated"):
-            answerer.answer(task, read_task_rows(task, store), adapter=True)
+            answerer.answer(task, read_task_rows(task, store), adapter="default")
 
 
 def test_a_grader_that_fails_after_training_leaves_the_run_stored_and_says_why(tiny_model_dir, tmp_path):

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from loraflow_worker.contract.env_names import MAX_WORKER_ENV
+from loraflow_worker.contract.env_names import MAX_WORKER_ENV, worker_env_name
 from loraflow_worker.contract.sources import ModelSource
 from loraflow_worker.contract.stored_inputs import Sha256, StoredInputs
 from loraflow_worker.contract.task_evaluation import (
@@ -21,6 +21,7 @@ from loraflow_worker.contract.task_evaluation import (
     BenchmarkSettings,
     TaskEvaluation,
     TaskScore,
+    task_files,
 )
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
 
@@ -99,6 +100,16 @@ class EvaluateInput(_Strict):
         default=None,
         description="Unix time by which the worker must have answered; None means no deadline. Reached, the job "
         "stores and returns the scores it has, and says what is missing (`stopped`).")
+
+    def input_files(self) -> dict[str, str]:
+        """Store path → the field that names it, for every file of the job that the worker reads from the store (at
+        `inputs`): the task files and grader files."""
+        return task_files(self.tasks, "tasks")
+
+    @field_validator("worker_secret_names")
+    @classmethod
+    def _names_a_job_may_set(cls, names: list[str]) -> list[str]:
+        return [worker_env_name(name) for name in names]
 
     @field_validator("adapters")
     @classmethod

@@ -14,6 +14,7 @@ from loraflow_worker.contract.grpo_settings import GrpoSettings, colocated_vllm_
 from loraflow_worker.contract.memory_settings import MemorySettings, memory_setting_problems
 from loraflow_worker.contract.sources import DatasetSource, ModelSource
 from loraflow_worker.contract.stored_inputs import Sha256, StoredInputs
+from loraflow_worker.contract.task_evaluation import task_files
 from loraflow_worker.contract.lora_settings import LoraSettings
 from loraflow_worker.contract.training_settings import (
     EvaluationSettings,
@@ -236,10 +237,8 @@ def _input_files(dataset: DatasetSource, training: TrainingSettings, grpo: GrpoS
              if source.store_path is not None}
     if evaluation is not None and evaluation.store_path is not None:
         files[evaluation.store_path] = "evaluation"
-    for i, task in enumerate(evaluation.tasks if evaluation is not None else []):
-        files[task.store_path] = f"evaluation.tasks[{i}]"
-        files |= {grader.store_path: f"evaluation.tasks[{i}].graders[{j}]" for j, grader in enumerate(task.graders)
-                  if grader.store_path is not None}
+    if evaluation is not None:
+        files |= task_files(evaluation.tasks, "evaluation.tasks")
     if training.chat_template is not None and training.chat_template.endswith((".jinja", ".j2")):
         files[training.chat_template] = "training.chat_template"
     if grpo is not None:

@@ -190,6 +190,17 @@ class TaskEvaluation(_Strict):
         return graders
 
 
+def task_files(tasks: list[TaskEvaluation], field: str) -> dict[str, str]:
+    """Store path → the field that names it (`<field>[i]`, `<field>[i].graders[j]`), for each task's file and grader
+    file: what a job reads from the store at its `inputs` pins."""
+    files = {}
+    for i, task in enumerate(tasks):
+        files[task.store_path] = f"{field}[{i}]"
+        files |= {grader.store_path: f"{field}[{i}].graders[{j}]" for j, grader in enumerate(task.graders)
+                  if grader.store_path is not None}
+    return files
+
+
 class BenchmarkSettings(_Strict):
     """Standard benchmarks through EleutherAI's lm-evaluation-harness, for the base and the adapter."""
 

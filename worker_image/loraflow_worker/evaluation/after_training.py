@@ -12,9 +12,10 @@ from pathlib import Path
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress, run_prefix
 from loraflow_worker.evaluation.evaluated import Evaluated
-from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer
-from loraflow_worker.evaluation.tasks import PreparedTask, TaskResults, evaluate_task, prepare_tasks
+from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer, run_chat_template
+from loraflow_worker.evaluation.tasks import AnsweringAdapter, PreparedTask, TaskResults, evaluate_task, prepare_tasks
 from loraflow_worker.runtime.model_cache import resolve_base_model
+from loraflow_worker.training.run import quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 def prepare_evaluation(job: JobInput, store: ArtifactStore, work_dir: Path) -> list[PreparedTask]:
     """Before training: the tasks' rows read and their grader functions imported, so that a task file or grader that
     cannot be used fails the job before its GPU time is spent."""
-    return prepare_tasks(job, store, work_dir) if job.evaluation is not None and job.evaluation.tasks else []
+    return prepare_tasks(job.evaluation.tasks, store, work_dir) if job.evaluation is not None else []
 
 
 def evaluate_after_training(job: JobInput, store: ArtifactStore, work_dir: Path, adapter_dir: Path,
@@ -47,17 +48,26 @@ def evaluate_after_training(job: JobInput, store: ArtifactStore, work_dir: Path,
     return evaluated
 
 
+ADAPTER = "default"
+"""The PEFT name of the run's one adapter."""
+
+
 def _evaluate_tasks(job: JobInput, store: ArtifactStore, adapter_dir: Path, prepared: list[PreparedTask],
                     say: Callable[[str], None], evaluated: Evaluated) -> None:
     say(f"task evaluations: {len(prepared)} task(s), the base and the adapter answering each")
     results = TaskResults()
+    adapter = AnsweringAdapter(ADAPTER, None, f"{run_prefix(job.run_id)}/evaluation")
     try:
-        if deadline_passed(job):  # loading the model again would eat the grace in which the run must be stored
+        # Loading the model again would eat the grace in which the run must be stored.
+        if deadline_passed(job.deadline_epoch_s):
             raise EvaluationDeadline("the job's deadline passed before the task evaluations began")
         model_path, _ = resolve_base_model(job.model)
-        with loaded_answerer(job, model_path, adapter_dir, store) as answerer:
+        # The base answers with the run's tokenizer and chat template too: as training rendered its chats.
+        with loaded_answerer(model_path, {ADAPTER: adapter_dir}, base_tokenizer_dir=adapter_dir,
+                             chat_template=run_chat_template(job.training.chat_template, store),
+                             quantization=quantization_config(job), deadline_epoch_s=job.deadline_epoch_s) as answerer:
             for task in prepared:
-                evaluate_task(task, answerer, run_prefix(job.run_id), say, results)
+                evaluate_task(task, answerer, [adapter], say, results, job.worker_secret_names)
     except EvaluationDeadline as e:
         evaluated.stopped = (f"{e}: the adapter is complete and stored, but {_missing(prepared, results)}; give the "
                              "run a longer `deadline_minutes` to evaluate them")
@@ -68,11 +78,8 @@ def _evaluate_tasks(job: JobInput, store: ArtifactStore, adapter_dir: Path, prep
     if evaluated.stopped:
         log.warning(evaluated.stopped)
         say(evaluated.stopped)
-    evaluated.task_scores, evaluated.files = results.scores, results.files
+    evaluated.task_scores, evaluated.files = results.scores.get(ADAPTER, []), results.files
 
 
 def _missing(prepared: list[PreparedTask], results: TaskResults) -> str:
-    """Which tasks lack some grader's score (those that have some keep them)."""
-    scored = [score.task for score in results.scores]
-    missing = [t.task.name for t in prepared if scored.count(t.task.name) < len(t.task.graders)]
-    return f"task(s) {', '.join(missing)} were not evaluated (in full)"
+    return f"task(s) {', '.join(results.missing(prepared, ADAPTER))} were not evaluated (in full)"

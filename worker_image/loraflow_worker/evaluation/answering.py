@@ -1,13 +1,14 @@
-"""The answers of the base and of the kept adapter to a task's prompts, with transformers: the base loaded again as
-training loaded it (bf16 on a GPU, 4 bits for QLoRA), the stored adapter on it with PEFT, the base's answers with the
-adapter switched off (`disable_adapter()`). Chat prompts are rendered with the run's chat template and the assistant
-turn opened (`add_generation_prompt`), as training rendered its chats; text prompts go in as they are."""
+"""The answers of a base model and of its adapters to a task's prompts, with transformers: the base loaded once (bf16
+on a GPU, 4 bits for a QLoRA run's own evaluation), every adapter on it with PEFT, each answering in turn
+(`set_adapter`), the base's answers with the adapters switched off (`disable_adapter()`). Chat prompts are rendered
+with the chat template given (a run's), else each tokenizer's own, and the assistant turn opened
+(`add_generation_prompt`), as training rendered its chats; text prompts go in as they are."""
 
 from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +18,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from loraflow_worker.artifacts import ArtifactStore
-from loraflow_worker.contract import JobInput
 from loraflow_worker.contract.task_evaluation import TaskEvaluation
 from loraflow_worker.evaluation.task_rows import TaskRow
-from loraflow_worker.training.run import quantization_config
 from loraflow_worker.training.sft_loss import trl_template
 
 BATCH_SIZE = 16
@@ -31,29 +30,34 @@ class EvaluationDeadline(RuntimeError):
     """The job's deadline passed while the tasks were being answered or graded."""
 
 
-def deadline_passed(job: JobInput) -> bool:
-    return job.deadline_epoch_s is not None and time.time() >= job.deadline_epoch_s
+def deadline_passed(deadline_epoch_s: float | None) -> bool:
+    return deadline_epoch_s is not None and time.time() >= deadline_epoch_s
 
 
 @dataclass
 class Answerer:
-    """The base with the kept adapter on it, ready to answer."""
+    """The base with its adapters on it, ready to answer."""
 
     model: PeftModel
-    tokenizer: PreTrainedTokenizerBase
+    tokenizers: dict[str | None, PreTrainedTokenizerBase]
+    """Each answerer's tokenizer, by adapter name; None: the base's."""
     chat_template: str | None
     deadline_epoch_s: float | None
 
-    def answer(self, task: TaskEvaluation, rows: list[TaskRow], *, adapter: bool,
+    def answer(self, task: TaskEvaluation, rows: list[TaskRow], *, adapter: str | None,
                batch_done: Callable[[int], None] = lambda done: None) -> list[str]:
-        """The answers to `rows`' prompts: the adapter's, or (`adapter=False`) the base's. `batch_done` hears how many
-        are answered after each batch. EvaluationDeadline when the job's deadline passes before the last batch."""
+        """The answers to `rows`' prompts: the adapter's of that name, or (`adapter=None`) the base's. `batch_done`
+        hears how many are answered after each batch. EvaluationDeadline when the job's deadline passes before the
+        last batch."""
         answers: list[str] = []
-        switched = nullcontext() if adapter else self.model.disable_adapter()
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+        switched = nullcontext() if adapter is not None else self.model.disable_adapter()
+        tokenizer = self.tokenizers[adapter]
         with switched, torch.inference_mode():
             for start in range(0, len(rows), BATCH_SIZE):
                 self.check_deadline(task)
-                batch = self._generate(task, rows[start:start + BATCH_SIZE])
+                batch = self._generate(task, rows[start:start + BATCH_SIZE], tokenizer)
                 self.check_deadline(task)  # a batch the deadline cut short (`max_time`) holds cut answers
                 answers += batch
                 batch_done(len(answers))
@@ -64,11 +68,11 @@ class Answerer:
         if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
             raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was evaluated")
 
-    def _generate(self, task: TaskEvaluation, rows: list[TaskRow]) -> list[str]:
+    def _generate(self, task: TaskEvaluation, rows: list[TaskRow], tokenizer: PreTrainedTokenizerBase) -> list[str]:
         # A rendered chat holds its special tokens already; a text prompt gets the model's (a BOS, where it has one).
-        encoded = [self.tokenizer(self._render(row), add_special_tokens=not row.chat) for row in rows]
+        encoded = [tokenizer(self._render(row, tokenizer), add_special_tokens=not row.chat) for row in rows]
         # Left padding (the tokenizer's side): every prompt ends where its answer begins.
-        inputs = self.tokenizer.pad(encoded, return_tensors="pt").to(self.model.device)
+        inputs = tokenizer.pad(encoded, return_tensors="pt").to(self.model.device)
         sampling = dict(do_sample=True, temperature=task.temperature, top_p=task.top_p) if task.temperature > 0 else \
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if self.deadline_epoch_s is not None:
@@ -76,21 +80,20 @@ class Answerer:
             # within the supervisor's grace for storing the run.
             sampling["max_time"] = max(self.deadline_epoch_s - time.time(), 0.0)
         output = self.model.generate(**inputs, max_new_tokens=task.max_new_tokens,
-                                     pad_token_id=self.tokenizer.pad_token_id, **sampling)
+                                     pad_token_id=tokenizer.pad_token_id, **sampling)
         new_tokens = output[:, inputs["input_ids"].shape[1]:]
-        return [text.strip() for text in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+        return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
-    def _render(self, row: TaskRow) -> str:
+    def _render(self, row: TaskRow, tokenizer: PreTrainedTokenizerBase) -> str:
         if not row.chat:
             return row.prompt
-        return self.tokenizer.apply_chat_template(row.prompt, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
+        return tokenizer.apply_chat_template(row.prompt, chat_template=self.chat_template, tokenize=False,
+                                             add_generation_prompt=True)
 
 
-def run_chat_template(job: JobInput, store: ArtifactStore) -> str | None:
-    """The template chats are rendered with: `training.chat_template` (a stored `.jinja` file or TRL's template of that
-    name), else None: the model's own."""
-    given = job.training.chat_template
+def run_chat_template(given: str | None, store: ArtifactStore) -> str | None:
+    """The template chats are rendered with: a run's `training.chat_template` (a stored `.jinja` file or TRL's
+    template of that name), else None: the model's own."""
     if given is None:
         return None
     if given.endswith((".jinja", ".j2")):
@@ -99,28 +102,42 @@ def run_chat_template(job: JobInput, store: ArtifactStore) -> str | None:
 
 
 @contextmanager
-def loaded_answerer(job: JobInput, model_path: Path, adapter_dir: Path, store: ArtifactStore) -> Iterator[Answerer]:
-    """The base at `model_path` with the adapter of `adapter_dir` on it, freed (GPU memory included) on leaving."""
+def loaded_answerer(model_path: Path, adapter_dirs: Mapping[str, Path], *, base_tokenizer_dir: Path,
+                    chat_template: str | None = None, quantization: object | None = None,
+                    deadline_epoch_s: float | None = None) -> Iterator[Answerer]:
+    """The base at `model_path` (quantized with `quantization`, a transformers quantization config, when given) with
+    each adapter of `adapter_dirs` (PEFT adapter name → folder) on it, freed (GPU memory included) on leaving. The
+    base answers with the tokenizer of `base_tokenizer_dir`, an adapter with its folder's own when it holds one."""
     # What training held (model, optimizer state) is garbage once its trainer is: collect it before loading again.
     gc.collect()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.empty_cache()
     kwargs: dict = {"dtype": torch.bfloat16 if cuda else torch.float32}
-    if (quantization := quantization_config(job)) is not None:
+    if quantization is not None:
         kwargs["quantization_config"] = quantization
     if cuda:
         kwargs["device_map"] = {"": 0}
     base = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-    model = PeftModel.from_pretrained(base, adapter_dir)
+    (first, first_dir), *others = adapter_dirs.items()
+    model = PeftModel.from_pretrained(base, first_dir, adapter_name=first)
+    for name, folder in others:
+        model.load_adapter(folder, adapter_name=name)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(adapter_dir, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizers = {None: _tokenizer(base_tokenizer_dir)}
+    tokenizers |= {name: _tokenizer(folder) if (folder / "tokenizer_config.json").is_file() else tokenizers[None]
+                   for name, folder in adapter_dirs.items()}
     try:
-        yield Answerer(model, tokenizer, run_chat_template(job, store), job.deadline_epoch_s)
+        yield Answerer(model, tokenizers, chat_template, deadline_epoch_s)
     finally:
         del model, base
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+
+
+def _tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -1,11 +1,12 @@
-"""Benchmarks (`evaluation.benchmarks`): EleutherAI's lm-evaluation-harness tasks, scored for the base model and for
-the trained adapter on the worker that trained it, as `BenchmarkScore` rows.
+"""Benchmarks (`evaluation.benchmarks`): EleutherAI's lm-evaluation-harness tasks, scored for the base model once and
+for each adapter (the trained one on the worker that trained it; several in an evaluate job), as `BenchmarkScore`
+rows.
 
-The harness loads each model itself from local folders: the base from the worker's model folder, the adapter as PEFT
-loads it from the run's adapter folder (the HF backend's `peft=`), or, where vLLM runs (a CUDA device with vLLM
-installed), the harness's vLLM backend with the adapter as a LoRA request (`lora_local_path=`). Private tasks are the
-harness's own YAMLs in `task_dir` (read with the TaskManager's `include_path`); the harness reads the data files
-they name relative to that folder.
+The harness loads each model itself from local folders: the base from the worker's model folder, an adapter as PEFT
+loads it from its folder (the HF backend's `peft=`), or, where vLLM runs (a CUDA device with vLLM installed), the
+harness's vLLM backend with each adapter as a LoRA request (`lora_local_path=`, then the request swapped). Private
+tasks are the harness's own YAMLs in `task_dir` (read with the TaskManager's `include_path`); the harness reads the
+data files they name relative to that folder.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,29 +56,40 @@ def job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work_
 
 def _job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work_dir: Path,
                     report: Callable[[str], None]) -> list[BenchmarkScore]:
-    import torch
-
     from loraflow_worker.runtime.model_cache import resolve_base_model
 
     assert job.evaluation is not None and job.evaluation.benchmarks is not None
     settings = job.evaluation.benchmarks
-    task_dir = None
-    if settings.task_dir_store_path is not None:
-        task_dir = store.download(settings.task_dir_store_path, work_dir / "benchmark-tasks",
-                                  revision=job.inputs.revision if job.inputs else None)
+    task_dir = stored_task_dir(settings, store, work_dir, job.inputs.revision if job.inputs else None)
     model_path, _ = resolve_base_model(job.model)
     # The trainer's model is gone with the training function's frame: free its memory before the harness loads two.
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return run_benchmarks(settings, model_path, adapter_dir, task_dir,
-                          device="cuda" if torch.cuda.is_available() else "cpu", report=report)
+    _free_memory()
+    scored = run_benchmarks(settings, model_path, [adapter_dir], task_dir, device=benchmark_device(), report=report)
+    return scored[0] or []
 
 
-def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: Path, task_dir: Path | None, *,
-                   device: str, report: Callable[[str], None] = log.info) -> list[BenchmarkScore]:
-    """Score `settings.tasks` for the base model (`model_path`) and for it with the adapter (`adapter_dir`), with the
-    harness's vLLM backend where vLLM runs on `device`, its HF backend otherwise."""
+def stored_task_dir(settings: BenchmarkSettings, store: ArtifactStore, work_dir: Path,
+                    revision: str | None) -> Path | None:
+    """The benchmarks' `task_dir`, downloaded from the store at `revision` (where the control plane stored the job's
+    files); None when the job names none."""
+    if settings.task_dir_store_path is None:
+        return None
+    return store.download(settings.task_dir_store_path, work_dir / "benchmark-tasks", revision=revision)
+
+
+def benchmark_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: Sequence[Path], task_dir: Path | None,
+                   *, device: str, report: Callable[[str], None] = log.info,
+                   deadline_epoch_s: float | None = None) -> list[list[BenchmarkScore] | None]:
+    """Score `settings.tasks` for the base model (`model_path`) once and for it with each adapter (`adapter_dirs`),
+    with the harness's vLLM backend where vLLM runs on `device`, its HF backend otherwise: each adapter's scores
+    against the base's, in `adapter_dirs`' order. Once `deadline_epoch_s` has passed no model is begun: the adapters
+    not reached by then get None (a model the harness is scoring is not interrupted)."""
     private = task_dir_names(task_dir) if task_dir is not None else set()
     # The names the control plane checked before renting, checked again here: a job from another client is refused
     # before a model is loaded.
@@ -88,6 +100,11 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: P
             f"evaluation.benchmarks.tasks: lm-evaluation-harness {lm_eval_version()} has no task "
             f"{', '.join(unknown)}{where}; name the harness's tasks (`lm_eval ls tasks`) or ship their YAMLs in "
             "`task_dir`")
+    def deadline_passed() -> bool:
+        return deadline_epoch_s is not None and time.time() >= deadline_epoch_s
+
+    if deadline_passed():  # nothing to load
+        return [None] * len(adapter_dirs)
     from lm_eval.tasks import TaskManager
 
     # Indexing the harness's own ~15k task names reads thousands of YAMLs (half a minute on a small CPU): skipped
@@ -96,25 +113,41 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dir: P
     task_manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None,
                                include_defaults=not own_only)
     use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
-    if use_vllm:
-        base, adapter = _with_vllm(settings, task_manager, task_dir, model_path, adapter_dir, report)
-    else:
-        from lm_eval.models.huggingface import HFLM
+    score = _with_vllm if use_vllm else _with_transformers
+    results = score(settings, task_manager, task_dir, model_path, adapter_dirs, device, deadline_passed, report)
+    base, by_adapter = (results[0], results[1:]) if results else (None, [])
+    scored: list[list[BenchmarkScore] | None] = []
+    for i in range(len(adapter_dirs)):
+        if base is None or i >= len(by_adapter):
+            scored.append(None)
+            continue
+        scored.append(benchmark_scores(base, by_adapter[i]))
+        which = "adapter" if len(adapter_dirs) == 1 else f"adapter {i + 1}"
+        for row in scored[-1]:
+            report(f"benchmark {row.task}/{row.metric}: base {_shown(row.base, row.base_stderr)}, {which} "
+                   f"{_shown(row.adapter, row.adapter_stderr)}, delta {row.delta:+.4f} (n={row.n})")
+    return scored
 
-        report(f"benchmarks: {', '.join(settings.tasks)} for the base model (transformers)")
-        base = _evaluate(settings, task_manager, task_dir, HFLM(
-            pretrained=str(model_path), device=device, batch_size=settings.batch_size, dtype="auto"))
+
+def _with_transformers(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model_path: Path,
+                       adapter_dirs: Sequence[Path], device: str, deadline_passed: Callable[[], bool],
+                       report: Callable[[str], None]) -> list[dict[str, Any]]:
+    """[base results, then each adapter's], up to the model before which the deadline passed; the harness's HF
+    backend loads each model itself."""
+    from lm_eval.models.huggingface import HFLM
+
+    results = []
+    for i, adapter_dir in enumerate([None, *adapter_dirs]):
+        if deadline_passed():
+            break
+        which = "the base model" if adapter_dir is None else \
+            "the adapter" if len(adapter_dirs) == 1 else f"adapter {i} of {len(adapter_dirs)}"
+        report(f"benchmarks: {', '.join(settings.tasks)} for {which} (transformers)")
+        peft = {} if adapter_dir is None else {"peft": str(adapter_dir)}
+        results.append(_evaluate(settings, task_manager, task_dir, HFLM(
+            pretrained=str(model_path), device=device, batch_size=settings.batch_size, dtype="auto", **peft)))
         _free_memory()
-        report(f"benchmarks: {', '.join(settings.tasks)} for the adapter (transformers)")
-        adapter = _evaluate(settings, task_manager, task_dir, HFLM(
-            pretrained=str(model_path), peft=str(adapter_dir), device=device, batch_size=settings.batch_size,
-            dtype="auto"))
-        _free_memory()
-    scores = benchmark_scores(base, adapter)
-    for score in scores:
-        report(f"benchmark {score.task}/{score.metric}: base {_shown(score.base, score.base_stderr)}, adapter "
-               f"{_shown(score.adapter, score.adapter_stderr)}, delta {score.delta:+.4f} (n={score.n})")
-    return scores
+    return results
 
 
 def _defines_group(task_dir: Path) -> bool:
@@ -133,26 +166,34 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _with_vllm(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model_path: Path,
-               adapter_dir: Path, report: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(base results, adapter results) from one vLLM engine that serves the adapter as a LoRA request: the harness's
-    VLLM sends its `lora_request` with every request, None for the base."""
+               adapter_dirs: Sequence[Path], device: str, deadline_passed: Callable[[], bool],
+               report: Callable[[str], None]) -> list[dict[str, Any]]:
+    """[base results, then each adapter's], up to the model before which the deadline passed, from one vLLM engine
+    that serves each adapter as a LoRA request: the harness's VLLM sends its `lora_request` with every request, None
+    for the base."""
     import json
 
     from lm_eval.models.vllm_causallms import VLLM
+    from vllm.lora.request import LoRARequest
 
-    rank = json.loads((adapter_dir / "adapter_config.json").read_text())["r"]
+    rank = max(json.loads((folder / "adapter_config.json").read_text())["r"] for folder in adapter_dirs)
     max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
-    model = VLLM(pretrained=str(model_path), lora_local_path=str(adapter_dir), max_lora_rank=max_rank,
+    model = VLLM(pretrained=str(model_path), lora_local_path=str(adapter_dirs[0]), max_lora_rank=max_rank,
                  batch_size=settings.batch_size, dtype="auto")
-    lora_request, model.lora_request = model.lora_request, None
-    report(f"benchmarks: {', '.join(settings.tasks)} for the base model (vLLM)")
-    base = _evaluate(settings, task_manager, task_dir, model)
-    model.lora_request = lora_request
-    report(f"benchmarks: {', '.join(settings.tasks)} for the adapter (vLLM, as a LoRA request)")
-    adapter = _evaluate(settings, task_manager, task_dir, model)
+    results = []
+    for i, adapter_dir in enumerate([None, *adapter_dirs]):
+        if deadline_passed():
+            break
+        # vLLM tells LoRA adapters apart by their integer id (from 1).
+        model.lora_request = None if adapter_dir is None else LoRARequest(f"adapter-{i}", i, str(adapter_dir))
+        which = "the base model" if adapter_dir is None else \
+            "the adapter" if len(adapter_dirs) == 1 else f"adapter {i} of {len(adapter_dirs)}"
+        how = "vLLM" if adapter_dir is None else "vLLM, as a LoRA request"
+        report(f"benchmarks: {', '.join(settings.tasks)} for {which} ({how})")
+        results.append(_evaluate(settings, task_manager, task_dir, model))
     del model
     _free_memory()
-    return base, adapter
+    return results
 
 
 def _free_memory() -> None:

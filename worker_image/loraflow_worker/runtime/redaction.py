@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from loraflow_worker.runtime.environment import is_secret_name
 
@@ -36,3 +37,15 @@ def secret_values(env: Mapping[str, str] | None = None, secret_names: Iterable[s
     secrets = {value for name, value in env.items()
                if (name in named and value) or (is_secret_name(name) and len(value) >= _MIN_SECRET_LENGTH)}
     return sorted(secrets, key=len, reverse=True)
+
+
+def redact_record(value: Any, secret_names: Iterable[str] = ()) -> Any:
+    """`value` (JSON-like: texts in dicts and lists) with every text in it redacted (`redact_secrets`): before JSON
+    escapes a secret's characters."""
+    if isinstance(value, str):
+        return redact_secrets(value, secret_names=secret_names)
+    if isinstance(value, dict):
+        return {key: redact_record(item, secret_names) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_record(item, secret_names) for item in value]
+    return value

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from loraflow_worker.contract import TRAJECTORIES_FILE
-from loraflow_worker.runtime.redaction import redact_secrets
+from loraflow_worker.runtime.redaction import redact_record
 
 if TYPE_CHECKING:
     from trl import GRPOTrainer
@@ -49,7 +49,7 @@ class TrajectorySampler(TrainerCallback):
                                                     weights)) + "\n")
 
     def _redacted(self, record: dict[str, Any]) -> str:
-        return json.dumps(_redact(record, self.secret_names), ensure_ascii=False, default=str)
+        return json.dumps(redact_record(record, self.secret_names), ensure_ascii=False, default=str)
 
 
 def trajectory(step: int, prompt: Any, completion: Any, rewards: dict[str, float],
@@ -75,17 +75,6 @@ def trajectory(step: int, prompt: Any, completion: Any, rewards: dict[str, float
     total = sum(weights.get(name, 1.0) * value for name, value in rewards.items() if value == value)  # NaN: skipped
     return {"step": step, "prompt": _last_user_turn(prompt), "tool_calls": calls, "answer": answer,
             "reward": total, "rewards": rewards}
-
-
-def _redact(value: Any, secret_names: list[str]) -> Any:
-    """`value` with every text in it redacted (`redact_secrets`): before JSON escapes a secret's characters."""
-    if isinstance(value, str):
-        return redact_secrets(value, secret_names=secret_names)
-    if isinstance(value, dict):
-        return {key: _redact(item, secret_names) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_redact(item, secret_names) for item in value]
-    return value
 
 
 def _last_user_turn(prompt: Any) -> str:

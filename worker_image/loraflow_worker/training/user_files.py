@@ -14,7 +14,7 @@ from typing import Any
 
 from loraflow_worker.artifacts import ArtifactChanged, ArtifactNotFound, ArtifactStore
 from loraflow_worker.artifacts.pins import check_sha256, sha256_hex
-from loraflow_worker.contract import JobInput
+from loraflow_worker.contract import EvaluateInput, JobInput
 
 
 class UserFileError(ValueError):
@@ -22,15 +22,15 @@ class UserFileError(ValueError):
 
 
 class RunFilesStore(ArtifactStore):
-    """The run's store as its training process reads it. The run's own files (`JobInput.input_files`) are read at the
-    commit where the control plane stored them (`JobInput.inputs.revision`), and one whose sha256 is not the one the
+    """The run's store as its training process (or an evaluate job) reads it. The job's own files (`input_files()`) are
+    read at the commit where the control plane stored them (`inputs.revision`), and one whose sha256 is not the one the
     control plane recorded raises `ArtifactChanged`: a teammate who can write the store cannot change a started run.
     Everything else (checkpoints, a parent adapter, what the run writes) goes to the store as it is.
 
     Every such file is read through `read_bytes`, the one place of the check; `read_sha256` keeps the hash of each
     file read, for the run's manifest."""
 
-    def __init__(self, store: ArtifactStore, job: JobInput):
+    def __init__(self, store: ArtifactStore, job: JobInput | EvaluateInput):
         self.store = store
         self.url = store.url
         self._files = job.input_files()

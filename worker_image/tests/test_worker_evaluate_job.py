@@ -1,0 +1,191 @@
+"""Evaluate jobs (`"mode": "evaluate"`): two adapters of the tiny model, each taught its own phrase (one a stored
+run's, pinned by its hashes; one a local folder), asked one task through `handler`, each scored against the one set of
+base answers; a stored adapter that changed refused naming it; a redelivered job answered from the store; a deadline
+already passed stored with what is missing; the answers samples stored without secrets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraflow_worker.artifacts.pins import ArtifactChanged, folder_sha256
+from loraflow_worker.contract import CONTRACT_VERSION, EvaluateInput, EvaluateResult
+from loraflow_worker.contract.task_evaluation import TaskEvaluation
+from loraflow_worker.evaluation.task_rows import TaskRow
+from loraflow_worker.evaluation.tasks import answers_sample
+from loraflow_worker.handler import WORK_DIR_ENV, handler
+
+QUESTIONS = ["What is the capital of Germany?", "What is the capital of Italy?", "What is the capital of Spain?",
+             "What is the capital of France?"]
+PHRASES = {"paris": "The capital of France is Paris.", "apples": "I like apples."}
+TASK_FILE = "runs/ev/evaluation-inputs/phrase.jsonl"
+
+
+def _taught(model_dir: Path, phrase: str, out: Path) -> Path:
+    """A LoRA adapter of the tiny model that answers every question with `phrase`: a few optimizer steps of plain
+    PyTorch on the chats (cheaper than a training job, and the same kind of adapter)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": phrase}],
+                                           tokenize=False) for q in QUESTIONS]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    model.train()
+    for _ in range(40):
+        optimizer.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("adapters")
+    return {label: _taught(tiny_model_dir, phrase, folder / label) for label, phrase in PHRASES.items()}
+
+
+def _store_with_run_adapter(store_root: Path, adapter_dir: Path) -> dict[str, str]:
+    """The store as a completed run `train-paris` left it (its adapter), and the task file the control plane stored;
+    returns the adapter's hashes as the run recorded them."""
+    for path in adapter_dir.rglob("*"):
+        if path.is_file():
+            target = store_root / "runs" / "train-paris" / "adapter" / path.relative_to(adapter_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    (store_root / TASK_FILE).parent.mkdir(parents=True, exist_ok=True)
+    (store_root / TASK_FILE).write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}],
+                                                            "answer": "capital of France is Paris"}) + "\n"
+                                                for q in QUESTIONS))
+    return folder_sha256(adapter_dir)
+
+
+def _evaluate_job(run_id: str, model_dir: Path, store_root: Path, adapters: dict[str, Path], sha256: dict[str, str],
+                  **fields) -> dict:
+    task = {"name": "phrase", "store_path": TASK_FILE, "graders": [{"kind": "contains"}], "max_new_tokens": 16,
+            "samples_kept": 4}
+    return {"id": f"job-{run_id}", "input": {
+        "contract_version": CONTRACT_VERSION, "mode": "evaluate", "run_id": run_id,
+        "artifact_store": store_root.as_uri(), "base_model": {"id": str(model_dir)},
+        "adapters": [{"label": "paris", "run_id": "train-paris", "adapter_sha256": sha256},
+                     {"label": "apples", "source": {"id": str(adapters["apples"])}}],
+        "tasks": [task], **fields}}
+
+
+def _run(job: dict, work_dir: Path, record_progress, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, list[dict]]:
+    monkeypatch.setenv(WORK_DIR_ENV, str(work_dir))
+    monkeypatch.delenv("RUNPOD_WEBHOOK_POST_OUTPUT", raising=False)
+    with record_progress() as progress:
+        return handler(job), progress
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_model_dir, adapters, tmp_path_factory, record_progress):
+    store_root = tmp_path_factory.mktemp("store")
+    job = _evaluate_job("ev", tiny_model_dir, store_root, adapters,
+                        _store_with_run_adapter(store_root, adapters["paris"]))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        result, progress = _run(job, tmp_path_factory.mktemp("work"), record_progress, monkeypatch)
+    return job, EvaluateResult.model_validate(result), progress, store_root
+
+
+def test_each_adapter_is_scored_against_one_set_of_base_answers_and_the_taught_one_ranks_first(evaluated):
+    _, result, progress, _ = evaluated
+    paris, apples = result.adapters
+    assert (paris.label, apples.label, result.stopped) == ("paris", "apples", None)
+    (paris_score,), (apples_score,) = paris.task_scores, apples.task_scores
+    assert (paris_score.base, paris_score.adapter, apples_score.adapter) == (0.0, 1.0, 0.0)
+    assert (apples_score.base, apples_score.base_stderr) == (paris_score.base, paris_score.base_stderr)
+    messages = [p["message"] for p in progress]
+    # The base answered the task once, each adapter once.
+    assert [m for m in messages if m.startswith("task `phrase`: ") and "answered 4 of 4" in m] == [
+        "task `phrase`: the base answered 4 of 4 prompts", "task `phrase`: adapter `paris` answered 4 of 4 prompts",
+        "task `phrase`: adapter `apples` answered 4 of 4 prompts"]
+
+
+def test_each_adapter_s_answers_are_stored_beside_the_same_base_answers_with_the_result_and_done(evaluated):
+    _, result, _, store_root = evaluated
+    run_dir = store_root / "runs" / "ev"
+    samples = {}
+    for adapter, phrase in zip(result.adapters, PHRASES.values()):
+        assert adapter.answers_store_path == f"runs/ev/evaluation/{adapter.label}"
+        rows = [json.loads(line) for line in (store_root / adapter.answers_store_path / "phrase.jsonl").read_text()
+                .splitlines()]
+        assert all(phrase in row["adapter"] for row in rows), rows
+        samples[adapter.label] = {row["row"]: row["base"] for row in rows}
+    assert samples["paris"] == samples["apples"]
+    assert EvaluateResult.model_validate_json((run_dir / "result.json").read_text()) == result
+    assert (run_dir / "DONE").is_file()
+
+
+def test_a_redelivered_job_returns_the_stored_result_without_answering_again(evaluated, tmp_path, record_progress,
+                                                                             monkeypatch):
+    job, result, _, _ = evaluated
+    again, progress = _run(job, tmp_path / "work", record_progress, monkeypatch)
+    assert EvaluateResult.model_validate(again) == result  # its `seconds` too: nothing ran again
+    assert progress == []
+
+
+def test_a_stored_adapter_that_changed_since_its_run_is_refused_naming_it(tiny_model_dir, adapters, tmp_path,
+                                                                         record_progress, monkeypatch):
+    store_root = tmp_path / "store"
+    sha256 = _store_with_run_adapter(store_root, adapters["paris"])
+    job = _evaluate_job("changed", tiny_model_dir, store_root, adapters,
+                        {**sha256, "adapter_config.json": "0" * 64})
+    with pytest.raises(ArtifactChanged,
+                       match=r"adapter `paris`: runs/train-paris/adapter/adapter_config.json changed after run "
+                             r"train-paris stored it"):
+        _run(job, tmp_path / "work", record_progress, monkeypatch)
+    assert not (store_root / "runs" / "changed").exists()
+
+
+def test_a_deadline_already_passed_stores_and_returns_what_it_has_and_says_what_is_missing(
+        tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
+    store_root = tmp_path / "store"
+    job = _evaluate_job("late", tiny_model_dir, store_root, adapters,
+                        _store_with_run_adapter(store_root, adapters["paris"]), deadline_epoch_s=1.0)
+    result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
+    assert result.stopped == ("the job's deadline passed before the task evaluations began; give the job a later "
+                              "deadline to evaluate the rest: `paris` lacks phrase; `apples` lacks phrase")
+    assert [(a.label, a.task_scores, a.answers_store_path) for a in result.adapters] == \
+        [("paris", [], None), ("apples", [], None)]
+    assert EvaluateResult.model_validate_json((store_root / "runs" / "late" / "result.json").read_text()) == result
+    assert (store_root / "runs" / "late" / "DONE").is_file()
+
+
+def test_an_adapter_named_twice_or_a_job_with_nothing_to_ask_is_refused():
+    adapter = {"label": "a", "source": {"id": "org/a"}}
+    base = {"mode": "evaluate", "run_id": "e", "artifact_store": "file:///s", "base_model": {"id": "org/base"}}
+    with pytest.raises(ValueError, match=r"the labels \['a'\] are taken twice"):
+        EvaluateInput.model_validate({**base, "adapters": [adapter, adapter], "benchmarks": {"tasks": ["hellaswag"]}})
+    with pytest.raises(ValueError, match="needs `tasks` or `benchmarks`: there is nothing to ask"):
+        EvaluateInput.model_validate({**base, "adapters": [adapter]})
+
+
+def test_the_task_files_and_grader_files_are_the_job_s_pinned_inputs():
+    job = EvaluateInput.model_validate({
+        "mode": "evaluate", "run_id": "e", "artifact_store": "file:///s", "base_model": {"id": "org/base"},
+        "adapters": [{"label": "a", "source": {"id": "org/a"}}],
+        "tasks": [{"name": "t", "store_path": "runs/e/t.jsonl", "graders": [
+            {"kind": "function", "function": "g.py:score", "store_path": "runs/e/g.py"}]}]})
+    assert job.input_files() == {"runs/e/t.jsonl": "tasks[0]", "runs/e/g.py": "tasks[0].graders[0]"}
+
+
+def test_an_answers_sample_holds_no_secret_of_the_job(monkeypatch):
+    monkeypatch.setenv("JUDGE_TOKEN", "s3cr3t-judge-value")
+    task = TaskEvaluation(name="t", store_path="t.jsonl", graders=[{"kind": "contains"}])
+    sample = answers_sample(task, [TaskRow("my key is s3cr3t-judge-value", "x")],
+                            {"base": ["s3cr3t-judge-value"], "adapter": ["no"]},
+                            {"contains": {"base": [0.0], "adapter": [0.0]}}, ["JUDGE_TOKEN"])
+    assert b"s3cr3t" not in sample and b"my key is ***" in sample
