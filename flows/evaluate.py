@@ -253,14 +253,10 @@ def ask_endpoint(spec: EvaluateSpec, run_id: str) -> EvaluateResult:
 
 
 def _endpoint_task(task_spec, copy: Path) -> EndpointTask:
-    """One task's checked rows (at most `max_samples`), its prompts as messages, graders and sampling."""
+    """One task's checked rows (at most `max_samples`), their prompts, graders and sampling."""
     rows = [json.loads(line) for line in copy.read_text(encoding="utf-8").splitlines() if line.strip()]
     rows = rows[:task_spec.max_samples]
-    prompts = []
-    for row in rows:
-        prompt = task_prompt(row, task_spec.name)
-        prompts.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
-    return EndpointTask(name=task_spec.name, rows=rows, prompts=prompts, graders=task_spec.grader_settings(),
+    return EndpointTask(name=task_spec.name, rows=rows, prompts=[task_prompt(row, task_spec.name) for row in rows], graders=task_spec.grader_settings(),
                         max_new_tokens=task_spec.max_new_tokens, temperature=task_spec.temperature,
                         top_p=task_spec.top_p)
 

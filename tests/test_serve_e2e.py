@@ -112,12 +112,13 @@ ENDPOINT_KEY_BLOCK = "e2e-endpoint-key"
 
 def write_evaluate_file(folder: Path, *, name: str, model: Path, store: Path, adapters: list[dict], word: str,
                         **evaluate) -> Path:
-    """An evaluate file of two tasks over the training questions: one whose answer is `PHRASE`, then one whose answer
-    is the answerer adapter's `word`, each graded by `contains`."""
+    """An evaluate file of two tasks over the training questions, as chats (as the phrase was trained): one whose
+    answer is `PHRASE`, then one whose answer is the answerer adapter's `word`, each graded by `contains`."""
     tasks = []
     for task, answer in (("phrase", PHRASE), ("word", word.strip())):
         rows = folder / f"{task}.jsonl"
-        rows.write_text("".join(json.dumps({"prompt": q, "answer": answer}) + "\n" for q in QUESTIONS[:6]))
+        rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}], "answer": answer}) + "\n"
+                                for q in QUESTIONS[:6]))
         tasks.append(f'[[evaluate.tasks]]\nname = "{task}"\nlocal_file = "{rows}"\ngraders = ["contains"]\n'
                      "max_new_tokens = 16\n")
     lines = [f'name = "{name}"', f'artifact_store = "file://{store}"', "budget_usd = 5", "[evaluate]",
@@ -225,7 +226,7 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
             adapters=[{"name": "phrase", "source": f"runs/{trained['run_id']}"},
                       {"name": "answerer", "source": str(answerer["folder"])}],
             openai_base_url=base_url, openai_api_key_secret=ENDPOINT_KEY_BLOCK))
-        assert [label for label, _ in rows] == ["phrase", "base", "answerer"]
+        assert [label for label, _ in rows] == ["phrase", "base", "answerer"], rows
         assert score(rows, "phrase", "task:phrase/contains") > 0.8
         assert score(rows, "answerer", "task:word/contains") > 0.8
 
@@ -278,7 +279,7 @@ def test_an_evaluate_run_of_two_adapters_ranks_them_as_their_phrases_say_on_one_
         adapters=[{"name": "answerer", "source": str(answerer["folder"])},
                   {"name": "phrase", "source": f"runs/{trained['run_id']}"}]))
     # Ranked by the first task (the phrase), best first, the base a row; the second task is the answerer's.
-    assert [label for label, _ in rows] == ["phrase", "base", "answerer"]
+    assert [label for label, _ in rows] == ["phrase", "base", "answerer"], rows
     assert score(rows, "phrase", "task:phrase/contains") > 0.8 > score(rows, "base", "task:phrase/contains")
     assert score(rows, "answerer", "task:word/contains") > 0.8 > score(rows, "phrase", "task:word/contains")
     # One GPU endpoint, named for the evaluation, deleted; its slot back.

@@ -38,7 +38,9 @@ class EndpointTask:
 
     name: str
     rows: list[dict[str, Any]]
-    prompts: list[list[dict[str, Any]]]
+    prompts: list[str | list[dict[str, Any]]]
+    """Each row's prompt: messages (a chat, asked through `/chat/completions`, rendered by the served model's chat
+    template) or text (asked through `/completions` as it is), as the worker answers them."""
     graders: list[GraderSettings]
     max_new_tokens: int
     temperature: float
@@ -85,16 +87,18 @@ def check_served_models(client: httpx.Client, wanted: dict[str, str]) -> None:
                               f"{'; '.join(missing)}: name the models as the serve names them (an adapter's `name`)")
 
 
-def ask(client: httpx.Client, model: str, prompt: list[dict[str, Any]], task: EndpointTask) -> str:
-    """One answer of `model` to `prompt`."""
-    response = client.post("chat/completions", json={
-        "model": model, "messages": prompt, "max_tokens": task.max_new_tokens, "temperature": task.temperature,
-        "top_p": task.top_p})
+def ask(client: httpx.Client, model: str, prompt: str | list[dict[str, Any]], task: EndpointTask) -> str:
+    """One answer of `model` to `prompt` (messages: a chat; text: a completion of it), stripped as the worker's."""
+    chat = not isinstance(prompt, str)
+    response = client.post("chat/completions" if chat else "completions", json={
+        "model": model, ("messages" if chat else "prompt"): prompt, "max_tokens": task.max_new_tokens,
+        "temperature": task.temperature, "top_p": task.top_p})
     if response.status_code >= 400:
         raise EndpointRefused(f"{model} did not answer a prompt of task {task.name}: HTTP {response.status_code} "
                               f"{response.text[:300]}")
-    content = response.json()["choices"][0]["message"].get("content")
-    return content if isinstance(content, str) else ""
+    choice = response.json()["choices"][0]
+    content = choice["message"].get("content") if chat else choice.get("text")
+    return content.strip() if isinstance(content, str) else ""
 
 
 def answers_of(client: httpx.Client, model: str, task: EndpointTask) -> list[str]:
