@@ -45,10 +45,9 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-from pydantic import ValidationError
 
 from flows.forms.evaluate import SECTION, EvaluateSpec, load_evaluate_file
-from flows.forms.run import SpecError, describe_validation_error
+from flows.forms.run import SpecError
 from flows.train_check import check_task_inputs, job_tasks
 from tasks.jobs.endpoint_evaluation import (
     EndpointTask,
@@ -74,7 +73,7 @@ from tasks.reports import events
 from tasks.reports.leaderboard import Leaderboard, leaderboard
 from tasks.reports.summary import tag_run
 from tasks.runpod.catalog import cuda_floor, resolve_gpu
-from tasks.settings import Settings
+from tasks.settings import Settings, startup_problem
 from tasks.storage.artifacts import publish_run_inputs
 from tasks.storage.run_files import RunFile, read_run_files
 from tasks.storage.served_adapters import is_local_path, max_lora_rank, resolve_adapter
@@ -277,21 +276,16 @@ def report_leaderboard(spec: EvaluateSpec, run_id: str, result: EvaluateResult) 
     return board
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m flows.evaluate EVALUATE_FILE.toml", file=sys.stderr)
-        return 2
-    try:
-        spec = load_evaluate_file(argv[0])
-    except SpecError as e:
-        print(e, file=sys.stderr)
-        return 2
-    except ValidationError as e:
-        print(describe_validation_error(e, argv[0]), file=sys.stderr)
-        return 2
-    evaluate(spec)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python -m flows.evaluate EVALUATE_FILE.toml")
+    try:
+        evaluate_spec = load_evaluate_file(sys.argv[1])
+    except SpecError as e:
+        sys.exit(str(e))
+    # Asking a serving endpoint rents nothing: it needs neither the RunPod key nor the worker image.
+    if evaluate_spec.evaluate.openai_base_url is None and (problem := startup_problem(worker_image=True)):
+        sys.exit(problem)
+    final = evaluate(evaluate_spec, return_state=True)
+    print(f"flow run {final.state_details.flow_run_id}: {final.name}", flush=True)
+    sys.exit(0 if final.is_completed() else 1)
