@@ -95,6 +95,15 @@ def test_an_api_key_without_its_base_url_is_refused():
     assert "openai_api_key_secret is the key of openai_base_url" in refusal(openai_api_key_secret="my-key")
 
 
+def test_an_api_key_block_of_the_servers_own_is_refused_before_it_is_read_naming_the_field():
+    from tasks.jobs.endpoint_evaluation import EndpointRefused, read_api_key
+    from tasks.settings import Settings
+
+    with pytest.raises(EndpointRefused, match=r"^evaluate\.openai_api_key_secret: the Prefect Secret block "
+                       r"'runpod-api-key' is this server's own"):
+        read_api_key("runpod-api-key", Settings())
+
+
 def test_the_task_files_are_named_under_evaluate_and_stored_where_a_runs_are(tmp_path):
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Say it", "answer": "blue"}) + "\n")
     (tmp_path / "graders.py").write_text(GRADER)
