@@ -38,7 +38,8 @@ import uuid
 from pathlib import Path
 
 from huggingface_hub.errors import HfHubHTTPError
-from loraflow_worker.contract import ModelSource
+from loraflow_worker.artifacts import open_store
+from loraflow_worker.contract import ModelSource, run_prefix
 from loraflow_worker.contract.evaluate import EvaluateInput, EvaluateResult
 from loraflow_worker.contract.task_evaluation import task_prompt
 from prefect import flow, get_run_logger, task
@@ -55,6 +56,7 @@ from tasks.jobs.endpoint_evaluation import (
     endpoint_client,
     evaluate_endpoint,
     read_api_key,
+    store_endpoint_results,
 )
 from tasks.jobs.evaluate import EvaluatePlan, evaluated_adapter, run_evaluate_job
 from tasks.jobs.training import existing_volume_ids
@@ -228,7 +230,8 @@ def rent_and_evaluate(plan: EvaluatePlan, env: dict[str, str]) -> EvaluateResult
 @task(name="ask-endpoint", cache_policy=NO_CACHE)
 def ask_endpoint(spec: EvaluateSpec, run_id: str) -> EvaluateResult:
     """`openai_base_url`: the task files checked as a run's, the endpoint's models checked, every prompt asked of
-    the base and each adapter there and graded here by the built-in graders (`tasks/jobs/endpoint_evaluation.py`)."""
+    the base and each adapter there and graded here by the built-in graders (`tasks/jobs/endpoint_evaluation.py`);
+    the answers and scores stored under `runs/<run_id>/` as a rented job stores them."""
     logger, settings = get_run_logger(), Settings()
     evaluate = spec.evaluate
     check_server_rules(spec.local_paths(), artifact_store=spec.artifact_store, hub_token_secret=spec.hub_token_secret,
@@ -247,8 +250,13 @@ def ask_endpoint(spec: EvaluateSpec, run_id: str) -> EvaluateResult:
         logger.info("Asking %s: %d task(s) of %s and %d adapter(s) (%s)", evaluate.openai_base_url, len(tasks),
                     evaluate.base_model, len(wanted) - 1, ", ".join(f"{t.name}: {inputs.rows[t.name]} prompts"
                                                                     for t in tasks))
-        return evaluate_endpoint(client, run_id, evaluate.base_model, evaluate.labels(), tasks,
-                                 say=lambda line: logger.info("Evaluate: %s", line))
+        result, answers = evaluate_endpoint(client, run_id, evaluate.base_model, evaluate.labels(), tasks,
+                                            say=lambda line: logger.info("Evaluate: %s", line))
+    store_url = spec.artifact_store
+    store_endpoint_results(open_store(store_url, settings.store_token(store_url, spec.hub_token_secret),
+                                      endpoint=settings.hf_endpoint), result, answers)
+    logger.info("Answers and scores stored in %s/%s", store_url, run_prefix(run_id))
+    return result
 
 
 def _endpoint_task(task_spec, copy: Path) -> EndpointTask:

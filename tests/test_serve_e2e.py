@@ -131,14 +131,15 @@ def write_evaluate_file(folder: Path, *, name: str, model: Path, store: Path, ad
     return path
 
 
-def run_evaluate(stack, evaluate_file: Path, timeout_s: float = UP_S) -> list[tuple[str, str]]:
-    """`python -m flows.evaluate EVALUATE_FILE` against the stack; the leaderboard's rows as it printed them: (label,
-    the scores)."""
+def run_evaluate(stack, evaluate_file: Path, timeout_s: float = UP_S) -> tuple[list[tuple[str, str]], str]:
+    """`python -m flows.evaluate EVALUATE_FILE` against the stack; the leaderboard's rows as it printed them (label,
+    the scores), and its flow run's id."""
     proc = subprocess.run([sys.executable, "-m", "flows.evaluate", str(evaluate_file)], cwd=REPO,
                           env=flow_env(stack), capture_output=True, text=True, timeout=timeout_s)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-5000:]
-    return re.findall(r"\b\d+\. ([\w./-]+): (task:.*)$", output, re.M)
+    run_id = re.search(r"flow run ([0-9a-f-]{36}): Completed", output)[1]
+    return re.findall(r"\b\d+\. ([\w./-]+): (task:.*)$", output, re.M), run_id
 
 
 def score(rows: list[tuple[str, str]], label: str, metric: str) -> float:
@@ -221,7 +222,7 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
 
         with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
             Secret(value=local_stack.client_env["RUNPOD_API_KEY"]).save(ENDPOINT_KEY_BLOCK, overwrite=True)
-        rows = run_evaluate(local_stack, write_evaluate_file(
+        rows, evaluate_id = run_evaluate(local_stack, write_evaluate_file(
             tmp_path, name="e2e-served", model=tiny_model, store=trained["store"], word=answerer["word"],
             adapters=[{"name": "phrase", "source": f"runs/{trained['run_id']}"},
                       {"name": "answerer", "source": str(answerer["folder"])}],
@@ -229,6 +230,13 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         assert [label for label, _ in rows] == ["phrase", "base", "answerer"], rows
         assert score(rows, "phrase", "task:phrase/contains") > 0.8
         assert score(rows, "answerer", "task:word/contains") > 0.8
+        # Stored as a rented job stores them: the scores, each adapter's answers beside the base's, DONE.
+        stored = trained["store"] / "runs" / evaluate_id
+        assert (stored / "DONE").exists() and len(json.loads((stored / "result.json").read_text())["adapters"]) == 2
+        answers = [json.loads(line) for line in (stored / "evaluation" / "phrase" / "phrase.jsonl").read_text()
+                   .splitlines()]
+        assert len(answers) == 6 and all(a["answer"] == PHRASE and "base" in a for a in answers)
+        assert any(PHRASE in a["adapter"] and a["scores"]["contains"]["adapter"] == 1.0 for a in answers)
 
         # One endpoint of RunPod's vLLM worker, its two workers' slots held on the limit while it lives.
         [endpoint] = [e for e in serve_endpoints(local_stack, "e2e-serve") if e["deletedAt"] is None]
@@ -274,7 +282,7 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
 def test_an_evaluate_run_of_two_adapters_ranks_them_as_their_phrases_say_on_one_rented_worker_deleted_after(
         local_stack, tiny_model, trained, answerer, tmp_path):
     slots_before = endpoint_slots_in_use(local_stack)
-    rows = run_evaluate(local_stack, write_evaluate_file(
+    rows, _ = run_evaluate(local_stack, write_evaluate_file(
         tmp_path, name="e2e-evaluate", model=tiny_model, store=trained["store"], word=answerer["word"],
         adapters=[{"name": "answerer", "source": str(answerer["folder"])},
                   {"name": "phrase", "source": f"runs/{trained['run_id']}"}]))

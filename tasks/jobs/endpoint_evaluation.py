@@ -9,6 +9,7 @@ The result is an `EvaluateResult`, as the rented job's, so one leaderboard ranks
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from loraflow_worker.artifacts import ArtifactStore
+from loraflow_worker.contract import run_prefix
 from loraflow_worker.contract.evaluate import AdapterScores, EvaluateResult
 from loraflow_worker.contract.task_evaluation import GraderSettings, task_score
 from loraflow_worker.evaluation.graders import grade_builtin
@@ -107,11 +110,16 @@ def answers_of(client: httpx.Client, model: str, task: EndpointTask) -> list[str
 
 
 def evaluate_endpoint(client: httpx.Client, run_id: str, base_model: str, labels: list[str],
-                      tasks: list[EndpointTask], say: Callable[[str], None] = lambda _: None) -> EvaluateResult:
+                      tasks: list[EndpointTask], say: Callable[[str], None] = lambda _: None,
+                      ) -> tuple[EvaluateResult, dict[str, bytes]]:
     """Ask every task of the base (`base_model`, its model name) and of each adapter (`labels`, their model names),
-    grade each answer, and score each adapter against the base's answers."""
+    grade each answer, and score each adapter against the base's answers. Also: the answers, as the worker stores
+    them (`runs/<run_id>/evaluation/<label>/<task>.jsonl`: each row's prompt, expected answer, the base's and the
+    adapter's answers and their scores), by store path."""
     began = time.monotonic()
-    scores: dict[str, AdapterScores] = {label: AdapterScores(label=label) for label in labels}
+    folder = f"{run_prefix(run_id)}/evaluation"
+    scores = {label: AdapterScores(label=label, answers_store_path=f"{folder}/{label}") for label in labels}
+    stored: dict[str, bytes] = {}
     for task in tasks:
         expected = [row.get("answer") for row in task.rows]
         say(f"task {task.name}: {len(task.prompts)} prompts of {base_model}")
@@ -120,7 +128,19 @@ def evaluate_endpoint(client: httpx.Client, run_id: str, base_model: str, labels
         for label in labels:
             say(f"task {task.name}: {len(task.prompts)} prompts of {label}")
             answers = answers_of(client, label, task)
-            for grader in task.graders:
-                scores[label].task_scores.append(task_score(task.name, grader.label, base[grader.label],
-                                                            grade_builtin(grader, answers, expected)))
-    return EvaluateResult(run_id=run_id, adapters=list(scores.values()), seconds=time.monotonic() - began)
+            graded = {g.label: grade_builtin(g, answers, expected) for g in task.graders}
+            scores[label].task_scores += [task_score(task.name, g, base[g], graded[g]) for g in graded]
+            stored[f"{folder}/{label}/{task.name}.jsonl"] = "".join(json.dumps({
+                "row": i + 1, "prompt": prompt, "answer": want, "base": base_answers[i], "adapter": answers[i],
+                "scores": {g: {"base": base[g][i], "adapter": graded[g][i]} for g in graded}}) + "\n"
+                for i, (prompt, want) in enumerate(zip(task.prompts, expected, strict=True))).encode()
+    result = EvaluateResult(run_id=run_id, adapters=list(scores.values()), seconds=time.monotonic() - began)
+    return result, stored
+
+
+def store_endpoint_results(store: ArtifactStore, result: EvaluateResult, answers: dict[str, bytes]) -> None:
+    """The answers and `result.json` under `runs/<run_id>/` of the store, in one commit, `DONE` last as a job's."""
+    prefix = run_prefix(result.run_id)
+    store.put(answers | {f"{prefix}/result.json": result.model_dump_json(indent=2).encode()},
+              message=f"loraflow evaluate {result.run_id}: answers and scores")
+    store.put({f"{prefix}/DONE": b""}, message=f"loraflow evaluate {result.run_id}: done")
