@@ -282,7 +282,7 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
 def test_an_evaluate_run_of_two_adapters_ranks_them_as_their_phrases_say_on_one_rented_worker_deleted_after(
         local_stack, tiny_model, trained, answerer, tmp_path):
     slots_before = endpoint_slots_in_use(local_stack)
-    rows, _ = run_evaluate(local_stack, write_evaluate_file(
+    rows, evaluate_id = run_evaluate(local_stack, write_evaluate_file(
         tmp_path, name="e2e-evaluate", model=tiny_model, store=trained["store"], word=answerer["word"],
         adapters=[{"name": "answerer", "source": str(answerer["folder"])},
                   {"name": "phrase", "source": f"runs/{trained['run_id']}"}]))
@@ -290,6 +290,10 @@ def test_an_evaluate_run_of_two_adapters_ranks_them_as_their_phrases_say_on_one_
     assert [label for label, _ in rows] == ["phrase", "base", "answerer"], rows
     assert score(rows, "phrase", "task:phrase/contains") > 0.8 > score(rows, "base", "task:phrase/contains")
     assert score(rows, "answerer", "task:word/contains") > 0.8 > score(rows, "phrase", "task:word/contains")
+    # The run's page: the leaderboard as a table, best first, each score with its standard error.
+    table = artifacts(local_stack, evaluate_id)["evaluate-e2e-evaluate-leaderboard"]["data"]
+    assert "Ranked by `task:phrase/contains`" in table
+    assert re.search(r"^\| 1 \| phrase \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|$", table, re.M), table
     # One GPU endpoint, named for the evaluation, deleted; its slot back.
     endpoints = [e for e in localpod_account(local_stack)["endpoints"]
                  if (parsed := parse_endpoint_name(e["name"])) and parsed.label == "eval-e2e-evaluate"]
