@@ -150,18 +150,54 @@ def test_a_stored_adapter_that_changed_since_its_run_is_refused_naming_it(tiny_m
     assert not (store_root / "runs" / "changed").exists()
 
 
+def test_a_task_file_changed_since_the_control_plane_stored_it_is_refused_before_a_model_loads(
+        tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
+    store_root = tmp_path / "store"
+    job = _evaluate_job("moved", tiny_model_dir, store_root, adapters,
+                        _store_with_run_adapter(store_root, adapters["paris"]), inputs={"sha256": {TASK_FILE: "0" * 64}})
+    with pytest.raises(ArtifactChanged, match=rf"{TASK_FILE} changed after the control plane stored it for the run "
+                                              r"\(tasks\[0\]\)"):
+        _run(job, tmp_path / "work", record_progress, monkeypatch)
+
+
 def test_a_deadline_already_passed_stores_and_returns_what_it_has_and_says_what_is_missing(
         tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
     store_root = tmp_path / "store"
     job = _evaluate_job("late", tiny_model_dir, store_root, adapters,
-                        _store_with_run_adapter(store_root, adapters["paris"]), deadline_epoch_s=1.0)
+                        _store_with_run_adapter(store_root, adapters["paris"]), deadline_epoch_s=1.0,
+                        benchmarks={"tasks": ["hellaswag"]})
     result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
     assert result.stopped == ("the job's deadline passed before the task evaluations began; give the job a later "
-                              "deadline to evaluate the rest: `paris` lacks phrase; `apples` lacks phrase")
-    assert [(a.label, a.task_scores, a.answers_store_path) for a in result.adapters] == \
-        [("paris", [], None), ("apples", [], None)]
+                              "deadline to evaluate the rest: `paris` lacks phrase; `apples` lacks phrase; the job's "
+                              "deadline passed before the benchmarks of paris, apples began; give the job a later "
+                              "deadline to run them")
+    assert [(a.label, a.task_scores, a.benchmark_scores, a.answers_store_path) for a in result.adapters] == \
+        [("paris", [], [], None), ("apples", [], [], None)]
     assert EvaluateResult.model_validate_json((store_root / "runs" / "late" / "result.json").read_text()) == result
     assert (store_root / "runs" / "late" / "DONE").is_file()
+
+
+def test_a_grader_that_fails_stores_the_answers_scored_so_far_and_says_why(tiny_model_dir, adapters, tmp_path,
+                                                                          record_progress, monkeypatch):
+    store_root = tmp_path / "store"
+    job = _evaluate_job("failing", tiny_model_dir, store_root, adapters,
+                        _store_with_run_adapter(store_root, adapters["paris"]))
+    grader_file = "runs/failing/evaluation-inputs/graders.py"
+    (store_root / grader_file).parent.mkdir(parents=True, exist_ok=True)
+    # The grader quotes the job's secret in its error: the result says why it stopped without it.
+    (store_root / grader_file).write_text("import os\n\ndef broken(prompts, completions, **kwargs):\n"
+                                          "    raise KeyError(os.environ['EVAL_JUDGE_KEY'])\n")
+    monkeypatch.setenv("EVAL_JUDGE_KEY", "judge-key-value")
+    job["input"]["worker_secret_names"] = ["EVAL_JUDGE_KEY"]
+    job["input"]["tasks"][0]["max_new_tokens"] = 2  # what is scored does not matter here: that it is kept does
+    job["input"]["tasks"].append({"name": "second", "store_path": TASK_FILE, "max_new_tokens": 1, "graders": [
+        {"kind": "function", "function": "graders.py:broken", "store_path": grader_file}]})
+    result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
+    assert result.stopped == ("the task evaluations failed (GraderError: task `second`, grader `broken` "
+                              "(graders.py:broken) raised KeyError: '***'): `paris` lacks second; `apples` lacks second")
+    assert "judge-key-value" not in (store_root / "runs" / "failing" / "result.json").read_text()
+    assert [[s.metric for s in a.task_scores] for a in result.adapters] == [["task:phrase/contains"]] * 2
+    assert (store_root / "runs" / "failing" / "evaluation" / "apples" / "phrase.jsonl").is_file()
 
 
 def test_an_adapter_named_twice_or_a_job_with_nothing_to_ask_is_refused():
@@ -180,6 +216,8 @@ def test_the_task_files_and_grader_files_are_the_job_s_pinned_inputs():
         "tasks": [{"name": "t", "store_path": "runs/e/t.jsonl", "graders": [
             {"kind": "function", "function": "g.py:score", "store_path": "runs/e/g.py"}]}]})
     assert job.input_files() == {"runs/e/t.jsonl": "tasks[0]", "runs/e/g.py": "tasks[0].graders[0]"}
+    with pytest.raises(ValueError, match=r"no sha256 for tasks\[0\].graders\[0\] \(runs/e/g.py\)"):
+        EvaluateInput.model_validate({**job.model_dump(), "inputs": {"sha256": {"runs/e/t.jsonl": "0" * 64}}})
 
 
 def test_an_answers_sample_holds_no_secret_of_the_job(monkeypatch):

@@ -135,6 +135,17 @@ class EvaluateInput(_Strict):
             raise ValueError("an evaluate job needs `tasks` or `benchmarks`: there is nothing to ask")
         return self
 
+    @model_validator(mode="after")
+    def _every_file_pinned(self) -> "EvaluateInput":
+        # A file the job names but the pins leave out would be read unchecked.
+        if self.inputs is not None:
+            missing = [f"{field} ({path})" for path, field in self.input_files().items()
+                       if path not in self.inputs.sha256]
+            if missing:
+                raise ValueError(f"no sha256 for {', '.join(missing)}: the control plane pins every file it stores "
+                                 "for the job; give each store path's hash in `inputs.sha256`")
+        return self
+
 
 class AdapterScores(_Strict):
     """One adapter's scores: each against the same base answers (`TaskScore.base` is the base's for every adapter)."""

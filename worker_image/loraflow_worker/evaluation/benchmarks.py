@@ -12,6 +12,7 @@ data files they name relative to that folder.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -84,12 +85,13 @@ def benchmark_device() -> str:
 
 
 def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: Sequence[Path], task_dir: Path | None,
-                   *, device: str, report: Callable[[str], None] = log.info,
-                   deadline_epoch_s: float | None = None) -> list[list[BenchmarkScore] | None]:
+                   *, device: str, report: Callable[[str], None] = log.info, deadline_epoch_s: float | None = None,
+                   seed: int | None = None) -> list[list[BenchmarkScore] | None]:
     """Score `settings.tasks` for the base model (`model_path`) once and for it with each adapter (`adapter_dirs`),
     with the harness's vLLM backend where vLLM runs on `device`, its HF backend otherwise: each adapter's scores
     against the base's, in `adapter_dirs`' order. Once `deadline_epoch_s` has passed no model is begun: the adapters
-    not reached by then get None (a model the harness is scoring is not interrupted)."""
+    not reached by then get None (a model the harness is scoring is not interrupted). `seed`: the harness's seeds
+    (None: its defaults)."""
     private = task_dir_names(task_dir) if task_dir is not None else set()
     # The names the control plane checked before renting, checked again here: a job from another client is refused
     # before a model is loaded.
@@ -114,7 +116,8 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: 
                                include_defaults=not own_only)
     use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
     score = _with_vllm if use_vllm else _with_transformers
-    results = score(settings, task_manager, task_dir, model_path, adapter_dirs, device, deadline_passed, report)
+    evaluate = functools.partial(_evaluate, settings, task_manager, task_dir, seed=seed)
+    results = score(evaluate, settings, model_path, adapter_dirs, device, deadline_passed, report)
     base, by_adapter = (results[0], results[1:]) if results else (None, [])
     scored: list[list[BenchmarkScore] | None] = []
     for i in range(len(adapter_dirs)):
@@ -129,7 +132,7 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: 
     return scored
 
 
-def _with_transformers(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model_path: Path,
+def _with_transformers(evaluate: Callable[[Any], dict[str, Any]], settings: BenchmarkSettings, model_path: Path,
                        adapter_dirs: Sequence[Path], device: str, deadline_passed: Callable[[], bool],
                        report: Callable[[str], None]) -> list[dict[str, Any]]:
     """[base results, then each adapter's], up to the model before which the deadline passed; the harness's HF
@@ -144,7 +147,7 @@ def _with_transformers(settings: BenchmarkSettings, task_manager: Any, task_dir:
             "the adapter" if len(adapter_dirs) == 1 else f"adapter {i} of {len(adapter_dirs)}"
         report(f"benchmarks: {', '.join(settings.tasks)} for {which} (transformers)")
         peft = {} if adapter_dir is None else {"peft": str(adapter_dir)}
-        results.append(_evaluate(settings, task_manager, task_dir, HFLM(
+        results.append(evaluate(HFLM(
             pretrained=str(model_path), device=device, batch_size=settings.batch_size, dtype="auto", **peft)))
         _free_memory()
     return results
@@ -165,7 +168,7 @@ VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """The `max_lora_rank` values vLLM accepts; it refuses a LoRA request above the one it was started with."""
 
 
-def _with_vllm(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model_path: Path,
+def _with_vllm(evaluate: Callable[[Any], dict[str, Any]], settings: BenchmarkSettings, model_path: Path,
                adapter_dirs: Sequence[Path], device: str, deadline_passed: Callable[[], bool],
                report: Callable[[str], None]) -> list[dict[str, Any]]:
     """[base results, then each adapter's], up to the model before which the deadline passed, from one vLLM engine
@@ -190,7 +193,7 @@ def _with_vllm(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | 
             "the adapter" if len(adapter_dirs) == 1 else f"adapter {i} of {len(adapter_dirs)}"
         how = "vLLM" if adapter_dir is None else "vLLM, as a LoRA request"
         report(f"benchmarks: {', '.join(settings.tasks)} for {which} ({how})")
-        results.append(_evaluate(settings, task_manager, task_dir, model))
+        results.append(evaluate(model))
     del model
     _free_memory()
     return results
@@ -205,16 +208,19 @@ def _free_memory() -> None:
             torch.cuda.empty_cache()
 
 
-def _evaluate(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model: Any) -> dict[str, Any]:
+def _evaluate(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model: Any, *,
+              seed: int | None = None) -> dict[str, Any]:
     from lm_eval import simple_evaluate
 
+    seeds = {} if seed is None else {name: seed for name in (
+        "random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")}
     # A private task's `data_files` are relative paths: the harness's datasets read them from the working folder.
     with contextlib.chdir(task_dir) if task_dir is not None else contextlib.nullcontext():
         # bootstrap_iters: the standard error of a metric that is not a mean (perplexity, F1, BLEU) is bootstrapped;
         # 1000 draws (the harness's default is 100000, in a pool of every CPU) give it to two digits in seconds.
         results = simple_evaluate(model=model, tasks=list(settings.tasks), num_fewshot=settings.num_fewshot,
                                   limit=settings.limit, batch_size=settings.batch_size, task_manager=task_manager,
-                                  log_samples=False, bootstrap_iters=1000)
+                                  log_samples=False, bootstrap_iters=1000, **seeds)
     if results is None:  # the harness returns None on the ranks of a distributed run other than the first
         raise RuntimeError("lm-evaluation-harness returned no results")
     return results

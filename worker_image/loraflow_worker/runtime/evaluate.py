@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,7 +50,7 @@ from loraflow_worker.contract import (
 )
 from loraflow_worker.runtime.cuda_check import check_cuda
 from loraflow_worker.runtime.model_cache import resolve_base_model
-from loraflow_worker.runtime.redaction import redact_record
+from loraflow_worker.runtime.redaction import redact_record, redact_secrets
 
 if TYPE_CHECKING:
     from loraflow_worker.evaluation.tasks import AnsweringAdapter, PreparedTask, TaskResults
@@ -156,12 +157,15 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
                   answering: list[AnsweringAdapter], results: TaskResults, say: Callable[[str], None]) -> str | None:
     """The task evaluations into `results`; None when all ran, else why the rest are missing."""
     from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer
+    from transformers import set_seed
+
     from loraflow_worker.evaluation.tasks import evaluate_task
 
     say(f"task evaluations: {len(prepared)} task(s), the base and {len(answering)} adapter(s) answering each")
     try:
         if deadline_passed(job.deadline_epoch_s):
             raise EvaluationDeadline("the job's deadline passed before the task evaluations began")
+        set_seed(job.seed)  # a task with a temperature samples
         # The base answers with its own tokenizer and chat template; each adapter with its folder's, when it has one.
         with loaded_answerer(model_path, {a.name: adapter_dirs[a.label] for a in answering},
                              base_tokenizer_dir=model_path, deadline_epoch_s=job.deadline_epoch_s) as answerer:
@@ -170,7 +174,7 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
     except EvaluationDeadline as e:
         return f"{e}; give the job a later deadline to evaluate the rest"
     except Exception as e:  # noqa: BLE001 - the scores so far are stored and returned, with what stopped them
-        log.exception("the task evaluations failed")
+        _log_failure("the task evaluations failed", job)
         return f"the task evaluations failed ({type(e).__name__}: {e})"
     return None
 
@@ -184,9 +188,9 @@ def _run_benchmarks(job: EvaluateInput, store: ArtifactStore, model_path: Path, 
     try:
         task_dir = stored_task_dir(job.benchmarks, store, work_dir, job.inputs.revision if job.inputs else None)
         scores = run_benchmarks(job.benchmarks, model_path, adapter_dirs, task_dir, device=benchmark_device(),
-                                report=say, deadline_epoch_s=job.deadline_epoch_s)
+                                report=say, deadline_epoch_s=job.deadline_epoch_s, seed=job.seed)
     except Exception as e:  # noqa: BLE001 - the task scores are stored and returned all the same
-        log.exception("benchmarks failed")
+        _log_failure("benchmarks failed", job)
         return [None] * len(adapter_dirs), f"the benchmarks failed ({type(e).__name__}: {e})"
     missing = [adapter.label for adapter, scored in zip(job.adapters, scores) if scored is None]
     if missing:
@@ -201,3 +205,9 @@ def store_result(store: ArtifactStore, prefix: str, result: EvaluateResult, file
     stored = {**files, f"{prefix}/result.json": result.model_dump_json(indent=2).encode(),
               f"{prefix}/DONE": json.dumps({"run_id": result.run_id}).encode()}
     store.put(stored, message=f"evaluate {result.run_id}: answers, result, DONE")
+
+
+def _log_failure(what: str, job: EvaluateInput) -> None:
+    """The current exception's traceback in the worker's log, secrets removed: the job runs in the handler's process,
+    whose log the endpoint's owner reads, and a grader's error may quote a secret."""
+    log.warning("%s: %s", what, redact_secrets(traceback.format_exc(), secret_names=job.worker_secret_names))
