@@ -98,7 +98,7 @@ def evaluate_adapters(job: EvaluateInput, work_dir: Path, report: Callable[[Prog
         if reason is not None:
             missing = [f"`{a.label}` lacks {', '.join(gone)}" for a in answering
                        if (gone := results.missing(prepared, a.name))]
-            stopped.append(f"{reason}: " + "; ".join(missing))
+            stopped.append(f"{reason}: {'; '.join(missing)}" if missing else reason)
     benchmarks: list[list[BenchmarkScore] | None] = [[] for _ in job.adapters]
     if job.benchmarks is not None:
         benchmarks, reason = _run_benchmarks(job, store, model_path, list(adapter_dirs.values()), work_dir,
@@ -106,10 +106,10 @@ def evaluate_adapters(job: EvaluateInput, work_dir: Path, report: Callable[[Prog
         if reason is not None:
             stopped.append(reason)
     scores = [AdapterScores(
-        label=adapter.label, task_scores=results.scores.get(name.name, []), benchmark_scores=benchmarks[i] or [],
-        answers_store_path=name.answers_folder if any(path.startswith(f"{name.answers_folder}/")
-                                                      for path in results.files) else None)
-        for i, (adapter, name) in enumerate(zip(job.adapters, answering))]
+        label=adapter.label, task_scores=results.scores.get(answerer.name, []), benchmark_scores=benchmarks[i] or [],
+        answers_store_path=answerer.answers_folder if any(path.startswith(f"{answerer.answers_folder}/")
+                                                          for path in results.files) else None)
+        for i, (adapter, answerer) in enumerate(zip(job.adapters, answering))]
     result = EvaluateResult(run_id=job.run_id, adapters=scores, base_model_revision=revision,
                             stopped="; ".join(stopped) or None, seconds=round(time.monotonic() - started, 1))
     # The result holds texts a grader or an error wrote: secrets are removed before it is stored or returned.
