@@ -230,6 +230,13 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         assert [label for label, _ in rows] == ["phrase", "base", "answerer"], rows
         assert score(rows, "phrase", "task:phrase/contains") > 0.8
         assert score(rows, "answerer", "task:word/contains") > 0.8
+        # A model the endpoint does not serve is refused before any prompt is asked, naming its field.
+        from tasks.jobs.endpoint_evaluation import EndpointRefused, check_served_models, endpoint_client
+
+        with endpoint_client(base_url, local_stack.client_env["RUNPOD_API_KEY"]) as endpoint, \
+                pytest.raises(EndpointRefused, match=r"not evaluate\.adapters\[1\]\.name: 'answerr'"):
+            check_served_models(endpoint, {"evaluate.adapters[0].name": "phrase",
+                                           "evaluate.adapters[1].name": "answerr"})
         # Stored as a rented job stores them: the scores, each adapter's answers beside the base's, DONE.
         stored = trained["store"] / "runs" / evaluate_id
         assert (stored / "DONE").exists() and len(json.loads((stored / "result.json").read_text())["adapters"]) == 2
