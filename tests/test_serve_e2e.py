@@ -31,6 +31,7 @@ from tasks.runpod.endpoints import parse_endpoint_name
 from tests.conftest import REPO, localpod_account, prefect_api, run_train_flow, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, run_reconcile, wait_for
 from tests.test_localpod_vllm import in_worker_env, make_adapters
+from tests.test_run_events import wait_for_events
 from tests.test_train_e2e import endpoint_slots_in_use, write_run_file
 
 pytestmark = pytest.mark.timeout(1200)
@@ -301,6 +302,12 @@ def test_an_evaluate_run_of_two_adapters_ranks_them_as_their_phrases_say_on_one_
     table = artifacts(local_stack, evaluate_id)["evaluate-e2e-evaluate-leaderboard"]["data"]
     assert "Ranked by `task:phrase/contains`" in table
     assert re.search(r"^\| 1 \| phrase \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|$", table, re.M), table
+    # Each adapter's score is a `loraflow.run.evaluated` event of the evaluate run, labelled with the adapter.
+    scored = wait_for_events(local_stack, "loraflow.run.evaluated", 4,
+                             resource={"id": [f"loraflow.run.{evaluate_id}"]})
+    assert sorted((e["payload"]["label"], e["payload"]["metric"]) for e in scored) == [
+        ("answerer", "task:phrase/contains"), ("answerer", "task:word/contains"),
+        ("phrase", "task:phrase/contains"), ("phrase", "task:word/contains")]
     # One GPU endpoint, named for the evaluation, deleted; its slot back.
     endpoints = [e for e in localpod_account(local_stack)["endpoints"]
                  if (parsed := parse_endpoint_name(e["name"])) and parsed.label == "eval-e2e-evaluate"]
