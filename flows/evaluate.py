@@ -58,13 +58,13 @@ from tasks.jobs.endpoint_evaluation import (
     read_api_key,
     store_endpoint_results,
 )
-from tasks.jobs.evaluate import EvaluatePlan, evaluated_adapter, run_evaluate_job
+from tasks.jobs.evaluate import EvaluatePlan, check_evaluate_cost, evaluated_adapter, run_evaluate_job
 from tasks.jobs.training import existing_volume_ids
 from tasks.lifecycle.quota import ensure_endpoint_limit
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
 from tasks.lifecycle.worker_env import read_run_secrets
-from tasks.placement.cost import check_cost_cap, read_gpu_prices
+from tasks.placement.cost import read_gpu_prices
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.plan import model_context, read_model_config, resolve_model
 from tasks.placement.serving_fit import ServingGpuRefused, choose_serving_gpu, serving_memory
@@ -176,15 +176,8 @@ def check_evaluate(spec: EvaluateSpec, run_id: str) -> tuple[EvaluatePlan, dict[
     for reason in passed:
         logger.info("Not renting %s", reason)
     price = offers[gpu.name].usd_per_hour
-    ceiling = price * evaluate.deadline_minutes / 60
-    check_cost_cap(ceiling, settings.loraflow_max_run_usd,
-                   f"the evaluation ({gpu.name} at ${price:.2f}/hr × evaluate.deadline_minutes "
-                   f"{evaluate.deadline_minutes})", fix="lower evaluate.deadline_minutes or pick a cheaper GPU")
-    if spec.budget_usd is not None and ceiling > spec.budget_usd:
-        raise ValueError(f"the evaluation may cost up to ${ceiling:.2f} ({gpu.name} at ${price:.2f}/hr × "
-                         f"evaluate.deadline_minutes {evaluate.deadline_minutes}), above budget_usd "
-                         f"${spec.budget_usd:.2f}: lower evaluate.deadline_minutes, pick a cheaper GPU, or raise "
-                         "budget_usd")
+    ceiling = check_evaluate_cost(gpu.name, price, evaluate.deadline_minutes, spec.budget_usd,
+                                  settings.loraflow_max_run_usd)
     with tempfile.TemporaryDirectory(prefix="loraflow-evaluate-files-") as folder:
         files = read_run_files(evaluate.task_paths(), Path(folder), base_dir=Path.cwd(),
                                inputs_dir=settings.loraflow_inputs_dir)

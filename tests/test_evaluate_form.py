@@ -141,6 +141,17 @@ def test_a_benchmark_task_the_harness_does_not_know_is_refused_naming_the_evalua
         check_task_inputs("evaluate", [], evaluation.evaluate.benchmarks, {}, {})
 
 
+def test_an_evaluation_whose_ceiling_passes_its_budget_or_the_operators_cap_is_refused_naming_the_fields():
+    from tasks.jobs.evaluate import check_evaluate_cost
+
+    assert check_evaluate_cost("RTX 4090", 0.6, 30, budget_usd=0.5, cap_usd=None) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match=r"may cost up to \$0\.60, above budget_usd \$0\.50: lower "
+                       r"evaluate\.deadline_minutes"):
+        check_evaluate_cost("RTX 4090", 0.6, 60, budget_usd=0.5, cap_usd=None)
+    with pytest.raises(ValueError, match=r"above this server's cap of \$0\.50 per run \(LORAFLOW_MAX_RUN_USD"):
+        check_evaluate_cost("RTX 4090", 0.6, 60, budget_usd=None, cap_usd=0.5)
+
+
 def result(*adapters: tuple[str, list[float]], base: list[float]) -> EvaluateResult:
     return EvaluateResult(run_id="ev1", adapters=[
         AdapterScores(label=label, task_scores=[task_score("phrase", "contains", base, scores),

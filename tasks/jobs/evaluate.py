@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from tasks.jobs.rented import rented_endpoint, run_job
 from tasks.jobs.serve import serving_disk_gb
 from tasks.lifecycle.steps import run_cancel_requested
+from tasks.placement.cost import check_cost_cap
 from tasks.placement.serving_fit import ServingMemory
 from tasks.placement.weight_cache import DataCenterCache
 from tasks.runpod.catalog import GpuClass
@@ -59,6 +60,19 @@ class EvaluatePlan(BaseModel):
     def describe(self) -> str:
         where = f", the base warm in {self.cache.data_center}" if self.cache else ""
         return f"{self.gpu.name} at ${self.usd_per_hour:.2f}/hr{where} ({self.memory.describe()})"
+
+
+def check_evaluate_cost(gpu: str, usd_per_hour: float, deadline_minutes: int, budget_usd: float | None,
+                        cap_usd: float | None) -> float:
+    """The evaluation's cost ceiling (the GPU's price × `deadline_minutes`: the worker stops at the deadline), refused
+    above the operator's cap (`LORAFLOW_MAX_RUN_USD`) or the file's `budget_usd`, naming the fields that lower it."""
+    ceiling = usd_per_hour * deadline_minutes / 60
+    what = f"the evaluation ({gpu} at ${usd_per_hour:.2f}/hr × evaluate.deadline_minutes {deadline_minutes})"
+    check_cost_cap(ceiling, cap_usd, what, fix="lower evaluate.deadline_minutes or pick a cheaper GPU")
+    if budget_usd is not None and ceiling > budget_usd:
+        raise ValueError(f"{what} may cost up to ${ceiling:.2f}, above budget_usd ${budget_usd:.2f}: lower "
+                         "evaluate.deadline_minutes, pick a cheaper GPU, or raise budget_usd")
+    return ceiling
 
 
 def evaluated_adapter(served: ServedAdapter, *, store_url: str, token: str | None, hub_endpoint: str | None,
