@@ -66,6 +66,10 @@ def test_an_adapter_named_base_is_refused_as_the_base_is_that_row():
     assert "the names ['base'] are taken twice" in refusal(adapters=[{"source": "runs/a1", "name": "base"}])
 
 
+def test_an_adapter_named_as_the_base_model_is_refused_as_an_endpoint_could_not_tell_them_apart():
+    assert "the names ['gpt2'] are taken twice" in refusal(base_model="gpt2", adapters=[{"source": "org/gpt2"}])
+
+
 def test_an_unknown_gpu_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="evaluate.gpu"):
         spec(gpu=["Voodoo 2"])

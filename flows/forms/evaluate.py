@@ -97,9 +97,10 @@ class EvaluateSettings(BaseModel):
             raise ValueError(f"adapters: {bad} cannot be leaderboard rows (letters, digits, `.`, `_`, `-`): give each "
                              "a `name`")
         twice = sorted({n for n in names if names.count(n) > 1})
-        if twice or "base" in names:
-            raise ValueError(f"adapters: the names {twice or ['base']} are taken twice (the base is the row `base`): "
-                             "give the adapters distinct names")
+        taken = [n for n in ("base", self.base_model) if n in names]
+        if twice or taken:
+            raise ValueError(f"adapters: the names {twice or taken} are taken twice (the base is the row `base`, and "
+                             "answers to base_model at an endpoint): give the adapters distinct names")
         return self
 
     @model_validator(mode="after")
