@@ -93,9 +93,13 @@ def check_served_models(client: httpx.Client, wanted: dict[str, str]) -> None:
 def ask(client: httpx.Client, model: str, prompt: str | list[dict[str, Any]], task: EndpointTask) -> str:
     """One answer of `model` to `prompt` (messages: a chat; text: a completion of it), stripped as the worker's."""
     chat = not isinstance(prompt, str)
-    response = client.post("chat/completions" if chat else "completions", json={
-        "model": model, ("messages" if chat else "prompt"): prompt, "max_tokens": task.max_new_tokens,
-        "temperature": task.temperature, "top_p": task.top_p})
+    try:
+        response = client.post("chat/completions" if chat else "completions", json={
+            "model": model, ("messages" if chat else "prompt"): prompt, "max_tokens": task.max_new_tokens,
+            "temperature": task.temperature, "top_p": task.top_p})
+    except httpx.HTTPError as e:
+        raise EndpointRefused(f"{model} did not answer a prompt of task {task.name} within {REQUEST_TIMEOUT_S:g} s "
+                              f"({type(e).__name__}: {str(e)[:200]}): is the endpoint up?") from e
     if response.status_code >= 400:
         raise EndpointRefused(f"{model} did not answer a prompt of task {task.name}: HTTP {response.status_code} "
                               f"{response.text[:300]}")
