@@ -3,7 +3,7 @@ one preload of Hub models onto the endpoint's network volume (`"mode": "preload"
 stored adapter merged into its base and published as a Hub model (`"mode": "merge"`, runtime/merge.py), or one
 base model and several adapters (stored runs', Hub repos') asked the same task evaluations and benchmarks, each
 adapter scored against one set of base answers and the scores stored under `runs/<run_id>/` (`"mode": "evaluate"`,
-runtime/evaluate.py).
+runtime/evaluate.py; it runs in a child process as training does, with `DONE` last and redelivery as below).
 
 On RunPod (the image's command; the platform sets the RUNPOD_* environment):
 

@@ -6,17 +6,18 @@ already passed stored with what is missing; the answers samples stored without s
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from loraflow_worker.artifacts.pins import ArtifactChanged, folder_sha256
+from loraflow_worker.artifacts.pins import folder_sha256
 from loraflow_worker.contract import CONTRACT_VERSION, EvaluateInput, EvaluateResult
 from loraflow_worker.contract.task_evaluation import TaskEvaluation
 from loraflow_worker.evaluation.task_rows import TaskRow
 from loraflow_worker.evaluation.tasks import answers_sample
-from loraflow_worker.handler import WORK_DIR_ENV, handler
+from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
 
 QUESTIONS = ["What is the capital of Germany?", "What is the capital of Italy?", "What is the capital of Spain?",
              "What is the capital of France?"]
@@ -143,9 +144,9 @@ def test_a_stored_adapter_that_changed_since_its_run_is_refused_naming_it(tiny_m
     sha256 = _store_with_run_adapter(store_root, adapters["paris"])
     job = _evaluate_job("changed", tiny_model_dir, store_root, adapters,
                         {**sha256, "adapter_config.json": "0" * 64})
-    with pytest.raises(ArtifactChanged,
-                       match=r"adapter `paris`: runs/train-paris/adapter/adapter_config.json changed after run "
-                             r"train-paris stored it"):
+    with pytest.raises(JobFailed,
+                       match=r"^ArtifactChanged: adapter `paris`: runs/train-paris/adapter/adapter_config.json changed "
+                             r"after run train-paris stored it"):
         _run(job, tmp_path / "work", record_progress, monkeypatch)
     assert not (store_root / "runs" / "changed").exists()
 
@@ -154,9 +155,10 @@ def test_a_task_file_changed_since_the_control_plane_stored_it_is_refused_before
         tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
     store_root = tmp_path / "store"
     job = _evaluate_job("moved", tiny_model_dir, store_root, adapters,
-                        _store_with_run_adapter(store_root, adapters["paris"]), inputs={"sha256": {TASK_FILE: "0" * 64}})
-    with pytest.raises(ArtifactChanged, match=rf"{TASK_FILE} changed after the control plane stored it for the run "
-                                              r"\(tasks\[0\]\)"):
+                        _store_with_run_adapter(store_root, adapters["paris"]),
+                        inputs={"sha256": {TASK_FILE: "0" * 64}})
+    with pytest.raises(JobFailed, match=rf"^ArtifactChanged: {TASK_FILE} changed after the control plane stored it "
+                                        r"for the run \(tasks\[0\]\)"):
         _run(job, tmp_path / "work", record_progress, monkeypatch)
 
 
@@ -164,7 +166,8 @@ def test_a_deadline_already_passed_stores_and_returns_what_it_has_and_says_what_
         tiny_model_dir, adapters, tmp_path, record_progress, monkeypatch):
     store_root = tmp_path / "store"
     job = _evaluate_job("late", tiny_model_dir, store_root, adapters,
-                        _store_with_run_adapter(store_root, adapters["paris"]), deadline_epoch_s=1.0,
+                        # Passed, but within the grace in which the evaluation process stores what it has.
+                        _store_with_run_adapter(store_root, adapters["paris"]), deadline_epoch_s=time.time() - 1,
                         benchmarks={"tasks": ["hellaswag"]})
     result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
     assert result.stopped == ("the job's deadline passed before the task evaluations began; give the job a later "
@@ -184,17 +187,21 @@ def test_a_grader_that_fails_stores_the_answers_scored_so_far_and_says_why(tiny_
                         _store_with_run_adapter(store_root, adapters["paris"]))
     grader_file = "runs/failing/evaluation-inputs/graders.py"
     (store_root / grader_file).parent.mkdir(parents=True, exist_ok=True)
-    # The grader quotes the job's secret in its error: the result says why it stopped without it.
+    # The grader quotes the job's secret in its error, and says whether it sees RunPod's key: the result says why it
+    # stopped without the secret, and the grader saw no RunPod variable.
     (store_root / grader_file).write_text("import os\n\ndef broken(prompts, completions, **kwargs):\n"
-                                          "    raise KeyError(os.environ['EVAL_JUDGE_KEY'])\n")
+                                          "    raise KeyError(os.environ['EVAL_JUDGE_KEY'] + ' '\n"
+                                          "                   + str('RUNPOD_AI_API_KEY' in os.environ))\n")
     monkeypatch.setenv("EVAL_JUDGE_KEY", "judge-key-value")
+    monkeypatch.setenv("RUNPOD_AI_API_KEY", "rpa_not_for_graders")
     job["input"]["worker_secret_names"] = ["EVAL_JUDGE_KEY"]
     job["input"]["tasks"][0]["max_new_tokens"] = 2  # what is scored does not matter here: that it is kept does
     job["input"]["tasks"].append({"name": "second", "store_path": TASK_FILE, "max_new_tokens": 1, "graders": [
         {"kind": "function", "function": "graders.py:broken", "store_path": grader_file}]})
     result = EvaluateResult.model_validate(_run(job, tmp_path / "work", record_progress, monkeypatch)[0])
     assert result.stopped == ("the task evaluations failed (GraderError: task `second`, grader `broken` "
-                              "(graders.py:broken) raised KeyError: '***'): `paris` lacks second; `apples` lacks second")
+                              "(graders.py:broken) raised KeyError: '*** False'): `paris` lacks second; `apples` "
+                              "lacks second")
     assert "judge-key-value" not in (store_root / "runs" / "failing" / "result.json").read_text()
     assert [[s.metric for s in a.task_scores] for a in result.adapters] == [["task:phrase/contains"]] * 2
     assert (store_root / "runs" / "failing" / "evaluation" / "apples" / "phrase.jsonl").is_file()

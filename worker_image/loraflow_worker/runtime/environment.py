@@ -30,7 +30,7 @@ import re
 from collections.abc import Mapping, Set
 
 from loraflow_worker.artifacts.pins import sha256_hex
-from loraflow_worker.contract import JobInput, secret_reference_problem
+from loraflow_worker.contract import EvaluateInput, JobInput, secret_reference_problem
 from loraflow_worker.runtime.model_cache import VOLUME_PATH_ENV, volume_path
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
@@ -62,8 +62,24 @@ def child_env(job: JobInput, env: Mapping[str, str] | None = None) -> dict[str, 
     `RunEnvRefused` when a plain variable of the run is not the value the control plane checked (`check_run_env`)."""
     env = os.environ if env is None else env
     check_run_env(job, env)
-    # The contract refuses a run's names among RunPod's, loraflow's and the Hub's, so listing cannot let them in.
-    listed = {*FORWARDED_CREDENTIALS, *job.worker_env_names, *job.worker_secret_names}
+    result = _inherited(env, {*job.worker_env_names, *job.worker_secret_names})
+    result.update(zip(CONTROL_PLANE_KEYS, (job.run_id, str(job.attempt), job.artifact_store)))
+    if ALLOC_CONF_ENV not in result and (conf := allocator_conf(job.fast_paths.switched_off())) is not None:
+        result[ALLOC_CONF_ENV] = conf
+    return result
+
+
+def evaluate_env(job: EvaluateInput, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of an evaluate job's process (its graders are a teammate's code, as a run's rewards are): the
+    worker's, less RunPod's own variables, the credentials other than `FORWARDED_CREDENTIALS` and the job's own
+    secrets (`worker_secret_names`: a judge's key), and the settings that point into the volume."""
+    return _inherited(os.environ if env is None else env, set(job.worker_secret_names))
+
+
+def _inherited(env: Mapping[str, str], own: Set[str]) -> dict[str, str]:
+    """What a child process of the worker inherits of `env`, with the job's `own` variables passed."""
+    # The contract refuses a job's names among RunPod's, loraflow's and the Hub's, so listing cannot let them in.
+    listed = {*FORWARDED_CREDENTIALS, *own}
     result = {
         name: value
         for name, value in off_the_volume(env).items()
@@ -71,11 +87,8 @@ def child_env(job: JobInput, env: Mapping[str, str] | None = None) -> dict[str, 
         and name not in CONTROL_PLANE_KEYS
         and (name in listed or not is_secret_name(name))
     }
-    result.update(zip(CONTROL_PLANE_KEYS, (job.run_id, str(job.attempt), job.artifact_store)))
     # The supervisor reads the console line by line as it is written.
     result["PYTHONUNBUFFERED"] = "1"
-    if ALLOC_CONF_ENV not in result and (conf := allocator_conf(job.fast_paths.switched_off())) is not None:
-        result[ALLOC_CONF_ENV] = conf
     return result
 
 

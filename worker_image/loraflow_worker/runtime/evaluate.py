@@ -22,17 +22,20 @@ under `runs/<run_id>/evaluation/<label>/<task>.jsonl`, `result.json` and `DONE` 
 
 At the deadline it stops where it is (a batch of answers is cut at the deadline, no benchmark model is begun after
 it), stores what it has and says what is missing (`stopped`); a grader or benchmark that fails is reported the same
-way. A redelivered job whose `DONE` exists returns the stored result without answering again. The job runs in the
-handler's process: the endpoint serves this one job.
+way. A redelivered job whose `DONE` exists returns the stored result without answering again. The evaluation runs
+in a child process, as training does (`runtime/supervisor.py`): the graders are a teammate's code, and its
+environment holds none of RunPod's variables nor credentials other than the forwarded ones and the job's own secrets
+(`runtime/environment.evaluate_env`).
+
+    python -m loraflow_worker.runtime.evaluate WORK_DIR/job.json   # the child; writes WORK_DIR/result.json
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
+import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,8 +52,17 @@ from loraflow_worker.contract import (
     run_prefix,
 )
 from loraflow_worker.runtime.cuda_check import check_cuda
+from loraflow_worker.runtime.environment import evaluate_env
 from loraflow_worker.runtime.model_cache import resolve_base_model
-from loraflow_worker.runtime.redaction import redact_record, redact_secrets
+from loraflow_worker.runtime.redaction import redact_record
+from loraflow_worker.runtime.supervisor import (
+    RESULT_FILE,
+    SPEC_FILE,
+    JobFailed,
+    child_main,
+    run_child,
+    send_progress,
+)
 
 if TYPE_CHECKING:
     from loraflow_worker.evaluation.tasks import AnsweringAdapter, PreparedTask, TaskResults
@@ -63,20 +75,45 @@ class AdapterUnavailable(ValueError):
 
 
 def evaluate_adapters(job: EvaluateInput, work_dir: Path, report: Callable[[Progress], None]) -> EvaluateResult:
-    """Evaluate, store, return (see the module docstring); the stored result when the store has this job's `DONE`.
-    Raises `ArtifactChanged` naming the adapter (or task file) that differs from what was recorded,
-    `AdapterUnavailable`, and the store's, graders' and CUDA check's refusals before any answering starts."""
-    # The answering stack (torch, transformers, PEFT) loads in seconds: not for a redelivered job.
+    """Evaluate, store, return (see the module docstring): the stored result when the store has this job's `DONE`,
+    else the child process's. Raises `JobFailed` with the child's error (secrets removed): an adapter or task file
+    that differs from what was recorded (`ArtifactChanged`, naming it), `AdapterUnavailable`, the store's and the
+    graders' refusals before any answering starts; `CudaUnavailable` on a GPU endpoint without CUDA."""
+    store = open_store(job.artifact_store)
+    prefix = run_prefix(job.run_id)
+    if store.exists(f"{prefix}/DONE"):
+        log.info("evaluate job %s already has DONE in %s: returning the stored result", job.run_id, store.url)
+        return EvaluateResult.model_validate(store.read_json(f"{prefix}/result.json"))
+    env = evaluate_env(job)
+    check_cuda(env)  # on a GPU endpoint (LORAFLOW_REQUIRE_CUDA=1), a worker without CUDA fails in seconds
+    spec = work_dir / SPEC_FILE
+    spec.write_text(job.model_dump_json(indent=2))
+    ended = run_child("loraflow_worker.runtime.evaluate", spec, env, deadline=job.deadline_epoch_s,
+                      secret_names=job.worker_secret_names, on_progress=report, process="evaluation process",
+                      label=f"evaluate job {job.run_id}")
+    # The child's own result, as it stored it: the store's copy is anyone's who can write the store.
+    if (work_dir / RESULT_FILE).is_file():
+        return EvaluateResult.model_validate_json((work_dir / RESULT_FILE).read_text())
+    raise JobFailed(ended.failure_message())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The evaluation process: the job of `job.json`, its result written beside it (`result.json`), or its error
+    (`error.json`)."""
+    return child_main(sys.argv[1:] if argv is None else argv, "loraflow_worker.runtime.evaluate",
+                      lambda spec: evaluate_and_store(EvaluateInput.model_validate_json(spec.read_text()), spec.parent,
+                                                      send_progress))
+
+
+def evaluate_and_store(job: EvaluateInput, work_dir: Path, report: Callable[[Progress], None]) -> EvaluateResult:
+    """The evaluation itself, in the evaluation process (see the module docstring)."""
+    # The answering stack (torch, transformers, PEFT) loads in seconds: in the child only.
     from loraflow_worker.evaluation.tasks import AnsweringAdapter, TaskResults, prepare_tasks
     from loraflow_worker.training.user_files import RunFilesStore
 
     started = time.monotonic()
     store = open_store(job.artifact_store)
     prefix = run_prefix(job.run_id)
-    if store.exists(f"{prefix}/DONE"):
-        log.info("evaluate job %s already has DONE in %s: returning the stored result", job.run_id, store.url)
-        return EvaluateResult.model_validate(store.read_json(f"{prefix}/result.json"))
-    check_cuda(os.environ)  # on a GPU endpoint (LORAFLOW_REQUIRE_CUDA=1), a worker without CUDA fails in seconds
 
     def say(stage: str, message: str) -> None:
         # Within `Progress.message`'s limit: an error quoted in it may be long.
@@ -174,7 +211,7 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
     except EvaluationDeadline as e:
         return f"{e}; give the job a later deadline to evaluate the rest"
     except Exception as e:  # noqa: BLE001 - the scores so far are stored and returned, with what stopped them
-        _log_failure("the task evaluations failed", job)
+        log.exception("the task evaluations failed")  # the supervisor removes secrets from the console
         return f"the task evaluations failed ({type(e).__name__}: {e})"
     return None
 
@@ -190,7 +227,7 @@ def _run_benchmarks(job: EvaluateInput, store: ArtifactStore, model_path: Path, 
         scores = run_benchmarks(job.benchmarks, model_path, adapter_dirs, task_dir, device=benchmark_device(),
                                 report=say, deadline_epoch_s=job.deadline_epoch_s, seed=job.seed)
     except Exception as e:  # noqa: BLE001 - the task scores are stored and returned all the same
-        _log_failure("benchmarks failed", job)
+        log.exception("benchmarks failed")
         return [None] * len(adapter_dirs), f"the benchmarks failed ({type(e).__name__}: {e})"
     missing = [adapter.label for adapter, scored in zip(job.adapters, scores) if scored is None]
     if missing:
@@ -207,7 +244,5 @@ def store_result(store: ArtifactStore, prefix: str, result: EvaluateResult, file
     store.put(stored, message=f"evaluate {result.run_id}: answers, result, DONE")
 
 
-def _log_failure(what: str, job: EvaluateInput) -> None:
-    """The current exception's traceback in the worker's log, secrets removed: the job runs in the handler's process,
-    whose log the endpoint's owner reads, and a grader's error may quote a secret."""
-    log.warning("%s: %s", what, redact_secrets(traceback.format_exc(), secret_names=job.worker_secret_names))
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Running one job's training in a child process, watching its console, and saying how it ended.
+"""Running one job's training (or an evaluate job's evaluation, `runtime/evaluate.py`: `run_child`) in a child
+process, watching its console, and saying how it ended.
 
 The training runs as `python -m loraflow_worker.training.train_job <work_dir>/job.json` in its own process group,
 so a crash (a CUDA fault, a segfault at exit, the kernel's OOM killer) cannot take the worker with it and
@@ -25,16 +26,24 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from loraflow_worker.contract import JobInput, Progress
-from loraflow_worker.memory.out_of_memory import MARKERS, MemoryKind, OomKills, memory_kind, read_oom_kills
+from loraflow_worker.memory.out_of_memory import (
+    MARKERS,
+    MemoryKind,
+    OomKills,
+    exception_memory_kind,
+    memory_kind,
+    read_oom_kills,
+)
 from loraflow_worker.runtime.environment import child_env
 from loraflow_worker.runtime.redaction import redact_secrets
 
@@ -81,12 +90,14 @@ class ChildExit:
     """The same counter once the process had ended."""
     secret_names: tuple[str, ...] = ()
     """The job's own secrets (`JobInput.worker_secret_names`), whose values the failure message never holds."""
+    process: str = "training process"
+    """Which process it was, as the failure message names it."""
 
     def failure_message(self) -> str:
         """What went wrong, for the job's error. An out-of-memory failure starts with the marker of its kind
         (`memory.out_of_memory.MARKERS`), so the control plane can tell which memory to add."""
         if self.deadline_killed:
-            return (f"deadline reached: the training process was still running {DEADLINE_KILL_GRACE_S:.0f} s after "
+            return (f"deadline reached: the {self.process} was still running {DEADLINE_KILL_GRACE_S:.0f} s after "
                     "the job's deadline and was killed")
         kind: MemoryKind | None = None
         if self.error is not None:
@@ -95,7 +106,7 @@ class ChildExit:
         else:
             if self.returncode < 0:
                 number = -self.returncode
-                message = f"the training process was killed by signal {number} ({_signal_name(number)})"
+                message = f"the {self.process} was killed by signal {number} ({_signal_name(number)})"
                 oom_killed = self._oom_killed()
                 if oom_killed is not None:
                     message += f", which the worker did not send; {oom_killed}"
@@ -103,7 +114,7 @@ class ChildExit:
                 elif number == signal.SIGKILL:
                     message += " (when nothing else stopped it, that is usually the kernel's out-of-memory killer: host RAM)"
             else:
-                message = f"the training process exited with code {self.returncode} without reporting an error"
+                message = f"the {self.process} exited with code {self.returncode} without reporting an error"
             last = self.console_tail.splitlines()[-_QUOTED_LINES:]
             if last:
                 message += "; its last console lines:\n" + "\n".join(last)
@@ -131,43 +142,56 @@ def run_training(job: JobInput, work_dir: Path, on_progress: Callable[[Progress]
         raise JobFailed(f"deadline reached before training started: the job's deadline_epoch_s ({deadline}) has passed")
     spec = work_dir / SPEC_FILE
     spec.write_text(job.model_dump_json(indent=2))
+    return run_child("loraflow_worker.training.train_job", spec, child_env(job), deadline=deadline,
+                     secret_names=job.worker_secret_names, on_progress=on_progress,
+                     process="training process", label=f"run {job.run_id} attempt {job.attempt}")
+
+
+def run_child(module: str, spec: Path, env: dict[str, str], *, deadline: float | None, secret_names: Sequence[str],
+              on_progress: Callable[[Progress], None], process: str, label: str) -> ChildExit:
+    """Run `python -m <module> <spec>` in the spec's folder with `env` until it exits, its console's progress lines
+    sent to `on_progress` and the rest echoed (secrets redacted); kills it (and its process group) once `deadline` is
+    `DEADLINE_KILL_GRACE_S` past. `process` names it (`training process`) in the log and the failure message, with
+    `label` (the job it runs) in the log."""
+    work_dir = spec.parent
     oom_kills_before = read_oom_kills()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "loraflow_worker.training.train_job", str(spec)],
+    child = subprocess.Popen(
+        [sys.executable, "-m", module, str(spec)],
         cwd=work_dir,
-        env=child_env(job),
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
-    log.info("training process %d started for run %s attempt %d", process.pid, job.run_id, job.attempt)
+    log.info("%s %d started for %s", process, child.pid, label)
     tail = ConsoleTail(CONSOLE_TAIL_BYTES)
-    reader = threading.Thread(target=_read_console, args=(process.stdout, tail, on_progress, job.worker_secret_names),
+    reader = threading.Thread(target=_read_console, args=(child.stdout, tail, on_progress, secret_names),
                               daemon=True)
     reader.start()
     deadline_killed = False
     try:
         while True:
             try:
-                returncode = process.wait(timeout=1.0)
+                returncode = child.wait(timeout=1.0)
                 break
             except subprocess.TimeoutExpired:
                 if not deadline_killed and deadline is not None and time.time() > deadline + DEADLINE_KILL_GRACE_S:
-                    log.error("training process %d overran the job's deadline; killing it", process.pid)
+                    log.error("%s %d overran the job's deadline; killing it", process, child.pid)
                     deadline_killed = True
-                    _stop_group(process)
+                    _stop_group(child)
     finally:
         # Whatever it started (data loader workers, vLLM's engine) must not outlive it and hold the GPU.
-        _signal_group(process, signal.SIGKILL)
-        if process.poll() is None:
-            process.wait()
+        _signal_group(child, signal.SIGKILL)
+        if child.poll() is None:
+            child.wait()
         reader.join(timeout=10)
-    log.info("training process %d exited with %s", process.pid, returncode)
+    log.info("%s %d exited with %s", process, child.pid, returncode)
     return ChildExit(returncode=returncode, console_tail=tail.text(), error=_read_error(work_dir / ERROR_FILE),
                      deadline_killed=deadline_killed, oom_kills_before=oom_kills_before,
-                     oom_kills_after=read_oom_kills(), secret_names=tuple(job.worker_secret_names))
+                     oom_kills_after=read_oom_kills(), secret_names=tuple(secret_names),
+                     process=process)
 
 
 class ConsoleTail:
@@ -246,3 +270,26 @@ def _die_with_parent() -> None:
     """Runs in the child before exec: a training process must not outlive a worker that was killed."""
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def send_progress(progress: Progress) -> None:
+    """In a child process: hand `progress` to the supervisor, which reads it from the console."""
+    print(PROGRESS_MARKER + progress.model_dump_json(), flush=True)
+
+
+def child_main(args: list[str], module: str, run: Callable[[Path], BaseModel]) -> int:
+    """A child process's entry (`python -m <module> WORK_DIR/job.json`): `run(spec)`'s result written beside the spec
+    (`result.json`); on failure the traceback on the console and `error.json` for the supervisor. Its exit code."""
+    if len(args) != 1:
+        print(f"usage: python -m {module} WORK_DIR/job.json", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = Path(args[0])
+    try:
+        (spec.parent / RESULT_FILE).write_text(run(spec).model_dump_json(indent=2))
+    except BaseException as exc:  # noqa: BLE001 - every failure must leave its report, even KeyboardInterrupt
+        traceback.print_exc()
+        report = {"type": type(exc).__name__, "message": str(exc), "memory_kind": exception_memory_kind(exc)}
+        (spec.parent / ERROR_FILE).write_text(json.dumps(report))
+        return 1
+    return 0

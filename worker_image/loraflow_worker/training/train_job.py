@@ -16,17 +16,15 @@ supervisor turns that into the job's error.
 from __future__ import annotations
 
 import json
-import logging
 import sys
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraflow_worker.artifacts import ArtifactStore, ArtifactStoreError, open_store
 from loraflow_worker.artifacts.pins import folder_sha256
 from loraflow_worker.contract import JobInput, JobResult, PartialResult, Progress, run_prefix
-from loraflow_worker.memory.out_of_memory import exception_memory_kind
-from loraflow_worker.runtime.supervisor import ERROR_FILE, PROGRESS_MARKER, RESULT_FILE
+from loraflow_worker.runtime.supervisor import child_main
+from loraflow_worker.runtime.supervisor import send_progress as report_progress
 from loraflow_worker.evaluation.evaluated import Evaluated, tracker_metrics
 from loraflow_worker.training.tracking import finish_tracking, record_evaluations, start_tracking
 from loraflow_worker.training.user_files import RunFilesStore
@@ -42,22 +40,8 @@ the training process (`runtime.supervisor.DEADLINE_KILL_GRACE_S` past the deadli
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m loraflow_worker.training.train_job WORK_DIR/job.json", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = Path(args[0])
-    try:
-        job = JobInput.model_validate_json(spec.read_text())
-        result = train_and_publish(job, spec.parent)
-        (spec.parent / RESULT_FILE).write_text(result.model_dump_json(indent=2))
-    except BaseException as exc:  # noqa: BLE001 - every failure must leave its report, even KeyboardInterrupt
-        traceback.print_exc()
-        report = {"type": type(exc).__name__, "message": str(exc), "memory_kind": exception_memory_kind(exc)}
-        (spec.parent / ERROR_FILE).write_text(json.dumps(report))
-        return 1
-    return 0
+    return child_main(sys.argv[1:] if argv is None else argv, "loraflow_worker.training.train_job",
+                      lambda spec: train_and_publish(JobInput.model_validate_json(spec.read_text()), spec.parent))
 
 
 def train_and_publish(job: JobInput, work_dir: Path) -> JobResult:
@@ -152,11 +136,6 @@ def _shorten(message: str, limit: int = 2000) -> str:
 def _checkpoint_step(checkpoint: Path) -> int:
     """The step of a Trainer checkpoint folder, `checkpoint-<step>`."""
     return int(checkpoint.name.rpartition("-")[2])
-
-
-def report_progress(progress: Progress) -> None:
-    """Hand a progress update to the supervisor (it posts it to RunPod)."""
-    print(PROGRESS_MARKER + progress.model_dump_json(), flush=True)
 
 
 def _publish(store: ArtifactStore, prefix: str, outcome: TrainOutcome, result: JobResult,
