@@ -43,6 +43,7 @@ class Form:
 def forms() -> list[Form]:
     from flows.preload import PreloadSpec
     from flows.reconcile import ReconcilePolicy
+    from flows.forms.evaluate import EvaluateSpec
     from flows.forms.serve import ServeSpec
     from flows.forms.overrides import RunOverrides
     from flows.forms.run import RunSpec
@@ -65,6 +66,12 @@ def forms() -> list[Form]:
              "The `serve` flow's `spec` parameter, and a serve file (`deployments/qwen-serve.toml`): a base model and "
              "its LoRA adapters on RunPod's vLLM worker for a number of hours ([serving](serving.md)). A dotted name is "
              "a key in a TOML section: `serve.hours` is `hours` under `[serve]`."),
+        Form("The evaluate file", EvaluateSpec,
+             "The `evaluate` flow's `spec` parameter, and an evaluate file (`deployments/qwen-evaluate.toml`): a base "
+             "model and its LoRA adapters asked the same tasks and benchmarks on one rented GPU, or through a serving "
+             "endpoint's OpenAI route, and ranked ([evaluation](evaluation.md#compare-adapters-the-evaluate-flow)). "
+             "`evaluate.tasks[]` and `evaluate.benchmarks` take what a run's `evaluation.tasks[]` and "
+             "`evaluation.benchmarks` take (above)."),
         Form("The reconcile flow's policy", ReconcilePolicy,
              "The `reconcile` flow's `policy` parameter.",
              prefix="policy."),

@@ -38,7 +38,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 
 from flows.forms.run import RunSpec
-from flows.forms.run_data import DatasetSpec, MixEntrySpec
+from flows.forms.run_data import BenchmarkSpec, DatasetSpec, MixEntrySpec, TaskSpec
 from tasks.jobs.merge import check_merge_fits
 from tasks.lifecycle.quota import ensure_endpoint_limit
 from tasks.lifecycle.secret_key import run_checkpoint_key, secret_name_key
@@ -80,7 +80,7 @@ from tasks.storage.artifacts import (
     publish_run_inputs_task,
     tools_store_path,
 )
-from tasks.storage.evaluation_inputs import TASK_DIR_FIELD, grader_store_path, task_dir_store_path, task_store_path
+from tasks.storage.evaluation_inputs import grader_store_path, task_dir_store_path, task_store_path
 from tasks.storage.hub_datasets import HubDataset, check_hub_datasets_task
 from tasks.storage.init_from import adopt_parent_adapter, read_parent_config
 from tasks.storage.publish import check_publish_token
@@ -291,28 +291,36 @@ class EvaluationInputs:
 
 
 def check_evaluation_inputs(spec: RunSpec, files: dict[str, RunFile]) -> EvaluationInputs:
-    """The run's task files (every row), their graders (a function found in its file, never run here; a judge's key
-    among the worker's secrets) and the benchmarks' task folder, as they were read (`files`, by field); ValueError
-    naming the field."""
-    evaluation, inputs = spec.evaluation, EvaluationInputs()
-    if evaluation is None:
-        return inputs
-    for i, task_spec in enumerate(evaluation.tasks):
-        where, settings = f"evaluation.tasks[{i}]", task_spec.grader_settings()
+    """The run's task files, graders and benchmarks' task folder (`check_task_inputs` of `[evaluation]`)."""
+    if spec.evaluation is None:
+        return EvaluationInputs()
+    return check_task_inputs("evaluation", spec.evaluation.tasks, spec.evaluation.benchmarks, files,
+                             spec.worker.secrets)
+
+
+def check_task_inputs(section: str, tasks: list[TaskSpec], benchmarks: BenchmarkSpec | None,
+                      files: dict[str, RunFile], worker_secrets: dict[str, str]) -> EvaluationInputs:
+    """The task files (every row), their graders (a function found in its file, never run here; a judge's key
+    among `worker_secrets`) and the benchmarks' task folder of `section` (a run's `evaluation`, an evaluate file's
+    `evaluate`), as they were read (`files`, by field); ValueError naming the field."""
+    inputs = EvaluationInputs()
+    for i, task_spec in enumerate(tasks):
+        where, settings = f"{section}.tasks[{i}]", task_spec.grader_settings()
         read = check_task_file(files[f"{where}.local_file"].copy, f"{where}.local_file", settings,
                                shown=task_spec.local_file)
         for j, grader in enumerate(settings):
             if grader.kind == "function":
                 check_grader_function(grader.function, files[f"{where}.graders[{j}]"], f"{where}.graders[{j}]",
                                       read.columns)
-            check_judge_key(grader, f"{where}.graders[{j}]", spec.worker.secrets)
+            check_judge_key(grader, f"{where}.graders[{j}]", worker_secrets)
         inputs.rows[task_spec.name], inputs.longest[task_spec.name] = read.rows, read.longest_prompt
     private = set()
-    if evaluation.benchmarks is not None and evaluation.benchmarks.task_dir is not None:
-        private = private_benchmark_tasks({name[len(TASK_DIR_FIELD) + 1:]: file.copy for name, file in files.items()
-                                           if name.startswith(f"{TASK_DIR_FIELD}/")}, evaluation.benchmarks.task_dir)
-    if evaluation.benchmarks is not None:
-        check_benchmark_names(evaluation.benchmarks.tasks, private)
+    task_dir = f"{section}.benchmarks.task_dir"
+    if benchmarks is not None and benchmarks.task_dir is not None:
+        private = private_benchmark_tasks({name[len(task_dir) + 1:]: file.copy for name, file in files.items()
+                                           if name.startswith(f"{task_dir}/")}, benchmarks.task_dir, where=task_dir)
+    if benchmarks is not None:
+        check_benchmark_names(benchmarks.tasks, private, where=f"{section}.benchmarks.tasks")
     return inputs
 
 
@@ -394,23 +402,29 @@ def job_evaluation(spec: RunSpec, run_id: str) -> EvaluationSettings | None:
     evaluation = spec.evaluation
     if evaluation is None:
         return None
-    tasks = [TaskEvaluation(
-        name=task.name, store_path=task_store_path(run_id, i),
-        graders=[grader.model_copy(update={"store_path": grader_store_path(run_id, i, j)})
-                 if grader.kind == "function" else grader for j, grader in enumerate(task.grader_settings())],
-        **task.model_dump(include={"max_new_tokens", "max_samples", "temperature", "top_p", "samples_kept"}))
-        for i, task in enumerate(evaluation.tasks)]
-    benchmarks = None
-    if evaluation.benchmarks is not None:
-        benchmarks = BenchmarkSettings(
-            **evaluation.benchmarks.model_dump(exclude={"task_dir"}),
-            task_dir_store_path=task_dir_store_path(run_id) if evaluation.benchmarks.task_dir is not None else None)
+    tasks, benchmarks = job_tasks(evaluation.tasks, evaluation.benchmarks, run_id)
     common = {"every_steps": evaluation.every_steps, "max_samples": evaluation.max_samples, "tasks": tasks,
               "benchmarks": benchmarks}
     if evaluation.local_file is None:
         return EvaluationSettings(fraction=evaluation.fraction, **common)
     return EvaluationSettings(store_path=eval_store_path(run_id), format=evaluation.format,
                               columns=evaluation.columns, **common)
+
+
+def job_tasks(tasks: list[TaskSpec], benchmarks: BenchmarkSpec | None,
+              run_id: str) -> tuple[list[TaskEvaluation], BenchmarkSettings | None]:
+    """The job's tasks and benchmarks: each local file replaced by the copy `publish_run_inputs_task` stores for
+    `run_id` (the task files, the function graders' files and the benchmarks' task folder)."""
+    job = [TaskEvaluation(
+        name=task.name, store_path=task_store_path(run_id, i),
+        graders=[grader.model_copy(update={"store_path": grader_store_path(run_id, i, j)})
+                 if grader.kind == "function" else grader for j, grader in enumerate(task.grader_settings())],
+        **task.model_dump(include={"max_new_tokens", "max_samples", "temperature", "top_p", "samples_kept"}))
+        for i, task in enumerate(tasks)]
+    if benchmarks is None:
+        return job, None
+    return job, BenchmarkSettings(**benchmarks.model_dump(exclude={"task_dir"}),
+                                  task_dir_store_path=task_dir_store_path(run_id) if benchmarks.task_dir is not None else None)
 
 
 def _log_evaluation_cost(spec: RunSpec, examples: int | None, eval_examples: int | None) -> None:

@@ -22,6 +22,7 @@ COMMANDS = {
     "volumes": ["flows.volumes", json.dumps({"dry_run": True})],
     "reconcile": ["flows.reconcile", json.dumps({"dry_run": True})],
     "serve": ["flows.serve", "deployments/qwen-serve.toml"],
+    "evaluate": ["flows.evaluate", "deployments/qwen-evaluate.toml"],
 }
 
 
@@ -44,6 +45,6 @@ def test_without_the_runpod_key_each_flow_command_says_so_in_one_line_and_starts
     _assert_one_line_and_no_run(_run(local_stack, COMMANDS[command], drop="RUNPOD_API_KEY"), NO_KEY)
 
 
-@pytest.mark.parametrize("command", ["train", "preload"])
+@pytest.mark.parametrize("command", ["train", "preload", "evaluate"])
 def test_without_the_worker_image_a_renting_command_says_so_in_one_line_and_starts_no_run(local_stack, command):
     _assert_one_line_and_no_run(_run(local_stack, COMMANDS[command], drop="LORAFLOW_WORKER_IMAGE"), NO_IMAGE)

@@ -50,6 +50,20 @@ def test_prefect_yaml_serve_parameters_match_the_serve_file():
     assert from_yaml == from_toml
 
 
+def test_prefect_yaml_evaluate_parameters_match_the_evaluate_file_and_its_task_file_passes_the_check(tmp_path):
+    from flows.forms.evaluate import SECTION, EvaluateSpec
+    from flows.train_check import check_task_inputs
+    from tasks.storage.run_files import read_run_files
+
+    deployments = shipped_deployments()
+    from_yaml = EvaluateSpec.model_validate(deployments["evaluate/qwen"]["parameters"]["spec"])
+    from_toml = EvaluateSpec.model_validate(tomllib.loads((REPO / "deployments" / "qwen-evaluate.toml").read_text()))
+    assert from_yaml == from_toml
+    # A deployment runs in the checkout (the pull step), where the relative task file starts.
+    files = read_run_files(from_toml.evaluate.task_paths(), tmp_path, base_dir=REPO)
+    assert check_task_inputs(SECTION, from_toml.evaluate.tasks, None, files, {}).rows == {"capitals": 8}
+
+
 def test_the_grpo_deployments_reward_patterns_find_a_boxed_answer():
     from loraflow_worker.training.rewards import format_reward, normalized_match
 
@@ -66,7 +80,7 @@ def test_the_reward_files_deployments_name_exist_and_define_their_functions(tmp_
 
     for path in (REPO / "deployments").glob("*.toml"):
         data = tomllib.loads(path.read_text())
-        if "serve" in data:  # a serve file: no rewards
+        if "serve" in data or "evaluate" in data:  # a serve or evaluate file: no rewards
             continue
         spec = (StudySpec if "study" in data else RunSpec).model_validate(data)
         # A deployment runs in the checkout (the pull step), where relative reward files start.

@@ -31,6 +31,7 @@ from tasks.runpod.endpoints import parse_endpoint_name
 from tests.conftest import REPO, localpod_account, prefect_api, run_train_flow, stop_process_group
 from tests.test_crash_recovery_e2e import flow_env, run_reconcile, wait_for
 from tests.test_localpod_vllm import in_worker_env, make_adapters
+from tests.test_run_events import wait_for_events
 from tests.test_train_e2e import endpoint_slots_in_use, write_run_file
 
 pytestmark = pytest.mark.timeout(1200)
@@ -107,6 +108,46 @@ class Serve:
         return self.proc.wait(timeout_s)
 
 
+ENDPOINT_KEY_BLOCK = "e2e-endpoint-key"
+
+
+def write_evaluate_file(folder: Path, *, name: str, model: Path, store: Path, adapters: list[dict], word: str,
+                        **evaluate) -> Path:
+    """An evaluate file of two tasks over the training questions, as chats (as the phrase was trained): one whose
+    answer is `PHRASE`, then one whose answer is the answerer adapter's `word`, each graded by `contains`."""
+    tasks = []
+    for task, answer in (("phrase", PHRASE), ("word", word.strip())):
+        rows = folder / f"{task}.jsonl"
+        rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}], "answer": answer}) + "\n"
+                                for q in QUESTIONS[:6]))
+        tasks.append(f'[[evaluate.tasks]]\nname = "{task}"\nlocal_file = "{rows}"\ngraders = ["contains"]\n'
+                     "max_new_tokens = 16\n")
+    lines = [f'name = "{name}"', f'artifact_store = "file://{store}"', "budget_usd = 5", "[evaluate]",
+             f'base_model = "{model}"', 'gpu = ["4090"]', "deadline_minutes = 20",
+             "adapters = [" + ", ".join("{ " + ", ".join(f'{k} = "{v}"' for k, v in a.items()) + " }"
+                                        for a in adapters) + "]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in evaluate.items()]
+    path = folder / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n" + "".join(tasks))
+    return path
+
+
+def run_evaluate(stack, evaluate_file: Path, timeout_s: float = UP_S) -> tuple[list[tuple[str, str]], str]:
+    """`python -m flows.evaluate EVALUATE_FILE` against the stack; the leaderboard's rows as it printed them (label,
+    the scores), and its flow run's id."""
+    proc = subprocess.run([sys.executable, "-m", "flows.evaluate", str(evaluate_file)], cwd=REPO,
+                          env=flow_env(stack), capture_output=True, text=True, timeout=timeout_s)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    run_id = re.search(r"flow run ([0-9a-f-]{36}): Completed", output)[1]
+    return re.findall(r"\b\d+\. ([\w./-]+): (task:.*)$", output, re.M), run_id
+
+
+def score(rows: list[tuple[str, str]], label: str, metric: str) -> float:
+    """`label`'s score of `metric` on the printed leaderboard."""
+    return float(re.search(rf"{re.escape(metric)} ([\d.]+)", dict(rows)[label])[1])
+
+
 def serve_run_id(stack, name: str) -> str:
     """The newest flow run of the serve `name` (its runs are tagged `serve:<name>`)."""
     [run] = prefect_api(stack, "POST", "/flow_runs/filter", json={
@@ -175,6 +216,36 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         assert [m.id for m in listed] == [str(tiny_model), "phrase", "answerer"]
         assert listed[0].max_model_len == 1024  # no max_model_len asked: the tiny base's own context
 
+        # What is served is what is measured: the evaluate flow asks the endpoint by model name and grades the
+        # answers on the control plane, nothing rented; the phrase's adapter leads, the base is a row.
+        from prefect.blocks.system import Secret
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+            Secret(value=local_stack.client_env["RUNPOD_API_KEY"]).save(ENDPOINT_KEY_BLOCK, overwrite=True)
+        rows, evaluate_id = run_evaluate(local_stack, write_evaluate_file(
+            tmp_path, name="e2e-served", model=tiny_model, store=trained["store"], word=answerer["word"],
+            adapters=[{"name": "phrase", "source": f"runs/{trained['run_id']}"},
+                      {"name": "answerer", "source": str(answerer["folder"])}],
+            openai_base_url=base_url, openai_api_key_secret=ENDPOINT_KEY_BLOCK))
+        assert [label for label, _ in rows] == ["phrase", "base", "answerer"], rows
+        assert score(rows, "phrase", "task:phrase/contains") > 0.8
+        assert score(rows, "answerer", "task:word/contains") > 0.8
+        # A model the endpoint does not serve is refused before any prompt is asked, naming its field.
+        from tasks.jobs.endpoint_evaluation import EndpointRefused, check_served_models, endpoint_client
+
+        with endpoint_client(base_url, local_stack.client_env["RUNPOD_API_KEY"]) as endpoint, \
+                pytest.raises(EndpointRefused, match=r"not evaluate\.adapters\[1\]\.name: 'answerr'"):
+            check_served_models(endpoint, {"evaluate.adapters[0].name": "phrase",
+                                           "evaluate.adapters[1].name": "answerr"})
+        # Stored as a rented job stores them: the scores, each adapter's answers beside the base's, DONE.
+        stored = trained["store"] / "runs" / evaluate_id
+        assert (stored / "DONE").exists() and len(json.loads((stored / "result.json").read_text())["adapters"]) == 2
+        answers = [json.loads(line) for line in (stored / "evaluation" / "phrase" / "phrase.jsonl").read_text()
+                   .splitlines()]
+        assert len(answers) == 6 and all(a["answer"] == PHRASE and "base" in a for a in answers)
+        assert any(PHRASE in a["adapter"] and a["scores"]["contains"]["adapter"] == 1.0 for a in answers)
+
         # One endpoint of RunPod's vLLM worker, its two workers' slots held on the limit while it lives.
         [endpoint] = [e for e in serve_endpoints(local_stack, "e2e-serve") if e["deletedAt"] is None]
         assert endpoint_slots_in_use(local_stack) == slots_before + 2
@@ -214,6 +285,34 @@ def test_a_trained_adapter_and_a_second_one_answer_from_one_endpoint_that_holds_
         nothing_left(local_stack, "e2e-serve")
     finally:
         stop_process_group(serve.proc)
+
+
+def test_an_evaluate_run_of_two_adapters_ranks_them_as_their_phrases_say_on_one_rented_worker_deleted_after(
+        local_stack, tiny_model, trained, answerer, tmp_path):
+    slots_before = endpoint_slots_in_use(local_stack)
+    rows, evaluate_id = run_evaluate(local_stack, write_evaluate_file(
+        tmp_path, name="e2e-evaluate", model=tiny_model, store=trained["store"], word=answerer["word"],
+        adapters=[{"name": "answerer", "source": str(answerer["folder"])},
+                  {"name": "phrase", "source": f"runs/{trained['run_id']}"}]))
+    # Ranked by the first task (the phrase), best first, the base a row; the second task is the answerer's.
+    assert [label for label, _ in rows] == ["phrase", "base", "answerer"], rows
+    assert score(rows, "phrase", "task:phrase/contains") > 0.8 > score(rows, "base", "task:phrase/contains")
+    assert score(rows, "answerer", "task:word/contains") > 0.8 > score(rows, "phrase", "task:word/contains")
+    # The run's page: the leaderboard as a table, best first, each score with its standard error.
+    table = artifacts(local_stack, evaluate_id)["evaluate-e2e-evaluate-leaderboard"]["data"]
+    assert "Ranked by `task:phrase/contains`" in table
+    assert re.search(r"^\| 1 \| phrase \| [\d.]+ ± [\d.]+ \| [\d.]+ ± [\d.]+ \|$", table, re.M), table
+    # Each adapter's score is a `loraflow.run.evaluated` event of the evaluate run, labelled with the adapter.
+    scored = wait_for_events(local_stack, "loraflow.run.evaluated", 4,
+                             resource={"id": [f"loraflow.run.{evaluate_id}"]})
+    assert sorted((e["payload"]["label"], e["payload"]["metric"]) for e in scored) == [
+        ("answerer", "task:phrase/contains"), ("answerer", "task:word/contains"),
+        ("phrase", "task:phrase/contains"), ("phrase", "task:word/contains")]
+    # One GPU endpoint, named for the evaluation, deleted; its slot back.
+    endpoints = [e for e in localpod_account(local_stack)["endpoints"]
+                 if (parsed := parse_endpoint_name(e["name"])) and parsed.label == "eval-e2e-evaluate"]
+    assert len(endpoints) == 1 and endpoints[0]["deletedAt"] is not None, endpoints
+    assert endpoint_slots_in_use(local_stack) == slots_before
 
 
 def test_a_run_with_publish_serve_serves_its_adapter_and_an_openai_client_gets_the_phrase_from_it_not_the_base(

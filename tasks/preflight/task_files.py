@@ -195,7 +195,7 @@ def check_benchmark_names(names: Sequence[str], private: Collection[str],
     if unknown := unknown_benchmark_tasks(names, private):
         raise ValueError(f"{where}: {', '.join(repr(n) for n in unknown)}: no such task, group or tag in the image's "
                          f"lm-evaluation-harness ({len(harness_task_names())} names; `lm_eval --tasks list` prints "
-                         f"them){defined}; fix the name, or define the task in `evaluation.benchmarks.task_dir`")
+                         f"them){defined}; fix the name, or define the task in `{where.removesuffix('.tasks')}.task_dir`")
 
 
 def prompt_tokens(tokenizer: ChatTokenizer, prompt: list[dict[str, Any]]) -> int:

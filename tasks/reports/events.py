@@ -5,7 +5,7 @@
 | `loraflow.endpoint.created` | `loraflow.endpoint.<endpoint id>` | an attempt's endpoint exists (made, or found by name) |
 | `loraflow.endpoint.deleted` | `loraflow.endpoint.<endpoint id>` | its deletion is confirmed |
 | `loraflow.attempt.given-up` | `loraflow.run.<flow run id>` | an attempt ended without stored results |
-| `loraflow.run.evaluated` | `loraflow.run.<flow run id>` | an attempt's worker evaluated held-out rows or scored a task |
+| `loraflow.run.evaluated` | `loraflow.run.<flow run id>` | an attempt's worker evaluated held-out rows or scored a task; an evaluate run scored an adapter |
 | `loraflow.run.finished` | `loraflow.run.<flow run id>` | the run ended: completed, failed or cancelled |
 | `loraflow.volume.used` | `loraflow.volume.<volume id>` | a run attached a warm volume, or a preload sweep used one |
 | `loraflow.run.placed` | `loraflow.data-center.<datacenter id>` | a training run's worker started its job there |
@@ -114,6 +114,18 @@ def score_payloads(output: Any) -> list[dict[str, Any]]:
     payloads += [{"kind": "benchmark"} | s.model_dump(exclude={"metric"}) | {"metric": s.name,
                                                                               "harness_metric": s.metric}
                  for s in metrics.benchmark_scores]
+    return payloads
+
+
+def adapter_score_payloads(result: Any) -> list[dict[str, Any]]:
+    """Each adapter's task and benchmark scores of an evaluate job's result (`EvaluateResult`), as `score_payloads`
+    gives a run's, each with the adapter's `label`."""
+    payloads = []
+    for adapter in result.adapters:
+        payloads += [{"metric": s.metric, "kind": "task", "label": adapter.label} | s.model_dump()
+                     for s in adapter.task_scores]
+        payloads += [{"kind": "benchmark", "label": adapter.label} | s.model_dump(exclude={"metric"})
+                     | {"metric": s.name, "harness_metric": s.metric} for s in adapter.benchmark_scores]
     return payloads
 
 

@@ -30,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
 from tasks.settings import Settings
-from tasks.storage.evaluation_inputs import evaluation_store_path
+from tasks.storage.evaluation_inputs import SECTIONS, evaluation_store_path
 from tasks.storage.rewards import check_reward_files, reward_store_paths
 from tasks.storage.run_files import RunFile
 
@@ -156,7 +156,7 @@ def store_path_of(run_id: str, field: str) -> str | None:
         return f"{run_prefix(run_id)}/dataset/train.jsonl"
     if field.startswith("dataset.mix[") and field.endswith("].local_file"):
         return mix_store_path(run_id, int(field[len("dataset.mix["):-len("].local_file")]))
-    if field.startswith(("evaluation.tasks[", "evaluation.benchmarks.")):
+    if field.startswith(tuple(f"{section}.{part}" for section in SECTIONS for part in ("tasks[", "benchmarks."))):
         return evaluation_store_path(run_id, field)
     return {"evaluation.local_file": eval_store_path(run_id), "training.chat_template": chat_template_store_path(run_id),
             "grpo.tools": tools_store_path(run_id, "tools"),

@@ -1,4 +1,4 @@
-"""Where a run's task evaluations and benchmarks are stored with it: each `[[evaluation.tasks]]` file, each function
+"""Where a run's (or an evaluate flow run's) task evaluations and benchmarks are stored with it: each `[[evaluation.tasks]]` file, each function
 grader's file and each file of `[evaluation.benchmarks] task_dir`, published with the run's other files in one commit
 and pinned by their hashes as they are (`publish_run_inputs`, by the field each was read for)."""
 
@@ -8,10 +8,13 @@ import re
 
 from loraflow_worker.contract import run_prefix
 
-TASK_DIR_FIELD = "evaluation.benchmarks.task_dir"
-"""The field of the benchmarks' task folder; each of its files is read as `<this>/<path inside the folder>`."""
-_TASK_FILE = re.compile(r"^evaluation\.tasks\[(\d+)\]\.local_file$")
-_GRADER_FILE = re.compile(r"^evaluation\.tasks\[(\d+)\]\.graders\[(\d+)\]$")
+SECTIONS = ("evaluation", "evaluate")
+"""The sections that hold tasks and benchmarks: a run's `[evaluation]`, an evaluate file's `[evaluate]`."""
+TASK_DIR_FIELDS = tuple(f"{section}.benchmarks.task_dir" for section in SECTIONS)
+"""The fields of the benchmarks' task folder; each of its files is read as `<field>/<path inside the folder>`."""
+_TASK_FILE = re.compile(r"^(?:evaluation|evaluate)\.tasks\[(\d+)\]\.local_file$")
+_GRADER_FILE = re.compile(r"^(?:evaluation|evaluate)\.tasks\[(\d+)\]\.graders\[(\d+)\]$")
+_TASK_DIR_FILE = re.compile(r"^(?:evaluation|evaluate)\.benchmarks\.task_dir/")
 
 
 def task_store_path(run_id: str, index: int) -> str:
@@ -30,12 +33,12 @@ def task_dir_store_path(run_id: str) -> str:
 
 
 def evaluation_store_path(run_id: str, field: str) -> str | None:
-    """Where the file read for `field` (a task file, a grader's file, a file of the task folder) is stored; None for
-    another field."""
+    """Where the file read for `field` (a task file, a grader's file, a file of the task folder, of a run's
+    `evaluation.` or an evaluate file's `evaluate.`) is stored; None for another field."""
     if matched := _TASK_FILE.match(field):
         return task_store_path(run_id, int(matched[1]))
     if matched := _GRADER_FILE.match(field):
         return grader_store_path(run_id, int(matched[1]), int(matched[2]))
-    if field.startswith(f"{TASK_DIR_FIELD}/"):
-        return f"{task_dir_store_path(run_id)}/{field[len(TASK_DIR_FIELD) + 1:]}"
+    if matched := _TASK_DIR_FILE.match(field):
+        return f"{task_dir_store_path(run_id)}/{field[matched.end():]}"
     return None

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tasks.storage.evaluation_inputs import TASK_DIR_FIELD
+from tasks.storage.evaluation_inputs import TASK_DIR_FIELDS
 
 _CHUNK_BYTES = 1 << 20
 _LINK_ERRNOS = {errno.ELOOP, errno.EMLINK, errno.ENOTDIR}
@@ -73,11 +73,11 @@ def read_run_files(local_paths: Sequence[tuple[str, str]], folder: Path, *, base
 
 def _with_folder_files(local_paths: Sequence[tuple[str, str]], base_dir: Path,
                        inputs_dir: Path | None) -> list[tuple[str, str]]:
-    """`local_paths` with the benchmarks' task folder (`evaluation.benchmarks.task_dir`) replaced by each of its files,
+    """`local_paths` with the benchmarks' task folder (`evaluation.benchmarks.task_dir`, `evaluate.benchmarks.task_dir`) replaced by each of its files,
     as `<field>/<path inside it>`; a link inside it is refused (it could lead out of the folder)."""
     expanded = []
     for field, path_text in local_paths:
-        if field != TASK_DIR_FIELD:
+        if field not in TASK_DIR_FIELDS:
             expanded.append((field, path_text))
             continue
         folder = _location(field, path_text, base_dir, inputs_dir, folder=True)
