@@ -162,8 +162,8 @@ def test_shipped_run_files_load():
     from flows.forms.study import StudySpec, load_study_file
 
     for path in sorted((REPO / "deployments").glob("*.toml")):
-        if "\n[serve]" in path.read_text():
-            continue  # a serve file: tests/test_serve.py loads it
+        if "\n[serve]" in path.read_text() or "\n[evaluate]" in path.read_text():
+            continue  # a serve or evaluate file: tests/test_serve.py and tests/test_deployments.py load them
         study = "\n[study]" in path.read_text()
         assert isinstance(load_study_file(path) if study else load_run_file(path), StudySpec if study else RunSpec), path
 
