@@ -37,7 +37,6 @@ import time
 import uuid
 from pathlib import Path
 
-from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import ModelSource, run_prefix
 from loraflow_worker.contract.evaluate import EvaluateInput, EvaluateResult
@@ -66,7 +65,7 @@ from tasks.lifecycle.teardown import delete_run_endpoints_hook
 from tasks.lifecycle.worker_env import read_run_secrets
 from tasks.placement.cost import read_gpu_prices
 from tasks.placement.image_contract import check_image_contract
-from tasks.placement.plan import model_context, read_model_config, resolve_model
+from tasks.placement.plan import model_context, resolve_base
 from tasks.placement.serving_fit import ServingGpuRefused, choose_serving_gpu, serving_memory
 from tasks.placement.weight_cache import warm_cache_for
 from tasks.preflight.server_rules import check_inside_inputs_dir, check_server_rules
@@ -139,14 +138,7 @@ def check_evaluate(spec: EvaluateSpec, run_id: str) -> tuple[EvaluatePlan, dict[
     check_image_contract(settings.worker_image())  # a stale image would refuse the job only once a GPU was rented
     hub = settings.with_hub_token(spec.hub_token_secret)
     token = hub.hf_token.get_secret_value() if hub.hf_token else None
-    try:
-        base = resolve_model(ModelSource(id=evaluate.base_model), hub)
-        config = read_model_config(base, hub)
-    except ValueError as e:  # resolve_model names the train form's field
-        raise ValueError(str(e).replace("model.revision", "evaluate.base_model's revision")
-                         .replace("model.id", "evaluate.base_model")) from e
-    except (OSError, HfHubHTTPError) as e:
-        raise ValueError(f"evaluate.base_model {evaluate.base_model!r}: its config.json cannot be read ({e})") from e
+    base, config = resolve_base(evaluate.base_model, hub, "evaluate.base_model")
     served = [resolve_adapter(a.source, label, base_model=base.id, store_url=spec.artifact_store, token=token,
                               hub_endpoint=settings.hf_endpoint, local_ok=local_ok, field=f"evaluate.adapters[{i}]")
               for i, (a, label) in enumerate(zip(evaluate.adapters, evaluate.labels(), strict=True))]

@@ -37,8 +37,6 @@ import sys
 import time
 import uuid
 
-from huggingface_hub.errors import HfHubHTTPError
-from loraflow_worker.contract import ModelSource
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -74,7 +72,7 @@ from tasks.lifecycle.quota import ENDPOINT_LIMIT, ensure_endpoint_limit
 from tasks.lifecycle.steps import prepare_worker_env
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
 from tasks.placement.cost import check_cost_cap, read_gpu_prices
-from tasks.placement.plan import model_context, read_model_config, resolve_model
+from tasks.placement.plan import model_context, resolve_base
 from tasks.placement.serving_fit import choose_serving_gpu, serving_memory
 from tasks.placement.weight_cache import warm_cache_for
 from tasks.preflight.server_rules import ServerRuleError, check_inside_inputs_dir, operator_rule_problems
@@ -153,14 +151,7 @@ def check_serve(spec: ServeSpec, run_id: str) -> ServePlan:
                          "cannot read: push the model to the Hub and name its id")
     hub = settings.with_hub_token(spec.hub_token_secret)
     token = hub.hf_token.get_secret_value() if hub.hf_token else None
-    try:
-        base = resolve_model(ModelSource(id=serve.base_model), hub)
-        config = read_model_config(base, hub)
-    except ValueError as e:  # resolve_model names the train form's field
-        raise ValueError(str(e).replace("model.revision", "serve.base_model's revision")
-                         .replace("model.id", "serve.base_model")) from e
-    except (OSError, HfHubHTTPError) as e:
-        raise ValueError(f"serve.base_model {serve.base_model!r}: its config.json cannot be read ({e})") from e
+    base, config = resolve_base(serve.base_model, hub, "serve.base_model")
     context = model_context(config)
     max_model_len = serving_length(serve.max_model_len, context, base=serve.base_model)
     if serve.max_tokens >= max_model_len:

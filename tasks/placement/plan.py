@@ -113,6 +113,18 @@ def read_model_config(model: ModelSource, settings: Settings | None = None) -> d
     return json.loads(Path(path).read_text())
 
 
+def resolve_base(model_id: str, settings: Settings, field: str) -> tuple[ModelSource, dict]:
+    """A serve's or evaluation's base model pinned to its commit, and its `config.json`; ValueError naming `field`
+    (the form's, e.g. `serve.base_model`) when either cannot be had."""
+    try:
+        base = resolve_model(ModelSource(id=model_id), settings)
+        return base, read_model_config(base, settings)
+    except ValueError as e:  # resolve_model names the train form's field
+        raise ValueError(str(e).replace("model.revision", f"{field}'s revision").replace("model.id", field)) from e
+    except (OSError, HfHubHTTPError) as e:
+        raise ValueError(f"{field} {model_id!r}: its config.json cannot be read ({e})") from e
+
+
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 """Where a config.json states the model's context; vLLM refuses a MAX_MODEL_LEN above it, at startup."""
 
