@@ -21,6 +21,7 @@ from loraflow_worker.contract.task_evaluation import (
     BenchmarkSettings,
     TaskEvaluation,
     TaskScore,
+    taken_twice,
     task_files,
 )
 from loraflow_worker.contract.version import CONTRACT_VERSION, _Strict
@@ -114,18 +115,14 @@ class EvaluateInput(_Strict):
     @field_validator("adapters")
     @classmethod
     def _labels_unique(cls, adapters: list[EvaluatedAdapter]) -> list[EvaluatedAdapter]:
-        labels = [a.label for a in adapters]
-        twice = sorted({label for label in labels if labels.count(label) > 1})
-        if twice:
+        if twice := taken_twice([a.label for a in adapters]):
             raise ValueError(f"adapters: the labels {twice} are taken twice: give each adapter its own")
         return adapters
 
     @field_validator("tasks")
     @classmethod
     def _task_names_unique(cls, tasks: list[TaskEvaluation]) -> list[TaskEvaluation]:
-        names = [t.name for t in tasks]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
+        if twice := taken_twice([t.name for t in tasks]):
             raise ValueError(f"tasks: the names {twice} are taken twice")
         return tasks
 

@@ -183,9 +183,7 @@ class TaskEvaluation(_Strict):
     @field_validator("graders")
     @classmethod
     def _labels_unique(cls, graders: list[GraderSettings]) -> list[GraderSettings]:
-        labels = [g.label for g in graders]
-        doubled = sorted({label for label in labels if labels.count(label) > 1})
-        if doubled:
+        if doubled := taken_twice([g.label for g in graders]):
             raise ValueError(f"two graders of one task are labelled {', '.join(doubled)}: give each a `name`")
         return graders
 
@@ -269,6 +267,11 @@ class BenchmarkScore(_Strict):
     @property
     def name(self) -> str:
         return f"benchmark:{self.task}/{self.metric}"
+
+
+def taken_twice(names: list[str]) -> list[str]:
+    """The names that appear more than once in `names`, sorted: what a list of named things refuses."""
+    return sorted({name for name in names if names.count(name) > 1})
 
 
 def mean_and_stderr(values: list[float]) -> tuple[float, float]:
