@@ -144,6 +144,9 @@ class DeploymentFlows:
         if record.scenario.flow == "train" and record.scenario.own_token:
             self.save_secret(own_token_block(record.name), own_token(record.name))
             spec = team_run_spec(spec, self.inputs_dir, own_token_block(record.name))
+            # On the team stack a person's token reaches a run only through their block: in the flow's env it would
+            # be the control plane's own, which LORAFLOW_REQUIRE_RUN_TOKEN refuses to run on.
+            env = {name: value for name, value in env.items() if name != "HF_TOKEN"}
         elif record.scenario.flow == "train":
             spec = team_run_spec(spec, self.inputs_dir)
         elif record.scenario.flow == "serve":
