@@ -189,6 +189,17 @@ def test_hang_with_hang_s_answers_normally_after_the_wait(pod: Pod) -> None:
     assert time.monotonic() - started >= 1.0
 
 
+def test_a_held_request_is_answered_as_the_other_rules_say(pod: Pod) -> None:
+    # A slow RunPod (the batch's background noise) must not skip a scenario's answer queued behind it.
+    endpoint_id = pod.endpoint(unique("slow-then"))
+    pod.add_fault("faults", route="get_endpoint", action="hang", hang_s=0.2, times=1)
+    pod.add_fault("faults", route="get_endpoint", action="status_500", times=1)
+    started = time.monotonic()
+    assert pod.http.get(f"/v2/serverless/{endpoint_id}").status_code == 500
+    assert time.monotonic() - started >= 0.2
+    assert pod.http.get(f"/v2/serverless/{endpoint_id}").status_code == 200
+
+
 def test_hang_without_hang_s_runs_into_the_client_timeout_and_queues_nothing(pod: Pod) -> None:
     endpoint_id = pod.endpoint(unique("stuck"))
     pod.add_fault("faults", route="run", action="hang")

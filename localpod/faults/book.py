@@ -95,10 +95,14 @@ class FaultBook:
     def clear_route_faults(self) -> None:
         self.route_rules.clear()
 
-    def match_route(self, route: str, endpoint_name: str | None, data_center: str | None = None) -> RouteFaultRule | None:
-        """The rule that applies to this request, counted as a hit; None: answer normally."""
+    def match_route(self, route: str, endpoint_name: str | None, data_center: str | None = None, *,
+                    hangs: bool = True) -> RouteFaultRule | None:
+        """The rule that applies to this request, counted as a hit; None: answer normally. `hangs=False`: a rule that
+        holds the request does not apply (it already held it)."""
         for entry in self.route_rules.values():
             rule = entry.rule
+            if not hangs and rule.action == "hang":
+                continue
             if rule.route != route or not _prefix_matches(rule.endpoint_name_prefix, endpoint_name):
                 continue
             if rule.data_center_id is not None and rule.data_center_id != data_center:

@@ -202,7 +202,8 @@ async def route_fault(
 ) -> RouteFaultHit:
     """Apply the first route fault rule that matches this request, before the operation runs.
 
-    Raises `InjectedAnswer` for status_429, status_500, status_400, answer and drop; holds the request for hang; an
+    Raises `InjectedAnswer` for status_429, status_500, status_400, answer and drop; holds the request for hang, then
+    applies the first other rule that matches (a held request is answered as it would have been); an
     unknown_status comes back in the hit, for the status route to answer. Name the endpoint by id (any endpoint ever created)
     or, for a create, by the name in the body; a volume create by its body's datacenter.
     """
@@ -211,6 +212,11 @@ async def route_fault(
         endpoint = state.endpoints.get(endpoint_id)
         endpoint_name = endpoint.spec["name"] if endpoint is not None else None
     rule = state.faults.match_route(route, endpoint_name, data_center)
+    if rule is not None and rule.action == "hang":
+        log.info("injecting hang on %s (endpoint %s)", route, endpoint_name)
+        await _hang(request, state, rule.hang_s)
+        # A slow answer is still whatever answer the other rules make it: a hang delays, it does not decide.
+        rule = state.faults.match_route(route, endpoint_name, data_center, hangs=False)
     if rule is None:
         return RouteFaultHit(route, act_then_500=False)
     log.info("injecting %s on %s (endpoint %s)", rule.action, route, endpoint_name)
@@ -231,8 +237,6 @@ async def route_fault(
         raise InjectedAnswer(JSONResponse(rule.answer_body, status_code=rule.status_code))
     if rule.action == "drop":
         raise InjectedAnswer(_CutResponse())
-    if rule.action == "hang":
-        await _hang(request, state, rule.hang_s)
     return RouteFaultHit(route, act_then_500=rule.action == "act_then_500", job_status=rule.job_status,
                          create_as_gpu=rule.action == "create_as_gpu", create_patch=rule.create_patch)
 
