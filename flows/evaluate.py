@@ -66,7 +66,7 @@ from tasks.lifecycle.worker_env import read_run_secrets
 from tasks.placement.cost import read_gpu_prices
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.plan import model_context, resolve_base
-from tasks.placement.serving_fit import ServingGpuRefused, choose_serving_gpu, serving_memory
+from tasks.placement.serving_fit import choose_serving_gpu, serving_memory
 from tasks.placement.weight_cache import warm_cache_for
 from tasks.preflight.server_rules import check_inside_inputs_dir, check_server_rules
 from tasks.preflight.task_files import check_task_lengths_task
@@ -158,13 +158,8 @@ def check_evaluate(spec: EvaluateSpec, run_id: str) -> tuple[EvaluatePlan, dict[
     gpus = [resolve_gpu(name) for name in evaluate.gpu]
     image_cuda = settings.loraflow_image_min_cuda
     offers = {o.gpu: o for o in read_gpu_prices(gpus, [cuda_floor(g, image_cuda) for g in gpus])}
-    try:
-        gpu, passed = choose_serving_gpu(gpus, offers, memory, image_cuda)
-    except ServingGpuRefused as e:
-        raise ServingGpuRefused(str(e).replace("serve.gpu", "evaluate.gpu").replace(
-            ", or lower serve.max_model_len (the KV cache), or serve fewer adapters", ", or evaluate fewer adapters")
-            .replace("no GPU of the list can serve it; the serve needs", "no GPU of the list holds the evaluation; "
-                     "it needs")) from None
+    gpu, passed = choose_serving_gpu(gpus, offers, memory, image_cuda, field="evaluate.gpu",
+                                     smaller="evaluate fewer adapters")
     for reason in passed:
         logger.info("Not renting %s", reason)
     price = offers[gpu.name].usd_per_hour

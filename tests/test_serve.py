@@ -159,6 +159,14 @@ def test_a_serve_no_gpu_of_its_list_holds_is_refused_naming_the_field_and_a_clas
         choose_serving_gpu([resolve_gpu("4090")], {"RTX 4090": offer("RTX 4090", 1.1)}, memory, VLLM_IMAGE_MIN_CUDA)
 
 
+def test_a_gpu_list_of_another_form_is_refused_naming_that_forms_field_and_fix():
+    memory = serving_memory(QWEN3_8B, max_model_len=40960, max_loras=1, max_lora_rank=8)
+    with pytest.raises(ServingGpuRefused, match=r"^evaluate\.gpu: .*add RTX 5090 to evaluate\.gpu, or evaluate fewer "
+                       r"adapters\.$"):
+        choose_serving_gpu([resolve_gpu("4090")], {"RTX 4090": offer("RTX 4090", 1.1)}, memory, VLLM_IMAGE_MIN_CUDA,
+                           field="evaluate.gpu", smaller="evaluate fewer adapters")
+
+
 def test_a_gpu_whose_hosts_do_not_run_the_vllm_images_cuda_is_passed_over():
     memory = serving_memory(QWEN3_8B, max_model_len=4096, max_loras=1, max_lora_rank=8)
     offers = {"RTX 4090": offer("RTX 4090", 1.1, cuda=("12.8",)), "A100 SXM": offer("A100 SXM", 2.7)}

@@ -82,11 +82,14 @@ class ServingGpuRefused(ValueError):
 
 
 def choose_serving_gpu(gpus: Sequence[GpuClass], offers: dict[str, GpuOffer], memory: ServingMemory,
-                       image_min_cuda: str) -> tuple[GpuClass, list[str]]:
+                       image_min_cuda: str, *, field: str = "serve.gpu",
+                       smaller: str = "lower serve.max_model_len (the KV cache), or serve fewer adapters",
+                       ) -> tuple[GpuClass, list[str]]:
     """The cheapest class of `gpus` (ties: the order given) whose card RunPod lists in its pool, whose hosts run
     `image_min_cuda` (and the card's own floor) and whose memory holds `memory`, preferring those in stock somewhere;
     pinned in its pool as its offer says. Also: why each other class was passed over. Raises `ServingGpuRefused`
-    naming `serve.gpu`, each class's reason and the smallest class loraflow knows that would hold it."""
+    naming `field` (the form's GPU list), each class's reason, the smallest class loraflow knows that would hold it,
+    and `smaller`: how the form asks for less memory."""
     passed: list[str] = []
     candidates = []
     fits = cuda_fits(gpus, offers, [cuda_floor(g, image_min_cuda) for g in gpus])
@@ -104,10 +107,10 @@ def choose_serving_gpu(gpus: Sequence[GpuClass], offers: dict[str, GpuOffer], me
     if not candidates:
         bigger = next((g.name for g in sorted(GPU_CLASSES.values(), key=lambda g: (g.vram_gb, g.usd_per_hour))
                        if memory.fits(g)), None)
-        fix = f"add {bigger} to serve.gpu" if bigger else "no GPU class loraflow rents holds it"
+        fix = f"add {bigger} to {field}" if bigger else "no GPU class loraflow rents holds it"
         raise ServingGpuRefused(
-            f"serve.gpu: no GPU of the list can serve it; the serve needs {memory.describe()}. " + "; ".join(passed)
-            + f". Fix: {fix}, or lower serve.max_model_len (the KV cache), or serve fewer adapters.")
+            f"{field}: no GPU of the list holds it; it needs {memory.describe()}. " + "; ".join(passed)
+            + f". Fix: {fix}, or {smaller}.")
     stocked = [g for g in candidates if offers[g.name].in_stock_data_centers()]
     pool = stocked or candidates
     chosen = min(pool, key=lambda g: (offers[g.name].usd_per_hour, candidates.index(g)))
