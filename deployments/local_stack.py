@@ -53,6 +53,11 @@ PREFECT_SERVER_ENV = {
     # slot (bench/overhead.py: 2.6 s before the job, 0.6 s without). Batched, task runs show in the UI ≤ 1 s later.
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
     "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+    # Prefect's event persister writes as soon as 20 events are in: a run's checks send about that many, so the write
+    # came just as the run asked for its slot, which then failed SQLITE_BUSY as above (4 runs in 6 once the checks
+    # ended 0.1 s sooner; bench/README.md). Written once a second instead: events show in the UI ≤ 1 s later.
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_BATCH_SIZE": "1000",
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
 }
 SERVER_START_TIMEOUT_S = 240  # ~20 s on a fresh database; over 120 s seen on a loaded 2-core machine
 

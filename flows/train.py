@@ -101,11 +101,13 @@ def train(
         spec = apply_overrides(spec, RunOverrides(run_file=run_file, name=name, model=model, dataset=dataset,
                                                   gpu=gpu, max_steps=max_steps, learning_rate=learning_rate,
                                                   hub_token_secret=hub_token_secret))
-        tag_run(run_id, run_tags(spec.model.id, spec.algorithm, spec.compute.gpu))
+        tagged = tag_run.submit(run_id, run_tags(spec.model.id, spec.algorithm, spec.compute.gpu))
         run = check(spec, run_id, quote(spent))  # nothing is rented until this has passed
+        tagged.result()  # the run's labels, written while it was checked
         attempts = Attempts(forced=run.job_input.memory)
         for attempt in range(1, spec.attempts.max_attempts + 1):
-            if run_cancel_requested():
+            # The first attempt asks right before it creates its endpoint (`run_attempt`), a moment after the checks.
+            if attempt > 1 and run_cancel_requested():
                 return spent.finish(run_id, spec.name, "cancelled",
                                     Cancelled(message=f"Cancelled before attempt {attempt}"))
             plan, cache = place(run, attempt, attempts)

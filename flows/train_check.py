@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from loraflow_worker.artifacts.pins import sha256_hex
 from loraflow_worker.contract import (
@@ -55,6 +56,7 @@ from tasks.placement.cost import (
 from tasks.placement.gpu_fit import catalog_fits, gpus_that_fit, placeable_gpus, pooled_gpus
 from tasks.placement.image_contract import check_image_contract
 from tasks.placement.plan import read_model_shape_task, resolve_model_task
+from tasks.placement.weight_cache import DataCenterCache, read_all_caches
 from tasks.reports import events
 from tasks.preflight.chats import check_chats_task
 from tasks.preflight.server_rules import check_server_rules
@@ -87,6 +89,8 @@ from tasks.storage.publish import check_publish_token
 from tasks.storage.rewards import check_reward_files
 from tasks.storage.run_files import RunFile, read_run_files
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class CheckedRun:
@@ -102,6 +106,8 @@ class CheckedRun:
     offers: dict[str, GpuOffer]
     ceiling: CostCeiling
     worker_env: dict[str, str]
+    warm_records: dict[str, DataCenterCache] | None = None
+    """The weight-cache records as read while the run was checked, for its first placement; None: read them then."""
 
     @property
     def began_at(self) -> float:
@@ -137,6 +143,8 @@ def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[
     # The worker resumes only from checkpoints it signed with this key (none a store writer could plant).
     checkpoint_key = _meanwhile(lambda: run_checkpoint_key(secret_name_key(settings.control_plane_namespace()),
                                                            run_id))
+    endpoint_limit = _meanwhile(ensure_endpoint_limit)  # the slot a run takes once checked needs the limit to exist
+    warm_records = _meanwhile(_warm_records)  # where the first attempt may find the model warm
     secrets = check_secrets.submit(spec)
     prices = read_gpu_prices.submit(gpus, floors)
     model = resolve_model_task.submit(spec.model, disk_gb=spec.compute.disk_gb, hub_token_secret=spec.hub_token_secret)
@@ -225,29 +233,41 @@ def _check_read(spec: RunSpec, run_id: str, spent: events.RunSpend, files: dict[
                         serving.budget_usd or spec.budget_usd)
         worker_env = prepare_worker_env.submit(spec.hub_token_secret, env=spec.worker.env, secrets=spec.worker.secrets)
         running.append(worker_env)
-        ensure_endpoint_limit()
+        endpoint_limit.result()
         return CheckedRun(spec=spec, run_id=run_id, deadline=deadline, model=model_source, job_input=job_input,
-                          shape=shape, gpus=gpus, offers=offers, ceiling=ceiling, worker_env=worker_env.result())
+                          shape=shape, gpus=gpus, offers=offers, ceiling=ceiling, worker_env=worker_env.result(),
+                          warm_records=warm_records.result())
     finally:
         wait(running)  # whatever refused the run, no check outlives this one
         checkpoint_key.exception()
+        endpoint_limit.exception()
+        warm_records.exception()
 
 
-def _meanwhile(read: Callable[[], str]) -> Future[str]:
-    """`read()` in a thread of its own, in a copy of the run's context, while the checks go on: the checkpoint key is
-    two requests to the Prefect server (the namespace and its key block), which the run otherwise waited for after
-    its checks."""
-    future: Future[str] = Future()
+def _meanwhile(read: Callable[[], T]) -> Future[T]:
+    """`read()` in a thread of its own, in a copy of the run's context, while the checks go on: the checkpoint key
+    (two requests to the Prefect server: the namespace and its key block) and the endpoint limit (one, two when it is
+    made) were requests the run otherwise waited for after its checks."""
+    future: Future[T] = Future()
     context = contextvars.copy_context()
 
     def run() -> None:
         try:
             future.set_result(context.run(read))
-        except BaseException as e:  # noqa: BLE001 - raised where the key is used
+        except BaseException as e:  # noqa: BLE001 - raised where the answer is used
             future.set_exception(e)
 
-    threading.Thread(target=run, name="loraflow-checkpoint-key", daemon=True).start()
+    threading.Thread(target=run, name="loraflow-check-read", daemon=True).start()
     return future
+
+
+def _warm_records() -> dict[str, DataCenterCache] | None:
+    """The weight-cache records; None when they cannot be read now (the placement reads them again, and says why
+    when that fails too: a record is a hint, never a reason to refuse a run)."""
+    try:
+        return read_all_caches(get_run_logger())
+    except Exception:  # noqa: BLE001 - see above
+        return None
 
 
 @task(name="check-secrets", cache_policy=NO_CACHE)

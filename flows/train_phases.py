@@ -13,14 +13,16 @@
 """
 
 # No `from __future__ import annotations`: Prefect reads these tasks' signatures.
+import contextlib
 import time
 from dataclasses import dataclass, field
 
-from loraflow_worker.contract import MemorySettings
+from loraflow_worker.contract import JobResult, MemorySettings
 from loraflow_worker.memory.plan import plan_job
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
+from pydantic import ValidationError
 
 from flows.train_check import CheckedRun
 from tasks.jobs.merge import MergedModel, merge_run_adapter
@@ -34,7 +36,7 @@ from tasks.placement.memory_ladder import MemoryContext
 from tasks.placement.plan import AttemptPlan, plan_attempt
 from tasks.placement.weight_cache import DataCenterCache, WarmVolumeGone, forget, warm_cache_for
 from tasks.reports import events
-from tasks.reports.curve import curve_png, load_in_background
+from tasks.reports.curve import draw_meanwhile, drawn_curve, load_in_background
 from tasks.reports.summary import RunReport, publish_report, store_curve, summary_key
 from tasks.runpod.errors import JobFailedError, RunpodError
 from tasks.runpod.jobs import JobOutcome
@@ -65,7 +67,8 @@ def place(run: CheckedRun, attempt: int, attempts: Attempts) -> tuple[AttemptPla
     logger = get_run_logger()
     offer = run.offers[run.gpus[attempts.gpu_index].name]
     cache = (warm_cache_for(run.model.id, run.model.revision, offer.in_stock_data_centers(),
-                            existing_volumes=existing_volume_ids, logger=logger)
+                            existing_volumes=existing_volume_ids, logger=logger,
+                            records=run.warm_records if attempt == 1 else None)
              if attempts.use_cache else None)
     plan = plan_for(run, attempt, attempts, cache)
     logger.info("Attempt %d on %d × %s: endpoint %s%s%s", attempt, run.spec.compute.gpu_count, plan.gpu.name,
@@ -142,11 +145,16 @@ def _rent_train_and_tear_down(
         cache, plan = None, plan_for(run, attempt, attempts, None)
         outcome, undeleted = run_attempt(plan, progress_key=progress_key, endpoint_ids=attempts.endpoint_ids,
                                          on_submitted=load_in_background, run_name=run.spec.name)
+    if outcome.kind == "completed":  # its endpoint deleted: the curve is drawn while the results are collected
+        with contextlib.suppress(ValidationError):  # `collect` names what is wrong with the job's output
+            draw_meanwhile(JobResult.model_validate(outcome.output).metrics, run.spec.algorithm)
     return outcome, undeleted, plan, cache
 
 
 def cancelled_during(attempt: int, outcome: JobOutcome, undeleted: UndeletedEndpoint | None) -> Cancelled:
     get_run_logger().warning("Attempt %d: %s", attempt, outcome.error)
+    if not outcome.job_id:  # cancelled before its endpoint was created: nothing was rented
+        return Cancelled(message=f"Cancelled before attempt {attempt} rented an endpoint")
     teardown = "not confirmed deleted (recorded for the reconciler)" if undeleted else "deleted"
     return Cancelled(message=f"Cancelled during attempt {attempt}; its endpoint {teardown}")
 
@@ -211,7 +219,7 @@ def report(run: CheckedRun, plan: AttemptPlan, cache: DataCenterCache | None, re
     marked for the reconciler to fill it in. Returns what was published and merged."""
     logger, spec = get_run_logger(), run.spec
     billed_read = read_billed_cost.submit(endpoint_ids, run.began_at)  # RunPod's billing lags: nothing yet is "pending"
-    curve = curve_png(results.result.metrics, spec.algorithm)
+    curve = drawn_curve(results.result.metrics, spec.algorithm)  # drawn while the results were read, most often
     stored = (store_curve(spec.artifact_store, run.run_id, curve, spec.hub_token_secret, return_state=True)
               if curve else None)
     if stored is not None and not stored.is_completed():

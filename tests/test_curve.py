@@ -7,7 +7,17 @@ from loraflow_worker.contract import TrainMetrics
 from matplotlib.colors import to_rgb
 from PIL import Image
 
-from tasks.reports.curve import DPI, EVAL_COLOR, SIZE_INCHES, TRAIN_COLOR, curve_figure, curve_png
+from tasks.reports import curve
+from tasks.reports.curve import (
+    DPI,
+    EVAL_COLOR,
+    SIZE_INCHES,
+    TRAIN_COLOR,
+    curve_figure,
+    curve_png,
+    draw_meanwhile,
+    drawn_curve,
+)
 
 SFT = TrainMetrics(steps=4, losses=[(1, 6.4), (2, 3.0), (3, 2.0), (4, 1.25)],
                    eval_loss=[(0, 6.9), (2, 3.4), (4, 2.05)], first_loss=6.4, final_loss=1.25, tokens=1234,
@@ -64,3 +74,16 @@ def test_dpo_draws_the_reward_accuracy_of_the_training_and_the_held_out_pairs():
     assert axes.get_ylabel() == "reward accuracy"
     assert list(lines["training reward accuracy"].get_ydata()) == [0.25, 0.75, 1.0]
     assert list(lines["eval reward accuracy (held-out)"].get_ydata()) == [0.0, 1.0]
+
+
+def test_the_curve_drawn_meanwhile_is_the_one_the_report_takes():
+    draw_meanwhile(SFT, "sft")
+    _, future = curve._drawing
+    assert drawn_curve(SFT, "sft") == curve_png(SFT, "sft")
+    assert future.done() and curve._drawing is None  # taken, not drawn twice, and not kept
+
+
+def test_a_curve_drawn_meanwhile_of_other_metrics_is_not_taken_for_the_report():
+    draw_meanwhile(SFT, "sft")
+    assert drawn_curve(GRPO, "grpo") == curve_png(GRPO, "grpo")
+    assert drawn_curve(SFT, "sft") == curve_png(SFT, "sft")  # drawn now: the other was given up

@@ -284,3 +284,18 @@ def test_billed_figures_come_from_localpods_volume_billing_once_days_have_passed
     monthly, since = billed_figures(runpod, now, days=5)
     assert monthly[volume.id] == pytest.approx(7.0, rel=0.01)  # a full billed day × 30: 100 GB at $0.07
     assert since[volume.id] <= now - timedelta(days=2)
+
+
+def test_a_placement_given_the_records_read_during_the_check_reads_none_again(monkeypatch):
+    from tasks.placement import weight_cache
+
+    def read_again(*args, **kwargs):
+        raise AssertionError("the records were read again")
+
+    monkeypatch.setattr(weight_cache, "read_all_caches", read_again)
+    warm = DataCenterCache(data_center="EU-RO-1", volume_id="vol1", volume_gb=50,
+                           models={"acme/tiny": WarmModel(revision="abc", size_bytes=1, warmed_at=LONG_AGO)})
+    cold = warm.model_copy(update={"data_center": "US-CA-2", "volume_id": "vol2", "models": {}})
+    records = {"US-CA-2": cold, "EU-RO-1": warm}
+    assert weight_cache.warm_cache_for("acme/tiny", "abc", ["US-CA-2", "EU-RO-1"], records=records) == warm
+    assert weight_cache.warm_cache_for("acme/tiny", "def", ["US-CA-2", "EU-RO-1"], records=records) is None

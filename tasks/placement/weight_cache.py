@@ -9,7 +9,7 @@ character limit for a Variable's value.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field, ValidationError
@@ -140,12 +140,14 @@ def clear_cache(data_center: str, volume_id: str | None = None) -> bool:
 
 
 def warm_data_centers(model_id: str, revision: str | None, data_centers: list[str],
-                      logger: logging.Logger | logging.LoggerAdapter = log) -> list[DataCenterCache]:
+                      logger: logging.Logger | logging.LoggerAdapter = log,
+                      records: Mapping[str, DataCenterCache] | None = None) -> list[DataCenterCache]:
     """The records of those datacenters whose volume holds the model at this revision, in the given order: read
-    in one request (a GPU in stock in many datacenters would cost one each). Never raises: records that cannot be
-    read are a warning and none (a run goes cold rather than failing over a hint)."""
+    in one request (a GPU in stock in many datacenters would cost one each), or taken from `records` (datacenter →
+    record, as `read_all_caches` read them a moment ago). Never raises: records that cannot be read are a warning
+    and none (a run goes cold rather than failing over a hint)."""
     try:
-        caches = read_all_caches(logger)
+        caches = read_all_caches(logger) if records is None else records
     except Exception as e:  # noqa: BLE001 - any failure to read a hint means "not warm"
         logger.warning("The weight-cache records could not be read (%s: %s): treating every datacenter as cold",
                        type(e).__name__, str(e)[:200])
@@ -155,14 +157,16 @@ def warm_data_centers(model_id: str, revision: str | None, data_centers: list[st
 
 def warm_cache_for(model_id: str, revision: str | None, in_stock: list[str],
                    existing_volumes: Callable[[], Collection[str] | None] | None = None,
-                   logger: logging.Logger | logging.LoggerAdapter = log) -> DataCenterCache | None:
+                   logger: logging.Logger | logging.LoggerAdapter = log,
+                   records: Mapping[str, DataCenterCache] | None = None) -> DataCenterCache | None:
     """The first of the datacenters with stock of the run's GPU (`in_stock`, best stocked first) whose
     volume holds the model at its revision; None when there is none (the run goes cold).
 
     `existing_volumes`: called once, only when a record is found, for the ids of the volumes that exist now
     (None: unknown, trust the records). A record whose volume is gone (deleted by hand, or by the volumes
-    flow) is cleared and skipped, with a warning: a record is a hint, never a requirement."""
-    warm = warm_data_centers(model_id, revision, in_stock, logger)
+    flow) is cleared and skipped, with a warning: a record is a hint, never a requirement. `records`: as
+    `warm_data_centers` takes them."""
+    warm = warm_data_centers(model_id, revision, in_stock, logger, records)
     if not warm or existing_volumes is None:
         return warm[0] if warm else None
     existing = existing_volumes()
