@@ -18,7 +18,8 @@ Transformers answers instead, and one progress line says why ("answering with tr
   `vllm_lora.vllm_refusals`): every answer of the job then comes from transformers, so that the base and every adapter
   are compared on one backend;
 - building the engine or loading an adapter into it fails (an import error, CUDA out of memory, an architecture vLLM
-  does not know): the error is named and nothing of the evaluation is lost.
+  does not know): the error is named and nothing of the evaluation is lost. Once the engine is built and every
+  adapter loaded, a failure while answering is the evaluation's, as one of transformers' would be.
 
 What has not run on a GPU yet: vLLM 0.33 itself answering here. The names and arguments used are vLLM 0.33.0's (read
 from its wheel): `vllm.LLM(model, dtype, seed, gpu_memory_utilization, enforce_eager, max_model_len, enable_lora,
