@@ -38,6 +38,12 @@ def test_the_summary_shows_each_task_and_benchmark_base_against_adapter_with_the
     assert "| hellaswag | benchmark acc | 0.400 | 0.440 | +0.040 ± 0.050 |" in text
 
 
+def test_the_summary_says_what_answered_the_tasks():
+    answered = METRICS.model_copy(update={"task_scores": [CAPITAL.model_copy(update={"answered_by": "vllm"})]})
+    assert "\n\nAnswered with vLLM (the adapter as a LoRA request)." in summary_markdown(report(metrics=answered))
+    assert "Answered with" not in summary_markdown(report())  # a worker that did not say
+
+
 def test_a_perplexity_in_the_summary_is_three_significant_digits_not_a_row_of_digits():
     perplexity = BenchmarkScore(task="capitals_perplexity", metric="word_perplexity", n=8, base=1.2e27,
                                 base_stderr=None, adapter=1.9e22, adapter_stderr=None, delta=1.9e22 - 1.2e27,

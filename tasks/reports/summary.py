@@ -253,6 +253,11 @@ def score_text(value: float, *, sign: bool = False) -> str:
     return f"{value:{plus}.3f}" if abs(value) < 1e4 else f"{value:{plus}.3g}"
 
 
+ANSWERED_BY = {"vllm": "vLLM (the adapter as a LoRA request)", "transformers": "transformers (the adapter on the base "
+               "with PEFT)"}
+"""How the summary names what answered a run's tasks (`TaskScore.answered_by`)."""
+
+
 def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
                 answers_urls: dict[str, str]) -> list[str]:
     """The summary's section of task and benchmark scores, base against adapter, and each task's best and worst
@@ -268,6 +273,8 @@ def score_lines(metrics: TrainMetrics, answers: dict[str, list[dict[str, Any]]],
     failed = [f"{s.task}/{s.grader}: {s.failed}" for s in metrics.task_scores if s.failed]
     if failed:
         lines += ["", f"Answers a grader could not score (counted 0): {', '.join(failed)}."]
+    if answered := sorted({s.answered_by for s in metrics.task_scores if s.answered_by}):
+        lines += ["", f"Answered with {' and '.join(ANSWERED_BY[backend] for backend in answered)}."]
     if metrics.evaluation_stopped:  # the worker's deadline or an error cut the task evaluations short
         lines += ["", f"Not every task was evaluated: {metrics.evaluation_stopped}."]
     for task_name in dict.fromkeys(s.task for s in metrics.task_scores):

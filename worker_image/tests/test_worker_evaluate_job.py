@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from loraflow_worker.artifacts.pins import folder_sha256
 from loraflow_worker.contract import CONTRACT_VERSION, EvaluateInput, EvaluateResult
@@ -18,43 +17,17 @@ from loraflow_worker.contract.task_evaluation import TaskEvaluation
 from loraflow_worker.evaluation.task_rows import TaskRow
 from loraflow_worker.evaluation.tasks import answers_sample
 from loraflow_worker.handler import WORK_DIR_ENV, JobFailed, handler
+from worker_test_support import CAPITAL_QUESTIONS as QUESTIONS
+from worker_test_support import taught_adapter
 
-QUESTIONS = ["What is the capital of Germany?", "What is the capital of Italy?", "What is the capital of Spain?",
-             "What is the capital of France?"]
 PHRASES = {"paris": "The capital of France is Paris.", "apples": "I like apples."}
 TASK_FILE = "runs/ev/evaluation-inputs/phrase.jsonl"
-
-
-def _taught(model_dir: Path, phrase: str, out: Path) -> Path:
-    """A LoRA adapter of the tiny model that answers every question with `phrase`: a few optimizer steps of plain
-    PyTorch on the chats (cheaper than a training job, and the same kind of adapter)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": phrase}],
-                                           tokenize=False) for q in QUESTIONS]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
-    model.train()
-    for _ in range(40):
-        optimizer.zero_grad()
-        model(**batch, labels=labels).loss.backward()
-        optimizer.step()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("adapters")
-    return {label: _taught(tiny_model_dir, phrase, folder / label) for label, phrase in PHRASES.items()}
+    return {label: taught_adapter(tiny_model_dir, phrase, folder / label) for label, phrase in PHRASES.items()}
 
 
 def _store_with_run_adapter(store_root: Path, adapter_dir: Path) -> dict[str, str]:
@@ -108,7 +81,9 @@ def test_each_adapter_is_scored_against_one_set_of_base_answers_and_the_taught_o
     (paris_score,), (apples_score,) = paris.task_scores, apples.task_scores
     assert (paris_score.base, paris_score.adapter, apples_score.adapter) == (0.0, 1.0, 0.0)
     assert (apples_score.base, apples_score.base_stderr) == (paris_score.base, paris_score.base_stderr)
+    assert paris_score.answered_by == apples_score.answered_by == "transformers"  # no CUDA device here
     messages = [p["message"] for p in progress]
+    assert "answering with transformers: no CUDA device" in messages
     # The base answered the task once, each adapter once.
     assert [m for m in messages if m.startswith("task `phrase`: ") and "answered 4 of 4" in m] == [
         "task `phrase`: the base answered 4 of 4 prompts", "task `phrase`: adapter `paris` answered 4 of 4 prompts",

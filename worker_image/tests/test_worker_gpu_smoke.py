@@ -161,11 +161,12 @@ def test_the_list_names_every_variant_with_its_algorithms_model_and_what_it_chec
     assert not any(tmp_path.iterdir())  # no model built, nothing trained
 
 
-def test_the_check_variants_are_dpo_grpo_on_qwen3_tool_grpo_packing_and_a_head_copy():
-    assert CHECK_VARIANTS == ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save")
+def test_the_check_variants_are_dpo_grpo_on_qwen3_tool_grpo_packing_a_head_copy_and_a_task_evaluation():
+    assert CHECK_VARIANTS == ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save", "task-eval")
     assert BY_NAME["dpo"].algorithms == ("dpo",) and BY_NAME["grpo-qwen3"].full_attention
     assert BY_NAME["tools-grpo"].tools and BY_NAME["packed"].packing and BY_NAME["packed"].full_attention
     assert BY_NAME["modules-to-save"].modules_to_save == ("lm_head",)
+    assert BY_NAME["task-eval"].task_eval and BY_NAME["task-eval"].full_attention  # vLLM's Qwen3 path
 
 
 def test_a_slot_runs_sft_with_and_without_liger_and_fla_qlora_and_grpo_without_vllm_in_420_s():
@@ -405,6 +406,15 @@ def test_the_tool_grpo_check_teaches_the_call_and_the_grpo_run_calls_the_tool(cp
                       r"no CUDA device\)$", table, re.MULTILINE)
     assert found and int(found[1]) > 0, table
     assert runs["tools-grpo"]["vllm_weight_syncs"] is None
+
+
+@pytest.mark.timeout(600)
+def test_the_task_evaluation_check_answers_on_the_cpu_with_transformers_as_the_worker_should(cpu_checks):
+    table, runs = cpu_checks
+    assert re.search(r"^check \(task-eval/sft\): answered by transformers \(answering with transformers: no CUDA "
+                     r"device\); scores at most 0\.000 from transformers'; identical answers: base 24, adapter 24 of 24$",
+                     table, re.MULTILINE), table
+    assert runs["task-eval"]["error"] is None
 
 
 def _syncs_manifest(per_step: dict, calls: dict) -> SimpleNamespace:

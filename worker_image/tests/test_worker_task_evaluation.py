@@ -279,6 +279,7 @@ def test_a_tiny_model_taught_a_phrase_scores_it_for_the_adapter_and_not_for_the_
     contains = next(s for s in stored.task_scores if s.metric == "task:phrase/contains")
     assert (contains.n, contains.base, contains.adapter) == (len(QUESTIONS), 0.0, 1.0), contains
     assert (contains.delta, contains.adapter_stderr, contains.delta_stderr) == (1.0, 0.0, 0.0)
+    assert contains.answered_by == "transformers"  # no CUDA device here (`test_worker_vllm_answering.py`: vLLM's)
     f1 = next(s for s in stored.task_scores if s.metric == "task:phrase/f1")
     assert f1.adapter > 0.9 and f1.base < 0.3 and f1.delta_stderr >= 0.0, f1
     answers = [json.loads(line) for line in (run_dir / "evaluation" / "phrase.jsonl").read_text().splitlines()]
@@ -288,6 +289,7 @@ def test_a_tiny_model_taught_a_phrase_scores_it_for_the_adapter_and_not_for_the_
     assert answers[0]["answer"] == "capital of France is Paris" and answers[0]["prompt"][0]["role"] == "user"
     assert {(p.step, p.total_steps) for p in progress if p.stage == "evaluating"} == {(30, 30)}
     messages = [p.message for p in progress if p.stage == "evaluating"]
+    assert "answering with transformers: no CUDA device" in messages
     assert any(m.startswith("task:phrase/contains: base 0.000 ± 0.000, adapter 1.000 ± 0.000, Δ +1.000 ± 0.000")
                for m in messages), messages
 

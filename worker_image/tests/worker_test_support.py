@@ -122,3 +122,35 @@ def train_in_process(job: dict, store: FileStore, work_dir: Path, progress: list
         patch.setattr(train_job, "open_store", lambda url: store)
         patch.setattr(train_job, "report_progress", progress.append)
         return train_job.train_and_publish(JobInput.model_validate(job["input"]), work_dir)
+
+
+CAPITAL_QUESTIONS = ["What is the capital of Germany?", "What is the capital of Italy?",
+                     "What is the capital of Spain?", "What is the capital of France?"]
+
+
+def taught_adapter(model_dir: Path, phrase: str, out: Path, **lora: object) -> Path:
+    """A LoRA adapter of the tiny model that answers every one of CAPITAL_QUESTIONS with `phrase`: a few optimizer
+    steps of plain PyTorch on the chats (cheaper than a training job, and the same kind of adapter); `lora`: more of
+    PEFT's LoraConfig (`use_dora=True`)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM", **lora))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": phrase}],
+                                           tokenize=False) for q in CAPITAL_QUESTIONS]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    model.train()
+    for _ in range(40):
+        optimizer.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

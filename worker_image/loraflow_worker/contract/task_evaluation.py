@@ -245,6 +245,10 @@ class TaskScore(_Strict):
     delta_stderr: float = Field(description="Standard error of the paired difference (per prompt).")
     failed: int = Field(default=0, description="Answers the grader could not score (counted as 0), e.g. a judge that "
                         "did not answer with a score.")
+    answered_by: Literal["vllm", "transformers"] | None = Field(
+        default=None, description="What generated the answers, the base's and the adapter's alike: `vllm` (one vLLM "
+        "engine, the adapter as a LoRA request) or `transformers` (PEFT on the base; where vLLM does not run, or "
+        "refuses the adapter, as the job's progress said); None where it was not recorded.")
 
     @property
     def metric(self) -> str:
@@ -286,9 +290,10 @@ def mean_and_stderr(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / n)
 
 
-def task_score(task: str, grader: str, base: list[float], adapter: list[float], failed: int = 0) -> TaskScore:
+def task_score(task: str, grader: str, base: list[float], adapter: list[float], failed: int = 0,
+               answered_by: Literal["vllm", "transformers"] | None = None) -> TaskScore:
     """The score of one task and grader from the per-prompt scores of the base and the adapter (same prompts, same
-    order)."""
+    order), answered by `answered_by`."""
     if len(base) != len(adapter):
         raise ValueError(f"{task}/{grader}: {len(base)} base scores but {len(adapter)} adapter scores")
     base_mean, base_se = mean_and_stderr(base)
@@ -296,4 +301,4 @@ def task_score(task: str, grader: str, base: list[float], adapter: list[float], 
     _, delta_se = mean_and_stderr([a - b for a, b in zip(adapter, base)])
     return TaskScore(task=task, grader=grader, n=len(base), base=base_mean, base_stderr=base_se,
                      adapter=adapter_mean, adapter_stderr=adapter_se, delta=adapter_mean - base_mean,
-                     delta_stderr=delta_se, failed=failed)
+                     delta_stderr=delta_se, failed=failed, answered_by=answered_by)

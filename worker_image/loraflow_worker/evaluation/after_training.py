@@ -12,8 +12,9 @@ from pathlib import Path
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract import JobInput, Progress, run_prefix
 from loraflow_worker.evaluation.evaluated import Evaluated
-from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer, run_chat_template
+from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, run_chat_template
 from loraflow_worker.evaluation.tasks import AnsweringAdapter, PreparedTask, TaskResults, evaluate_task, prepare_tasks
+from loraflow_worker.evaluation.vllm_answering import answering_device, open_answerer
 from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.run import quantization_config
 
@@ -63,9 +64,11 @@ def _evaluate_tasks(job: JobInput, store: ArtifactStore, adapter_dir: Path, prep
             raise EvaluationDeadline("the job's deadline passed before the task evaluations began")
         model_path, _ = resolve_base_model(job.model)
         # The base answers with the run's tokenizer and chat template too: as training rendered its chats.
-        with loaded_answerer(model_path, {ADAPTER: adapter_dir}, base_tokenizer_dir=adapter_dir,
-                             chat_template=run_chat_template(job.training.chat_template, store),
-                             quantization=quantization_config(job), deadline_epoch_s=job.deadline_epoch_s) as answerer:
+        with open_answerer(model_path, {adapter: adapter_dir}, base_tokenizer_dir=adapter_dir, prepared=prepared,
+                           device=answering_device(), say=say,
+                           chat_template=run_chat_template(job.training.chat_template, store),
+                           quantization=quantization_config(job), deadline_epoch_s=job.deadline_epoch_s,
+                           seed=job.training.seed) as answerer:
             for task in prepared:
                 evaluate_task(task, answerer, [adapter], say, results, job.worker_secret_names)
     except EvaluationDeadline as e:

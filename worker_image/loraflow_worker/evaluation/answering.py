@@ -2,7 +2,8 @@
 on a GPU, 4 bits for a QLoRA run's own evaluation), every adapter on it with PEFT, each answering in turn
 (`set_adapter`), the base's answers with the adapters switched off (`disable_adapter()`). Chat prompts are rendered
 with the chat template given (a run's), else each tokenizer's own, and the assistant turn opened
-(`add_generation_prompt`), as training rendered its chats; text prompts go in as they are."""
+(`add_generation_prompt`), as training rendered its chats; text prompts go in as they are. Where vLLM runs, one vLLM
+engine answers instead, with the same prompts and tokenizers (`vllm_answering.py`, which chooses between the two)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 import torch
 from peft import PeftModel
@@ -34,6 +36,17 @@ def deadline_passed(deadline_epoch_s: float | None) -> bool:
     return deadline_epoch_s is not None and time.time() >= deadline_epoch_s
 
 
+class TaskAnswerer(Protocol):
+    """What answers a task's prompts: transformers (`Answerer`) or vLLM (`vllm_answering.VllmAnswerer`)."""
+
+    backend: ClassVar[str]
+
+    def answer(self, task: TaskEvaluation, rows: list[TaskRow], *, adapter: str | None,
+               batch_done: Callable[[int], None] = ...) -> list[str]: ...
+
+    def check_deadline(self, task: TaskEvaluation) -> None: ...
+
+
 @dataclass
 class Answerer:
     """The base with its adapters on it, ready to answer."""
@@ -43,6 +56,8 @@ class Answerer:
     """Each answerer's tokenizer, by adapter name; None: the base's."""
     chat_template: str | None
     deadline_epoch_s: float | None
+    backend: ClassVar[str] = "transformers"
+    """What answers (`TaskScore.answered_by`)."""
 
     def answer(self, task: TaskEvaluation, rows: list[TaskRow], *, adapter: str | None,
                batch_done: Callable[[int], None] = lambda done: None) -> list[str]:
@@ -69,8 +84,7 @@ class Answerer:
             raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was evaluated")
 
     def _generate(self, task: TaskEvaluation, rows: list[TaskRow], tokenizer: PreTrainedTokenizerBase) -> list[str]:
-        # A rendered chat holds its special tokens already; a text prompt gets the model's (a BOS, where it has one).
-        encoded = [tokenizer(self._render(row, tokenizer), add_special_tokens=not row.chat) for row in rows]
+        encoded = [encoded_prompt(row, tokenizer, self.chat_template) for row in rows]
         # Left padding (the tokenizer's side): every prompt ends where its answer begins.
         inputs = tokenizer.pad(encoded, return_tensors="pt").to(self.model.device)
         sampling = dict(do_sample=True, temperature=task.temperature, top_p=task.top_p) if task.temperature > 0 else \
@@ -84,11 +98,16 @@ class Answerer:
         new_tokens = output[:, inputs["input_ids"].shape[1]:]
         return [text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
-    def _render(self, row: TaskRow, tokenizer: PreTrainedTokenizerBase) -> str:
-        if not row.chat:
-            return row.prompt
-        return tokenizer.apply_chat_template(row.prompt, chat_template=self.chat_template, tokenize=False,
-                                             add_generation_prompt=True)
+
+def encoded_prompt(row: TaskRow, tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> Any:
+    """A row's prompt as the model is asked it, tokenized (`input_ids`, `attention_mask`): a chat rendered with
+    `chat_template` (None: the tokenizer's own) and the assistant's turn opened, a text prompt as it is."""
+    if not row.chat:
+        # A text prompt gets the model's special tokens (a BOS, where it has one); a rendered chat holds its own.
+        return tokenizer(row.prompt, add_special_tokens=True)
+    text = tokenizer.apply_chat_template(row.prompt, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)
 
 
 def run_chat_template(given: str | None, store: ArtifactStore) -> str | None:
@@ -124,9 +143,7 @@ def loaded_answerer(model_path: Path, adapter_dirs: Mapping[str, Path], *, base_
     for name, folder in others:
         model.load_adapter(folder, adapter_name=name)
     model.eval()
-    tokenizers = {None: _tokenizer(base_tokenizer_dir)}
-    tokenizers |= {name: _tokenizer(folder) if (folder / "tokenizer_config.json").is_file() else tokenizers[None]
-                   for name, folder in adapter_dirs.items()}
+    tokenizers = answering_tokenizers(adapter_dirs, base_tokenizer_dir)
     try:
         yield Answerer(model, tokenizers, chat_template, deadline_epoch_s)
     finally:
@@ -134,6 +151,16 @@ def loaded_answerer(model_path: Path, adapter_dirs: Mapping[str, Path], *, base_
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+
+
+def answering_tokenizers(adapter_dirs: Mapping[str, Path],
+                         base_tokenizer_dir: Path) -> dict[str | None, PreTrainedTokenizerBase]:
+    """Each answerer's tokenizer, by adapter name (None: the base's, from `base_tokenizer_dir`): an adapter's folder's
+    own when it holds one, else the base's."""
+    tokenizers = {None: _tokenizer(base_tokenizer_dir)}
+    tokenizers |= {name: _tokenizer(folder) if (folder / "tokenizer_config.json").is_file() else tokenizers[None]
+                   for name, folder in adapter_dirs.items()}
+    return tokenizers
 
 
 def _tokenizer(folder: Path) -> PreTrainedTokenizerBase:

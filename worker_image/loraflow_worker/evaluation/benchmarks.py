@@ -164,23 +164,18 @@ def lm_eval_version() -> str:
     return version("lm-eval")
 
 
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
-"""The `max_lora_rank` values vLLM accepts; it refuses a LoRA request above the one it was started with."""
-
-
 def _with_vllm(evaluate: Callable[[Any], dict[str, Any]], settings: BenchmarkSettings, model_path: Path,
                adapter_dirs: Sequence[Path], device: str, deadline_passed: Callable[[], bool],
                report: Callable[[str], None]) -> list[dict[str, Any]]:
     """[base results, then each adapter's], up to the model before which the deadline passed, from one vLLM engine
     that serves each adapter as a LoRA request: the harness's VLLM sends its `lora_request` with every request, None
     for the base."""
-    import json
-
     from lm_eval.models.vllm_causallms import VLLM
     from vllm.lora.request import LoRARequest
 
-    rank = max(json.loads((folder / "adapter_config.json").read_text())["r"] for folder in adapter_dirs)
-    max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+    from loraflow_worker.evaluation.vllm_lora import adapter_config, adapter_rank, max_lora_rank
+
+    max_rank = max_lora_rank(adapter_rank(adapter_config(folder)) for folder in adapter_dirs)
     model = VLLM(pretrained=str(model_path), lora_local_path=str(adapter_dirs[0]), max_lora_rank=max_rank,
                  batch_size=settings.batch_size, dtype="auto")
     results = []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract.task_evaluation import GraderSettings, TaskEvaluation, TaskScore, task_score
-from loraflow_worker.evaluation.answering import Answerer
+from loraflow_worker.evaluation.answering import TaskAnswerer
 from loraflow_worker.evaluation.function_graders import grade_with_function, load_grader_function
 from loraflow_worker.evaluation.graders import expected_text, grade_builtin
 from loraflow_worker.evaluation.judge import grade_with_judge
@@ -76,7 +76,7 @@ def prepare_tasks(tasks: Sequence[TaskEvaluation], store: ArtifactStore, work_di
     return prepared
 
 
-def evaluate_task(prepared: PreparedTask, answerer: Answerer, adapters: Sequence[AnsweringAdapter],
+def evaluate_task(prepared: PreparedTask, answerer: TaskAnswerer, adapters: Sequence[AnsweringAdapter],
                   say: Callable[[str], None], results: TaskResults, secret_names: Sequence[str] = ()) -> None:
     """Answer and grade one task: the base once, then each adapter in turn, adding each adapter's scores (against the
     base's) and answers sample (secrets of `secret_names` redacted) to `results` as soon as it has them; `say` sends a
@@ -105,7 +105,8 @@ def evaluate_task(prepared: PreparedTask, answerer: Answerer, adapters: Sequence
         scored = graded(answers)
         for grader in task.graders:
             (base_scores, base_failed), (scores, failed) = base[grader.label], scored[grader.label]
-            score = task_score(task.name, grader.label, base_scores, scores, failed=base_failed + failed)
+            score = task_score(task.name, grader.label, base_scores, scores, failed=base_failed + failed,
+                               answered_by=answerer.backend)
             results.scores.setdefault(adapter.name, []).append(score)
             line = score_line(score) + ("" if adapter.label is None else f" ({adapter.called})")
             log.info(line)

@@ -10,6 +10,9 @@ training, whose `result()` is (what it saw, an error or None).
 - `teach_tool_call` and `tool_syncs` (`tools-grpo`): an SFT run teaches the model the tool call (a random model never
   calls), the GRPO run goes on from its adapter with the tool, and its manifest's vLLM weight syncs are read: one
   per step, however many tool turns each round took.
+- `task_answering` (`task-eval`): the run's task evaluation after training, as the worker makes it, answered by vLLM
+  where it runs (CUDA and vllm installed; transformers elsewhere, as it should be), its scores beside those of
+  transformers' answers to the same task, the share of identical answers, and the GPU memory the engine gave back.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from typing import Any
 from transformers import TrainerCallback
 
 from loraflow_worker.gpu_smoke.variants import HEAD_CHECK_STEP
+
+SCORE_TOLERANCE = 0.15
+"""How far a score from vLLM's answers may be from transformers': bf16 kernels differ, and a random model's near-even
+logits let a greedy answer turn on a rounding, so answers differ where scores should not much."""
 
 TEACHING_STEPS = 150
 """SFT steps that teach a model the tool call (the self test's `TEACHING_STEPS`, which teach the tiny model)."""
@@ -134,3 +141,63 @@ def tool_syncs(manifest: Any, ledger: Path, steps: int) -> tuple[str, str | None
     if all(count <= 1 for count in turns):
         return seen, "no round had a tool turn (the taught model made no call): the sync count proves nothing"
     return seen, None
+
+
+def task_answering(job: Any, work_dir: Path, adapter_dir: Path, steps: int) -> tuple[str, str | None]:
+    """The run's task evaluation after training as the worker makes it (`evaluate_after_training`), then the same
+    task answered by transformers (`loaded_answerer`): which answered the run's (vLLM where CUDA and vllm are there,
+    else transformers, with the progress line that says why), how far its scores are from transformers', how many
+    answers are identical, and the GPU memory free before and after (an engine that kept its memory fails)."""
+    from importlib.util import find_spec
+
+    import torch
+
+    from loraflow_worker.artifacts import open_store
+    from loraflow_worker.evaluation.after_training import ADAPTER, evaluate_after_training, prepare_evaluation
+    from loraflow_worker.evaluation.answering import loaded_answerer
+    from loraflow_worker.evaluation.tasks import AnsweringAdapter, TaskResults, evaluate_task
+    from loraflow_worker.runtime.model_cache import resolve_base_model
+
+    cuda = torch.cuda.is_available()
+    expected = "vllm" if cuda and find_spec("vllm") is not None else "transformers"
+    store = open_store(job.artifact_store)
+    prepared = prepare_evaluation(job, store, work_dir)
+    said: list[str] = []
+    free_before = torch.cuda.mem_get_info()[0] if cuda else 0
+    evaluated = evaluate_after_training(job, store, work_dir, adapter_dir, prepared,
+                                        lambda progress: said.append(progress.message), steps)
+    free_after = torch.cuda.mem_get_info()[0] if cuda else 0
+    reference = TaskResults()
+    with loaded_answerer(resolve_base_model(job.model)[0], {ADAPTER: adapter_dir}, base_tokenizer_dir=adapter_dir) \
+            as answerer:
+        for task in prepared:
+            evaluate_task(task, answerer, [AnsweringAdapter(ADAPTER, None, "reference")], lambda message: None,
+                          reference)
+    theirs = {score.metric: score for score in reference.scores[ADAPTER]}
+    gap = max((abs(getattr(score, side) - getattr(theirs[score.metric], side)) for score in evaluated.task_scores
+               for side in ("base", "adapter")), default=0.0)
+    same = {side: sum(mine[side] == other[side] for mine, other in zip(_answers(evaluated.files), _answers(
+        reference.files))) for side in ("base", "adapter")}
+    answered = sorted({score.answered_by or "?" for score in evaluated.task_scores})
+    how = next((line for line in said if line.startswith("answering with")), "no line said what answered")
+    seen = (f"answered by {', '.join(answered) or 'nothing'} ({how}); scores at most {gap:.3f} from transformers'; "
+            f"identical answers: base {same['base']}, adapter {same['adapter']} of {len(_answers(reference.files))}"
+            + (f"; GPU memory free {free_before / 2**30:.1f} GiB before, {free_after / 2**30:.1f} GiB after" if cuda
+               else ""))
+    if evaluated.stopped:
+        return seen, f"the evaluation stopped: {evaluated.stopped}"
+    if answered != [expected]:
+        return seen, f"expected {expected} to answer"
+    if gap > SCORE_TOLERANCE:
+        return seen, f"a score differs from transformers' by more than {SCORE_TOLERANCE}"
+    if cuda and free_after < free_before - 2**30:
+        return seen, "the evaluation left more than 1 GiB of GPU memory taken: the vLLM engine kept its memory"
+    return seen, None
+
+
+def _answers(files: dict[str, bytes]) -> list[dict[str, Any]]:
+    """The stored answers samples' rows, in the task file's order."""
+    import json
+
+    rows = [json.loads(line) for data in files.values() for line in data.decode().splitlines() if line]
+    return sorted(rows, key=lambda row: row["row"])

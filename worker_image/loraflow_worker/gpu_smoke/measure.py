@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from loraflow_worker.gpu_smoke.machine import GIB, DeviceMemory, installed_versions
-from loraflow_worker.gpu_smoke.model_and_data import model_dir
+from loraflow_worker.gpu_smoke.model_and_data import TASK_PROMPTS, model_dir
 from loraflow_worker.gpu_smoke.probes import PROBES, allocator_getter
 from loraflow_worker.gpu_smoke.variants import HEAD_CHECK_STEP, TOOL_COMPLETION_TOKENS, Size, Variant, by_name
 
@@ -111,6 +111,10 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
         from loraflow_worker.gpu_smoke.checks import tool_syncs
 
         findings.append(tool_syncs(outcome.manifest, ledger, warmup + steps))
+    if variant.task_eval:
+        from loraflow_worker.gpu_smoke.checks import task_answering
+
+        findings.append(task_answering(job, work_dir, outcome.adapter_dir, warmup + steps))
     result = {
         "variant": variant.name,
         "algorithm": algorithm,
@@ -144,7 +148,7 @@ def measure(out: Path, size: Size, variant_name: str, algorithm: str, warmup: in
 def smoke_job(out: Path, model: Path, size: Size, variant: Variant, algorithm: str, total_steps: int) -> dict:
     """The job input of `variant`'s `algorithm` run on `model`, reading the data `model_and_data.write_datasets`
     wrote into `out`'s store."""
-    data = "tools" if variant.tools else "chats" if variant.packing else algorithm
+    data = "tools" if variant.tools else "chats" if variant.packing or variant.task_eval else algorithm
     job_input: dict = {
         "run_id": f"{variant.name}-{algorithm}",
         "algorithm": algorithm,
@@ -164,6 +168,10 @@ def smoke_job(out: Path, model: Path, size: Size, variant: Variant, algorithm: s
         job_input["training"]["max_seq_length"] = size.seq_len
     if variant.packing:
         job_input["training"]["packing"] = True
+    if variant.task_eval:
+        job_input["evaluation"] = {"tasks": [{
+            "name": "chats", "store_path": "data/task.jsonl", "graders": [{"kind": "contains"}, {"kind": "f1"}],
+            "max_new_tokens": 32, "samples_kept": TASK_PROMPTS}]}
     if algorithm == "dpo":
         job_input["dpo"] = {"beta": 0.1}
     if algorithm == "grpo":

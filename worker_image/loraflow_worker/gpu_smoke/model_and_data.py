@@ -10,6 +10,10 @@ from pathlib import Path
 from loraflow_worker.gpu_smoke.variants import Size
 
 
+TASK_PROMPTS = 24
+"""The prompts of `task-eval`'s task: more than one batch of answers (`answering.BATCH_SIZE`)."""
+
+
 def model_dir(out: Path, full_attention: bool) -> Path:
     """Where in the working folder `out` the smoke model of that architecture is built."""
     return out / ("model-qwen3" if full_attention else "model")
@@ -52,8 +56,8 @@ def build_smoke_model(out_dir: Path, size: Size, *, full_attention: bool = False
 
 def write_datasets(out: Path, size: Size, total_steps: int) -> None:
     """The artifact store the children train from: long chats for SFT (each fills the sequence length), the shipped
-    chats for packed SFT (many to a row), their questions for GRPO, and for DPO long answers (half the sequence length
-    each) preferred to a refusal; for tool-using GRPO, `tool_use`'s teaching chats, prompts, tool and reward."""
+    chats for packed SFT (many to a row), their questions for GRPO (and, with their replies as answers, for the task
+    evaluation), and for DPO long answers (half the sequence length each) preferred to a refusal; for tool-using GRPO, `tool_use`'s teaching chats, prompts, tool and reward."""
     from loraflow_worker.self_test import tool_use
     from loraflow_worker.self_test.tiny_model import BUILTIN_TEXT, DEFAULT_CORPUS
 
@@ -80,6 +84,9 @@ def write_datasets(out: Path, size: Size, total_steps: int) -> None:
     with (data / "chats.jsonl").open("w") as f:  # short chats: a packed row of the sequence length holds many
         for i in range(size.batch * total_steps * max(1, size.seq_len // 32)):
             f.write(json.dumps({"messages": chats[i % len(chats)]}) + "\n")
+    with (data / "task.jsonl").open("w") as f:  # the chats' questions, their replies the expected answers
+        for chat in chats[:TASK_PROMPTS]:
+            f.write(json.dumps({"messages": chat[:1], "answer": chat[1]["content"]}) + "\n")
     (data / "tools-teach.jsonl").write_text(tool_use.jsonl(tool_use.teaching_rows()))
     (data / "tools.jsonl").write_text(tool_use.jsonl(tool_use.prompt_rows()))
     for path, source in (("tools/tools.py", tool_use.TOOLS_SOURCE), ("rewards/reward.py", tool_use.REWARD_SOURCE)):

@@ -11,7 +11,8 @@ Usually started by `worker_image/gpu_smoke.sh`:
 
 `--list` lists every variant (its algorithms, model, the selections that run it, what it changes or checks) and runs
 nothing. The check variants (`variants.CHECK_VARIANTS`: `dpo`, `grpo-qwen3`, `tools-grpo`, `packed`,
-`modules-to-save`) are named with `--variants`; each reports what it checked beside the table, and fails on a fault.
+`modules-to-save`, `task-eval`) are named with `--variants`; each reports what it checked beside the table, and
+fails on a fault.
 
 By default it fits a lent GPU machine's slot (one command of at most 10 minutes): 420 s for SFT with every fast
 path installed, SFT without Liger and without flash-linear-attention (each skipped, saying so, where the package

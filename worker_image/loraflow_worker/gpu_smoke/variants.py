@@ -16,7 +16,8 @@ class Variant:
     is skipped, not run. The rest are what only a GPU shows of a setting, each with its check (`measure`): `packing`
     (every packed example's first label is -100 where the loss is computed), `modules_to_save` (the share of the
     head copy's weights that moved after `HEAD_CHECK_STEP` steps), `tools` (a tool-using GRPO run, after an SFT run
-    that teaches the model the call: vLLM's weight syncs per step). `full_attention`: on the Qwen3 model of full-
+    that teaches the model the call: vLLM's weight syncs per step), `task_eval` (a task evaluation after training:
+answered by vLLM where it runs, its scores against transformers' answers to the same task). `full_attention`: on the Qwen3 model of full-
     attention layers whatever the mode (packing refuses Gated-DeltaNet layers; vLLM's Qwen3 path). `learning_rate`:
     the run's, in place of 1e-4. A `probe` (a name of `probes.PROBES`; algorithm `probe`) trains nothing: its child
     runs the probe on the smoke model and reports what it found."""
@@ -32,6 +33,7 @@ class Variant:
     modules_to_save: tuple[str, ...] = ()
     tools: bool = False
     learning_rate: float | None = None
+    task_eval: bool = False
     probe: str | None = None
     what: str = ""
     """What a probe measures, in a few words (`--list`)."""
@@ -46,8 +48,11 @@ class Variant:
                  f"{HEAD_CHECK_STEP} steps" if self.modules_to_save else "",
                  "tools, after an SFT run that teaches the call: vLLM weight syncs per step" if self.tools else "",
                  f"learning rate {self.learning_rate:g}" if self.learning_rate else "",
+                 "a task evaluation after training: vLLM answered where it runs, scores as transformers'"
+                 if self.task_eval else "",
                  f"probe: {self.what}" if self.probe else "",
-                 "GRPO on it" if self.full_attention and not (self.packing or self.tools or self.probe) else ""]
+                 "GRPO on it" if self.full_attention and not (self.packing or self.tools or self.probe or self.task_eval)
+                 else ""]
         return "; ".join(part for part in parts if part) or "every fast path installed"
 
 
@@ -81,6 +86,7 @@ VARIANTS = (
     Variant("packed", ("sft",), full_attention=True, packing=True),
     Variant("modules-to-save", ("sft",), modules_to_save=("lm_head",)),
     Variant("modules-to-save-1e-5", ("sft",), modules_to_save=("lm_head",), learning_rate=1e-5),
+    Variant("task-eval", ("sft",), full_attention=True, task_eval=True),
     Variant("cuda-init", ("probe",), probe="cuda_init",
             what="CUDA initialised by the training process's imports? expandable segments as the plan reads them"),
     Variant("merge-drift", ("probe",), probe="merge_drift", full_attention=True,
@@ -110,9 +116,9 @@ much of it moved), and the memory plan against the peaks for QLoRA, `modules_to_
 steps each (4 for the head copies): one command of at most 8 minutes on a lent machine."""
 CPU_VARIANTS = ("all", "no-kernels")
 """What `--cpu` runs unless `--variants` says otherwise (on CPU every fast path is off anyway)."""
-CHECK_VARIANTS = ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save")
+CHECK_VARIANTS = ("dpo", "grpo-qwen3", "tools-grpo", "packed", "modules-to-save", "task-eval")
 """The variants that check what only a GPU shows, rather than time a fast path: one command on a lent machine
-(`--variants dpo,grpo-qwen3,tools-grpo,packed,modules-to-save`); the tests run them on the CPU."""
+(`--variants dpo,grpo-qwen3,tools-grpo,packed,modules-to-save,task-eval`); the tests run them on the CPU."""
 HEAD_CHECK_STEP = 4
 """The step after which `modules-to-save` reads how much of the head copy moved (its run takes at least as many)."""
 ALGORITHM_WEIGHT = {"sft": 1.0, "dpo": 1.5, "grpo": 2.0, "probe": 1.0}

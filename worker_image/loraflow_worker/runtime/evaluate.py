@@ -193,10 +193,11 @@ def fetch_adapter(adapter: EvaluatedAdapter, store: ArtifactStore, dest: Path) -
 def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: Path, adapter_dirs: dict[str, Path],
                   answering: list[AnsweringAdapter], results: TaskResults, say: Callable[[str], None]) -> str | None:
     """The task evaluations into `results`; None when all ran, else why the rest are missing."""
-    from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, loaded_answerer
     from transformers import set_seed
 
+    from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed
     from loraflow_worker.evaluation.tasks import evaluate_task
+    from loraflow_worker.evaluation.vllm_answering import answering_device, open_answerer
 
     say(f"task evaluations: {len(prepared)} task(s), the base and {len(answering)} adapter(s) answering each")
     try:
@@ -204,8 +205,9 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
             raise EvaluationDeadline("the job's deadline passed before the task evaluations began")
         set_seed(job.seed)  # a task with a temperature samples
         # The base answers with its own tokenizer and chat template; each adapter with its folder's, when it has one.
-        with loaded_answerer(model_path, {a.name: adapter_dirs[a.label] for a in answering},
-                             base_tokenizer_dir=model_path, deadline_epoch_s=job.deadline_epoch_s) as answerer:
+        with open_answerer(model_path, {a: adapter_dirs[a.label] for a in answering}, base_tokenizer_dir=model_path,
+                           prepared=prepared, device=answering_device(), say=say,
+                           deadline_epoch_s=job.deadline_epoch_s, seed=job.seed) as answerer:
             for task in prepared:
                 evaluate_task(task, answerer, answering, say, results, job.worker_secret_names)
     except EvaluationDeadline as e:
