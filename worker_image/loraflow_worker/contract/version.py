@@ -26,7 +26,8 @@ colocated engine fails, its fast path saying `failed: <error>`) and the manifest
 progress's `eval_step`, `eval_reward_accuracy` and `eval_reward_margin`; `JobResult.resumed_from_step`. 13:
 `JobInput.checkpoint_key` (checkpoints of one's own: a resume reads only a checkpoint whose record the run signed);
 task evaluations and benchmarks (`evaluation.tasks`, `evaluation.benchmarks`; an `[evaluation]` may hold only them)
-and their scores (`TrainMetrics.task_scores`, `benchmark_scores`)."""
+and their scores (`TrainMetrics.task_scores`, with what answered them, `TaskScore.answered_by`;
+`benchmark_scores`); evaluate jobs (`EvaluateInput` with `"mode": "evaluate"`, `EvaluateResult`)."""
 
 
 class _Strict(BaseModel):
