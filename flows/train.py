@@ -36,6 +36,7 @@ from flows.train_phases import (
     retry_or_fail,
 )
 from tasks.lifecycle.steps import run_cancel_requested
+from tasks.lifecycle.quota import wait_for_slot_releases
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
 from tasks.reports import events
 from tasks.reports.summary import run_tags, run_title, tag_run
@@ -138,6 +139,8 @@ def train(
         spent.finish(run_id, spec.name, "cancelled" if run_cancel_requested() else "failed", None,
                      message=f"{type(e).__name__}: {e}")
         raise
+    finally:
+        wait_for_slot_releases()  # the last attempt's slot, given back while the run collected and reported
     serve_trained(spec, run_id, spec.name, published)  # `[publish.serve]`: the completed run's adapter, served
     return finished
 

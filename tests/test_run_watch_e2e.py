@@ -282,3 +282,80 @@ def test_a_run_whose_endpoint_cannot_be_deleted_completes_and_keeps_its_slot(loc
             assert [r for r in undeleted_endpoints() if r.endpoint_name.startswith(prefix)] == []
         finally:  # whatever failed above, leave no fault, endpoint, slot or record to the tests that follow
             leave_nothing_behind(local_stack, pod, prefix, rule["id"], records)
+
+
+@contextmanager
+def _own_limit(local_stack, slots: int):
+    """A limit of `slots` slots of this test's own, on the stack's server, with the client pointed at it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.lifecycle.quota import ensure_endpoint_limit
+
+    name = f"test-slots-{uuid.uuid4().hex[:8]}"
+    with temporary_settings({PREFECT_API_URL: local_stack.prefect_api_url}):
+        ensure_endpoint_limit(name, slots=slots)
+        yield name
+
+
+def _slot_given_back_meanwhile(name: str, gate) -> None:
+    """Take a slot of `name`, and give it back meanwhile once `gate` is set."""
+    from contextlib import ExitStack
+
+    from tasks.lifecycle.quota import endpoint_slot, release_meanwhile
+
+    held = ExitStack()
+    held.enter_context(endpoint_slot(60, name=name, give_up_at=time.time() + 60))
+    release_meanwhile(lambda: (gate.wait(30), held.close()))
+
+
+def test_a_slot_given_back_meanwhile_is_free_once_the_flow_has_waited_for_it(local_stack):
+    import threading
+
+    from tasks.lifecycle.quota import slots_in_use as active_slots
+    from tasks.lifecycle.quota import wait_for_slot_releases
+
+    gate = threading.Event()
+    with _own_limit(local_stack, slots=2) as name:
+        _slot_given_back_meanwhile(name, gate)
+        assert active_slots(name) == 1  # held until the release has run
+        gate.set()
+        wait_for_slot_releases()
+        assert active_slots(name) == 0
+
+
+def test_a_slot_is_taken_only_once_the_slots_this_process_gives_back_meanwhile_are(local_stack):
+    import contextvars
+    import threading
+
+    from tasks.lifecycle.quota import endpoint_slot
+    from tasks.lifecycle.quota import slots_in_use as active_slots
+
+    gate, taken = threading.Event(), threading.Event()
+    with _own_limit(local_stack, slots=2) as name:  # room for both: only the wait for the release holds the second
+        _slot_given_back_meanwhile(name, gate)
+
+        def take() -> None:
+            with endpoint_slot(60, name=name, give_up_at=time.time() + 60):
+                taken.set()
+
+        # In a copy of this context: the thread asks the server this test's settings name.
+        taker = threading.Thread(target=contextvars.copy_context().run, args=(take,))
+        taker.start()
+        try:
+            assert not taken.wait(1.0), "a slot was taken while this process was still giving one back"
+        finally:
+            gate.set()
+            taker.join(60)
+        assert taken.is_set() and active_slots(name) == 0
+
+
+def test_a_slot_that_cannot_be_given_back_meanwhile_is_a_warning_and_its_lease_runs_out(local_stack, caplog):
+    from tasks.lifecycle.quota import release_meanwhile, wait_for_slot_releases
+
+    def failing() -> None:
+        raise httpx.ConnectError("the Prefect server is gone")
+
+    with caplog.at_level("WARNING", logger="loraflow.quota"):
+        release_meanwhile(failing)
+        wait_for_slot_releases()
+    assert "could not be given back (ConnectError: the Prefect server is gone)" in caplog.text

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from tasks.lifecycle.liveness import beat
-from tasks.lifecycle.quota import endpoint_slot, remember_named_quota, wait_for_runpod_quota
+from tasks.lifecycle.quota import endpoint_slot, release_meanwhile, remember_named_quota, wait_for_runpod_quota
 from tasks.lifecycle.steps import delete_endpoint
 from tasks.lifecycle.teardown import UndeletedEndpoint, keep_undeleted_endpoint, take_slot_for_undeleted
 from tasks.runpod.client import RunpodClient
@@ -47,27 +47,36 @@ class Rental:
 
 
 @contextmanager
-def rented_endpoint(name: str, owner: str, *, give_up_at: float, logger: Any, slots: int = 1) -> Iterator[Rental]:
+def rented_endpoint(name: str, owner: str, *, give_up_at: float, logger: Any, slots: int = 1,
+                    release_later: bool = False) -> Iterator[Rental]:
     """Hold `slots` slots of the endpoint limit (one per worker the endpoint may run: its `workers.max`; waiting for
     them until `give_up_at`) around the block, which creates the endpoint `name` and sets `Rental.endpoint`; then
     delete it, whatever the block did, and keep as many slots and a record for a delete that stays unconfirmed. An
-    error of the block is raised after the teardown, unchanged."""
+    error of the block is raised after the teardown, unchanged. `release_later`: the slots are given back while the
+    caller goes on, once the endpoint is deleted (`quota.release_meanwhile`; the caller's flow waits for it at its
+    end, `quota.wait_for_slot_releases`)."""
     rental = Rental(name=name, owner=owner)
+    slot = ExitStack()
     try:
-        with endpoint_slot(Settings().loraflow_slot_lease_seconds, give_up_at=give_up_at, logger=logger, slots=slots):
-            try:
-                yield rental
-            finally:
-                endpoint_id = rental.endpoint.id if rental.endpoint else None
-                deleted = delete_endpoint(name, endpoint_id, return_state=True)
-                rental.deleted = deleted.is_completed()
-                if not rental.deleted:
-                    # Taken while this job still holds its slot, when the limit has room: the endpoint is never
-                    # without one.
-                    rental.undeleted = UndeletedEndpoint(endpoint_name=name, endpoint_id=endpoint_id, run_id=owner,
-                                                         lease_id=take_slot_for_undeleted(0.0, slots), slots=slots,
-                                                         error=str(deleted.result(raise_on_failure=False))[:500])
+        slot.enter_context(endpoint_slot(Settings().loraflow_slot_lease_seconds, give_up_at=give_up_at,
+                                         logger=logger, slots=slots))
+        try:
+            yield rental
+        finally:
+            endpoint_id = rental.endpoint.id if rental.endpoint else None
+            deleted = delete_endpoint(name, endpoint_id, return_state=True)
+            rental.deleted = deleted.is_completed()
+            if not rental.deleted:
+                # Taken while this job still holds its slot, when the limit has room: the endpoint is never
+                # without one.
+                rental.undeleted = UndeletedEndpoint(endpoint_name=name, endpoint_id=endpoint_id, run_id=owner,
+                                                     lease_id=take_slot_for_undeleted(0.0, slots), slots=slots,
+                                                     error=str(deleted.result(raise_on_failure=False))[:500])
     finally:
+        if release_later:
+            release_meanwhile(slot.close, logger)
+        else:
+            slot.close()
         if rental.undeleted is not None:
             keep_undeleted_endpoint(rental.undeleted, logger)
 

@@ -46,7 +46,8 @@ def run_attempt(plan: AttemptPlan, progress_key: str, endpoint_ids: list[str] | 
     `GpuClassRefused` when RunPod refused its request otherwise (400, not the quota: the caller moves to the next
     GPU class).
     """
-    with rented_endpoint(plan.endpoint_name, plan.run_id, logger=get_run_logger(),
+    # The slot is given back while the flow collects and reports (it waits for that at its end).
+    with rented_endpoint(plan.endpoint_name, plan.run_id, logger=get_run_logger(), release_later=True,
                          give_up_at=plan.limits.deadline_epoch_s - MIN_TIME_FOR_ATTEMPT_S) as rental:
         try:
             ended = _create_submit_wait(plan, progress_key, rental, on_submitted, run_name)
