@@ -18,6 +18,10 @@ as a Prefect process worker would), and prints per run and as medians:
 - billed waste: the worker's billed lifetime over the job's time (1.0 = no idle worker billed), and its
   idle billed seconds split into before the job was submitted and after it finished.
 
+With `--baseline-checkout DIR` (a checkout of another commit), that checkout's clean runs alternate with this one's
+on the same stack, and its medians and this one's ratio to them are printed too: on a shared machine the load drifts
+more between two batches than the change being measured.
+
 The same figures with hold jobs (no training) and beside a bare script's: `bench/bare_script.py`.
 """
 
@@ -109,20 +113,24 @@ def run_bare(stack: LocalStack) -> TimedRun | None:
     return _timed(stack, [sys.executable, "-c", BARE_FLOW], endpoint_prefix="")
 
 
-def run_clean(stack: LocalStack, workdir: Path, name: str, model: Path, max_steps: int) -> TimedRun | None:
-    """One clean run as a Prefect process worker starts it; its process's and its flow run's start and end (Unix
-    time); None (after printing its output) when it did not complete."""
+def run_clean(stack: LocalStack, workdir: Path, name: str, model: Path, max_steps: int,
+              checkout: Path = REPO) -> TimedRun | None:
+    """One clean run as a Prefect process worker starts it, of the flows of `checkout` (this one's by default); its
+    process's and its flow run's start and end (Unix time); None (after printing its output) when it did not
+    complete."""
     here = workdir / name
     here.mkdir(parents=True)
     run_file = write_run_file(here / "run.toml", SCENARIOS["clean"], name=name, model=model, store=here / "store",
                               max_steps=max_steps)
-    return _timed(stack, [sys.executable, "-m", "flows.train", str(run_file)], endpoint_prefix=f"loraflow-{name}-")
+    return _timed(stack, [sys.executable, "-m", "flows.train", str(run_file)], endpoint_prefix=f"loraflow-{name}-",
+                  cwd=checkout)
 
 
-def _timed(stack: LocalStack, command: list[str], endpoint_prefix: str) -> TimedRun | None:
+def _timed(stack: LocalStack, command: list[str], endpoint_prefix: str, cwd: Path = REPO) -> TimedRun | None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RUNPOD_"))} | stack.client_env
     started = time.time()
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # `python -m` puts its working folder first on the path: the flows and tasks of `cwd` run.
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     ended = time.time()
     match = re.search(r"flow run ([0-9a-f-]{36}):", proc.stdout)
     if proc.returncode != 0 or match is None:
@@ -154,6 +162,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="clean runs, one after another")
     parser.add_argument("--max-steps", type=int, default=20, help="training steps per run")
+    parser.add_argument("--baseline-checkout", type=Path, default=None,
+                        help="a checkout of another commit (e.g. `git worktree add ../base <rev>`): its clean runs "
+                             "alternate with this one's on the same stack, and both medians are printed with their "
+                             "ratio (the load's drift falls on both alike)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="loraflow-overhead-") as tmp:
         root = Path(tmp)
@@ -164,9 +176,13 @@ def main() -> int:
             bare_runs = [run_bare(stack) for _ in range(args.runs)]
             if None in bare_runs:
                 return 1
-            rows = []
-            for i in range(args.runs):
-                run = run_clean(stack, root / "runs", f"ovh{i:02d}-clean", model, args.max_steps)
+            rows, baseline_rows = [], []
+            # With a baseline checkout its runs alternate with this one's, each first in every other pair.
+            plan = [(i, REPO) for i in range(args.runs)] if args.baseline_checkout is None else [
+                (i, checkout) for i in range(args.runs)
+                for checkout in ((REPO, args.baseline_checkout) if i % 2 else (args.baseline_checkout, REPO))]
+            for n, (i, checkout) in enumerate(plan):
+                run = run_clean(stack, root / "runs", f"ovh{n:02d}-clean", model, args.max_steps, checkout)
                 if run is None:
                     return 1
                 account = pod.account()
@@ -186,10 +202,20 @@ def main() -> int:
                           teardown_s=teardown_s, billed_s=billed_s, idle_before_s=before_s, idle_after_s=after_s,
                           flow_overhead_s=run.flow_end - run.flow_start - job_s,
                           process_overhead_s=run.process_end - run.process_start - job_s)
-                rows.append(row)
-                print(f"run {i}: {row.describe(baseline_s)}", flush=True)
-    median = Row(*(statistics.median(column) for column in zip(*(astuple(row) for row in rows))))
+                (rows if checkout == REPO else baseline_rows).append(row)
+                which = "" if args.baseline_checkout is None else " (baseline)" if checkout != REPO else " (this)"
+                print(f"run {i}{which}: {row.describe(baseline_s)}", flush=True)
+    median = _median(rows)
     print(f"\nmedians over {len(rows)} runs: {median.describe(baseline_s)}")
+    if baseline_rows:
+        base = _median(baseline_rows)
+        print(f"the baseline checkout's, over {len(baseline_rows)} runs alternating with them: "
+              f"{base.describe(baseline_s)}")
+        print("this checkout against the baseline: " + ", ".join(
+            f"{label} x{getattr(median, field) / getattr(base, field):.2f}" for label, field in (
+                ("flow overhead", "flow_overhead_s"), ("before the job", "before_job_s"),
+                ("after it", "after_job_s"), ("teardown", "teardown_s"),
+                ("idle billed after completion", "idle_after_s"))))
     bare_process = statistics.median(r.process_end - r.process_start for r in bare_runs)
     bare_flow = statistics.median(r.flow_end - r.flow_start for r in bare_runs)
     print(f"a flow that does nothing but one task (median of {len(bare_runs)}): flow run {bare_flow:4.2f} s, process "
@@ -197,6 +223,10 @@ def main() -> int:
           f"{median.process_overhead_s - bare_process:4.2f} s "
           f"(x{median.process_overhead_s / bare_process:.2f} the bare flow's process)")
     return 0
+
+
+def _median(rows: list[Row]) -> Row:
+    return Row(*(statistics.median(column) for column in zip(*(astuple(row) for row in rows))))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 import types
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -313,13 +314,20 @@ def test_an_adapter_the_engine_fails_to_load_leaves_the_answers_to_transformers_
 
 # --- the deadline ----------------------------------------------------------------------------------------------------
 
-def test_the_deadline_is_checked_between_batches_and_none_is_begun_after_it(
-        stand_in_vllm, tiny_model_dir, adapters, tmp_path, monkeypatch):
+@contextmanager
+def _answering_in_batches_of_two(tiny_model_dir, adapters, prepared, monkeypatch):
+    """vLLM's answerer of the adapter taught "paris", in batches of two, with an hour to its deadline."""
     monkeypatch.setattr(sys.modules["loraflow_worker.evaluation.vllm_answering"], "BATCH_SIZE", 2)
-    (task,) = prepared = _prepared(tmp_path)
     with open_answerer(tiny_model_dir, _answering(adapters, "paris"), base_tokenizer_dir=tiny_model_dir,
                        prepared=prepared, device="cuda", say=lambda message: None,
                        deadline_epoch_s=time.time() + 3600) as answerer:
+        yield answerer
+
+
+def test_the_deadline_is_checked_between_batches_and_none_is_begun_after_it(
+        stand_in_vllm, tiny_model_dir, adapters, tmp_path, monkeypatch):
+    (task,) = prepared = _prepared(tmp_path)
+    with _answering_in_batches_of_two(tiny_model_dir, adapters, prepared, monkeypatch) as answerer:
 
         def deadline_passes(done: int) -> None:
             answerer.deadline_epoch_s = time.time()
@@ -332,11 +340,8 @@ def test_the_deadline_is_checked_between_batches_and_none_is_begun_after_it(
 
 def test_a_batch_that_would_end_past_the_deadline_is_not_begun(
         stand_in_vllm, tiny_model_dir, adapters, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules["loraflow_worker.evaluation.vllm_answering"], "BATCH_SIZE", 2)
     (task,) = prepared = _prepared(tmp_path)
-    with open_answerer(tiny_model_dir, _answering(adapters, "paris"), base_tokenizer_dir=tiny_model_dir,
-                       prepared=prepared, device="cuda", say=lambda message: None,
-                       deadline_epoch_s=time.time() + 3600) as answerer:
+    with _answering_in_batches_of_two(tiny_model_dir, adapters, prepared, monkeypatch) as answerer:
 
         def half_a_batch_left(done: int) -> None:  # the next batch, as long as the first, would end past it
             answerer.deadline_epoch_s = time.time() + answerer.longest_batch_s["phrase"] / 2
