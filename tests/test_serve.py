@@ -241,12 +241,21 @@ def test_a_plain_lora_adapter_is_one_vllm_loads():
     assert vllm_refusals(PLAIN) == [] and vllm_refusals(PLAIN | {"target_modules": "all-linear", "r": 512}) == []
 
 
+def test_an_adapter_with_a_classifiers_head_or_an_init_of_its_first_weights_only_is_one_vllm_loads():
+    assert vllm_refusals(PLAIN | {"modules_to_save": ["score"], "init_lora_weights": "gaussian"}) == []
+    assert vllm_refusals(PLAIN | {"init_lora_weights": True}) == []  # a PiSSA adapter converted, as loraflow stores it
+
+
 @pytest.mark.parametrize(("change", "words"), [
     ({"use_dora": True}, "`use_dora` is set: vLLM does not load DoRA adapters"),
     ({"modules_to_save": ["lm_head"]}, "`modules_to_save` is ['lm_head']: vLLM loads LoRA weights only"),
     ({"target_modules": ["q_proj", "lm_head"]}, "`target_modules` includes lm_head"),
     ({"target_modules": r".*\.(embed_tokens|q_proj)"}, "`target_modules` includes embed_tokens"),
     ({"r": 1024}, "`r` 1024 is above 512"),
+    ({"lora_bias": True}, "`lora_bias` or `bias` is set: vLLM does not load trained biases"),
+    ({"init_lora_weights": "pissa_niter_4"}, "`init_lora_weights` is 'pissa_niter_4': vLLM does not load an adapter "
+                                             "whose init rewrites the base"),
+    ({"layer_replication": [[0, 4], [2, 5]]}, "it uses layer replication, which vLLM does not implement"),
 ])
 def test_an_adapter_vllm_refuses_is_said_naming_the_field_and_why(change, words):
     assert [words in reason for reason in vllm_refusals(PLAIN | change)] == [True]

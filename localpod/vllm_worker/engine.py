@@ -10,8 +10,8 @@ Loading fails where vLLM's does, with vLLM's words [V = vllm-project/vllm, code-
   Hub repo id and downloaded with `snapshot_download(repo_id=...)`, no revision, the token from the environment; a
   download refused (HTTP error, an invalid repo id) is logged and the raw string kept, so the load then fails as above
   [V vllm/lora/utils.py get_adapter_absolute_path];
-- an adapter config vLLM refuses: missing `r`/`lora_alpha`/`target_modules`, `modules_to_save`, DoRA, or a rank above
-  `--max-lora-rank`: "LoRA rank 32 is greater than max_lora_rank 16." [V vllm/lora/peft_helper.py];
+- an adapter config vLLM refuses: missing `r`/`lora_alpha`/`target_modules`, `modules_to_save` (but a classifier's),
+  DoRA, a LoRA bias, an init that rewrites the base (PiSSA, OLoRA, CorDA, LoftQ), or a rank above `--max-lora-rank`: "LoRA rank 32 is greater than max_lora_rank 16." [V vllm/lora/peft_helper.py];
 - a name given twice [V vllm/entrypoints/openai/models/serving.py load_lora_adapter].
 Each stops `vllm serve` at startup (`init_static_loras` raises on the first adapter that fails).
 
@@ -208,10 +208,17 @@ def check_adapter_config(config: dict[str, Any], max_lora_rank: int) -> None:
     if missing:
         raise ValueError(f"Missing required configuration fields: {missing}")
     problems = []
-    if config.get("modules_to_save"):
-        problems.append("vLLM only supports modules_to_save being None.")
+    if unsupported := [m for m in config.get("modules_to_save") or [] if m not in ("classifier", "score")]:
+        problems.append('vLLM only supports modules_to_save being either None or ["classifier", "score"] for '
+                        f"classification models. Unsupported modules_to_save: {unsupported}")
     if config.get("use_dora"):
         problems.append("vLLM does not yet support DoRA.")
+    if config.get("lora_bias"):
+        problems.append("vLLM does not support LoRA bias (lora_bias).")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in ("gaussian", "eva", "orthogonal", "mica", "lora_ga"):
+        problems.append(f"vLLM does not support init_lora_weights={init!r}. Inits such as PiSSA, OLoRA, CorDA and "
+                        "LoftQ modify the base model weights when PEFT loads the adapter.")
     if config["r"] > max_lora_rank:
         problems.append(f"LoRA rank {config['r']} is greater than max_lora_rank {max_lora_rank}.")
     if problems:

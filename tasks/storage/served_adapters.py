@@ -36,19 +36,20 @@ from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
 from loraflow_worker.contract import run_prefix
 from loraflow_worker.contract.lora_settings import BASE_REWRITING_INITS
+from loraflow_worker.evaluation.vllm_lora import EMBEDDING_MODULES, VLLM_LORA_RANKS, WEIGHT_ONLY_INITS
 from pydantic import BaseModel, Field
 
 ADAPTER_CONFIG = "adapter_config.json"
 RUN_SOURCE = re.compile(r"^runs/(?P<run_id>[A-Za-z0-9][A-Za-z0-9._-]*)/?$")
 PUBLISHED_REPO = "{org}/loraflow-{run_id}"
 """The private Hub model repo a stored run's adapter is published to for serving."""
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the only values vLLM accepts [V vllm/config/lora.py]
 VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's default `--max-lora-rank` (serving.md §2)
 VLLM_REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")  # PEFTHelper.from_dict's required fields [V peft_helper.py]
-EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "word_embeddings", "embed_in", "embed_out")
-"""Input-embedding and output-head module names of the Hub's causal LMs: the pinned vLLM's LoRA layers cover linear
-projections only, and it refuses an adapter whose weights target these ("expected target modules in [...] but
-received [...]", vllm/lora/models.py)."""
+VLLM_SAVED_MODULES = ("classifier", "score")
+"""The only `modules_to_save` vLLM loads (a classification model's head) [V vllm/lora/peft_helper.py]."""
+VLLM_UNIMPLEMENTED = {"alora_invocation_tokens": "Activated LoRA (aLoRA)", "layer_replication": "layer replication",
+                      "use_bdlora": "block-diagonal LoRA", "use_qalora": "QALoRA"}
+"""PEFT variants vLLM refuses, by their adapter_config.json field [V vllm/lora/peft_helper.py `_validate_features`]."""
 PROMPT_KEYS = ("prompt", "instruction", "question")
 
 
@@ -96,9 +97,18 @@ def vllm_refusals(config: dict[str, Any]) -> list[str]:
                        "target_modules")
     if config.get("use_dora"):
         reasons.append("`use_dora` is set: vLLM does not load DoRA adapters")
-    if config.get("modules_to_save"):
+    if [m for m in config.get("modules_to_save") or [] if m not in VLLM_SAVED_MODULES]:
         reasons.append(f"`modules_to_save` is {config['modules_to_save']}: vLLM loads LoRA weights only, not whole "
                        "trained modules")
+    if config.get("lora_bias") or config.get("bias", "none") != "none":
+        reasons.append("`lora_bias` or `bias` is set: vLLM does not load trained biases")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() not in WEIGHT_ONLY_INITS:
+        reasons.append(f"`init_lora_weights` is {init!r}: vLLM does not load an adapter whose init rewrites the base "
+                       "(PiSSA, OLoRA, CorDA, LoftQ) until PEFT converts it to a plain LoRA "
+                       "(`path_initial_model_for_weight_conversion`, as loraflow stores its own)")
+    if unimplemented := [name for field, name in VLLM_UNIMPLEMENTED.items() if config.get(field)]:
+        reasons.append(f"it uses {', '.join(unimplemented)}, which vLLM does not implement")
     if embedding := _embedding_targets(config.get("target_modules")):
         reasons.append(f"`target_modules` includes {', '.join(embedding)}: vLLM applies LoRA to linear projections, "
                        "not to the embeddings or the output head")
@@ -106,8 +116,8 @@ def vllm_refusals(config: dict[str, Any]) -> list[str]:
         rank = adapter_rank(config)
     except ValueError:
         rank = None
-    if rank is not None and rank > VLLM_MAX_LORA_RANKS[-1]:
-        reasons.append(f"`r` {rank} is above {VLLM_MAX_LORA_RANKS[-1]}, the largest MAX_LORA_RANK vLLM accepts")
+    if rank is not None and rank > VLLM_LORA_RANKS[-1]:
+        reasons.append(f"`r` {rank} is above {VLLM_LORA_RANKS[-1]}, the largest MAX_LORA_RANK vLLM accepts")
     return reasons
 
 
@@ -141,9 +151,9 @@ def max_lora_rank(ranks: list[int]) -> int:
     rank at startup: "LoRA rank 32 is greater than max_lora_rank 16." — serving.md §6). Its slots are allocated at
     this rank, so no larger one is asked for."""
     largest = max(ranks, default=1)
-    allowed = [value for value in VLLM_MAX_LORA_RANKS if value >= largest]
+    allowed = [value for value in VLLM_LORA_RANKS if value >= largest]
     if not allowed:
-        raise ValueError(f"an adapter's rank {largest} is above {VLLM_MAX_LORA_RANKS[-1]}, the largest MAX_LORA_RANK "
+        raise ValueError(f"an adapter's rank {largest} is above {VLLM_LORA_RANKS[-1]}, the largest MAX_LORA_RANK "
                          "vLLM accepts: serve a lower-rank adapter")
     return allowed[0]
 

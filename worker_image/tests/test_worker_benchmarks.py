@@ -193,3 +193,19 @@ def test_the_control_plane_check_knows_harness_tasks_and_the_task_folder_s(task_
     assert private == {"colours", "greeting_perplexity", "private_greetings"}
     assert unknown_benchmark_tasks(["hellaswag", "colours", "hellaswagg"], private) == ["hellaswagg"]
     assert unknown_benchmark_tasks(["colours"]) == ["colours"]
+
+
+def test_an_adapter_vllm_refuses_is_benchmarked_with_transformers_saying_why(tmp_path):
+    from loraflow_worker.evaluation.benchmarks import vllm_refused_adapter
+
+    def adapter(name: str, **config) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps(
+            {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]} | config))
+        return folder
+
+    plain, dora = adapter("plain"), adapter("dora", use_dora=True)
+    assert vllm_refused_adapter([plain]) is None
+    assert vllm_refused_adapter([plain, dora]) == "adapter 2 uses DoRA (`use_dora`)"
+    assert vllm_refused_adapter([dora]) == "the adapter uses DoRA (`use_dora`)"

@@ -115,6 +115,10 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: 
     task_manager = TaskManager(include_path=str(task_dir) if task_dir is not None else None,
                                include_defaults=not own_only)
     use_vllm = device.startswith("cuda") and find_spec("vllm") is not None
+    if use_vllm and (refused := vllm_refused_adapter(adapter_dirs)):
+        # The harness's vLLM backend would fail on it after the base was scored: the HF backend takes every adapter.
+        report(f"benchmarks with transformers: {refused}, which vLLM's LoRA loader refuses")
+        use_vllm = False
     score = _with_vllm if use_vllm else _with_transformers
     evaluate = functools.partial(_evaluate, settings, task_manager, task_dir, seed=seed)
     results = score(evaluate, settings, model_path, adapter_dirs, device, deadline_passed, report)
@@ -130,6 +134,18 @@ def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: 
             report(f"benchmark {row.task}/{row.metric}: base {_shown(row.base, row.base_stderr)}, {which} "
                    f"{_shown(row.adapter, row.adapter_stderr)}, delta {row.delta:+.4f} (n={row.n})")
     return scored
+
+
+def vllm_refused_adapter(adapter_dirs: Sequence[Path]) -> str | None:
+    """The first of `adapter_dirs` vLLM's LoRA loader refuses, with why (`vllm_lora.vllm_refusals`); None when it
+    loads them all."""
+    from loraflow_worker.evaluation.vllm_lora import adapter_config, vllm_refusals
+
+    for number, folder in enumerate(adapter_dirs, start=1):
+        if reasons := vllm_refusals(adapter_config(folder)):
+            which = "the adapter" if len(adapter_dirs) == 1 else f"adapter {number}"
+            return f"{which} {' and '.join(reasons)}"
+    return None
 
 
 def _with_transformers(evaluate: Callable[[Any], dict[str, Any]], settings: BenchmarkSettings, model_path: Path,
