@@ -41,6 +41,7 @@ from loraflow_worker.artifacts import open_store
 from loraflow_worker.contract import ModelSource, run_prefix
 from loraflow_worker.contract.evaluate import EvaluateInput, EvaluateResult
 from loraflow_worker.contract.task_evaluation import task_prompt
+from loraflow_worker.evaluation.vllm_lora import max_lora_rank
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -77,7 +78,7 @@ from tasks.runpod.catalog import cuda_floor, resolve_gpu
 from tasks.settings import Settings, startup_problem
 from tasks.storage.artifacts import publish_run_inputs
 from tasks.storage.run_files import RunFile, read_run_files
-from tasks.storage.served_adapters import is_local_path, max_lora_rank, resolve_adapter
+from tasks.storage.served_adapters import is_local_path, resolve_adapter
 
 EVALUATE_TAG = "evaluate:{name}"
 MAX_MODEL_LEN = 8192

@@ -37,6 +37,7 @@ import sys
 import time
 import uuid
 
+from loraflow_worker.evaluation.vllm_lora import max_lora_rank
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
@@ -83,7 +84,6 @@ from tasks.settings import Settings, startup_problem
 from tasks.storage.publish import PublishedModel
 from tasks.storage.served_adapters import (
     is_local_path,
-    max_lora_rank,
     resolve_adapter,
     run_adapter_refusals,
     run_prompts,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loraflow_worker.evaluation.vllm_lora import adapter_rank, max_lora_rank
 from pydantic import ValidationError
 
 from flows.forms.serve import DEFAULT_MAX_MODEL_LEN, ServeSpec
@@ -45,8 +46,8 @@ from tasks.runpod.endpoints import MAX_ENDPOINT_NAME, endpoint_name, parse_endpo
     serving_endpoint_name
 from tasks.runpod.live_catalog import GpuOffer
 from tasks.runpod.models import Endpoint, EndpointWorker, Health
-from tasks.storage.served_adapters import AdapterRefused, ServedAdapter, adapter_rank, default_adapter_name, \
-    max_lora_rank, resolve_adapter, run_adapter_refusals, vllm_refusals
+from tasks.storage.served_adapters import AdapterRefused, ServedAdapter, default_adapter_name, resolve_adapter, \
+    run_adapter_refusals, vllm_refusals
 from tests.test_spec import minimal
 
 REPO = Path(__file__).resolve().parent.parent

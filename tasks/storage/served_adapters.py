@@ -36,7 +36,16 @@ from huggingface_hub.errors import HfHubHTTPError
 from loraflow_worker.artifacts import ArtifactNotFound, open_store
 from loraflow_worker.contract import run_prefix
 from loraflow_worker.contract.lora_settings import BASE_REWRITING_INITS
-from loraflow_worker.evaluation.vllm_lora import EMBEDDING_MODULES, VLLM_LORA_RANKS, WEIGHT_ONLY_INITS
+from loraflow_worker.evaluation.vllm_lora import (
+    REQUIRED_FIELDS,
+    VLLM_LORA_RANKS,
+    adapter_rank,
+    base_rewriting_init,
+    embedding_targets,
+    trains_biases,
+    unimplemented_variants,
+    unloaded_saved_modules,
+)
 from pydantic import BaseModel, Field
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -44,12 +53,6 @@ RUN_SOURCE = re.compile(r"^runs/(?P<run_id>[A-Za-z0-9][A-Za-z0-9._-]*)/?$")
 PUBLISHED_REPO = "{org}/loraflow-{run_id}"
 """The private Hub model repo a stored run's adapter is published to for serving."""
 VLLM_DEFAULT_MAX_LORA_RANK = 16  # vLLM's default `--max-lora-rank` (serving.md §2)
-VLLM_REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")  # PEFTHelper.from_dict's required fields [V peft_helper.py]
-VLLM_SAVED_MODULES = ("classifier", "score")
-"""The only `modules_to_save` vLLM loads (a classification model's head) [V vllm/lora/peft_helper.py]."""
-VLLM_UNIMPLEMENTED = {"alora_invocation_tokens": "Activated LoRA (aLoRA)", "layer_replication": "layer replication",
-                      "use_bdlora": "block-diagonal LoRA", "use_qalora": "QALoRA"}
-"""PEFT variants vLLM refuses, by their adapter_config.json field [V vllm/lora/peft_helper.py `_validate_features`]."""
 PROMPT_KEYS = ("prompt", "instruction", "question")
 
 
@@ -78,38 +81,28 @@ def default_adapter_name(source: str) -> str:
     return PurePosixPath(source.rstrip("/")).name
 
 
-def adapter_rank(config: dict[str, Any]) -> int:
-    """The rank vLLM checks against `--max-lora-rank`: `r`, or a larger one of `rank_pattern` (per-module ranks)."""
-    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
-    ints = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
-    if not ints:
-        raise ValueError("no integer `r` in it")
-    return max(ints)
-
-
 def vllm_refusals(config: dict[str, Any]) -> list[str]:
     """Why the pinned vLLM's LoRA loader refuses an adapter with this `adapter_config.json`, each reason naming its
-    field; empty when it loads. vLLM's own checks [V vllm/lora/peft_helper.py `from_dict`, `_validate_features`;
-    vllm/config/lora.py; vllm/lora/models.py], which stop `vllm serve` at startup."""
+    field, in a serve's words; empty when it loads. The rule is the worker's (`loraflow_worker.evaluation.vllm_lora`,
+    vLLM's own checks, which stop `vllm serve` at startup), so a serve refuses what the worker's answering does."""
     reasons = []
-    if missing := [key for key in VLLM_REQUIRED_FIELDS if key not in config]:
+    if missing := [key for key in REQUIRED_FIELDS if key not in config]:
         reasons.append(f"{', '.join(f'`{k}`' for k in missing)} missing: vLLM requires r, lora_alpha and "
                        "target_modules")
     if config.get("use_dora"):
         reasons.append("`use_dora` is set: vLLM does not load DoRA adapters")
-    if [m for m in config.get("modules_to_save") or [] if m not in VLLM_SAVED_MODULES]:
+    if unloaded_saved_modules(config):
         reasons.append(f"`modules_to_save` is {config['modules_to_save']}: vLLM loads LoRA weights only, not whole "
                        "trained modules")
-    if config.get("lora_bias") or config.get("bias", "none") != "none":
+    if trains_biases(config):
         reasons.append("`lora_bias` or `bias` is set: vLLM does not load trained biases")
-    init = config.get("init_lora_weights", True)
-    if isinstance(init, str) and init.lower() not in WEIGHT_ONLY_INITS:
+    if init := base_rewriting_init(config):
         reasons.append(f"`init_lora_weights` is {init!r}: vLLM does not load an adapter whose init rewrites the base "
                        "(PiSSA, OLoRA, CorDA, LoftQ) until PEFT converts it to a plain LoRA "
                        "(`path_initial_model_for_weight_conversion`, as loraflow stores its own)")
-    if unimplemented := [name for field, name in VLLM_UNIMPLEMENTED.items() if config.get(field)]:
+    if unimplemented := unimplemented_variants(config):
         reasons.append(f"it uses {', '.join(unimplemented)}, which vLLM does not implement")
-    if embedding := _embedding_targets(config.get("target_modules")):
+    if embedding := embedding_targets(config.get("target_modules")):
         reasons.append(f"`target_modules` includes {', '.join(embedding)}: vLLM applies LoRA to linear projections, "
                        "not to the embeddings or the output head")
     try:
@@ -137,25 +130,6 @@ def stored_rank(lora: dict[str, Any]) -> int | None:
     if not isinstance(rank, int):
         return None
     return rank * 2 if str(lora.get("init", "default")).startswith(BASE_REWRITING_INITS) else rank
-
-
-def _embedding_targets(targets: Any) -> list[str]:
-    names = [targets] if isinstance(targets, str) else targets if isinstance(targets, list) else []
-    # A string is PEFT's regex over module names (`all-linear` leaves the head out): the names it spells out.
-    return sorted({m for name in names if isinstance(name, str) for m in EMBEDDING_MODULES
-                   if re.search(rf"(^|[^A-Za-z0-9_]){m}($|[^A-Za-z0-9_])", name)})
-
-
-def max_lora_rank(ranks: list[int]) -> int:
-    """`MAX_LORA_RANK`: the smallest value vLLM accepts that is at least every adapter's rank (vLLM refuses a larger
-    rank at startup: "LoRA rank 32 is greater than max_lora_rank 16." — serving.md §6). Its slots are allocated at
-    this rank, so no larger one is asked for."""
-    largest = max(ranks, default=1)
-    allowed = [value for value in VLLM_LORA_RANKS if value >= largest]
-    if not allowed:
-        raise ValueError(f"an adapter's rank {largest} is above {VLLM_LORA_RANKS[-1]}, the largest MAX_LORA_RANK "
-                         "vLLM accepts: serve a lower-rank adapter")
-    return allowed[0]
 
 
 def is_local_path(source: str) -> bool:

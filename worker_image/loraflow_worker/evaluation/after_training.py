@@ -14,7 +14,8 @@ from loraflow_worker.contract import JobInput, Progress, run_prefix
 from loraflow_worker.evaluation.evaluated import Evaluated
 from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed, run_chat_template
 from loraflow_worker.evaluation.tasks import AnsweringAdapter, PreparedTask, TaskResults, evaluate_task, prepare_tasks
-from loraflow_worker.evaluation.vllm_answering import answering_device, open_answerer
+from loraflow_worker.evaluation.device import evaluation_device
+from loraflow_worker.evaluation.vllm_answering import open_answerer
 from loraflow_worker.runtime.model_cache import resolve_base_model
 from loraflow_worker.training.run import quantization_config
 
@@ -65,7 +66,7 @@ def _evaluate_tasks(job: JobInput, store: ArtifactStore, adapter_dir: Path, prep
         model_path, _ = resolve_base_model(job.model)
         # The base answers with the run's tokenizer and chat template too: as training rendered its chats.
         with open_answerer(model_path, {adapter: adapter_dir}, base_tokenizer_dir=adapter_dir, prepared=prepared,
-                           device=answering_device(), say=say,
+                           device=evaluation_device(), say=say,
                            chat_template=run_chat_template(job.training.chat_template, store),
                            quantization=quantization_config(job), deadline_epoch_s=job.deadline_epoch_s,
                            seed=job.training.seed) as answerer:

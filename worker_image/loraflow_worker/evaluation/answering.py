@@ -7,13 +7,12 @@ engine answers instead, with the same prompts and tokenizers (`vllm_answering.py
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 from peft import PeftModel
@@ -21,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from loraflow_worker.artifacts import ArtifactStore
 from loraflow_worker.contract.task_evaluation import TaskEvaluation
+from loraflow_worker.evaluation.device import free_gpu_memory
 from loraflow_worker.evaluation.task_rows import TaskRow
 from loraflow_worker.training.sft_loss import trl_template
 
@@ -36,19 +36,29 @@ def deadline_passed(deadline_epoch_s: float | None) -> bool:
     return deadline_epoch_s is not None and time.time() >= deadline_epoch_s
 
 
-class TaskAnswerer(Protocol):
-    """What answers a task's prompts: transformers (`Answerer`) or vLLM (`vllm_answering.VllmAnswerer`)."""
+class TaskAnswerer:
+    """What answers a task's prompts: transformers (`Answerer`) or vLLM (`vllm_answering.VllmAnswerer`), before the
+    job's deadline (`deadline_epoch_s`)."""
 
     backend: ClassVar[str]
+    """What answers (`TaskScore.answered_by`)."""
+    deadline_epoch_s: float | None
 
     def answer(self, task: TaskEvaluation, rows: list[TaskRow], *, adapter: str | None,
-               batch_done: Callable[[int], None] = ...) -> list[str]: ...
+               batch_done: Callable[[int], None] = lambda done: None) -> list[str]:
+        """The answers to `rows`' prompts: the adapter's of that name, or (`adapter=None`) the base's. `batch_done`
+        hears how many are answered after each batch. EvaluationDeadline when the job's deadline passes before the
+        last batch."""
+        raise NotImplementedError
 
-    def check_deadline(self, task: TaskEvaluation) -> None: ...
+    def check_deadline(self, task: TaskEvaluation) -> None:
+        """EvaluationDeadline once the job's deadline has passed."""
+        if deadline_passed(self.deadline_epoch_s):
+            raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was evaluated")
 
 
 @dataclass
-class Answerer:
+class Answerer(TaskAnswerer):
     """The base with its adapters on it, ready to answer."""
 
     model: PeftModel
@@ -57,13 +67,10 @@ class Answerer:
     chat_template: str | None
     deadline_epoch_s: float | None
     backend: ClassVar[str] = "transformers"
-    """What answers (`TaskScore.answered_by`)."""
 
     def answer(self, task: TaskEvaluation, rows: list[TaskRow], *, adapter: str | None,
                batch_done: Callable[[int], None] = lambda done: None) -> list[str]:
-        """The answers to `rows`' prompts: the adapter's of that name, or (`adapter=None`) the base's. `batch_done`
-        hears how many are answered after each batch. EvaluationDeadline when the job's deadline passes before the
-        last batch."""
+        """`TaskAnswerer.answer`, with transformers' `generate`, batch by batch."""
         answers: list[str] = []
         if adapter is not None:
             self.model.set_adapter(adapter)
@@ -77,11 +84,6 @@ class Answerer:
                 answers += batch
                 batch_done(len(answers))
         return answers
-
-    def check_deadline(self, task: TaskEvaluation) -> None:
-        """EvaluationDeadline once the job's deadline has passed."""
-        if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
-            raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was evaluated")
 
     def _generate(self, task: TaskEvaluation, rows: list[TaskRow], tokenizer: PreTrainedTokenizerBase) -> list[str]:
         encoded = [encoded_prompt(row, tokenizer, self.chat_template) for row in rows]
@@ -128,10 +130,8 @@ def loaded_answerer(model_path: Path, adapter_dirs: Mapping[str, Path], *, base_
     each adapter of `adapter_dirs` (PEFT adapter name → folder) on it, freed (GPU memory included) on leaving. The
     base answers with the tokenizer of `base_tokenizer_dir`, an adapter with its folder's own when it holds one."""
     # What training held (model, optimizer state) is garbage once its trainer is: collect it before loading again.
-    gc.collect()
+    free_gpu_memory()
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.empty_cache()
     kwargs: dict = {"dtype": torch.bfloat16 if cuda else torch.float32}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
@@ -148,9 +148,7 @@ def loaded_answerer(model_path: Path, adapter_dirs: Mapping[str, Path], *, base_
         yield Answerer(model, tokenizers, chat_template, deadline_epoch_s)
     finally:
         del model, base
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        free_gpu_memory()
 
 
 def answering_tokenizers(adapter_dirs: Mapping[str, Path],

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
 import math
 import time
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from loraflow_worker.contract import JobInput
 from loraflow_worker.contract.benchmark_tasks import task_dir_names, unknown_benchmark_tasks
 from loraflow_worker.contract.task_evaluation import BenchmarkScore, BenchmarkSettings
+from loraflow_worker.evaluation.device import evaluation_device, free_gpu_memory
 
 if TYPE_CHECKING:
     from loraflow_worker.artifacts import ArtifactStore
@@ -64,8 +64,8 @@ def _job_benchmarks(job: JobInput, store: ArtifactStore, adapter_dir: Path, work
     task_dir = stored_task_dir(settings, store, work_dir, job.inputs.revision if job.inputs else None)
     model_path, _ = resolve_base_model(job.model)
     # The trainer's model is gone with the training function's frame: free its memory before the harness loads two.
-    _free_memory()
-    scored = run_benchmarks(settings, model_path, [adapter_dir], task_dir, device=benchmark_device(), report=report)
+    free_gpu_memory()
+    scored = run_benchmarks(settings, model_path, [adapter_dir], task_dir, device=evaluation_device(), report=report)
     return scored[0] or []
 
 
@@ -76,12 +76,6 @@ def stored_task_dir(settings: BenchmarkSettings, store: ArtifactStore, work_dir:
     if settings.task_dir_store_path is None:
         return None
     return store.download(settings.task_dir_store_path, work_dir / "benchmark-tasks", revision=revision)
-
-
-def benchmark_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run_benchmarks(settings: BenchmarkSettings, model_path: Path, adapter_dirs: Sequence[Path], task_dir: Path | None,
@@ -165,7 +159,7 @@ def _with_transformers(evaluate: Callable[[Any], dict[str, Any]], settings: Benc
         peft = {} if adapter_dir is None else {"peft": str(adapter_dir)}
         results.append(evaluate(HFLM(
             pretrained=str(model_path), device=device, batch_size=settings.batch_size, dtype="auto", **peft)))
-        _free_memory()
+        free_gpu_memory()
     return results
 
 
@@ -206,17 +200,8 @@ def _with_vllm(evaluate: Callable[[Any], dict[str, Any]], settings: BenchmarkSet
         report(f"benchmarks: {', '.join(settings.tasks)} for {which} ({how})")
         results.append(evaluate(model))
     del model
-    _free_memory()
+    free_gpu_memory()
     return results
-
-
-def _free_memory() -> None:
-    gc.collect()
-    with contextlib.suppress(ImportError):
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def _evaluate(settings: BenchmarkSettings, task_manager: Any, task_dir: Path | None, model: Any, *,

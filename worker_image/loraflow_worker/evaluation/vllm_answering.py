@@ -31,7 +31,6 @@ min_p, repetition_penalty, max_tokens, stop_token_ids, ignore_eos, seed)`.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,6 +44,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from loraflow_worker.contract.task_evaluation import TaskEvaluation
+from loraflow_worker.evaluation.device import free_gpu_memory
 from loraflow_worker.evaluation.answering import (
     BATCH_SIZE,
     EvaluationDeadline,
@@ -70,11 +70,6 @@ TRANSFORMERS_TOP_K = 50
 (`GenerationConfig._get_default_generation_params`)."""
 ERROR_CHARS = 600
 """The most of an engine's error the progress line keeps: vLLM's errors can quote whole configurations."""
-
-
-def answering_device() -> str:
-    """Where this process answers: "cuda" where torch sees a CUDA device, else "cpu"."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def why_not_vllm(device: str, adapters: Mapping[AnsweringAdapter, Path], *, quantized: bool) -> str | None:
@@ -114,7 +109,7 @@ def open_answerer(model_path: Path, adapters: Mapping[AnsweringAdapter, Path], *
             log.exception("the vLLM engine for the task evaluations could not be built")
             reason = f"the vLLM engine could not be built ({' '.join(f'{type(e).__name__}: {e}'.split())[:ERROR_CHARS]})"
         if engine is None:
-            _free_gpu()  # out of the `except`, whose frames held what the failed engine had built
+            free_gpu_memory()  # out of the `except`, whose frames held what the failed engine had built
     if engine is None:
         say(f"answering with transformers: {reason}")
         with loaded_answerer(model_path, adapter_dirs, base_tokenizer_dir=base_tokenizer_dir,
@@ -145,7 +140,7 @@ class VllmEngine:
         from vllm.lora.request import LoRARequest
 
         # What training held (model, optimizer state) is garbage once its trainer is: collected before measuring.
-        _free_gpu()
+        free_gpu_memory()
         llm = LLM(
             model=str(model_path), dtype="bfloat16", seed=seed or 0,
             gpu_memory_utilization=gpu_memory_share(), max_model_len=max_model_len,
@@ -175,7 +170,7 @@ class VllmEngine:
         except Exception:  # noqa: BLE001 - an engine that failed may be half gone: the rest is freed all the same
             log.warning("the vLLM engine did not shut down cleanly", exc_info=True)
         self.llm = None
-        _free_gpu()
+        free_gpu_memory()
 
 
 def gpu_memory_share() -> float:
@@ -189,7 +184,7 @@ def gpu_memory_share() -> float:
 
 
 @dataclass
-class VllmAnswerer:
+class VllmAnswerer(TaskAnswerer):
     """The base and its adapters in one vLLM engine, ready to answer: `answering.Answerer`'s interface."""
 
     engine: VllmEngine
@@ -206,9 +201,7 @@ class VllmAnswerer:
 
     def answer(self, task: TaskEvaluation, rows: list[TaskRow], *, adapter: str | None,
                batch_done: Callable[[int], None] = lambda done: None) -> list[str]:
-        """The answers to `rows`' prompts: the adapter's of that name, or (`adapter=None`) the base's. `batch_done`
-        hears how many are answered after each batch. EvaluationDeadline when the job's deadline passes before the
-        last batch."""
+        """`TaskAnswerer.answer`, from the vLLM engine, batch by batch."""
         from vllm import SamplingParams, TokensPrompt
 
         tokenizer = self.tokenizers[adapter]
@@ -236,11 +229,6 @@ class VllmAnswerer:
                         for output in outputs]
             batch_done(len(answers))
         return answers
-
-    def check_deadline(self, task: TaskEvaluation) -> None:
-        """EvaluationDeadline once the job's deadline has passed."""
-        if self.deadline_epoch_s is not None and time.time() >= self.deadline_epoch_s:
-            raise EvaluationDeadline(f"the job's deadline passed while task `{task.name}` was evaluated")
 
 
 def vllm_sampling(task: TaskEvaluation, generation: GenerationConfig, seed: int | None) -> dict[str, Any]:
@@ -278,9 +266,3 @@ def _max_model_len(prepared: Sequence[PreparedTask], tokenizers: Mapping[str | N
     return max((max(len(encoded_prompt(row, tokenizer, chat_template)["input_ids"])
                     for row in p.rows for tokenizer in distinct) + p.task.max_new_tokens
                 for p in prepared if p.rows), default=1)
-
-
-def _free_gpu() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -197,7 +197,8 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
 
     from loraflow_worker.evaluation.answering import EvaluationDeadline, deadline_passed
     from loraflow_worker.evaluation.tasks import evaluate_task
-    from loraflow_worker.evaluation.vllm_answering import answering_device, open_answerer
+    from loraflow_worker.evaluation.device import evaluation_device
+    from loraflow_worker.evaluation.vllm_answering import open_answerer
 
     say(f"task evaluations: {len(prepared)} task(s), the base and {len(answering)} adapter(s) answering each")
     try:
@@ -206,7 +207,7 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
         set_seed(job.seed)  # a task with a temperature samples
         # The base answers with its own tokenizer and chat template; each adapter with its folder's, when it has one.
         with open_answerer(model_path, {a: adapter_dirs[a.label] for a in answering}, base_tokenizer_dir=model_path,
-                           prepared=prepared, device=answering_device(), say=say,
+                           prepared=prepared, device=evaluation_device(), say=say,
                            deadline_epoch_s=job.deadline_epoch_s, seed=job.seed) as answerer:
             for task in prepared:
                 evaluate_task(task, answerer, answering, say, results, job.worker_secret_names)
@@ -221,12 +222,13 @@ def _answer_tasks(job: EvaluateInput, prepared: list[PreparedTask], model_path: 
 def _run_benchmarks(job: EvaluateInput, store: ArtifactStore, model_path: Path, adapter_dirs: list[Path],
                     work_dir: Path, say: Callable[[str], None]) -> tuple[list[list[BenchmarkScore] | None], str | None]:
     """Each adapter's benchmark scores (None: not run), and why some are missing (None: none is)."""
-    from loraflow_worker.evaluation.benchmarks import benchmark_device, run_benchmarks, stored_task_dir
+    from loraflow_worker.evaluation.benchmarks import run_benchmarks, stored_task_dir
+    from loraflow_worker.evaluation.device import evaluation_device
 
     assert job.benchmarks is not None
     try:
         task_dir = stored_task_dir(job.benchmarks, store, work_dir, job.inputs.revision if job.inputs else None)
-        scores = run_benchmarks(job.benchmarks, model_path, adapter_dirs, task_dir, device=benchmark_device(),
+        scores = run_benchmarks(job.benchmarks, model_path, adapter_dirs, task_dir, device=evaluation_device(),
                                 report=say, deadline_epoch_s=job.deadline_epoch_s, seed=job.seed)
     except Exception as e:  # noqa: BLE001 - the task scores are stored and returned all the same
         log.exception("benchmarks failed")
