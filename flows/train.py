@@ -35,8 +35,8 @@ from flows.train_phases import (
     report,
     retry_or_fail,
 )
-from tasks.lifecycle.steps import run_cancel_requested
 from tasks.lifecycle.quota import wait_for_slot_releases
+from tasks.lifecycle.steps import run_cancel_requested
 from tasks.lifecycle.teardown import delete_run_endpoints_hook
 from tasks.reports import events
 from tasks.reports.summary import run_tags, run_title, tag_run
