@@ -149,7 +149,6 @@ def endpoint_slot(lease_seconds: float, *, give_up_at: float, name: str = ENDPOI
         yield
 
 
-
 _releases: list[threading.Thread] = []
 _releases_lock = threading.Lock()
 
